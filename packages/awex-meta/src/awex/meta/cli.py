@@ -1,0 +1,213 @@
+"""``awex-meta``: the MetaServer (``serve``, ``status``) and the planner dry run (``plan``).
+
+    awex-meta serve --host 0.0.0.0 --port 8765 --token-env AWEX_META_TOKEN
+    awex-meta status http://127.0.0.1:8765
+    awex-meta plan --model config.json --trainer megatron:tp=4,pp=8,ep=8,dp=4,first=11,last=11 \\
+                   --inference vllm:tp=8,ep=8,instances=16 --link-gbps 50 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Sequence
+
+from awex.meta.errors import MetaServerError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="awex-meta", description=__doc__.splitlines()[0].strip("`: "))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_serve = sub.add_parser("serve", help="run a standalone MetaServer")
+    p_serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p_serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    p_serve.add_argument("--token", default=None, help="require this bearer token (prefer --token-env)")
+    p_serve.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
+    p_serve.add_argument("--max-payload-mb", type=float, default=64.0, help="largest accepted body (default 64)")
+
+    p_status = sub.add_parser("status", help="show who registered, their weight versions and recent events")
+    p_status.add_argument("address", help="http://host:port of the MetaServer")
+    p_status.add_argument("--token", default=None, help="bearer token (default: $AWEX_META_TOKEN)")
+    p_status.add_argument("--json", action="store_true", help="print the raw status document")
+
+    p_plan = sub.add_parser("plan", help="plan a sync for a model and layouts without moving any byte")
+    p_plan.add_argument("--model", required=True, help="HF config.json (or a directory holding one)")
+    p_plan.add_argument("--trainer", action="append", required=True, metavar="SPEC",
+                        help="trainer layout, e.g. megatron:tp=4,pp=8,ep=8,dp=4 or hf (repeatable)")
+    p_plan.add_argument("--inference", action="append", required=True, metavar="SPEC",
+                        help="inference layout, e.g. vllm:tp=8,ep=8,instances=16 or hf:instances=2 (repeatable)")
+    p_plan.add_argument("--dtype", default=None, help="override the config's dtype for every tensor")
+    p_plan.add_argument("--bucket-mb", type=float, default=256.0, help="bucket size per peer pair (default 256)")
+    p_plan.add_argument("--split-mb", type=float, default=16.0,
+                        help="smallest part when a piece is spread over replicas (default 16)")
+    p_plan.add_argument("--link-gbps", type=float, default=None,
+                        help="per-rank link bandwidth in GB/s: estimate the sync time")
+    p_plan.add_argument("--no-verify", action="store_true", help="skip the independent coverage check")
+    p_plan.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "status":
+            return _status(args)
+        return _plan(args)
+    except (ValueError, FileNotFoundError, MetaServerError) as e:
+        print(f"awex-meta {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from awex.meta.server.app import ServerConfig
+    from awex.meta.server.embedded import serve_forever
+
+    token = args.token
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise ValueError(f"--token-env {args.token_env}: the variable is empty or unset")
+    config = ServerConfig(token=token, max_payload_bytes=int(args.max_payload_mb * (1 << 20)))
+    print(f"awex-meta: serving on http://{args.host}:{args.port} (token {'required' if token else 'off'})",
+          flush=True)
+    serve_forever(args.host, args.port, config)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from awex.meta.client import MetaClient
+
+    client = MetaClient(args.address, token=args.token or os.environ.get("AWEX_META_TOKEN"), timeout=10.0)
+    doc = client.status()
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    now = doc.get("time", time.time())
+    print(f"MetaServer {client.address}: {len(doc['jobs'])} job(s)")
+    for name, job in doc["jobs"].items():
+        print(f"\njob {name}: {len(job['participants'])} participant(s), {job['keys']} key(s)")
+        if job["participants"]:
+            print(f"  {'name':<24} {'role':<10} {'instance':<16} {'ranks':>5}  {'weight version':<16} last seen")
+            for p in job["participants"]:
+                seen = f"{now - p['last_seen']:.0f} s ago"
+                print(f"  {p['name']:<24} {p['role']:<10} {p['instance']:<16} {p['world_size']:>5}  "
+                      f"{str(p['weight_version'] or '-'):<16} {seen}")
+        if job["recent_events"]:
+            print("  recent events:")
+            for e in job["recent_events"]:
+                stamp = time.strftime("%H:%M:%S", time.localtime(e["time"]))
+                version = f" version={e['version']}" if e.get("version") else ""
+                print(f"    #{e['seq']:<5} {stamp} {e['kind']:<12} from {e['source']}{version}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from awex.meta.layouts import layouts_for, parse_engine_spec
+    from awex.meta.models import canonical_tensors, load_config, model_dims
+    from awex.meta.planner import PlanOptions, plan_transfers
+    from awex.meta.verify import verify_plan
+
+    config = load_config(args.model)
+    dims = model_dims(config, args.dtype)
+    tensors = canonical_tensors(dims)
+    sources = []
+    for i, text in enumerate(args.trainer):
+        spec = parse_engine_spec(text)
+        prefix = "trainer" if len(args.trainer) == 1 else f"trainer{i}"
+        sources += layouts_for(spec, tensors, "trainer", prefix=prefix)
+    destinations = []
+    for i, text in enumerate(args.inference):
+        spec = parse_engine_spec(text)
+        prefix = spec.engine if len(args.inference) == 1 else f"{spec.engine}{i}"
+        destinations += layouts_for(spec, tensors, "inference", prefix=prefix)
+    options = PlanOptions(bucket_bytes=int(args.bucket_mb * (1 << 20)), split_bytes=int(args.split_mb * (1 << 20)))
+    plan = plan_transfers(sources, destinations, options)
+    summary = plan.summary()
+    summary["model"] = dims.architecture
+    summary["model_bytes"] = sum(t.spec.nbytes for t in tensors)
+    if args.no_verify:
+        summary["coverage_ok"] = None
+    else:
+        started = time.perf_counter()
+        report = verify_plan(plan, sources, destinations)
+        summary["coverage_ok"] = report.ok
+        summary["verify_seconds"] = round(time.perf_counter() - started, 3)
+        if not report.ok:
+            summary["coverage_problems"] = report.problems
+    send, recv = _per_rank(plan)
+    hot_send = max(range(len(send)), key=lambda r: (send[r], -r))
+    hot_recv = max(range(len(recv)), key=lambda r: (recv[r], -r))
+    summary["hot_sender"] = _rank_name(plan, hot_send)
+    summary["hot_receiver"] = _rank_name(plan, hot_recv)
+    if args.link_gbps:
+        bw = args.link_gbps * 1e9
+        summary["link_gbps"] = args.link_gbps
+        summary["lower_bound_seconds"] = round(summary["lower_bound_bytes"] / bw, 4)
+        summary["busiest_rank_seconds"] = round(max(summary["max_rank_send_bytes"], summary["max_rank_recv_bytes"]) / bw, 4)
+        summary["estimated_seconds"] = round(_round_schedule_seconds(plan, bw), 4)
+    _print_human(summary, args, dims)
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    return 0 if summary["coverage_ok"] in (True, None) else 1
+
+
+def _per_rank(plan) -> tuple[list[int], list[int]]:
+    send = [0] * plan.world_size
+    recv = [0] * plan.world_size
+    for b in plan.buckets:
+        send[b.src] += b.nbytes
+        recv[b.dst] += b.nbytes
+    return send, recv
+
+
+def _round_schedule_seconds(plan, bandwidth: float) -> float:
+    """Time of the round-by-round schedule: each round lasts as long as its largest pair transfer."""
+    per_round: dict[int, dict[tuple[int, int], int]] = {}
+    for b in plan.buckets:
+        pairs = per_round.setdefault(b.round, {})
+        pairs[(b.src, b.dst)] = pairs.get((b.src, b.dst), 0) + b.nbytes
+    return sum(max(p.values()) for p in per_round.values()) / bandwidth
+
+
+def _rank_name(plan, rank: int) -> str:
+    r = plan.ranks[rank]
+    return f"{r.instance}:{r.local_rank} (rank {rank})"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def _print_human(s: dict, args: argparse.Namespace, dims) -> None:
+    ratio = s["max_rank_send_bytes"] / s["lower_bound_send_bytes"] if s["lower_bound_send_bytes"] else 1.0
+    lines = [
+        f"model      {s['model']}: {s['tensors']:,} tensors, {_gb(s['model_bytes'])} ({dims.dtype})",
+        f"trainer    {' + '.join(args.trainer)}: {s['trainer_ranks']} rank(s)",
+        f"inference  {' + '.join(args.inference)}: {s['inference_ranks']} rank(s)",
+        f"plan       {s['ops']:,} transfers in {s['buckets']:,} buckets, {s['rounds']} rounds, "
+        f"planned in {s['plan_seconds']:.2f} s (digest {s['digest'][:12]})",
+        f"traffic    {_gb(s['total_bytes'])} in all; busiest sender {s['hot_sender']} {_gb(s['max_rank_send_bytes'])} "
+        f"(lower bound {_gb(s['lower_bound_send_bytes'])}, {ratio:.3f}x)",
+        f"           busiest receiver {s['hot_receiver']} {_gb(s['max_rank_recv_bytes'])} "
+        f"(it needs exactly that); lower bound for the busiest rank {_gb(s['lower_bound_bytes'])}",
+    ]
+    if s["coverage_ok"] is None:
+        lines.append("coverage   not verified (--no-verify)")
+    elif s["coverage_ok"]:
+        lines.append(f"coverage   ok: every needed element is received exactly once; redundant bytes: "
+                     f"{s['redundant_bytes']} (checked in {s['verify_seconds']:.2f} s)")
+    else:
+        lines.append("coverage   FAILED: " + "; ".join(s["coverage_problems"][:5]))
+    if "estimated_seconds" in s:
+        lines.append(f"estimate   at {s['link_gbps']:g} GB/s per rank: {s['lower_bound_seconds']:.3f} s lower bound, "
+                     f"{s['estimated_seconds']:.3f} s for this plan's round schedule")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""A small synchronous client for the MetaServer (standard library HTTP, JSON only).
+
+Every call has a deadline. Waits are long-polls repeated until the caller's deadline, so a missing peer
+produces :class:`~awex.meta.errors.MetaTimeoutError` naming what was awaited, never a hang. The client is
+thread-safe (one connection per call).
+
+    client = MetaClient("http://127.0.0.1:8765", job="grpo-run-7", token=os.environ.get("AWEX_META_TOKEN"))
+    client.register("trainer", role="trainer", instance="trainer", world_size=8)
+    client.publish_layout(layout, version="step-1")
+    layout = client.fetch_layout("vllm-0", version="step-1", timeout=60)
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import time
+import urllib.parse
+from typing import Any
+
+from awex.meta.errors import (
+    AgreementError,
+    MetaAuthError,
+    MetaConflictError,
+    MetaConnectionError,
+    MetaPayloadError,
+    MetaServerError,
+    MetaTimeoutError,
+)
+from awex.meta.layout import Layout
+from awex.meta.serialize import layout_from_wire, layout_to_wire
+
+log = logging.getLogger("awex.meta.client")
+
+DEFAULT_TIMEOUT = 60.0
+_POLL_SLICE = 30.0  # longest single long-poll; the server caps it too
+
+
+class MetaClient:
+    """Talks to one job on a MetaServer at ``address`` (``http://host:port``)."""
+
+    def __init__(self, address: str, job: str = "default", token: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+        if "://" not in address:
+            address = "http://" + address
+        parsed = urllib.parse.urlsplit(address)
+        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+            raise ValueError(f"MetaServer address must look like http://host:port, got {address!r}")
+        self.address = f"http://{parsed.netloc}"
+        self._host = parsed.hostname
+        self._port = parsed.port
+        self.job = job
+        self.token = token
+        self.timeout = timeout
+
+    # -- transport -------------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: Any = None, *, timeout: float, raw: bytes | None = None,
+                 query: dict[str, Any] | None = None) -> tuple[int, Any]:
+        if query:
+            path += "?" + urllib.parse.urlencode(query)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        headers = {"Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=max(1.0, timeout + 5.0))
+            try:
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                payload = resp.read()
+                status = resp.status
+                break
+            except (ConnectionRefusedError, socket.gaierror, ConnectionResetError, http.client.RemoteDisconnected) as e:
+                if time.monotonic() + delay > deadline:
+                    raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except socket.timeout:
+                raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
+            finally:
+                conn.close()
+        try:
+            doc = json.loads(payload) if payload else None
+        except ValueError:
+            raise MetaServerError(f"MetaServer answered {method} {path} with non-JSON ({status})") from None
+        if status == 401:
+            raise MetaAuthError(f"MetaServer at {self.address} rejected the token: {_message(doc)}")
+        if status in (400, 413):
+            raise MetaPayloadError(f"MetaServer rejected {method} {path}: {_message(doc)}")
+        if status == 409:
+            raise MetaConflictError(_message(doc))
+        if status >= 500:
+            raise MetaServerError(f"MetaServer error on {method} {path}: {status} {_message(doc)}")
+        return status, doc
+
+    def _job_path(self, *parts: str) -> str:
+        return "/v1/jobs/" + urllib.parse.quote(self.job, safe="") + "/" + "/".join(
+            urllib.parse.quote(p, safe="/") for p in parts
+        )
+
+    # -- service ---------------------------------------------------------------------------------------
+    def health(self, timeout: float = 10.0) -> dict[str, Any]:
+        return self._request("GET", "/v1/health", timeout=timeout)[1]
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Every job's participants, their weight versions and recent events."""
+        return self._request("GET", "/v1/status", timeout=timeout)[1]
+
+    # -- key-value -------------------------------------------------------------------------------------
+    def put(self, key: str, value: Any, *, create_only: bool = False) -> None:
+        """Store a JSON value under ``key`` (``create_only``: fail with MetaConflictError if it exists)."""
+        query = {"create": "1"} if create_only else None
+        self._request("PUT", self._job_path("kv", key), value, timeout=self.timeout, query=query)
+
+    def try_get(self, key: str) -> Any | None:
+        """The value under ``key``, or ``None`` if absent (no waiting)."""
+        status, doc = self._request("GET", self._job_path("kv", key), timeout=self.timeout)
+        return None if status == 404 else doc
+
+    def get(self, key: str, timeout: float | None = None) -> Any:
+        """The value under ``key``, waiting for it up to ``timeout`` seconds (long-poll)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            wait = max(0.0, min(left, _POLL_SLICE))
+            status, doc = self._request("GET", self._job_path("kv", key), timeout=wait + 10.0,
+                                        query={"wait": f"{wait:.3f}"})
+            if status != 404:
+                return doc
+            if time.monotonic() >= deadline:
+                raise MetaTimeoutError(f"key {key!r} of job {self.job!r} did not appear within {timeout:g} s")
+
+    def delete(self, key: str) -> bool:
+        return bool(self._request("DELETE", self._job_path("kv", key), timeout=self.timeout)[1]["deleted"])
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return self._request("GET", self._job_path("keys"), timeout=self.timeout, query={"prefix": prefix})[1]["keys"]
+
+    # -- participants, versions, events ----------------------------------------------------------------
+    def register(self, name: str, *, role: str, instance: str, world_size: int = 1, host: str = "",
+                 info: dict[str, Any] | None = None) -> None:
+        """Announce a participant (an engine instance or one of its ranks) to the job."""
+        body = {"name": name, "role": role, "instance": instance, "world_size": world_size, "info": info or {}}
+        if host:
+            body["host"] = host
+        self._request("POST", self._job_path("participants"), body, timeout=self.timeout)
+
+    def report_version(self, name: str, version: str | None) -> None:
+        """Record the weight version participant ``name`` now serves (``None``: no complete version)."""
+        self._request("POST", self._job_path("participants", name, "version"), {"version": version},
+                      timeout=self.timeout)
+
+    def publish_event(self, kind: str, source: str, version: str | None = None, data: Any = None) -> int:
+        """Publish an event; returns its sequence number."""
+        body = {"kind": kind, "source": source, "version": version, "data": data}
+        return int(self._request("POST", self._job_path("events"), body, timeout=self.timeout)[1]["seq"])
+
+    def events(self, after: int = 0, kind: str | None = None, timeout: float = 0.0) -> list[dict[str, Any]]:
+        """Events with sequence number > ``after``; waits up to ``timeout`` seconds for at least one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
+            query: dict[str, Any] = {"after": after, "wait": f"{wait:.3f}"}
+            if kind:
+                query["kind"] = kind
+            found = self._request("GET", self._job_path("events"), timeout=wait + 10.0, query=query)[1]["events"]
+            if found or time.monotonic() >= deadline:
+                return found
+
+    def wait_event(self, kind: str, after: int = 0, timeout: float | None = None, version: str | None = None) -> dict[str, Any]:
+        """The first event of ``kind`` (and ``version``, if given) after ``after``; MetaTimeoutError if none."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            for e in self.events(after, kind, timeout=max(0.0, left)):
+                after = max(after, e["seq"])
+                if version is None or e.get("version") == version:
+                    return e
+            if time.monotonic() >= deadline:
+                raise MetaTimeoutError(f"no {kind!r} event (version {version!r}) in job {self.job!r} within {timeout:g} s")
+
+    def agree(self, name: str, participant: str, expected: int, value: Any, timeout: float | None = None) -> Any:
+        """Contribute ``value`` and wait until ``expected`` participants did; raise unless all values are equal.
+
+        Ranks use it to prove they computed the same plan (``value`` = plan digest) before any byte moves.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        body = {"participant": participant, "expected": expected, "value": value}
+        while True:
+            wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
+            doc = self._request("POST", self._job_path("agree", name), body, timeout=wait + 10.0,
+                                query={"wait": f"{wait:.3f}"})[1]
+            if doc["complete"]:
+                values = doc["distinct_values"]
+                if len(values) != 1:
+                    raise AgreementError(f"participants of {name!r} disagree: {len(values)} distinct values {values[:4]}")
+                return values[0]
+            if time.monotonic() >= deadline:
+                raise MetaTimeoutError(
+                    f"agreement {name!r}: {doc['arrived']} of {expected} participants arrived within {timeout:g} s"
+                )
+
+    # -- metadata helpers ------------------------------------------------------------------------------
+    def publish_layout(self, layout: Layout, version: str = "current") -> None:
+        """Publish an engine instance's layout for weight version ``version``."""
+        self.put(f"layouts/{version}/{layout.instance}", layout_to_wire(layout))
+
+    def fetch_layout(self, instance: str, version: str = "current", timeout: float | None = None) -> Layout:
+        """Fetch (waiting for) the layout an instance published; validated, never evaluated."""
+        return layout_from_wire(self.get(f"layouts/{version}/{instance}", timeout))
+
+    def publish_rendezvous(self, info: dict[str, Any], version: str = "current", name: str = "default") -> None:
+        """Publish transport rendezvous information (e.g. a TCP store address) for a version."""
+        self.put(f"rendezvous/{version}/{name}", info)
+
+    def fetch_rendezvous(self, version: str = "current", name: str = "default", timeout: float | None = None) -> dict[str, Any]:
+        return self.get(f"rendezvous/{version}/{name}", timeout)
+
+
+def _message(doc: Any) -> str:
+    if isinstance(doc, dict):
+        return str(doc.get("message") or doc.get("error") or doc)
+    return str(doc)

@@ -1,0 +1,31 @@
+"""Errors raised by the MetaServer client (and mirrored by the server's HTTP status codes)."""
+
+from __future__ import annotations
+
+
+class MetaServerError(RuntimeError):
+    """Base class: the MetaServer could not do what was asked."""
+
+
+class MetaTimeoutError(MetaServerError, TimeoutError):
+    """A wait (for a key, an event or an agreement) reached its deadline."""
+
+
+class MetaAuthError(MetaServerError):
+    """The server requires a token and the one given is missing or wrong (HTTP 401)."""
+
+
+class MetaPayloadError(MetaServerError):
+    """The server rejected a request as malformed or too large (HTTP 400 / 413)."""
+
+
+class MetaConflictError(MetaServerError):
+    """A write conflicted with the server's state (HTTP 409), e.g. a create-only key that already exists."""
+
+
+class MetaConnectionError(MetaServerError, ConnectionError):
+    """The server could not be reached before the deadline."""
+
+
+class AgreementError(MetaServerError):
+    """Participants of an agreement reported different values (e.g. ranks computed different plans)."""

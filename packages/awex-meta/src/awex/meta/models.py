@@ -1,0 +1,253 @@
+"""Canonical tensors of a model from its HF ``config.json``, per architecture, as small tables.
+
+Each canonical tensor carries a *kind* that engine layouts map to placements (how Megatron or vLLM split it),
+its decoder layer (for pipeline stages) and, for experts, its expert index. Adding an architecture means adding
+an :class:`Architecture` row to :data:`ARCHITECTURES`, not writing a module.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any, Callable, Mapping
+
+from awex.meta.dtypes import normalize_dtype
+from awex.meta.spec import TensorSpec
+
+KINDS = (
+    "vocab",  # embedding / lm_head rows are the vocabulary (padded and split by engines)
+    "q",  # query projection weight or bias: `heads` heads along dim 0
+    "kv",  # key or value projection weight or bias: `heads` (KV) heads along dim 0
+    "column",  # column-parallel linear: dim 0 split under tensor parallelism
+    "row",  # row-parallel linear: dim 1 split under tensor parallelism
+    "replicated",  # norms, QK-norms: every tensor-parallel rank holds all of it
+    "router",  # MoE router / gate: replicated, precision-sensitive
+    "expert_column",  # one expert's gate or up projection
+    "expert_row",  # one expert's down projection
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalTensor:
+    """A canonical tensor with what layouts need to place it."""
+
+    spec: TensorSpec
+    kind: str
+    layer: int | None = None
+    expert: int | None = None
+    heads: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The numbers of a decoder-only transformer that decide its tensors' shapes."""
+
+    architecture: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tie_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    num_experts: int = 0
+    moe_intermediate: int = 0
+    sparse_layers: frozenset[int] = frozenset()
+    shared_expert_intermediate: int = 0
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What distinguishes one decoder-only family from another, as data.
+
+    ``attention_bias``: "always", "never" or "config" (read ``attention_bias`` from the config).
+    ``moe``: "" for dense, "qwen3" (experts only), "qwen2" (experts plus a gated shared expert).
+    """
+
+    attention_bias: str = "config"
+    qk_norm: bool = False
+    moe: str = ""
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(attention_bias="config"),
+    "MistralForCausalLM": Architecture(attention_bias="never"),
+    "Qwen2ForCausalLM": Architecture(attention_bias="always"),
+    "Qwen3ForCausalLM": Architecture(attention_bias="config", qk_norm=True),
+    "Qwen2MoeForCausalLM": Architecture(attention_bias="always", moe="qwen2"),
+    "Qwen3MoeForCausalLM": Architecture(attention_bias="config", qk_norm=True, moe="qwen3"),
+}
+
+
+class UnknownModelError(ValueError):
+    """The config names an architecture Awex has no table for."""
+
+
+def load_config(path: str | PathLike[str]) -> dict[str, Any]:
+    """Read an HF ``config.json`` (or a model directory containing one)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no model config at {p}") from None
+    except ValueError as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from None
+
+
+def model_dims(config: Mapping[str, Any], dtype: str | None = None) -> ModelDims:
+    """Read the dimensions of a supported architecture from an HF config mapping."""
+    archs = config.get("architectures") or []
+    arch_name = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch_name is None:
+        raise UnknownModelError(
+            f"unknown model architecture {archs or config.get('model_type')!r}; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    arch = ARCHITECTURES[arch_name]
+
+    def need(key: str) -> int:
+        if key not in config or config[key] is None:
+            raise ValueError(f"{arch_name} config lacks {key!r}")
+        return int(config[key])
+
+    hidden = need("hidden_size")
+    heads = need("num_attention_heads")
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    layers = need("num_hidden_layers")
+    bias = {"always": True, "never": False}.get(arch.attention_bias, bool(config.get("attention_bias", False)))
+    num_experts = 0
+    moe_inter = 0
+    sparse: frozenset[int] = frozenset()
+    shared = 0
+    if arch.moe:
+        num_experts = int(config.get("num_experts") or 0)
+        moe_inter = int(config.get("moe_intermediate_size") or 0)
+        step = int(config.get("decoder_sparse_step") or 1)
+        only_mlp = set(config.get("mlp_only_layers") or [])
+        if num_experts:
+            sparse = frozenset(i for i in range(layers) if i not in only_mlp and (i + 1) % step == 0)
+        if arch.moe == "qwen2":
+            shared = int(config.get("shared_expert_intermediate_size") or 0)
+    cfg_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    return ModelDims(
+        architecture=arch_name,
+        hidden=hidden,
+        intermediate=int(config.get("intermediate_size") or 0),
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=need("vocab_size"),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bias,
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        num_experts=num_experts,
+        moe_intermediate=moe_inter,
+        sparse_layers=sparse,
+        shared_expert_intermediate=shared,
+        dtype=normalize_dtype(dtype or str(cfg_dtype)),
+    )
+
+
+Entry = tuple[str, str, Callable[[ModelDims], tuple[int, ...]]]
+
+_ATTENTION: list[Entry] = [
+    ("self_attn.q_proj.weight", "q", lambda d: (d.heads * d.head_dim, d.hidden)),
+    ("self_attn.k_proj.weight", "kv", lambda d: (d.kv_heads * d.head_dim, d.hidden)),
+    ("self_attn.v_proj.weight", "kv", lambda d: (d.kv_heads * d.head_dim, d.hidden)),
+    ("self_attn.o_proj.weight", "row", lambda d: (d.hidden, d.heads * d.head_dim)),
+]
+_ATTENTION_BIAS: list[Entry] = [
+    ("self_attn.q_proj.bias", "q", lambda d: (d.heads * d.head_dim,)),
+    ("self_attn.k_proj.bias", "kv", lambda d: (d.kv_heads * d.head_dim,)),
+    ("self_attn.v_proj.bias", "kv", lambda d: (d.kv_heads * d.head_dim,)),
+]
+_QK_NORM: list[Entry] = [
+    ("self_attn.q_norm.weight", "replicated", lambda d: (d.head_dim,)),
+    ("self_attn.k_norm.weight", "replicated", lambda d: (d.head_dim,)),
+]
+_NORMS: list[Entry] = [
+    ("input_layernorm.weight", "replicated", lambda d: (d.hidden,)),
+    ("post_attention_layernorm.weight", "replicated", lambda d: (d.hidden,)),
+]
+_DENSE_MLP: list[Entry] = [
+    ("mlp.gate_proj.weight", "column", lambda d: (d.intermediate, d.hidden)),
+    ("mlp.up_proj.weight", "column", lambda d: (d.intermediate, d.hidden)),
+    ("mlp.down_proj.weight", "row", lambda d: (d.hidden, d.intermediate)),
+]
+_DENSE_MLP_BIAS: list[Entry] = [
+    ("mlp.gate_proj.bias", "column", lambda d: (d.intermediate,)),
+    ("mlp.up_proj.bias", "column", lambda d: (d.intermediate,)),
+    ("mlp.down_proj.bias", "replicated", lambda d: (d.hidden,)),
+]
+_EXPERT: list[Entry] = [
+    ("gate_proj.weight", "expert_column", lambda d: (d.moe_intermediate, d.hidden)),
+    ("up_proj.weight", "expert_column", lambda d: (d.moe_intermediate, d.hidden)),
+    ("down_proj.weight", "expert_row", lambda d: (d.hidden, d.moe_intermediate)),
+]
+_SHARED_EXPERT: list[Entry] = [
+    ("mlp.shared_expert.gate_proj.weight", "column", lambda d: (d.shared_expert_intermediate, d.hidden)),
+    ("mlp.shared_expert.up_proj.weight", "column", lambda d: (d.shared_expert_intermediate, d.hidden)),
+    ("mlp.shared_expert.down_proj.weight", "row", lambda d: (d.hidden, d.shared_expert_intermediate)),
+    ("mlp.shared_expert_gate.weight", "replicated", lambda d: (1, d.hidden)),
+]
+
+
+def canonical_tensors(config: Mapping[str, Any] | ModelDims, dtype: str | None = None) -> list[CanonicalTensor]:
+    """Every canonical tensor of the model, sorted by name.
+
+    ``dtype`` overrides the config's ``torch_dtype`` for all tensors. Tied embeddings (``tie_word_embeddings``)
+    have no ``lm_head.weight``: engines serve it from ``model.embed_tokens.weight``.
+    """
+    d = config if isinstance(config, ModelDims) else model_dims(config, dtype)
+    if dtype is not None and isinstance(config, ModelDims):
+        from dataclasses import replace
+
+        d = replace(d, dtype=normalize_dtype(dtype))
+    arch = ARCHITECTURES[d.architecture]
+    out: list[CanonicalTensor] = []
+
+    def add(name: str, kind: str, shape: tuple[int, ...], layer: int | None = None, expert: int | None = None) -> None:
+        heads = d.heads if kind == "q" else d.kv_heads if kind == "kv" else None
+        out.append(CanonicalTensor(TensorSpec(name, shape, d.dtype), kind, layer, expert, heads))
+
+    add("model.embed_tokens.weight", "vocab", (d.vocab, d.hidden))
+    add("model.norm.weight", "replicated", (d.hidden,))
+    if not d.tie_embeddings:
+        add("lm_head.weight", "vocab", (d.vocab, d.hidden))
+    for layer in range(d.layers):
+        prefix = f"model.layers.{layer}."
+        entries = list(_ATTENTION) + list(_NORMS)
+        if d.attention_bias:
+            entries += _ATTENTION_BIAS
+        if arch.qk_norm:
+            entries += _QK_NORM
+        if layer in d.sparse_layers:
+            add(prefix + "mlp.gate.weight", "router", (d.num_experts, d.hidden), layer)
+            for e in range(d.num_experts):
+                for suffix, kind, shape in _EXPERT:
+                    add(f"{prefix}mlp.experts.{e}.{suffix}", kind, shape(d), layer, e)
+            if arch.moe == "qwen2" and d.shared_expert_intermediate:
+                entries += _SHARED_EXPERT
+        else:
+            entries += _DENSE_MLP
+            if d.mlp_bias:
+                entries += _DENSE_MLP_BIAS
+        for suffix, kind, shape in entries:
+            add(prefix + suffix, kind, shape(d), layer)
+    out.sort(key=lambda t: t.name)
+    return out

@@ -1,0 +1,178 @@
+"""The transfer plan: what every rank sends and receives, in which order.
+
+A plan is computed independently on every rank by :func:`awex.meta.planner.plan_transfers` (a pure function of
+the layouts and options) and is identical everywhere; :attr:`Plan.digest` lets ranks check that they agree.
+
+Regions are in canonical coordinates: the source and destination box of a transfer are the same region of the
+canonical tensor. Each side turns it into a view of its own native memory by subtracting the offset of the box
+it holds (:meth:`awex.meta.box.Box.relative_to`); native addressing never crosses the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+from awex.meta.box import Box
+from awex.meta.spec import RankDescriptor, Role, TensorSpec
+
+
+class Transfer(NamedTuple):
+    """One region of one canonical tensor moved from a source rank to a destination rank."""
+
+    tensor: int  # index into Plan.tensors
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def region(self) -> Box:
+        return Box(self.offsets, self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Transfers between one (source, destination) pair that move together, at most ``bucket_bytes`` in all.
+
+    ``round`` orders the pair's communication: in a round each rank talks to at most one peer, so processing
+    rounds in increasing order never leaves a rank waiting on a peer that waits on it. ``seq`` orders buckets
+    of the same pair.
+    """
+
+    round: int
+    src: int
+    dst: int
+    seq: int
+    transfers: tuple[Transfer, ...]
+    nbytes: int
+
+
+class Step(NamedTuple):
+    """One entry of a rank's ordered schedule: send or receive ``bucket`` to or from ``peer``."""
+
+    op: str  # "send" or "recv"
+    peer: int
+    bucket: Bucket
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """Summary numbers of a plan (all byte counts are payload bytes)."""
+
+    total_bytes: int
+    tensors: int
+    ops: int
+    buckets: int
+    rounds: int
+    max_rank_send_bytes: int
+    max_rank_recv_bytes: int
+    lower_bound_send_bytes: int
+    lower_bound_recv_bytes: int
+    redundant_bytes: int
+    plan_seconds: float
+
+    @property
+    def lower_bound_bytes(self) -> int:
+        """The least the busiest rank must send or receive for these layouts, whatever the plan."""
+        return max(self.lower_bound_send_bytes, self.lower_bound_recv_bytes)
+
+    @property
+    def send_balance(self) -> float:
+        """Achieved busiest-sender volume over its lower bound (1.0 is perfect)."""
+        return self.max_rank_send_bytes / self.lower_bound_send_bytes if self.lower_bound_send_bytes else 1.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete, deterministic transfer plan for one sync world."""
+
+    ranks: tuple[RankDescriptor, ...]
+    tensors: tuple[TensorSpec, ...]
+    buckets: tuple[Bucket, ...]  # sorted by (round, src, dst, seq)
+    stats: PlanStats
+    options: object
+    _by_rank: dict[int, tuple[int, ...]] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
+    _digest: str = field(default="", init=False, repr=False, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def ranks_of(self, role: Role) -> list[RankDescriptor]:
+        return [r for r in self.ranks if r.role == role]
+
+    def rank(self, instance: str, local_rank: int) -> RankDescriptor:
+        """The sync-world descriptor of ``local_rank`` of engine instance ``instance``."""
+        for r in self.ranks:
+            if r.instance == instance and r.local_rank == local_rank:
+                return r
+        raise KeyError(f"no rank {local_rank} of instance {instance!r} in this plan")
+
+    def schedule(self, rank: int) -> list[Step]:
+        """The ordered operations of one rank: its sends and receives, round by round."""
+        if self._by_rank is None:
+            index: dict[int, list[int]] = {}
+            for i, b in enumerate(self.buckets):
+                index.setdefault(b.src, []).append(i)
+                index.setdefault(b.dst, []).append(i)
+            object.__setattr__(self, "_by_rank", {k: tuple(v) for k, v in index.items()})
+        steps = []
+        for i in self._by_rank.get(rank, ()):
+            b = self.buckets[i]
+            steps.append(Step("send", b.dst, b) if b.src == rank else Step("recv", b.src, b))
+        return steps
+
+    def iter_transfers(self) -> Iterator[tuple[Bucket, Transfer]]:
+        for b in self.buckets:
+            for t in b.transfers:
+                yield b, t
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the plan's canonical encoding: equal on every rank that planned the same inputs."""
+        if not self._digest:
+            object.__setattr__(self, "_digest", plan_digest(self))
+        return self._digest
+
+    def summary(self) -> dict:
+        """The plan's numbers as one JSON-ready mapping."""
+        s = self.stats
+        return {
+            "total_bytes": s.total_bytes,
+            "tensors": s.tensors,
+            "ops": s.ops,
+            "buckets": s.buckets,
+            "rounds": s.rounds,
+            "ranks": self.world_size,
+            "trainer_ranks": len(self.ranks_of(Role.TRAINER)),
+            "inference_ranks": len(self.ranks_of(Role.INFERENCE)),
+            "max_rank_send_bytes": s.max_rank_send_bytes,
+            "max_rank_recv_bytes": s.max_rank_recv_bytes,
+            "lower_bound_send_bytes": s.lower_bound_send_bytes,
+            "lower_bound_recv_bytes": s.lower_bound_recv_bytes,
+            "lower_bound_bytes": s.lower_bound_bytes,
+            "send_balance": round(s.send_balance, 4),
+            "redundant_bytes": s.redundant_bytes,
+            "plan_seconds": round(s.plan_seconds, 3),
+            "digest": self.digest,
+        }
+
+
+def plan_digest(plan: Plan) -> str:
+    h = hashlib.sha256()
+    h.update(b"awex-plan/1\n")
+    for r in plan.ranks:
+        h.update(f"R{r.rank},{r.instance},{r.role.value},{r.local_rank}\n".encode())
+    for t in plan.tensors:
+        h.update(f"T{t.name},{t.shape},{t.dtype}\n".encode())
+    text: dict[int, str] = {}  # transfers are shared between destinations: format each once
+    for b in plan.buckets:
+        parts = [f"B{b.round},{b.src},{b.dst},{b.seq},{b.nbytes}\n"]
+        for t in b.transfers:
+            s = text.get(id(t))
+            if s is None:
+                s = text[id(t)] = f"{t.tensor},{t.offsets},{t.sizes};"
+            parts.append(s)
+        h.update("".join(parts).encode())
+    return h.hexdigest()

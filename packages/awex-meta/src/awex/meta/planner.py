@@ -1,0 +1,264 @@
+"""The planner: a pure, deterministic function from source and destination layouts to a :class:`Plan`.
+
+1. Check that destinations can be served: every tensor they need exists on a source with the same shape and
+   dtype. Otherwise raise :class:`PlanError` naming every offending tensor; nothing is planned.
+2. Cut every box a destination rank holds into pieces, each lying inside one distinct source box, and note
+   which source ranks hold each piece (replicas hold the same box).
+3. Pick a source for every piece, spreading load over replicas (:mod:`awex.meta.balance`).
+4. Pack the transfers of each (source, destination) pair into bounded buckets and order pairs into rounds
+   (:mod:`awex.meta.schedule`).
+
+The result does not depend on the order of the input layouts (they are sorted by instance name) and is
+identical on every rank; compare :attr:`Plan.digest` across ranks to prove it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from itertools import product
+from typing import Sequence
+
+from awex.meta.balance import Piece, assign_sources
+from awex.meta.box import Box, intersect
+from awex.meta.layout import Layout
+from awex.meta.plan import Plan, PlanStats
+from awex.meta.schedule import assign_rounds, make_buckets, order_buckets
+from awex.meta.spec import RankDescriptor, Role, TensorSpec
+
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of the planner.
+
+    ``bucket_bytes`` bounds the payload moved between a pair in one go (and so the staging memory a transport
+    needs per peer). A piece of at least ``2 * split_bytes`` may be split over several source replicas in parts
+    of at least ``split_bytes``; smaller pieces go whole to one source.
+    """
+
+    bucket_bytes: int = 256 << 20
+    split_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes <= 0 or self.split_bytes <= 0:
+            raise ValueError("bucket_bytes and split_bytes must be positive")
+
+
+class PlanError(ValueError):
+    """The layouts cannot be served: lists every problem found (missing tensors, shape or dtype mismatches)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = "\n  ".join(problems[:50])
+        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        super().__init__(f"cannot plan weight transfer ({len(problems)} problem(s)):\n  {shown}{more}")
+
+
+def plan_transfers(
+    sources: Sequence[Layout], destinations: Sequence[Layout], options: PlanOptions | None = None
+) -> Plan:
+    """Plan moving every tensor the destinations hold from the sources that hold it."""
+    started = time.perf_counter()
+    options = options or PlanOptions()
+    sources = sorted(sources, key=lambda layout: layout.instance)
+    destinations = sorted(destinations, key=lambda layout: layout.instance)
+    if not sources or not destinations:
+        raise PlanError(["need at least one source and one destination layout"])
+    names = [layout.instance for layout in (*sources, *destinations)]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise PlanError([f"instance name(s) used twice: {dupes}"])
+
+    ranks: list[RankDescriptor] = []
+    offsets: dict[str, int] = {}
+    for role, layouts in ((Role.TRAINER, sources), (Role.INFERENCE, destinations)):
+        for layout in layouts:
+            first = offsets[layout.instance] = len(ranks)
+            ranks.extend([RankDescriptor(first + i, layout.instance, role, i) for i in range(layout.world_size)])
+
+    dst_groups = _group_identical(destinations, offsets)
+    tensors = _check_tensors(_group_identical(sources, offsets), dst_groups)
+    itemsizes = [t.itemsize for t in tensors]
+
+    groups: dict[tuple[int, ...], list[Piece]] = {}
+    recv = [0] * len(ranks)
+    piece_cache: dict[tuple, list] = {}
+    src_cache: dict[tuple, list[tuple[Box, tuple[int, ...]]]] = {}
+    problems: list[str] = []
+    for tidx, spec in enumerate(tensors):
+        name = spec.name
+        isz = itemsizes[tidx]
+        holders = [layout for layout in sources if name in layout]
+        src_key = tuple(layout.sharding_key(name) for layout in holders)
+        src_boxes = src_cache.get(src_key)
+        if src_boxes is None:
+            src_boxes = _merge_source_holdings(holders, offsets, name)
+            src_cache[src_key] = src_boxes
+        for gi, (rep, bases) in enumerate(dst_groups):
+            if name not in rep:
+                continue
+            t = rep.tensor(name)
+            key = (src_key, gi, t.sharding, t.spec.shape)
+            pieces = piece_cache.get(key)
+            if pieces is None:
+                pieces, missing = _cut_pieces(rep.holdings(name), src_boxes)
+                for box in missing:
+                    problems.append(f"{name}: region {box} needed by {rep.instance} is held by no source rank")
+                piece_cache[key] = pieces
+            for p_off, p_size, cands, dst_locals in pieces:
+                nbytes = isz
+                for n in p_size:
+                    nbytes *= n
+                group = groups.get(cands)
+                if group is None:
+                    group = groups[cands] = []
+                dsts = tuple(base + local for base in bases for local in dst_locals)
+                group.append((-nbytes, tidx, p_off, p_size, dsts))
+                for g in dsts:
+                    recv[g] += nbytes
+    if problems:
+        raise PlanError(sorted(set(problems)))
+
+    per_pair, lower_send = assign_sources(groups, len(ranks), options.split_bytes)
+    del groups
+    buckets = make_buckets(per_pair, itemsizes, options.bucket_bytes)
+    pair_bytes = {pair: sum(n for _, n in bs) for pair, bs in buckets.items()}
+    rounds = assign_rounds(pair_bytes)
+    ordered = order_buckets(buckets, rounds)
+
+    send = [0] * len(ranks)
+    got = [0] * len(ranks)
+    ops = 0
+    for b in ordered:
+        send[b.src] += b.nbytes
+        got[b.dst] += b.nbytes
+        ops += len(b.transfers)
+    stats = PlanStats(
+        total_bytes=sum(send),
+        tensors=len(tensors),
+        ops=ops,
+        buckets=len(ordered),
+        rounds=(max(rounds.values()) + 1) if rounds else 0,
+        max_rank_send_bytes=max(send),
+        max_rank_recv_bytes=max(got),
+        lower_bound_send_bytes=lower_send,
+        lower_bound_recv_bytes=max(recv),
+        redundant_bytes=sum(got) - sum(recv),
+        plan_seconds=time.perf_counter() - started,
+    )
+    return Plan(tuple(ranks), tuple(tensors), tuple(ordered), stats, options)
+
+
+def _group_identical(layouts: Sequence[Layout], offsets: dict[str, int]) -> list[tuple[Layout, list[int]]]:
+    """Group instances with identical layouts (e.g. N vLLM engines of one shape): (representative, base ranks)."""
+    groups: list[tuple[Layout, list[int]]] = []
+    for layout in layouts:
+        for rep, bases in groups:
+            if (rep.world_size == layout.world_size and rep.meshes == layout.meshes
+                    and (rep.tensors is layout.tensors or rep.tensors == layout.tensors)):
+                bases.append(offsets[layout.instance])
+                break
+        else:
+            groups.append((layout, [offsets[layout.instance]]))
+    return groups
+
+
+def _check_tensors(
+    sources: list[tuple[Layout, list[int]]], destinations: list[tuple[Layout, list[int]]]
+) -> list[TensorSpec]:
+    """Specs of every tensor some destination holds, after checking sources agree with them."""
+    problems: list[str] = []
+
+    def collect(groups: list[tuple[Layout, list[int]]], side: str) -> dict[str, TensorSpec]:
+        specs: dict[str, TensorSpec] = {}
+        for layout, _ in groups:
+            for t in layout.tensors:
+                seen = specs.setdefault(t.spec.name, t.spec)
+                if seen != t.spec:
+                    problems.append(
+                        f"{t.spec.name}: {side} instances disagree: {tuple(seen.shape)} {seen.dtype} vs "
+                        f"{tuple(t.spec.shape)} {t.spec.dtype} ({layout.instance})"
+                    )
+        return specs
+
+    src = collect(sources, "source")
+    dst = collect(destinations, "destination")
+    for name in sorted(dst):
+        d = dst[name]
+        s = src.get(name)
+        if s is None:
+            problems.append(f"{name}: needed by the destination but held by no source")
+        elif s.shape != d.shape:
+            problems.append(f"{name}: shape mismatch: source {tuple(s.shape)} vs destination {tuple(d.shape)}")
+        elif s.dtype != d.dtype:
+            problems.append(f"{name}: dtype mismatch: source {s.dtype} vs destination {d.dtype}")
+    if problems:
+        raise PlanError(problems)
+    return [dst[n] for n in sorted(dst)]
+
+
+def _merge_source_holdings(
+    holders: list[Layout], offsets: dict[str, int], name: str
+) -> list[tuple[Box, tuple[int, ...]]]:
+    merged: dict[Box, set[int]] = {}
+    for layout in holders:
+        base = offsets[layout.instance]
+        for box, locals_ in layout.holdings(name):
+            merged.setdefault(box, set()).update(base + r for r in locals_)
+    return [(b, tuple(sorted(r))) for b, r in sorted(merged.items(), key=lambda kv: (kv[0].offsets, kv[0].sizes))]
+
+
+def _cut_pieces(
+    dst_holdings, src_boxes: list[tuple[Box, tuple[int, ...]]]
+) -> tuple[list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]], list[Box]]:
+    """Pieces ``(offsets, sizes, source ranks, destination local ranks)`` covering every destination box once."""
+    pieces = []
+    missing: list[Box] = []
+    for dbox, dst_locals in dst_holdings:
+        hits = []
+        for sbox, cands in src_boxes:
+            inter = intersect(dbox.offsets, dbox.sizes, sbox.offsets, sbox.sizes)
+            if inter is not None:
+                hits.append((inter, cands))
+        covered = sum(h.numel for h, _ in hits)
+        if covered == dbox.numel and _disjoint([h for h, _ in hits]):
+            pieces.extend((h.offsets, h.sizes, c, dst_locals) for h, c in hits)
+            continue
+        cells, uncovered = _refine(dbox, hits)
+        missing.extend(uncovered)
+        pieces.extend((c.offsets, c.sizes, cands, dst_locals) for c, cands in cells)
+    return pieces, missing
+
+
+def _disjoint(boxes: list[Box]) -> bool:
+    for i, a in enumerate(boxes):
+        for b in boxes[:i]:
+            if a.intersect(b) is not None:
+                return False
+    return True
+
+
+def _refine(dbox: Box, hits: list[tuple[Box, tuple[int, ...]]]) -> tuple[list[tuple[Box, tuple[int, ...]]], list[Box]]:
+    """Grid cells of ``dbox`` cut at every source box edge, each with the union of its holders.
+
+    The slow path, taken only when source boxes overlap without being equal (e.g. two source instances with
+    different layouts). Cells nobody holds are returned as uncovered.
+    """
+    cuts = []
+    for d in range(dbox.ndim):
+        points = {dbox.offsets[d], dbox.offsets[d] + dbox.sizes[d]}
+        for h, _ in hits:
+            points.add(h.offsets[d])
+            points.add(h.offsets[d] + h.sizes[d])
+        cuts.append(sorted(points))
+    cells = []
+    uncovered = []
+    for spans in product(*[list(zip(c[:-1], c[1:])) for c in cuts]):
+        cell = Box(tuple(lo for lo, _ in spans), tuple(hi - lo for lo, hi in spans))
+        cands = sorted({r for h, cs in hits if h.contains(cell) for r in cs})
+        if cands:
+            cells.append((cell, tuple(cands)))
+        else:
+            uncovered.append(cell)
+    return cells, uncovered

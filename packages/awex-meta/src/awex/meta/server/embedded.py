@@ -1,0 +1,98 @@
+"""Running the MetaServer: in-process on a background thread (embedded), or in the foreground (standalone)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from aiohttp import web
+
+from awex.meta.server.app import ServerConfig, make_app
+
+log = logging.getLogger("awex.meta.server")
+
+
+class EmbeddedMetaServer:
+    """A MetaServer on its own event-loop thread inside this process.
+
+    ``address`` is ``http://HOST:PORT``; pass it to every client. Use as a context manager or call
+    :meth:`stop`. Port 0 picks a free port.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, config: ServerConfig | None = None):
+        self.host = host
+        self.port = port
+        self.config = config or ServerConfig()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> EmbeddedMetaServer:
+        if self._thread is not None:
+            raise RuntimeError("server already started")
+        self._thread = threading.Thread(target=self._run, name="awex-meta-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"MetaServer did not start within {timeout} s")
+        if self._error is not None:
+            raise RuntimeError(f"MetaServer failed to start: {self._error}") from self._error
+        log.info("MetaServer listening on %s (token %s)", self.address, "required" if self.config.token else "off")
+        return self
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            self._runner = web.AppRunner(
+                make_app(self.config), access_log=None, handle_signals=False, shutdown_timeout=1.0
+            )
+            loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port)
+            loop.run_until_complete(site.start())
+            sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no getter
+            if sockets:
+                self.port = sockets[0].getsockname()[1]
+        except BaseException as e:  # report start-up failures (port in use...) to the caller
+            self._error = e
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and join the thread (idempotent)."""
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> EmbeddedMetaServer:
+        return self if self._thread is not None else self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_embedded(token: str | None = None, host: str = "127.0.0.1", port: int = 0) -> EmbeddedMetaServer:
+    """Start a MetaServer in this process on a free loopback port and return it (``.address``, ``.stop()``)."""
+    return EmbeddedMetaServer(host, port, ServerConfig(token=token)).start()
+
+
+def serve_forever(host: str, port: int, config: ServerConfig) -> None:
+    """Run a MetaServer in the foreground until interrupted (``awex-meta serve``)."""
+    web.run_app(make_app(config), host=host, port=port, access_log=None, print=lambda *_: None)
