@@ -1,0 +1,91 @@
+"""Sessions for Awex: per-package tests, per-package isolation (tox), the CI test run and the demo.
+
+    ./noxw -s demo      # set up and run the main job
+    ./noxw -s tests     # what CI runs
+    ./noxw -s meta      # one package's unit tests (also: convert, transport, engines)
+    ./noxw -s plan -- --model integration/models/qwen3-8b.json --trainer megatron:tp=2 --inference vllm:tp=2
+
+Virtualenvs are reused between runs (``.nox/``). torch is pinned to the CPU build (2.13.0) that this
+machine's wheel folder holds: an unpinned torch would resolve a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+nox.options.error_on_missing_interpreters = True
+
+TORCH = "torch==2.13.0"
+META = "./packages/awex-meta"
+CONVERT = "./packages/awex-convert"
+TRANSPORT = "./packages/awex-transport"
+ENGINES = "./packages/awex-engines"
+PACKAGES = [META, CONVERT, TRANSPORT, ENGINES]
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "msgpack>=1.0"]
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs)
+
+
+@nox.session
+def meta(session: nox.Session) -> None:
+    """awex-meta unit and property tests (no torch)."""
+    session.install(f"{META}[test]")
+    _pytest(session, "packages/awex-meta/tests")
+
+
+@nox.session
+def convert(session: nox.Session) -> None:
+    """awex-convert tests."""
+    session.install(TORCH, META, f"{CONVERT}[test]")
+    _pytest(session, "packages/awex-convert/tests")
+
+
+@nox.session
+def transport(session: nox.Session) -> None:
+    """awex-transport tests."""
+    session.install(TORCH, META, f"{TRANSPORT}[test]")
+    _pytest(session, "packages/awex-transport/tests")
+
+
+@nox.session
+def engines(session: nox.Session) -> None:
+    """awex-engines tests (engines that cannot run here are skipped with the reason)."""
+    session.install(TORCH, META, CONVERT, TRANSPORT, f"{ENGINES}[test]")
+    _pytest(session, "packages/awex-engines/tests")
+
+
+@nox.session
+def isolation(session: nox.Session) -> None:
+    """Each package tested alone by tox, in an environment holding only its declared dependencies."""
+    session.install("tox>=4")
+    for pkg in PACKAGES:
+        session.run("tox", "-q", "-c", f"{pkg}/tox.ini", "--", "-q")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """What CI runs: every package's tests in one environment, then each package alone (tox)."""
+    session.install(TORCH, *PACKAGES, *TEST_TOOLS, "tox>=4")
+    _pytest(session, *(f"{p.removeprefix('./')}/tests" for p in PACKAGES))
+    for pkg in PACKAGES:
+        session.run("tox", "-q", "-c", f"{pkg}/tox.ini", "--", "-q")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job. Until the engines land: MetaServer + layouts + planning among ranks, and planner dry runs."""
+    session.install(META)
+    session.run("python", "integration/meta_demo.py", *session.posargs)
+
+
+@nox.session
+def plan(session: nox.Session) -> None:
+    """``awex-meta plan`` with the arguments after ``--``."""
+    session.install(META)
+    session.run("awex-meta", "plan", *session.posargs)

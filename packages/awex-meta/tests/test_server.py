@@ -1,0 +1,205 @@
+"""The MetaServer, embedded and standalone, through the real HTTP client."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from awex.meta import canonical_tensors, load_config
+from awex.meta.client import MetaClient
+from awex.meta.errors import AgreementError, MetaAuthError, MetaConflictError, MetaConnectionError, MetaPayloadError, MetaTimeoutError
+from awex.meta.layouts import VllmParallel, vllm_layout
+from awex.meta.server import EmbeddedMetaServer, ServerConfig, start_embedded
+
+from conftest import MODELS
+
+
+@pytest.fixture(scope="module")
+def server():
+    with EmbeddedMetaServer(config=ServerConfig(max_payload_bytes=1 << 20, max_wait_seconds=5.0)) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server, request):
+    return MetaClient(server.address, job=request.node.name[:60].replace("[", "-").replace("]", ""), timeout=5.0)
+
+
+def test_embedded_server_starts_on_a_free_loopback_port(server):
+    assert server.address.startswith("http://127.0.0.1:")
+    assert server.port > 0
+    assert MetaClient(server.address).health()["ok"] is True
+
+
+def test_put_get_delete_and_keys(client):
+    client.put("a/b", {"x": [1, 2]})
+    assert client.get("a/b") == {"x": [1, 2]}
+    assert client.try_get("nope") is None
+    assert client.keys("a/") == ["a/b"]
+    assert client.delete("a/b") is True
+    assert client.try_get("a/b") is None
+    client.put("once", 1, create_only=True)
+    with pytest.raises(MetaConflictError, match="already exists"):
+        client.put("once", 2, create_only=True)
+
+
+def test_wait_is_a_long_poll_that_wakes_when_the_value_arrives(client):
+    threading.Timer(0.3, lambda: client.put("late", "here")).start()
+    started = time.monotonic()
+    assert client.get("late", timeout=4.0) == "here"
+    elapsed = time.monotonic() - started
+    assert 0.25 < elapsed < 2.0  # woke on the write, not on a poll interval or the deadline
+
+
+def test_wait_times_out_with_a_clear_error(client):
+    started = time.monotonic()
+    with pytest.raises(MetaTimeoutError, match="'never' of job .* did not appear within 0.5 s"):
+        client.get("never", timeout=0.5)
+    assert time.monotonic() - started < 3.0
+
+
+def test_layouts_and_rendezvous_round_trip(client):
+    tensors = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
+    layout = vllm_layout(tensors, VllmParallel(tp=2), instance="vllm-0")
+    client.publish_layout(layout, version="step-3")
+    assert client.fetch_layout("vllm-0", version="step-3", timeout=1.0) == layout
+    client.publish_rendezvous({"host": "127.0.0.1", "port": 29500, "world_size": 3}, version="step-3")
+    assert client.fetch_rendezvous("step-3")["port"] == 29500
+
+
+def test_participants_versions_events_and_status(client):
+    client.register("trainer", role="trainer", instance="trainer", world_size=2)
+    client.register("vllm-0", role="inference", instance="vllm-0", world_size=1, info={"tp": 1})
+    seq = client.publish_event("sync_started", "trainer", version="step-1")
+    client.report_version("vllm-0", "step-1")
+    got = client.wait_event("version", after=seq, timeout=2.0)
+    assert got["source"] == "vllm-0" and got["version"] == "step-1"
+    status = client.status()["jobs"][client.job]
+    versions = {p["name"]: p["weight_version"] for p in status["participants"]}
+    assert versions == {"trainer": None, "vllm-0": "step-1"}
+    assert [e["kind"] for e in status["recent_events"]] == ["register", "register", "sync_started", "version"]
+    with pytest.raises(MetaTimeoutError, match="no 'finished' event"):
+        client.wait_event("finished", timeout=0.3)
+
+
+def test_event_wait_wakes_on_publish(client):
+    threading.Timer(0.3, lambda: client.publish_event("go", "x")).start()
+    started = time.monotonic()
+    events = client.events(after=0, kind="go", timeout=4.0)
+    assert [e["kind"] for e in events] == ["go"] and time.monotonic() - started < 2.0
+
+
+def test_agreement_proves_ranks_computed_the_same_plan(client):
+    results = {}
+
+    def rank(i, value):
+        try:
+            results[i] = client.agree("plan/step-1", f"rank{i}", 3, value, timeout=4.0)
+        except Exception as e:  # collected and asserted below
+            results[i] = e
+
+    threads = [threading.Thread(target=rank, args=(i, "abc")) for i in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert results == {0: "abc", 1: "abc", 2: "abc"}
+
+
+def test_agreement_mismatch_and_missing_participant():
+    with EmbeddedMetaServer() as s:
+        c = MetaClient(s.address, job="j", timeout=5.0)
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r1", _catch(lambda: c.agree("d", "r1", 2, "A", timeout=4))))
+        t.start()
+        with pytest.raises(AgreementError, match="2 distinct values"):
+            c.agree("d", "r0", 2, "B", timeout=4)
+        t.join()
+        assert isinstance(out["r1"], AgreementError)
+        with pytest.raises(MetaTimeoutError, match="1 of 2 participants arrived"):
+            c.agree("e", "r0", 2, "A", timeout=0.3)
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:  # returned for the assertion
+        return e
+
+
+def test_token_is_required_when_configured():
+    with start_embedded(token="s3cret") as s:
+        assert MetaClient(s.address).health()["auth"] is True  # health stays open
+        with pytest.raises(MetaAuthError, match="rejected the token"):
+            MetaClient(s.address, token="wrong").put("k", 1)
+        with pytest.raises(MetaAuthError):
+            MetaClient(s.address).status()
+        good = MetaClient(s.address, token="s3cret")
+        good.put("k", 1)
+        assert good.get("k") == 1
+
+
+def test_malformed_and_oversized_payloads_are_rejected(server, client):
+    client.put("ok", 1)
+    req = urllib.request.Request(f"{server.address}/v1/jobs/x/kv/k", data=b"{not json", method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400 and json.loads(err.value.read())["error"] == "bad_request"
+    with pytest.raises(MetaPayloadError, match="exceeds"):
+        client.put("big", "x" * (2 << 20))
+    with pytest.raises(MetaPayloadError, match="bad key"):
+        client.put("bad key!", 1)
+    with pytest.raises(MetaPayloadError, match="role"):
+        client.register("p", role="boss", instance="i")
+    # a pickle is just bytes that do not parse: rejected, never loaded
+    import pickle
+
+    req = urllib.request.Request(f"{server.address}/v1/jobs/x/kv/p", data=pickle.dumps(object()), method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400
+
+
+def test_unreachable_server_fails_within_the_deadline():
+    c = MetaClient("http://127.0.0.1:9", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(MetaConnectionError, match="cannot reach"):
+        c.put("k", 1)
+    assert time.monotonic() - started < 3.0
+
+
+def test_standalone_server_and_status_cli(tmp_path):
+    env = {**os.environ, "AWEX_META_TOKEN": "tok"}
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(port), "--token-env", "AWEX_META_TOKEN"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        c = MetaClient(f"http://127.0.0.1:{port}", job="rl", token="tok", timeout=15.0)
+        c.register("vllm-0", role="inference", instance="vllm-0", world_size=2)
+        c.report_version("vllm-0", "step-7")
+        out = subprocess.run([sys.executable, "-m", "awex.meta.cli", "status", f"http://127.0.0.1:{port}"],
+                             env=env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "job rl: 1 participant(s)" in out.stdout
+        assert "vllm-0" in out.stdout and "step-7" in out.stdout and "version=step-7" in out.stdout
+        bad = subprocess.run([sys.executable, "-m", "awex.meta.cli", "status", f"http://127.0.0.1:{port}",
+                              "--token", "nope"], env=env, capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2 and "rejected the token" in bad.stderr
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
