@@ -1,0 +1,122 @@
+"""The gloo point-to-point transport with real processes: Megatron-layout trainer ranks send, vLLM-layout
+receivers get exactly their boxes, in place, and a dead peer gives an error within the deadline."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import queue
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from awex.meta import canonical_tensors, plan_transfers
+from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
+from awex.meta.serialize import layout_to_wire
+
+import transport_workers
+
+TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(layouts, timeout=60.0, behaviours=None):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    docs = [layout_to_wire(lay) for lay in layouts]
+    port = free_port()
+    procs = []
+    for lay in layouts:
+        for r in range(lay.world_size):
+            behaviour = (behaviours or {}).get((lay.instance, r), "normal")
+            p = ctx.Process(target=transport_workers.worker,
+                            args=(lay.role.value, docs, lay.instance, r, "127.0.0.1", port, timeout, results, behaviour))
+            p.start()
+            procs.append(p)
+    out = {}
+    deadline = time.monotonic() + timeout + 60
+    expected = sum(lay.world_size for lay in layouts) - len(behaviours or {})
+    while len(out) < expected and time.monotonic() < deadline:
+        try:
+            inst, rank, status, nbytes, seconds = results.get(timeout=1.0)
+            out[(inst, rank)] = (status, nbytes, seconds)
+        except queue.Empty:
+            pass
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_megatron_tp2_pp2_to_two_vllm_engines(dtype):
+    tensors = canonical_tensors(TINY, dtype=dtype)
+    layouts = [
+        megatron_layout(tensors, MegatronParallel(tp=2, pp=2, vocab_pad=128), instance="trainer"),
+        vllm_layout(tensors, VllmParallel(tp=2), instance="vllm-0"),
+        vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-1"),
+    ]
+    out = run_world(layouts)
+    assert len(out) == 4 + 2 + 1, out
+    failures = {k: v[0] for k, v in out.items() if v[0] != "ok"}
+    assert not failures, failures
+    plan = plan_transfers(layouts[:1], layouts[1:])
+    for (inst, rank), (_, nbytes, _) in out.items():
+        expected = sum(s.bucket.nbytes for s in plan.schedule(plan.rank(inst, rank).rank) if s.op == "recv")
+        assert nbytes == expected
+
+
+def test_a_sender_that_dies_makes_receivers_fail_within_the_deadline():
+    tensors = canonical_tensors(TINY)
+    layouts = [megatron_layout(tensors, MegatronParallel(tp=2, vocab_pad=1), instance="trainer"),
+               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0")]
+    started = time.monotonic()
+    out = run_world(layouts, timeout=8.0, behaviours={("trainer", 1): "die_before_send"})
+    elapsed = time.monotonic() - started
+    status = out[("vllm-0", 0)][0]
+    assert status.startswith("error: Transfer"), status
+    assert "rank 1" in status or "from rank 1" in status
+    assert elapsed < 60
+
+
+def test_a_sender_that_stalls_makes_receivers_time_out():
+    tensors = canonical_tensors(TINY)
+    layouts = [megatron_layout(tensors, MegatronParallel(tp=1, vocab_pad=1), instance="trainer"),
+               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0")]
+    out = run_world(layouts, timeout=4.0, behaviours={("trainer", 0): "stall"})
+    status, _, seconds = out[("vllm-0", 0)]
+    assert status.startswith("error: TransferTimeout"), status
+    assert "from rank 0" in status
+
+
+def test_views_that_do_not_match_the_layout_are_rejected_before_any_transfer():
+    import torch
+
+    from awex.transport import LocalShards, ShardMismatchError
+
+    tensors = canonical_tensors(TINY)
+    layout = vllm_layout(tensors, VllmParallel(tp=2), instance="vllm-0")
+
+    def wrong(name, box):
+        if name == "model.norm.weight":
+            raise KeyError("model.norm.weight")
+        if name.endswith("q_proj.weight"):
+            return torch.zeros(box.sizes[0] + 1, box.sizes[1])
+        if name.endswith("k_proj.bias"):
+            return torch.zeros(box.sizes, dtype=torch.bfloat16)
+        return torch.zeros(box.sizes)
+
+    with pytest.raises(ShardMismatchError) as err:
+        LocalShards.from_layout(layout, 0, wrong)
+    text = str(err.value)
+    assert "model.norm.weight" in text and "no native tensor" in text
+    assert "model.layers.0.self_attn.q_proj.weight [0:64, 0:128]: native view has shape (65, 128)" in text
+    assert "k_proj.bias" in text and "bfloat16" in text

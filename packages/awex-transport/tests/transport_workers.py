@@ -1,0 +1,72 @@
+"""Worker processes for the transport tests (spawned: must live in an importable module)."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+import zlib
+
+import torch
+
+from awex.meta import Box, Layout, plan_transfers
+from awex.transport import LocalShards, create_sync_group, run_p2p
+from awex.transport.shards import torch_dtype
+
+
+def canonical_value(name: str, shape: tuple[int, ...], dtype: str, step: int) -> torch.Tensor:
+    """A deterministic tensor per (name, step): what the trainer 'holds' at that step."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * step)
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(torch_dtype(dtype))
+
+
+def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, host: str, port: int,
+           timeout: float, results, behaviour: str = "normal") -> None:
+    from awex.meta.serialize import layout_from_wire
+
+    try:
+        layouts = [layout_from_wire(d) for d in layout_docs]
+        sources = [lay for lay in layouts if lay.role.value == "trainer"]
+        dests = [lay for lay in layouts if lay.role.value == "inference"]
+        plan = plan_transfers(sources, dests)
+        me = plan.rank(instance, local_rank)
+        layout = next(lay for lay in layouts if lay.instance == instance)
+        natives: dict[str, torch.Tensor] = {}
+
+        if role == "trainer":
+            def view_of(name, box):
+                spec = layout.tensor(name).spec
+                return canonical_value(name, spec.shape, spec.dtype, 1)[box.slices()].clone()
+        else:
+            # receivers write into views of bigger "native" buffers: every box of a tensor lives inside one
+            # fused buffer per rank (like vLLM's qkv_proj), so the writes must land in place
+            def view_of(name, box):
+                spec = layout.tensor(name).spec
+                fused = natives.setdefault(name + "#" + str(box), torch.zeros((2 * box.sizes[0],) + box.sizes[1:]
+                                                                              if box.sizes else (), dtype=torch_dtype(spec.dtype)))
+                return fused[box.sizes[0]:] if box.sizes else fused
+
+        shards = LocalShards.from_layout(layout, local_rank, view_of)
+        group = create_sync_group(me.rank, plan.world_size, host, port, timeout=timeout)
+        if behaviour == "die_before_send":
+            os._exit(3)
+        if behaviour == "stall":  # alive, connected, but never sends
+            time.sleep(timeout * 3)
+            return
+        started = time.monotonic()
+        stats = run_p2p(plan, me.rank, shards, group, timeout=timeout)
+        bad = []
+        if role == "inference":
+            for name in shards.names():
+                spec = layout.tensor(name).spec
+                full = canonical_value(name, spec.shape, spec.dtype, 1)
+                for box, view in shards.pairs(name):
+                    if not torch.equal(view, full[box.slices()]):
+                        bad.append(f"{name} {box}")
+            for key, fused in natives.items():
+                if fused.dim() and fused.shape[0] >= 2 and torch.count_nonzero(fused[: fused.shape[0] // 2]):
+                    bad.append(f"{key}: wrote outside its view")
+        results.put((instance, local_rank, "ok" if not bad else "mismatch: " + ", ".join(bad[:5]),
+                     stats.bytes_received, time.monotonic() - started))
+    except BaseException as e:  # reported to the test
+        results.put((instance, local_rank, f"error: {type(e).__name__}: {e}\n{traceback.format_exc()}", 0, 0.0))
