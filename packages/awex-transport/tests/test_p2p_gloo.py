@@ -120,3 +120,35 @@ def test_views_that_do_not_match_the_layout_are_rejected_before_any_transfer():
     assert "model.norm.weight" in text and "no native tensor" in text
     assert "model.layers.0.self_attn.q_proj.weight [0:64, 0:128]: native view has shape (65, 128)" in text
     assert "k_proj.bias" in text and "bfloat16" in text
+
+
+def test_pieces_must_tile_each_box():
+    import torch
+
+    from awex.meta import Box
+    from awex.transport import LocalShards, ShardMismatchError
+
+    tensors = canonical_tensors(TINY)
+    layout = vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0")
+
+    def gappy(name, box):
+        if name == "model.norm.weight":  # only the first 100 of 128 elements
+            return [(Box((0,), (100,)), torch.zeros(100))]
+        if name == "model.layers.0.input_layernorm.weight":  # overlapping pieces
+            return [(Box((0,), (100,)), torch.zeros(100)), (Box((50,), (78,)), torch.zeros(78))]
+        return torch.zeros(box.sizes)
+
+    with pytest.raises(ShardMismatchError) as err:
+        LocalShards.from_layout(layout, 0, gappy)
+    assert "model.norm.weight [0:128]: pieces cover 100 of 128 elements" in str(err.value)
+    assert "model.layers.0.input_layernorm.weight: pieces overlap" in str(err.value)
+
+    shards = LocalShards({"w": [(Box((0, 0), (2, 3)), torch.arange(6.).view(2, 3)),
+                                (Box((2, 0), (2, 3)), torch.arange(6., 12.).view(2, 3))]})
+    out = torch.empty(2, 2)
+    shards.copy_out("w", (1, 1), (2, 2), out)  # spans both pieces
+    assert out.tolist() == [[4.0, 5.0], [7.0, 8.0]]
+    shards.copy_in("w", (1, 0), (2, 3), torch.zeros(2, 3))
+    assert shards.pairs("w")[0][1].tolist() == [[0.0, 1.0, 2.0], [0.0, 0.0, 0.0]]
+    with pytest.raises(ShardMismatchError, match="does not hold all"):
+        shards.copy_out("w", (3, 0), (2, 3), torch.empty(2, 3))

@@ -40,11 +40,20 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
         else:
             # receivers write into views of bigger "native" buffers: every box of a tensor lives inside one
             # fused buffer per rank (like vLLM's qkv_proj), so the writes must land in place
+            # and boxes with more than one row come as two pieces in separate buffers (as Megatron's per-group QKV)
             def view_of(name, box):
                 spec = layout.tensor(name).spec
-                fused = natives.setdefault(name + "#" + str(box), torch.zeros((2 * box.sizes[0],) + box.sizes[1:]
-                                                                              if box.sizes else (), dtype=torch_dtype(spec.dtype)))
-                return fused[box.sizes[0]:] if box.sizes else fused
+                pieces = []
+                subs = [box]
+                if box.sizes and box.sizes[0] > 1:
+                    half = box.sizes[0] // 2
+                    subs = [Box(box.offsets, (half,) + box.sizes[1:]),
+                            Box((box.offsets[0] + half,) + box.offsets[1:], (box.sizes[0] - half,) + box.sizes[1:])]
+                for sub in subs:
+                    shape = (2 * sub.sizes[0],) + sub.sizes[1:] if sub.sizes else ()
+                    fused = natives.setdefault(f"{name}#{sub}", torch.zeros(shape, dtype=torch_dtype(spec.dtype)))
+                    pieces.append((sub, fused[sub.sizes[0]:] if sub.sizes else fused))
+                return pieces
 
         shards = LocalShards.from_layout(layout, local_rank, view_of)
         group = create_sync_group(me.rank, plan.world_size, host, port, timeout=timeout)

@@ -73,7 +73,7 @@ def run_p2p(plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, timeou
         if step.op == "send":
             for t, off in zip(bucket.transfers, offsets):
                 region = buf[off:off + t.nbytes].view(dtypes[t.tensor]).view(t.sizes)
-                region.copy_(shards.view(names[t.tensor], t.offsets, t.sizes))
+                shards.copy_out(names[t.tensor], t.offsets, t.sizes, region)
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout(f"{what}: the sync's {timeout:g} s deadline passed")
@@ -87,7 +87,7 @@ def run_p2p(plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, timeou
         if step.op == "recv":
             for t, off in zip(bucket.transfers, offsets):
                 region = buf[off:off + t.nbytes].view(dtypes[t.tensor]).view(t.sizes)
-                shards.view(names[t.tensor], t.offsets, t.sizes).copy_(region)
+                shards.copy_in(names[t.tensor], t.offsets, t.sizes, region)
             stats.bytes_received += bucket.nbytes
         else:
             stats.bytes_sent += bucket.nbytes

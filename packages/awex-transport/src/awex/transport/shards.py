@@ -8,11 +8,13 @@ parameters in place. Shapes and dtypes are checked against the layout before any
 
 from __future__ import annotations
 
+from math import prod
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from awex.meta import Box, Layout
+from awex.meta.box import intersect
 
 
 class ShardMismatchError(ValueError):
@@ -28,7 +30,12 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class LocalShards:
-    """Views of one rank's memory for each (canonical tensor, box) it holds."""
+    """Views of one rank's memory for the canonical boxes it holds.
+
+    Each tensor maps to ``(box, view)`` pieces: ``view`` has the box's shape and aliases native memory. Pieces
+    may be finer than the layout's boxes (Megatron's fused QKV interleaves query groups, so a rank's box of
+    ``q_proj`` is one piece per local group); they must not overlap.
+    """
 
     def __init__(self, shards: Mapping[str, Sequence[tuple[Box, torch.Tensor]]]):
         self._shards = {name: tuple(pairs) for name, pairs in shards.items()}
@@ -43,25 +50,47 @@ class LocalShards:
 
     @classmethod
     def from_layout(
-        cls, layout: Layout, local_rank: int, view_of: Callable[[str, Box], torch.Tensor]
+        cls,
+        layout: Layout,
+        local_rank: int,
+        view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
     ) -> LocalShards:
-        """Ask ``view_of(name, box)`` for every box the layout gives ``local_rank`` and check each answer."""
+        """Ask ``view_of(name, box)`` for every box the layout gives ``local_rank``, and check each answer.
+
+        ``view_of`` returns one view of the box's shape, or ``(sub_box, view)`` pieces that tile the box.
+        Every problem (missing tensor, wrong shape, wrong dtype, pieces that do not tile) is collected and
+        raised together as :class:`ShardMismatchError` before any byte moves.
+        """
         problems = []
         shards: dict[str, list[tuple[Box, torch.Tensor]]] = {}
         for name, boxes in layout.rank_boxes(local_rank).items():
-            spec = layout.tensor(name).spec
+            want = torch_dtype(layout.tensor(name).spec.dtype)
             for box in boxes:
                 try:
-                    view = view_of(name, box)
+                    answer = view_of(name, box)
                 except KeyError as e:
                     problems.append(f"{name} {box}: no native tensor ({e})")
                     continue
-                if tuple(view.shape) != box.sizes:
-                    problems.append(f"{name} {box}: native view has shape {tuple(view.shape)}, expected {box.sizes}")
-                elif view.dtype != torch_dtype(spec.dtype):
-                    problems.append(f"{name} {box}: native dtype {view.dtype}, layout says {spec.dtype}")
-                else:
-                    shards.setdefault(name, []).append((box, view))
+                pieces = [(box, answer)] if isinstance(answer, torch.Tensor) else list(answer)
+                before = len(problems)
+                covered = 0
+                for sub, view in pieces:
+                    if not box.contains(sub):
+                        problems.append(f"{name} {box}: piece {sub} lies outside the box")
+                    elif tuple(view.shape) != sub.sizes:
+                        problems.append(f"{name} {sub}: native view has shape {tuple(view.shape)}, expected {sub.sizes}")
+                    elif view.dtype != want:
+                        problems.append(f"{name} {sub}: native dtype {view.dtype}, layout says {layout.tensor(name).spec.dtype}")
+                    else:
+                        covered += sub.numel
+                        shards.setdefault(name, []).append((sub, view))
+                if len(problems) == before and covered != box.numel:
+                    problems.append(f"{name} {box}: pieces cover {covered} of {box.numel} elements")
+        for name, pairs in shards.items():
+            for i, (a, _) in enumerate(pairs):
+                if any(a.intersect(b) is not None for b, _ in pairs[:i]):
+                    problems.append(f"{name}: pieces overlap at {a}")
+                    break
         if problems:
             shown = "\n  ".join(problems[:30])
             raise ShardMismatchError(
@@ -74,10 +103,28 @@ class LocalShards:
     def pairs(self, name: str) -> tuple[tuple[Box, torch.Tensor], ...]:
         return self._shards.get(name, ())
 
-    def view(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        """The view of region ``offsets``/``sizes`` (canonical coordinates) inside the box that holds it."""
-        for box, tensor in self._shards.get(name, ()):
-            if all(bo <= o and o + s <= bo + bs for o, s, bo, bs in zip(offsets, sizes, box.offsets, box.sizes)):
-                index = tuple(slice(o - bo, o - bo + s) for o, s, bo in zip(offsets, sizes, box.offsets))
-                return tensor[index] if index else tensor
-        raise ShardMismatchError(f"{name}: this rank holds no box containing {Box(offsets, sizes)}")
+    def _pieces(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]):
+        """(index into the region, view piece) for every piece intersecting the region; checks full coverage."""
+        out = []
+        covered = 0
+        for box, view in self._shards.get(name, ()):
+            inter = intersect(offsets, sizes, box.offsets, box.sizes)
+            if inter is None:
+                continue
+            here = tuple(slice(o - r, o - r + s) for o, s, r in zip(inter.offsets, inter.sizes, offsets))
+            there = tuple(slice(o - b, o - b + s) for o, s, b in zip(inter.offsets, inter.sizes, box.offsets))
+            out.append((here, view[there] if there else view))
+            covered += inter.numel
+        if covered != prod(sizes):
+            raise ShardMismatchError(f"{name}: this rank does not hold all of {Box(offsets, sizes)}")
+        return out
+
+    def copy_out(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], out: torch.Tensor) -> None:
+        """Copy region ``offsets``/``sizes`` (canonical coordinates) of ``name`` into ``out`` (region-shaped)."""
+        for here, piece in self._pieces(name, offsets, sizes):
+            (out[here] if here else out).copy_(piece)
+
+    def copy_in(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], src: torch.Tensor) -> None:
+        """Write ``src`` (region-shaped) into this rank's memory for region ``offsets``/``sizes`` of ``name``."""
+        for here, piece in self._pieces(name, offsets, sizes):
+            piece.copy_(src[here] if here else src)
