@@ -1,0 +1,1 @@
+"""Awex integration harness: tiny models made locally, scenarios and benchmarks."""

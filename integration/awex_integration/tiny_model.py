@@ -1,0 +1,88 @@
+"""Make a small HF model directory locally (no hub): a byte-level BPE tokenizer trained on a synthetic corpus
+and random weights for any supported ``config.json``."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+WORDS = ("the quick brown fox jumps over the lazy dog hello world weight sync training inference engine tensor "
+         "parallel pipeline model layer attention reinforcement learning policy reward rollout gradient update").split()
+
+PROMPTS = ["the quick brown fox", "reinforcement learning policy", "tensor parallel pipeline"]
+
+
+def make_tokenizer(out: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    rnd = random.Random(0)
+    corpus = [" ".join(rnd.choice(WORDS) for _ in range(20)) for _ in range(2000)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    n = tok.get_vocab_size()
+    if n < vocab_size:
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(vocab_size - n)])
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"vocabulary of {vocab_size} is too small for a byte-level tokenizer")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(out)
+
+
+def make_tiny_model(out: str | Path, config: dict[str, Any], seed: int = 0, dtype: str = "float32") -> Path:
+    """Write ``config`` with random weights (seeded) and a matching tokenizer to ``out``; returns the path."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(out, int(config["vocab_size"]))
+    cfg = dict(config)
+    cfg.update(torch_dtype=dtype, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    model_type = cfg.pop("model_type", None) or {
+        "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+    }[cfg["architectures"][0]]
+    cfg.pop("architectures", None)
+    hf_config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # HF initialises norms to 1: randomise them too, so a wrong norm shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def perturb_(model, step: int, scale: float = 0.02) -> None:
+    """An 'RL step': change every weight by seeded noise (so each step's weights differ)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
+
+
+def hf_greedy(model, tokenizer, prompts=PROMPTS, max_new_tokens: int = 16) -> list[list[int]]:
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = tokenizer(p, return_tensors="pt").input_ids
+            gen = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+            out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def load_json(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())

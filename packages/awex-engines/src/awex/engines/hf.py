@@ -1,0 +1,32 @@
+"""HF ``PreTrainedModel`` as a trainer source or a receiver: canonical names are the model's own names."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from awex.meta import Box, Layout, canonical_tensors
+from awex.meta.layouts import hf_layout
+from awex.meta.spec import Role
+
+
+def hf_model_layout(model: torch.nn.Module, role: Role | str, instance: str, dtype: str | None = None) -> Layout:
+    """The single-rank layout of an HF model, from its config; checks the model has exactly those tensors."""
+    config = model.config.to_dict()
+    tensors = canonical_tensors(config, dtype=dtype or str(next(model.parameters()).dtype).removeprefix("torch."))
+    params = dict(model.named_parameters())
+    missing = [t.name for t in tensors if t.name not in params]
+    if missing:
+        raise ValueError(f"{type(model).__name__} lacks canonical tensors {missing[:10]}")
+    return hf_layout(tensors, role, instance)
+
+
+def hf_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
+    """``view_of`` for an HF model: the box of the parameter with the canonical name (an alias, not a copy)."""
+    params = {name: p.data for name, p in model.named_parameters()}
+
+    def view_of(name: str, box: Box) -> torch.Tensor:
+        return params[name][box.slices()]
+
+    return view_of

@@ -1,0 +1,87 @@
+"""The inference side: :class:`WeightsReader` receives one weight version for one rank of an instance.
+
+The reader receives the rank's boxes into ``LocalShards``: views of the engine's own parameters (in place) or
+staging tensors that an engine-specific ``apply`` then loads (vLLM's loader path). A transport failure raises
+before anything is applied, so the engine keeps serving the previous version; the reader reports the version
+it serves to the MetaServer (``None`` after a failed sync).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from awex.meta import Box, Layout
+from awex.meta.client import MetaClient
+from awex.transport import LocalShards
+from awex.transport.p2p import TransferStats
+
+from awex.engines.session import SyncManifest, SyncSession, manifest_key
+
+log = logging.getLogger("awex.engines")
+
+
+class WeightsReader:
+    """One inference rank's reader."""
+
+    def __init__(
+        self,
+        client: MetaClient,
+        layout: Layout,
+        local_rank: int,
+        view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
+        *,
+        timeout: float = 300.0,
+        publish: bool = True,
+    ):
+        self.client = client
+        self.layout = layout
+        self.local_rank = local_rank
+        self.timeout = timeout
+        self.version: str | None = None
+        self._shards = LocalShards.from_layout(layout, local_rank, view_of)
+        self._session = SyncSession(client, layout.instance, local_rank)
+        if publish and local_rank == 0:
+            client.register(layout.instance, role="inference", instance=layout.instance, world_size=layout.world_size)
+            client.publish_layout(layout, "current")
+
+    @property
+    def shards(self) -> LocalShards:
+        return self._shards
+
+    def receive(self, version: str, apply: Callable[[LocalShards], None] | None = None) -> TransferStats:
+        """Receive ``version`` (waiting for the trainer's manifest), then ``apply`` it; raises on any failure."""
+        started = time.monotonic()
+        try:
+            manifest = SyncManifest.from_json(self.client.get(manifest_key(version), timeout=self.timeout))
+            if self.layout.instance not in manifest.destinations:
+                raise ValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
+            stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
+            if apply is not None:
+                apply(self._shards)
+        except BaseException as e:
+            log.error("%s:%d failed to receive %s (%s); still serving %s", self.layout.instance, self.local_rank,
+                      version, e, self.version)
+            if self.local_rank == 0:
+                self._report(self.version)
+                try:
+                    self.client.publish_event("sync_failed", self.layout.instance, version=version, data=str(e)[:2000])
+                except Exception:  # the sync's own error is what the caller must see
+                    pass
+            raise
+        self.version = version
+        if self.local_rank == 0:
+            self._report(version)
+        log.info("%s:%d received %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
+                 stats.bytes_received, stats.seconds)
+        return stats
+
+    def _report(self, version: str | None) -> None:
+        """Tell the MetaServer which version this instance serves."""
+        try:
+            self.client.report_version(self.layout.instance, version)
+        except Exception:  # reporting must not mask the sync's own outcome
+            log.warning("could not report version %s of %s to the MetaServer", version, self.layout.instance)

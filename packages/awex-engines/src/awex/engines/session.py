@@ -1,0 +1,117 @@
+"""One sync between named engine instances: the manifest both sides agree on, and the steady-state cache.
+
+Per weight version the trainer's first rank publishes a :class:`SyncManifest` (which instances send and
+receive, where the sync group meets, bucket size, deadline). Every rank of every instance then fetches the
+manifest and the layouts, computes the plan itself, and proves through the MetaServer that all ranks computed
+the same plan before any byte moves. Plans, process groups and views are built once and reused while the
+manifest's layouts and rendezvous do not change (steady state).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from awex.meta import Layout, Plan, PlanOptions, plan_transfers
+from awex.meta.client import MetaClient
+from awex.transport import LocalShards, SyncGroup, create_sync_group, run_p2p
+from awex.transport.p2p import TransferStats
+
+log = logging.getLogger("awex.engines")
+
+
+@dataclass(frozen=True)
+class SyncManifest:
+    """What one weight version's sync involves. Published by the trainer at ``sync/<version>``."""
+
+    version: str
+    sources: tuple[str, ...]
+    destinations: tuple[str, ...]
+    host: str
+    port: int
+    bucket_bytes: int = 256 << 20
+    timeout: float = 300.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["sources"] = list(self.sources)
+        d["destinations"] = list(self.destinations)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SyncManifest:
+        try:
+            return cls(version=str(d["version"]), sources=tuple(d["sources"]), destinations=tuple(d["destinations"]),
+                       host=str(d["host"]), port=int(d["port"]), bucket_bytes=int(d["bucket_bytes"]),
+                       timeout=float(d["timeout"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed sync manifest: {e}") from None
+
+    def rendezvous(self) -> tuple:
+        return (self.host, self.port, self.sources, self.destinations)
+
+
+def manifest_key(version: str) -> str:
+    return f"sync/{version}"
+
+
+def layout_key(instance: str) -> str:
+    return f"layouts/current/{instance}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class SyncSession:
+    """One rank's side of the sync: caches what does not change between versions."""
+
+    client: MetaClient
+    instance: str
+    local_rank: int
+    _key: tuple | None = None
+    _plan: Plan | None = None
+    _group: SyncGroup | None = None
+    _layouts: dict[str, Layout] = field(default_factory=dict)
+
+    def prepare(self, manifest: SyncManifest, timeout: float) -> tuple[Plan, int, bool]:
+        """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
+
+        Returns the plan, this rank's sync rank, and whether anything was (re)built.
+        """
+        deadline = time.monotonic() + timeout
+        names = (*manifest.sources, *manifest.destinations)
+        layouts = {}
+        for name in names:
+            layouts[name] = self._layouts.get(name) or self.client.fetch_layout(name, "current", timeout=max(0.1, deadline - time.monotonic()))
+        key = (manifest.rendezvous(), manifest.bucket_bytes, tuple(id(layouts[n]) for n in names))
+        if key == self._key and self._plan is not None:
+            return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
+        plan = plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
+                              PlanOptions(bucket_bytes=manifest.bucket_bytes))
+        me = plan.rank(self.instance, self.local_rank)
+        self.client.agree(f"plan/{manifest.version}", f"{self.instance}:{self.local_rank}", plan.world_size,
+                          plan.digest, timeout=max(0.1, deadline - time.monotonic()))
+        if self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
+            self._group = create_sync_group(me.rank, plan.world_size, manifest.host, manifest.port,
+                                            timeout=max(1.0, deadline - time.monotonic()),
+                                            prefix=f"awex/{manifest.host}:{manifest.port}")
+        self._layouts = layouts
+        self._key, self._plan = key, plan
+        log.info("%s:%d planned %d buckets (digest %s), sync rank %d of %d", self.instance, self.local_rank,
+                 len(plan.schedule(me.rank)), plan.digest[:12], me.rank, plan.world_size)
+        return plan, me.rank, True
+
+    def transfer(self, manifest: SyncManifest, shards: LocalShards | Callable[[Plan], LocalShards],
+                 timeout: float) -> TransferStats:
+        started = time.monotonic()
+        plan, rank, _ = self.prepare(manifest, timeout)
+        local = shards(plan) if callable(shards) else shards
+        left = max(0.1, timeout - (time.monotonic() - started))
+        return run_p2p(plan, rank, local, self._group, timeout=left)

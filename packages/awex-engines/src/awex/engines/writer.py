@@ -1,0 +1,70 @@
+"""The trainer side: :class:`WeightsWriter` sends this rank's shards to every inference instance that needs them.
+
+    writer = WeightsWriter(client, layout, local_rank, view_of=hf_views(model))
+    writer.write("step-12", destinations=["vllm-0", "vllm-1"])   # on every trainer rank
+
+``view_of(name, box)`` returns views of the trainer's own parameters (no gather, no copy of the model);
+``awex.engines.megatron`` and ``awex.engines.hf`` provide it for Megatron-core and HF models.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from awex.meta import Box, Layout
+from awex.meta.client import MetaClient
+from awex.transport import LocalShards
+from awex.transport.p2p import TransferStats
+
+from awex.engines.session import SyncManifest, SyncSession, free_port, layout_key, manifest_key
+
+log = logging.getLogger("awex.engines")
+
+
+class WeightsWriter:
+    """One trainer rank's writer. Every trainer rank calls :meth:`write` with the same version."""
+
+    def __init__(
+        self,
+        client: MetaClient,
+        layout: Layout,
+        local_rank: int,
+        view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
+        *,
+        host: str = "127.0.0.1",
+        bucket_bytes: int = 256 << 20,
+        timeout: float = 300.0,
+    ):
+        self.client = client
+        self.layout = layout
+        self.local_rank = local_rank
+        self.host = host
+        self.bucket_bytes = bucket_bytes
+        self.timeout = timeout
+        self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
+        self._session = SyncSession(client, layout.instance, local_rank)
+        self._port: int | None = None
+        if local_rank == 0:
+            client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
+            client.publish_layout(layout, "current")
+
+    def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
+        """Send weight version ``version`` to the named inference instances; returns this rank's stats."""
+        started = time.monotonic()
+        if self.local_rank == 0:
+            if self._port is None:
+                self._port = free_port(self.host)
+            manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
+                                    self._port, self.bucket_bytes, self.timeout)
+            self.client.put(manifest_key(version), manifest.to_json())
+            self.client.publish_event("weights_ready", self.layout.instance, version=version)
+        else:
+            manifest = SyncManifest.from_json(self.client.get(manifest_key(version), timeout=self.timeout))
+        stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
+        log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
+                 stats.bytes_sent, stats.seconds)
+        return stats
