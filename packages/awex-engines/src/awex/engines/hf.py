@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from awex.meta import Box, Layout, canonical_tensors
+from awex.convert.hf import hf_views
+from awex.meta import Layout, canonical_tensors
 from awex.meta.layouts import hf_layout
 from awex.meta.spec import Role
 
@@ -22,11 +21,6 @@ def hf_model_layout(model: torch.nn.Module, role: Role | str, instance: str, dty
     return hf_layout(tensors, role, instance)
 
 
-def hf_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
-    """``view_of`` for an HF model: the box of the parameter with the canonical name (an alias, not a copy)."""
-    params = {name: p.data for name, p in model.named_parameters()}
+__all__ = ["hf_model_layout", "hf_views"]
 
-    def view_of(name: str, box: Box) -> torch.Tensor:
-        return params[name][box.slices()]
 
-    return view_of

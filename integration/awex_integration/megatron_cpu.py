@@ -1,0 +1,81 @@
+"""Build and run a Megatron-core GPTModel on CPU over gloo, shaped like an HF config (test harness)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+from awex.meta.layouts import MegatronParallel
+from awex.meta.models import ModelDims
+
+
+def init_distributed(rank: int, world: int, port: int, parallel: MegatronParallel) -> None:
+    import torch.distributed as dist
+
+    from awex_integration import megatron_cpu_patches
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    megatron_cpu_patches.apply()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+    )
+
+
+def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = torch.float32):
+    """A GPTModel (local layer spec) for this rank's pipeline stage, or the list of its VPP chunks."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from awex.meta.layouts.common import pad_to
+
+    kwargs = {}
+    if parallel.first or parallel.last:
+        kwargs.update(num_layers_in_first_pipeline_stage=parallel.first or None,
+                      num_layers_in_last_pipeline_stage=parallel.last or None)
+    config = TransformerConfig(
+        num_layers=dims.layers, hidden_size=dims.hidden, ffn_hidden_size=dims.intermediate,
+        num_attention_heads=dims.heads, num_query_groups=dims.kv_heads, kv_channels=dims.head_dim,
+        use_cpu_initialization=True, tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        params_dtype=dtype, pipeline_dtype=dtype, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.attention_bias,
+        qk_layernorm=dims.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False, **kwargs,
+    )
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    vocab = pad_to(dims.vocab, parallel.vocab_pad * parallel.tp)
+
+    def one(vp_stage=None):
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=512,
+                        pre_process=pre, post_process=post, position_embedding_type="rope", rotary_base=10000,
+                        share_embeddings_and_output_weights=dims.tie_embeddings, vp_stage=vp_stage)
+
+    if parallel.vpp > 1:
+        return [one(v) for v in range(parallel.vpp)]
+    return one()
+
+
+def coordinates(parallel: MegatronParallel) -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    seq = ids.shape[1]
+    pos = torch.arange(seq)[None]
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+    return model(input_ids=ids, position_ids=pos, attention_mask=mask)

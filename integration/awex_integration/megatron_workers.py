@@ -1,0 +1,83 @@
+"""Functions that run inside spawned Megatron ranks (importable, for multiprocessing spawn)."""
+
+from __future__ import annotations
+
+import torch
+
+from awex.convert import MegatronNames, megatron_views
+from awex.meta import canonical_tensors
+from awex.meta.layouts import MegatronParallel, megatron_layout
+from awex.meta.models import model_dims
+from awex.transport import LocalShards
+
+
+def megatron_rank(rank: int, world: int, port: int, parallel: MegatronParallel, config: dict):
+    """Initialise this Megatron rank and build its model; returns (model, dims, layout, shards, tp, pp)."""
+    from awex_integration.megatron_cpu import build_gpt, coordinates, init_distributed
+
+    init_distributed(rank, world, port, parallel)
+    dims = model_dims(config)
+    model = build_gpt(dims, parallel, getattr(torch, dims.dtype))
+    tp_rank, pp_rank = coordinates(parallel)
+    layout = megatron_layout(canonical_tensors(dims), parallel, instance="trainer")
+    shards = LocalShards.from_layout(layout, rank, megatron_views(model, dims, MegatronNames(tp_rank, pp_rank, parallel)))
+    return model, dims, layout, shards, tp_rank, pp_rank
+
+
+def load_hf_into(shards: LocalShards, hf: dict[str, torch.Tensor]) -> None:
+    """Write canonical HF tensors into this rank's native Megatron parameters through the converter's views."""
+    for name in shards.names():
+        for box, _ in shards.pairs(name):
+            shards.copy_in(name, box.offsets, box.sizes, hf[name][box.slices()])
+
+
+def check_conversion(rank: int, world: int, port: int, parallel: MegatronParallel, config: dict, model_dir: str):
+    """HF -> Megatron -> HF round trip through the views, completeness of the mapping, and logits vs HF."""
+    from safetensors.torch import load_file
+
+    from awex_integration.megatron_cpu import logits
+
+    model, dims, layout, shards, tp_rank, pp_rank = megatron_rank(rank, world, port, parallel, config)
+    chunks = model if isinstance(model, list) else [model]
+    hf = load_file(f"{model_dir}/model.safetensors")
+    if dims.tie_embeddings:
+        hf.pop("lm_head.weight", None)
+    with torch.no_grad():
+        for m in chunks:
+            for p in m.parameters():
+                p.fill_(float("nan"))
+        load_hf_into(shards, hf)
+    # every native element is reached by some canonical box, except vocabulary padding rows
+    untouched = []
+    for m in chunks:
+        for name, p in m.named_parameters():
+            nan = torch.isnan(p)
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                real = max(0, min(p.shape[0], dims.vocab - tp_rank * p.shape[0]))
+                nan = nan[:real]
+                with torch.no_grad():
+                    p[real:] = 0
+            if nan.any():
+                untouched.append(name)
+    assert not untouched, f"native parameters not covered by any canonical box: {untouched}"
+    # round trip: read back through the views, bit-exact
+    for name in shards.names():
+        for box, _ in shards.pairs(name):
+            out = torch.empty(box.sizes, dtype=hf[name].dtype)
+            shards.copy_out(name, box.offsets, box.sizes, out)
+            assert torch.equal(out, hf[name][box.slices()]), f"{name} {box} differs after the round trip"
+    result = {"rank": rank, "tp": tp_rank, "pp": pp_rank, "tensors": len(list(shards.names()))}
+    if parallel.pp == 1:
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ids = torch.tensor([[1, 5, 9, 42, 7, 3, 99, 12]])
+        with torch.no_grad():
+            want = ref(ids).logits[0]
+            got = logits(chunks[0], ids)[0]
+        block = got.shape[-1]
+        lo, hi = tp_rank * block, min((tp_rank + 1) * block, dims.vocab)
+        diff = (got[:, : hi - lo] - want[:, lo:hi]).abs().max().item()
+        assert diff < 1e-4, f"logits differ from HF by {diff}"
+        result["max_logit_diff"] = diff
+    return result

@@ -1,0 +1,136 @@
+"""Megatron-core ``GPTModel`` parameters as canonical boxes.
+
+For a rank of a Megatron job (its :class:`~awex.meta.layouts.MegatronParallel` coordinates), maps each box
+the layout gives it to views of its native parameters:
+
+================================  ===============================================================
+canonical (HF)                    Megatron-core (local spec | Transformer-Engine spec)
+================================  ===============================================================
+model.embed_tokens.weight         embedding.word_embeddings.weight (first stage);
+                                  output_layer.weight on the last stage when embeddings are tied
+lm_head.weight                    output_layer.weight
+model.norm.weight                 decoder.final_layernorm.weight
+layers.L.self_attn.{q,k,v}_proj   decoder.layers.l.self_attention.linear_qkv.{weight,bias}: per query
+                                  group [q heads | k | v]; a rank's q box is one piece per local group
+layers.L.self_attn.o_proj         ...self_attention.linear_proj.weight
+layers.L.self_attn.{q,k}_norm     ...self_attention.{q,k}_layernorm.weight
+layers.L.mlp.{gate,up}_proj       ...mlp.linear_fc1.weight = [gate shard; up shard]
+layers.L.mlp.down_proj            ...mlp.linear_fc2.weight
+layers.L.input_layernorm          ...input_layernorm.weight | ...linear_qkv.layer_norm_weight
+layers.L.post_attention_layernorm ...pre_mlp_layernorm.weight | ...linear_fc1.layer_norm_weight
+================================  ===============================================================
+
+``l`` is the layer's index inside its (virtual) pipeline chunk. ``_extra_state`` entries are ignored. Only
+torch is needed (the model is addressed through ``named_parameters``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from awex.meta import Box
+from awex.meta.layouts import MegatronParallel
+from awex.meta.layouts.megatron import pipeline_stages
+from awex.meta.models import ModelDims
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class MegatronNames:
+    """Where this rank sits in the Megatron job (what the converter needs beyond the model)."""
+
+    tp_rank: int
+    pp_rank: int
+    parallel: MegatronParallel
+
+
+def _chunk_layers(dims: ModelDims, p: MegatronParallel, pp_rank: int) -> list[list[int]]:
+    """Global layer indices of each virtual chunk this pipeline stage holds, in chunk order."""
+    stage = pipeline_stages(dims.layers, p)
+    mine = [layer for layer in range(dims.layers) if stage(layer) == pp_rank]
+    if p.vpp == 1:
+        return [mine]
+    per = dims.layers // (p.pp * p.vpp)
+    return [[layer for layer in mine if layer // per == v * p.pp + pp_rank] for v in range(p.vpp)]
+
+
+def megatron_views(
+    model: torch.nn.Module | Sequence[torch.nn.Module], dims: ModelDims, where: MegatronNames
+) -> Callable[[str, Box], torch.Tensor | list[tuple[Box, torch.Tensor]]]:
+    """``view_of(name, box)`` for one Megatron rank; ``model`` is the GPTModel or its list of VPP chunks."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    p = where.parallel
+    params = [{n: t.data for n, t in m.named_parameters()} for m in chunks]
+    layer_home: dict[int, tuple[int, int]] = {}
+    for v, layers in enumerate(_chunk_layers(dims, p, where.pp_rank)):
+        for local, layer in enumerate(layers):
+            layer_home[layer] = (v, local)
+    if len(chunks) != max(1, p.vpp):
+        raise ValueError(f"megatron: expected {p.vpp} model chunk(s), got {len(chunks)}")
+    groups_local = dims.kv_heads // p.tp
+    per_group_q = dims.heads // dims.kv_heads * dims.head_dim
+    group_rows = per_group_q + 2 * dims.head_dim
+
+    def find(chunk: int, *candidates: str) -> torch.Tensor:
+        for c in candidates:
+            if c in params[chunk]:
+                return params[chunk][c]
+        raise KeyError(f"no Megatron parameter {' or '.join(candidates)}")
+
+    def rows_from_zero(native: torch.Tensor, box: Box) -> torch.Tensor:
+        return native[: box.sizes[0]]  # vocabulary shards: real rows first, padding after
+
+    def qkv_pieces(native: torch.Tensor, box: Box, part: str) -> list[tuple[Box, torch.Tensor]]:
+        rows = per_group_q if part == "q" else dims.head_dim
+        skip = {"q": 0, "k": per_group_q, "v": per_group_q + dims.head_dim}[part]
+        first_group = box.offsets[0] // rows
+        pieces = []
+        for j in range(groups_local):
+            sub = Box((box.offsets[0] + j * rows,) + box.offsets[1:], (rows,) + box.sizes[1:])
+            start = j * group_rows + skip
+            pieces.append((sub, native[start:start + rows]))
+        if box.sizes[0] != groups_local * rows or first_group != where.tp_rank * groups_local:
+            raise ValueError(f"megatron: {part} box {box} does not match rank {where.tp_rank}'s query groups")
+        return pieces
+
+    def view_of(name: str, box: Box):
+        if name == "model.embed_tokens.weight":
+            if where.pp_rank == 0:
+                return rows_from_zero(find(0, "embedding.word_embeddings.weight"), box)
+            return rows_from_zero(find(len(chunks) - 1, "output_layer.weight"), box)  # tied copy, last stage
+        if name == "lm_head.weight":
+            return rows_from_zero(find(len(chunks) - 1, "output_layer.weight"), box)
+        if name == "model.norm.weight":
+            return find(len(chunks) - 1, "decoder.final_layernorm.weight")
+        m = _LAYER.match(name)
+        if not m or int(m.group(1)) not in layer_home:
+            raise KeyError(name)
+        chunk, local = layer_home[int(m.group(1))]
+        rest = m.group(2)
+        pre = f"decoder.layers.{local}."
+        if rest.startswith("self_attn.") and rest[10:11] in "qkv" and rest[11:17] == "_proj.":
+            suffix = rest[17:]  # weight | bias
+            native = find(chunk, pre + "self_attention.linear_qkv." + suffix)
+            return qkv_pieces(native, box, rest[10])
+        if rest == "self_attn.o_proj.weight":
+            return find(chunk, pre + "self_attention.linear_proj.weight")
+        if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            return find(chunk, pre + f"self_attention.{rest[10]}_layernorm.weight")
+        if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            fc1 = find(chunk, pre + "mlp.linear_fc1.weight")
+            half = fc1.shape[0] // 2
+            return fc1[:half] if rest.startswith("mlp.gate") else fc1[half:]
+        if rest == "mlp.down_proj.weight":
+            return find(chunk, pre + "mlp.linear_fc2.weight")
+        if rest == "input_layernorm.weight":
+            return find(chunk, pre + "input_layernorm.weight", pre + "self_attention.linear_qkv.layer_norm_weight")
+        if rest == "post_attention_layernorm.weight":
+            return find(chunk, pre + "pre_mlp_layernorm.weight", pre + "mlp.linear_fc1.layer_norm_weight")
+        raise KeyError(f"{name}: no Megatron mapping (MoE experts and routers come with the MoE work)")
+
+    return view_of
