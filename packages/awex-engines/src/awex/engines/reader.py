@@ -42,6 +42,7 @@ class WeightsReader:
         self.local_rank = local_rank
         self.timeout = timeout
         self.version: str | None = None
+        self.last_validation = None
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)
         self._session = SyncSession(client, layout.instance, local_rank)
         if publish and local_rank == 0:
@@ -52,14 +53,36 @@ class WeightsReader:
     def shards(self) -> LocalShards:
         return self._shards
 
-    def receive(self, version: str, apply: Callable[[LocalShards], None] | None = None) -> TransferStats:
-        """Receive ``version`` (waiting for the trainer's manifest), then ``apply`` it; raises on any failure."""
+    def receive(
+        self,
+        version: str,
+        apply: Callable[[LocalShards], None] | None = None,
+        validate: str | None = None,
+        strict: bool = False,
+    ) -> TransferStats:
+        """Receive ``version`` (waiting for the trainer's manifest), then ``apply`` it; raises on any failure.
+
+        ``validate``: an HF safetensors checkpoint to compare every received tensor with, before applying;
+        the report is published at ``validation/<version>/<instance>:<rank>``; with ``strict`` a mismatch
+        raises :class:`~awex.engines.validation.ValidationError` and nothing is applied.
+        """
         started = time.monotonic()
         try:
             manifest = SyncManifest.from_json(self.client.get(manifest_key(version), timeout=self.timeout))
             if self.layout.instance not in manifest.destinations:
                 raise ValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
             stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
+            if validate:
+                from awex.engines.validation import load_checkpoint, validate_shards
+
+                report = validate_shards(self._shards, load_checkpoint(validate), strict=False)
+                self.last_validation = report
+                self.client.put(f"validation/{version}/{self.layout.instance}:{self.local_rank}", report.to_json())
+                if strict and report.tensors_mismatched:
+                    from awex.engines.validation import ValidationError
+
+                    raise ValidationError(f"{report.tensors_mismatched} of {report.tensors_checked} received tensors "
+                                          f"differ from {validate}: {report.to_json()['mismatched'][:10]}")
             if apply is not None:
                 apply(self._shards)
         except BaseException as e:

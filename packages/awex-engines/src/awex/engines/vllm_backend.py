@@ -60,10 +60,12 @@ class AwexInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class AwexUpdateInfo(WeightTransferUpdateInfo):
-    """Which weight version to receive."""
+    """Which weight version to receive, and optionally a checkpoint to validate it against."""
 
     version: str
     timeout: float | None = None
+    validate: str | None = None  # HF safetensors checkpoint: compare every received tensor with it
+    strict: bool = False  # with validate: a mismatch is an error and the version is not applied
 
 
 def engine_layout(vllm_config, instance: str):
@@ -117,7 +119,8 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             raise RuntimeError("awex backend: call init_weight_transfer_engine first")
         if update_info.timeout:
             self.reader.timeout = update_info.timeout
-        self.reader.receive(update_info.version, apply=self._load_through_vllm)
+        self.reader.receive(update_info.version, apply=self._load_through_vllm, validate=update_info.validate,
+                            strict=update_info.strict)
 
     def _load_through_vllm(self, shards: LocalShards) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload

@@ -1,0 +1,224 @@
+"""Scenario runner: a trainer layout x an inference layout x a transport x a model, for N RL-like steps.
+
+    python -m awex_integration.scenario --trainer megatron --train-tp 2 --inference vllm --infer-tp 1 \\
+        --instances 1 --model-config integration/models/qwen2-tiny.json --dtype float32 --steps 3
+
+Per step the trainer ranks change every weight (a seeded update, identical on every replica), sync to every
+inference instance, and the runner checks: every received tensor equals the expected weights bit for bit
+(validated against a reference checkpoint written for the check, not for the sync), and each instance's greedy
+output equals an HF transformers model loaded with the same weights. The last line of output is one JSON
+object: ok, steps, bytes, sync_seconds, tensors_checked, tensors_mismatched, greedy_match, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from awex.meta.client import MetaClient
+from awex.meta.layouts import MegatronParallel
+from awex.meta.server import start_embedded
+
+from awex_integration.spawn import free_port
+from awex_integration.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model
+from awex_integration.trainer_main import canonical_delta, trainer_rank
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "qwen2-tiny.json"
+log = logging.getLogger("awex.scenario")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scenario", description=__doc__.splitlines()[0])
+    p.add_argument("--trainer", choices=["megatron", "hf"], default="megatron")
+    p.add_argument("--train-tp", type=int, default=1)
+    p.add_argument("--train-pp", type=int, default=1)
+    p.add_argument("--train-dp", type=int, default=1)
+    p.add_argument("--train-vpp", type=int, default=1)
+    p.add_argument("--inference", choices=["vllm", "hf"], default="vllm")
+    p.add_argument("--infer-tp", type=int, default=1)
+    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--transport", choices=["gloo"], default="gloo")
+    p.add_argument("--model-config", default=str(DEFAULT_MODEL), help="an HF config.json of a supported architecture")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=180.0)
+    p.add_argument("--workdir", default=None, help="where to make the model (default: a temporary folder)")
+    return p.parse_args(argv)
+
+
+class VllmInstance:
+    """A vLLM engine (CPU build) with the awex backend, driven offline."""
+
+    def __init__(self, name: str, model_dir: Path, tp: int, dtype: str, meta: dict, cpu: str):
+        from vllm import LLM, SamplingParams
+        from vllm.config import WeightTransferConfig
+
+        self.name = name
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu
+        self.llm = LLM(model=str(model_dir), tensor_parallel_size=tp, dtype=dtype, enforce_eager=True,
+                       max_model_len=256, seed=0, kv_cache_memory_bytes=128 << 20,
+                       weight_transfer_config=WeightTransferConfig(backend="awex"))
+        self.params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        self.llm.init_weight_transfer_engine({"init_info": {**meta, "instance": name}})
+
+    def sync(self, version: str, reference: Path | None) -> None:
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"version": version, "validate": str(reference) if reference else None}})
+        self.llm.finish_weight_update(weight_version=version)
+
+    def greedy(self) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in self.llm.generate(PROMPTS, self.params, use_tqdm=False)]
+
+
+class HfInstance:
+    """An HF model receiving in place (a reference receiver, or an HF-based rollout worker)."""
+
+    def __init__(self, name: str, model_dir: Path, dtype: str, meta: dict):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from awex.engines.hf import hf_model_layout, hf_views
+        from awex.engines.reader import WeightsReader
+
+        self.name = name
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        client = MetaClient(meta["meta_address"], job=meta["job"], token=meta["token"], timeout=meta["timeout"])
+        self.reader = WeightsReader(client, hf_model_layout(self.model, "inference", name), 0, hf_views(self.model),
+                                    timeout=meta["timeout"])
+
+    def sync(self, version: str, reference: Path | None) -> None:
+        with torch.no_grad():
+            self.reader.receive(version, validate=str(reference) if reference else None)
+
+    def greedy(self) -> list[list[int]]:
+        return hf_greedy(self.model, self.tok)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = load_json(args.model_config)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="awex-scenario-"))
+    model_dir = make_tiny_model(work / "model", config, dtype=args.dtype)
+    config = load_json(model_dir / "config.json")
+    token = secrets.token_hex(8)
+    server = start_embedded(token=token)
+    meta = {"meta_address": server.address, "job": "scenario", "token": token, "timeout": args.timeout}
+    client = MetaClient(server.address, job="scenario", token=token, timeout=args.timeout)
+    names = [f"{args.inference}-{i}" for i in range(args.instances)]
+    instances = []
+    for i, name in enumerate(names):
+        if args.inference == "vllm":
+            cpus = "|".join(str(c % max(1, os.cpu_count() or 1)) for c in range(i * args.infer_tp, (i + 1) * args.infer_tp))
+            instances.append(VllmInstance(name, model_dir, args.infer_tp, args.dtype, meta, cpus))
+        else:
+            instances.append(HfInstance(name, model_dir, args.dtype, meta))
+
+    parallel = MegatronParallel(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, vpp=args.train_vpp,
+                                vocab_pad=128)
+    world = parallel.world_size if args.trainer == "megatron" else 1
+    port = free_port()
+    trainer_meta = {"address": server.address, "job": "scenario", "token": token}
+    from awex_integration.spawn import run_processes
+
+    trainer_out: dict = {}
+    trainer_thread = threading.Thread(target=lambda: trainer_out.update(run_processes(
+        [(r, trainer_rank, (args.trainer, r, world, port, parallel, config, str(model_dir), trainer_meta, names,
+                            args.steps, args.timeout)) for r in range(world)], timeout=args.timeout * (args.steps + 2))))
+    trainer_thread.start()
+
+    ready, after = 0, 0
+    while ready < world:  # time syncs, not trainer start-up
+        after = client.wait_event("trainer_ready", after=after, timeout=args.timeout)["seq"]
+        ready += 1
+    reference = {k: v.clone() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    results = {"ok": True, "steps": args.steps, "bytes": [], "sync_seconds": [], "tensors_checked": 0,
+               "tensors_mismatched": 0, "greedy_match": True, "per_step": []}
+    for step in range(1, args.steps + 1):
+        version = f"step-{step}"
+        for name, t in reference.items():  # expected weights after this step (same arithmetic as the trainer)
+            reference[name] = (t.float() + canonical_delta(name, tuple(t.shape), step)).to(t.dtype)
+        ref_dir = work / f"reference-{step}"
+        ref_dir.mkdir(exist_ok=True)
+        save_file(reference, str(ref_dir / "model.safetensors"))
+        seq = client.publish_event("step", "scenario", version=version)
+        started = time.monotonic()
+        errors: list = []
+        threads = [threading.Thread(target=_catching(errors, inst.sync, version, ref_dir)) for inst in instances]
+        [t.start() for t in threads]
+        [t.join(args.timeout + 30) for t in threads]
+        seconds = time.monotonic() - started
+        if errors:
+            results.update(ok=False, error=f"{version}: {errors[0]}")
+            break
+        sent = [client.wait_event("trainer_sent", after=seq, version=version, timeout=args.timeout)]
+        after = sent[0]["seq"]
+        while len(sent) < world:
+            sent.append(e := client.wait_event("trainer_sent", after=after, version=version, timeout=args.timeout))
+            after = e["seq"]
+        nbytes = sum(e["data"]["bytes"] for e in sent)
+        checked = mismatched = 0
+        for key in client.keys(f"validation/{version}/"):
+            report = client.get(key)
+            checked += report["tensors_checked"]
+            mismatched += report["tensors_mismatched"]
+        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        ref_model.load_state_dict(reference, strict=False)
+        if config.get("tie_word_embeddings"):
+            ref_model.tie_weights()
+        want = hf_greedy(ref_model, tok)
+        match = all(inst.greedy() == want for inst in instances)
+        results["bytes"].append(nbytes)
+        results["sync_seconds"].append(round(seconds, 4))
+        results["tensors_checked"] += checked
+        results["tensors_mismatched"] += mismatched
+        results["greedy_match"] = results["greedy_match"] and match
+        results["per_step"].append({"version": version, "bytes": nbytes, "sync_seconds": round(seconds, 4),
+                                    "tensors_checked": checked, "tensors_mismatched": mismatched, "greedy_match": match})
+        print(f"{version}: {nbytes:,} bytes to {len(instances)} instance(s) in {seconds:.3f} s; tensors checked "
+              f"{checked}, mismatched {mismatched}; greedy output == HF reference: {match}", flush=True)
+    trainer_thread.join(args.timeout + 30)
+    bad = {k: v for k, v in trainer_out.items() if v[0] != "ok"}
+    if bad:
+        results["ok"] = False
+        results["trainer_errors"] = {str(k): str(v[1])[-2000:] for k, v in bad.items()}
+    results["ok"] = bool(results["ok"] and results["tensors_mismatched"] == 0 and results["tensors_checked"] > 0
+                         and (results["greedy_match"] or args.dtype != "float32"))
+    results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
+    server.stop()
+    return results
+
+
+def _catching(errors: list, fn, *args):
+    def run_it():
+        try:
+            fn(*args)
+        except Exception as e:  # reported in the result
+            errors.append(f"{type(e).__name__}: {e}")
+
+    return run_it
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    results = run(args)
+    print(json.dumps(results, sort_keys=True), flush=True)
+    return 0 if results["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

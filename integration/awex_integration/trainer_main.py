@@ -1,0 +1,84 @@
+"""A trainer rank of a scenario (runs in a spawned process): holds weights, takes 'RL steps', syncs each."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import torch
+
+from awex.meta import Box
+from awex.meta.client import MetaClient
+from awex.meta.layouts import MegatronParallel
+from awex.transport import LocalShards
+
+
+def canonical_delta(name: str, shape: tuple[int, ...], step: int, scale: float = 0.02) -> torch.Tensor:
+    """The update an 'RL step' applies to a canonical tensor: the same on every rank that holds a piece."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 7919 + step)
+    return scale * torch.randn(shape, generator=g, dtype=torch.float32)
+
+
+def apply_step(shards: LocalShards, specs: dict, step: int) -> None:
+    """Add this step's delta to every box this rank holds (read, add, write back through the views)."""
+    for name in shards.names():
+        spec = specs[name]
+        delta = canonical_delta(name, spec.shape, step)
+        for box in _boxes(shards, name):
+            cur = torch.empty(box.sizes, dtype=shards.pairs(name)[0][1].dtype)
+            shards.copy_out(name, box.offsets, box.sizes, cur)
+            shards.copy_in(name, box.offsets, box.sizes, (cur.float() + delta[box.slices()]).to(cur.dtype))
+
+
+def _boxes(shards: LocalShards, name: str) -> list[Box]:
+    return [box for box, _ in shards.pairs(name)]
+
+
+def trainer_rank(kind: str, rank: int, world: int, port: int, parallel: MegatronParallel | None, config: dict,
+                 model_dir: str, meta: dict, destinations: list[str], steps: int, timeout: float) -> dict:
+    """Run one trainer rank for ``steps`` steps; returns per-step bytes sent and seconds."""
+    from safetensors.torch import load_file
+
+    from awex.engines.writer import WeightsWriter
+
+    client = MetaClient(meta["address"], job=meta["job"], token=meta["token"], timeout=timeout)
+    hf = load_file(f"{model_dir}/model.safetensors")
+    if kind == "megatron":
+        from awex_integration.megatron_workers import load_hf_into, megatron_rank
+
+        model, dims, layout, shards, _, _ = megatron_rank(rank, world, port, parallel, config)
+        with torch.no_grad():
+            load_hf_into(shards, hf)
+        from awex.convert import MegatronNames, megatron_views
+        from megatron.core import parallel_state
+
+        where = MegatronNames(parallel_state.get_tensor_model_parallel_rank(),
+                              parallel_state.get_pipeline_model_parallel_rank(), parallel)
+        writer = WeightsWriter(client, layout, rank, megatron_views(model, dims, where), timeout=timeout)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from awex.engines.hf import hf_model_layout, hf_views
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, str(next(iter(hf.values())).dtype).removeprefix("torch."))).eval()
+        layout = hf_model_layout(model, "trainer", "trainer")
+        writer = WeightsWriter(client, layout, 0, hf_views(model), timeout=timeout)
+    shards = writer._shards
+    specs = {t.spec.name: t.spec for t in layout.tensors}
+    out = []
+    seq = 0
+    client.publish_event("trainer_ready", f"trainer:{rank}")
+    for step in range(1, steps + 1):
+        event = client.wait_event("step", after=seq, timeout=timeout)
+        seq = event["seq"]
+        if (event.get("data") or {}).get("die") == rank:
+            import os
+
+            os._exit(7)  # a trainer rank dying mid-sync (fault scenario)
+        with torch.no_grad():
+            apply_step(shards, specs, step)
+        started = time.monotonic()
+        stats = writer.write(f"step-{step}", destinations)
+        out.append({"step": step, "bytes_sent": stats.bytes_sent, "seconds": time.monotonic() - started})
+        client.publish_event("trainer_sent", f"trainer:{rank}", version=f"step-{step}", data={"bytes": stats.bytes_sent})
+    return {"rank": rank, "steps": out}
