@@ -63,9 +63,11 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
                         pre_process=pre, post_process=post, position_embedding_type="rope", rotary_base=10000,
                         share_embeddings_and_output_weights=dims.tie_embeddings, vp_stage=vp_stage)
 
+    # Without Transformer Engine or Apex, Megatron's torch norms keep fp32 weights; TE keeps every parameter
+    # in params_dtype, which is what RL trainers run: match it.
     if parallel.vpp > 1:
-        return [one(v) for v in range(parallel.vpp)]
-    return one()
+        return [one(v).to(dtype) for v in range(parallel.vpp)]
+    return one().to(dtype)
 
 
 def coordinates(parallel: MegatronParallel) -> tuple[int, int]:

@@ -54,6 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--workdir", default=None, help="where to make the model (default: a temporary folder)")
+    p.add_argument("--infer-model-config", default=None,
+                   help="give the receivers a different model (bad-input check: the sync must refuse it)")
+    p.add_argument("--fail-rank", type=int, default=None, help="fault check: this trainer rank dies ...")
+    p.add_argument("--fail-step", type=int, default=None, help="... at the start of this step's sync")
     return p.parse_args(argv)
 
 
@@ -113,6 +117,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="awex-scenario-"))
     model_dir = make_tiny_model(work / "model", config, dtype=args.dtype)
     config = load_json(model_dir / "config.json")
+    infer_dir = model_dir
+    if args.infer_model_config:
+        infer_dir = make_tiny_model(work / "infer-model", load_json(args.infer_model_config), dtype=args.dtype)
     token = secrets.token_hex(8)
     server = start_embedded(token=token)
     meta = {"meta_address": server.address, "job": "scenario", "token": token, "timeout": args.timeout}
@@ -122,9 +129,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for i, name in enumerate(names):
         if args.inference == "vllm":
             cpus = "|".join(str(c % max(1, os.cpu_count() or 1)) for c in range(i * args.infer_tp, (i + 1) * args.infer_tp))
-            instances.append(VllmInstance(name, model_dir, args.infer_tp, args.dtype, meta, cpus))
+            instances.append(VllmInstance(name, infer_dir, args.infer_tp, args.dtype, meta, cpus))
         else:
-            instances.append(HfInstance(name, model_dir, args.dtype, meta))
+            instances.append(HfInstance(name, infer_dir, args.dtype, meta))
 
     parallel = MegatronParallel(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, vpp=args.train_vpp,
                                 vocab_pad=128)
@@ -139,22 +146,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             args.steps, args.timeout)) for r in range(world)], timeout=args.timeout * (args.steps + 2))))
     trainer_thread.start()
 
-    ready, after = 0, 0
-    while ready < world:  # time syncs, not trainer start-up
-        after = client.wait_event("trainer_ready", after=after, timeout=args.timeout)["seq"]
-        ready += 1
+    wait_trainers(client, "trainer_ready", None, world, 0, args.timeout)  # time syncs, not trainer start-up
     reference = {k: v.clone() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     tok = AutoTokenizer.from_pretrained(model_dir)
     results = {"ok": True, "steps": args.steps, "bytes": [], "sync_seconds": [], "tensors_checked": 0,
                "tensors_mismatched": 0, "greedy_match": True, "per_step": []}
+    previous = [inst.greedy() for inst in instances]
     for step in range(1, args.steps + 1):
         version = f"step-{step}"
+        previous_reference = {k: v.clone() for k, v in reference.items()}
         for name, t in reference.items():  # expected weights after this step (same arithmetic as the trainer)
             reference[name] = (t.float() + canonical_delta(name, tuple(t.shape), step)).to(t.dtype)
         ref_dir = work / f"reference-{step}"
         ref_dir.mkdir(exist_ok=True)
         save_file(reference, str(ref_dir / "model.safetensors"))
-        seq = client.publish_event("step", "scenario", version=version)
+        fault = args.fail_step == step
+        seq = client.publish_event("step", "scenario", version=version,
+                                   data={"die": args.fail_rank} if fault else None)
         started = time.monotonic()
         errors: list = []
         threads = [threading.Thread(target=_catching(errors, inst.sync, version, ref_dir)) for inst in instances]
@@ -162,13 +170,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         [t.join(args.timeout + 30) for t in threads]
         seconds = time.monotonic() - started
         if errors:
-            results.update(ok=False, error=f"{version}: {errors[0]}")
+            results.update(ok=False, error=f"{version}: {errors[0]}", failed_step=step,
+                           error_seconds=round(seconds, 3), errors=errors)
+            # the receivers must keep serving the previous version, and say so
+            results["kept_previous_output"] = all(inst.greedy() == prev for inst, prev in zip(instances, previous))
+            results["reported_versions"] = {p["name"]: p["weight_version"]
+                                            for p in client.status()["jobs"]["scenario"]["participants"]
+                                            if p["role"] == "inference"}
+            if fault:
+                reference = previous_reference
             break
-        sent = [client.wait_event("trainer_sent", after=seq, version=version, timeout=args.timeout)]
-        after = sent[0]["seq"]
-        while len(sent) < world:
-            sent.append(e := client.wait_event("trainer_sent", after=after, version=version, timeout=args.timeout))
-            after = e["seq"]
+        sent = wait_trainers(client, "trainer_sent", version, world, seq, args.timeout)
         nbytes = sum(e["data"]["bytes"] for e in sent)
         checked = mismatched = 0
         for key in client.keys(f"validation/{version}/"):
@@ -180,7 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if config.get("tie_word_embeddings"):
             ref_model.tie_weights()
         want = hf_greedy(ref_model, tok)
-        match = all(inst.greedy() == want for inst in instances)
+        previous = [inst.greedy() for inst in instances]
+        match = all(out == want for out in previous)
         results["bytes"].append(nbytes)
         results["sync_seconds"].append(round(seconds, 4))
         results["tensors_checked"] += checked
@@ -190,16 +203,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     "tensors_checked": checked, "tensors_mismatched": mismatched, "greedy_match": match})
         print(f"{version}: {nbytes:,} bytes to {len(instances)} instance(s) in {seconds:.3f} s; tensors checked "
               f"{checked}, mismatched {mismatched}; greedy output == HF reference: {match}", flush=True)
+    if "failed_step" in results:
+        client.publish_event("step", "scenario", data={"die": -1, "abort": True})
     trainer_thread.join(args.timeout + 30)
     bad = {k: v for k, v in trainer_out.items() if v[0] != "ok"}
     if bad:
         results["ok"] = False
         results["trainer_errors"] = {str(k): str(v[1])[-2000:] for k, v in bad.items()}
+    if "failed_step" in results:
+        server.stop()
+        results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
+        return results
     results["ok"] = bool(results["ok"] and results["tensors_mismatched"] == 0 and results["tensors_checked"] > 0
                          and (results["greedy_match"] or args.dtype != "float32"))
     results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
     server.stop()
     return results
+
+
+def wait_trainers(client: MetaClient, kind: str, version: str | None, count: int, after: int, timeout: float) -> list:
+    """Wait for ``count`` trainer events of ``kind``; a ``trainer_failed`` event raises at once."""
+    deadline = time.monotonic() + timeout
+    found = []
+    while len(found) < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(found)} of {count} trainer ranks sent {kind!r} within {timeout:g} s")
+        for e in client.events(after, timeout=left):
+            after = max(after, e["seq"])
+            if e["kind"] == "trainer_failed":
+                raise RuntimeError(f"{e['source']} failed: {e['data']}")
+            if e["kind"] == kind and (version is None or e.get("version") == version):
+                found.append(e)
+    return found
 
 
 def _catching(errors: list, fn, *args):

@@ -34,7 +34,20 @@ def _boxes(shards: LocalShards, name: str) -> list[Box]:
     return [box for box, _ in shards.pairs(name)]
 
 
-def trainer_rank(kind: str, rank: int, world: int, port: int, parallel: MegatronParallel | None, config: dict,
+def trainer_rank(*args) -> dict:
+    """Run :func:`trainer_body`, announcing a failure on the MetaServer so the driver stops waiting at once."""
+    meta = args[7]
+    try:
+        return trainer_body(*args)
+    except BaseException as e:
+        try:
+            client = MetaClient(meta["address"], job=meta["job"], token=meta["token"], timeout=10)
+            client.publish_event("trainer_failed", f"trainer:{args[1]}", data=f"{type(e).__name__}: {e}"[:2000])
+        finally:
+            raise
+
+
+def trainer_body(kind: str, rank: int, world: int, port: int, parallel: MegatronParallel | None, config: dict,
                  model_dir: str, meta: dict, destinations: list[str], steps: int, timeout: float) -> dict:
     """Run one trainer rank for ``steps`` steps; returns per-step bytes sent and seconds."""
     from safetensors.torch import load_file
@@ -71,6 +84,8 @@ def trainer_rank(kind: str, rank: int, world: int, port: int, parallel: Megatron
     for step in range(1, steps + 1):
         event = client.wait_event("step", after=seq, timeout=timeout)
         seq = event["seq"]
+        if (event.get("data") or {}).get("abort"):
+            break
         if (event.get("data") or {}).get("die") == rank:
             import os
 

