@@ -76,7 +76,7 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, str(next(iter(hf.values())).dtype).removeprefix("torch."))).eval()
         layout = hf_model_layout(model, "trainer", "trainer")
         writer = WeightsWriter(client, layout, 0, hf_views(model), timeout=timeout)
-    shards = writer._shards
+    shards = writer.shards
     specs = {t.spec.name: t.spec for t in layout.tensors}
     out = []
     seq = 0

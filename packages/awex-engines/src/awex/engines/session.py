@@ -70,7 +70,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class SyncSession:
-    """One rank's side of the sync: caches what does not change between versions."""
+    """One rank's side of the sync: caches what does not change between versions.
+
+    Layouts are fetched once per session: an engine whose layout changes (resharding, a new instance) makes a
+    new writer or reader.
+    """
 
     client: MetaClient
     instance: str

@@ -52,6 +52,11 @@ class WeightsWriter:
             client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
             client.publish_layout(layout, "current")
 
+    @property
+    def shards(self) -> LocalShards:
+        """This rank's views (what it sends)."""
+        return self._shards
+
     def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
         """Send weight version ``version`` to the named inference instances; returns this rank's stats."""
         started = time.monotonic()
