@@ -7,7 +7,6 @@ import zlib
 
 import torch
 
-from awex.meta import Box
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel
 from awex.transport import LocalShards
@@ -24,14 +23,10 @@ def apply_step(shards: LocalShards, specs: dict, step: int) -> None:
     for name in shards.names():
         spec = specs[name]
         delta = canonical_delta(name, spec.shape, step)
-        for box in _boxes(shards, name):
-            cur = torch.empty(box.sizes, dtype=shards.pairs(name)[0][1].dtype)
+        for box, view in shards.pairs(name):
+            cur = torch.empty(box.sizes, dtype=view.dtype)
             shards.copy_out(name, box.offsets, box.sizes, cur)
             shards.copy_in(name, box.offsets, box.sizes, (cur.float() + delta[box.slices()]).to(cur.dtype))
-
-
-def _boxes(shards: LocalShards, name: str) -> list[Box]:
-    return [box for box, _ in shards.pairs(name)]
 
 
 def trainer_rank(*args) -> dict:

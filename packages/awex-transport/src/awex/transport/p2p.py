@@ -62,12 +62,12 @@ def run_p2p(plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, timeou
     steps = plan.schedule(rank)
     dtypes = [torch_dtype(t.dtype) for t in plan.tensors]
     names = [t.name for t in plan.tensors]
-    size = max((bucket_offsets(s.bucket)[1] for s in steps), default=0)
+    layouts = [bucket_offsets(s.bucket) for s in steps]  # (offsets, size) per step, computed once
+    size = max((n for _, n in layouts), default=0)
     staging = torch.empty(size, dtype=torch.uint8, device=shards.device)
     stats = TransferStats()
-    for step in steps:
+    for step, (offsets, nbytes) in zip(steps, layouts):
         bucket = step.bucket
-        offsets, nbytes = bucket_offsets(bucket)
         buf = staging[:nbytes]
         what = f"rank {rank}: {step.op} of {nbytes} bytes {'to' if step.op == 'send' else 'from'} rank {step.peer} (round {bucket.round})"
         if step.op == "send":
