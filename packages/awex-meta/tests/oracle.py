@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from awex.meta import Layout, Plan
+from awex.meta.plan import RELAY_LAG
 
 
 def elements(offsets, sizes):
@@ -27,12 +28,19 @@ def check_plan_by_elements(plan: Plan, sources: list[Layout], destinations: list
         return out
 
     received: dict[tuple[int, str], list] = {}
-    for bucket in plan.buckets:
+    arrival: dict[tuple[int, str, tuple], int] = {}  # element -> wave it reached a destination
+    for bucket in sorted(plan.buckets, key=lambda b: b.wave):
         assert sum(t.nbytes for t in bucket.transfers) == bucket.nbytes
         for t in bucket.transfers:
             cells = list(elements(t.offsets, t.sizes))
             assert t.nbytes == len(cells) * plan.tensors[t.tensor].itemsize
             assert set(cells) <= holds(bucket.src, name[t.tensor]), "sender does not hold what it sends"
+            if plan.ranks[bucket.src].role.value == "inference":  # a relay: it must have received them before
+                for c in cells:
+                    assert arrival.get((bucket.src, name[t.tensor], c), 1 << 30) <= bucket.wave - RELAY_LAG, \
+                        "a destination relays data before it arrived"
+            for c in cells:
+                arrival[(bucket.dst, name[t.tensor], c)] = bucket.wave
             received.setdefault((bucket.dst, name[t.tensor]), []).extend(cells)
 
     for r in plan.ranks:

@@ -42,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_plan.add_argument("--inference", action="append", required=True, metavar="SPEC",
                         help="inference layout, e.g. vllm:tp=8,ep=8,instances=16 or hf:instances=2 (repeatable)")
     p_plan.add_argument("--dtype", default=None, help="override the config's dtype for every tensor")
-    p_plan.add_argument("--bucket-mb", type=float, default=256.0, help="bucket size per peer pair (default 256)")
+    p_plan.add_argument("--wave-mb", type=float, default=256.0,
+                        help="bytes a rank sends plus receives per wave, in MiB (default 256; staging is about twice)")
+    p_plan.add_argument("--no-relay", action="store_true", help="never let destinations forward regions")
     p_plan.add_argument("--split-mb", type=float, default=16.0,
                         help="smallest part when a piece is spread over replicas (default 16)")
     p_plan.add_argument("--link-gbps", type=float, default=None,
@@ -125,7 +127,8 @@ def _plan(args: argparse.Namespace) -> int:
         spec = parse_engine_spec(text)
         prefix = spec.engine if len(args.inference) == 1 else f"{spec.engine}{i}"
         destinations += layouts_for(spec, tensors, "inference", prefix=prefix)
-    options = PlanOptions(bucket_bytes=int(args.bucket_mb * (1 << 20)), split_bytes=int(args.split_mb * (1 << 20)))
+    options = PlanOptions(wave_bytes=int(args.wave_mb * (1 << 20)), split_bytes=int(args.split_mb * (1 << 20)),
+                          relay=not args.no_relay)
     plan = plan_transfers(sources, destinations, options)
     summary = plan.summary()
     summary["model"] = dims.architecture
@@ -149,7 +152,7 @@ def _plan(args: argparse.Namespace) -> int:
         summary["link_gbps"] = args.link_gbps
         summary["lower_bound_seconds"] = round(summary["lower_bound_bytes"] / bw, 4)
         summary["busiest_rank_seconds"] = round(max(summary["max_rank_send_bytes"], summary["max_rank_recv_bytes"]) / bw, 4)
-        summary["estimated_seconds"] = round(_round_schedule_seconds(plan, bw), 4)
+        summary["estimated_seconds"] = round(_wave_schedule_seconds(plan, bw), 4)
     _print_human(summary, args, dims)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
@@ -165,13 +168,15 @@ def _per_rank(plan) -> tuple[list[int], list[int]]:
     return send, recv
 
 
-def _round_schedule_seconds(plan, bandwidth: float) -> float:
-    """Time of the round-by-round schedule: each round lasts as long as its largest pair transfer."""
-    per_round: dict[int, dict[tuple[int, int], int]] = {}
+def _wave_schedule_seconds(plan, bandwidth: float) -> float:
+    """Time of the wave schedule with full-duplex links: each wave lasts as long as its busiest rank's
+    larger direction (bytes sent or received in that wave)."""
+    per_wave: dict[int, dict[tuple[int, str], int]] = {}
     for b in plan.buckets:
-        pairs = per_round.setdefault(b.round, {})
-        pairs[(b.src, b.dst)] = pairs.get((b.src, b.dst), 0) + b.nbytes
-    return sum(max(p.values()) for p in per_round.values()) / bandwidth
+        loads = per_wave.setdefault(b.wave, {})
+        loads[(b.src, "send")] = loads.get((b.src, "send"), 0) + b.nbytes
+        loads[(b.dst, "recv")] = loads.get((b.dst, "recv"), 0) + b.nbytes
+    return sum(max(v.values()) for v in per_wave.values()) / bandwidth
 
 
 def _rank_name(plan, rank: int) -> str:
@@ -189,7 +194,7 @@ def _print_human(s: dict, args: argparse.Namespace, dims) -> None:
         f"model      {s['model']}: {s['tensors']:,} tensors, {_gb(s['model_bytes'])} ({dims.dtype})",
         f"trainer    {' + '.join(args.trainer)}: {s['trainer_ranks']} rank(s)",
         f"inference  {' + '.join(args.inference)}: {s['inference_ranks']} rank(s)",
-        f"plan       {s['ops']:,} transfers in {s['buckets']:,} buckets, {s['rounds']} rounds, "
+        f"plan       {s['ops']:,} transfers in {s['buckets']:,} buckets, {s['waves']} waves, "
         f"planned in {s['plan_seconds']:.2f} s (digest {s['digest'][:12]})",
         f"traffic    {_gb(s['total_bytes'])} in all; busiest sender {s['hot_sender']} {_gb(s['max_rank_send_bytes'])} "
         f"(lower bound {_gb(s['lower_bound_send_bytes'])}, {ratio:.3f}x)",
@@ -205,7 +210,7 @@ def _print_human(s: dict, args: argparse.Namespace, dims) -> None:
         lines.append("coverage   FAILED: " + "; ".join(s["coverage_problems"][:5]))
     if "estimated_seconds" in s:
         lines.append(f"estimate   at {s['link_gbps']:g} GB/s per rank: {s['lower_bound_seconds']:.3f} s lower bound, "
-                     f"{s['estimated_seconds']:.3f} s for this plan's round schedule")
+                     f"{s['estimated_seconds']:.3f} s for this plan's wave schedule")
     print("\n".join(lines), flush=True)
 
 

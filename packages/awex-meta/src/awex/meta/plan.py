@@ -17,6 +17,14 @@ from typing import Iterator, NamedTuple
 from awex.meta.box import Box
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 
+RELAY_LAG = 2
+"""Waves between a relay destination receiving a region and forwarding it.
+
+A transport double-buffers waves (it packs wave ``w + 1`` while wave ``w`` is on the wire and unpacks wave
+``w`` while wave ``w + 1`` is), so what arrives in wave ``w`` is in the receiver's memory before it packs wave
+``w + 2``.
+"""
+
 
 class Transfer(NamedTuple):
     """One region of one canonical tensor moved from a source rank to a destination rank."""
@@ -33,14 +41,15 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Transfers between one (source, destination) pair that move together, at most ``bucket_bytes`` in all.
+    """Transfers between one (source, destination) pair in one wave, moved as one message.
 
-    ``round`` orders the pair's communication: in a round each rank talks to at most one peer, so processing
-    rounds in increasing order never leaves a rank waiting on a peer that waits on it. ``seq`` orders buckets
-    of the same pair.
+    ``wave`` is the global step the bucket belongs to: every rank posts all its buckets of a wave together
+    and waves run in increasing order (:mod:`awex.meta.schedule`). ``seq`` numbers the pair's buckets.
+    A bucket whose ``src`` is an inference rank is a relay: that rank received the same regions at least
+    :data:`RELAY_LAG` waves earlier.
     """
 
-    round: int
+    wave: int
     src: int
     dst: int
     seq: int
@@ -49,7 +58,7 @@ class Bucket:
 
 
 class Step(NamedTuple):
-    """One entry of a rank's ordered schedule: send or receive ``bucket`` to or from ``peer``."""
+    """One entry of a rank's schedule: send or receive ``bucket`` to or from ``peer`` (in ``bucket.wave``)."""
 
     op: str  # "send" or "recv"
     peer: int
@@ -64,17 +73,18 @@ class PlanStats:
     tensors: int
     ops: int
     buckets: int
-    rounds: int
+    waves: int
     max_rank_send_bytes: int
     max_rank_recv_bytes: int
     lower_bound_send_bytes: int
     lower_bound_recv_bytes: int
     redundant_bytes: int
     plan_seconds: float
+    relayed_bytes: int = 0
 
     @property
     def lower_bound_bytes(self) -> int:
-        """The least the busiest rank must send or receive for these layouts, whatever the plan."""
+        """The least the busiest rank must send or receive for these layouts (sources sending, no relay)."""
         return max(self.lower_bound_send_bytes, self.lower_bound_recv_bytes)
 
     @property
@@ -89,7 +99,7 @@ class Plan:
 
     ranks: tuple[RankDescriptor, ...]
     tensors: tuple[TensorSpec, ...]
-    buckets: tuple[Bucket, ...]  # sorted by (round, src, dst, seq)
+    buckets: tuple[Bucket, ...]  # sorted by (wave, src, dst)
     stats: PlanStats
     options: object
     _by_rank: dict[int, tuple[int, ...]] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
@@ -110,7 +120,7 @@ class Plan:
         raise KeyError(f"no rank {local_rank} of instance {instance!r} in this plan")
 
     def schedule(self, rank: int) -> list[Step]:
-        """The ordered operations of one rank: its sends and receives, round by round."""
+        """The operations of one rank, wave by wave (within a wave, in bucket order)."""
         if self._by_rank is None:
             index: dict[int, list[int]] = {}
             for i, b in enumerate(self.buckets):
@@ -143,7 +153,8 @@ class Plan:
             "tensors": s.tensors,
             "ops": s.ops,
             "buckets": s.buckets,
-            "rounds": s.rounds,
+            "waves": s.waves,
+            "relayed_bytes": s.relayed_bytes,
             "ranks": self.world_size,
             "trainer_ranks": len(self.ranks_of(Role.TRAINER)),
             "inference_ranks": len(self.ranks_of(Role.INFERENCE)),
@@ -161,14 +172,14 @@ class Plan:
 
 def plan_digest(plan: Plan) -> str:
     h = hashlib.sha256()
-    h.update(b"awex-plan/1\n")
+    h.update(b"awex-plan/2\n")
     for r in plan.ranks:
         h.update(f"R{r.rank},{r.instance},{r.role.value},{r.local_rank}\n".encode())
     for t in plan.tensors:
         h.update(f"T{t.name},{t.shape},{t.dtype}\n".encode())
     text: dict[int, str] = {}  # transfers are shared between destinations: format each once
     for b in plan.buckets:
-        parts = [f"B{b.round},{b.src},{b.dst},{b.seq},{b.nbytes}\n"]
+        parts = [f"B{b.wave},{b.src},{b.dst},{b.seq},{b.nbytes}\n"]
         for t in b.transfers:
             s = text.get(id(t))
             if s is None:

@@ -5,8 +5,8 @@
 2. Cut every box a destination rank holds into pieces, each lying inside one distinct source box, and note
    which source ranks hold each piece (replicas hold the same box).
 3. Pick a source for every piece, spreading load over replicas (:mod:`awex.meta.balance`).
-4. Pack the transfers of each (source, destination) pair into bounded buckets and order pairs into rounds
-   (:mod:`awex.meta.schedule`).
+4. Where one source would feed several destinations with the same region and be the busiest rank, let
+   destinations relay it; cut every pair's traffic into waves of bounded size (:mod:`awex.meta.schedule`).
 
 The result does not depend on the order of the input layouts (they are sorted by instance name) and is
 identical on every rank; compare :attr:`Plan.digest` across ranks to prove it.
@@ -23,7 +23,7 @@ from awex.meta.balance import Piece, assign_sources
 from awex.meta.box import Box, intersect
 from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats
-from awex.meta.schedule import assign_rounds, make_buckets, order_buckets
+from awex.meta.schedule import assign_waves, plan_relays
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 
 
@@ -32,17 +32,20 @@ from awex.meta.spec import RankDescriptor, Role, TensorSpec
 class PlanOptions:
     """Knobs of the planner.
 
-    ``bucket_bytes`` bounds the payload moved between a pair in one go (and so the staging memory a transport
-    needs per peer). A piece of at least ``2 * split_bytes`` may be split over several source replicas in parts
-    of at least ``split_bytes``; smaller pieces go whole to one source.
+    ``wave_bytes`` is about the most a rank sends plus receives in one wave; a transport stages about two waves
+    (double buffering), so it bounds staging memory per rank to about ``2 * wave_bytes`` (512 MiB by
+    default). A piece of at least ``2 * split_bytes`` may be split over several source replicas in parts
+    of at least ``split_bytes``; smaller pieces go whole to one source. ``relay`` lets destinations forward
+    regions a single source would otherwise send to several of them.
     """
 
-    bucket_bytes: int = 256 << 20
+    wave_bytes: int = 256 << 20
     split_bytes: int = 16 << 20
+    relay: bool = True
 
     def __post_init__(self) -> None:
-        if self.bucket_bytes <= 0 or self.split_bytes <= 0:
-            raise ValueError("bucket_bytes and split_bytes must be positive")
+        if self.wave_bytes <= 0 or self.split_bytes <= 0:
+            raise ValueError("wave_bytes and split_bytes must be positive")
 
 
 class PlanError(ValueError):
@@ -122,30 +125,34 @@ def plan_transfers(
 
     per_pair, lower_send = assign_sources(groups, len(ranks), options.split_bytes)
     del groups
-    buckets = make_buckets(per_pair, itemsizes, options.bucket_bytes)
-    pair_bytes = {pair: sum(n for _, n in bs) for pair, bs in buckets.items()}
-    rounds = assign_rounds(pair_bytes)
-    ordered = order_buckets(buckets, rounds)
+    relays = plan_relays(per_pair, len(ranks)) if options.relay else {}
+    ordered, waves = assign_waves(per_pair, relays, itemsizes, options.wave_bytes, len(ranks),
+                                   options.split_bytes)
+    role_of = [r.role for r in ranks]
 
     send = [0] * len(ranks)
     got = [0] * len(ranks)
     ops = 0
+    relayed = 0
     for b in ordered:
         send[b.src] += b.nbytes
         got[b.dst] += b.nbytes
         ops += len(b.transfers)
+        if role_of[b.src] == Role.INFERENCE:
+            relayed += b.nbytes
     stats = PlanStats(
         total_bytes=sum(send),
         tensors=len(tensors),
         ops=ops,
         buckets=len(ordered),
-        rounds=(max(rounds.values()) + 1) if rounds else 0,
+        waves=waves,
         max_rank_send_bytes=max(send),
         max_rank_recv_bytes=max(got),
         lower_bound_send_bytes=lower_send,
         lower_bound_recv_bytes=max(recv),
         redundant_bytes=sum(got) - sum(recv),
         plan_seconds=time.perf_counter() - started,
+        relayed_bytes=relayed,
     )
     return Plan(tuple(ranks), tuple(tensors), tuple(ordered), stats, options)
 

@@ -1,74 +1,141 @@
-"""Grouping assigned transfers into bounded buckets per peer pair, and ordering pairs into rounds."""
+"""Relaying fan-out and cutting every pair's traffic into waves.
+
+A *wave* is one step of the whole sync world: every rank posts all its sends and receives of a wave at once
+(one grouped operation), waits for them, and goes on to the next wave. Waves are global and every transfer
+of a wave depends only on data sent in earlier waves, so processing waves in increasing order cannot
+deadlock, while a rank still talks to all its peers at once within a wave (all its links busy).
+
+Each pair's traffic is spread evenly over the same number of waves ``W``, chosen so that no rank moves more
+than about ``wave_bytes`` (sent plus received) in one wave. Every rank therefore moves a constant fraction of
+its total in every wave, and the busiest rank is busy in all of them: the wave schedule costs nothing over the
+link lower bound except the per-wave start-up (one grouped call per wave), and it bounds a transport's
+staging memory to about two waves (double buffering).
+
+*Relay*: when one source would send the same region to several destinations and that makes the source the
+busiest rank (one trainer GPU feeding three inference instances), the source sends each such region once, to
+one of its destinations (chosen to balance), and that destination forwards it :data:`RELAY_LAG` waves later,
+from its own freshly written memory. The source's egress no longer multiplies with the number of instances.
+"""
 
 from __future__ import annotations
 
 from awex.meta.balance import PairTransfers
 from awex.meta.box import Box, split_box
-from awex.meta.plan import Bucket, Transfer
+from awex.meta.plan import RELAY_LAG, Bucket, Transfer
+
+Relays = dict[tuple[int, int, Transfer], list[int]]
+"""``(source, first destination, transfer) -> other destinations`` that get the transfer from the first one."""
 
 
-def make_buckets(
-    per_pair: PairTransfers, itemsizes: list[int], bucket_bytes: int
-) -> dict[tuple[int, int], list[tuple[tuple[Transfer, ...], int]]]:
-    """Per (src, dst) pair, transfers sorted by tensor and offset, packed into buckets of <= ``bucket_bytes``.
+def plan_relays(per_pair: PairTransfers, world_size: int) -> Relays:
+    """Choose which multi-destination transfers a destination forwards instead of the source (edits ``per_pair``).
 
-    A transfer larger than a bucket is cut into pieces that fit (outermost dimension first).
+    Only sources that would be busier than every receiver relay, largest regions first, each to the
+    destination that sends least so far, as long as that destination stays below the source.
     """
-    out: dict[tuple[int, int], list[tuple[tuple[Transfer, ...], int]]] = {}
+    send = [0] * world_size
+    recv = [0] * world_size
+    for (s, d), ts in per_pair.items():
+        n = sum(t.nbytes for t in ts)
+        send[s] += n
+        recv[d] += n
+    max_recv = max(recv, default=0)
+    hot = {s for s in range(world_size) if send[s] > max_recv}
+    if not hot:
+        return {}
+    dsts_of: dict[tuple[int, Transfer], list[int]] = {}
+    for (s, d), ts in per_pair.items():
+        if s in hot:
+            for t in ts:
+                dsts_of.setdefault((s, t), []).append(d)
+    candidates = sorted(
+        ((key, ds) for key, ds in dsts_of.items() if len(ds) > 1),
+        key=lambda kv: (-kv[0][1].nbytes * (len(kv[1]) - 1), kv[0][0], kv[0][1]),
+    )
+    relays: Relays = {}
+    dropped: set[tuple[int, int, Transfer]] = set()
+    for (s, t), ds in candidates:
+        if send[s] <= max_recv:
+            continue
+        extra = t.nbytes * (len(ds) - 1)
+        first = min(ds, key=lambda d: (send[d], d))
+        if send[first] + extra > send[s] - extra:
+            continue
+        send[s] -= extra
+        send[first] += extra
+        others = sorted(d for d in ds if d != first)
+        relays[(s, first, t)] = others
+        dropped.update((s, d, t) for d in others)
+    if dropped:
+        for (s, d), ts in list(per_pair.items()):
+            kept = [t for t in ts if (s, d, t) not in dropped]
+            if kept:
+                per_pair[(s, d)] = kept
+            else:
+                del per_pair[(s, d)]
+    return relays
+
+
+def assign_waves(
+    per_pair: PairTransfers, relays: Relays, itemsizes: list[int], wave_bytes: int, world_size: int,
+    min_piece_bytes: int,
+) -> tuple[list[Bucket], int]:
+    """Buckets (one per pair and wave) and the number of waves.
+
+    Every pair's transfers, sorted by tensor and offset, are laid end to end and each goes to the wave where
+    it starts (of ``W`` equal parts of the pair's total); a transfer larger than one part is split (outermost
+    dimension first), but never into pieces below ``min_piece_bytes`` (a rank with many peers gets each pair's
+    pieces spread evenly over the waves instead of tiny messages in every wave). Relayed transfers follow
+    their first hop :data:`RELAY_LAG` waves later.
+    """
+    load = [0] * world_size
+    for (s, d), ts in per_pair.items():
+        n = sum(t.nbytes for t in ts)
+        load[s] += n
+        load[d] += n
+    for (_, first, t), others in relays.items():
+        load[first] += t.nbytes * len(others)
+        for o in others:
+            load[o] += t.nbytes
+    waves = max(1, -(-max(load, default=0) // wave_bytes))
+    floor = max(1, min(min_piece_bytes, wave_bytes // 4))
+    buckets: list[Bucket] = []
+    relayed: dict[tuple[int, int], dict[int, list[Transfer]]] = {}
     for pair in sorted(per_pair):
-        items = per_pair[pair]
-        items.sort()
-        buckets: list[tuple[tuple[Transfer, ...], int]] = []
-        current: list[Transfer] = []
-        size = 0
+        src, dst = pair
+        items = sorted(per_pair[pair])
+        total = sum(t.nbytes for t in items)
+        limit = max(-(-total // waves), floor)
+        by_wave: dict[int, list[Transfer]] = {}
+        done = 0
+        fill = limit
+        wave = 0
         for item in items:
-            if item.nbytes > bucket_bytes:
+            if item.nbytes > limit:
                 isz = itemsizes[item.tensor]
-                pieces = [
-                    Transfer(item.tensor, b.offsets, b.sizes, b.numel * isz)
-                    for b in split_box(Box(item.offsets, item.sizes), isz, bucket_bytes)
-                ]
+                pieces = [Transfer(item.tensor, b.offsets, b.sizes, b.numel * isz)
+                          for b in split_box(Box(item.offsets, item.sizes), isz, limit)]
             else:
                 pieces = [item]
-            for t in pieces:
-                if current and size + t.nbytes > bucket_bytes:
-                    buckets.append((tuple(current), size))
-                    current, size = [], 0
-                current.append(t)
-                size += t.nbytes
-        if current:
-            buckets.append((tuple(current), size))
-        out[pair] = buckets
-    return out
+            forward = relays.get((src, dst, item), ()) if relays else ()
+            for piece in pieces:
+                if fill >= limit:  # start a new chunk in the wave where it begins
+                    wave = min(waves - 1, done * waves // total)
+                    fill = 0
+                fill += piece.nbytes
+                done += piece.nbytes
+                by_wave.setdefault(wave, []).append(piece)
+                for other in forward:
+                    relayed.setdefault((dst, other), {}).setdefault(wave + RELAY_LAG, []).append(piece)
+        _emit(buckets, src, dst, by_wave)
+    for (src, dst), by_wave in sorted(relayed.items()):
+        _emit(buckets, src, dst, by_wave)
+    buckets.sort(key=lambda b: (b.wave, b.src, b.dst))
+    used = (buckets[-1].wave + 1) if buckets else 0
+    return buckets, used
 
 
-def assign_rounds(pair_bytes: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
-    """Colour peer pairs so that no rank has two pairs in one round (a proper edge colouring).
-
-    Pairs are taken heaviest first, each into the lowest round free at both ends; this uses at most
-    ``2 * max_degree - 1`` rounds and puts the largest transfers first.
-    """
-    used: dict[int, set[int]] = {}
-    rounds: dict[tuple[int, int], int] = {}
-    for pair in sorted(pair_bytes, key=lambda p: (-pair_bytes[p], p)):
-        a = used.setdefault(pair[0], set())
-        b = used.setdefault(pair[1], set())
-        r = 0
-        while r in a or r in b:
-            r += 1
-        a.add(r)
-        b.add(r)
-        rounds[pair] = r
-    return rounds
-
-
-def order_buckets(
-    buckets: dict[tuple[int, int], list[tuple[tuple[Transfer, ...], int]]], rounds: dict[tuple[int, int], int]
-) -> list[Bucket]:
-    out = [
-        Bucket(rounds[pair], pair[0], pair[1], seq, transfers, nbytes)
-        for pair, bs in buckets.items()
-        for seq, (transfers, nbytes) in enumerate(bs)
-    ]
-    out.sort(key=lambda b: (b.round, b.src, b.dst, b.seq))
-    return out
+def _emit(buckets: list[Bucket], src: int, dst: int, by_wave: dict[int, list[Transfer]]) -> None:
+    for seq, wave in enumerate(sorted(by_wave)):
+        ts = tuple(by_wave[wave])
+        buckets.append(Bucket(wave, src, dst, seq, ts, sum(t.nbytes for t in ts)))

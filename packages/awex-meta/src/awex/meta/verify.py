@@ -2,7 +2,8 @@
 
 Used by the CLI (``coverage_ok``) and the tests: every element every destination rank holds is received
 exactly once, and every transfer reads from a box the source rank holds and writes into a box the
-destination rank holds (so nothing is sent that nobody needs).
+destination rank holds (so nothing is sent that nobody needs). A destination that relays a region must have
+received it at least :data:`~awex.meta.plan.RELAY_LAG` waves before.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Sequence
 
 from awex.meta.box import Box
 from awex.meta.layout import Layout
-from awex.meta.plan import Plan, Transfer
+from awex.meta.plan import RELAY_LAG, Plan, Transfer
+from awex.meta.spec import Role
 
 
 @dataclass
@@ -56,9 +58,19 @@ def verify_plan(
     checked: set[tuple[int, int]] = set()  # (src, id(transfer)): transfers are shared between destinations
     sized: set[int] = set()
     received_bytes = 0
-    for b in plan.buckets:
+    arrived: dict[tuple[int, Transfer], int] = {}  # (destination, transfer) -> wave, for relay checks
+    relaying = any(r.role == Role.INFERENCE for r in plan.ranks) and plan.stats.relayed_bytes > 0
+    for b in sorted(plan.buckets, key=lambda b: b.wave):
         src = b.src
+        relay = relaying and plan.ranks[src].role == Role.INFERENCE
         for t in b.transfers:
+            if relaying:
+                if relay:
+                    when = arrived.get((src, t))
+                    if when is None or when > b.wave - RELAY_LAG:
+                        problems.append(f"{names[t.tensor]} {t.region}: rank {src} relays it in wave {b.wave} "
+                                        f"but received it {'never' if when is None else f'in wave {when}'}")
+                arrived[(b.dst, t)] = b.wave
             received_bytes += t.nbytes
             if id(t) not in sized:
                 sized.add(id(t))
