@@ -128,3 +128,18 @@ def plan(session: nox.Session) -> None:
     """``awex-meta plan`` with the arguments after ``--``."""
     session.install(META)
     session.run("awex-meta", "plan", *session.posargs)
+
+
+BENCH_PATH = os.pathsep.join(["packages/awex-meta/src", "packages/awex-convert/src", "packages/awex-transport/src",
+                              "integration"])
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """GPU benchmark (1 to 4 GPUs): Awex vs the link limit and the usual approaches, with the python that has
+    CUDA torch (GPU machines often reach no package registry, so nothing is installed). Writes
+    integration/bench-results.json unless ``--out`` is given after ``--``."""
+    args = list(session.posargs) or ["--out", "integration/bench-results.json"]
+    session.run("python3", "-m", "awex_integration.bench_gpu", *args,
+                env={"PYTHONPATH": BENCH_PATH, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"})

@@ -39,6 +39,12 @@ def check_conversion(rank: int, world: int, port: int, parallel: MegatronParalle
 
     model, dims, layout, shards, tp_rank, pp_rank = megatron_rank(rank, world, port, parallel, config)
     chunks = model if isinstance(model, list) else [model]
+    # the names and shapes awex.convert says this rank has (used where the model is not built, e.g. benchmarks)
+    from awex.convert import megatron_param_shapes
+
+    said = megatron_param_shapes(dims, MegatronNames(tp_rank, pp_rank, parallel))
+    real = [{n: tuple(p.shape) for n, p in m.named_parameters()} for m in chunks]
+    assert said == real, f"megatron_param_shapes differs from the real model: said {said}, real {real}"
     hf = load_file(f"{model_dir}/model.safetensors")
     if dims.tie_embeddings:
         hf.pop("lm_head.weight", None)

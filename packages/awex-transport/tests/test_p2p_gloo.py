@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from awex.meta import canonical_tensors, plan_transfers
+from awex.meta import PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.meta.serialize import layout_to_wire
 
@@ -27,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(layouts, timeout=60.0, behaviours=None):
+def run_world(layouts, timeout=60.0, behaviours=None, wave_bytes=256 << 20):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     docs = [layout_to_wire(lay) for lay in layouts]
@@ -37,7 +37,8 @@ def run_world(layouts, timeout=60.0, behaviours=None):
         for r in range(lay.world_size):
             behaviour = (behaviours or {}).get((lay.instance, r), "normal")
             p = ctx.Process(target=transport_workers.worker,
-                            args=(lay.role.value, docs, lay.instance, r, "127.0.0.1", port, timeout, results, behaviour))
+                            args=(lay.role.value, docs, lay.instance, r, "127.0.0.1", port, timeout, results, behaviour,
+                                  wave_bytes))
             p.start()
             procs.append(p)
     out = {}
@@ -45,8 +46,8 @@ def run_world(layouts, timeout=60.0, behaviours=None):
     expected = sum(lay.world_size for lay in layouts) - len(behaviours or {})
     while len(out) < expected and time.monotonic() < deadline:
         try:
-            inst, rank, status, nbytes, seconds = results.get(timeout=1.0)
-            out[(inst, rank)] = (status, nbytes, seconds)
+            inst, rank, status, received, sent = results.get(timeout=1.0)
+            out[(inst, rank)] = (status, received, sent)
         except queue.Empty:
             pass
     for p in procs:
@@ -72,6 +73,24 @@ def test_megatron_tp2_pp2_to_two_vllm_engines(dtype):
     for (inst, rank), (_, nbytes, _) in out.items():
         expected = sum(s.bucket.nbytes for s in plan.schedule(plan.rank(inst, rank).rank) if s.op == "recv")
         assert nbytes == expected
+
+
+def test_one_trainer_rank_feeding_three_engines_sends_once_and_engines_relay():
+    tensors = canonical_tensors(TINY)
+    layouts = [megatron_layout(tensors, MegatronParallel(tp=1, vocab_pad=1), instance="trainer")]
+    layouts += [vllm_layout(tensors, VllmParallel(tp=1), instance=f"vllm-{i}") for i in range(3)]
+    model = sum(t.spec.nbytes for t in tensors)
+    wave = model // 8  # many waves: relays overlap later first hops
+    out = run_world(layouts, wave_bytes=wave)
+    assert len(out) == 4, out
+    failures = {k: v[0] for k, v in out.items() if v[0] != "ok"}
+    assert not failures, failures
+    assert out[("trainer", 0)][2] == model  # the trainer's egress does not multiply with the engines
+    for i in range(3):
+        assert out[(f"vllm-{i}", 0)][1] == model
+    assert sum(out[(f"vllm-{i}", 0)][2] for i in range(3)) == 2 * model  # the rest was relayed
+    plan = plan_transfers(layouts[:1], layouts[1:], PlanOptions(wave_bytes=wave))
+    assert plan.stats.waves > 8
 
 
 def test_a_sender_that_dies_makes_receivers_fail_within_the_deadline():

@@ -9,7 +9,7 @@ import zlib
 
 import torch
 
-from awex.meta import Box, Layout, plan_transfers
+from awex.meta import Box, Layout, PlanOptions, plan_transfers
 from awex.transport import LocalShards, create_sync_group, run_p2p
 from awex.transport.shards import torch_dtype
 
@@ -21,14 +21,14 @@ def canonical_value(name: str, shape: tuple[int, ...], dtype: str, step: int) ->
 
 
 def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, host: str, port: int,
-           timeout: float, results, behaviour: str = "normal") -> None:
+           timeout: float, results, behaviour: str = "normal", wave_bytes: int = 256 << 20) -> None:
     from awex.meta.serialize import layout_from_wire
 
     try:
         layouts = [layout_from_wire(d) for d in layout_docs]
         sources = [lay for lay in layouts if lay.role.value == "trainer"]
         dests = [lay for lay in layouts if lay.role.value == "inference"]
-        plan = plan_transfers(sources, dests)
+        plan = plan_transfers(sources, dests, PlanOptions(wave_bytes=wave_bytes))
         me = plan.rank(instance, local_rank)
         layout = next(lay for lay in layouts if lay.instance == instance)
         natives: dict[str, torch.Tensor] = {}
@@ -76,6 +76,6 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
                 if fused.dim() and fused.shape[0] >= 2 and torch.count_nonzero(fused[: fused.shape[0] // 2]):
                     bad.append(f"{key}: wrote outside its view")
         results.put((instance, local_rank, "ok" if not bad else "mismatch: " + ", ".join(bad[:5]),
-                     stats.bytes_received, time.monotonic() - started))
+                     stats.bytes_received, stats.bytes_sent))
     except BaseException as e:  # reported to the test
         results.put((instance, local_rank, f"error: {type(e).__name__}: {e}\n{traceback.format_exc()}", 0, 0.0))

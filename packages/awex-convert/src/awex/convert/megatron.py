@@ -35,7 +35,7 @@ import torch
 from awex.meta import Box
 from awex.meta.layouts import MegatronParallel
 from awex.meta.layouts.megatron import pipeline_stages
-from awex.meta.models import ModelDims
+from awex.meta.models import ARCHITECTURES, ModelDims
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -134,3 +134,42 @@ def megatron_views(
         raise KeyError(f"{name}: no Megatron mapping (MoE experts and routers come with the MoE work)")
 
     return view_of
+
+
+def megatron_param_shapes(dims: ModelDims, where: MegatronNames) -> list[dict[str, tuple[int, ...]]]:
+    """Names and shapes of a Megatron-core ``GPTModel`` rank's parameters (local layer spec), per VPP chunk.
+
+    What the real model has for dense models (checked against Megatron-core on CPU); lets tools and benchmarks
+    hold parameters in Megatron's exact layout without building the model.
+    """
+    p = where.parallel
+    tp = p.tp
+    multiple = p.vocab_pad * tp  # --make-vocab-size-divisible-by times TP, as Megatron pads
+    padded = -(-dims.vocab // multiple) * multiple
+    qkv_rows = (dims.heads + 2 * dims.kv_heads) * dims.head_dim // tp
+    chunks = _chunk_layers(dims, p, where.pp_rank)
+    out: list[dict[str, tuple[int, ...]]] = []
+    for v, layers in enumerate(chunks):
+        shapes: dict[str, tuple[int, ...]] = {}
+        if where.pp_rank == 0 and v == 0:
+            shapes["embedding.word_embeddings.weight"] = (padded // tp, dims.hidden)
+        for local in range(len(layers)):
+            pre = f"decoder.layers.{local}."
+            shapes[pre + "input_layernorm.weight"] = (dims.hidden,)
+            shapes[pre + "self_attention.linear_qkv.weight"] = (qkv_rows, dims.hidden)
+            if dims.attention_bias:
+                shapes[pre + "self_attention.linear_qkv.bias"] = (qkv_rows,)
+            shapes[pre + "self_attention.linear_proj.weight"] = (dims.hidden, dims.heads * dims.head_dim // tp)
+            if ARCHITECTURES[dims.architecture].qk_norm:
+                shapes[pre + "self_attention.q_layernorm.weight"] = (dims.head_dim,)
+                shapes[pre + "self_attention.k_layernorm.weight"] = (dims.head_dim,)
+            shapes[pre + "pre_mlp_layernorm.weight"] = (dims.hidden,)
+            shapes[pre + "mlp.linear_fc1.weight"] = (2 * dims.intermediate // tp, dims.hidden)
+            shapes[pre + "mlp.linear_fc2.weight"] = (dims.hidden, dims.intermediate // tp)
+        last = where.pp_rank == p.pp - 1 and v == len(chunks) - 1
+        if last:
+            shapes["decoder.final_layernorm.weight"] = (dims.hidden,)
+            if not dims.tie_embeddings or p.pp > 1:
+                shapes["output_layer.weight"] = (padded // tp, dims.hidden)
+        out.append(shapes)
+    return out

@@ -44,7 +44,7 @@ class WeightsReader:
         self.version: str | None = None
         self.last_validation = None
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)
-        self._session = SyncSession(client, layout.instance, local_rank)
+        self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         if publish and local_rank == 0:
             client.register(layout.instance, role="inference", instance=layout.instance, world_size=layout.world_size)
             client.publish_layout(layout, "current")

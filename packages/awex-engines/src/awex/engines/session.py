@@ -1,10 +1,11 @@
 """One sync between named engine instances: the manifest both sides agree on, and the steady-state cache.
 
 Per weight version the trainer's first rank publishes a :class:`SyncManifest` (which instances send and
-receive, where the sync group meets, bucket size, deadline). Every rank of every instance then fetches the
+receive, where the sync group meets, wave size, deadline). Every rank of every instance then fetches the
 manifest and the layouts, computes the plan itself, and proves through the MetaServer that all ranks computed
-the same plan before any byte moves. Plans, process groups and views are built once and reused while the
-manifest's layouts and rendezvous do not change (steady state).
+the same plan before any byte moves. Plans, process groups, staging buffers and every copy's views are built
+once and reused while the manifest's layouts and rendezvous do not change (steady state). CUDA views sync over
+NCCL, CPU views over gloo.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 from awex.meta import Layout, Plan, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
-from awex.transport import LocalShards, SyncGroup, create_sync_group, run_p2p
+from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_group
 from awex.transport.p2p import TransferStats
 
 log = logging.getLogger("awex.engines")
@@ -32,7 +33,7 @@ class SyncManifest:
     destinations: tuple[str, ...]
     host: str
     port: int
-    bucket_bytes: int = 256 << 20
+    wave_bytes: int = 256 << 20
     timeout: float = 300.0
 
     def to_json(self) -> dict[str, Any]:
@@ -45,7 +46,7 @@ class SyncManifest:
     def from_json(cls, d: dict[str, Any]) -> SyncManifest:
         try:
             return cls(version=str(d["version"]), sources=tuple(d["sources"]), destinations=tuple(d["destinations"]),
-                       host=str(d["host"]), port=int(d["port"]), bucket_bytes=int(d["bucket_bytes"]),
+                       host=str(d["host"]), port=int(d["port"]), wave_bytes=int(d["wave_bytes"]),
                        timeout=float(d["timeout"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
@@ -81,8 +82,10 @@ class SyncSession:
     local_rank: int
     _key: tuple | None = None
     _plan: Plan | None = None
+    device: object = None  # torch.device of this rank's views: cuda -> NCCL, cpu -> gloo
     _group: SyncGroup | None = None
     _layouts: dict[str, Layout] = field(default_factory=dict)
+    _executor: WaveExecutor | None = None
 
     def prepare(self, manifest: SyncManifest, timeout: float) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
@@ -94,20 +97,23 @@ class SyncSession:
         layouts = {}
         for name in names:
             layouts[name] = self._layouts.get(name) or self.client.fetch_layout(name, "current", timeout=max(0.1, deadline - time.monotonic()))
-        key = (manifest.rendezvous(), manifest.bucket_bytes, tuple(id(layouts[n]) for n in names))
+        key = (manifest.rendezvous(), manifest.wave_bytes, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
         plan = plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
-                              PlanOptions(bucket_bytes=manifest.bucket_bytes))
+                              PlanOptions(wave_bytes=manifest.wave_bytes))
         me = plan.rank(self.instance, self.local_rank)
         self.client.agree(f"plan/{manifest.version}", f"{self.instance}:{self.local_rank}", plan.world_size,
                           plan.digest, timeout=max(0.1, deadline - time.monotonic()))
         if self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
+            cuda = getattr(self.device, "type", "cpu") == "cuda"
             self._group = create_sync_group(me.rank, plan.world_size, manifest.host, manifest.port,
+                                            backend="nccl" if cuda else "gloo",
                                             timeout=max(1.0, deadline - time.monotonic()),
-                                            prefix=f"awex/{manifest.host}:{manifest.port}")
+                                            prefix=f"awex/{manifest.host}:{manifest.port}",
+                                            device=self.device if cuda else None)
         self._layouts = layouts
-        self._key, self._plan = key, plan
+        self._key, self._plan, self._executor = key, plan, None
         log.info("%s:%d planned %d buckets (digest %s), sync rank %d of %d", self.instance, self.local_rank,
                  len(plan.schedule(me.rank)), plan.digest[:12], me.rank, plan.world_size)
         return plan, me.rank, True
@@ -116,6 +122,11 @@ class SyncSession:
                  timeout: float) -> TransferStats:
         started = time.monotonic()
         plan, rank, _ = self.prepare(manifest, timeout)
-        local = shards(plan) if callable(shards) else shards
+        if callable(shards):  # views that depend on the plan (receive buffers): built per sync
+            executor = WaveExecutor(plan, rank, shards(plan), self._group)
+        else:
+            if self._executor is None or self._executor.plan is not plan:
+                self._executor = WaveExecutor(plan, rank, shards, self._group)
+            executor = self._executor
         left = max(0.1, timeout - (time.monotonic() - started))
-        return run_p2p(plan, rank, local, self._group, timeout=left)
+        return executor.run(timeout=left)

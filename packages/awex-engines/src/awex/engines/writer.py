@@ -36,17 +36,17 @@ class WeightsWriter:
         view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
         *,
         host: str = "127.0.0.1",
-        bucket_bytes: int = 256 << 20,
+        wave_bytes: int = 256 << 20,
         timeout: float = 300.0,
     ):
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
         self.host = host
-        self.bucket_bytes = bucket_bytes
+        self.wave_bytes = wave_bytes
         self.timeout = timeout
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
-        self._session = SyncSession(client, layout.instance, local_rank)
+        self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._port: int | None = None
         if local_rank == 0:
             client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
@@ -64,7 +64,7 @@ class WeightsWriter:
             if self._port is None:
                 self._port = free_port(self.host)
             manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
-                                    self._port, self.bucket_bytes, self.timeout)
+                                    self._port, self.wave_bytes, self.timeout)
             self.client.put(manifest_key(version), manifest.to_json())
             self.client.publish_event("weights_ready", self.layout.instance, version=version)
         else:

@@ -20,7 +20,6 @@ from its own freshly written memory. The source's egress no longer multiplies wi
 from __future__ import annotations
 
 from awex.meta.balance import PairTransfers
-from awex.meta.box import Box, split_box
 from awex.meta.plan import RELAY_LAG, Bucket, Transfer
 
 Relays = dict[tuple[int, int, Transfer], list[int]]
@@ -82,11 +81,11 @@ def assign_waves(
 ) -> tuple[list[Bucket], int]:
     """Buckets (one per pair and wave) and the number of waves.
 
-    Every pair's transfers, sorted by tensor and offset, are laid end to end and each goes to the wave where
-    it starts (of ``W`` equal parts of the pair's total); a transfer larger than one part is split (outermost
-    dimension first), but never into pieces below ``min_piece_bytes`` (a rank with many peers gets each pair's
-    pieces spread evenly over the waves instead of tiny messages in every wave). Relayed transfers follow
-    their first hop :data:`RELAY_LAG` waves later.
+    Every pair's transfers, sorted by tensor and offset, are laid end to end and cut (along the outermost
+    dimension) into equal consecutive chunks, one per wave, so every wave carries the same share of every
+    pair; a pair whose share would fall below ``min_piece_bytes`` gets fewer, larger chunks spread evenly
+    over the waves (a rank with many peers sends few large messages rather than tiny ones in every wave).
+    Relayed transfers follow their first hop :data:`RELAY_LAG` waves later.
     """
     load = [0] * world_size
     for (s, d), ts in per_pair.items():
@@ -105,34 +104,56 @@ def assign_waves(
         src, dst = pair
         items = sorted(per_pair[pair])
         total = sum(t.nbytes for t in items)
-        limit = max(-(-total // waves), floor)
+        chunks = min(waves, max(1, total // floor))  # a pair's share per wave is never below `floor`
         by_wave: dict[int, list[Transfer]] = {}
+        k = 0
         done = 0
-        fill = limit
-        wave = 0
+        used = 0  # bytes in chunk k so far
         for item in items:
-            if item.nbytes > limit:
-                isz = itemsizes[item.tensor]
-                pieces = [Transfer(item.tensor, b.offsets, b.sizes, b.numel * isz)
-                          for b in split_box(Box(item.offsets, item.sizes), isz, limit)]
-            else:
-                pieces = [item]
             forward = relays.get((src, dst, item), ()) if relays else ()
-            for piece in pieces:
-                if fill >= limit:  # start a new chunk in the wave where it begins
-                    wave = min(waves - 1, done * waves // total)
-                    fill = 0
-                fill += piece.nbytes
-                done += piece.nbytes
+            todo = [item]
+            while todo:
+                piece = todo.pop()
+                room = (k + 1) * total // chunks - done
+                if piece.nbytes > room and k < chunks - 1:
+                    head, tail = _cut(piece, room, itemsizes[piece.tensor])
+                    if head is None and used:  # not even one row fits: close this chunk, retry in the next
+                        k += 1
+                        used = 0
+                        todo.append(piece)
+                        continue
+                    if head is not None:
+                        todo.append(tail)
+                        piece = head
+                wave = k * waves // chunks
                 by_wave.setdefault(wave, []).append(piece)
                 for other in forward:
                     relayed.setdefault((dst, other), {}).setdefault(wave + RELAY_LAG, []).append(piece)
+                done += piece.nbytes
+                used += piece.nbytes
+                while k < chunks - 1 and done >= (k + 1) * total // chunks:
+                    k += 1
+                    used = 0
         _emit(buckets, src, dst, by_wave)
     for (src, dst), by_wave in sorted(relayed.items()):
         _emit(buckets, src, dst, by_wave)
     buckets.sort(key=lambda b: (b.wave, b.src, b.dst))
     used = (buckets[-1].wave + 1) if buckets else 0
     return buckets, used
+
+
+def _cut(t: Transfer, nbytes: int, itemsize: int) -> tuple[Transfer | None, Transfer | None]:
+    """Split ``t`` along its outermost dimension into a head of at most ``nbytes`` and the rest."""
+    if not t.sizes or t.sizes[0] < 2:
+        return None, None
+    row = t.nbytes // t.sizes[0]
+    rows = nbytes // row
+    if rows < 1:
+        return None, None
+    rest = t.sizes[1:]
+    head = Transfer(t.tensor, t.offsets, (rows, *rest), rows * row)
+    tail = Transfer(t.tensor, (t.offsets[0] + rows, *t.offsets[1:]), (t.sizes[0] - rows, *rest), t.nbytes - rows * row)
+    return head, tail
 
 
 def _emit(buckets: list[Bucket], src: int, dst: int, by_wave: dict[int, list[Transfer]]) -> None:

@@ -4,12 +4,17 @@
   each canonical tensor (senders read from them, receivers write into them in place).
 - :mod:`awex.transport.group`: a process group created for the sync alone, on its own store (never the
   engines' default group); gloo on CPU, NCCL on CUDA, one code path.
-- :mod:`awex.transport.p2p`: :func:`run_p2p`, the point-to-point executor: per-peer buckets packed into one
-  staging buffer, sent and unpacked in the plan's round order, with a deadline on every wait.
+- :mod:`awex.transport.p2p`: :class:`WaveExecutor` (and the one-off :func:`run_p2p`): per-peer messages
+  packed into a staging buffer, all of a wave's sends and receives posted at once (one NCCL group),
+  double-buffered on CUDA, unpacked in place, with a deadline on every wait.
+- :mod:`awex.transport.ipc`: colocated engines on one host: the receiver copies straight from the trainer's
+  CUDA memory (IPC handles exported once) into its own views.
 """
 
 from awex.transport.group import SyncGroup, create_sync_group
-from awex.transport.p2p import TransferError, TransferStats, TransferTimeout, bucket_offsets, run_p2p
+from awex.transport.p2p import (
+    TransferError, TransferStats, TransferTimeout, WaveExecutor, bucket_offsets, run_p2p,
+)
 from awex.transport.shards import LocalShards, ShardMismatchError
 
 __version__ = "0.1.0"
@@ -21,6 +26,7 @@ __all__ = [
     "TransferError",
     "TransferStats",
     "TransferTimeout",
+    "WaveExecutor",
     "bucket_offsets",
     "create_sync_group",
     "run_p2p",

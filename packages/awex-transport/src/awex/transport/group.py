@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger("awex.transport")
@@ -26,11 +27,37 @@ class SyncGroup:
     process_group: dist.ProcessGroup
     store: dist.Store
 
+    device: torch.device | None = None
+
     def send(self, tensor, peer: int, tag: int = 0):
         return self.process_group.send([tensor], peer, tag)
 
     def recv(self, tensor, peer: int, tag: int = 0):
         return self.process_group.recv([tensor], peer, tag)
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
+        """Post all ``(tensor, peer)`` sends and receives at once; returns the works to wait on.
+
+        On NCCL they form one group (``ncclGroupStart/End``), so transfers to and from different peers run
+        concurrently and their order cannot deadlock; on gloo each is its own asynchronous operation.
+        """
+        pg = self.process_group
+        if self.backend == "nccl":
+            pg._start_coalescing()  # the NCCL backend object (not the ProcessGroup wrapper) takes no device
+            for tensor, peer in sends:
+                pg.send([tensor], peer, 0)
+            for tensor, peer in recvs:
+                pg.recv([tensor], peer, 0)
+            work = pg._end_coalescing()
+            return [work] if work is not None else []
+        return [pg.send([t], p, 0) for t, p in sends] + [pg.recv([t], p, 0) for t, p in recvs]
+
+    def abort(self) -> None:
+        """Abort the group after a failure (unblocks NCCL kernels waiting on a dead peer); best effort."""
+        try:
+            self.process_group.abort()
+        except Exception as e:  # noqa: BLE001 - aborting is a last resort; the caller raises the real error
+            log.warning("aborting the sync group failed: %s", e)
 
 
 def create_sync_group(
@@ -41,10 +68,13 @@ def create_sync_group(
     backend: str = "gloo",
     timeout: float = 60.0,
     prefix: str = "awex",
+    device: torch.device | str | None = None,
 ) -> SyncGroup:
     """Join the sync world: rank 0 hosts the TCP store at ``host:port``, every rank connects within ``timeout``.
 
-    ``backend`` is ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+    ``backend`` is ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors on ``device``, default the current
+    one). An NCCL group is initialised eagerly (one tiny all-reduce), so the first sync does not pay for it
+    and a rank that has nothing to move cannot leave the others waiting for the communicator.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
@@ -57,10 +87,18 @@ def create_sync_group(
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, world_size, wait)
     elif backend == "nccl":
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = wait
         pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        probe = torch.ones(1, device=dev)
+        pg.allreduce([probe]).wait()
+        torch.cuda.synchronize(dev)
+        if probe.item() != world_size:
+            raise RuntimeError(f"NCCL sync group check failed: all-reduce gave {probe.item()}, expected {world_size}")
+        log.info("rank %d/%d joined the nccl sync group at %s:%d on %s", rank, world_size, host, port, dev)
+        return SyncGroup(rank, world_size, backend, pg, store, dev)
     else:
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
     log.info("rank %d/%d joined the %s sync group at %s:%d", rank, world_size, backend, host, port)
-    return SyncGroup(rank, world_size, backend, pg, store)
+    return SyncGroup(rank, world_size, backend, pg, store, torch.device("cpu"))

@@ -103,8 +103,8 @@ class LocalShards:
     def pairs(self, name: str) -> tuple[tuple[Box, torch.Tensor], ...]:
         return self._shards.get(name, ())
 
-    def _pieces(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]):
-        """(index into the region, view piece) for every piece intersecting the region; checks full coverage."""
+    def pieces(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]):
+        """``(index into the region, native view)`` for every piece of the region; raises unless all are held."""
         out = []
         covered = 0
         for box, view in self._shards.get(name, ()):
@@ -121,10 +121,10 @@ class LocalShards:
 
     def copy_out(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], out: torch.Tensor) -> None:
         """Copy region ``offsets``/``sizes`` (canonical coordinates) of ``name`` into ``out`` (region-shaped)."""
-        for here, piece in self._pieces(name, offsets, sizes):
+        for here, piece in self.pieces(name, offsets, sizes):
             (out[here] if here else out).copy_(piece)
 
     def copy_in(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], src: torch.Tensor) -> None:
         """Write ``src`` (region-shaped) into this rank's memory for region ``offsets``/``sizes`` of ``name``."""
-        for here, piece in self._pieces(name, offsets, sizes):
+        for here, piece in self.pieces(name, offsets, sizes):
             piece.copy_(src[here] if here else src)

@@ -1,0 +1,673 @@
+"""GPU benchmark: Awex syncs against the link limit and against the usual approaches, in one run.
+
+Every scenario runs in fresh processes, one per (engine rank, GPU). Trainer ranks hold a Qwen3-8B-shaped bf16
+model in Megatron-core's exact parameter layout (fused QKV by query group, fused gate/up, padded vocabulary),
+receivers in vLLM's exact layout (fused qkv_proj / gate_up_proj), both built by ``awex.convert`` (whose layouts
+the CPU tests check against the real engines). Per scenario:
+
+- the limits measured in the same run: NCCL bandwidth between two GPUs (and into one GPU from two), and the
+  device-to-device copy bandwidth; the lower bound is, over GPUs, the largest of (bytes it must receive from
+  other GPUs, bytes only it holds that other GPUs need) / link bandwidth and (bytes copied on the GPU) / copy
+  bandwidth;
+- Awex: the first sync (plan, groups, buffers, IPC handles, first transfer) and the steady-state sync (median);
+- baselines, same data and layouts: gather to trainer rank 0 then per-tensor NCCL broadcast (the common RL
+  stack approach); the same with vLLM-style packed 1 GiB buckets; for colocated scenarios, CUDA IPC handles
+  exported and opened again on every update (what per-update IPC backends do);
+- correctness: after the first sync and after a second, changed version, every receiver view equals the
+  trainer's tensor, bit for bit;
+- peak extra GPU memory of the sync on each side (PyTorch allocator).
+
+Run on a machine with 4 GPUs (scenarios needing fewer GPUs use the first ones):
+
+    python -m awex_integration.bench_gpu --out integration/bench-results.json
+
+with ``PYTHONPATH`` holding ``packages/*/src`` and ``integration`` (``nox -s bench`` sets it). Workers talk
+through files and the sync groups only: nothing is pickled across processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Engine:
+    instance: str
+    kind: str  # "megatron" (trainer) or "vllm" (receiver)
+    tp: int
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    what: str
+    engines: tuple[Engine, ...]
+    transport: str  # "nccl" or "ipc"
+    gpus: int
+
+
+SCENARIOS = [
+    Scenario("1gpu_to_1gpu", "1 trainer GPU -> 1 inference GPU, separate processes",
+             (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,))), "nccl", 2),
+    Scenario("mcore_tp2_to_vllm_tp2", "Megatron TP=2 -> vLLM TP=2",
+             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 2, (2, 3))), "nccl", 4),
+    Scenario("mcore_tp2_to_2x_vllm_tp1", "Megatron TP=2 -> two vLLM TP=1 instances (resharding + fan-out)",
+             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 1, (2,)),
+              Engine("vllm-1", "vllm", 1, (3,))), "nccl", 4),
+    Scenario("1gpu_to_3_instances", "1 trainer GPU -> 3 vLLM TP=1 instances (fan-out)",
+             (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,)),
+              Engine("vllm-1", "vllm", 1, (2,)), Engine("vllm-2", "vllm", 1, (3,))), "nccl", 4),
+    Scenario("colocated_1gpu_ipc", "colocated on one GPU, CUDA IPC, in place",
+             (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (0,))), "ipc", 1),
+    Scenario("colocated_tp2_to_tp1_per_gpu", "colocated Megatron TP=2 with a vLLM TP=1 engine on each of the two GPUs",
+             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 1, (0,)),
+              Engine("vllm-1", "vllm", 1, (1,))), "ipc", 2),
+]
+
+
+# ----------------------------------------------------------------------------------------------- model side
+
+def model_tensors(model: str, layers: int | None):
+    import dataclasses
+
+    from awex.meta import canonical_tensors, load_config
+    from awex.meta.models import model_dims
+
+    dims = model_dims(load_config(MODELS / f"{model}.json"), "bfloat16")
+    if layers:
+        dims = dataclasses.replace(dims, layers=layers)
+    return dims, canonical_tensors(dims)
+
+
+def layouts_of(scenario: Scenario, tensors):
+    from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
+
+    out = []
+    for e in scenario.engines:
+        if e.kind == "megatron":
+            out.append(megatron_layout(tensors, MegatronParallel(tp=e.tp), instance=e.instance))
+        else:
+            out.append(vllm_layout(tensors, VllmParallel(tp=e.tp), instance=e.instance))
+    return out
+
+
+class _Params:
+    """Just enough of a module for ``megatron_views``: named parameters over a dict."""
+
+    def __init__(self, params):
+        self._params = params
+
+    def named_parameters(self):
+        return iter(self._params.items())
+
+
+def native_params(engine: Engine, local_rank: int, dims, device):
+    import torch
+
+    from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_shapes, vllm_views
+    from awex.meta.layouts import MegatronParallel, VllmParallel
+
+    if engine.kind == "megatron":
+        where = MegatronNames(local_rank, 0, MegatronParallel(tp=engine.tp))
+        shapes = megatron_param_shapes(dims, where)[0]
+        params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
+        return params, megatron_views(_Params(params), dims, where)
+    parallel = VllmParallel(tp=engine.tp)
+    shapes = vllm_param_shapes(dims, parallel, local_rank)
+    params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
+    return params, vllm_views(params, dims, parallel)
+
+
+def canonical_value(name: str, shape, step: int, device):
+    """The trainer's value of a canonical tensor at ``step`` (deterministic, generated on the GPU)."""
+    import torch
+
+    g = torch.Generator(device=device)
+    g.manual_seed(zlib.crc32(name.encode()) * 1000 + step)
+    return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+
+
+def fill(shards, layout, step, device):
+    for name in shards.names():
+        full = canonical_value(name, layout.tensor(name).spec.shape, step, device)
+        for box, view in shards.pairs(name):
+            view.copy_(full[box.slices()])
+
+
+def mismatches(shards, layout, step, device) -> list[str]:
+    import torch
+
+    bad = []
+    for name in shards.names():
+        full = canonical_value(name, layout.tensor(name).spec.shape, step, device)
+        for box, view in shards.pairs(name):
+            if not torch.equal(view, full[box.slices()]):
+                bad.append(f"{name} {box}")
+    return bad
+
+
+# ----------------------------------------------------------------------------------------------- limits
+
+def lower_bound(plan, gpu_of: dict[int, int], link_bps: float, copy_bps: float) -> tuple[float, dict]:
+    """Seconds the busiest GPU needs at the measured limits (see the module docstring); plan without relay."""
+    inbound: dict[int, int] = {}
+    outbound: dict[int, int] = {}
+    local: dict[int, int] = {}
+    unique_out: set = set()
+    for b in plan.buckets:
+        gs, gd = gpu_of[b.src], gpu_of[b.dst]
+        if gs == gd:
+            local[gd] = local.get(gd, 0) + b.nbytes
+            continue
+        inbound[gd] = inbound.get(gd, 0) + b.nbytes
+        for t in b.transfers:
+            if (gs, t) not in unique_out:  # what only this GPU holds leaves it at least once
+                unique_out.add((gs, t))
+                outbound[gs] = outbound.get(gs, 0) + t.nbytes
+    worst = 0.0
+    for g in set(inbound) | set(outbound) | set(local):
+        remote = max(inbound.get(g, 0), outbound.get(g, 0))
+        worst = max(worst, remote / link_bps if remote else 0.0, local.get(g, 0) / copy_bps)
+    return worst, {"inbound": inbound, "outbound": outbound, "local": local}
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+@dataclass
+class WorkerArgs:
+    scenario: str
+    model: str
+    layers: int | None
+    rank: int  # sync-world rank (plan order)
+    world: int
+    instance: str
+    local_rank: int
+    gpu: int
+    ports: list[int]
+    workdir: str
+    iters: int
+    baseline_iters: int
+    wave_mb: float
+    extra: dict = field(default_factory=dict)
+
+
+def worker(a: WorkerArgs) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from awex.meta import PlanOptions, Role, plan_transfers
+    from awex.transport import LocalShards, WaveExecutor, create_sync_group
+    from awex.transport.ipc import IpcExecutor, IpcExport, export_shards, open_export
+
+    torch.cuda.set_device(a.gpu)
+    device = torch.device("cuda", a.gpu)
+    scenario = next(s for s in SCENARIOS if s.name == a.scenario)
+    dims, tensors = model_tensors(a.model, a.layers)
+    layouts = layouts_of(scenario, tensors)
+    sources = [lay for lay in layouts if lay.role == Role.TRAINER]
+    dests = [lay for lay in layouts if lay.role == Role.INFERENCE]
+    engine = next(e for e in scenario.engines if e.instance == a.instance)
+    layout = next(lay for lay in layouts if lay.instance == a.instance)
+    trainer = engine.kind == "megatron"
+
+    # control group (gloo): barriers and timing only
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.ports[0]}", rank=a.rank, world_size=a.world)
+
+    def barrier():
+        dist.barrier()
+
+    def span(t0: float, t1: float) -> float:
+        x = torch.tensor([t0, t1], dtype=torch.float64)
+        out = [torch.zeros(2, dtype=torch.float64) for _ in range(a.world)]
+        dist.all_gather(out, x)
+        return max(float(o[1]) for o in out) - min(float(o[0]) for o in out)
+
+    params, view_of = native_params(engine, a.local_rank, dims, device)
+    shards = LocalShards.from_layout(layout, a.local_rank, view_of)
+    if trainer:
+        fill(shards, layout, 1, device)
+    torch.cuda.synchronize()
+    result: dict = {"rank": a.rank, "instance": a.instance, "gpu": a.gpu, "trainer": trainer}
+    base_alloc = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+
+    # ---- Awex: first sync (everything built) and steady state
+    barrier()
+    t0 = time.perf_counter()
+    if scenario.transport == "nccl":
+        options = PlanOptions(wave_bytes=int(a.wave_mb * (1 << 20)))
+        plan = plan_transfers(sources, dests, options)
+        group = create_sync_group(a.rank, a.world, "127.0.0.1", a.ports[1], backend="nccl", device=device)
+        executor = WaveExecutor(plan, a.rank, shards, group)
+        run = executor.run
+        result["staging_bytes"] = executor.staging_bytes
+    else:
+        plan = plan_transfers(sources, dests, PlanOptions(relay=False))
+        exports = Path(a.workdir) / f"ipc-{a.scenario}"
+        exports.mkdir(exist_ok=True)
+        if trainer:
+            torch.cuda.synchronize()
+            (exports / f"{a.rank}.json").write_text(json.dumps(export_shards(shards).to_wire()))
+        barrier()  # exports written
+        if not trainer:
+            peers = sorted({s.peer for s in plan.schedule(a.rank)})
+            opened = {p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}.json").read_text()))) for p in peers}
+            executor = IpcExecutor(plan, a.rank, shards, opened)
+            run = executor.run
+        else:
+            run = None
+    stats = run() if run else None
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    result["first_sync_seconds"] = span(t0, t1)
+
+    steady = []
+    for _ in range(a.iters):
+        barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if run:
+            stats = run()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        steady.append(span(t0, t1))
+    result["steady_seconds"] = steady
+    result["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_alloc
+    if stats is not None:
+        result["bytes_received"] = stats.bytes_received
+        result["bytes_sent"] = stats.bytes_sent
+        result["waves"] = stats.waves
+    # the trainer did not change its weights during the steady syncs: the first version must be there
+    result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device)
+
+    # second version: changed values must arrive too (in place)
+    if trainer:
+        fill(shards, layout, 2, device)
+    torch.cuda.synchronize()
+    barrier()
+    if run:
+        run()
+    torch.cuda.synchronize()
+    barrier()
+    result["bad_second"] = [] if trainer else mismatches(shards, layout, 2, device)
+    result["plan"] = {"waves": plan.stats.waves, "relayed_bytes": plan.stats.relayed_bytes,
+                      "total_bytes": plan.stats.total_bytes}
+
+    # ---- baselines
+    result["baselines"] = baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, span)
+    dist.barrier()
+    return result
+
+
+def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, span) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from awex.transport.ipc import IpcExecutor, IpcExport, export_shards, open_export
+
+    out: dict = {}
+    names = sorted({t.name for t in plan.tensors})
+    specs = {t.name: t for t in plan.tensors}
+    ranks = plan.ranks
+    trainer_ranks = [r.rank for r in ranks if r.role.value == "trainer"]
+    receiver_ranks = [r.rank for r in ranks if r.role.value == "inference"]
+    if scenario.transport == "ipc":
+        # per-update IPC: the trainer exports handles for every update, receivers open them and copy
+        exports = Path(a.workdir) / f"ipc-base-{a.scenario}"
+        exports.mkdir(exist_ok=True)
+        times = []
+        for i in range(a.baseline_iters):
+            barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if trainer:
+                (exports / f"{a.rank}-{i}.json").write_text(json.dumps(export_shards(shards).to_wire()))
+            barrier()
+            if not trainer:
+                peers = sorted({s.peer for s in plan.schedule(a.rank)})
+                opened = {p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}-{i}.json").read_text())))
+                          for p in peers}
+                IpcExecutor(plan, a.rank, shards, opened).run()
+                del opened
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            times.append(span(t0, t1))
+        out["ipc_handles_per_update"] = times
+        return out
+
+    tgroup = dist.new_group(trainer_ranks, backend="nccl") if len(trainer_ranks) > 1 else None
+    root = trainer_ranks[0]
+    bgroup = dist.new_group([root] + receiver_ranks, backend="nccl")
+    in_b = a.rank == root or a.rank in receiver_ranks
+
+    def gather_full(name: str):
+        """Trainer rank 0 assembles the canonical tensor from every trainer rank's boxes (P2P)."""
+        spec = specs[name]
+        full = torch.empty(spec.shape, dtype=torch.bfloat16, device=device) if a.rank == root else None
+        if a.rank == root:
+            for box, view in shards.pairs(name):
+                full[box.slices()].copy_(view)
+        for src in trainer_ranks[1:]:
+            lay = next(x for x in layouts if x.instance == ranks[src].instance)
+            for box in lay.rank_boxes(ranks[src].local_rank).get(name, ()):
+                if a.rank == src:
+                    buf = torch.empty(box.sizes, dtype=torch.bfloat16, device=device)
+                    shards.copy_out(name, box.offsets, box.sizes, buf)
+                    dist.send(buf, root, group=tgroup)
+                elif a.rank == root:
+                    buf = torch.empty(box.sizes, dtype=torch.bfloat16, device=device)
+                    dist.recv(buf, src, group=tgroup)
+                    full[box.slices()].copy_(buf)
+        return full
+
+    def take(name: str, full):
+        for box, view in shards.pairs(name):
+            view.copy_(full[box.slices()])
+
+    def per_tensor():
+        for name in names:
+            full = gather_full(name) if trainer else None
+            if in_b:
+                if full is None:
+                    full = torch.empty(specs[name].shape, dtype=torch.bfloat16, device=device)
+                dist.broadcast(full, root, group=bgroup)
+                if not trainer:
+                    take(name, full)
+
+    def packed(bucket_bytes: int = GIB):
+        batch: list[str] = []
+        size = 0
+        groups: list[list[str]] = []
+        for name in names:
+            n = specs[name].nbytes
+            if batch and size + n > bucket_bytes:
+                groups.append(batch)
+                batch, size = [], 0
+            batch.append(name)
+            size += n
+        if batch:
+            groups.append(batch)
+        for g in groups:
+            total = sum(specs[n].nbytes for n in g)
+            fulls = {n: gather_full(n) for n in g} if trainer else {}
+            if not in_b:
+                continue
+            buf = torch.empty(total, dtype=torch.uint8, device=device)
+            pos = 0
+            views = {}
+            for n in g:
+                v = buf[pos:pos + specs[n].nbytes].view(torch.bfloat16).view(specs[n].shape)
+                views[n] = v
+                if a.rank == root:
+                    v.copy_(fulls[n])
+                pos += specs[n].nbytes
+            dist.broadcast(buf, root, group=bgroup)
+            if not trainer:
+                for n in g:
+                    take(n, views[n])
+
+    for label, fn in (("gather_then_per_tensor_broadcast", per_tensor), ("gather_then_packed_1GiB_broadcast", packed)):
+        times = []
+        for _ in range(a.baseline_iters):
+            barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            times.append(span(t0, t1))
+        out[label] = times
+        if not trainer:
+            out[label + "_bad"] = mismatches(shards, layout, 2, device)[:5]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- calibration
+
+def calibrate_worker(rank: int, world: int, port: int, nbytes: int, out_file: str) -> None:
+    """Ranks 0..world-1 on GPUs 0..world-1: pair send 0->1, two into one (0,1 -> 2), device copy on GPU 0."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    res = {}
+
+    def timed(fn, reps=5):
+        ts = []
+        for _ in range(reps):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            t = torch.tensor([time.perf_counter() - t0], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            ts.append(float(t))
+        return statistics.median(ts[1:])
+
+    def pair():
+        if world < 2:
+            return
+        if rank == 0:
+            dist.send(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+
+    res["pair_seconds"] = timed(pair)
+    res["pair_bps"] = nbytes / res["pair_seconds"] if world >= 2 else 0.0
+    if world >= 3:
+        half = buf[: nbytes // 2]
+        other = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+
+        def two_into_one():
+            ops = []
+            if rank in (0, 1):
+                ops.append(dist.P2POp(dist.isend, half, 2))
+            elif rank == 2:
+                ops += [dist.P2POp(dist.irecv, half, 0), dist.P2POp(dist.irecv, other, 1)]
+            if ops:
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+
+        res["two_into_one_seconds"] = timed(two_into_one)
+        res["two_into_one_bps"] = nbytes / res["two_into_one_seconds"]
+    dst = torch.empty_like(buf)
+    res["copy_seconds"] = timed(lambda: dst.copy_(buf))
+    res["copy_bps"] = nbytes / res["copy_seconds"]  # bytes copied per second (each read once, written once)
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+def _launch(argv: list[list[str]], timeout: float, env) -> list[tuple[int, str]]:
+    procs = [subprocess.Popen([sys.executable, "-m", "awex_integration.bench_gpu", *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in argv]
+    deadline = time.monotonic() + timeout
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out = (out or "") + "\n[timed out]"
+        outs.append((p.returncode, out))
+    return outs
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _device_name() -> str:
+    import torch
+
+    n = torch.cuda.device_count()
+    name = torch.cuda.get_device_name(0)
+    try:
+        links = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+        link = "NV18" if "NV18" in links else ("NVLink" if " NV" in links else "PCIe")
+    except (OSError, subprocess.SubprocessError):
+        link = "unknown link"
+    return f"{n}x {name}, {link}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--calibrate", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers (quick runs)")
+    ap.add_argument("--scenarios", default="all", help="comma-separated names (default all that fit the GPUs)")
+    ap.add_argument("--iters", type=int, default=7, help="steady-state syncs timed per scenario (median)")
+    ap.add_argument("--baseline-iters", type=int, default=3)
+    ap.add_argument("--wave-mb", type=float, default=256.0, help="wave size per rank in MiB (staging ~2x)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per scenario")
+    ap.add_argument("--out", default=None, help="write the results JSON here")
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        a = WorkerArgs(**json.loads(args.worker))
+        res = worker(a)
+        Path(a.workdir, f"{a.scenario}-{a.rank}.json").write_text(json.dumps(res))
+        return 0
+    if args.calibrate:
+        calibrate_worker(**json.loads(args.calibrate))
+        return 0
+
+    import torch
+
+    from awex.meta import PlanOptions, Role, plan_transfers
+
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               PYTHONUNBUFFERED="1")
+    gpus = torch.cuda.device_count()
+    device = _device_name()
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    work = tempfile.mkdtemp(prefix="awex-bench-")
+    print(f"device: {device}; model {args.model}{f' ({args.layers} layers)' if args.layers else ''}", flush=True)
+
+    # limits, measured now
+    cal_world = min(gpus, 3)
+    port = _free_ports(1)[0]
+    cal_file = str(Path(work) / "calibration.json")
+    outs = _launch([["--calibrate", json.dumps({"rank": r, "world": cal_world, "port": port, "nbytes": 4 * GIB,
+                                                "out_file": cal_file})] for r in range(cal_world)], 300, env)
+    if any(rc for rc, _ in outs):
+        print("\n".join(o for _, o in outs))
+        return 1
+    cal = json.loads(Path(cal_file).read_text())
+    link_bps = max(cal["pair_bps"], cal.get("two_into_one_bps", 0.0))
+    copy_bps = cal["copy_bps"]
+    print(f"limits: NCCL one pair {cal['pair_bps'] / 1e9:.0f} GB/s, two into one "
+          f"{cal.get('two_into_one_bps', 0) / 1e9:.0f} GB/s, device copy {copy_bps / 1e9:.0f} GB/s "
+          f"(bytes copied per second)", flush=True)
+
+    wanted = [s for s in SCENARIOS if (args.scenarios == "all" or s.name in args.scenarios.split(","))]
+    results = []
+    dims, tensors = model_tensors(args.model, args.layers)
+    model_bytes = sum(t.spec.nbytes for t in tensors)
+    for sc in wanted:
+        if sc.gpus > gpus:
+            print(f"skip {sc.name}: needs {sc.gpus} GPUs, this machine has {gpus}")
+            continue
+        layouts = layouts_of(sc, tensors)
+        sources = [x for x in layouts if x.role == Role.TRAINER]
+        dests = [x for x in layouts if x.role == Role.INFERENCE]
+        direct = plan_transfers(sources, dests, PlanOptions(relay=False))
+        ranks = direct.ranks
+        gpu_of = {r.rank: next(e for e in sc.engines if e.instance == r.instance).gpus[r.local_rank] for r in ranks}
+        bound, per_gpu = lower_bound(direct, gpu_of, link_bps, copy_bps)
+        ports = _free_ports(2)
+        argv = []
+        for r in ranks:
+            wa = WorkerArgs(sc.name, args.model, args.layers, r.rank, len(ranks), r.instance, r.local_rank,
+                            gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb)
+            argv.append(["--worker", json.dumps(wa.__dict__)])
+        started = time.monotonic()
+        outs = _launch(argv, args.timeout, env)
+        failed = [(rc, o) for rc, o in outs if rc != 0]
+        if failed:
+            print(f"FAILED {sc.name}:\n" + "\n".join(o[-4000:] for _, o in failed), flush=True)
+            results.append({"name": sc.name, "what": sc.what, "device": device, "date": date, "error":
+                            failed[0][1][-2000:]})
+            continue
+        per_rank = [json.loads(Path(work, f"{sc.name}-{r.rank}.json").read_text()) for r in ranks]
+        rec = [p for p in per_rank if not p["trainer"]]
+        bad = [f"{p['instance']}:{b}" for p in rec for b in p["bad_first"] + p["bad_second"]]
+        steady = statistics.median(per_rank[0]["steady_seconds"])
+        received = sum(p.get("bytes_received", 0) for p in rec)
+        entry = {
+            "name": sc.name,
+            "what": sc.what,
+            "device": device,
+            "date": date,
+            "model": args.model + (f" ({args.layers} layers)" if args.layers else ""),
+            "model_bytes": model_bytes,
+            "transport": sc.transport,
+            "bytes": received,
+            "seconds": round(steady, 6),
+            "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
+            "first_sync_seconds": round(per_rank[0]["first_sync_seconds"], 6),
+            "lower_bound_seconds": round(bound, 6),
+            "ratio": round(steady / bound, 3) if bound else None,
+            "limits": {"link_bytes_per_s": round(link_bps), "copy_bytes_per_s": round(copy_bps)},
+            "per_gpu_bytes": per_gpu,
+            "waves": per_rank[0]["plan"]["waves"],
+            "relayed_bytes": per_rank[0]["plan"]["relayed_bytes"],
+            "peak_extra_gpu_bytes": {"trainer": max(p["peak_extra_bytes"] for p in per_rank if p["trainer"]),
+                                     "inference": max(p["peak_extra_bytes"] for p in rec)},
+            "staging_bytes": max((p.get("staging_bytes", 0) for p in per_rank), default=0),
+            "correct": not bad,
+            "mismatches": bad[:10],
+            "baselines": {k: round(statistics.median(v), 6) for k, v in per_rank[0]["baselines"].items()
+                          if not k.endswith("_bad")},
+            "baseline_mismatches": sorted({b for p in rec for k, v in p["baselines"].items() if k.endswith("_bad")
+                                           for b in v})[:5],
+            "wall_seconds": round(time.monotonic() - started, 1),
+        }
+        results.append(entry)
+        base = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["baselines"].items())
+        print(f"{sc.name}: {steady * 1e3:.1f} ms steady (first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
+              f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}", flush=True)
+    doc = {"device": device, "date": date, "limits": cal, "scenarios": results,
+           "command": "python -m awex_integration.bench_gpu " + " ".join(sys.argv[1:] if argv is None else list(map(str, argv)))}
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(json.dumps({"scenarios": [{k: r.get(k) for k in ("name", "seconds", "lower_bound_seconds", "ratio",
+                                                          "correct", "baselines")} for r in results]}))
+    return 0 if all(r.get("correct") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
