@@ -106,7 +106,7 @@ def layouts_of(scenario: Scenario, tensors):
     return out
 
 
-class _Params:
+class NamedParams:
     """Just enough of a module for ``megatron_views``: named parameters over a dict."""
 
     def __init__(self, params):
@@ -126,7 +126,7 @@ def native_params(engine: Engine, local_rank: int, dims, device):
         where = MegatronNames(local_rank, 0, MegatronParallel(tp=engine.tp))
         shapes = megatron_param_shapes(dims, where)[0]
         params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
-        return params, megatron_views(_Params(params), dims, where)
+        return params, megatron_views(NamedParams(params), dims, where)
     parallel = VllmParallel(tp=engine.tp)
     shapes = vllm_param_shapes(dims, parallel, local_rank)
     params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
@@ -269,6 +269,7 @@ def worker(a: WorkerArgs) -> dict:
             opened = {p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}.json").read_text()))) for p in peers}
             executor = IpcExecutor(plan, a.rank, shards, opened)
             run = executor.run
+            result["staging_bytes"] = executor.staging_bytes
         else:
             run = None
     stats = run() if run else None

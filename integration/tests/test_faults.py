@@ -16,7 +16,7 @@ def test_trainer_rank_dying_mid_run_fails_the_sync_and_vllm_keeps_the_previous_v
     result = run_scenario(["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--timeout", "20",
                            "--fail-rank", "1", "--fail-step", "2"])
     assert result["ok"] is False and result["failed_step"] == 2, result
-    assert "recv of" in result["error"] and "from rank 1" in result["error"], result["error"]
+    assert "from rank 1" in result["error"], result["error"]
     assert result["error_seconds"] < 60, "the receiver must give up within its deadline"
     assert result["kept_previous_output"] is True  # still generates exactly what step-1 weights generate
     assert result["reported_versions"]["vllm-0"] == "step-1"

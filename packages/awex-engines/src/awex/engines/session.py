@@ -35,6 +35,7 @@ class SyncManifest:
     port: int
     wave_bytes: int = 256 << 20
     timeout: float = 300.0
+    transport: str = "p2p"  # "p2p" (NCCL on CUDA, gloo on CPU) or "ipc" (colocated CUDA engines on one host)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -47,12 +48,12 @@ class SyncManifest:
         try:
             return cls(version=str(d["version"]), sources=tuple(d["sources"]), destinations=tuple(d["destinations"]),
                        host=str(d["host"]), port=int(d["port"]), wave_bytes=int(d["wave_bytes"]),
-                       timeout=float(d["timeout"]))
+                       timeout=float(d["timeout"]), transport=str(d.get("transport", "p2p")))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
 
     def rendezvous(self) -> tuple:
-        return (self.host, self.port, self.sources, self.destinations)
+        return (self.host, self.port, self.sources, self.destinations, self.transport)
 
 
 def manifest_key(version: str) -> str:
@@ -86,6 +87,7 @@ class SyncSession:
     _group: SyncGroup | None = None
     _layouts: dict[str, Layout] = field(default_factory=dict)
     _executor: WaveExecutor | None = None
+    _ipc: dict = field(default_factory=dict)  # trainer: its export; receiver: opened exports and executor
 
     def prepare(self, manifest: SyncManifest, timeout: float) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
@@ -101,11 +103,13 @@ class SyncSession:
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
         plan = plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
-                              PlanOptions(wave_bytes=manifest.wave_bytes))
+                              PlanOptions(wave_bytes=manifest.wave_bytes, relay=manifest.transport != "ipc"))
         me = plan.rank(self.instance, self.local_rank)
         self.client.agree(f"plan/{manifest.version}", f"{self.instance}:{self.local_rank}", plan.world_size,
                           plan.digest, timeout=max(0.1, deadline - time.monotonic()))
-        if self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
+        if manifest.transport == "ipc":
+            pass  # no process group: receivers copy from the trainers' memory
+        elif self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
             cuda = getattr(self.device, "type", "cpu") == "cuda"
             self._group = create_sync_group(me.rank, plan.world_size, manifest.host, manifest.port,
                                             backend="nccl" if cuda else "gloo",
@@ -122,6 +126,10 @@ class SyncSession:
                  timeout: float) -> TransferStats:
         started = time.monotonic()
         plan, rank, _ = self.prepare(manifest, timeout)
+        if manifest.transport == "ipc":
+            if callable(shards):
+                raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
+            return self._transfer_ipc(manifest, plan, rank, shards, started + timeout)
         if callable(shards):  # views that depend on the plan (receive buffers): built per sync
             executor = WaveExecutor(plan, rank, shards(plan), self._group)
         else:
@@ -130,3 +138,49 @@ class SyncSession:
             executor = self._executor
         left = max(0.1, timeout - (time.monotonic() - started))
         return executor.run(timeout=left)
+
+    def _transfer_ipc(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
+                      deadline: float) -> TransferStats:
+        """Colocated sync: trainers publish IPC exports (once, again if their storages move) and say ready;
+        receivers copy straight from the trainers' memory; everyone agrees it is done, so the trainer does not
+        change its weights while they are read."""
+        import torch
+
+        from awex.transport.ipc import IpcExecutor, IpcExport, export_shards, open_export
+
+        started = time.monotonic()
+        me = plan.ranks[rank]
+        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+        stats = TransferStats()
+        if me.role.value == "trainer":
+            torch.cuda.current_stream(shards.device).synchronize()  # this version's weights are in memory
+            export = self._ipc.get("export")
+            if export is None or not export.matches(shards):
+                export = export_shards(shards)
+                self._ipc["export"] = export
+                self._ipc["generation"] = self._ipc.get("generation", 0) + 1
+                self.client.put(f"ipc/{me.instance}/{me.local_rank}/{self._ipc['generation']}", export.to_wire())
+            self.client.put(f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}", self._ipc["generation"])
+            stats.bytes_sent = sum(s.bucket.nbytes for s in plan.schedule(rank))
+        else:
+            opened = self._ipc.setdefault("opened", {})
+            sources = {}
+            changed = self._ipc.get("plan") is not plan
+            for peer in sorted({s.peer for s in plan.schedule(rank)}):
+                src = plan.ranks[peer]
+                generation = self.client.get(f"ipc-ready/{manifest.version}/{src.instance}/{src.local_rank}",
+                                             timeout=left())
+                key = (src.instance, src.local_rank)
+                if key not in opened or opened[key][0] != generation:
+                    doc = self.client.get(f"ipc/{src.instance}/{src.local_rank}/{generation}", timeout=left())
+                    opened[key] = (generation, open_export(IpcExport.from_wire(doc)))
+                    changed = True
+                sources[peer] = opened[key][1]
+            if changed or self._ipc.get("executor") is None:
+                self._ipc["executor"] = IpcExecutor(plan, rank, shards, sources)
+                self._ipc["plan"] = plan
+            stats = self._ipc["executor"].run(timeout=left())
+        self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size, "done",
+                          timeout=left())
+        stats.seconds = time.monotonic() - started
+        return stats

@@ -26,7 +26,14 @@ log = logging.getLogger("awex.engines")
 
 
 class WeightsWriter:
-    """One trainer rank's writer. Every trainer rank calls :meth:`write` with the same version."""
+    """One trainer rank's writer. Every trainer rank calls :meth:`write` with the same version.
+
+    ``transport="p2p"`` moves weights over a sync group (NCCL for CUDA views, gloo for CPU views), in waves
+    of about ``wave_bytes`` per rank (staging about twice that). ``transport="ipc"`` is for inference engines
+    colocated with the trainer on the same host: they copy straight from this rank's CUDA memory (IPC
+    handles exported once, reused while the parameters do not move); :meth:`write` returns once every
+    receiver has finished reading.
+    """
 
     def __init__(
         self,
@@ -38,14 +45,20 @@ class WeightsWriter:
         host: str = "127.0.0.1",
         wave_bytes: int = 256 << 20,
         timeout: float = 300.0,
+        transport: str = "p2p",
     ):
+        if transport not in ("p2p", "ipc"):
+            raise ValueError(f"unknown transport {transport!r}: use 'p2p' (NCCL/gloo) or 'ipc' (colocated CUDA)")
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
         self.host = host
         self.wave_bytes = wave_bytes
         self.timeout = timeout
+        self.transport = transport
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
+        if transport == "ipc" and self._shards.device.type != "cuda":
+            raise ValueError(f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}")
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._port: int | None = None
         if local_rank == 0:
@@ -64,7 +77,7 @@ class WeightsWriter:
             if self._port is None:
                 self._port = free_port(self.host)
             manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
-                                    self._port, self.wave_bytes, self.timeout)
+                                    self._port, self.wave_bytes, self.timeout, self.transport)
             self.client.put(manifest_key(version), manifest.to_json())
             self.client.publish_event("weights_ready", self.layout.instance, version=version)
         else:

@@ -50,7 +50,14 @@ class SyncGroup:
                 pg.recv([tensor], peer, 0)
             work = pg._end_coalescing()
             return [work] if work is not None else []
-        return [pg.send([t], p, 0) for t, p in sends] + [pg.recv([t], p, 0) for t, p in recvs]
+        works = []
+        for op, items in (("send to", sends), ("recv from", recvs)):
+            for tensor, peer in items:
+                try:
+                    works.append((pg.send if op == "send to" else pg.recv)([tensor], peer, 0))
+                except RuntimeError as e:  # name the peer: "connection closed" alone does not say who died
+                    raise RuntimeError(f"{op} rank {peer}: {e}") from e
+        return works
 
     def abort(self) -> None:
         """Abort the group after a failure (unblocks NCCL kernels waiting on a dead peer); best effort."""

@@ -108,17 +108,23 @@ def export_shards(shards: LocalShards) -> IpcExport:
 
 
 def open_export(export: IpcExport) -> LocalShards:
-    """The trainer rank's views, rebuilt over its memory in this process (opens each handle once)."""
+    """The trainer rank's views, rebuilt over its memory in this process (opens each handle once).
+
+    Views of memory on another GPU stay on that GPU: copies from them are PyTorch peer copies. (Aliasing them
+    onto this process's GPU, so that the copies would run in this process's own context, was tried: the
+    receiving process failed on 4x H200; not pursued further yet.)
+    """
     torch.cuda._lazy_init()
     storages = []
     for fields in export.storages:
-        device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
+        home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
         storages.append(torch.UntypedStorage._new_shared_cuda(
-            device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync))
+            home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync))
     shards: dict[str, list[tuple[Box, torch.Tensor]]] = {}
     for v in export.views:
-        t = torch.empty(0, dtype=torch_dtype(v.dtype), device=storages[v.storage].device)
-        t.set_(storages[v.storage], v.offset, v.box.sizes, v.strides)
+        st = storages[v.storage]
+        t = torch.empty(0, dtype=torch_dtype(v.dtype), device=st.device)
+        t.set_(st, v.offset, v.box.sizes, v.strides)
         shards.setdefault(v.name, []).append((v.box, t))
     return LocalShards(shards)
 
@@ -140,8 +146,10 @@ def _shift(s: tuple[slice, ...], by: tuple[slice, ...]) -> tuple[slice, ...]:
 class IpcExecutor:
     """A receiver's copies for one plan, straight from its sources' memory (built once, run every sync)."""
 
-    def __init__(self, plan: Plan, rank: int, shards: LocalShards, sources: dict[int, LocalShards]):
+    def __init__(self, plan: Plan, rank: int, shards: LocalShards, sources: dict[int, LocalShards],
+                 cuda_graph: bool = True, bounce_bytes: int = 256 << 20):
         self.plan = plan
+        self.cuda_graph = cuda_graph
         self.rank = rank
         self.device = shards.device
         names = [t.name for t in plan.tensors]
@@ -169,28 +177,45 @@ class IpcExecutor:
                         self.copies.append((d, s))
                 self.bytes_received += t.nbytes
         self.copies = merge_copies(self.copies)
-        self._remote = [(d, s) for d, s in self.copies if s.device != d.device]
+        self._remote = [(d, s) for d, s in self.copies if s.device != d.device]  # PyTorch peer copies
         self._local = [(d, s) for d, s in self.copies if s.device == d.device]
+        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        # A peer copy is a DMA (copy engines) only when both sides are contiguous; otherwise PyTorch runs a copy
+        # kernel on the source GPU, inside this process's context there, which time-slices with the engine that
+        # owns that GPU. And many small DMAs cost more than one large one. So the pieces read from one source
+        # storage are fetched as one contiguous span (one DMA, up to `bounce_bytes`) into a buffer on this GPU
+        # and placed from there by local copies.
+        self._plan_remote(bounce_bytes)
         self.buckets = len(plan.schedule(rank))
 
     def run(self, timeout: float = 300.0) -> TransferStats:
         """Copy everything; returns when it is done (or raises after ``timeout``).
 
-        Copies from other GPUs (peer copies over NVLink, on the copy engines) and copies on this GPU (kernels)
-        go on two streams so that they overlap; peer copies are issued first, they are the longer part.
+        Copies from another GPU's memory (peer copies, fetched per source storage as one contiguous span where
+        possible) and copies within this GPU (one CUDA graph replay after the first sync) go on separate
+        streams so that they overlap.
         """
         started = time.monotonic()
         compute = torch.cuda.current_stream(self.device)
         streams = []
-        for copies in (self._remote, self._local):
-            if not copies:
-                continue
+        if self._direct or self._spans:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
-                for d, s in copies:
+                for d, s in self._direct:
                     d.copy_(s, non_blocking=True)
+                for span, n, placed in self._spans:
+                    self._bounce.view(span.dtype)[:n].copy_(span, non_blocking=True)  # one peer DMA
+                    for d, s in placed:
+                        d.copy_(s, non_blocking=True)  # local copies from the bounce buffer
             streams.append(stream)
+        for label, copies in (("local", self._local),):
+            if copies:
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(compute)
+                with torch.cuda.stream(stream):
+                    self._replay(label, copies, stream)
+                streams.append(stream)
         events = []
         for stream in streams:
             done = torch.cuda.Event()
@@ -205,3 +230,53 @@ class IpcExecutor:
             compute.wait_stream(stream)
         return TransferStats(bytes_received=self.bytes_received, buckets=self.buckets, waves=1,
                              seconds=time.monotonic() - started)
+
+    def _plan_remote(self, bounce_bytes: int) -> None:
+        self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._spans: list[tuple[torch.Tensor, int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        by_storage: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for d, s in self._remote:
+            by_storage.setdefault((s.untyped_storage().data_ptr(), s.dtype), []).append((d, s))
+        largest = 0
+        spans = []
+        for (_, dtype), items in by_storage.items():
+            if len(items) == 1 and items[0][0].is_contiguous() and items[0][1].is_contiguous():
+                self._direct.extend(items)  # already one DMA
+                continue
+            lo = min(s.storage_offset() for _, s in items)
+            hi = max(s.storage_offset() + sum((n - 1) * st for n, st in zip(s.shape, s.stride())) + 1
+                     for _, s in items)
+            size = (hi - lo) * items[0][1].element_size()
+            if size > bounce_bytes or items[0][0].dtype != dtype:
+                self._direct.extend(items)
+                continue
+            spans.append((lo, hi, dtype, items))
+            largest = max(largest, size)
+        largest = -(-largest // 16) * 16
+        self._bounce = torch.empty(largest, dtype=torch.uint8, device=self.device) if spans else None
+        self.staging_bytes = largest
+        for lo, hi, dtype, items in spans:
+            src = items[0][1]
+            span = torch.empty(0, dtype=dtype, device=src.device).set_(src.untyped_storage(), lo, (hi - lo,), (1,))
+            flat = self._bounce.view(dtype)
+            placed = [(d, flat.as_strided(s.shape, s.stride(), s.storage_offset() - lo)) for d, s in items]
+            self._spans.append((span, hi - lo, merge_copies(placed)))
+
+    def _replay(self, label: str, copies: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream) -> None:
+        """Copies on this GPU, replayed from a CUDA graph captured on first use (one launch per sync)."""
+        if label not in self._graphs and self.cuda_graph:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    for d, s in copies:
+                        d.copy_(s, non_blocking=True)
+                self._graphs[label] = graph
+            except RuntimeError as e:  # capture is an optimisation: fall back to plain copies
+                log.warning("rank %d: CUDA graph capture of IPC copies failed (%s); copying eagerly", self.rank, e)
+                self.cuda_graph = False
+        graph = self._graphs.get(label)
+        if graph is not None:
+            graph.replay()
+        else:
+            for d, s in copies:
+                d.copy_(s, non_blocking=True)

@@ -1,0 +1,44 @@
+"""The library path on GPUs: WeightsWriter / WeightsReader through the MetaServer, NCCL across GPUs and CUDA IPC
+for colocated engines, several versions, every received tensor checked. Skipped where there is no GPU (CI);
+run on a GPU machine with ``pytest integration/tests/test_gpu_sync.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA GPUs (the CPU CI cannot run the NCCL and CUDA IPC paths)", allow_module_level=True)
+
+from awex.meta.server import start_embedded  # noqa: E402
+from awex_integration.gpu_sync_workers import sync_rank  # noqa: E402
+from awex_integration.spawn import run_processes  # noqa: E402
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(("ipc", 1, [0], [(1, [0])]), id="colocated-1gpu-ipc"),
+    pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])]), id="colocated-tp2-to-tp1-per-gpu-ipc"),
+    pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])]), id="nccl-tp2-to-tp2"),
+    pytest.param(("p2p", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="nccl-1-to-3-relay"),
+])
+def test_writer_and_readers_on_gpus(case):
+    transport, train_tp, train_gpus, engines = case
+    need = 1 + max([*train_gpus, *[g for _, gs in engines for g in gs]])
+    if torch.cuda.device_count() < need:
+        pytest.skip(f"needs {need} GPUs, this machine has {torch.cuda.device_count()}")
+    server = start_embedded()
+    try:
+        jobs = [(("trainer", r), sync_rank, (server.address, transport, "trainer", r, train_tp, train_gpus[r],
+                                               [f"vllm-{i}" for i in range(len(engines))]))
+                for r in range(train_tp)]
+        for i, (tp, gpus) in enumerate(engines):
+            jobs += [((f"vllm-{i}", r), sync_rank, (server.address, transport, f"vllm-{i}", r, tp, gpus[r], []))
+                     for r in range(tp)]
+        out = run_processes(jobs, timeout=240)
+    finally:
+        server.stop()
+    failures = {k: v for k, (s, v) in out.items() if s != "ok"}
+    assert not failures, failures
+    for key, (_, value) in out.items():
+        if key[0] != "trainer":
+            assert value["checked"] > 0 and value["bad"] == [], (key, value)
