@@ -40,7 +40,8 @@ log = logging.getLogger("awex.scenario")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scenario", description=__doc__.splitlines()[0])
-    p.add_argument("--trainer", choices=["megatron", "hf"], default="megatron")
+    p.add_argument("--trainer", choices=["megatron", "hf", "fsdp"], default="megatron",
+                   help="fsdp: an HF model sharded with FSDP2 over --train-dp ranks (gloo)")
     p.add_argument("--train-tp", type=int, default=1)
     p.add_argument("--train-pp", type=int, default=1)
     p.add_argument("--train-dp", type=int, default=1)
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     parallel = MegatronParallel(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, vpp=args.train_vpp,
                                 vocab_pad=128)
-    world = parallel.world_size if args.trainer == "megatron" else 1
+    world = {"megatron": parallel.world_size, "fsdp": args.train_dp}.get(args.trainer, 1)
     port = free_port()
     trainer_meta = {"address": server.address, "job": "scenario", "token": token}
     from awex_integration.spawn import run_processes

@@ -63,6 +63,23 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         where = MegatronNames(parallel_state.get_tensor_model_parallel_rank(),
                               parallel_state.get_pipeline_model_parallel_rank(), parallel)
         writer = WeightsWriter(client, layout, rank, megatron_views(model, dims, where), timeout=timeout)
+    elif kind == "fsdp":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        from awex.engines.fsdp import dtensor_local_rank, dtensor_model_layout, dtensor_views
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dtype = getattr(torch, str(next(iter(hf.values())).dtype).removeprefix("torch."))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        layout = dtensor_model_layout(model, "trainer")
+        writer = WeightsWriter(client, layout, dtensor_local_rank(model), dtensor_views(model), timeout=timeout)
     else:
         from transformers import AutoModelForCausalLM
 

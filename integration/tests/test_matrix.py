@@ -1,4 +1,4 @@
-"""The CPU integration matrix: real Megatron-core / HF trainers -> real vLLM (CPU build) / HF receivers.
+"""The CPU integration matrix: real Megatron-core / FSDP2 / HF trainers -> real vLLM (CPU build) / HF receivers.
 
 Each case runs the scenario runner in its own process for two steps and requires: every received tensor
 equal to the expected weights bit for bit, and every instance's greedy output equal to an HF reference with
@@ -35,6 +35,10 @@ CASES = [
                                                      "vllm", "--infer-tp", "2", "--model-config", QWEN3_TIED]),
     ("bf16:megatron-tp2->vllm-tp1", ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm",
                                      "--dtype", "bfloat16"]),
+    # FSDP2 (fully_shard over 2 gloo ranks): each rank's local DTensor shards are its boxes, nothing gathered
+    ("fsdp2-dp2->vllm-tp2", ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--infer-tp", "2"]),
+    ("bf16:fsdp2-dp2->vllm-tp1", ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm",
+                                  "--dtype", "bfloat16"]),
 ]
 
 
