@@ -182,3 +182,21 @@ def test_no_relay_where_the_source_is_not_the_bottleneck():
     plan = plan_transfers([src], dsts)
     assert plan.stats.relayed_bytes == 0
     assert plan.stats.max_rank_send_bytes == plan.stats.max_rank_recv_bytes
+
+
+def test_dtype_policy_widening_is_allowed_and_recorded_narrowing_needs_an_explicit_pattern():
+    src = _many("t", Role.TRAINER, [TensorSpec("model.layers.0.mlp.gate.weight", (4, 8), "float32"),
+                                    TensorSpec("w", (4,), "bfloat16"), TensorSpec("x", (4,), "float32")])
+    dst = _many("v", Role.INFERENCE, [TensorSpec("model.layers.0.mlp.gate.weight", (4, 8), "bfloat16"),
+                                      TensorSpec("w", (4,), "float32"), TensorSpec("x", (4,), "float32")])
+    with pytest.raises(PlanError) as err:  # the router would silently lose precision
+        plan_transfers([src], [dst])
+    assert len(err.value.problems) == 1
+    assert "model.layers.0.mlp.gate.weight: dtype mismatch: source float32 vs destination bfloat16" in str(err.value)
+    assert "allow_cast" in str(err.value)
+    plan = plan_transfers([src], [dst], PlanOptions(allow_cast=("*.mlp.gate.weight",)))
+    assert set(plan.casts) == {("model.layers.0.mlp.gate.weight", "float32", "bfloat16"), ("w", "bfloat16", "float32")}
+    # what moves is in the destination's dtype
+    assert {t.name: t.dtype for t in plan.tensors}["model.layers.0.mlp.gate.weight"] == "bfloat16"
+    assert plan.stats.total_bytes == 4 * 8 * 2 + 4 * 4 + 4 * 4
+    assert verify_plan(plan, [src], [dst]).ok

@@ -27,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(layouts, timeout=60.0, behaviours=None, wave_bytes=256 << 20):
+def run_world(layouts, timeout=60.0, behaviours=None, wave_bytes=256 << 20, allow_cast=()):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     docs = [layout_to_wire(lay) for lay in layouts]
@@ -38,7 +38,7 @@ def run_world(layouts, timeout=60.0, behaviours=None, wave_bytes=256 << 20):
             behaviour = (behaviours or {}).get((lay.instance, r), "normal")
             p = ctx.Process(target=transport_workers.worker,
                             args=(lay.role.value, docs, lay.instance, r, "127.0.0.1", port, timeout, results, behaviour,
-                                  wave_bytes))
+                                  wave_bytes, tuple(allow_cast)))
             p.start()
             procs.append(p)
     out = {}
@@ -91,6 +91,18 @@ def test_one_trainer_rank_feeding_three_engines_sends_once_and_engines_relay():
     assert sum(out[(f"vllm-{i}", 0)][2] for i in range(3)) == 2 * model  # the rest was relayed
     plan = plan_transfers(layouts[:1], layouts[1:], PlanOptions(wave_bytes=wave))
     assert plan.stats.waves > 8
+
+
+def test_an_explicitly_allowed_narrowing_cast_arrives_in_the_receivers_dtype():
+    trainer = megatron_layout(canonical_tensors(TINY, dtype="float32"), MegatronParallel(tp=2, vocab_pad=128),
+                              instance="trainer")
+    engine = vllm_layout(canonical_tensors(TINY, dtype="bfloat16"), VllmParallel(tp=1), instance="vllm-0")
+    out = run_world([trainer, engine], allow_cast=("*",))
+    assert len(out) == 3, out
+    failures = {k: v[0] for k, v in out.items() if v[0] != "ok"}
+    assert not failures, failures  # receivers compare with the fp32 values rounded to bf16, bit for bit
+    bf16_bytes = sum(t.spec.nbytes for t in engine.tensors)
+    assert out[("vllm-0", 0)][1] == bf16_bytes  # the wire carries bf16: half the fp32 bytes
 
 
 def test_a_sender_that_dies_makes_receivers_fail_within_the_deadline():

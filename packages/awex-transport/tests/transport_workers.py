@@ -21,14 +21,15 @@ def canonical_value(name: str, shape: tuple[int, ...], dtype: str, step: int) ->
 
 
 def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, host: str, port: int,
-           timeout: float, results, behaviour: str = "normal", wave_bytes: int = 256 << 20) -> None:
+           timeout: float, results, behaviour: str = "normal", wave_bytes: int = 256 << 20,
+           allow_cast: tuple = ()) -> None:
     from awex.meta.serialize import layout_from_wire
 
     try:
         layouts = [layout_from_wire(d) for d in layout_docs]
         sources = [lay for lay in layouts if lay.role.value == "trainer"]
         dests = [lay for lay in layouts if lay.role.value == "inference"]
-        plan = plan_transfers(sources, dests, PlanOptions(wave_bytes=wave_bytes))
+        plan = plan_transfers(sources, dests, PlanOptions(wave_bytes=wave_bytes, allow_cast=tuple(allow_cast)))
         me = plan.rank(instance, local_rank)
         layout = next(lay for lay in layouts if lay.instance == instance)
         natives: dict[str, torch.Tensor] = {}

@@ -36,11 +36,13 @@ class SyncManifest:
     wave_bytes: int = 256 << 20
     timeout: float = 300.0
     transport: str = "p2p"  # "p2p" (NCCL on CUDA, gloo on CPU) or "ipc" (colocated CUDA engines on one host)
+    allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["sources"] = list(self.sources)
         d["destinations"] = list(self.destinations)
+        d["allow_cast"] = list(self.allow_cast)
         return d
 
     @classmethod
@@ -48,7 +50,8 @@ class SyncManifest:
         try:
             return cls(version=str(d["version"]), sources=tuple(d["sources"]), destinations=tuple(d["destinations"]),
                        host=str(d["host"]), port=int(d["port"]), wave_bytes=int(d["wave_bytes"]),
-                       timeout=float(d["timeout"]), transport=str(d.get("transport", "p2p")))
+                       timeout=float(d["timeout"]), transport=str(d.get("transport", "p2p")),
+                       allow_cast=tuple(str(p) for p in d.get("allow_cast", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
 
@@ -99,11 +102,12 @@ class SyncSession:
         layouts = {}
         for name in names:
             layouts[name] = self._layouts.get(name) or self.client.fetch_layout(name, "current", timeout=max(0.1, deadline - time.monotonic()))
-        key = (manifest.rendezvous(), manifest.wave_bytes, tuple(id(layouts[n]) for n in names))
+        key = (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
         plan = plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
-                              PlanOptions(wave_bytes=manifest.wave_bytes, relay=manifest.transport != "ipc"))
+                              PlanOptions(wave_bytes=manifest.wave_bytes, relay=manifest.transport != "ipc",
+                                          allow_cast=manifest.allow_cast))
         me = plan.rank(self.instance, self.local_rank)
         self.client.agree(f"plan/{manifest.version}", f"{self.instance}:{self.local_rank}", plan.world_size,
                           plan.digest, timeout=max(0.1, deadline - time.monotonic()))

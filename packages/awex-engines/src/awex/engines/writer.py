@@ -33,6 +33,9 @@ class WeightsWriter:
     colocated with the trainer on the same host: they copy straight from this rank's CUDA memory (IPC
     handles exported once, reused while the parameters do not move); :meth:`write` returns once every
     receiver has finished reading.
+
+    The receivers' dtypes decide what arrives; a narrowing cast (fp32 -> bf16) is refused before any byte moves
+    unless the tensor's name matches one of the ``allow_cast`` glob patterns (see ``awex.meta.PlanOptions``).
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class WeightsWriter:
         wave_bytes: int = 256 << 20,
         timeout: float = 300.0,
         transport: str = "p2p",
+        allow_cast: Sequence[str] = (),
     ):
         if transport not in ("p2p", "ipc"):
             raise ValueError(f"unknown transport {transport!r}: use 'p2p' (NCCL/gloo) or 'ipc' (colocated CUDA)")
@@ -56,6 +60,7 @@ class WeightsWriter:
         self.wave_bytes = wave_bytes
         self.timeout = timeout
         self.transport = transport
+        self.allow_cast = tuple(allow_cast)
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
         if transport == "ipc" and self._shards.device.type != "cuda":
             raise ValueError(f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}")
@@ -77,7 +82,7 @@ class WeightsWriter:
             if self._port is None:
                 self._port = free_port(self.host)
             manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
-                                    self._port, self.wave_bytes, self.timeout, self.transport)
+                                    self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast)
             self.client.put(manifest_key(version), manifest.to_json())
             self.client.publish_event("weights_ready", self.layout.instance, version=version)
         else:

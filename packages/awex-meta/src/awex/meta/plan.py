@@ -102,6 +102,7 @@ class Plan:
     buckets: tuple[Bucket, ...]  # sorted by (wave, src, dst)
     stats: PlanStats
     options: object
+    casts: tuple[tuple[str, str, str], ...] = ()  # (tensor, source dtype, destination dtype) converted on the way
     _by_rank: dict[int, tuple[int, ...]] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
     _digest: str = field(default="", init=False, repr=False, compare=False)
 
@@ -167,6 +168,7 @@ class Plan:
             "redundant_bytes": s.redundant_bytes,
             "plan_seconds": round(s.plan_seconds, 3),
             "digest": self.digest,
+            "casts": [list(c) for c in self.casts],
         }
 
 
@@ -177,6 +179,8 @@ def plan_digest(plan: Plan) -> str:
         h.update(f"R{r.rank},{r.instance},{r.role.value},{r.local_rank}\n".encode())
     for t in plan.tensors:
         h.update(f"T{t.name},{t.shape},{t.dtype}\n".encode())
+    for name, src, dst in plan.casts:
+        h.update(f"C{name},{src},{dst}\n".encode())
     text: dict[int, str] = {}  # transfers are shared between destinations: format each once
     for b in plan.buckets:
         parts = [f"B{b.wave},{b.src},{b.dst},{b.seq},{b.nbytes}\n"]

@@ -14,17 +14,22 @@ identical on every rank; compare :attr:`Plan.digest` across ranks to prove it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from itertools import product
 from typing import Sequence
 
 from awex.meta.balance import Piece, assign_sources
+from awex.meta.dtypes import is_exact_cast
 from awex.meta.box import Box, intersect
 from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats
 from awex.meta.schedule import assign_waves, plan_relays
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
+
+log = logging.getLogger("awex.meta")
 
 
 
@@ -37,15 +42,23 @@ class PlanOptions:
     default). A piece of at least ``2 * split_bytes`` may be split over several source replicas in parts
     of at least ``split_bytes``; smaller pieces go whole to one source. ``relay`` lets destinations forward
     regions a single source would otherwise send to several of them.
+
+    Dtype policy: the destination's dtype decides what moves (the sender converts while packing). A widening
+    cast that loses nothing (bf16 -> fp32) is allowed and logged; a narrowing one (fp32 -> bf16, which would
+    silently change precision, e.g. of an MoE router) is a :class:`PlanError` unless the tensor's name matches
+    one of the ``allow_cast`` glob patterns (``("*.mlp.gate.weight",)``, or ``("*",)`` for all).
     """
 
     wave_bytes: int = 256 << 20
     split_bytes: int = 16 << 20
     relay: bool = True
+    allow_cast: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.wave_bytes <= 0 or self.split_bytes <= 0:
             raise ValueError("wave_bytes and split_bytes must be positive")
+        if isinstance(self.allow_cast, str):
+            object.__setattr__(self, "allow_cast", (self.allow_cast,))
 
 
 class PlanError(ValueError):
@@ -81,7 +94,10 @@ def plan_transfers(
             ranks.extend([RankDescriptor(first + i, layout.instance, role, i) for i in range(layout.world_size)])
 
     dst_groups = _group_identical(destinations, offsets)
-    tensors = _check_tensors(_group_identical(sources, offsets), dst_groups)
+    tensors, casts = _check_tensors(_group_identical(sources, offsets), dst_groups, options.allow_cast)
+    if casts:
+        log.info("plan casts %d tensor(s) on the way (source -> destination dtype): %s", len(casts),
+                 ", ".join(f"{n} {a}->{b}" for n, a, b in casts[:20]) + (" ..." if len(casts) > 20 else ""))
     itemsizes = [t.itemsize for t in tensors]
 
     groups: dict[tuple[int, ...], list[Piece]] = {}
@@ -154,7 +170,7 @@ def plan_transfers(
         plan_seconds=time.perf_counter() - started,
         relayed_bytes=relayed,
     )
-    return Plan(tuple(ranks), tuple(tensors), tuple(ordered), stats, options)
+    return Plan(tuple(ranks), tuple(tensors), tuple(ordered), stats, options, casts=tuple(casts))
 
 
 def _group_identical(layouts: Sequence[Layout], offsets: dict[str, int]) -> list[tuple[Layout, list[int]]]:
@@ -172,10 +188,13 @@ def _group_identical(layouts: Sequence[Layout], offsets: dict[str, int]) -> list
 
 
 def _check_tensors(
-    sources: list[tuple[Layout, list[int]]], destinations: list[tuple[Layout, list[int]]]
-) -> list[TensorSpec]:
-    """Specs of every tensor some destination holds, after checking sources agree with them."""
+    sources: list[tuple[Layout, list[int]]], destinations: list[tuple[Layout, list[int]]],
+    allow_cast: tuple[str, ...] = (),
+) -> tuple[list[TensorSpec], list[tuple[str, str, str]]]:
+    """Specs of every tensor some destination holds (in the destination's dtype) and the casts on the way,
+    after checking sources agree with them."""
     problems: list[str] = []
+    casts: list[tuple[str, str, str]] = []
 
     def collect(groups: list[tuple[Layout, list[int]]], side: str) -> dict[str, TensorSpec]:
         specs: dict[str, TensorSpec] = {}
@@ -199,10 +218,14 @@ def _check_tensors(
         elif s.shape != d.shape:
             problems.append(f"{name}: shape mismatch: source {tuple(s.shape)} vs destination {tuple(d.shape)}")
         elif s.dtype != d.dtype:
-            problems.append(f"{name}: dtype mismatch: source {s.dtype} vs destination {d.dtype}")
+            if is_exact_cast(s.dtype, d.dtype) or any(fnmatchcase(name, pat) for pat in allow_cast):
+                casts.append((name, s.dtype, d.dtype))
+            else:
+                problems.append(f"{name}: dtype mismatch: source {s.dtype} vs destination {d.dtype} (a narrowing "
+                                f"cast; allow it explicitly with PlanOptions(allow_cast=...) if intended)")
     if problems:
         raise PlanError(problems)
-    return [dst[n] for n in sorted(dst)]
+    return [dst[n] for n in sorted(dst)], casts
 
 
 def _merge_source_holdings(
