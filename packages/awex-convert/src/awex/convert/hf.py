@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -9,11 +10,31 @@ import torch
 from awex.meta import Box
 
 
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
 def hf_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
-    """``view_of(name, box)`` for an HF model: an alias of the parameter's box, not a copy."""
+    """``view_of(name, box)`` for an HF model: an alias of the parameter's box, not a copy.
+
+    MoE experts are canonical per expert (``mlp.experts.E.gate_proj.weight``, as checkpoints store them);
+    transformers 5 holds them fused per layer (``mlp.experts.gate_up_proj`` of shape [E, 2I, H], gate rows
+    first, and ``mlp.experts.down_proj`` of shape [E, H, I]): those come as views of the fused parameters.
+    """
     params = {name: p.data for name, p in model.named_parameters()}
 
     def view_of(name: str, box: Box) -> torch.Tensor:
-        return params[name][box.slices()]
+        p = params.get(name)
+        if p is None:
+            m = _EXPERT.match(name)
+            if m is None:
+                raise KeyError(name)
+            base, expert, part = m.group(1), int(m.group(2)), m.group(3)
+            if part == "down":
+                p = params[f"{base}.down_proj"][expert]
+            else:
+                fused = params[f"{base}.gate_up_proj"][expert]
+                half = fused.shape[0] // 2
+                p = fused[:half] if part == "gate" else fused[half:]
+        return p[box.slices()]
 
     return view_of

