@@ -25,6 +25,7 @@ def init_distributed(rank: int, world: int, port: int, parallel: MegatronParalle
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.etp,
     )
 
 
@@ -38,6 +39,11 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
     from awex.meta.layouts.common import pad_to
 
     kwargs = {}
+    if dims.num_experts:  # MoE: SequentialMLP experts, allgather dispatcher (the alltoall one needs CUDA streams)
+        kwargs.update(num_moe_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_intermediate, moe_router_topk=2,
+                      expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.etp,
+                      moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+                      moe_layer_freq=[1 if i in dims.sparse_layers else 0 for i in range(dims.layers)])
     if parallel.first or parallel.last:
         kwargs.update(num_layers_in_first_pipeline_stage=parallel.first or None,
                       num_layers_in_last_pipeline_stage=parallel.last or None)
@@ -53,7 +59,8 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False, **kwargs,
     )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
+                                    num_experts=dims.num_experts or None, moe_grouped_gemm=False)
     vocab = pad_to(dims.vocab, parallel.vocab_pad * parallel.tp)
 
     def one(vp_stage=None):
@@ -68,6 +75,12 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
     if parallel.vpp > 1:
         return [one(v).to(dtype) for v in range(parallel.vpp)]
     return one().to(dtype)
+
+
+def expert_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
 
 
 def coordinates(parallel: MegatronParallel) -> tuple[int, int]:

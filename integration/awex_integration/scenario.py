@@ -46,8 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-pp", type=int, default=1)
     p.add_argument("--train-dp", type=int, default=1)
     p.add_argument("--train-vpp", type=int, default=1)
+    p.add_argument("--train-ep", type=int, default=1, help="Megatron expert parallelism (MoE models)")
     p.add_argument("--inference", choices=["vllm", "hf"], default="vllm")
     p.add_argument("--infer-tp", type=int, default=1)
+    p.add_argument("--infer-ep", action="store_true", help="vLLM expert parallelism (enable_expert_parallel)")
     p.add_argument("--instances", type=int, default=1)
     p.add_argument("--transport", choices=["gloo"], default="gloo")
     p.add_argument("--model-config", default=str(DEFAULT_MODEL), help="an HF config.json of a supported architecture")
@@ -65,13 +67,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 class VllmInstance:
     """A vLLM engine (CPU build) with the awex backend, driven offline."""
 
-    def __init__(self, name: str, model_dir: Path, tp: int, dtype: str, meta: dict, cpu: str):
+    def __init__(self, name: str, model_dir: Path, tp: int, dtype: str, meta: dict, cpu: str, ep: bool = False):
         from vllm import LLM, SamplingParams
         from vllm.config import WeightTransferConfig
 
         self.name = name
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu
         self.llm = LLM(model=str(model_dir), tensor_parallel_size=tp, dtype=dtype, enforce_eager=True,
+                       enable_expert_parallel=ep,
                        max_model_len=256, seed=0, kv_cache_memory_bytes=128 << 20,
                        weight_transfer_config=WeightTransferConfig(backend="awex"))
         self.params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -130,12 +133,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for i, name in enumerate(names):
         if args.inference == "vllm":
             cpus = "|".join(str(c % max(1, os.cpu_count() or 1)) for c in range(i * args.infer_tp, (i + 1) * args.infer_tp))
-            instances.append(VllmInstance(name, infer_dir, args.infer_tp, args.dtype, meta, cpus))
+            instances.append(VllmInstance(name, infer_dir, args.infer_tp, args.dtype, meta, cpus, ep=args.infer_ep))
         else:
             instances.append(HfInstance(name, infer_dir, args.dtype, meta))
 
     parallel = MegatronParallel(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, vpp=args.train_vpp,
-                                vocab_pad=128)
+                                ep=args.train_ep, vocab_pad=128)
     world = {"megatron": parallel.world_size, "fsdp": args.train_dp}.get(args.trainer, 1)
     port = free_port()
     trainer_meta = {"address": server.address, "job": "scenario", "token": token}

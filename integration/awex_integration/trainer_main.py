@@ -61,7 +61,8 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         from megatron.core import parallel_state
 
         where = MegatronNames(parallel_state.get_tensor_model_parallel_rank(),
-                              parallel_state.get_pipeline_model_parallel_rank(), parallel)
+                              parallel_state.get_pipeline_model_parallel_rank(), parallel,
+                              ep_rank=parallel_state.get_expert_model_parallel_rank())
         writer = WeightsWriter(client, layout, rank, megatron_views(model, dims, where), timeout=timeout)
     elif kind == "fsdp":
         import torch.distributed as dist

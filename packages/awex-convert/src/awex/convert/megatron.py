@@ -16,6 +16,10 @@ layers.L.self_attn.o_proj         ...self_attention.linear_proj.weight
 layers.L.self_attn.{q,k}_norm     ...self_attention.{q,k}_layernorm.weight
 layers.L.mlp.{gate,up}_proj       ...mlp.linear_fc1.weight = [gate shard; up shard]
 layers.L.mlp.down_proj            ...mlp.linear_fc2.weight
+layers.L.mlp.gate (MoE router)    ...mlp.router.weight
+layers.L.mlp.experts.E.{gate,up}  ...mlp.experts.local_experts.e.linear_fc1.weight | ...experts.linear_fc1.weight<e>
+layers.L.mlp.experts.E.down_proj  ...mlp.experts.local_experts.e.linear_fc2.weight | ...experts.linear_fc2.weight<e>
+                                  (``e`` = E minus this EP rank's first expert; SequentialMLP | TEGroupedMLP)
 layers.L.input_layernorm          ...input_layernorm.weight | ...linear_qkv.layer_norm_weight
 layers.L.post_attention_layernorm ...pre_mlp_layernorm.weight | ...linear_fc1.layer_norm_weight
 ================================  ===============================================================
@@ -38,6 +42,7 @@ from awex.meta.layouts.megatron import pipeline_stages
 from awex.meta.models import ARCHITECTURES, ModelDims
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class MegatronNames:
     tp_rank: int
     pp_rank: int
     parallel: MegatronParallel
+    ep_rank: int = 0  # expert-parallel rank (MoE): which experts this rank holds
+    etp_rank: int = 0  # expert-tensor-parallel rank (MoE)
 
 
 def _chunk_layers(dims: ModelDims, p: MegatronParallel, pp_rank: int) -> list[list[int]]:
@@ -127,11 +134,24 @@ def megatron_views(
             return fc1[:half] if rest.startswith("mlp.gate") else fc1[half:]
         if rest == "mlp.down_proj.weight":
             return find(chunk, pre + "mlp.linear_fc2.weight")
+        if rest == "mlp.gate.weight":  # the MoE router, replicated
+            return find(chunk, pre + "mlp.router.weight")
+        e = _EXPERT.match(rest)
+        if e:
+            local = int(e.group(1)) - where.ep_rank * (dims.num_experts // p.ep)
+            if not 0 <= local < dims.num_experts // p.ep:
+                raise KeyError(f"{name}: expert not on EP rank {where.ep_rank}")
+            base = pre + "mlp.experts."
+            if e.group(2) == "down":
+                return find(chunk, f"{base}local_experts.{local}.linear_fc2.weight", f"{base}linear_fc2.weight{local}")
+            fc1 = find(chunk, f"{base}local_experts.{local}.linear_fc1.weight", f"{base}linear_fc1.weight{local}")
+            half = fc1.shape[0] // 2
+            return fc1[:half] if e.group(2) == "gate" else fc1[half:]
         if rest == "input_layernorm.weight":
             return find(chunk, pre + "input_layernorm.weight", pre + "self_attention.linear_qkv.layer_norm_weight")
         if rest == "post_attention_layernorm.weight":
             return find(chunk, pre + "pre_mlp_layernorm.weight", pre + "mlp.linear_fc1.layer_norm_weight")
-        raise KeyError(f"{name}: no Megatron mapping (MoE experts and routers come with the MoE work)")
+        raise KeyError(f"{name}: no Megatron mapping (shared experts are not mapped yet)")
 
     return view_of
 
@@ -164,8 +184,15 @@ def megatron_param_shapes(dims: ModelDims, where: MegatronNames) -> list[dict[st
                 shapes[pre + "self_attention.q_layernorm.weight"] = (dims.head_dim,)
                 shapes[pre + "self_attention.k_layernorm.weight"] = (dims.head_dim,)
             shapes[pre + "pre_mlp_layernorm.weight"] = (dims.hidden,)
-            shapes[pre + "mlp.linear_fc1.weight"] = (2 * dims.intermediate // tp, dims.hidden)
-            shapes[pre + "mlp.linear_fc2.weight"] = (dims.hidden, dims.intermediate // tp)
+            if layers[local] in dims.sparse_layers:  # MoE: router and this EP rank's experts (SequentialMLP)
+                shapes[pre + "mlp.router.weight"] = (dims.num_experts, dims.hidden)
+                inter = dims.moe_intermediate // p.etp
+                for e in range(dims.num_experts // p.ep):
+                    shapes[pre + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * inter, dims.hidden)
+                    shapes[pre + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (dims.hidden, inter)
+            else:
+                shapes[pre + "mlp.linear_fc1.weight"] = (2 * dims.intermediate // tp, dims.hidden)
+                shapes[pre + "mlp.linear_fc2.weight"] = (dims.hidden, dims.intermediate // tp)
         last = where.pp_rank == p.pp - 1 and v == len(chunks) - 1
         if last:
             shapes["decoder.final_layernorm.weight"] = (dims.hidden,)

@@ -39,5 +39,6 @@ def megatron_writer(
     dims = model_dims(config, dtype)
     layout = megatron_layout(canonical_tensors(dims), parallel, instance=instance)
     where = MegatronNames(parallel_state.get_tensor_model_parallel_rank(),
-                          parallel_state.get_pipeline_model_parallel_rank(), parallel)
+                          parallel_state.get_pipeline_model_parallel_rank(), parallel,
+                          ep_rank=parallel_state.get_expert_model_parallel_rank() if parallel.ep > 1 else 0)
     return WeightsWriter(client, layout, dist.get_rank(), megatron_views(model, dims, where), **writer_options)
