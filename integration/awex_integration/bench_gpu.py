@@ -237,6 +237,15 @@ def worker(a: WorkerArgs) -> dict:
         dist.all_gather(out, x)
         return max(float(o[1]) for o in out) - min(float(o[0]) for o in out)
 
+    def timed(fn) -> float:
+        """Seconds from the first rank starting ``fn`` (after a barrier) to the last rank finishing it."""
+        barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return span(t0, time.perf_counter())
+
     params, view_of = native_params(engine, a.local_rank, dims, device)
     shards = LocalShards.from_layout(layout, a.local_rank, view_of)
     if trainer:
@@ -277,17 +286,14 @@ def worker(a: WorkerArgs) -> dict:
     t1 = time.perf_counter()
     result["first_sync_seconds"] = span(t0, t1)
 
-    steady = []
-    for _ in range(a.iters):
-        barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    last: list = [stats]
+
+    def sync_once():
         if run:
-            stats = run()
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        steady.append(span(t0, t1))
-    result["steady_seconds"] = steady
+            last[0] = run()
+
+    result["steady_seconds"] = [timed(sync_once) for _ in range(a.iters)]
+    stats = last[0]
     result["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_alloc
     if stats is not None:
         result["bytes_received"] = stats.bytes_received
@@ -310,12 +316,12 @@ def worker(a: WorkerArgs) -> dict:
                       "total_bytes": plan.stats.total_bytes}
 
     # ---- baselines
-    result["baselines"] = baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, span)
+    result["baselines"] = baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed)
     dist.barrier()
     return result
 
 
-def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, span) -> dict:
+def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -331,11 +337,7 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
         # per-update IPC: the trainer exports handles for every update, receivers open them and copy
         exports = Path(a.workdir) / f"ipc-base-{a.scenario}"
         exports.mkdir(exist_ok=True)
-        times = []
-        for i in range(a.baseline_iters):
-            barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+        def per_update(i: int) -> None:
             if trainer:
                 (exports / f"{a.rank}-{i}.json").write_text(json.dumps(export_shards(shards).to_wire()))
             barrier()
@@ -344,11 +346,8 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
                 opened = {p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}-{i}.json").read_text())))
                           for p in peers}
                 IpcExecutor(plan, a.rank, shards, opened).run()
-                del opened
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            times.append(span(t0, t1))
-        out["ipc_handles_per_update"] = times
+
+        out["ipc_handles_per_update"] = [timed(lambda i=i: per_update(i)) for i in range(a.baseline_iters)]
         return out
 
     tgroup = dist.new_group(trainer_ranks, backend="nccl") if len(trainer_ranks) > 1 else None
@@ -423,16 +422,7 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
                     take(n, views[n])
 
     for label, fn in (("gather_then_per_tensor_broadcast", per_tensor), ("gather_then_packed_1GiB_broadcast", packed)):
-        times = []
-        for _ in range(a.baseline_iters):
-            barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            times.append(span(t0, t1))
-        out[label] = times
+        out[label] = [timed(fn) for _ in range(a.baseline_iters)]
         if not trainer:
             out[label + "_bad"] = mismatches(shards, layout, 2, device)[:5]
     return out
