@@ -83,8 +83,9 @@ def assign_waves(
 
     Every pair's transfers, sorted by tensor and offset, are laid end to end and cut (along the outermost
     dimension) into equal consecutive chunks, one per wave, so every wave carries the same share of every
-    pair; a pair whose share would fall below ``min_piece_bytes`` gets fewer, larger chunks spread evenly
-    over the waves (a rank with many peers sends few large messages rather than tiny ones in every wave).
+    pair; a pair whose share would fall below ``min_piece_bytes`` gets fewer chunks of whole pieces, spread
+    evenly over the waves (a rank with many peers sends few large messages rather than tiny ones in every
+    wave, and the plan stays small).
     Relayed transfers follow their first hop :data:`RELAY_LAG` waves later.
     """
     load = [0] * world_size
@@ -105,6 +106,7 @@ def assign_waves(
         items = sorted(per_pair[pair])
         total = sum(t.nbytes for t in items)
         chunks = min(waves, max(1, total // floor))  # a pair's share per wave is never below `floor`
+        exact = chunks == waves  # a share in every wave: cut pieces at the boundaries; else whole pieces
         by_wave: dict[int, list[Transfer]] = {}
         k = 0
         done = 0
@@ -115,7 +117,7 @@ def assign_waves(
             while todo:
                 piece = todo.pop()
                 room = (k + 1) * total // chunks - done
-                if piece.nbytes > room and k < chunks - 1:
+                if exact and piece.nbytes > room and k < chunks - 1:
                     head, tail = _cut(piece, room, itemsizes[piece.tensor])
                     if head is None and used:  # not even one row fits: close this chunk, retry in the next
                         k += 1
