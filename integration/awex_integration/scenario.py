@@ -246,8 +246,8 @@ def _catching(errors: list, fn, *args):
     def run_it():
         try:
             fn(*args)
-        except Exception as e:  # reported in the result
-            errors.append(f"{type(e).__name__}: {e}")
+        except Exception as e:  # reported in the result, with any notes the library attached
+            errors.append(" ".join([f"{type(e).__name__}: {e}", *getattr(e, "__notes__", [])]))
 
     return run_it
 

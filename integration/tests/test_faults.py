@@ -1,5 +1,5 @@
 """Faults and bad input with the real engines: errors within a deadline, never a hang, and the engine keeps
-serving the previous version (and says so)."""
+serving the previous version and says so (or, receiving in place, says that it serves no consistent version)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,17 @@ def test_trainer_rank_dying_mid_run_fails_the_sync_and_vllm_keeps_the_previous_v
     assert result["error_seconds"] < 60, "the receiver must give up within its deadline"
     assert result["kept_previous_output"] is True  # still generates exactly what step-1 weights generate
     assert result["reported_versions"]["vllm-0"] == "step-1"
+
+
+def test_an_in_place_receiver_hit_mid_transfer_says_it_serves_no_consistent_version():
+    # the HF receiver writes straight into its parameters (no staging): a sync that fails part-way has changed
+    # some of them, so it must not claim to still serve the previous version
+    result = run_scenario(["--trainer", "megatron", "--train-tp", "2", "--inference", "hf", "--timeout", "20",
+                           "--fail-rank", "1", "--fail-step", "2"])
+    assert result["ok"] is False and result["failed_step"] == 2, result
+    assert "from rank 1" in result["error"], result["error"]
+    assert "partially updated" in result["error"], result["error"]
+    assert result["reported_versions"]["hf-0"] is None
 
 
 def test_receiver_with_a_different_model_is_refused_before_any_byte_moves():

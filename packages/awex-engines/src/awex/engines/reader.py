@@ -17,7 +17,7 @@ import torch
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards
-from awex.transport.p2p import TransferStats
+from awex.transport.p2p import TransferError, TransferStats
 
 from awex.engines.session import SyncManifest, SyncSession, manifest_key
 
@@ -86,12 +86,25 @@ class WeightsReader:
             if apply is not None:
                 apply(self._shards)
         except BaseException as e:
-            log.error("%s:%d failed to receive %s (%s); still serving %s", self.layout.instance, self.local_rank,
-                      version, e, self.version)
+            # In place (no apply step), a transfer that failed part-way has overwritten some weights: the engine no
+            # longer holds any one version. Errors before the transfer (planning, shard checks, agreement) leave
+            # the previous version intact.
+            partial = apply is None and isinstance(e, TransferError)
+            if partial:
+                self.version = None
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(f"{self.layout.instance}:{self.local_rank} received in place and its weights are now "
+                               "partially updated: it serves no consistent version until the next successful sync")
+                log.error("%s:%d failed to receive %s (%s); weights partially updated in place, no consistent version",
+                          self.layout.instance, self.local_rank, version, e)
+            else:
+                log.error("%s:%d failed to receive %s (%s); still serving %s", self.layout.instance, self.local_rank,
+                          version, e, self.version)
             if self.local_rank == 0:
                 self._report(self.version)
                 try:
-                    self.client.publish_event("sync_failed", self.layout.instance, version=version, data=str(e)[:2000])
+                    detail = ("partially updated in place, no consistent version: " if partial else "") + str(e)
+                    self.client.publish_event("sync_failed", self.layout.instance, version=version, data=detail[:2000])
                 except Exception:  # the sync's own error is what the caller must see
                     pass
             raise
