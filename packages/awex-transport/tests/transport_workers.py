@@ -9,7 +9,7 @@ import zlib
 
 import torch
 
-from awex.meta import Box, Layout, PlanOptions, plan_transfers
+from awex.meta import Box, PlanOptions, plan_transfers
 from awex.transport import LocalShards, create_sync_group, run_p2p
 from awex.transport.shards import torch_dtype
 
@@ -63,7 +63,6 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
         if behaviour == "stall":  # alive, connected, but never sends
             time.sleep(timeout * 3)
             return
-        started = time.monotonic()
         stats = run_p2p(plan, me.rank, shards, group, timeout=timeout)
         bad = []
         if role == "inference":

@@ -20,7 +20,7 @@ from awex.meta.client import MetaClient
 from awex.transport import LocalShards
 from awex.transport.p2p import TransferStats
 
-from awex.engines.session import SyncManifest, SyncSession, free_port, layout_key, manifest_key
+from awex.engines.session import SyncManifest, SyncSession, free_port, manifest_key
 
 log = logging.getLogger("awex.engines")
 
