@@ -29,12 +29,6 @@ class SyncGroup:
 
     device: torch.device | None = None
 
-    def send(self, tensor, peer: int, tag: int = 0):
-        return self.process_group.send([tensor], peer, tag)
-
-    def recv(self, tensor, peer: int, tag: int = 0):
-        return self.process_group.recv([tensor], peer, tag)
-
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
         """Post all ``(tensor, peer)`` sends and receives at once; returns the works to wait on.
 

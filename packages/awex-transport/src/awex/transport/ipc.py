@@ -179,7 +179,7 @@ class IpcExecutor:
         self.copies = merge_copies(self.copies)
         self._remote = [(d, s) for d, s in self.copies if s.device != d.device]  # PyTorch peer copies
         self._local = [(d, s) for d, s in self.copies if s.device == d.device]
-        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self._graph: torch.cuda.CUDAGraph | None = None
         # A peer copy is a DMA (copy engines) only when both sides are contiguous; otherwise PyTorch runs a copy
         # kernel on the source GPU, inside this process's context there, which time-slices with the engine that
         # owns that GPU. And many small DMAs cost more than one large one. So the pieces read from one source
@@ -209,13 +209,12 @@ class IpcExecutor:
                     for d, s in placed:
                         d.copy_(s, non_blocking=True)  # local copies from the bounce buffer
             streams.append(stream)
-        for label, copies in (("local", self._local),):
-            if copies:
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(compute)
-                with torch.cuda.stream(stream):
-                    self._replay(label, copies, stream)
-                streams.append(stream)
+        if self._local:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                self._copy_local(stream)
+            streams.append(stream)
         events = []
         for stream in streams:
             done = torch.cuda.Event()
@@ -262,21 +261,20 @@ class IpcExecutor:
             placed = [(d, flat.as_strided(s.shape, s.stride(), s.storage_offset() - lo)) for d, s in items]
             self._spans.append((span, hi - lo, merge_copies(placed)))
 
-    def _replay(self, label: str, copies: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream) -> None:
-        """Copies on this GPU, replayed from a CUDA graph captured on first use (one launch per sync)."""
-        if label not in self._graphs and self.cuda_graph:
+    def _copy_local(self, stream: torch.cuda.Stream) -> None:
+        """The same-GPU copies, replayed from a CUDA graph captured on first use (one launch per sync)."""
+        if self._graph is None and self.cuda_graph:
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=stream):
-                    for d, s in copies:
+                    for d, s in self._local:
                         d.copy_(s, non_blocking=True)
-                self._graphs[label] = graph
+                self._graph = graph
             except RuntimeError as e:  # capture is an optimisation: fall back to plain copies
                 log.warning("rank %d: CUDA graph capture of IPC copies failed (%s); copying eagerly", self.rank, e)
                 self.cuda_graph = False
-        graph = self._graphs.get(label)
-        if graph is not None:
-            graph.replay()
+        if self._graph is not None:
+            self._graph.replay()
         else:
-            for d, s in copies:
+            for d, s in self._local:
                 d.copy_(s, non_blocking=True)
