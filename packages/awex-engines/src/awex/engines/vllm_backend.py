@@ -43,7 +43,7 @@ from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
 
 from awex.engines.reader import WeightsReader
-from awex.engines.vllm_fixups import refresh_tied_lm_head
+from awex.engines.vllm_fixups import refresh_cpu_moe_experts, refresh_tied_lm_head
 
 log = logging.getLogger("awex.engines.vllm")
 
@@ -138,6 +138,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
         refresh_tied_lm_head(self.model)
+        refresh_cpu_moe_experts(self.model)
 
     def finish_weight_update(self) -> None:
         """Loading finished in ``update_weights``; nothing is deferred."""

