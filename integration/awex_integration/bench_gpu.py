@@ -116,7 +116,9 @@ class NamedParams:
         return iter(self._params.items())
 
 
-def native_params(engine: Engine, local_rank: int, dims, device):
+def native_params(engine: Engine, local_rank: int, dims, device, quant=None):
+    """An engine rank's parameters: trainers in bf16 (they quantise on the fly for FP8 receivers), receivers in
+    vLLM's layout, with FP8 weights and their scales when ``quant`` is given."""
     import torch
 
     from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_shapes, vllm_views
@@ -128,9 +130,11 @@ def native_params(engine: Engine, local_rank: int, dims, device):
         params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
         return params, megatron_views(NamedParams(params), dims, where)
     parallel = VllmParallel(tp=engine.tp)
-    shapes = vllm_param_shapes(dims, parallel, local_rank)
-    params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
-    return params, vllm_views(params, dims, parallel)
+    shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
+    params = {n: torch.zeros(s, dtype=torch.float8_e4m3fn if n + "_scale_inv" in shapes else
+                             torch.float32 if n.endswith("_scale_inv") else torch.bfloat16, device=device)
+              for n, s in shapes.items()}
+    return params, vllm_views(params, dims, parallel, tp_rank=local_rank)
 
 
 def canonical_value(name: str, shape, step: int, device):
@@ -142,6 +146,21 @@ def canonical_value(name: str, shape, step: int, device):
     return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
 
 
+def expected_value(layout, name: str, step: int, device, quant=None):
+    """What a receiver must hold: the trainer's value, or for FP8 receivers that value quantised (weight or
+    scale) by the same rule the trainer applies."""
+    from awex.convert import quantize_fp8_blocks
+    from awex.meta.quant import SCALE_SUFFIX
+
+    spec = layout.tensor(name).spec
+    if quant is not None and name.endswith(SCALE_SUFFIX):
+        base = name.removesuffix(SCALE_SUFFIX)
+        return quantize_fp8_blocks(canonical_value(base, layout.tensor(base).spec.shape, step, device), quant.block)[1]
+    if quant is not None and spec.dtype == quant.dtype:
+        return quantize_fp8_blocks(canonical_value(name, spec.shape, step, device), quant.block)[0]
+    return canonical_value(name, spec.shape, step, device)
+
+
 def fill(shards, layout, step, device):
     for name in shards.names():
         full = canonical_value(name, layout.tensor(name).spec.shape, step, device)
@@ -149,14 +168,20 @@ def fill(shards, layout, step, device):
             view.copy_(full[box.slices()])
 
 
-def mismatches(shards, layout, step, device) -> list[str]:
+def _bits(t):
+    import torch
+
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def mismatches(shards, layout, step, device, quant=None) -> list[str]:
     import torch
 
     bad = []
     for name in shards.names():
-        full = canonical_value(name, layout.tensor(name).spec.shape, step, device)
+        full = expected_value(layout, name, step, device, quant)
         for box, view in shards.pairs(name):
-            if not torch.equal(view, full[box.slices()]):
+            if not torch.equal(_bits(view), _bits(full[box.slices()])):
                 bad.append(f"{name} {box}")
     return bad
 
@@ -203,6 +228,7 @@ class WorkerArgs:
     iters: int
     baseline_iters: int
     wave_mb: float
+    fp8: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -210,7 +236,8 @@ def worker(a: WorkerArgs) -> dict:
     import torch
     import torch.distributed as dist
 
-    from awex.meta import PlanOptions, Role, plan_transfers
+    from awex.convert import Fp8Views
+    from awex.meta import Fp8BlockQuant, PlanOptions, Role, plan_transfers, quantize_layout
     from awex.transport import LocalShards, WaveExecutor, create_sync_group
     from awex.transport.ipc import IpcExecutor, IpcExport, export_shards, open_export
 
@@ -218,7 +245,9 @@ def worker(a: WorkerArgs) -> dict:
     device = torch.device("cuda", a.gpu)
     scenario = next(s for s in SCENARIOS if s.name == a.scenario)
     dims, tensors = model_tensors(a.model, a.layers)
-    layouts = layouts_of(scenario, tensors)
+    base_layouts = layouts_of(scenario, tensors)
+    quant = Fp8BlockQuant() if a.fp8 else None
+    layouts = [quantize_layout(lay, quant) for lay in base_layouts] if quant else base_layouts
     sources = [lay for lay in layouts if lay.role == Role.TRAINER]
     dests = [lay for lay in layouts if lay.role == Role.INFERENCE]
     engine = next(e for e in scenario.engines if e.instance == a.instance)
@@ -246,10 +275,17 @@ def worker(a: WorkerArgs) -> dict:
         torch.cuda.synchronize()
         return span(t0, time.perf_counter())
 
-    params, view_of = native_params(engine, a.local_rank, dims, device)
-    shards = LocalShards.from_layout(layout, a.local_rank, view_of)
+    params, view_of = native_params(engine, a.local_rank, dims, device, None if trainer else quant)
+    base_layout = next(lay for lay in base_layouts if lay.instance == a.instance)
+    quantize = None
     if trainer:
-        fill(shards, layout, 1, device)
+        weights = LocalShards.from_layout(base_layout, a.local_rank, view_of)  # the bf16 weights themselves
+        fill(weights, base_layout, 1, device)
+        if quant:  # FP8 receivers: this rank quantises its weights into FP8 tiles before each sync (timed in it)
+            fp8_views = Fp8Views(layout, a.local_rank, view_of, quant)
+            view_of, quantize = fp8_views.view_of, fp8_views.quantize
+            quantize()
+    shards = LocalShards.from_layout(layout, a.local_rank, view_of)
     torch.cuda.synchronize()
     result: dict = {"rank": a.rank, "instance": a.instance, "gpu": a.gpu, "trainer": trainer}
     base_alloc = torch.cuda.memory_allocated(device)
@@ -289,6 +325,8 @@ def worker(a: WorkerArgs) -> dict:
     last: list = [stats]
 
     def sync_once():
+        if quantize:
+            quantize()
         if run:
             last[0] = run()
 
@@ -300,32 +338,50 @@ def worker(a: WorkerArgs) -> dict:
         result["bytes_sent"] = stats.bytes_sent
         result["waves"] = stats.waves
     # the trainer did not change its weights during the steady syncs: the first version must be there
-    result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device)
+    result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device, quant)
+    if quantize:
+        result["quantize_seconds"] = statistics.median(_cuda_seconds(quantize) for _ in range(3))
 
     # second version: changed values must arrive too (in place)
     if trainer:
-        fill(shards, layout, 2, device)
+        fill(weights, base_layout, 2, device)
+        if quantize:
+            quantize()
     torch.cuda.synchronize()
     barrier()
     if run:
         run()
     torch.cuda.synchronize()
     barrier()
-    result["bad_second"] = [] if trainer else mismatches(shards, layout, 2, device)
+    result["bad_second"] = [] if trainer else mismatches(shards, layout, 2, device, quant)
     result["plan"] = {"waves": plan.stats.waves, "relayed_bytes": plan.stats.relayed_bytes,
                       "total_bytes": plan.stats.total_bytes}
 
     # ---- baselines
-    result["baselines"] = baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed)
+    result["baselines"] = (baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed, quant)
+                           if a.baseline_iters else {})
     dist.barrier()
     return result
 
 
-def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed) -> dict:
+def _cuda_seconds(fn) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed, quant=None) -> dict:
+    """The usual approaches on the same layouts; with FP8 they move the trainer's already quantised tiles (the
+    quantisation itself is not timed here, unlike in Awex's syncs)."""
     import torch
     import torch.distributed as dist
 
     from awex.transport.ipc import IpcExecutor, IpcExport, export_shards, open_export
+    from awex.transport.shards import torch_dtype
 
     out: dict = {}
     names = sorted({t.name for t in plan.tensors})
@@ -358,7 +414,7 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
     def gather_full(name: str):
         """Trainer rank 0 assembles the canonical tensor from every trainer rank's boxes (P2P)."""
         spec = specs[name]
-        full = torch.empty(spec.shape, dtype=torch.bfloat16, device=device) if a.rank == root else None
+        full = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=device) if a.rank == root else None
         if a.rank == root:
             for box, view in shards.pairs(name):
                 full[box.slices()].copy_(view)
@@ -366,12 +422,12 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
             lay = next(x for x in layouts if x.instance == ranks[src].instance)
             for box in lay.rank_boxes(ranks[src].local_rank).get(name, ()):
                 if a.rank == src:
-                    buf = torch.empty(box.sizes, dtype=torch.bfloat16, device=device)
+                    buf = torch.empty(box.sizes, dtype=torch_dtype(spec.dtype), device=device)
                     shards.copy_out(name, box.offsets, box.sizes, buf)
-                    dist.send(buf, root, group=tgroup)
+                    dist.send(_bits(buf), root, group=tgroup)
                 elif a.rank == root:
-                    buf = torch.empty(box.sizes, dtype=torch.bfloat16, device=device)
-                    dist.recv(buf, src, group=tgroup)
+                    buf = torch.empty(box.sizes, dtype=torch_dtype(spec.dtype), device=device)
+                    dist.recv(_bits(buf), src, group=tgroup)
                     full[box.slices()].copy_(buf)
         return full
 
@@ -384,8 +440,8 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
             full = gather_full(name) if trainer else None
             if in_b:
                 if full is None:
-                    full = torch.empty(specs[name].shape, dtype=torch.bfloat16, device=device)
-                dist.broadcast(full, root, group=bgroup)
+                    full = torch.empty(specs[name].shape, dtype=torch_dtype(specs[name].dtype), device=device)
+                dist.broadcast(_bits(full), root, group=bgroup)
                 if not trainer:
                     take(name, full)
 
@@ -411,7 +467,7 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
             pos = 0
             views = {}
             for n in g:
-                v = buf[pos:pos + specs[n].nbytes].view(torch.bfloat16).view(specs[n].shape)
+                v = buf[pos:pos + specs[n].nbytes].view(torch_dtype(specs[n].dtype)).view(specs[n].shape)
                 views[n] = v
                 if a.rank == root:
                     v.copy_(fulls[n])
@@ -424,7 +480,7 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
     for label, fn in (("gather_then_per_tensor_broadcast", per_tensor), ("gather_then_packed_1GiB_broadcast", packed)):
         out[label] = [timed(fn) for _ in range(a.baseline_iters)]
         if not trainer:
-            out[label + "_bad"] = mismatches(shards, layout, 2, device)[:5]
+            out[label + "_bad"] = mismatches(shards, layout, 2, device, quant)[:5]
     return out
 
 
@@ -532,6 +588,14 @@ def _device_name() -> str:
     return f"{n}x {name}, {link}"
 
 
+def _write_results(out: str | None, device: str, date: str, cal: dict, results: list, argv) -> None:
+    if not out:
+        return
+    doc = {"device": device, "date": date, "limits": cal, "scenarios": results,
+           "command": "python -m awex_integration.bench_gpu " + " ".join(sys.argv[1:] if argv is None else list(map(str, argv)))}
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -540,8 +604,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers (quick runs)")
     ap.add_argument("--scenarios", default="all", help="comma-separated names (default all that fit the GPUs)")
     ap.add_argument("--iters", type=int, default=7, help="steady-state syncs timed per scenario (median)")
-    ap.add_argument("--baseline-iters", type=int, default=3)
+    ap.add_argument("--baseline-iters", type=int, default=3, help="0: no baselines (quick runs)")
     ap.add_argument("--wave-mb", type=float, default=256.0, help="wave size per rank in MiB (staging ~2x)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles + scales); trainers "
+                         "quantise their bf16 weights in every sync (timed as part of it)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per scenario")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
@@ -557,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from awex.meta import PlanOptions, Role, plan_transfers
+    from awex.meta import Fp8BlockQuant, PlanOptions, Role, plan_transfers, quantize_layout
 
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                PYTHONUNBUFFERED="1")
@@ -565,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     device = _device_name()
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     work = tempfile.mkdtemp(prefix="awex-bench-")
-    print(f"device: {device}; model {args.model}{f' ({args.layers} layers)' if args.layers else ''}", flush=True)
+    model_label = args.model + (f" ({args.layers} layers)" if args.layers else "") + (", FP8 to receivers" if args.fp8 else "")
+    print(f"device: {device}; model {model_label}", flush=True)
 
     # limits, measured now
     cal_world = min(gpus, 3)
@@ -586,12 +654,15 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [s for s in SCENARIOS if (args.scenarios == "all" or s.name in args.scenarios.split(","))]
     results = []
     dims, tensors = model_tensors(args.model, args.layers)
+    quant = Fp8BlockQuant() if args.fp8 else None
     model_bytes = sum(t.spec.nbytes for t in tensors)
     for sc in wanted:
         if sc.gpus > gpus:
             print(f"skip {sc.name}: needs {sc.gpus} GPUs, this machine has {gpus}")
             continue
         layouts = layouts_of(sc, tensors)
+        if quant:
+            layouts = [quantize_layout(x, quant) for x in layouts]
         sources = [x for x in layouts if x.role == Role.TRAINER]
         dests = [x for x in layouts if x.role == Role.INFERENCE]
         direct = plan_transfers(sources, dests, PlanOptions(relay=False))
@@ -602,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = []
         for r in ranks:
             wa = WorkerArgs(sc.name, args.model, args.layers, r.rank, len(ranks), r.instance, r.local_rank,
-                            gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb)
+                            gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb, args.fp8)
             argv.append(["--worker", json.dumps(wa.__dict__)])
         started = time.monotonic()
         outs = _launch(argv, args.timeout, env)
@@ -622,8 +693,10 @@ def main(argv: list[str] | None = None) -> int:
             "what": sc.what,
             "device": device,
             "date": date,
-            "model": args.model + (f" ({args.layers} layers)" if args.layers else ""),
+            "model": model_label,
             "model_bytes": model_bytes,
+            "wire_bytes": direct.stats.total_bytes,
+            "quantize_seconds": max((p.get("quantize_seconds", 0.0) for p in per_rank), default=0.0) or None,
             "transport": sc.transport,
             "bytes": received,
             "seconds": round(steady, 6),
@@ -647,14 +720,11 @@ def main(argv: list[str] | None = None) -> int:
             "wall_seconds": round(time.monotonic() - started, 1),
         }
         results.append(entry)
+        _write_results(args.out, device, date, cal, results, argv)  # after every scenario: a later one may time out
         base = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["baselines"].items())
         print(f"{sc.name}: {steady * 1e3:.1f} ms steady (first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
               f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}", flush=True)
-    doc = {"device": device, "date": date, "limits": cal, "scenarios": results,
-           "command": "python -m awex_integration.bench_gpu " + " ".join(sys.argv[1:] if argv is None else list(map(str, argv)))}
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    _write_results(args.out, device, date, cal, results, argv)
     print(json.dumps({"scenarios": [{k: r.get(k) for k in ("name", "seconds", "lower_bound_seconds", "ratio",
                                                           "correct", "baselines")} for r in results]}))
     return 0 if all(r.get("correct") for r in results) else 1

@@ -6,7 +6,9 @@ import dataclasses
 
 
 def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: int, gpu: int,
-              destinations: list[str], versions: int = 3) -> dict:
+              destinations: list[str], versions: int = 3, fp8: bool = False, model: str = "qwen3-8b") -> dict:
+    """One rank: the trainer writes ``versions`` versions, engines receive and check each (FP8 receivers: the
+    trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit)."""
     import torch
 
     from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_shapes, vllm_views
@@ -16,12 +18,15 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
     from awex.meta.client import MetaClient
     from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
     from awex.meta.models import model_dims
-    from awex.meta import load_config
-    from awex_integration.bench_gpu import MODELS, NamedParams, canonical_value
+    from awex.convert import Fp8Views
+    from awex.meta import Fp8BlockQuant, load_config, quantize_layout
+    from awex.transport import LocalShards
+    from awex_integration.bench_gpu import MODELS, NamedParams, _bits, canonical_value, expected_value
 
     torch.cuda.set_device(gpu)
     device = torch.device("cuda", gpu)
-    dims = dataclasses.replace(model_dims(load_config(MODELS / "qwen3-8b.json"), "bfloat16"), layers=2)
+    dims = dataclasses.replace(model_dims(load_config(MODELS / f"{model}.json"), "bfloat16"), layers=2)
+    quant = Fp8BlockQuant() if fp8 else None
     tensors = canonical_tensors(dims)
     client = MetaClient(address, job="gpu")
     if instance == "trainer":
@@ -29,12 +34,19 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
         params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device)
                   for n, s in megatron_param_shapes(dims, where)[0].items()}
         layout = megatron_layout(tensors, MegatronParallel(tp=tp), instance="trainer")
-        writer = WeightsWriter(client, layout, local_rank, megatron_views(NamedParams(params), dims, where),
-                               transport=transport, timeout=120, host="127.0.0.1")
+        view_of = megatron_views(NamedParams(params), dims, where)
+        weights = LocalShards.from_layout(layout, local_rank, view_of)
+        if quant:
+            fp8_views = Fp8Views(quantize_layout(layout, quant), local_rank, view_of, quant)
+            writer = WeightsWriter(client, quantize_layout(layout, quant), local_rank, fp8_views.view_of,
+                                   transport=transport, timeout=120, host="127.0.0.1", refresh=fp8_views.quantize)
+        else:
+            writer = WeightsWriter(client, layout, local_rank, view_of, transport=transport, timeout=120,
+                                   host="127.0.0.1")
         for v in range(1, versions + 1):
-            for name in writer.shards.names():
+            for name in weights.names():
                 full = canonical_value(name, layout.tensor(name).spec.shape, v, device)
-                for box, view in writer.shards.pairs(name):
+                for box, view in weights.pairs(name):
                     view.copy_(full[box.slices()])
             if v == 1 and local_rank == 0:
                 for d in destinations:  # the engines are up before the first version goes out
@@ -42,19 +54,24 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
             writer.write(f"v{v}", destinations)
         return {"versions": versions}
     parallel = VllmParallel(tp=tp)
-    params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device)
-              for n, s in vllm_param_shapes(dims, parallel, local_rank).items()}
+    shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
+    params = {n: torch.zeros(s, dtype=torch.float8_e4m3fn if n + "_scale_inv" in shapes else
+                             torch.float32 if n.endswith("_scale_inv") else torch.bfloat16, device=device)
+              for n, s in shapes.items()}
     layout = vllm_layout(tensors, parallel, instance=instance)
-    reader = WeightsReader(client, layout, local_rank, vllm_views(params, dims, parallel), timeout=120)
+    if quant:
+        layout = quantize_layout(layout, quant)
+    reader = WeightsReader(client, layout, local_rank, vllm_views(params, dims, parallel, tp_rank=local_rank),
+                           timeout=120)
     if local_rank == 0:
         client.put(f"ready/{instance}", True)
     bad, checked = [], 0
     for v in range(1, versions + 1):
         reader.receive(f"v{v}")
         for name in reader.shards.names():
-            full = canonical_value(name, layout.tensor(name).spec.shape, v, device)
+            full = expected_value(layout, name, v, device, quant)
             for box, view in reader.shards.pairs(name):
                 checked += 1
-                if not torch.equal(view, full[box.slices()]):
+                if not torch.equal(_bits(view), _bits(full[box.slices()])):
                     bad.append(f"v{v} {name} {box}")
     return {"checked": checked, "bad": bad[:10]}

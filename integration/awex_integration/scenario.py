@@ -47,13 +47,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-dp", type=int, default=1)
     p.add_argument("--train-vpp", type=int, default=1)
     p.add_argument("--train-ep", type=int, default=1, help="Megatron expert parallelism (MoE models)")
-    p.add_argument("--inference", choices=["vllm", "hf"], default="vllm")
+    p.add_argument("--inference", choices=["vllm", "hf", "layout"], default="vllm",
+                   help="layout: no engine, plain tensors in vLLM's exact layout per rank (awex.convert.vllm), the "
+                        "in-place path of a GPU vLLM; tensors are checked, there is no generation")
     p.add_argument("--infer-tp", type=int, default=1)
     p.add_argument("--infer-ep", action="store_true", help="vLLM expert parallelism (enable_expert_parallel)")
     p.add_argument("--instances", type=int, default=1)
     p.add_argument("--transport", choices=["gloo"], default="gloo")
     p.add_argument("--model-config", default=str(DEFAULT_MODEL), help="an HF config.json of a supported architecture")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--fp8", action="store_true",
+                   help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles, weight_scale_inv); "
+                        "trainers quantise their own weights on the fly")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--workdir", default=None, help="where to make the model (default: a temporary folder)")
@@ -113,9 +118,65 @@ class HfInstance:
         return hf_greedy(self.model, self.tok)
 
 
+class LayoutInstance:
+    """No engine: each rank's parameters as plain tensors in vLLM's exact layout (names, fusions, padding, FP8
+    scales), received in place through ``awex.convert.vllm_views``: what a GPU vLLM's in-place path does."""
+
+    def __init__(self, name: str, config: dict, tp: int, dtype: str, meta: dict, quant=None):
+        from awex.convert import vllm_param_shapes, vllm_views
+        from awex.engines.reader import WeightsReader
+        from awex.meta import canonical_tensors, quantize_layout
+        from awex.meta.layouts import VllmParallel, vllm_layout
+        from awex.meta.models import model_dims
+
+        self.name = name
+        dims = model_dims(config, dtype)
+        parallel = VllmParallel(tp=tp)
+        layout = vllm_layout(canonical_tensors(dims), parallel, instance=name)
+        if quant is not None:
+            layout = quantize_layout(layout, quant)
+        self.readers = []
+        self.params = []
+        for rank in range(tp):
+            shapes = vllm_param_shapes(dims, parallel, rank, quant=quant)
+            params = {n: torch.zeros(s, dtype=torch.float8_e4m3fn if n + "_scale_inv" in shapes else
+                                     torch.float32 if n.endswith("_scale_inv") else getattr(torch, dtype))
+                      for n, s in shapes.items()}
+            client = MetaClient(meta["meta_address"], job=meta["job"], token=meta["token"], timeout=meta["timeout"])
+            self.readers.append(WeightsReader(client, layout, rank, vllm_views(params, dims, parallel, tp_rank=rank),
+                                              timeout=meta["timeout"]))
+            self.params.append(params)
+
+    def sync(self, version: str, reference: Path | None) -> None:
+        errors: list = []
+        threads = [threading.Thread(target=_catching(errors, r.receive, version, None, str(reference) if reference
+                                                     else None)) for r in self.readers]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        if errors:
+            raise RuntimeError(errors[0])
+
+    def greedy(self) -> None:
+        return None
+
+
+def fp8_checkpoint(weights: dict[str, torch.Tensor], quant) -> dict[str, torch.Tensor]:
+    """What FP8 receivers must hold: every quantised weight as FP8 tiles plus its scales (same function as the
+    trainers use, applied to the expected full weights)."""
+    from awex.convert import quantize_fp8_blocks
+
+    out = {}
+    for name, t in weights.items():
+        if quant.quantises(name, tuple(t.shape)):
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t, quant.block, getattr(torch, quant.dtype))
+        else:
+            out[name] = t
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     config = load_json(args.model_config)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="awex-scenario-"))
@@ -124,6 +185,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     infer_dir = model_dir
     if args.infer_model_config:
         infer_dir = make_tiny_model(work / "infer-model", load_json(args.infer_model_config), dtype=args.dtype)
+    quant = None
+    if args.fp8:
+        from awex.meta import Fp8BlockQuant
+
+        quant = Fp8BlockQuant()
+        if args.inference == "hf":
+            raise SystemExit("--fp8: HF transformers holds FP8 weights only on GPUs; use --inference vllm or layout")
+        infer_dir = write_fp8_model(infer_dir, work / "infer-model-fp8", quant)
     token = secrets.token_hex(8)
     server = start_embedded(token=token)
     meta = {"meta_address": server.address, "job": "scenario", "token": token, "timeout": args.timeout}
@@ -134,6 +203,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.inference == "vllm":
             cpus = "|".join(str(c % max(1, os.cpu_count() or 1)) for c in range(i * args.infer_tp, (i + 1) * args.infer_tp))
             instances.append(VllmInstance(name, infer_dir, args.infer_tp, args.dtype, meta, cpus, ep=args.infer_ep))
+        elif args.inference == "layout":
+            instances.append(LayoutInstance(name, load_json(infer_dir / "config.json"), args.infer_tp, args.dtype,
+                                            meta, quant))
         else:
             instances.append(HfInstance(name, infer_dir, args.dtype, meta))
 
@@ -147,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer_out: dict = {}
     trainer_thread = threading.Thread(target=lambda: trainer_out.update(run_processes(
         [(r, trainer_rank, (args.trainer, r, world, port, parallel, config, str(model_dir), trainer_meta, names,
-                            args.steps, args.timeout)) for r in range(world)], timeout=args.timeout * (args.steps + 2))))
+                            args.steps, args.timeout, args.fp8)) for r in range(world)], timeout=args.timeout * (args.steps + 2))))
     trainer_thread.start()
 
     wait_trainers(client, "trainer_ready", None, world, 0, args.timeout)  # time syncs, not trainer start-up
@@ -163,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reference[name] = (t.float() + canonical_delta(name, tuple(t.shape), step)).to(t.dtype)
         ref_dir = work / f"reference-{step}"
         ref_dir.mkdir(exist_ok=True)
-        save_file(reference, str(ref_dir / "model.safetensors"))
+        save_file(fp8_checkpoint(reference, quant) if quant else reference, str(ref_dir / "model.safetensors"))
         fault = args.fail_step == step
         seq = client.publish_event("step", "scenario", version=version,
                                    data={"die": args.fail_rank} if fault else None)
@@ -191,15 +263,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report = client.get(key)
             checked += report["tensors_checked"]
             mismatched += report["tensors_mismatched"]
-        ref_model = reference_model(model_dir, ref_dir, args.dtype)
-        want = hf_greedy(ref_model, tok)
         previous = [inst.greedy() for inst in instances]
-        match = all(out == want for out in previous)
+        if args.inference == "layout":  # no engine, nothing generates
+            match = None
+        elif quant is not None:  # FP8 vLLM: a fresh vLLM loaded from the FP8 checkpoint of the same weights
+            want = fresh_vllm_greedy(infer_dir, ref_dir, args.dtype)
+            match = all(out == want for out in previous)
+        else:
+            want = hf_greedy(reference_model(model_dir, ref_dir, args.dtype), tok)
+            match = all(out == want for out in previous)
         results["bytes"].append(nbytes)
         results["sync_seconds"].append(round(seconds, 4))
         results["tensors_checked"] += checked
         results["tensors_mismatched"] += mismatched
-        results["greedy_match"] = results["greedy_match"] and match
+        results["greedy_match"] = None if match is None else (results["greedy_match"] and match)
         results["per_step"].append({"version": version, "bytes": nbytes, "sync_seconds": round(seconds, 4),
                                     "tensors_checked": checked, "tensors_mismatched": mismatched, "greedy_match": match})
         print(f"{version}: {nbytes:,} bytes to {len(instances)} instance(s) in {seconds:.3f} s; tensors checked "
@@ -216,7 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
         return results
     results["ok"] = bool(results["ok"] and results["tensors_mismatched"] == 0 and results["tensors_checked"] > 0
-                         and (results["greedy_match"] or args.dtype != "float32"))
+                         and (results["greedy_match"] is not False or args.dtype != "float32"))
     results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
     server.stop()
     return results
@@ -262,6 +339,39 @@ def reference_model(model_dir: Path, weights_dir: Path, dtype: str):
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:
         raise RuntimeError(f"reference checkpoint does not fit the model: {info}")
     return model.eval()
+
+
+def write_fp8_model(model_dir: Path, out: Path, quant) -> Path:
+    """An FP8 block-quantised copy of a model directory (weights, scales, ``quantization_config``), as FP8
+    checkpoints ship."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    save_file(fp8_checkpoint(load_file(str(model_dir / "model.safetensors")), quant), str(out / "model.safetensors"))
+    config = load_json(out / "config.json")
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(quant.block)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def fresh_vllm_greedy(model_dir: Path, weights_dir: Path, dtype: str) -> list[list[int]]:
+    """Greedy output of a new vLLM engine loaded from ``weights_dir`` (with ``model_dir``'s config and tokenizer)."""
+    import shutil
+
+    from vllm import LLM, SamplingParams
+
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, weights_dir / f.name)
+    llm = LLM(model=str(weights_dir), dtype=dtype, enforce_eager=True, max_model_len=256, seed=0,
+              kv_cache_memory_bytes=128 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    out = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    del llm
+    return out
 
 
 def main(argv=None) -> int:

@@ -43,8 +43,12 @@ def trainer_rank(*args) -> dict:
 
 
 def trainer_body(kind: str, rank: int, world: int, port: int, parallel: MegatronParallel | None, config: dict,
-                 model_dir: str, meta: dict, destinations: list[str], steps: int, timeout: float) -> dict:
-    """Run one trainer rank for ``steps`` steps; returns per-step bytes sent and seconds."""
+                 model_dir: str, meta: dict, destinations: list[str], steps: int, timeout: float,
+                 fp8: bool = False) -> dict:
+    """Run one trainer rank for ``steps`` steps; returns per-step bytes sent and seconds.
+
+    ``fp8``: the receivers hold FP8 block-quantised weights; this rank quantises its own on the fly.
+    """
     from safetensors.torch import load_file
 
     from awex.engines.writer import WeightsWriter
@@ -63,7 +67,7 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         where = MegatronNames(parallel_state.get_tensor_model_parallel_rank(),
                               parallel_state.get_pipeline_model_parallel_rank(), parallel,
                               ep_rank=parallel_state.get_expert_model_parallel_rank())
-        writer = WeightsWriter(client, layout, rank, megatron_views(model, dims, where), timeout=timeout)
+        local_rank, view_of = rank, megatron_views(model, dims, where)
     elif kind == "fsdp":
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -80,7 +84,7 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         layout = dtensor_model_layout(model, "trainer")
-        writer = WeightsWriter(client, layout, dtensor_local_rank(model), dtensor_views(model), timeout=timeout)
+        local_rank, view_of = dtensor_local_rank(model), dtensor_views(model)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -88,8 +92,19 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, str(next(iter(hf.values())).dtype).removeprefix("torch."))).eval()
         layout = hf_model_layout(model, "trainer", "trainer")
-        writer = WeightsWriter(client, layout, 0, hf_views(model), timeout=timeout)
-    shards = writer.shards
+        local_rank, view_of = 0, hf_views(model)
+    if fp8:
+        from awex.convert import Fp8Views
+        from awex.meta import Fp8BlockQuant, quantize_layout
+
+        quant = Fp8BlockQuant()
+        fp8_layout = quantize_layout(layout, quant)
+        fp8_views = Fp8Views(fp8_layout, local_rank, view_of, quant)
+        writer = WeightsWriter(client, fp8_layout, local_rank, fp8_views.view_of, refresh=fp8_views.quantize,
+                               timeout=timeout)
+    else:
+        writer = WeightsWriter(client, layout, local_rank, view_of, timeout=timeout)
+    shards = LocalShards.from_layout(layout, local_rank, view_of)  # the weights themselves (steps change them)
     specs = {t.spec.name: t.spec for t in layout.tensors}
     out = []
     seq = 0

@@ -20,19 +20,26 @@ from awex_integration.spawn import run_processes  # noqa: E402
     pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])]), id="colocated-tp2-to-tp1-per-gpu-ipc"),
     pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])]), id="nccl-tp2-to-tp2"),
     pytest.param(("p2p", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="nccl-1-to-3-relay"),
+    # FP8 receivers: the trainer quantises its bf16 weights, FP8 tiles + scales travel and land in place
+    pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b"), id="fp8-colocated-1gpu-ipc"),
+    pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
+    pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], True, "qwen3-30b-a3b"), id="fp8-moe-nccl-tp2-to-tp2"),
+    pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], False, "qwen3-30b-a3b"), id="moe-nccl-tp2-to-tp2"),
 ])
 def test_writer_and_readers_on_gpus(case):
-    transport, train_tp, train_gpus, engines = case
+    transport, train_tp, train_gpus, engines, *extra = case
+    fp8, model = extra or (False, "qwen3-8b")
     need = 1 + max([*train_gpus, *[g for _, gs in engines for g in gs]])
     if torch.cuda.device_count() < need:
         pytest.skip(f"needs {need} GPUs, this machine has {torch.cuda.device_count()}")
     server = start_embedded()
     try:
         jobs = [(("trainer", r), sync_rank, (server.address, transport, "trainer", r, train_tp, train_gpus[r],
-                                               [f"vllm-{i}" for i in range(len(engines))]))
+                                               [f"vllm-{i}" for i in range(len(engines))], 3, fp8, model))
                 for r in range(train_tp)]
         for i, (tp, gpus) in enumerate(engines):
-            jobs += [((f"vllm-{i}", r), sync_rank, (server.address, transport, f"vllm-{i}", r, tp, gpus[r], []))
+            jobs += [((f"vllm-{i}", r), sync_rank, (server.address, transport, f"vllm-{i}", r, tp, gpus[r], [], 3,
+                                                    fp8, model))
                      for r in range(tp)]
         out = run_processes(jobs, timeout=240)
     finally:

@@ -53,3 +53,88 @@ def test_params_fit_the_layout_and_pack_q_k_v_and_gate_up_in_vllm_order(tp):
                 block = p.shape[0]
                 p = p[: max(0, min(block, DIMS.vocab - rank * block))]
             assert not torch.isnan(p).any(), name
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fp8_scales_fuse_like_their_weights(tp):
+    from awex.convert import quantize_fp8_blocks
+    from awex.meta import Fp8BlockQuant, quantize_layout
+
+    quant = Fp8BlockQuant(block=(8, 16))  # tiles small enough for this model: every partition is whole tiles
+    tensors = canonical_tensors(DIMS)
+    layout = quantize_layout(vllm_layout(tensors, VllmParallel(tp=tp), "v"), quant)
+    g = torch.Generator().manual_seed(1)
+    full = {}
+    for t in tensors:
+        w = torch.randn(t.spec.shape, generator=g)
+        if quant.quantises(t.name, t.spec.shape):
+            full[t.name], full[t.name + "_scale_inv"] = quantize_fp8_blocks(w, quant.block)
+        else:
+            full[t.name] = w
+    assert set(full) == set(layout.names)
+    for rank in range(tp):
+        shapes = vllm_param_shapes(DIMS, VllmParallel(tp=tp), rank, quant=quant)
+        params = {n: torch.zeros(s, dtype=torch.float8_e4m3fn) if n + "_scale_inv" in shapes
+                  else torch.full(s, float("nan")) for n, s in shapes.items()}
+        shards = LocalShards.from_layout(layout, rank, vllm_views(params, DIMS, VllmParallel(tp=tp), fp8_block=quant.block))
+        for name in shards.names():
+            for box, view in shards.pairs(name):
+                view.copy_(full[name][box.slices()])
+        pre = "model.layers.0."
+        q_tiles = DIMS.heads // tp * DIMS.head_dim // 8
+        kv_head = rank * DIMS.kv_heads // tp if tp > DIMS.kv_heads else None
+        kv_tiles = max(1, DIMS.kv_heads // tp) * DIMS.head_dim // 8
+        kv = slice(kv_head, kv_head + 1) if kv_head is not None else slice(rank * kv_tiles, (rank + 1) * kv_tiles)
+        want = torch.cat([full[pre + "self_attn.q_proj.weight_scale_inv"][rank * q_tiles:(rank + 1) * q_tiles],
+                          full[pre + "self_attn.k_proj.weight_scale_inv"][kv],
+                          full[pre + "self_attn.v_proj.weight_scale_inv"][kv]])
+        assert torch.equal(params[pre + "self_attn.qkv_proj.weight_scale_inv"], want)
+        i_tiles = DIMS.intermediate // tp // 8
+        want = torch.cat([full[pre + "mlp.gate_proj.weight_scale_inv"][rank * i_tiles:(rank + 1) * i_tiles],
+                          full[pre + "mlp.up_proj.weight_scale_inv"][rank * i_tiles:(rank + 1) * i_tiles]])
+        assert torch.equal(params[pre + "mlp.gate_up_proj.weight_scale_inv"], want)
+        down = full[pre + "mlp.down_proj.weight"][:, rank * DIMS.intermediate // tp:(rank + 1) * DIMS.intermediate // tp]
+        assert torch.equal(params[pre + "mlp.down_proj.weight"].view(torch.uint8), down.view(torch.uint8))
+        for name, p in params.items():  # every scale was written
+            if name.endswith("_scale_inv"):
+                assert not torch.isnan(p).any(), name
+
+
+MOE_DIMS = dataclasses.replace(DIMS, architecture="Qwen3MoeForCausalLM", num_experts=4, moe_intermediate=32,
+                               sparse_layers=frozenset({0, 1}))
+
+
+@pytest.mark.parametrize("tp,dp,ep", [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, True)])
+def test_moe_experts_fuse_into_w13_and_w2(tp, dp, ep):
+    parallel = VllmParallel(tp=tp, dp=dp, ep=ep)
+    tensors = canonical_tensors(MOE_DIMS)
+    layout = vllm_layout(tensors, parallel, "v")
+    g = torch.Generator().manual_seed(2)
+    full = {t.name: torch.randn(t.spec.shape, generator=g) for t in tensors}
+    held = []
+    for rank in range(tp * dp):
+        tp_rank, dp_rank = rank % tp, rank // tp
+        shapes = vllm_param_shapes(MOE_DIMS, parallel, tp_rank, dp_rank=dp_rank)
+        params = {n: torch.full(s, float("nan")) for n, s in shapes.items()}
+        shards = LocalShards.from_layout(layout, rank, vllm_views(params, MOE_DIMS, parallel, tp_rank=tp_rank,
+                                                                   dp_rank=dp_rank))
+        for name in shards.names():
+            for box, view in shards.pairs(name):
+                view.copy_(full[name][box.slices()])
+        pre = "model.layers.1.mlp."
+        w13, w2 = params[pre + "experts.w13_weight"], params[pre + "experts.w2_weight"]
+        i = MOE_DIMS.moe_intermediate if ep else MOE_DIMS.moe_intermediate // tp
+        cols = slice(0, i) if ep else slice(tp_rank * i, (tp_rank + 1) * i)
+        first = (dp_rank * tp + tp_rank) * w13.shape[0] if ep else 0
+        for local in range(w13.shape[0]):
+            e = first + local
+            held.append(e)
+            want = torch.cat([full[f"{pre}experts.{e}.gate_proj.weight"][cols], full[f"{pre}experts.{e}.up_proj.weight"][cols]])
+            assert torch.equal(w13[local], want)
+            assert torch.equal(w2[local], full[f"{pre}experts.{e}.down_proj.weight"][:, cols])
+        assert torch.equal(params[pre + "gate.weight"], full[pre + "gate.weight"])
+        for name, p in params.items():
+            if name.startswith("model.layers."):
+                assert not torch.isnan(p).any(), name
+    # with expert parallelism each expert lives on exactly one rank; without it on every rank
+    assert sorted(held) == (list(range(4)) if ep else sorted(list(range(4)) * tp * dp))

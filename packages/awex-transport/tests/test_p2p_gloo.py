@@ -183,3 +183,23 @@ def test_pieces_must_tile_each_box():
     assert shards.pairs("w")[0][1].tolist() == [[0.0, 1.0, 2.0], [0.0, 0.0, 0.0]]
     with pytest.raises(ShardMismatchError, match="does not hold all"):
         shards.copy_out("w", (3, 0), (2, 3), torch.empty(2, 3))
+
+
+def test_tensors_of_odd_byte_sizes_share_a_bucket():
+    # FP8 weights next to float32 scales: transfers start 16-byte aligned inside a message, so a message is
+    # longer than the sum of its transfers and the staging must hold every message whole
+    from awex.meta import Layout, Mesh, MeshSharding, Role, Shard, TensorLayout, TensorSpec
+
+    specs = [TensorSpec("a.weight", (3, 5), "float8_e4m3fn"), TensorSpec("a.weight_scale_inv", (1, 1), "float32"),
+             TensorSpec("b.weight", (7, 3), "float8_e4m3fn"), TensorSpec("c", (5,), "bfloat16")]
+
+    def layout(instance, role, tp):
+        mesh = Mesh("m", (("tp", tp),))
+        return Layout(instance, role, tp, (mesh,), tuple(
+            TensorLayout(s, MeshSharding("m", (("tp", Shard(0)),) if s.shape[0] > 1 else ())) for s in specs))
+
+    layouts = [layout("trainer", Role.TRAINER, 1), layout("vllm-0", Role.INFERENCE, 2)]
+    out = run_world(layouts)
+    assert len(out) == 3, out
+    failures = {k: v[0] for k, v in out.items() if v[0] != "ok"}
+    assert not failures, failures

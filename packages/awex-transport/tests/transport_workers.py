@@ -73,7 +73,7 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
                     if not torch.equal(view, full[box.slices()]):
                         bad.append(f"{name} {box}")
             for key, fused in natives.items():
-                if fused.dim() and fused.shape[0] >= 2 and torch.count_nonzero(fused[: fused.shape[0] // 2]):
+                if fused.dim() and fused.shape[0] >= 2 and torch.count_nonzero(fused[: fused.shape[0] // 2].float()):
                     bad.append(f"{key}: wrote outside its view")
         results.put((instance, local_rank, "ok" if not bad else "mismatch: " + ", ".join(bad[:5]),
                      stats.bytes_received, stats.bytes_sent))

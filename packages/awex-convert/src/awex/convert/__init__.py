@@ -7,6 +7,8 @@ these views and receivers write into them, so nothing is gathered and nothing is
 - :mod:`awex.convert.megatron`: Megatron-core ``GPTModel`` (fused QKV by query group, fused gate/up,
   TP/PP/VPP, padded vocabulary, tied embeddings, local and Transformer-Engine layer specs).
 - :mod:`awex.convert.hf`: HF models (identity).
+- :mod:`awex.convert.fp8`: block-quantised FP8 (128x128 tiles, ``weight_scale_inv``): quantise, dequantise,
+  and a sender's FP8 views of its own weights (quantised on the fly before each write).
 - :mod:`awex.convert.vllm`: vLLM's fused ``qkv_proj`` / ``gate_up_proj``, padded vocabulary, TP/PP, for the
   in-place path on plain (GPU) parameters; on CPU, vLLM prepacks its linear weights, so the CPU receiver goes
   through vLLM's own weight loaders instead (``awex.engines.vllm_backend``).
@@ -14,6 +16,7 @@ these views and receivers write into them, so nothing is gathered and nothing is
 Which rank holds which box (the layout) is torch-free arithmetic in ``awex.meta.layouts``.
 """
 
+from awex.convert.fp8 import Fp8Views, dequantize_fp8_blocks, quantize_fp8_blocks
 from awex.convert.hf import hf_views
 from awex.convert.megatron import MegatronNames, megatron_param_shapes, megatron_views
 from awex.convert.vllm import vllm_param_shapes, vllm_views
@@ -21,5 +24,6 @@ from awex.convert.vllm import vllm_param_shapes, vllm_views
 __version__ = "0.1.0"
 
 __all__ = [
-    "MegatronNames", "hf_views", "megatron_param_shapes", "megatron_views", "vllm_param_shapes", "vllm_views",
+    "Fp8Views", "MegatronNames", "dequantize_fp8_blocks", "hf_views", "megatron_param_shapes", "megatron_views", "quantize_fp8_blocks", "vllm_param_shapes",
+    "vllm_views",
 ]

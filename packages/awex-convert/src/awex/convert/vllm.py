@@ -14,10 +14,18 @@ layers.L.self_attn.o_proj         ...self_attn.o_proj.weight (columns split)
 layers.L.mlp.{gate,up}_proj       ...mlp.gate_up_proj.weight = [gate shard; up shard]
 layers.L.mlp.down_proj            ...mlp.down_proj.weight (columns split)
 norms                             same names, replicated
+layers.L.mlp.gate (MoE router)    ...mlp.gate.weight, replicated
+layers.L.mlp.experts.E.{gate,up}  ...mlp.experts.w13_weight[e] = [gate shard; up shard] of local expert e
+layers.L.mlp.experts.E.down_proj  ...mlp.experts.w2_weight[e] (columns split); with expert parallelism
+                                  each rank holds its own experts whole (linear placement)
 ================================  ===============================================================
 
 :func:`vllm_param_shapes` gives the names and shapes vLLM allocates (checked against vLLM's recorded loading
 shapes on CPU), so benchmarks can hold tensors in vLLM's exact layout without the engine.
+
+FP8 block-quantised engines (``quant``): each quantised linear also holds ``weight_scale_inv``, one float32 per
+tile, fused the same way as its weight (``qkv_proj.weight_scale_inv`` = [q tiles | k tiles | v tiles] of this
+rank; vLLM requires every partition to be whole tiles).
 """
 
 from __future__ import annotations
@@ -29,18 +37,30 @@ import torch
 
 from awex.meta import Box
 from awex.meta.layouts import VllmParallel
-from awex.meta.layouts.vllm import pp_layer_ranges
+from awex.meta.layouts.vllm import expert_owner, pp_layer_ranges
 from awex.meta.models import ARCHITECTURES, ModelDims
+from awex.meta.quant import SCALE_SUFFIX, Fp8BlockQuant
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(?:_scale_inv)?$")
 
 
 def _kv_local(dims: ModelDims, tp: int) -> int:
     return max(1, dims.kv_heads // tp)
 
 
-def vllm_param_shapes(dims: ModelDims, parallel: VllmParallel, tp_rank: int = 0, pp_rank: int = 0) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of one vLLM rank's parameters (unquantised dense model)."""
+def _local_experts(dims: ModelDims, parallel: VllmParallel, tp_rank: int, dp_rank: int) -> range:
+    """The experts one rank holds (all of them, each TP-sliced, without expert parallelism)."""
+    if not parallel.ep:
+        return range(dims.num_experts)
+    ep_rank = dp_rank * parallel.tp + tp_rank
+    mine = [e for e in range(dims.num_experts) if expert_owner(e, dims.num_experts, parallel.dp * parallel.tp) == ep_rank]
+    return range(mine[0], mine[-1] + 1) if mine else range(0)
+
+
+def vllm_param_shapes(dims: ModelDims, parallel: VllmParallel, tp_rank: int = 0, pp_rank: int = 0,
+                      quant: Fp8BlockQuant | None = None, dp_rank: int = 0) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of one vLLM rank's parameters (with ``quant``, FP8 weights' scales too)."""
     tp = parallel.tp
     padded = -(-dims.vocab // parallel.vocab_pad) * parallel.vocab_pad
     hd = dims.head_dim
@@ -59,19 +79,67 @@ def vllm_param_shapes(dims: ModelDims, parallel: VllmParallel, tp_rank: int = 0,
         if ARCHITECTURES[dims.architecture].qk_norm:
             shapes[pre + "self_attn.q_norm.weight"] = (hd,)
             shapes[pre + "self_attn.k_norm.weight"] = (hd,)
-        shapes[pre + "mlp.gate_up_proj.weight"] = (2 * dims.intermediate // tp, dims.hidden)
-        shapes[pre + "mlp.down_proj.weight"] = (dims.hidden, dims.intermediate // tp)
+        if layer in dims.sparse_layers:
+            local = len(_local_experts(dims, parallel, tp_rank, dp_rank))
+            inter = dims.moe_intermediate if parallel.ep else dims.moe_intermediate // tp
+            shapes[pre + "mlp.gate.weight"] = (dims.num_experts, dims.hidden)
+            shapes[pre + "mlp.experts.w13_weight"] = (local, 2 * inter, dims.hidden)
+            shapes[pre + "mlp.experts.w2_weight"] = (local, dims.hidden, inter)
+        else:
+            shapes[pre + "mlp.gate_up_proj.weight"] = (2 * dims.intermediate // tp, dims.hidden)
+            shapes[pre + "mlp.down_proj.weight"] = (dims.hidden, dims.intermediate // tp)
         shapes[pre + "input_layernorm.weight"] = (dims.hidden,)
         shapes[pre + "post_attention_layernorm.weight"] = (dims.hidden,)
     if pp_rank == parallel.pp - 1:
         shapes["model.norm.weight"] = (dims.hidden,)
         if not dims.tie_embeddings:
             shapes["lm_head.weight"] = (padded // tp, dims.hidden)
+    if quant is not None:
+        for name, shape in list(shapes.items()):
+            if name.endswith(_FUSED_LINEARS) and quant.quantises(_canonical_probe(name), shape):
+                shapes[name + SCALE_SUFFIX] = _fused_scale_shape(name, shape, dims, tp, quant)
+            elif name.endswith(_EXPERT_WEIGHTS) and quant.quantises(_canonical_probe(name), shape[1:]):
+                e, rows, cols = shape
+                tiles = (2 * -(-(rows // 2) // quant.block[0]) if name.endswith("w13_weight") else -(-rows // quant.block[0]))
+                shapes[name + SCALE_SUFFIX] = (e, tiles, -(-cols // quant.block[1]))
     return shapes
 
 
-def vllm_views(params: Mapping[str, torch.Tensor], dims: ModelDims, parallel: VllmParallel) -> Callable[[str, Box], torch.Tensor]:
-    """``view_of(name, box)`` over one vLLM rank's parameters (``dict(model.named_parameters())``)."""
+_EXPERT_WEIGHTS = ("experts.w13_weight", "experts.w2_weight")
+
+
+_FUSED_LINEARS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+
+
+def _canonical_probe(native: str) -> str:
+    """A canonical name of one of the projections a native fused linear holds (for quant.quantises)."""
+    return (native.replace("qkv_proj", "q_proj").replace("gate_up_proj", "gate_proj")
+            .replace("experts.w13_weight", "experts.0.gate_proj.weight").replace("experts.w2_weight", "experts.0.down_proj.weight"))
+
+
+def _fused_scale_shape(name: str, shape: tuple[int, ...], dims: ModelDims, tp: int,
+                       quant: Fp8BlockQuant) -> tuple[int, int]:
+    """Tiles of each fused partition, stacked (vLLM's per-partition scale rows)."""
+    br, bc = quant.block
+    cols = -(-shape[1] // bc)
+    if name.endswith("qkv_proj.weight"):
+        q_rows = dims.heads // tp * dims.head_dim
+        kv_rows = _kv_local(dims, tp) * dims.head_dim
+        return (-(-q_rows // br) + 2 * -(-kv_rows // br), cols)
+    if name.endswith("gate_up_proj.weight"):
+        return (2 * -(-(shape[0] // 2) // br), cols)
+    return (-(-shape[0] // br), cols)
+
+
+def vllm_views(params: Mapping[str, torch.Tensor], dims: ModelDims, parallel: VllmParallel,
+               fp8_block: tuple[int, int] = (128, 128), tp_rank: int = 0, dp_rank: int = 0,
+               ) -> Callable[[str, Box], torch.Tensor]:
+    """``view_of(name, box)`` over one vLLM rank's parameters (``dict(model.named_parameters())``).
+
+    FP8 scales (``X.weight_scale_inv``) are found in the fused ``weight_scale_inv`` parameters, in
+    ``fp8_block`` tiles. With expert parallelism, ``tp_rank`` and ``dp_rank`` say which experts are local.
+    """
+    first_expert = _local_experts(dims, parallel, tp_rank, dp_rank).start if dims.num_experts else 0
     tp = parallel.tp
     hd = dims.head_dim
     q_rows = dims.heads // tp * hd
@@ -94,12 +162,25 @@ def vllm_views(params: Mapping[str, torch.Tensor], dims: ModelDims, parallel: Vl
             raise KeyError(name)
         rest = m.group(2)
         pre = f"model.layers.{m.group(1)}."
+        scale = rest.endswith(SCALE_SUFFIX)
         if rest.startswith("self_attn.") and rest[10:11] in "qkv" and rest[11:17] == "_proj.":
             qkv = find(pre + "self_attn.qkv_proj." + rest[17:])
             start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[rest[10]]
+            if scale:  # tiles of each partition
+                start = {"q": 0, "k": -(-q_rows // fp8_block[0]),
+                         "v": -(-q_rows // fp8_block[0]) + -(-kv_rows // fp8_block[0])}[rest[10]]
             return qkv[start:start + box.sizes[0]]
-        if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            gate_up = find(pre + "mlp.gate_up_proj.weight")
+        e = _EXPERT.match(rest)
+        if e:
+            local, part = int(e.group(1)) - first_expert, e.group(2)
+            native = find(pre + ("mlp.experts.w2_weight" if part == "down" else "mlp.experts.w13_weight")
+                          + (SCALE_SUFFIX if scale else ""))[local]
+            if part == "down":
+                return native
+            half = native.shape[0] // 2
+            return native[:half] if part == "gate" else native[half:]
+        if rest.removesuffix(SCALE_SUFFIX) in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            gate_up = find(pre + "mlp.gate_up_proj." + rest.split(".", 2)[2])
             half = gate_up.shape[0] // 2
             return gate_up[:half] if rest.startswith("mlp.gate") else gate_up[half:]
         return find(name)

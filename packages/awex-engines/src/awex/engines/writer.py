@@ -36,6 +36,9 @@ class WeightsWriter:
 
     The receivers' dtypes decide what arrives; a narrowing cast (fp32 -> bf16) is refused before any byte moves
     unless the tensor's name matches one of the ``allow_cast`` glob patterns (see ``awex.meta.PlanOptions``).
+
+    ``refresh`` runs at the start of every :meth:`write`, before any byte moves: it recomputes views derived
+    from the weights, such as FP8 tiles quantised on the fly (``awex.convert.Fp8Views.quantize``).
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class WeightsWriter:
         timeout: float = 300.0,
         transport: str = "p2p",
         allow_cast: Sequence[str] = (),
+        refresh: Callable[[], None] | None = None,
     ):
         if transport not in ("p2p", "ipc"):
             raise ValueError(f"unknown transport {transport!r}: use 'p2p' (NCCL/gloo) or 'ipc' (colocated CUDA)")
@@ -61,6 +65,7 @@ class WeightsWriter:
         self.timeout = timeout
         self.transport = transport
         self.allow_cast = tuple(allow_cast)
+        self.refresh = refresh
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
         if transport == "ipc" and self._shards.device.type != "cuda":
             raise ValueError(f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}")
@@ -78,6 +83,8 @@ class WeightsWriter:
     def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
         """Send weight version ``version`` to the named inference instances; returns this rank's stats."""
         started = time.monotonic()
+        if self.refresh is not None:
+            self.refresh()
         if self.local_rank == 0:
             if self._port is None:
                 self._port = free_port(self.host)

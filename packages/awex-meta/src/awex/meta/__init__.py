@@ -27,6 +27,7 @@ from awex.meta.layout import (
 from awex.meta.models import ARCHITECTURES, CanonicalTensor, UnknownModelError, canonical_tensors, load_config
 from awex.meta.plan import Bucket, Plan, PlanStats, Step, Transfer
 from awex.meta.planner import PlanError, PlanOptions, plan_transfers
+from awex.meta.quant import Fp8BlockQuant, quantize_layout
 from awex.meta.serialize import SCHEMA_VERSION, SchemaError, dumps_json, from_wire, loads_json, to_wire
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 from awex.meta.verify import CoverageReport, verify_plan
@@ -41,6 +42,7 @@ __all__ = [
     "CanonicalTensor",
     "CoverageReport",
     "ExplicitSharding",
+    "Fp8BlockQuant",
     "Layout",
     "Mesh",
     "MeshSharding",
@@ -65,6 +67,7 @@ __all__ = [
     "load_config",
     "loads_json",
     "plan_transfers",
+    "quantize_layout",
     "to_wire",
     "verify_plan",
 ]

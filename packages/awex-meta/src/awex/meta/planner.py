@@ -26,6 +26,7 @@ from awex.meta.dtypes import is_exact_cast
 from awex.meta.box import Box, intersect
 from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats
+from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, scale_name
 from awex.meta.schedule import assign_waves, plan_relays
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 
@@ -214,9 +215,14 @@ def _check_tensors(
         d = dst[name]
         s = src.get(name)
         if s is None:
-            problems.append(f"{name}: needed by the destination but held by no source")
+            hint = (" (the destination loads FP8 block-quantised weights: quantise on the sender, see "
+                    "awex.meta.quant)" if name.endswith(SCALE_SUFFIX) else "")
+            problems.append(f"{name}: needed by the destination but held by no source{hint}")
         elif s.shape != d.shape:
             problems.append(f"{name}: shape mismatch: source {tuple(s.shape)} vs destination {tuple(d.shape)}")
+        elif d.dtype in FP8_DTYPES and s.dtype not in FP8_DTYPES and scale_name(name) in dst:
+            problems.append(f"{name}: the destination holds it block-quantised ({d.dtype} with {scale_name(name)}); "
+                            f"a cast from {s.dtype} cannot produce that: quantise on the sender (awex.meta.quant)")
         elif s.dtype != d.dtype:
             if is_exact_cast(s.dtype, d.dtype) or any(fnmatchcase(name, pat) for pat in allow_cast):
                 casts.append((name, s.dtype, d.dtype))

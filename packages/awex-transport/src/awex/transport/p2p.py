@@ -88,7 +88,7 @@ class WaveExecutor:
         by_wave: dict[int, list] = {}
         for step in plan.schedule(rank):
             by_wave.setdefault(step.bucket.wave, []).append(step)
-        sizes = {w: sum(_align(s.bucket.nbytes) for s in steps) for w, steps in by_wave.items()}
+        sizes = {w: sum(_align(bucket_offsets(s.bucket)[1]) for s in steps) for w, steps in by_wave.items()}
         slot = max(sizes.values(), default=0)
         self.slots = 2 if self.device.type == "cuda" and len(by_wave) > 1 else 1
         self.staging = torch.empty(slot * self.slots, dtype=torch.uint8, device=self.device)

@@ -1,0 +1,205 @@
+"""Block-quantised FP8: quantise and dequantise tiles, and a sender's FP8 views of its own weights.
+
+The format (``awex.meta.quant``): ``X.weight`` in ``float8_e4m3fn`` and ``X.weight_scale_inv`` in float32, one
+scale per 128 x 128 tile, ``weight ~= fp8 * scale_inv``. A tile's scale is its largest magnitude over the FP8
+maximum (448 for e4m3), as vLLM's and DeepSeek's quantisers compute it, so each tile uses the whole FP8 range.
+
+A trainer that trains in bf16/fp32 and feeds FP8 inference engines quantises on the fly::
+
+    quant = Fp8BlockQuant.from_hf_config(inference_config)
+    fp8_layout = quantize_layout(layout, quant)                  # what this rank sends, scales included
+    fp8 = Fp8Views(fp8_layout, rank, view_of, quant)             # buffers for this rank's FP8 tiles
+    writer = WeightsWriter(client, fp8_layout, rank, fp8.view_of, refresh=fp8.quantize)
+
+Before each write the writer calls ``fp8.quantize()``, which quantises this rank's current weights into those
+buffers (extra memory: one byte per quantised weight element, plus the scales); the transport then sends them
+as they are: FP8 and scales on the wire, never a silently dequantised copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import torch
+
+from awex.meta import Box, Layout
+from awex.meta.quant import Fp8BlockQuant, scale_name
+
+log = logging.getLogger("awex.convert.fp8")
+
+ViewOf = Callable[[str, Box], "torch.Tensor | Sequence[tuple[Box, torch.Tensor]]"]
+_CHUNK_ELEMENTS = 1 << 24  # float32 temporaries while quantising: at most ~64 MiB at a time
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def quantize_fp8_blocks(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float8_e4m3fn,
+    *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a 2-D weight tile by tile: returns ``(fp8 weight, float32 scale_inv)``.
+
+    Tiles start at ``weight[0, 0]`` (a box of whole tiles of a larger tensor quantises exactly as the whole
+    tensor would); the last row and column of tiles may be short. ``out`` / ``scale_out`` receive the result in
+    place when given. An all-zero tile gets the smallest positive scale and quantises to zeros. On CUDA a Triton
+    kernel does it in one pass (bit-identical to the portable path, checked by the GPU tests).
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"FP8 block quantisation needs a 2-D weight, got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    br, bc = block
+    n_r, n_c = -(-rows // br), -(-cols // bc)
+    q = out if out is not None else torch.empty((rows, cols), dtype=dtype, device=weight.device)
+    s = scale_out if scale_out is not None else torch.empty((n_r, n_c), dtype=torch.float32, device=weight.device)
+    if tuple(q.shape) != (rows, cols) or q.dtype != dtype:
+        raise ValueError(f"out must be {dtype} of shape {(rows, cols)}, got {q.dtype} {tuple(q.shape)}")
+    if tuple(s.shape) != (n_r, n_c) or s.dtype != torch.float32:
+        raise ValueError(f"scale_out must be float32 of shape {(n_r, n_c)}, got {s.dtype} {tuple(s.shape)}")
+    fmax = fp8_max(dtype)
+    tiny = torch.finfo(torch.float32).tiny
+    if weight.is_cuda and rows and cols and not (br & (br - 1) or bc & (bc - 1)) and _triton_kernel() is not None:
+        _quantize_cuda(weight, block, q, s, fmax, tiny)
+        return q, s
+    step = max(1, _CHUNK_ELEMENTS // max(1, br * n_c * bc))  # tile rows per chunk
+    for t0 in range(0, n_r, step):
+        t1 = min(n_r, t0 + step)
+        r0, r1 = t0 * br, min(rows, t1 * br)
+        part = weight[r0:r1].float()
+        padded = part
+        if (r1 - r0) != (t1 - t0) * br or cols != n_c * bc:  # pad the short last tiles with zeros
+            padded = part.new_zeros(((t1 - t0) * br, n_c * bc))
+            padded[: r1 - r0, :cols] = part
+        tiles = padded.view(t1 - t0, br, n_c, bc)
+        scale = (tiles.abs().amax(dim=(1, 3), keepdim=True) / fmax).clamp_(min=tiny)
+        quantised = (tiles / scale).clamp_(-fmax, fmax).view((t1 - t0) * br, n_c * bc)
+        q[r0:r1].copy_(quantised[: r1 - r0, :cols])
+        s[t0:t1].copy_(scale.view(t1 - t0, n_c))
+    return q, s
+
+
+_KERNEL: list = []
+
+
+def _triton_kernel():
+    """A Triton kernel quantising one tile per program (one read of the weight, one write of each output),
+    or ``None`` where Triton is not installed; built on first use."""
+    if _KERNEL:
+        return _KERNEL[0]
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _KERNEL.append(None)
+        return None
+
+    @triton.jit
+    def quantize_tiles(x, q, s, rows, cols, sxr, sxc, sqr, sqc, ssr, ssc, fmax, tiny,
+                       BR: tl.constexpr, BC: tl.constexpr):
+        tr = tl.program_id(0)
+        tc = tl.program_id(1)
+        r = tr * BR + tl.arange(0, BR)
+        c = tc * BC + tl.arange(0, BC)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        v = tl.load(x + r[:, None] * sxr + c[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, fmax), tiny)  # as torch: correctly rounded divisions
+        out = tl.math.div_rn(v, scale)
+        out = tl.minimum(tl.maximum(out, -fmax), fmax)
+        tl.store(q + r[:, None] * sqr + c[None, :] * sqc, out.to(q.dtype.element_ty), mask=mask)
+        tl.store(s + tr * ssr + tc * ssc, scale)
+
+    _KERNEL.append(quantize_tiles)
+    return quantize_tiles
+
+
+def _quantize_cuda(weight, block, q, s, fmax: float, tiny: float) -> None:
+    kernel = _triton_kernel()
+    rows, cols = weight.shape
+    br, bc = block
+    grid = (s.shape[0], s.shape[1])
+    kernel[grid](weight, q, s, rows, cols, weight.stride(0), weight.stride(1), q.stride(0), q.stride(1),
+                 s.stride(0), s.stride(1), fmax, tiny, BR=br, BC=bc, num_warps=8)
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``fp8 * scale_inv`` tile by tile, in ``dtype``."""
+    rows, cols = weight.shape
+    br, bc = block
+    expected = (-(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"scale_inv of shape {tuple(scale_inv.shape)} does not tile a {rows}x{cols} weight "
+                         f"in {br}x{bc} blocks (expected {expected})")
+    full = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return (weight.float() * full).to(dtype)
+
+
+class Fp8Views:
+    """A sender rank's FP8 views: for each quantised weight box it holds, an FP8 buffer and its scale tiles.
+
+    ``view_of`` answers for the FP8 layout (quantised weights and scales from the buffers, everything else from
+    the wrapped ``view_of``); :meth:`quantize` refills the buffers from the current weights (call it before
+    each write: ``WeightsWriter(..., refresh=fp8.quantize)`` does).
+    """
+
+    def __init__(self, layout: Layout, local_rank: int, view_of: ViewOf, quant: Fp8BlockQuant):
+        self.quant = quant
+        self._source = view_of
+        self._dtype = getattr(torch, quant.dtype)
+        self._weights: dict[tuple[str, Box], torch.Tensor] = {}
+        self._scales: dict[tuple[str, Box], tuple[torch.Tensor, str, Box]] = {}
+        self.quantized_bytes = 0
+        for name, boxes in layout.rank_boxes(local_rank).items():
+            spec = layout.tensor(name).spec
+            if spec.dtype != quant.dtype or scale_name(name) not in layout:
+                continue
+            for box in boxes:
+                if not quant.whole_tiles(box, spec.shape):
+                    raise ValueError(f"{layout.instance} rank {local_rank}: {name} {box} cuts through "
+                                     f"{quant.block} FP8 tiles; a sender must hold whole tiles")
+                device = _device_of(view_of(name, box))
+                weight = torch.empty(box.sizes, dtype=self._dtype, device=device)
+                image = quant.block_image(box)
+                scale = torch.empty(image.sizes, dtype=torch.float32, device=device)
+                self._weights[(name, box)] = weight
+                self._scales[(scale_name(name), image)] = (scale, name, box)
+                self.quantized_bytes += weight.numel() + 4 * scale.numel()
+
+    def view_of(self, name: str, box: Box):
+        buf = self._weights.get((name, box))
+        if buf is not None:
+            return buf
+        scale = self._scales.get((name, box))
+        if scale is not None:
+            return scale[0]
+        return self._source(name, box)
+
+    @torch.no_grad()
+    def quantize(self) -> None:
+        """Quantise this rank's current weights into the FP8 buffers (before each write)."""
+        for scale, name, box in self._scales.values():
+            source = _assemble(self._source(name, box), box)
+            quantize_fp8_blocks(source, self.quant.block, self._dtype, out=self._weights[(name, box)], scale_out=scale)
+        log.debug("quantised %d FP8 boxes (%d bytes)", len(self._weights), self.quantized_bytes)
+
+
+def _device_of(answer) -> torch.device:
+    if isinstance(answer, torch.Tensor):
+        return answer.device
+    return next(iter(answer))[1].device
+
+
+def _assemble(answer, box: Box) -> torch.Tensor:
+    """One tensor of the box's shape from a view or from ``(sub_box, view)`` pieces (copied together)."""
+    if isinstance(answer, torch.Tensor):
+        return answer
+    pieces = list(answer)
+    out = torch.empty(box.sizes, dtype=pieces[0][1].dtype, device=pieces[0][1].device)
+    for sub, view in pieces:
+        out[sub.relative_to(box).slices()] = view
+    return out

@@ -1,0 +1,110 @@
+"""Block FP8 quantisation: against a tile-by-tile reference, error bounds, boxes of whole tiles, sender views."""
+
+import pytest
+import torch
+
+from awex.convert import Fp8Views, dequantize_fp8_blocks, quantize_fp8_blocks
+from awex.meta import Box, Fp8BlockQuant, Layout, Mesh, MeshSharding, Role, Shard, TensorLayout, TensorSpec
+from awex.meta import quantize_layout
+
+E4M3 = torch.float8_e4m3fn
+
+
+def reference_quantize(w, block):
+    """Tile by tile, written the obvious way."""
+    rows, cols = w.shape
+    br, bc = block
+    q = torch.empty(w.shape, dtype=E4M3)
+    s = torch.empty((-(-rows // br), -(-cols // bc)))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc].float()
+            scale = max(tile.abs().max().item() / 448.0, torch.finfo(torch.float32).tiny)
+            s[i, j] = scale
+            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / torch.tensor(scale)).clamp(-448, 448).to(E4M3)
+    return q, s
+
+
+@pytest.mark.parametrize("shape,block", [((256, 384), (128, 128)), ((200, 130), (128, 128)), ((64, 96), (32, 32)),
+                                         ((7, 5), (4, 4))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_tile_by_tile_reference(shape, block, dtype):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[1])).to(dtype)
+    q, s = quantize_fp8_blocks(w, block)
+    rq, rs = reference_quantize(w, block)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    # e4m3 keeps 3 mantissa bits: each element within half a step of its tile's grid, subnormals aside
+    back = dequantize_fp8_blocks(q, s, block)
+    full_scale = s.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+    err = (back - w.float()).abs()
+    assert torch.all(err <= w.float().abs() * 2.0 ** -4 + full_scale * 2.0 ** -9 + 1e-30)
+
+
+def test_zero_tile_and_in_place_outputs():
+    w = torch.zeros(128, 256)
+    w[:, 128:] = torch.randn(128, 128)
+    q = torch.empty(128, 256, dtype=E4M3)
+    s = torch.empty(1, 2)
+    quantize_fp8_blocks(w, out=q, scale_out=s)
+    assert s[0, 0] > 0 and torch.all(q[:, :128].float() == 0)
+    assert torch.equal(dequantize_fp8_blocks(q, s)[:, :128], w[:, :128])
+    with pytest.raises(ValueError, match="scale_out must be float32 of shape"):
+        quantize_fp8_blocks(w, out=q, scale_out=torch.empty(2, 2))
+
+
+def test_box_of_whole_tiles_quantises_like_the_whole_tensor():
+    w = torch.randn(384, 300)
+    q, s = quantize_fp8_blocks(w)
+    part_q, part_s = quantize_fp8_blocks(w[128:384, 256:300])  # whole tiles (the last column of tiles is short)
+    assert torch.equal(part_q.view(torch.uint8), q[128:384, 256:300].view(torch.uint8))
+    assert torch.equal(part_s, s[1:3, 2:3])
+
+
+def test_sender_views_quantise_current_weights_before_each_write():
+    # one weight of 256 x 256 split over 2 ranks (rows), a norm that stays as it is
+    mesh = Mesh("m", (("tp", 2),))
+    layout = Layout("trainer", Role.TRAINER, 2, (mesh,), (
+        TensorLayout(TensorSpec("model.layers.0.mlp.down_proj.weight", (256, 256), "bfloat16"),
+                     MeshSharding("m", (("tp", Shard(0)),))),
+        TensorLayout(TensorSpec("model.norm.weight", (256,), "bfloat16"), MeshSharding("m")),
+    ))
+    quant = Fp8BlockQuant()
+    fp8_layout = quantize_layout(layout, quant)
+    full = torch.randn(256, 256).to(torch.bfloat16)
+    norm = torch.randn(256).to(torch.bfloat16)
+    params = {"model.layers.0.mlp.down_proj.weight": full[128:], "model.norm.weight": norm}
+
+    def view_of(name, box):  # rank 1's memory; the down_proj box comes in two pieces (as fused params do)
+        if name == "model.norm.weight":
+            return params[name][box.slices()]
+        half = Box((128, 0), (128, 128)), Box((128, 128), (128, 128))
+        return [(b, params[name][b.relative_to(box).slices()]) for b in half]
+
+    views = Fp8Views(fp8_layout, 1, view_of, quant)
+    name = "model.layers.0.mlp.down_proj.weight"
+    (wbox,) = fp8_layout.rank_boxes(1)[name]
+    (sbox,) = fp8_layout.rank_boxes(1)[name + "_scale_inv"]
+    assert views.view_of("model.norm.weight", Box((0,), (256,))) is not None
+    for step in range(2):
+        params[name].add_(torch.randn(128, 256).to(torch.bfloat16))
+        views.quantize()
+        want_q, want_s = quantize_fp8_blocks(params[name])
+        assert views.view_of(name, wbox).dtype == E4M3
+        assert torch.equal(views.view_of(name, wbox).view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(views.view_of(name + "_scale_inv", sbox), want_s)
+    assert views.quantized_bytes == 128 * 256 + 4 * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the one-pass Triton quantiser)")
+@pytest.mark.parametrize("shape,block", [((1024, 768), (128, 128)), ((300, 200), (128, 128)), ((96, 64), (32, 32))])
+def test_cuda_quantiser_is_bit_identical_to_the_portable_one(shape, block):
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(shape, generator=g) * torch.logspace(-4, 2, shape[1])).to(torch.bfloat16)
+    w[: block[0], : block[1]] = 0  # a zero tile
+    q, s = quantize_fp8_blocks(w, block)  # CPU: the portable path
+    for source in (w.cuda(), w.cuda().t().contiguous().t()):  # contiguous and column-major views
+        cq, cs = quantize_fp8_blocks(source, block)
+        assert torch.equal(cs.cpu(), s)
+        assert torch.equal(cq.cpu().view(torch.uint8), q.view(torch.uint8))
