@@ -122,3 +122,18 @@ def test_unquantised_sender_to_fp8_receiver_is_refused_with_a_hint():
 
     with pytest.raises(PlanError, match="a cast from bfloat16 cannot produce that"):
         plan_transfers([src], [dst], PlanOptions(allow_cast=("*",)))
+
+
+def test_vllm_engine_layout_reads_fp8_from_the_config():
+    from awex.meta.layouts import vllm_engine_layout
+
+    cfg = {**load_config(MODELS / "qwen3-8b.json"),
+           "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    lay = vllm_engine_layout(cfg, "bfloat16", VllmParallel(tp=2), instance="vllm-0")
+    assert lay.tensor("model.layers.3.mlp.down_proj.weight").spec.dtype == "float8_e4m3fn"
+    assert lay.tensor("model.layers.3.mlp.down_proj.weight_scale_inv").spec.shape == (32, 96)
+    assert lay.tensor("lm_head.weight").spec.dtype == "bfloat16"
+    plain = vllm_engine_layout(load_config(MODELS / "qwen3-8b.json"), "bfloat16", VllmParallel(tp=2))
+    assert "model.layers.3.mlp.down_proj.weight_scale_inv" not in plain
+    with pytest.raises(ValueError, match="awq"):
+        vllm_engine_layout({**cfg, "quantization_config": {"quant_method": "awq"}}, "bfloat16", VllmParallel())

@@ -36,9 +36,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from awex.meta import Box, canonical_tensors
+from awex.meta import Box
 from awex.meta.client import MetaClient
-from awex.meta.layouts import VllmParallel, vllm_layout
+from awex.meta.layouts import VllmParallel, vllm_engine_layout
 from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
 
@@ -70,14 +70,13 @@ class AwexUpdateInfo(WeightTransferUpdateInfo):
 
 
 def engine_layout(vllm_config, instance: str):
-    """The canonical layout of a vLLM engine from its own config."""
+    """The canonical layout of a vLLM engine from its own config (FP8 block-quantised checkpoints included)."""
     model_config = vllm_config.model_config
     pc = vllm_config.parallel_config
     dtype = str(model_config.dtype).removeprefix("torch.")
-    tensors = canonical_tensors(model_config.hf_config.to_dict(), dtype=dtype)
     parallel = VllmParallel(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size,
                             dp=pc.data_parallel_size, ep=bool(getattr(pc, "enable_expert_parallel", False)))
-    return vllm_layout(tensors, parallel, instance=instance)
+    return vllm_engine_layout(model_config.hf_config.to_dict(), dtype, parallel, instance=instance)
 
 
 class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo]):

@@ -9,7 +9,7 @@ The planner CLI uses them for dry runs; the engine bindings in ``awex-engines`` 
 from awex.meta.layouts.hf import hf_layout
 from awex.meta.layouts.megatron import MegatronParallel, megatron_layout
 from awex.meta.layouts.spec import EngineSpec, layouts_for, parse_engine_spec
-from awex.meta.layouts.vllm import VllmParallel, vllm_layout
+from awex.meta.layouts.vllm import VllmParallel, vllm_engine_layout, vllm_layout
 
 __all__ = [
     "EngineSpec",
@@ -19,5 +19,6 @@ __all__ = [
     "layouts_for",
     "megatron_layout",
     "parse_engine_spec",
+    "vllm_engine_layout",
     "vllm_layout",
 ]

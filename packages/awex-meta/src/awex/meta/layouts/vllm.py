@@ -17,11 +17,12 @@ backends number them (``dp_rank * tp * pp + rank``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
 from awex.meta.layouts.common import check_divides, pad_to
-from awex.meta.models import CanonicalTensor
+from awex.meta.models import CanonicalTensor, canonical_tensors
+from awex.meta.quant import Fp8BlockQuant, quantize_layout
 from awex.meta.spec import Role
 
 VOCAB_PADDING = 64
@@ -124,3 +125,13 @@ def vllm_layout(tensors: Sequence[CanonicalTensor], parallel: VllmParallel, inst
         sharding = MeshSharding("dense", tuple(pl.items()))
         out.append(TensorLayout(t.spec, interned.setdefault(sharding, sharding)))
     return Layout(instance, Role.INFERENCE, p.world_size, (mesh,), tuple(out))
+
+
+def vllm_engine_layout(hf_config: Mapping[str, Any], dtype: str, parallel: VllmParallel,
+                       instance: str = "vllm") -> Layout:
+    """The layout of a vLLM engine from its HF config: canonical tensors in ``dtype`` placed by
+    :func:`vllm_layout`, in their FP8 form (weights + ``weight_scale_inv``) when the config declares FP8 block
+    quantisation. Other quantisation methods raise ``ValueError`` (Awex does not move them)."""
+    layout = vllm_layout(canonical_tensors(hf_config, dtype=dtype), parallel, instance=instance)
+    quant = Fp8BlockQuant.from_hf_config(hf_config)
+    return quantize_layout(layout, quant, sender=False) if quant else layout
