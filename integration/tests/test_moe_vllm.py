@@ -1,5 +1,6 @@
 """Qwen3-MoE into real vLLM (CPU): from an HF trainer (transformers 5 fused experts, canonical per-expert
-tensors), from Megatron-core with expert parallelism (EP=2 over data-parallel ranks) into vLLM TP=2, and from
+tensors), from Megatron-core with expert parallelism (EP=2 over data-parallel ranks into vLLM TP=2, EP=2 over TP ranks
+into vLLM TP=1), and from
 FSDP2 over two ranks (fused experts sharded along the experts).
 
 Every received tensor arrives bit for bit, and after each sync vLLM's greedy output equals HF's on the same
@@ -23,6 +24,8 @@ CASES = {
     "hf->vllm-tp1": ["--trainer", "hf", "--inference", "vllm", "--infer-tp", "1"],
     "megatron-dp2-ep2->vllm-tp2": ["--trainer", "megatron", "--train-dp", "2", "--train-ep", "2",
                                    "--inference", "vllm", "--infer-tp", "2"],
+    "megatron-tp2-ep2->vllm-tp1": ["--trainer", "megatron", "--train-tp", "2", "--train-ep", "2",
+                                   "--inference", "vllm", "--infer-tp", "1"],  # experts spread over TP ranks
     # FSDP2 shards the fused expert parameters along the experts: each expert comes from the rank that holds it
     "fsdp2-dp2->vllm-tp1": ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--infer-tp", "1"],
 }
