@@ -44,6 +44,8 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
                       expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.etp,
                       moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
                       moe_layer_freq=[1 if i in dims.sparse_layers else 0 for i in range(dims.layers)])
+        if dims.shared_expert_intermediate:  # Qwen2-MoE: a shared expert with a sigmoid gate
+            kwargs.update(moe_shared_expert_intermediate_size=dims.shared_expert_intermediate, moe_shared_expert_gate=True)
     if parallel.first or parallel.last:
         kwargs.update(num_layers_in_first_pipeline_stage=parallel.first or None,
                       num_layers_in_last_pipeline_stage=parallel.last or None)

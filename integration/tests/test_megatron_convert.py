@@ -22,8 +22,10 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     q3_untied = {**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32, "num_hidden_layers": 4}
     moe = load_json(MODELS / "qwen3-moe-tiny.json")
+    moe2 = load_json(MODELS / "qwen2-moe-tiny.json")
     return {
         "qwen3-moe": (make_tiny_model(root / "qwen3-moe", moe), moe),
+        "qwen2-moe": (make_tiny_model(root / "qwen2-moe", moe2), moe2),
         "qwen2": (make_tiny_model(root / "qwen2", base), base),
         "qwen3": (make_tiny_model(root / "qwen3-untied", q3_untied), q3_untied),
         "qwen3-tied": (make_tiny_model(root / "qwen3", q3 := {**base, "architectures": ["Qwen3ForCausalLM"],
@@ -42,8 +44,10 @@ def models(tmp_path_factory):
     # MoE (SequentialMLP experts): expert parallel over data-parallel ranks, and over tensor-parallel ones
     ("qwen3-moe", MegatronParallel(dp=2, ep=2, vocab_pad=128)),
     ("qwen3-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
+    # Qwen2-MoE: a TP-split shared expert with its sigmoid gate next to the routed experts
+    ("qwen2-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
 ], ids=["qwen2-tp1", "qwen2-tp2", "qwen2-tp2-pp2", "qwen3-tied-tp2", "qwen3-pp2-vpp2", "qwen3-moe-dp2-ep2",
-        "qwen3-moe-tp2-ep2"])
+        "qwen3-moe-tp2-ep2", "qwen2-moe-tp2-ep2"])
 def test_megatron_views_round_trip(models, model, parallel):
     model_dir, config = models[model]
     world = parallel.world_size

@@ -1,6 +1,6 @@
 """Qwen3-MoE into real vLLM (CPU): from an HF trainer (transformers 5 fused experts, canonical per-expert
 tensors), from Megatron-core with expert parallelism (EP=2 over data-parallel ranks into vLLM TP=2, EP=2 over TP ranks
-into vLLM TP=1), and from
+into vLLM TP=1; Qwen2-MoE with its gated shared expert), and from
 FSDP2 over two ranks (fused experts sharded along the experts).
 
 Every received tensor arrives bit for bit, and after each sync vLLM's greedy output equals HF's on the same
@@ -26,6 +26,10 @@ CASES = {
                                    "--inference", "vllm", "--infer-tp", "2"],
     "megatron-tp2-ep2->vllm-tp1": ["--trainer", "megatron", "--train-tp", "2", "--train-ep", "2",
                                    "--inference", "vllm", "--infer-tp", "1"],  # experts spread over TP ranks
+    # Qwen2-MoE: routed experts plus a gated shared expert (TP-split on both sides)
+    "qwen2-moe-shared:megatron-tp2-ep2->vllm-tp2": ["--trainer", "megatron", "--train-tp", "2", "--train-ep", "2",
+                                                    "--inference", "vllm", "--infer-tp", "2",
+                                                    "--model-config", str(MODELS / "qwen2-moe-tiny.json")],
     # FSDP2 shards the fused expert parameters along the experts: each expert comes from the rank that holds it
     "fsdp2-dp2->vllm-tp1": ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--infer-tp", "1"],
 }
@@ -34,7 +38,10 @@ CASES = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def moe_result(request):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed in this environment")
-    return run_scenario([*CASES[request.param], "--model-config", str(MODELS / "qwen3-moe-tiny.json")])
+    args = CASES[request.param]
+    if "--model-config" not in args:
+        args = [*args, "--model-config", str(MODELS / "qwen3-moe-tiny.json")]
+    return run_scenario(args)
 
 
 def test_moe_experts_arrive_bit_exact(moe_result):

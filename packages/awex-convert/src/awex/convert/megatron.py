@@ -134,6 +134,14 @@ def megatron_views(
             return fc1[:half] if rest.startswith("mlp.gate") else fc1[half:]
         if rest == "mlp.down_proj.weight":
             return find(chunk, pre + "mlp.linear_fc2.weight")
+        if rest in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
+            fc1 = find(chunk, pre + "mlp.shared_experts.linear_fc1.weight")
+            half = fc1.shape[0] // 2
+            return fc1[:half] if rest.startswith("mlp.shared_expert.gate") else fc1[half:]
+        if rest == "mlp.shared_expert.down_proj.weight":
+            return find(chunk, pre + "mlp.shared_experts.linear_fc2.weight")
+        if rest == "mlp.shared_expert_gate.weight":  # the shared expert's sigmoid gate, replicated
+            return find(chunk, pre + "mlp.shared_experts.gate_weight")
         if rest == "mlp.gate.weight":  # the MoE router, replicated
             return find(chunk, pre + "mlp.router.weight")
         e = _EXPERT.match(rest)
@@ -151,7 +159,7 @@ def megatron_views(
             return find(chunk, pre + "input_layernorm.weight", pre + "self_attention.linear_qkv.layer_norm_weight")
         if rest == "post_attention_layernorm.weight":
             return find(chunk, pre + "pre_mlp_layernorm.weight", pre + "mlp.linear_fc1.layer_norm_weight")
-        raise KeyError(f"{name}: no Megatron mapping (shared experts are not mapped yet)")
+        raise KeyError(f"{name}: no Megatron mapping")
 
     return view_of
 
@@ -190,6 +198,11 @@ def megatron_param_shapes(dims: ModelDims, where: MegatronNames) -> list[dict[st
                 for e in range(dims.num_experts // p.ep):
                     shapes[pre + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * inter, dims.hidden)
                     shapes[pre + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (dims.hidden, inter)
+                if dims.shared_expert_intermediate:
+                    shared = dims.shared_expert_intermediate // tp
+                    shapes[pre + "mlp.shared_experts.linear_fc1.weight"] = (2 * shared, dims.hidden)
+                    shapes[pre + "mlp.shared_experts.linear_fc2.weight"] = (dims.hidden, shared)
+                    shapes[pre + "mlp.shared_experts.gate_weight"] = (1, dims.hidden)
             else:
                 shapes[pre + "mlp.linear_fc1.weight"] = (2 * dims.intermediate // tp, dims.hidden)
                 shapes[pre + "mlp.linear_fc2.weight"] = (dims.hidden, dims.intermediate // tp)
