@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -116,9 +117,12 @@ class NamedParams:
         return iter(self._params.items())
 
 
-def native_params(engine: Engine, local_rank: int, dims, device, quant=None):
+def native_params(engine: Engine, local_rank: int, dims, device, quant=None, flat: bool = False):
     """An engine rank's parameters: trainers in bf16 (they quantise on the fly for FP8 receivers), receivers in
-    vLLM's layout, with FP8 weights and their scales when ``quant`` is given."""
+    vLLM's layout, with FP8 weights and their scales when ``quant`` is given.
+
+    ``flat``: the trainer's parameters are views of one contiguous buffer, as Megatron-core's DDP keeps them
+    (its param-and-grad buffers); otherwise each parameter is its own allocation (as under FSDP2)."""
     import torch
 
     from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_shapes, vllm_views
@@ -127,7 +131,15 @@ def native_params(engine: Engine, local_rank: int, dims, device, quant=None):
     if engine.kind == "megatron":
         where = MegatronNames(local_rank, 0, MegatronParallel(tp=engine.tp))
         shapes = megatron_param_shapes(dims, where)[0]
-        params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
+        if flat:
+            sizes = {n: -(-math.prod(s) // 64) * 64 for n, s in shapes.items()}  # starts 128-byte aligned
+            buffer = torch.zeros(sum(sizes.values()), dtype=torch.bfloat16, device=device)
+            params, at = {}, 0
+            for n, s in shapes.items():
+                params[n] = buffer[at:at + math.prod(s)].view(s)
+                at += sizes[n]
+        else:
+            params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
         return params, megatron_views(NamedParams(params), dims, where)
     parallel = VllmParallel(tp=engine.tp)
     shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
@@ -229,6 +241,7 @@ class WorkerArgs:
     baseline_iters: int
     wave_mb: float
     fp8: bool = False
+    trainer_buffer: str = "per-param"
     extra: dict = field(default_factory=dict)
 
 
@@ -275,7 +288,8 @@ def worker(a: WorkerArgs) -> dict:
         torch.cuda.synchronize()
         return span(t0, time.perf_counter())
 
-    params, view_of = native_params(engine, a.local_rank, dims, device, None if trainer else quant)
+    params, view_of = native_params(engine, a.local_rank, dims, device, None if trainer else quant,
+                                    flat=a.trainer_buffer == "flat")
     base_layout = next(lay for lay in base_layouts if lay.instance == a.instance)
     quantize = None
     if trainer:
@@ -609,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles + scales); trainers "
                          "quantise their bf16 weights in every sync (timed as part of it)")
+    ap.add_argument("--trainer-buffer", choices=("per-param", "flat"), default="per-param",
+                    help="trainer parameters each in their own allocation (as under FSDP2; default) or views of "
+                         "one contiguous buffer (as Megatron-core's DDP keeps them)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per scenario")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
@@ -673,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = []
         for r in ranks:
             wa = WorkerArgs(sc.name, args.model, args.layers, r.rank, len(ranks), r.instance, r.local_rank,
-                            gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb, args.fp8)
+                            gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb, args.fp8,
+                            args.trainer_buffer)
             argv.append(["--worker", json.dumps(wa.__dict__)])
         started = time.monotonic()
         outs = _launch(argv, args.timeout, env)
@@ -694,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": device,
             "date": date,
             "model": model_label,
+            "trainer_buffer": args.trainer_buffer,
             "model_bytes": model_bytes,
             "wire_bytes": direct.stats.total_bytes,
             "quantize_seconds": max((p.get("quantize_seconds", 0.0) for p in per_rank), default=0.0) or None,

@@ -16,14 +16,18 @@ an exported block alive while a receiver holds it.
 from __future__ import annotations
 
 import base64
+import bisect
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from awex.meta import Box, Plan
 from awex.transport.copies import merge_copies
+from awex.transport.deadline import wait_event
+from awex.transport.peer_dma import enable_peer_access, pull, pull_bytes
 from awex.transport.p2p import TransferStats, TransferTimeout
 from awex.transport.shards import LocalShards, torch_dtype
 
@@ -107,26 +111,50 @@ def export_shards(shards: LocalShards) -> IpcExport:
     return IpcExport(handles, pointers, tuple(views))
 
 
-def open_export(export: IpcExport) -> LocalShards:
+class MappedShards(LocalShards):
+    """A source rank's views opened over CUDA IPC, with the address ranges mapped in this process.
+
+    Each IPC handle maps a whole allocation (one segment of the trainer's caching allocator, usually holding
+    many parameters); ``regions`` are those ranges ``(start, end)``, so a receiver may read across several
+    parameters of one segment with one DMA.
+    """
+
+    def __init__(self, shards, regions: Sequence[tuple[int, int]]):
+        super().__init__(shards)
+        self.regions = tuple(sorted(regions))
+        self._starts = [lo for lo, _ in self.regions]
+
+    def region_of(self, pointer: int) -> tuple[int, int] | None:
+        i = bisect.bisect_right(self._starts, pointer) - 1
+        if i >= 0 and pointer < self.regions[i][1]:
+            return self.regions[i]
+        return None
+
+
+def open_export(export: IpcExport) -> MappedShards:
     """The trainer rank's views, rebuilt over its memory in this process (opens each handle once).
 
-    Views of memory on another GPU stay on that GPU: copies from them are PyTorch peer copies. (Aliasing them
-    onto this process's GPU, so that the copies would run in this process's own context, was tried: the
-    receiving process failed on 4x H200; not pursued further yet.)
+    Views of memory on another GPU stay on that GPU; the IPC executor reads them with DMAs issued on this
+    GPU (:mod:`awex.transport.peer_dma`).
     """
     torch.cuda._lazy_init()
     storages = []
+    mapped: dict[bytes, tuple[int, int]] = {}  # handle -> (allocation start, end of what is known to be mapped)
     for fields in export.storages:
         home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
-        storages.append(torch.UntypedStorage._new_shared_cuda(
-            home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync))
+        st = torch.UntypedStorage._new_shared_cuda(
+            home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync)
+        storages.append(st)
+        base = st.data_ptr() - offset
+        lo, hi = mapped.get(handle, (base, base))
+        mapped[handle] = (lo, max(hi, base + offset + size))
     shards: dict[str, list[tuple[Box, torch.Tensor]]] = {}
     for v in export.views:
         st = storages[v.storage]
         t = torch.empty(0, dtype=torch_dtype(v.dtype), device=st.device)
         t.set_(st, v.offset, v.box.sizes, v.strides)
         shards.setdefault(v.name, []).append((v.box, t))
-    return LocalShards(shards)
+    return MappedShards(shards, list(mapped.values()))
 
 
 def _overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
@@ -143,11 +171,43 @@ def _shift(s: tuple[slice, ...], by: tuple[slice, ...]) -> tuple[slice, ...]:
     return tuple(slice(x.start - b.start, x.stop - b.start) for x, b in zip(s, by))
 
 
+@dataclass
+class _Span:
+    """One peer DMA of a contiguous address range of a source GPU into a bounce buffer, then local placements."""
+
+    source: int  # device address of the range (mapped in this process)
+    nbytes: int
+    buffer: int  # which bounce buffer it lands in
+    placed: list[tuple[torch.Tensor, torch.Tensor]]  # (destination piece, its source inside the bounce buffer)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The address range ``t``'s elements span (first byte, one past the last)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
 class IpcExecutor:
-    """A receiver's copies for one plan, straight from its sources' memory (built once, run every sync)."""
+    """A receiver's copies for one plan, straight from its sources' memory (built once, run every sync).
+
+    Copies within this GPU run from CUDA graphs. Copies from another GPU's memory are DMAs issued on this GPU
+    (copy engines pulling over NVLink, :mod:`awex.transport.peer_dma`). Many small DMAs cost more than a few
+    large ones, and only contiguous memory can be DMA'd, so the pieces read from one mapped allocation are
+    fetched as contiguous spans of up to ``bounce_bytes`` (gaps of unneeded bytes up to ``max_gap_bytes``
+    included) into a bounce buffer and placed from there by local copies. Spans alternate between
+    ``bounce_buffers`` buffers and ``dma_streams`` streams, so the next DMAs overlap the last placements; a
+    piece alone in its span goes as its own DMA straight into place. (Measured on 2x H200: sending every
+    contiguous piece of 8 MiB or more straight into place, skipping the bounce, was slower: more, smaller
+    DMAs.) Staging is at most ``bounce_buffers * bounce_bytes``, sized to the largest span actually needed.
+    With ``pace_local`` the same-GPU copies run in slices between placements rather than all at once.
+    """
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, sources: dict[int, LocalShards],
-                 cuda_graph: bool = True, bounce_bytes: int = 256 << 20):
+                 cuda_graph: bool = True, bounce_bytes: int = 128 << 20, bounce_buffers: int = 4,
+                 max_gap_bytes: int = 1 << 20, dma_streams: int = 2, local_branches: int = 4,
+                 pace_local: bool = True):
+        if min(bounce_buffers, dma_streams, local_branches) < 1:
+            raise ValueError("bounce_buffers, dma_streams and local_branches must be at least 1")
         self.plan = plan
         self.cuda_graph = cuda_graph
         self.rank = rank
@@ -179,102 +239,188 @@ class IpcExecutor:
         self.copies = merge_copies(self.copies)
         self._remote = [(d, s) for d, s in self.copies if s.device != d.device]  # PyTorch peer copies
         self._local = [(d, s) for d, s in self.copies if s.device == d.device]
-        self._graph: torch.cuda.CUDAGraph | None = None
-        # A peer copy is a DMA (copy engines) only when both sides are contiguous; otherwise PyTorch runs a copy
-        # kernel on the source GPU, inside this process's context there, which time-slices with the engine that
-        # owns that GPU. And many small DMAs cost more than one large one. So the pieces read from one source
-        # storage are fetched as one contiguous span (one DMA, up to `bounce_bytes`) into a buffer on this GPU
-        # and placed from there by local copies.
-        self._plan_remote(bounce_bytes)
+        if self._remote and self.device.type != "cuda":
+            raise ValueError(f"rank {rank}: copies between devices need CUDA, this rank is on {self.device}")
+        for peer in {s.device for _, s in self._remote}:
+            enable_peer_access(self.device, peer)
+        self._plan_remote(sources, bounce_bytes, bounce_buffers, max_gap_bytes)
         self.buckets = len(plan.schedule(rank))
+        if self.device.type == "cuda":
+            self._streams = {k: torch.cuda.Stream(self.device) for k in ("direct", "place", "local")}
+            self._dma_streams = [torch.cuda.Stream(self.device) for _ in range(dma_streams)]
+            self._branches = [torch.cuda.Stream(self.device) for _ in range(min(local_branches, len(self._local)))]
+            # With peer DMAs running, the same-GPU copies go in slices between span placements: run all at once
+            # they saturate this GPU's memory for a few ms and the DMAs into it stall meanwhile.
+            self.pace_local = pace_local and bool(self._spans)
+            chunks = min(8, len(self._spans)) if self.pace_local else 1
+            self._local_chunks = [_balance(c, len(self._branches)) for c in _balance(self._local, chunks)]
+            self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
 
     def run(self, timeout: float = 300.0) -> TransferStats:
         """Copy everything; returns when it is done (or raises after ``timeout``).
 
-        Copies from another GPU's memory (peer copies, fetched per source storage as one contiguous span where
-        possible) and copies within this GPU (one CUDA graph replay after the first sync) go on separate
-        streams so that they overlap.
+        Streams overlap: single-piece peer DMAs, span DMAs into the bounce buffers, placements out of them, and
+        the same-GPU copies (one CUDA graph replay after the first sync).
         """
         started = time.monotonic()
         compute = torch.cuda.current_stream(self.device)
-        streams = []
-        if self._direct or self._spans:
-            stream = torch.cuda.Stream(self.device)
+        used = []
+        if self._direct:
+            stream = self._streams["direct"]
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
                 for d, s in self._direct:
-                    d.copy_(s, non_blocking=True)
-                for span, n, placed in self._spans:
-                    self._bounce.view(span.dtype)[:n].copy_(span, non_blocking=True)  # one peer DMA
-                    for d, s in placed:
-                        d.copy_(s, non_blocking=True)  # local copies from the bounce buffer
-            streams.append(stream)
-        if self._local:
-            stream = torch.cuda.Stream(self.device)
+                    self._peer_copy(d, s, stream)
+            used.append(stream)
+        if self._spans:
+            used += self._copy_spans(compute)
+        if self._local and not self.pace_local:
+            stream = self._streams["local"]
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
-                self._copy_local(stream)
-            streams.append(stream)
-        events = []
-        for stream in streams:
+                for chunk in range(len(self._local_chunks)):
+                    self._copy_local(chunk, stream)
+            used.append(stream)
+        deadline = started + timeout
+        for stream in used:
             done = torch.cuda.Event()
             done.record(stream)
-            events.append(done)
-        for done in events:
-            while not done.query():
-                if time.monotonic() - started > timeout:
-                    raise TransferTimeout(f"rank {self.rank}: CUDA IPC copies not done within {timeout:g} s")
-                time.sleep(20e-6)
-        for stream in streams:
+            wait_event(done, deadline, lambda: TransferTimeout(
+                f"rank {self.rank}: CUDA IPC copies not done within {timeout:g} s"))
+        for stream in used:
             compute.wait_stream(stream)
         return TransferStats(bytes_received=self.bytes_received, buckets=self.buckets, waves=1,
                              seconds=time.monotonic() - started)
 
-    def _plan_remote(self, bounce_bytes: int) -> None:
-        self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._spans: list[tuple[torch.Tensor, int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        by_storage: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for d, s in self._remote:
-            by_storage.setdefault((s.untyped_storage().data_ptr(), s.dtype), []).append((d, s))
-        largest = 0
-        spans = []
-        for (_, dtype), items in by_storage.items():
-            if len(items) == 1 and items[0][0].is_contiguous() and items[0][1].is_contiguous():
-                self._direct.extend(items)  # already one DMA
-                continue
-            lo = min(s.storage_offset() for _, s in items)
-            hi = max(s.storage_offset() + sum((n - 1) * st for n, st in zip(s.shape, s.stride())) + 1
-                     for _, s in items)
-            size = (hi - lo) * items[0][1].element_size()
-            if size > bounce_bytes or items[0][0].dtype != dtype:
-                self._direct.extend(items)
-                continue
-            spans.append((lo, hi, dtype, items))
-            largest = max(largest, size)
-        largest = -(-largest // 16) * 16
-        self._bounce = torch.empty(largest, dtype=torch.uint8, device=self.device) if spans else None
-        self.staging_bytes = largest
-        for lo, hi, dtype, items in spans:
-            src = items[0][1]
-            span = torch.empty(0, dtype=dtype, device=src.device).set_(src.untyped_storage(), lo, (hi - lo,), (1,))
-            flat = self._bounce.view(dtype)
-            placed = [(d, flat.as_strided(s.shape, s.stride(), s.storage_offset() - lo)) for d, s in items]
-            self._spans.append((span, hi - lo, merge_copies(placed)))
+    def _copy_spans(self, compute: torch.cuda.Stream) -> list[torch.cuda.Stream]:
+        """Span DMAs round-robin on the DMA streams (several in flight hide each DMA's start-up), placements on
+        one stream; a bounce buffer is refilled only once what it held has been placed."""
+        place = self._streams["place"]
+        used = [*self._dma_streams[:len(self._spans)], place]
+        for stream in used:
+            stream.wait_stream(compute)
+        placed: list[torch.cuda.Event | None] = [None] * len(self._bounces)
+        local_at = {} if not self.pace_local else {
+            j * len(self._spans) // len(self._local_chunks): j for j in range(len(self._local_chunks))}
+        for i, span in enumerate(self._spans):
+            dma = self._dma_streams[i % len(self._dma_streams)]
+            landed = torch.cuda.Event()
+            with torch.cuda.stream(dma):
+                if placed[span.buffer] is not None:
+                    dma.wait_event(placed[span.buffer])
+                pull_bytes(self._bounces[span.buffer].data_ptr(), span.source, span.nbytes, dma)
+                landed.record(dma)
+            with torch.cuda.stream(place):
+                place.wait_event(landed)
+                for d, s in span.placed:
+                    d.copy_(s, non_blocking=True)
+                free = torch.cuda.Event()
+                free.record(place)
+                placed[span.buffer] = free
+                if i in local_at:
+                    self._copy_local(local_at[i], place)
+        return used
 
-    def _copy_local(self, stream: torch.cuda.Stream) -> None:
-        """The same-GPU copies, replayed from a CUDA graph captured on first use (one launch per sync)."""
-        if self._graph is None and self.cuda_graph:
+    def _peer_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        if dst.is_contiguous() and src.is_contiguous():
+            pull(dst, src, stream)  # issued in this GPU's context (see awex.transport.peer_dma)
+        else:  # only pieces too large for a bounce buffer and not contiguous (PyTorch's copy kernel)
+            dst.copy_(src, non_blocking=True)
+
+    def _plan_remote(self, sources: dict[int, LocalShards], bounce_bytes: int, bounce_buffers: int,
+                     max_gap_bytes: int) -> None:
+        """Cut the copies from other GPUs into direct DMAs and bounce-buffer spans (see the class docstring)."""
+        regions = [x for x in sources.values() if isinstance(x, MappedShards)]
+
+        def region_of(s: torch.Tensor) -> tuple[int, int]:
+            for src in regions:
+                found = src.region_of(s.data_ptr())
+                if found is not None:
+                    return found
+            st = s.untyped_storage()  # not opened over IPC: its own storage is what is known to be mapped
+            return st.data_ptr(), st.data_ptr() + st.nbytes()
+
+        self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
+        by_region: dict[tuple[int, int], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+        for d, s in self._remote:
+            start, end = _extent(s)
+            if end - start > bounce_bytes:
+                self._direct.append((d, s))
+            else:
+                by_region.setdefault(region_of(s), []).append((start, end, d, s))
+        spans: list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        for (region_lo, _), items in sorted(by_region.items()):
+            items.sort(key=lambda x: x[0])
+            lo = hi = -1
+            cur: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for start, end, d, s in items:
+                if cur and (start - hi > max_gap_bytes or max(hi, end) - lo > bounce_bytes):
+                    spans.append((lo, hi, cur))
+                    cur = []
+                if not cur:
+                    lo = max(start & ~15, region_lo)  # 16-byte aligned, so every dtype lands aligned
+                    hi = end
+                cur.append((d, s))
+                hi = max(hi, end)
+            if cur:
+                spans.append((lo, hi, cur))
+        kept = []
+        for lo, hi, items in spans:
+            if len(items) == 1 and items[0][0].is_contiguous() and items[0][1].is_contiguous():
+                self._direct.extend(items)  # already one DMA, no bounce needed
+            elif any((s.data_ptr() - lo) % s.element_size() for _, s in items):
+                self._direct.extend(items)  # cannot be placed from an aligned buffer (not seen in practice)
+            else:
+                kept.append((lo, hi, items))
+        largest = -(-max((hi - lo for lo, hi, _ in kept), default=0) // 16) * 16
+        count = min(bounce_buffers, len(kept))
+        self._bounces = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        self.staging_bytes = largest * count
+        self._spans: list[_Span] = []
+        for i, (lo, hi, items) in enumerate(kept):
+            buf = self._bounces[i % count]
+            placed = [(d, buf.view(s.dtype).as_strided(s.shape, s.stride(), (s.data_ptr() - lo) // s.element_size()))
+                      for d, s in items]
+            self._spans.append(_Span(lo, hi - lo, i % count, merge_copies(placed)))
+
+    def _copy_local(self, chunk: int, stream: torch.cuda.Stream) -> None:
+        """One slice of the same-GPU copies, replayed from a CUDA graph captured on first use.
+
+        The slice's copies are dealt to a few branches (streams forked from ``stream``, balanced by bytes), so
+        one copy's tail and the gaps between kernels overlap the next copies instead of adding up.
+        """
+        if self._graphs[chunk] is None and self.cuda_graph:
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=stream):
-                    for d, s in self._local:
-                        d.copy_(s, non_blocking=True)
-                self._graph = graph
+                    self._issue_local(chunk, stream)
+                self._graphs[chunk] = graph
             except RuntimeError as e:  # capture is an optimisation: fall back to plain copies
                 log.warning("rank %d: CUDA graph capture of IPC copies failed (%s); copying eagerly", self.rank, e)
                 self.cuda_graph = False
-        if self._graph is not None:
-            self._graph.replay()
+        if self._graphs[chunk] is not None:
+            self._graphs[chunk].replay()
         else:
-            for d, s in self._local:
-                d.copy_(s, non_blocking=True)
+            self._issue_local(chunk, stream)
+
+    def _issue_local(self, chunk: int, stream: torch.cuda.Stream) -> None:
+        for branch, copies in zip(self._branches, self._local_chunks[chunk]):
+            branch.wait_stream(stream)
+            with torch.cuda.stream(branch):
+                for d, s in copies:
+                    d.copy_(s, non_blocking=True)
+        for branch in self._branches:
+            stream.wait_stream(branch)
+
+
+def _balance(copies: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Deal copies to ``n`` branches, largest first to the least loaded (by bytes); each keeps plan order."""
+    if n <= 1:
+        return [list(copies)] if n == 1 else []
+    load = [0] * n
+    chosen: dict[int, int] = {}
+    for i in sorted(range(len(copies)), key=lambda i: -copies[i][0].numel() * copies[i][0].element_size()):
+        b = min(range(n), key=load.__getitem__)
+        chosen[i] = b
+        load[b] += copies[i][0].numel() * copies[i][0].element_size()
+    return [[c for i, c in enumerate(copies) if chosen[i] == b] for b in range(n)]

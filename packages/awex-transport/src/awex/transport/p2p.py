@@ -25,6 +25,7 @@ import torch
 from awex.meta import Bucket, Plan
 from awex.meta.plan import RELAY_LAG
 from awex.transport.copies import merge_copies
+from awex.transport.deadline import wait_event
 from awex.transport.group import SyncGroup
 from awex.transport.shards import LocalShards, torch_dtype
 
@@ -205,12 +206,12 @@ class WaveExecutor:
         compute.wait_stream(unpack_stream)
 
     def _wait(self, event: torch.cuda.Event, wave: _Wave, deadline: float, timeout: float) -> None:
-        while not event.query():
-            if time.monotonic() >= deadline:
-                self.group.abort()
-                raise TransferTimeout(f"{self._what(wave)}: not done within the sync's {timeout:g} s deadline; "
-                                      "the sync group was aborted")
-            time.sleep(20e-6)
+        def timed_out() -> TransferTimeout:
+            self.group.abort()
+            return TransferTimeout(f"{self._what(wave)}: not done within the sync's {timeout:g} s deadline; "
+                                   "the sync group was aborted")
+
+        wait_event(event, deadline, timed_out)
 
 
 def run_p2p(plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, timeout: float = 300.0) -> TransferStats:

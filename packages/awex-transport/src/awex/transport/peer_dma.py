@@ -1,0 +1,77 @@
+"""Peer DMAs issued from the receiving GPU's own context (``cuMemcpyAsync`` on a stream of this GPU).
+
+PyTorch runs a copy between two GPUs on the *source* GPU's current stream. In colocated mode the source GPU
+belongs to another engine's process, and every process that issues work on a GPU has its own context there;
+contexts on one GPU time-slice. So a receiver pulling from its neighbour GPU through ``Tensor.copy_`` takes
+turns with the neighbour's own receiver (measured on 2x H200: the peer DMAs and the neighbour's local copies
+added up instead of overlapping, 34.7 ms against 27.0 + 7.7 ms). Issuing the DMA on a stream of the receiving
+GPU keeps each process on its own GPU: the copy engines pull over NVLink while the neighbour's kernels run.
+
+Only the CUDA driver API is used (``libcuda``, present wherever CUDA runs), through ``ctypes``; both sides must
+be contiguous, which is why the IPC executor fetches spans into a bounce buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+class PeerDmaError(RuntimeError):
+    """The CUDA driver refused a peer DMA or peer access."""
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    lib.cuCtxEnablePeerAccess.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise PeerDmaError(f"{what} failed with CUDA driver error {rc}")
+
+
+def enable_peer_access(device: torch.device, peer: torch.device) -> None:
+    """Peer access between the two GPUs' contexts in this process, both ways (idempotent).
+
+    Both directions are needed for full speed: with only ``device -> peer`` enabled, a DMA issued on
+    ``device`` from memory of ``peer`` ran at about 31 GB/s on 2x H200 (staged), with both at link speed.
+    """
+    if device == peer:
+        return
+    if not torch.cuda.can_device_access_peer(device, peer):
+        raise PeerDmaError(f"{device} cannot access {peer} directly (no P2P path between them): colocated "
+                           "copies across these GPUs are not possible")
+    lib = _libcuda()
+    for here, there in ((peer, device), (device, peer)):  # ends with `device` current
+        with torch.cuda.device(here):
+            torch.cuda.current_stream(here)  # makes the primary context of `here` current on this thread
+            handle = ctypes.c_int()
+            _check(lib.cuDeviceGet(ctypes.byref(handle), there.index), "cuDeviceGet")
+            ctx = ctypes.c_void_p()
+            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle), "cuDevicePrimaryCtxRetain")
+            rc = lib.cuCtxEnablePeerAccess(ctx, 0)
+            if rc not in (0, _PEER_ACCESS_ALREADY_ENABLED):
+                _check(rc, f"cuCtxEnablePeerAccess({here} -> {there})")
+
+
+def pull(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Copy contiguous ``src`` (any GPU) into contiguous ``dst`` on ``stream`` (a stream of ``dst``'s GPU)."""
+    nbytes = dst.numel() * dst.element_size()
+    if not (dst.is_contiguous() and src.is_contiguous()) or src.numel() * src.element_size() != nbytes:
+        raise ValueError("peer DMA needs two contiguous tensors of equal byte size")
+    pull_bytes(dst.data_ptr(), src.data_ptr(), nbytes, stream)
+
+
+def pull_bytes(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
+    """Copy ``nbytes`` from device address ``src`` to ``dst`` on ``stream`` (addresses mapped in this process)."""
+    _check(_libcuda().cuMemcpyAsync(dst, src, nbytes, stream.cuda_stream), "cuMemcpyAsync")
