@@ -5,10 +5,10 @@ model in Megatron-core's exact parameter layout (fused QKV by query group, fused
 receivers in vLLM's exact layout (fused qkv_proj / gate_up_proj), both built by ``awex.convert`` (whose layouts
 the CPU tests check against the real engines). Per scenario:
 
-- the limits measured in the same run: NCCL bandwidth between two GPUs (and into one GPU from two), and the
-  device-to-device copy bandwidth; the lower bound is, over GPUs, the largest of (bytes it must receive from
-  other GPUs, bytes only it holds that other GPUs need) / link bandwidth and (bytes copied on the GPU) / copy
-  bandwidth;
+- the limits measured in the same run: the bandwidth between two GPUs (the fastest of an NCCL send, two NCCL
+  senders into one GPU, and one copy-engine peer copy) and the device-to-device copy bandwidth; the lower
+  bound is, over GPUs, the largest of (bytes it must receive from other GPUs, bytes only it holds that other
+  GPUs need) / link bandwidth and (bytes copied on the GPU) / copy bandwidth;
 - Awex: the first sync (plan, groups, buffers, IPC handles, first transfer) and the steady-state sync (median);
 - baselines, same data and layouts: gather to trainer rank 0 then per-tensor NCCL broadcast (the common RL
   stack approach); the same with vLLM-style packed 1 GiB buckets; for colocated scenarios, CUDA IPC handles
@@ -73,6 +73,14 @@ SCENARIOS = [
     Scenario("1gpu_to_3_instances", "1 trainer GPU -> 3 vLLM TP=1 instances (fan-out)",
              (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,)),
               Engine("vllm-1", "vllm", 1, (2,)), Engine("vllm-2", "vllm", 1, (3,))), "nccl", 4),
+    # the same host, separate GPUs, through CUDA IPC: receivers pull with their copy engines over NVLink
+    Scenario("1gpu_to_1gpu_ipc", "1 trainer GPU -> 1 inference GPU, separate processes, CUDA IPC pull",
+             (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,))), "ipc", 2),
+    Scenario("mcore_tp2_to_vllm_tp2_ipc", "Megatron TP=2 -> vLLM TP=2 on other GPUs of the host, CUDA IPC pull",
+             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 2, (2, 3))), "ipc", 4),
+    Scenario("mcore_tp2_to_2x_vllm_tp1_ipc", "Megatron TP=2 -> two vLLM TP=1 instances on other GPUs, CUDA IPC pull",
+             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 1, (2,)),
+              Engine("vllm-1", "vllm", 1, (3,))), "ipc", 4),
     Scenario("colocated_1gpu_ipc", "colocated on one GPU, CUDA IPC, in place",
              (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (0,))), "ipc", 1),
     Scenario("colocated_tp2_to_tp1_per_gpu", "colocated Megatron TP=2 with a vLLM TP=1 engine on each of the two GPUs",
@@ -418,7 +426,9 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
                 IpcExecutor(plan, a.rank, shards, opened).run()
 
         out["ipc_handles_per_update"] = [timed(lambda i=i: per_update(i)) for i in range(a.baseline_iters)]
-        return out
+        trainer_gpus = {g for e in scenario.engines if e.kind == "megatron" for g in e.gpus}
+        if any(g in trainer_gpus for e in scenario.engines if e.kind == "vllm" for g in e.gpus):
+            return out  # colocated: the NCCL baselines below need GPUs of their own
 
     tgroup = dist.new_group(trainer_ranks, backend="nccl") if len(trainer_ranks) > 1 else None
     root = trainer_ranks[0]
@@ -534,6 +544,17 @@ def calibrate_worker(rank: int, world: int, port: int, nbytes: int, out_file: st
 
     res["pair_seconds"] = timed(pair)
     res["pair_bps"] = nbytes / res["pair_seconds"] if world >= 2 else 0.0
+    if world >= 2:  # the same link driven by the copy engines (what colocated CUDA IPC syncs use)
+        peer = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", 1)) if rank == 0 else None
+
+        def dma():
+            if peer is not None:
+                peer.copy_(buf, non_blocking=True)
+                torch.cuda.synchronize(peer.device)
+
+        res["dma_seconds"] = timed(dma)
+        res["dma_bps"] = nbytes / res["dma_seconds"]
+        del peer
     if world >= 3:
         half = buf[: nbytes // 2]
         other = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
@@ -623,9 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles + scales); trainers "
                          "quantise their bf16 weights in every sync (timed as part of it)")
-    ap.add_argument("--trainer-buffer", choices=("per-param", "flat"), default="per-param",
-                    help="trainer parameters each in their own allocation (as under FSDP2; default) or views of "
-                         "one contiguous buffer (as Megatron-core's DDP keeps them)")
+    ap.add_argument("--trainer-buffer", default="per-param",
+                    help="per-param: trainer parameters each in their own allocation (as under FSDP2; default); "
+                         "flat: views of one contiguous buffer (as Megatron-core's DDP keeps them); "
+                         "'per-param,flat' runs every scenario both ways")
     ap.add_argument("--timeout", type=float, default=300.0, help="per scenario")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
@@ -662,18 +684,22 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(o for _, o in outs))
         return 1
     cal = json.loads(Path(cal_file).read_text())
-    link_bps = max(cal["pair_bps"], cal.get("two_into_one_bps", 0.0))
+    link_bps = max(cal["pair_bps"], cal.get("two_into_one_bps", 0.0), cal.get("dma_bps", 0.0))
     copy_bps = cal["copy_bps"]
     print(f"limits: NCCL one pair {cal['pair_bps'] / 1e9:.0f} GB/s, two into one "
-          f"{cal.get('two_into_one_bps', 0) / 1e9:.0f} GB/s, device copy {copy_bps / 1e9:.0f} GB/s "
-          f"(bytes copied per second)", flush=True)
+          f"{cal.get('two_into_one_bps', 0) / 1e9:.0f} GB/s, copy-engine peer copy {cal.get('dma_bps', 0) / 1e9:.0f} "
+          f"GB/s, device copy {copy_bps / 1e9:.0f} GB/s (bytes copied per second); link = the fastest of the "
+          f"first three", flush=True)
 
     wanted = [s for s in SCENARIOS if (args.scenarios == "all" or s.name in args.scenarios.split(","))]
     results = []
     dims, tensors = model_tensors(args.model, args.layers)
     quant = Fp8BlockQuant() if args.fp8 else None
     model_bytes = sum(t.spec.nbytes for t in tensors)
-    for sc in wanted:
+    buffers = args.trainer_buffer.split(",")
+    if not set(buffers) <= {"per-param", "flat"}:
+        ap.error(f"--trainer-buffer: per-param and/or flat, got {args.trainer_buffer!r}")
+    for buffer, sc in ((b, sc) for b in buffers for sc in wanted):
         if sc.gpus > gpus:
             print(f"skip {sc.name}: needs {sc.gpus} GPUs, this machine has {gpus}")
             continue
@@ -691,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in ranks:
             wa = WorkerArgs(sc.name, args.model, args.layers, r.rank, len(ranks), r.instance, r.local_rank,
                             gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb, args.fp8,
-                            args.trainer_buffer)
+                            buffer)
             argv.append(["--worker", json.dumps(wa.__dict__)])
         started = time.monotonic()
         outs = _launch(argv, args.timeout, env)
@@ -712,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": device,
             "date": date,
             "model": model_label,
-            "trainer_buffer": args.trainer_buffer,
+            "trainer_buffer": buffer,
             "model_bytes": model_bytes,
             "wire_bytes": direct.stats.total_bytes,
             "quantize_seconds": max((p.get("quantize_seconds", 0.0) for p in per_rank), default=0.0) or None,
@@ -741,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(entry)
         _write_results(args.out, device, date, cal, results, argv)  # after every scenario: a later one may time out
         base = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["baselines"].items())
-        print(f"{sc.name}: {steady * 1e3:.1f} ms steady (first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
+        print(f"{sc.name} ({buffer} trainer buffer): {steady * 1e3:.1f} ms steady (first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
               f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}", flush=True)
     _write_results(args.out, device, date, cal, results, argv)
     print(json.dumps({"scenarios": [{k: r.get(k) for k in ("name", "seconds", "lower_bound_seconds", "ratio",

@@ -145,10 +145,18 @@ class Fp8Views:
     ``view_of`` answers for the FP8 layout (quantised weights and scales from the buffers, everything else from
     the wrapped ``view_of``); :meth:`quantize` refills the buffers from the current weights (call it before
     each write: ``WeightsWriter(..., refresh=fp8.quantize)`` does).
+
+    On CUDA the whole quantisation (one kernel per weight box, plus assembling boxes made of pieces, such as
+    Megatron's per-group QKV) is captured as one CUDA graph on the second call and replayed from then on: the
+    weights must stay where they are, as for every other view a sync uses. ``cuda_graph=False`` keeps it eager.
     """
 
-    def __init__(self, layout: Layout, local_rank: int, view_of: ViewOf, quant: Fp8BlockQuant):
+    def __init__(self, layout: Layout, local_rank: int, view_of: ViewOf, quant: Fp8BlockQuant,
+                 cuda_graph: bool = True):
         self.quant = quant
+        self.cuda_graph = cuda_graph
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._calls = 0
         self._source = view_of
         self._dtype = getattr(torch, quant.dtype)
         self._weights: dict[tuple[str, Box], torch.Tensor] = {}
@@ -182,6 +190,23 @@ class Fp8Views:
     @torch.no_grad()
     def quantize(self) -> None:
         """Quantise this rank's current weights into the FP8 buffers (before each write)."""
+        self._calls += 1
+        on_cuda = any(w.is_cuda for w in self._weights.values())
+        if self._graph is None and self.cuda_graph and on_cuda and self._calls >= 2:  # the first call compiled
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._quantize_eagerly()
+                self._graph = graph
+            except RuntimeError as e:  # capture is an optimisation
+                log.warning("CUDA graph capture of FP8 quantisation failed (%s); quantising eagerly", e)
+                self.cuda_graph = False
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._quantize_eagerly()
+
+    def _quantize_eagerly(self) -> None:
         for scale, name, box in self._scales.values():
             source = _assemble(self._source(name, box), box)
             quantize_fp8_blocks(source, self.quant.block, self._dtype, out=self._weights[(name, box)], scale_out=scale)

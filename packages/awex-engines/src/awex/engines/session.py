@@ -19,6 +19,7 @@ from typing import Any, Callable
 from awex.meta import Layout, Plan, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_group
+from awex.transport.ipc import IpcExecutor, IpcExport
 from awex.transport.p2p import TransferStats
 
 log = logging.getLogger("awex.engines")
@@ -35,7 +36,9 @@ class SyncManifest:
     port: int
     wave_bytes: int = 256 << 20
     timeout: float = 300.0
-    transport: str = "p2p"  # "p2p" (NCCL on CUDA, gloo on CPU) or "ipc" (colocated CUDA engines on one host)
+    # "p2p": NCCL on CUDA, gloo on CPU; "ipc": CUDA engines on one host (sharing GPUs or not), receivers pull
+    # from the trainers' memory with their copy engines (fastest where no region goes to several instances)
+    transport: str = "p2p"
     allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
 
     def to_json(self) -> dict[str, Any]:
@@ -74,6 +77,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @dataclass
+class IpcState:
+    """What a rank keeps between CUDA IPC syncs: a trainer's export and how many times it was re-exported; a
+    receiver's opened exports per source rank (with the generation they came from) and its executor."""
+
+    export: IpcExport | None = None
+    generation: int = 0
+    opened: dict[tuple[str, int], tuple[int, LocalShards]] = field(default_factory=dict)
+    executor: IpcExecutor | None = None
+    plan: Plan | None = None
+
+
+@dataclass
 class SyncSession:
     """One rank's side of the sync: caches what does not change between versions.
 
@@ -90,7 +105,7 @@ class SyncSession:
     _group: SyncGroup | None = None
     _layouts: dict[str, Layout] = field(default_factory=dict)
     _executor: WaveExecutor | None = None
-    _ipc: dict = field(default_factory=dict)  # trainer: its export; receiver: opened exports and executor
+    _ipc: IpcState = field(default_factory=IpcState)
 
     def prepare(self, manifest: SyncManifest, timeout: float) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
@@ -145,12 +160,12 @@ class SyncSession:
 
     def _transfer_ipc(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
                       deadline: float) -> TransferStats:
-        """Colocated sync: trainers publish IPC exports (once, again if their storages move) and say ready;
+        """Sync on one host: trainers publish IPC exports (once, again if their storages move) and say ready;
         receivers copy straight from the trainers' memory; everyone agrees it is done, so the trainer does not
         change its weights while they are read."""
         import torch
 
-        from awex.transport.ipc import IpcExecutor, IpcExport, export_shards, open_export
+        from awex.transport.ipc import IpcExport, export_shards, open_export
 
         started = time.monotonic()
         me = plan.ranks[rank]
@@ -158,18 +173,18 @@ class SyncSession:
         stats = TransferStats()
         if me.role.value == "trainer":
             torch.cuda.current_stream(shards.device).synchronize()  # this version's weights are in memory
-            export = self._ipc.get("export")
-            if export is None or not export.matches(shards):
-                export = export_shards(shards)
-                self._ipc["export"] = export
-                self._ipc["generation"] = self._ipc.get("generation", 0) + 1
-                self.client.put(f"ipc/{me.instance}/{me.local_rank}/{self._ipc['generation']}", export.to_wire())
-            self.client.put(f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}", self._ipc["generation"])
+            ipc = self._ipc
+            if ipc.export is None or not ipc.export.matches(shards):
+                ipc.export = export_shards(shards)
+                ipc.generation += 1
+                self.client.put(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation}", ipc.export.to_wire())
+            self.client.put(f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}", ipc.generation)
             stats.bytes_sent = sum(s.bucket.nbytes for s in plan.schedule(rank))
         else:
-            opened = self._ipc.setdefault("opened", {})
+            ipc = self._ipc
+            opened = ipc.opened
             sources = {}
-            changed = self._ipc.get("plan") is not plan
+            changed = ipc.plan is not plan
             for peer in sorted({s.peer for s in plan.schedule(rank)}):
                 src = plan.ranks[peer]
                 generation = self.client.get(f"ipc-ready/{manifest.version}/{src.instance}/{src.local_rank}",
@@ -180,10 +195,10 @@ class SyncSession:
                     opened[key] = (generation, open_export(IpcExport.from_wire(doc)))
                     changed = True
                 sources[peer] = opened[key][1]
-            if changed or self._ipc.get("executor") is None:
-                self._ipc["executor"] = IpcExecutor(plan, rank, shards, sources)
-                self._ipc["plan"] = plan
-            stats = self._ipc["executor"].run(timeout=left())
+            if changed or ipc.executor is None:
+                ipc.executor = IpcExecutor(plan, rank, shards, sources)
+                ipc.plan = plan
+            stats = ipc.executor.run(timeout=left())
         self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size, "done",
                           timeout=left())
         stats.seconds = time.monotonic() - started
