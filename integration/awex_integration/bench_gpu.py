@@ -133,7 +133,7 @@ def native_params(engine: Engine, local_rank: int, dims, device, quant=None, fla
     (its param-and-grad buffers); otherwise each parameter is its own allocation (as under FSDP2)."""
     import torch
 
-    from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_shapes, vllm_views
+    from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_dtypes, vllm_param_shapes, vllm_views
     from awex.meta.layouts import MegatronParallel, VllmParallel
 
     if engine.kind == "megatron":
@@ -151,9 +151,8 @@ def native_params(engine: Engine, local_rank: int, dims, device, quant=None, fla
         return params, megatron_views(NamedParams(params), dims, where)
     parallel = VllmParallel(tp=engine.tp)
     shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
-    params = {n: torch.zeros(s, dtype=torch.float8_e4m3fn if n + "_scale_inv" in shapes else
-                             torch.float32 if n.endswith("_scale_inv") else torch.bfloat16, device=device)
-              for n, s in shapes.items()}
+    dtypes = vllm_param_dtypes(shapes, "bfloat16", quant)
+    params = {n: torch.zeros(s, dtype=dtypes[n], device=device) for n, s in shapes.items()}
     return params, vllm_views(params, dims, parallel, tp_rank=local_rank)
 
 
@@ -314,6 +313,7 @@ def worker(a: WorkerArgs) -> dict:
     torch.cuda.reset_peak_memory_stats(device)
 
     # ---- Awex: first sync (everything built) and steady state
+    quantize_in_sync = quantize  # FP8 over IPC: all at once before the copies; over NCCL: per wave (below)
     barrier()
     t0 = time.perf_counter()
     if scenario.transport == "nccl":
@@ -323,6 +323,10 @@ def worker(a: WorkerArgs) -> dict:
         executor = WaveExecutor(plan, a.rank, shards, group)
         run = executor.run
         result["staging_bytes"] = executor.staging_bytes
+        if quantize is not None:  # FP8: each wave quantises what it sends just before packing (overlapped)
+            quantize_wave = fp8_views.by_wave(executor.sent_regions)
+            run = lambda: executor.run(before_pack=quantize_wave)  # noqa: E731
+            quantize_in_sync = None
     else:
         plan = plan_transfers(sources, dests, PlanOptions(relay=False))
         exports = Path(a.workdir) / f"ipc-{a.scenario}"
@@ -347,8 +351,8 @@ def worker(a: WorkerArgs) -> dict:
     last: list = [stats]
 
     def sync_once():
-        if quantize:
-            quantize()
+        if quantize_in_sync:
+            quantize_in_sync()
         if run:
             last[0] = run()
 
@@ -367,8 +371,8 @@ def worker(a: WorkerArgs) -> dict:
     # second version: changed values must arrive too (in place)
     if trainer:
         fill(weights, base_layout, 2, device)
-        if quantize:
-            quantize()
+        if quantize_in_sync:
+            quantize_in_sync()
     torch.cuda.synchronize()
     barrier()
     if run:
@@ -623,11 +627,11 @@ def _device_name() -> str:
     return f"{n}x {name}, {link}"
 
 
-def _write_results(out: str | None, device: str, date: str, cal: dict, results: list, argv) -> None:
+def _write_results(out: str | None, device: str, date: str, cal: dict, results: list, command: list[str]) -> None:
     if not out:
         return
     doc = {"device": device, "date": date, "limits": cal, "scenarios": results,
-           "command": "python -m awex_integration.bench_gpu " + " ".join(sys.argv[1:] if argv is None else list(map(str, argv)))}
+           "command": "python -m awex_integration.bench_gpu " + " ".join(command)}
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -651,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="per scenario")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
+    command = list(sys.argv[1:] if argv is None else argv)
 
     if args.worker:
         a = WorkerArgs(**json.loads(args.worker))
@@ -765,11 +770,11 @@ def main(argv: list[str] | None = None) -> int:
             "wall_seconds": round(time.monotonic() - started, 1),
         }
         results.append(entry)
-        _write_results(args.out, device, date, cal, results, argv)  # after every scenario: a later one may time out
+        _write_results(args.out, device, date, cal, results, command)  # after every scenario: a later one may time out
         base = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["baselines"].items())
         print(f"{sc.name} ({buffer} trainer buffer): {steady * 1e3:.1f} ms steady (first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
               f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}", flush=True)
-    _write_results(args.out, device, date, cal, results, argv)
+    _write_results(args.out, device, date, cal, results, command)
     print(json.dumps({"scenarios": [{k: r.get(k) for k in ("name", "seconds", "lower_bound_seconds", "ratio",
                                                           "correct", "baselines")} for r in results]}))
     return 0 if all(r.get("correct") for r in results) else 1

@@ -11,7 +11,7 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
     trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit)."""
     import torch
 
-    from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_shapes, vllm_views
+    from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_dtypes, vllm_param_shapes, vllm_views
     from awex.engines.reader import WeightsReader
     from awex.engines.writer import WeightsWriter
     from awex.meta import canonical_tensors
@@ -39,7 +39,8 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
         if quant:
             fp8_views = Fp8Views(quantize_layout(layout, quant), local_rank, view_of, quant)
             writer = WeightsWriter(client, quantize_layout(layout, quant), local_rank, fp8_views.view_of,
-                                   transport=transport, timeout=120, host="127.0.0.1", refresh=fp8_views.quantize)
+                                   transport=transport, timeout=120, host="127.0.0.1", refresh=fp8_views.quantize,
+                                   refresh_by_wave=fp8_views.by_wave)
         else:
             writer = WeightsWriter(client, layout, local_rank, view_of, transport=transport, timeout=120,
                                    host="127.0.0.1")
@@ -55,9 +56,8 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
         return {"versions": versions}
     parallel = VllmParallel(tp=tp)
     shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
-    params = {n: torch.zeros(s, dtype=torch.float8_e4m3fn if n + "_scale_inv" in shapes else
-                             torch.float32 if n.endswith("_scale_inv") else torch.bfloat16, device=device)
-              for n, s in shapes.items()}
+    dtypes = vllm_param_dtypes(shapes, "bfloat16", quant)
+    params = {n: torch.zeros(s, dtype=dtypes[n], device=device) for n, s in shapes.items()}
     layout = vllm_layout(tensors, parallel, instance=instance)
     if quant:
         layout = quantize_layout(layout, quant)

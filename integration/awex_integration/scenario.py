@@ -123,7 +123,7 @@ class LayoutInstance:
     scales), received in place through ``awex.convert.vllm_views``: what a GPU vLLM's in-place path does."""
 
     def __init__(self, name: str, config: dict, tp: int, dtype: str, meta: dict, quant=None):
-        from awex.convert import vllm_param_shapes, vllm_views
+        from awex.convert import vllm_param_dtypes, vllm_param_shapes, vllm_views
         from awex.engines.reader import WeightsReader
         from awex.meta import canonical_tensors, quantize_layout
         from awex.meta.layouts import VllmParallel, vllm_layout
@@ -139,9 +139,8 @@ class LayoutInstance:
         self.params = []
         for rank in range(tp):
             shapes = vllm_param_shapes(dims, parallel, rank, quant=quant)
-            params = {n: torch.zeros(s, dtype=torch.float8_e4m3fn if n + "_scale_inv" in shapes else
-                                     torch.float32 if n.endswith("_scale_inv") else getattr(torch, dtype))
-                      for n, s in shapes.items()}
+            dtypes = vllm_param_dtypes(shapes, dtype, quant)
+            params = {n: torch.zeros(s, dtype=dtypes[n]) for n, s in shapes.items()}
             client = MetaClient(meta["meta_address"], job=meta["job"], token=meta["token"], timeout=meta["timeout"])
             self.readers.append(WeightsReader(client, layout, rank, vllm_views(params, dims, parallel, tp_rank=rank),
                                               timeout=meta["timeout"]))

@@ -101,6 +101,7 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         fp8_layout = quantize_layout(layout, quant)
         fp8_views = Fp8Views(fp8_layout, local_rank, view_of, quant)
         writer = WeightsWriter(client, fp8_layout, local_rank, fp8_views.view_of, refresh=fp8_views.quantize,
+                               refresh_by_wave=fp8_views.by_wave,
                                timeout=timeout)
     else:
         writer = WeightsWriter(client, layout, local_rank, view_of, timeout=timeout)

@@ -78,3 +78,8 @@ def test_three_steps_hf_trainer_to_vllm(setup):
         previous = now
     versions = {p["name"]: p["weight_version"] for p in client.status()["jobs"]["e2e"]["participants"]}
     assert versions["vllm-0"] == "step-3"
+    # the writer keeps the MetaServer records of its last two versions only (a long run must not fill the store)
+    assert client.keys("sync/") == ["sync/step-2", "sync/step-3"]
+    assert not [k for k in client.keys() if "step-1" in k]
+    # the plan was agreed once, for step-1 (later versions reuse it): that agreement went with step-1's records
+    assert client.status()["jobs"]["e2e"]["agreements"] == 0

@@ -97,6 +97,37 @@ def test_sender_views_quantise_current_weights_before_each_write():
     assert views.quantized_bytes == 128 * 256 + 4 * 2
 
 
+def test_quantising_wave_by_wave_does_each_box_in_the_first_wave_that_sends_it():
+    # one rank holding three weights; wave 0 sends a piece of `a` and the scales of `c`, wave 1 the rest of `a`
+    # and `c`; `b` is sent by no wave (another replica sends it) and is never quantised
+    mesh = Mesh("m", (("tp", 1),))
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(3)]
+    layout = Layout("trainer", Role.TRAINER, 1, (mesh,), tuple(
+        TensorLayout(TensorSpec(n, (256, 128), "bfloat16"), MeshSharding("m")) for n in names))
+    quant = Fp8BlockQuant()
+    fp8_layout = quantize_layout(layout, quant)
+    params = {n: torch.randn(256, 128).to(torch.bfloat16) for n in names}
+    views = Fp8Views(fp8_layout, 0, lambda name, box: params[name][box.slices()], quant)
+    a, b, c = names
+    whole = Box((0, 0), (256, 128))
+    for n in names:  # mark the buffers: quantised ones change
+        views.view_of(n, whole).view(torch.uint8).fill_(0xFF)
+    sent = [[(a, (0, 0), (128, 128)), (c + "_scale_inv", (0, 0), (2, 1))],
+            [(a, (128, 0), (128, 128)), (c, (0, 0), (256, 128))]]
+    quantize_wave = views.by_wave(sent)
+    quantize_wave(0)
+    for n in (a, c):
+        want_q, want_s = quantize_fp8_blocks(params[n])
+        assert torch.equal(views.view_of(n, whole).view(torch.uint8), want_q.view(torch.uint8)), n
+        assert torch.equal(views.view_of(n + "_scale_inv", Box((0, 0), (2, 1))), want_s), n
+    assert bool((views.view_of(b, whole).view(torch.uint8) == 0xFF).all())  # not sent: left alone
+    params[a].add_(1)  # changed after wave 0: wave 1 does not quantise `a` again (a sync reads one version)
+    before = views.view_of(a, whole).clone()
+    quantize_wave(1)
+    assert torch.equal(views.view_of(a, whole).view(torch.uint8), before.view(torch.uint8))
+    assert bool((views.view_of(b, whole).view(torch.uint8) == 0xFF).all())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the one-pass Triton quantiser)")
 @pytest.mark.parametrize("shape,block", [((1024, 768), (128, 128)), ((300, 200), (128, 128)), ((96, 64), (32, 32))])
 def test_cuda_quantiser_is_bit_identical_to_the_portable_one(shape, block):

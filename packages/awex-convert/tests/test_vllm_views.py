@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from awex.convert import vllm_param_shapes, vllm_views
+from awex.convert import vllm_param_dtypes, vllm_param_shapes, vllm_views
 from awex.meta import canonical_tensors
 from awex.meta.layouts import VllmParallel, vllm_layout
 from awex.meta.models import model_dims
@@ -74,8 +74,12 @@ def test_fp8_scales_fuse_like_their_weights(tp):
     assert set(full) == set(layout.names)
     for rank in range(tp):
         shapes = vllm_param_shapes(DIMS, VllmParallel(tp=tp), rank, quant=quant)
-        params = {n: torch.zeros(s, dtype=torch.float8_e4m3fn) if n + "_scale_inv" in shapes
-                  else torch.full(s, float("nan")) for n, s in shapes.items()}
+        dtypes = vllm_param_dtypes(shapes, "float32", quant)
+        assert dtypes["model.layers.0.self_attn.qkv_proj.weight"] == torch.float8_e4m3fn
+        assert dtypes["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == torch.float32
+        assert dtypes["model.layers.0.input_layernorm.weight"] == torch.float32
+        params = {n: torch.zeros(s, dtype=dtypes[n]) if dtypes[n] == torch.float8_e4m3fn
+                  else torch.full(s, float("nan"), dtype=dtypes[n]) for n, s in shapes.items()}
         shards = LocalShards.from_layout(layout, rank, vllm_views(params, DIMS, VllmParallel(tp=tp), fp8_block=quant.block))
         for name in shards.names():
             for box, view in shards.pairs(name):

@@ -14,7 +14,7 @@ import pytest
 
 from awex.meta import canonical_tensors, load_config
 from awex.meta.client import MetaClient
-from awex.meta.errors import AgreementError, MetaAuthError, MetaConflictError, MetaConnectionError, MetaPayloadError, MetaTimeoutError
+from awex.meta.errors import AgreementError, MetaAuthError, MetaConflictError, MetaConnectionError, MetaPayloadError, MetaServerError, MetaTimeoutError
 from awex.meta.layouts import VllmParallel, vllm_layout
 from awex.meta.server import EmbeddedMetaServer, ServerConfig, start_embedded
 
@@ -203,3 +203,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_forget_drops_a_finished_versions_keys_and_agreements_only(client):
+    for key in ("sync/v1", "sync/v10", "ipc-ready/v1/trainer/0", "ipc-ready/v10/trainer/0", "validation/v1/e:0",
+                "layouts/current/trainer"):
+        client.put(key, {"k": key})
+    client.agree("plan/v1", "rank0", 1, "d")
+    client.agree("plan/v10", "rank0", 1, "d")
+    gone = client.forget(names=["sync/v1", "plan/v1"], prefixes=["ipc-ready/v1/", "validation/v1/"])
+    assert gone == {"keys": 3, "agreements": 1}
+    assert client.keys() == ["ipc-ready/v10/trainer/0", "layouts/current/trainer", "sync/v10"]
+    # the forgotten agreement starts afresh (one new participant completes it); the kept one still holds its value
+    assert client.agree("plan/v1", "rank9", 1, "new", timeout=2.0) == "new"
+    assert client.agree("plan/v10", "rank0", 1, "d", timeout=2.0) == "d"
+    with pytest.raises(MetaServerError, match="non-empty strings"):
+        client.forget(names=[""])

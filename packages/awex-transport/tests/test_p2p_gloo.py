@@ -43,7 +43,8 @@ def run_world(layouts, timeout=60.0, behaviours=None, wave_bytes=256 << 20, allo
             procs.append(p)
     out = {}
     deadline = time.monotonic() + timeout + 60
-    expected = sum(lay.world_size for lay in layouts) - len(behaviours or {})
+    silent = [b for b in (behaviours or {}).values() if b in ("die_before_send", "stall")]  # never report
+    expected = sum(lay.world_size for lay in layouts) - len(silent)
     while len(out) < expected and time.monotonic() < deadline:
         try:
             inst, rank, status, received, sent = results.get(timeout=1.0)
@@ -103,6 +104,22 @@ def test_an_explicitly_allowed_narrowing_cast_arrives_in_the_receivers_dtype():
     assert not failures, failures  # receivers compare with the fp32 values rounded to bf16, bit for bit
     bf16_bytes = sum(t.spec.nbytes for t in engine.tensors)
     assert out[("vllm-0", 0)][1] == bf16_bytes  # the wire carries bf16: half the fp32 bytes
+
+
+def test_senders_prepare_each_wave_just_before_it_is_packed():
+    # trainer ranks hold zeros; their before_pack(i) writes the real values of exactly what wave i sends
+    # (WaveExecutor.sent_regions[i]); receivers get the real values only if every wave was prepared, in order,
+    # before it was packed
+    tensors = canonical_tensors(TINY)
+    layouts = [megatron_layout(tensors, MegatronParallel(tp=2, vocab_pad=1), instance="trainer"),
+               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0")]
+    wave = sum(t.spec.nbytes for t in tensors) // 10
+    out = run_world(layouts, wave_bytes=wave,
+                    behaviours={("trainer", 0): "fill_before_pack", ("trainer", 1): "fill_before_pack"})
+    assert len(out) == 3, out
+    failures = {k: v[0] for k, v in out.items() if v[0] != "ok"}
+    assert not failures, failures
+    assert plan_transfers(layouts[:1], layouts[1:], PlanOptions(wave_bytes=wave)).stats.waves > 5
 
 
 def test_a_sender_that_dies_makes_receivers_fail_within_the_deadline():

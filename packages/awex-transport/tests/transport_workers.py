@@ -10,7 +10,7 @@ import zlib
 import torch
 
 from awex.meta import Box, PlanOptions, plan_transfers
-from awex.transport import LocalShards, create_sync_group, run_p2p
+from awex.transport import LocalShards, WaveExecutor, create_sync_group, run_p2p
 from awex.transport.shards import torch_dtype
 
 
@@ -37,6 +37,8 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
         if role == "trainer":
             def view_of(name, box):
                 spec = layout.tensor(name).spec
+                if behaviour == "fill_before_pack":  # nothing there until each wave's before_pack fills it
+                    return torch.zeros(box.sizes, dtype=torch_dtype(spec.dtype))
                 return canonical_value(name, spec.shape, spec.dtype, 1)[box.slices()].clone()
         else:
             # receivers write into views of bigger "native" buffers: every box of a tensor lives inside one
@@ -63,7 +65,22 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
         if behaviour == "stall":  # alive, connected, but never sends
             time.sleep(timeout * 3)
             return
-        stats = run_p2p(plan, me.rank, shards, group, timeout=timeout)
+        if behaviour == "fill_before_pack":
+            executor = WaveExecutor(plan, me.rank, shards, group)
+            calls = []
+
+            def before_pack(i: int) -> None:
+                calls.append(i)
+                for name, offsets, sizes in executor.sent_regions[i]:
+                    spec = layout.tensor(name).spec
+                    full = canonical_value(name, spec.shape, spec.dtype, 1)
+                    shards.copy_in(name, offsets, sizes, full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+
+            stats = executor.run(timeout=timeout, before_pack=before_pack)
+            if calls != list(range(len(executor.waves))):
+                raise AssertionError(f"before_pack called for waves {calls}, expected 0..{len(executor.waves) - 1}")
+        else:
+            stats = run_p2p(plan, me.rank, shards, group, timeout=timeout)
         bad = []
         if role == "inference":
             for name in shards.names():

@@ -19,11 +19,11 @@ Which rank holds which box (the layout) is torch-free arithmetic in ``awex.meta.
 from awex.convert.fp8 import Fp8Views, dequantize_fp8_blocks, quantize_fp8_blocks
 from awex.convert.hf import hf_views
 from awex.convert.megatron import MegatronNames, megatron_param_shapes, megatron_views
-from awex.convert.vllm import vllm_param_shapes, vllm_views
+from awex.convert.vllm import vllm_param_dtypes, vllm_param_shapes, vllm_views
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Fp8Views", "MegatronNames", "dequantize_fp8_blocks", "hf_views", "megatron_param_shapes", "megatron_views", "quantize_fp8_blocks", "vllm_param_shapes",
+    "Fp8Views", "MegatronNames", "dequantize_fp8_blocks", "hf_views", "megatron_param_shapes", "megatron_views", "quantize_fp8_blocks", "vllm_param_dtypes", "vllm_param_shapes",
     "vllm_views",
 ]

@@ -161,6 +161,7 @@ class Fp8Views:
         self._dtype = getattr(torch, quant.dtype)
         self._weights: dict[tuple[str, Box], torch.Tensor] = {}
         self._scales: dict[tuple[str, Box], tuple[torch.Tensor, str, Box]] = {}
+        self._scale_of: dict[tuple[str, Box], torch.Tensor] = {}
         self.quantized_bytes = 0
         for name, boxes in layout.rank_boxes(local_rank).items():
             spec = layout.tensor(name).spec
@@ -176,6 +177,7 @@ class Fp8Views:
                 scale = torch.empty(image.sizes, dtype=torch.float32, device=device)
                 self._weights[(name, box)] = weight
                 self._scales[(scale_name(name), image)] = (scale, name, box)
+                self._scale_of[(name, box)] = scale
                 self.quantized_bytes += weight.numel() + 4 * scale.numel()
 
     def view_of(self, name: str, box: Box):
@@ -195,7 +197,7 @@ class Fp8Views:
         if self._graph is None and self.cuda_graph and on_cuda and self._calls >= 2:  # the first call compiled
             try:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self._quantize_eagerly()
                 self._graph = graph
             except RuntimeError as e:  # capture is an optimisation
@@ -207,10 +209,78 @@ class Fp8Views:
             self._quantize_eagerly()
 
     def _quantize_eagerly(self) -> None:
-        for scale, name, box in self._scales.values():
-            source = _assemble(self._source(name, box), box)
-            quantize_fp8_blocks(source, self.quant.block, self._dtype, out=self._weights[(name, box)], scale_out=scale)
+        for key in self._weights:
+            self._quantize_box(key)
         log.debug("quantised %d FP8 boxes (%d bytes)", len(self._weights), self.quantized_bytes)
+
+    @torch.no_grad()
+    def _capture_waves(self, per_wave: list[list[tuple[str, Box]]]) -> list | None:
+        """One CUDA graph per wave (a launch each instead of one per box), or ``None`` (CPU, or capture failed).
+
+        Captured here, before any sync runs, after one eager pass that compiles the kernels; the graphs share a
+        memory pool and are replayed in capture order, one wave after the other.
+        """
+        if not self.cuda_graph or not any(w.is_cuda for w in self._weights.values()):
+            return None
+        for keys in per_wave:
+            for key in keys:
+                self._quantize_box(key)
+        pool = torch.cuda.graph_pool_handle()
+        graphs: list = []
+        try:
+            for keys in per_wave:
+                if not keys:
+                    graphs.append(None)
+                    continue
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    for key in keys:
+                        self._quantize_box(key)
+                graphs.append(graph)
+        except RuntimeError as e:  # capture is an optimisation
+            log.warning("CUDA graph capture of per-wave FP8 quantisation failed (%s); quantising eagerly", e)
+            return None
+        return graphs
+
+    def _quantize_box(self, key: tuple[str, Box]) -> None:
+        name, box = key
+        source = _assemble(self._source(name, box), box)
+        quantize_fp8_blocks(source, self.quant.block, self._dtype, out=self._weights[key], scale_out=self._scale_of[key])
+
+    def by_wave(self, sent: Sequence[Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]]]) -> Callable[[int], None]:
+        """Quantise wave by wave instead of all at once: ``sent[i]`` lists the regions ``(name, offsets, sizes)``
+        the sender's wave ``i`` sends (``WaveExecutor.sent_regions``); the returned ``quantize_wave(i)``
+        quantises the boxes wave ``i`` is the first to read (weights or scales), so quantising overlaps the
+        earlier waves on the wire (``WaveExecutor.run(before_pack=...)``). Boxes no wave reads are skipped.
+        """
+        holders: dict[str, list[tuple[Box, tuple[str, Box]]]] = {}
+        for key in self._weights:
+            holders.setdefault(key[0], []).append((key[1], key))
+        for (sname, image), (_, name, box) in self._scales.items():
+            holders.setdefault(sname, []).append((image, (name, box)))
+        first: dict[tuple[str, Box], int] = {}
+        for i, regions in enumerate(sent):
+            for name, offsets, sizes in regions:
+                region = Box(tuple(offsets), tuple(sizes))
+                for box, key in holders.get(name, ()):
+                    if key not in first and box.intersect(region) is not None:
+                        first[key] = i
+        per_wave: list[list[tuple[str, Box]]] = [[] for _ in sent]
+        for key in self._weights:  # in this rank's box order
+            if key in first:
+                per_wave[first[key]].append(key)
+        graphs = self._capture_waves(per_wave)
+
+        @torch.no_grad()
+        def quantize_wave(i: int) -> None:
+            if graphs is not None:
+                if graphs[i] is not None:
+                    graphs[i].replay()
+                return
+            for key in per_wave[i]:
+                self._quantize_box(key)
+
+        return quantize_wave
 
 
 def _device_of(answer) -> torch.device:

@@ -56,6 +56,12 @@ class MegatronNames:
     etp_rank: int = 0  # expert-tensor-parallel rank (MoE)
 
 
+def _gate_or_up(fc1: torch.Tensor, gate: bool) -> torch.Tensor:
+    """The gate (first) or up (second) half of a rank's fused ``linear_fc1`` shard: ``[gate shard; up shard]``."""
+    half = fc1.shape[0] // 2
+    return fc1[:half] if gate else fc1[half:]
+
+
 def _chunk_layers(dims: ModelDims, p: MegatronParallel, pp_rank: int) -> list[list[int]]:
     """Global layer indices of each virtual chunk this pipeline stage holds, in chunk order."""
     stage = pipeline_stages(dims.layers, p)
@@ -129,15 +135,12 @@ def megatron_views(
         if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
             return find(chunk, pre + f"self_attention.{rest[10]}_layernorm.weight")
         if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            fc1 = find(chunk, pre + "mlp.linear_fc1.weight")
-            half = fc1.shape[0] // 2
-            return fc1[:half] if rest.startswith("mlp.gate") else fc1[half:]
+            return _gate_or_up(find(chunk, pre + "mlp.linear_fc1.weight"), rest.startswith("mlp.gate"))
         if rest == "mlp.down_proj.weight":
             return find(chunk, pre + "mlp.linear_fc2.weight")
         if rest in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
-            fc1 = find(chunk, pre + "mlp.shared_experts.linear_fc1.weight")
-            half = fc1.shape[0] // 2
-            return fc1[:half] if rest.startswith("mlp.shared_expert.gate") else fc1[half:]
+            return _gate_or_up(find(chunk, pre + "mlp.shared_experts.linear_fc1.weight"),
+                               rest.startswith("mlp.shared_expert.gate"))
         if rest == "mlp.shared_expert.down_proj.weight":
             return find(chunk, pre + "mlp.shared_experts.linear_fc2.weight")
         if rest == "mlp.shared_expert_gate.weight":  # the shared expert's sigmoid gate, replicated
@@ -153,8 +156,7 @@ def megatron_views(
             if e.group(2) == "down":
                 return find(chunk, f"{base}local_experts.{local}.linear_fc2.weight", f"{base}linear_fc2.weight{local}")
             fc1 = find(chunk, f"{base}local_experts.{local}.linear_fc1.weight", f"{base}linear_fc1.weight{local}")
-            half = fc1.shape[0] // 2
-            return fc1[:half] if e.group(2) == "gate" else fc1[half:]
+            return _gate_or_up(fc1, e.group(2) == "gate")
         if rest == "input_layernorm.weight":
             return find(chunk, pre + "input_layernorm.weight", pre + "self_attention.linear_qkv.layer_norm_weight")
         if rest == "post_attention_layernorm.weight":

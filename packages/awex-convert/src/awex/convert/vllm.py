@@ -105,6 +105,23 @@ def vllm_param_shapes(dims: ModelDims, parallel: VllmParallel, tp_rank: int = 0,
     return shapes
 
 
+def vllm_param_dtypes(shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                      quant: Fp8BlockQuant | None = None) -> dict[str, torch.dtype]:
+    """The dtype of each parameter :func:`vllm_param_shapes` names: the quantised dtype for weights that have a
+    scale, float32 for the scales, ``dtype`` (the model's, e.g. ``"bfloat16"``) for everything else."""
+    plain = getattr(torch, dtype)
+    fp8 = getattr(torch, quant.dtype) if quant is not None else None
+    out = {}
+    for name in shapes:
+        if name.endswith(SCALE_SUFFIX):
+            out[name] = torch.float32
+        elif fp8 is not None and name + SCALE_SUFFIX in shapes:
+            out[name] = fp8
+        else:
+            out[name] = plain
+    return out
+
+
 _EXPERT_WEIGHTS = ("experts.w13_weight", "experts.w2_weight")
 
 

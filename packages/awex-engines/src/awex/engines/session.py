@@ -14,13 +14,15 @@ import logging
 import socket
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from awex.meta import Layout, Plan, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_group
 from awex.transport.ipc import IpcExecutor, IpcExport
 from awex.transport.p2p import TransferStats
+
+Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
 
 log = logging.getLogger("awex.engines")
 
@@ -66,6 +68,13 @@ def manifest_key(version: str) -> str:
     return f"sync/{version}"
 
 
+def version_records(version: str) -> tuple[list[str], list[str]]:
+    """The MetaServer records one weight version leaves behind: exact names and prefixes (keys and agreements),
+    for ``MetaClient.forget`` once nobody needs them."""
+    return ([manifest_key(version), f"plan/{version}", f"ipc-done/{version}"],
+            [f"ipc-ready/{version}/", f"validation/{version}/"])
+
+
 def layout_key(instance: str) -> str:
     return f"layouts/current/{instance}"
 
@@ -106,6 +115,7 @@ class SyncSession:
     _layouts: dict[str, Layout] = field(default_factory=dict)
     _executor: WaveExecutor | None = None
     _ipc: IpcState = field(default_factory=IpcState)
+    _before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable for that executor)
 
     def prepare(self, manifest: SyncManifest, timeout: float) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
@@ -142,7 +152,10 @@ class SyncSession:
         return plan, me.rank, True
 
     def transfer(self, manifest: SyncManifest, shards: LocalShards | Callable[[Plan], LocalShards],
-                 timeout: float) -> TransferStats:
+                 timeout: float,
+                 refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None
+                 ) -> TransferStats:
+        """Move this rank's share of the version; ``refresh_by_wave`` (p2p senders): see ``WeightsWriter``."""
         started = time.monotonic()
         plan, rank, _ = self.prepare(manifest, timeout)
         if manifest.transport == "ipc":
@@ -155,8 +168,14 @@ class SyncSession:
             if self._executor is None or self._executor.plan is not plan:
                 self._executor = WaveExecutor(plan, rank, shards, self._group)
             executor = self._executor
+        before_pack = None
+        if refresh_by_wave is not None:
+            cached = self._before_pack
+            if cached is None or cached[0] is not refresh_by_wave or cached[1] is not executor:
+                cached = self._before_pack = (refresh_by_wave, executor, refresh_by_wave(executor.sent_regions))
+            before_pack = cached[2]
         left = max(0.1, timeout - (time.monotonic() - started))
-        return executor.run(timeout=left)
+        return executor.run(timeout=left, before_pack=before_pack)
 
     def _transfer_ipc(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
                       deadline: float) -> TransferStats:
@@ -178,6 +197,8 @@ class SyncSession:
                 ipc.export = export_shards(shards)
                 ipc.generation += 1
                 self.client.put(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation}", ipc.export.to_wire())
+                if ipc.generation > 1:  # every receiver of the earlier versions is done with the old handles
+                    self.client.delete(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation - 1}")
             self.client.put(f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}", ipc.generation)
             stats.bytes_sent = sum(s.bucket.nbytes for s in plan.schedule(rank))
         else:

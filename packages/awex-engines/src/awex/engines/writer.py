@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Callable, Sequence
 
 import torch
 
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
+from awex.meta.errors import MetaServerError
 from awex.transport import LocalShards
 from awex.transport.p2p import TransferStats
 
-from awex.engines.session import SyncManifest, SyncSession, free_port, manifest_key
+from awex.engines.session import Region, SyncManifest, SyncSession, free_port, manifest_key, version_records
 
 log = logging.getLogger("awex.engines")
 
@@ -38,7 +40,13 @@ class WeightsWriter:
     unless the tensor's name matches one of the ``allow_cast`` glob patterns (see ``awex.meta.PlanOptions``).
 
     ``refresh`` runs at the start of every :meth:`write`, before any byte moves: it recomputes views derived
-    from the weights, such as FP8 tiles quantised on the fly (``awex.convert.Fp8Views.quantize``).
+    from the weights, such as FP8 tiles quantised on the fly (``awex.convert.Fp8Views.quantize``). With
+    ``refresh_by_wave`` as well (``Fp8Views.by_wave``), the p2p transport refreshes wave by wave instead, each
+    wave's part just before it is packed, overlapping the waves already on the wire; ``ipc`` always uses
+    ``refresh``.
+
+    After each write, rank 0 drops the MetaServer records (manifest, agreements, validation reports) of versions
+    older than the last ``keep_versions``, so a run of any length stays within the server's key limit.
     """
 
     def __init__(
@@ -54,6 +62,8 @@ class WeightsWriter:
         transport: str = "p2p",
         allow_cast: Sequence[str] = (),
         refresh: Callable[[], None] | None = None,
+        refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
+        keep_versions: int = 2,
     ):
         if transport not in ("p2p", "ipc"):
             raise ValueError(f"unknown transport {transport!r}: use 'p2p' (NCCL/gloo) or 'ipc' (colocated CUDA)")
@@ -66,6 +76,11 @@ class WeightsWriter:
         self.transport = transport
         self.allow_cast = tuple(allow_cast)
         self.refresh = refresh
+        self.refresh_by_wave = refresh_by_wave
+        if keep_versions < 1:
+            raise ValueError("keep_versions must be at least 1")
+        self.keep_versions = keep_versions
+        self._written: deque[str] = deque()
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
         if transport == "ipc" and self._shards.device.type != "cuda":
             raise ValueError(f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}")
@@ -83,7 +98,8 @@ class WeightsWriter:
     def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
         """Send weight version ``version`` to the named inference instances; returns this rank's stats."""
         started = time.monotonic()
-        if self.refresh is not None:
+        by_wave = self.refresh_by_wave if self.transport == "p2p" else None
+        if self.refresh is not None and by_wave is None:
             self.refresh()
         if self.local_rank == 0:
             if self._port is None:
@@ -94,7 +110,26 @@ class WeightsWriter:
             self.client.publish_event("weights_ready", self.layout.instance, version=version)
         else:
             manifest = SyncManifest.from_json(self.client.get(manifest_key(version), timeout=self.timeout))
-        stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
+        stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
+                                       refresh_by_wave=by_wave)
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_sent, stats.seconds)
+        if self.local_rank == 0:
+            self._forget_old(version)
         return stats
+
+    def _forget_old(self, version: str) -> None:
+        """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes
+        thousands; the server's key store is bounded). This version's bytes reached every receiver (p2p) or every
+        receiver said it is done (ipc), and a receiver finishes a version, validation report included, before it
+        receives the next: the older versions' records are final and nobody waits on them (assuming, as training
+        does, that this instance's ranks write versions in step, never ``keep_versions`` apart)."""
+        self._written.append(version)
+        while len(self._written) > self.keep_versions:
+            old = self._written.popleft()
+            names, prefixes = version_records(old)
+            try:
+                gone = self.client.forget(names, prefixes)
+                log.debug("forgot version %s: %s", old, gone)
+            except MetaServerError as e:  # the write itself succeeded; the records only cost server memory
+                log.warning("could not drop the MetaServer records of version %s: %s", old, e)

@@ -18,7 +18,7 @@ import logging
 import socket
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, Sequence
 
 from awex.meta.errors import (
     AgreementError,
@@ -138,6 +138,13 @@ class MetaClient:
 
     def delete(self, key: str) -> bool:
         return bool(self._request("DELETE", self._job_path("kv", key), timeout=self.timeout)[1]["deleted"])
+
+    def forget(self, names: Sequence[str] = (), prefixes: Sequence[str] = ()) -> dict[str, int]:
+        """Drop keys and agreements named exactly ``names`` or starting with one of ``prefixes``; returns how
+        many of each went (``{"keys": n, "agreements": m}``). Writers call it for finished versions."""
+        doc = self._request("POST", self._job_path("forget"), {"names": list(names), "prefixes": list(prefixes)},
+                            timeout=self.timeout)[1]
+        return {"keys": int(doc["keys"]), "agreements": int(doc["agreements"])}
 
     def keys(self, prefix: str = "") -> list[str]:
         return self._request("GET", self._job_path("keys"), timeout=self.timeout, query={"prefix": prefix})[1]["keys"]

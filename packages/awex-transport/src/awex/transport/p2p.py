@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -94,6 +95,7 @@ class WaveExecutor:
         self.slots = 2 if self.device.type == "cuda" and len(by_wave) > 1 else 1
         self.staging = torch.empty(slot * self.slots, dtype=torch.uint8, device=self.device)
         self.waves: list[_Wave] = []
+        self.sent_regions: list[list[tuple[str, tuple[int, ...], tuple[int, ...]]]] = []
         for i, w in enumerate(sorted(by_wave)):
             base = (i % self.slots) * slot
             wave = _Wave(w, [], [], [], [])
@@ -115,6 +117,8 @@ class WaveExecutor:
             wave.pack = merge_copies(wave.pack)
             wave.unpack = merge_copies(wave.unpack)
             self.waves.append(wave)
+            self.sent_regions.append([(names[t.tensor], t.offsets, t.sizes)
+                                      for step in by_wave[w] if step.op == "send" for t in step.bucket.transfers])
         self.bytes_sent = sum(b.nbytes for w in self.waves for _, _, b in w.sends)
         self.bytes_received = sum(b.nbytes for w in self.waves for _, _, b in w.recvs)
         self.buckets = sum(len(w.sends) + len(w.recvs) for w in self.waves)
@@ -123,14 +127,19 @@ class WaveExecutor:
     def staging_bytes(self) -> int:
         return self.staging.numel()
 
-    def run(self, timeout: float = 300.0) -> TransferStats:
-        """Send and receive this rank's share within ``timeout`` seconds."""
+    def run(self, timeout: float = 300.0, before_pack: Callable[[int], None] | None = None) -> TransferStats:
+        """Send and receive this rank's share within ``timeout`` seconds.
+
+        ``before_pack(i)`` runs just before wave ``i`` (of :attr:`waves`) is packed, on the packing stream: a
+        sender that derives what it sends (FP8 quantisation) prepares what wave ``i`` sends there
+        (:attr:`sent_regions`), overlapping the previous waves on the wire.
+        """
         started = time.monotonic()
         deadline = started + timeout
         if self.device.type == "cuda":
-            self._run_cuda(deadline, timeout)
+            self._run_cuda(deadline, timeout, before_pack)
         else:
-            self._run_blocking(deadline, timeout)
+            self._run_blocking(deadline, timeout, before_pack)
         stats = TransferStats(self.bytes_sent, self.bytes_received, self.buckets, len(self.waves),
                               self.staging_bytes, time.monotonic() - started)
         log.debug("rank %d: %d waves, %d buckets, sent %d B, received %d B in %.3f s", self.rank, stats.waves,
@@ -150,9 +159,11 @@ class WaveExecutor:
         except RuntimeError as e:
             raise TransferError(f"{self._what(wave)} failed: {e}") from e
 
-    def _run_blocking(self, deadline: float, timeout: float) -> None:
+    def _run_blocking(self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None) -> None:
         """CPU tensors (gloo): pack, post the wave, wait for every operation, unpack."""
-        for wave in self.waves:
+        for i, wave in enumerate(self.waves):
+            if before_pack is not None:
+                before_pack(i)
             for dst, src in wave.pack:
                 dst.copy_(src)
             works = self._post(wave, deadline, timeout)
@@ -173,7 +184,7 @@ class WaveExecutor:
             for dst, src in wave.unpack:
                 dst.copy_(src)
 
-    def _run_cuda(self, deadline: float, timeout: float) -> None:
+    def _run_cuda(self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None) -> None:
         """CUDA tensors (NCCL): double-buffered waves on a pack and an unpack stream, host at most two waves ahead."""
         compute = torch.cuda.current_stream(self.device)
         pack_stream = torch.cuda.Stream(self.device)
@@ -190,6 +201,8 @@ class WaveExecutor:
             if relay_ready:  # what this wave relays was received in those waves: unpacked before we pack
                 pack_stream.wait_event(done[relay_ready - 1])
             with torch.cuda.stream(pack_stream):
+                if before_pack is not None:
+                    before_pack(i)
                 for dst, src in wave.pack:
                     dst.copy_(src)
                 works = self._post(wave, deadline, timeout)

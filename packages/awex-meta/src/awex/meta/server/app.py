@@ -174,6 +174,27 @@ def make_app(config: ServerConfig | None = None) -> web.Application:
             job.kv_bytes -= len(raw)
         return web.json_response({"ok": True, "deleted": raw is not None})
 
+    async def forget(request: web.Request) -> web.Response:
+        """Drop keys and agreements by exact name or prefix (a finished weight version's records)."""
+        job = job_of(request)
+        _, doc = await body_json(request)
+        f = fields(doc, {"names": list, "prefixes": list}, optional=("names", "prefixes"))
+        names = set(f.get("names", []))
+        prefixes = tuple(f.get("prefixes", []))
+        if not all(isinstance(x, str) and x for x in (*names, *prefixes)):
+            raise _BadRequest("names and prefixes must be non-empty strings")
+
+        def gone(name: str) -> bool:
+            return name in names or name.startswith(prefixes)
+
+        keys = [k for k in job.kv if gone(k)]
+        for k in keys:
+            job.kv_bytes -= len(job.kv.pop(k))
+        agreements = [a for a in job.agreements if gone(a)]
+        for a in agreements:
+            del job.agreements[a]
+        return web.json_response({"ok": True, "keys": len(keys), "agreements": len(agreements)})
+
     async def list_keys(request: web.Request) -> web.Response:
         job = job_of(request)
         prefix = request.query.get("prefix", "")
@@ -272,6 +293,7 @@ def make_app(config: ServerConfig | None = None) -> web.Application:
     app.router.add_get("/v1/jobs/{job}/kv/{key:.+}", get_value)
     app.router.add_delete("/v1/jobs/{job}/kv/{key:.+}", delete_value)
     app.router.add_get("/v1/jobs/{job}/keys", list_keys)
+    app.router.add_post("/v1/jobs/{job}/forget", forget)
     app.router.add_post("/v1/jobs/{job}/participants", register)
     app.router.add_post("/v1/jobs/{job}/participants/{name}/version", report_version)
     app.router.add_post("/v1/jobs/{job}/events", publish_event)

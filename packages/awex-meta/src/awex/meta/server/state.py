@@ -89,5 +89,6 @@ class JobState:
             "participants": [p.to_json() for p in sorted(self.participants.values(), key=lambda p: p.name)],
             "keys": len(self.kv),
             "key_bytes": self.kv_bytes,
+            "agreements": len(self.agreements),
             "recent_events": list(self.events)[-recent:],
         }
