@@ -32,7 +32,7 @@ class WeightsWriter:
 
     ``transport="p2p"`` moves weights over a sync group (NCCL for CUDA views, gloo for CPU views), in waves
     of about ``wave_bytes`` per rank (staging about twice that). ``transport="ipc"`` is for inference engines
-    colocated with the trainer on the same host: they copy straight from this rank's CUDA memory (IPC
+    on the trainer's host (on its GPUs or others): they copy straight from this rank's CUDA memory (IPC
     handles exported once, reused while the parameters do not move); :meth:`write` returns once every
     receiver has finished reading.
 
@@ -66,7 +66,7 @@ class WeightsWriter:
         keep_versions: int = 2,
     ):
         if transport not in ("p2p", "ipc"):
-            raise ValueError(f"unknown transport {transport!r}: use 'p2p' (NCCL/gloo) or 'ipc' (colocated CUDA)")
+            raise ValueError(f"unknown transport {transport!r}: use 'p2p' (NCCL/gloo) or 'ipc' (CUDA engines on one host)")
         self.client = client
         self.layout = layout
         self.local_rank = local_rank

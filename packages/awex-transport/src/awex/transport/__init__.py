@@ -7,7 +7,7 @@
 - :mod:`awex.transport.p2p`: :class:`WaveExecutor` (and the one-off :func:`run_p2p`): per-peer messages
   packed into a staging buffer, all of a wave's sends and receives posted at once (one NCCL group),
   double-buffered on CUDA, unpacked in place, with a deadline on every wait.
-- :mod:`awex.transport.ipc`: colocated engines on one host: the receiver copies straight from the trainer's
+- :mod:`awex.transport.ipc`: engines on one host: the receiver copies straight from the trainer's
   CUDA memory (IPC handles exported once) into its own views.
 """
 

@@ -1,12 +1,13 @@
-"""Colocated sync over CUDA IPC: the receiver copies straight from the trainer's memory into its own.
+"""Sync on one host over CUDA IPC: the receiver copies straight from the trainer's memory into its own.
 
-When trainer and inference processes share a host (the same GPU or GPUs of one NVLink domain), no staging
-and no collective are needed: the trainer exports, once, a CUDA IPC handle for every storage behind its views
-and a description of each view (storage, offset, sizes, strides, dtype) as plain data (:class:`IpcExport`,
-JSON/msgpack through the MetaServer, never pickled). The receiver opens the handles once, rebuilds the same
-views over the trainer's memory, and for every transfer of the plan copies source pieces into its own
-pieces in place: a device-to-device copy on the same GPU, a peer copy over NVLink across GPUs. Exports stay
-valid while the trainer's storages do not move (:meth:`IpcExport.matches` tells); then they are re-exported.
+When trainer and inference processes share a host (the same GPUs, colocated, or other GPUs of one NVLink
+domain), no staging on the trainer and no collective are needed: the trainer exports, once, a CUDA IPC handle
+for every storage behind its views and a description of each view (storage, offset, sizes, strides, dtype) as
+plain data (:class:`IpcExport`, JSON/msgpack through the MetaServer, never pickled). The receiver opens the
+handles once, rebuilds the same views over the trainer's memory, and for every transfer of the plan copies
+source pieces into its own pieces in place: a device-to-device copy on the same GPU, a DMA pulled over NVLink
+by this GPU's copy engines across GPUs (:class:`IpcExecutor`). Exports stay valid while the trainer's storages
+do not move (:meth:`IpcExport.matches` tells); then they are re-exported.
 
 The handles come from PyTorch's own CUDA storage sharing (``UntypedStorage._share_cuda_`` /
 ``_new_shared_cuda``, the calls ``torch.multiprocessing`` makes), so the trainer's caching allocator keeps
@@ -97,7 +98,7 @@ def _storage_pointers(shards: LocalShards) -> tuple[tuple[int, ...], list[torch.
 
 
 def export_shards(shards: LocalShards) -> IpcExport:
-    """Export a trainer rank's CUDA views for colocated receivers (call once; re-export when they move)."""
+    """Export a trainer rank's CUDA views for receivers on this host (call once; re-export when they move)."""
     if shards.device.type != "cuda":
         raise ValueError(f"CUDA IPC needs CUDA views, these are on {shards.device}")
     pointers, storages = _storage_pointers(shards)
@@ -217,7 +218,7 @@ class IpcExecutor:
         self.bytes_received = 0
         for step in plan.schedule(rank):
             if step.op != "recv":
-                raise ValueError(f"rank {rank} would send over CUDA IPC (a relay): plan colocated syncs without relay")
+                raise ValueError(f"rank {rank} would send over CUDA IPC (a relay): plan CUDA IPC syncs without relay")
             src = sources.get(step.peer)
             if src is None:
                 raise KeyError(f"rank {rank}: no IPC export of source rank {step.peer}")
@@ -237,7 +238,7 @@ class IpcExecutor:
                         self.copies.append((d, s))
                 self.bytes_received += t.nbytes
         self.copies = merge_copies(self.copies)
-        self._remote = [(d, s) for d, s in self.copies if s.device != d.device]  # PyTorch peer copies
+        self._remote = [(d, s) for d, s in self.copies if s.device != d.device]  # from another GPU: peer DMAs
         self._local = [(d, s) for d, s in self.copies if s.device == d.device]
         if self._remote and self.device.type != "cuda":
             raise ValueError(f"rank {rank}: copies between devices need CUDA, this rank is on {self.device}")
@@ -251,7 +252,7 @@ class IpcExecutor:
             self._branches = [torch.cuda.Stream(self.device) for _ in range(min(local_branches, len(self._local)))]
             # With peer DMAs running, the same-GPU copies go in slices between span placements: run all at once
             # they saturate this GPU's memory for a few ms and the DMAs into it stall meanwhile.
-            self.pace_local = pace_local and bool(self._spans)
+            self.pace_local = pace_local and bool(self._spans) and bool(self._local)
             chunks = min(8, len(self._spans)) if self.pace_local else 1
             self._local_chunks = [_balance(c, len(self._branches)) for c in _balance(self._local, chunks)]
             self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
@@ -389,6 +390,8 @@ class IpcExecutor:
         The slice's copies are dealt to a few branches (streams forked from ``stream``, balanced by bytes), so
         one copy's tail and the gaps between kernels overlap the next copies instead of adding up.
         """
+        if not any(self._local_chunks[chunk]):
+            return
         if self._graphs[chunk] is None and self.cuda_graph:
             try:
                 graph = torch.cuda.CUDAGraph()

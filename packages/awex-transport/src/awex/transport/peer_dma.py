@@ -49,7 +49,7 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
     if device == peer:
         return
     if not torch.cuda.can_device_access_peer(device, peer):
-        raise PeerDmaError(f"{device} cannot access {peer} directly (no P2P path between them): colocated "
+        raise PeerDmaError(f"{device} cannot access {peer} directly (no P2P path between them): CUDA IPC "
                            "copies across these GPUs are not possible")
     lib = _libcuda()
     for here, there in ((peer, device), (device, peer)):  # ends with `device` current
