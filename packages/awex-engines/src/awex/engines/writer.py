@@ -67,6 +67,9 @@ class WeightsWriter:
     ):
         if transport not in ("p2p", "ipc"):
             raise ValueError(f"unknown transport {transport!r}: use 'p2p' (NCCL/gloo) or 'ipc' (CUDA engines on one host)")
+        if refresh_by_wave is not None and refresh is None:
+            raise ValueError("refresh_by_wave needs refresh too: CUDA IPC receivers read whole buffers, refreshed "
+                             "all at once (pass refresh=fp8.quantize, refresh_by_wave=fp8.by_wave)")
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
