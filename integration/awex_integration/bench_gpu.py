@@ -89,6 +89,11 @@ SCENARIOS = [
 ]
 
 
+def scenario_devices(scenario: Scenario) -> tuple[tuple[str, int, str], ...]:
+    """Each rank's GPU, for plans that take pieces from the same GPU where it holds them (CUDA IPC)."""
+    return tuple((e.instance, r, f"gpu{g}") for e in scenario.engines for r, g in enumerate(e.gpus))
+
+
 # ----------------------------------------------------------------------------------------------- model side
 
 def model_tensors(model: str, layers: int | None):
@@ -328,7 +333,7 @@ def worker(a: WorkerArgs) -> dict:
             run = lambda: executor.run(before_pack=quantize_wave)  # noqa: E731
             quantize_in_sync = None
     else:
-        plan = plan_transfers(sources, dests, PlanOptions(relay=False))
+        plan = plan_transfers(sources, dests, PlanOptions(relay=False, devices=scenario_devices(scenario)))
         exports = Path(a.workdir) / f"ipc-{a.scenario}"
         exports.mkdir(exist_ok=True)
         if trainer:
@@ -713,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
             layouts = [quantize_layout(x, quant) for x in layouts]
         sources = [x for x in layouts if x.role == Role.TRAINER]
         dests = [x for x in layouts if x.role == Role.INFERENCE]
-        direct = plan_transfers(sources, dests, PlanOptions(relay=False))
+        direct = plan_transfers(sources, dests, PlanOptions(
+            relay=False, devices=scenario_devices(sc) if sc.transport == "ipc" else ()))
         ranks = direct.ranks
         gpu_of = {r.rank: next(e for e in sc.engines if e.instance == r.instance).gpus[r.local_rank] for r in ranks}
         bound, per_gpu = lower_bound(direct, gpu_of, link_bps, copy_bps)

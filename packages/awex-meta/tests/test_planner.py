@@ -18,8 +18,10 @@ def scenarios(draw):
     n_dst = draw(st.integers(1, 3))
     sources = [draw(layouts(specs, Role.TRAINER, f"train{i}")) for i in range(n_src)]
     dests = [draw(layouts(specs, Role.INFERENCE, f"inf{i}", full_coverage=False, subset=True)) for i in range(n_dst)]
+    devices = tuple((lay.instance, r, d) for lay in (*sources, *dests) for r in range(lay.world_size)
+                    for d in [draw(st.sampled_from(["gpu0", "gpu1", None]))] if d is not None)
     options = PlanOptions(wave_bytes=draw(st.sampled_from([8, 64, 1 << 20])), split_bytes=draw(st.sampled_from([1, 16, 1 << 20])),
-                          relay=draw(st.booleans()))
+                          relay=draw(st.booleans()), devices=devices if draw(st.booleans()) else ())
     return sources, dests, options
 
 
@@ -148,6 +150,33 @@ def test_replicas_share_the_send_load():
     assert senders == set(range(8))
     assert plan.stats.max_rank_send_bytes <= 1.05 * plan.stats.lower_bound_send_bytes
     assert plan.stats.lower_bound_send_bytes == -(-plan.stats.total_bytes // 8)
+
+
+def test_with_devices_known_colocated_engines_read_their_own_gpus_replica():
+    # Megatron TP=1 x DP=2 on GPUs 0 and 1, a vLLM TP=1 engine on each of them (CUDA IPC): each engine takes
+    # everything from the replica on its own GPU; without devices the balancer spreads over both replicas
+    from awex.meta import canonical_tensors, load_config
+    from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
+
+    from conftest import MODELS
+
+    tensors = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
+    src = megatron_layout(tensors, MegatronParallel(tp=1, dp=2), instance="trainer")
+    dsts = [vllm_layout(tensors, VllmParallel(tp=1), instance=f"vllm-{i}") for i in range(2)]
+    devices = (("trainer", 0, "host/gpu-0"), ("trainer", 1, "host/gpu-1"), ("vllm-1", 0, "host/gpu-0"),
+               ("vllm-0", 0, "host/gpu-1"))
+    plan = plan_transfers([src], dsts, PlanOptions(relay=False, devices=devices))
+    verify_plan(plan, [src], dsts)
+    gpu = {r.rank: dict(((i, lr), d) for i, lr, d in devices)[(r.instance, r.local_rank)] for r in plan.ranks}
+    assert plan.buckets and all(gpu[b.src] == gpu[b.dst] for b in plan.buckets)
+    spread = plan_transfers([src], dsts, PlanOptions(relay=False))
+    assert any(gpu[b.src] != gpu[b.dst] for b in spread.buckets)
+    assert plan.digest != spread.digest
+    # a destination whose device no source shares is served as before; the order of `devices` does not matter
+    partial = plan_transfers([src], dsts, PlanOptions(relay=False, devices=devices[:3]))
+    verify_plan(partial, [src], dsts)
+    assert all(gpu[b.src] == "host/gpu-0" for b in partial.buckets if gpu[b.dst] == "host/gpu-0")
+    assert plan_transfers([src], dsts, PlanOptions(relay=False, devices=devices[::-1])).digest == plan.digest
 
 
 def _fanout_layouts(n_dst: int, src_tp: int):

@@ -72,7 +72,7 @@ def version_records(version: str) -> tuple[list[str], list[str]]:
     """The MetaServer records one weight version leaves behind: exact names and prefixes (keys and agreements),
     for ``MetaClient.forget`` once nobody needs them."""
     return ([manifest_key(version), f"plan/{version}", f"ipc-done/{version}"],
-            [f"ipc-ready/{version}/", f"validation/{version}/"])
+            [f"ipc-ready/{version}/", f"validation/{version}/", f"devices/{version}/"])
 
 
 def layout_key(instance: str) -> str:
@@ -116,6 +116,30 @@ class SyncSession:
     _executor: WaveExecutor | None = None
     _ipc: IpcState = field(default_factory=IpcState)
     _before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable for that executor)
+    device_key: str | None = None  # physical device ("host/GPU-uuid"); from `device` when None and on CUDA
+
+    def physical_device(self) -> str | None:
+        """This rank's physical device as ``host/GPU-uuid`` (CUDA), or ``device_key`` when set."""
+        if self.device_key is None and getattr(self.device, "type", "cpu") == "cuda":
+            import torch
+
+            uuid = getattr(torch.cuda.get_device_properties(self.device), "uuid", None)
+            if uuid is not None:  # without it no device is claimed: plans just do not prefer the same GPU
+                self.device_key = f"{socket.gethostname()}/GPU-{uuid}"
+        return self.device_key
+
+    def _devices(self, version: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float) -> tuple:
+        """Every rank's physical device, through the MetaServer (for CUDA IPC plans: take from the same GPU).
+        Published per version (an engine restarted elsewhere never leaves a stale answer)."""
+        self.client.put(f"devices/{version}/{self.instance}/{self.local_rank}", self.physical_device() or "")
+        out = []
+        for name in names:
+            for rank in range(layouts[name].world_size):
+                key = self.client.get(f"devices/{version}/{name}/{rank}",
+                                      timeout=max(0.1, deadline - time.monotonic()))
+                if key:
+                    out.append((name, rank, str(key)))
+        return tuple(out)
 
     def prepare(self, manifest: SyncManifest, timeout: float) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
@@ -130,9 +154,10 @@ class SyncSession:
         key = (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
+        devices = self._devices(manifest.version, names, layouts, deadline) if manifest.transport == "ipc" else ()
         plan = plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
                               PlanOptions(wave_bytes=manifest.wave_bytes, relay=manifest.transport != "ipc",
-                                          allow_cast=manifest.allow_cast))
+                                          allow_cast=manifest.allow_cast, devices=devices))
         me = plan.rank(self.instance, self.local_rank)
         self.client.agree(f"plan/{manifest.version}", f"{self.instance}:{self.local_rank}", plan.world_size,
                           plan.digest, timeout=max(0.1, deadline - time.monotonic()))

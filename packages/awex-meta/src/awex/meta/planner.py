@@ -21,11 +21,11 @@ from fnmatch import fnmatchcase
 from itertools import product
 from typing import Sequence
 
-from awex.meta.balance import Piece, assign_sources
+from awex.meta.balance import PairTransfers, Piece, assign_sources
 from awex.meta.dtypes import is_exact_cast
 from awex.meta.box import Box, intersect
 from awex.meta.layout import Layout
-from awex.meta.plan import Plan, PlanStats
+from awex.meta.plan import Plan, PlanStats, Transfer
 from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, scale_name
 from awex.meta.schedule import assign_waves, plan_relays
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
@@ -44,6 +44,11 @@ class PlanOptions:
     of at least ``split_bytes``; smaller pieces go whole to one source. ``relay`` lets destinations forward
     regions a single source would otherwise send to several of them.
 
+    ``devices`` names the physical device of ranks, as ``(instance, local_rank, device)``: a destination takes
+    a piece from a source rank on its own device when one holds it (the least loaded of them), and only the
+    rest is spread over sources by load. With CUDA IPC (engines sharing GPUs) that turns a link transfer into
+    a same-GPU copy, e.g. for trainer data-parallel replicas colocated with rollout engines.
+
     Dtype policy: the destination's dtype decides what moves (the sender converts while packing). A widening
     cast that loses nothing (bf16 -> fp32) is allowed and logged; a narrowing one (fp32 -> bf16, which would
     silently change precision, e.g. of an MoE router) is a :class:`PlanError` unless the tensor's name matches
@@ -54,12 +59,14 @@ class PlanOptions:
     split_bytes: int = 16 << 20
     relay: bool = True
     allow_cast: tuple[str, ...] = ()
+    devices: tuple[tuple[str, int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.wave_bytes <= 0 or self.split_bytes <= 0:
             raise ValueError("wave_bytes and split_bytes must be positive")
         if isinstance(self.allow_cast, str):
             object.__setattr__(self, "allow_cast", (self.allow_cast,))
+        object.__setattr__(self, "devices", tuple(sorted((str(i), int(r), str(d)) for i, r, d in self.devices)))
 
 
 class PlanError(ValueError):
@@ -103,6 +110,10 @@ def plan_transfers(
 
     groups: dict[tuple[int, ...], list[Piece]] = {}
     recv = [0] * len(ranks)
+    known = {(i, r): d for i, r, d in options.devices}
+    device_of = [known.get((rank.instance, rank.local_rank)) for rank in ranks]
+    same_device: PairTransfers = {}  # pieces a destination takes from a source on its own device
+    same_device_load = [0] * len(ranks)
     piece_cache: dict[tuple, list] = {}
     src_cache: dict[tuple, list[tuple[Box, tuple[int, ...]]]] = {}
     problems: list[str] = []
@@ -134,14 +145,21 @@ def plan_transfers(
                 if group is None:
                     group = groups[cands] = []
                 dsts = tuple(base + local for base in bases for local in dst_locals)
-                group.append((-nbytes, tidx, p_off, p_size, dsts))
                 for g in dsts:
                     recv[g] += nbytes
+                if known:
+                    dsts = _take_same_device(dsts, cands, device_of, same_device, same_device_load,
+                                             Transfer(tidx, p_off, p_size, nbytes))
+                    if not dsts:
+                        continue
+                group.append((-nbytes, tidx, p_off, p_size, dsts))
     if problems:
         raise PlanError(sorted(set(problems)))
 
     per_pair, lower_send = assign_sources(groups, len(ranks), options.split_bytes)
     del groups
+    for pair, transfers in same_device.items():
+        per_pair.setdefault(pair, []).extend(transfers)
     relays = plan_relays(per_pair, len(ranks)) if options.relay else {}
     ordered, waves = assign_waves(per_pair, relays, itemsizes, options.wave_bytes, len(ranks),
                                    options.split_bytes)
@@ -172,6 +190,23 @@ def plan_transfers(
         relayed_bytes=relayed,
     )
     return Plan(tuple(ranks), tuple(tensors), tuple(ordered), stats, options, casts=tuple(casts))
+
+
+def _take_same_device(dsts: tuple[int, ...], cands: tuple[int, ...], device_of: list[str | None],
+                      out: PairTransfers, load: list[int], transfer: Transfer) -> tuple[int, ...]:
+    """Give each destination with a candidate source on its own device the piece from there (the least loaded
+    such source); returns the destinations left for the load-balanced assignment."""
+    rest = []
+    for g in dsts:
+        here = device_of[g]
+        local = [c for c in cands if here is not None and device_of[c] == here]
+        if not local:
+            rest.append(g)
+            continue
+        src = min(local, key=lambda c: (load[c], c))
+        load[src] += transfer.nbytes
+        out.setdefault((src, g), []).append(transfer)
+    return tuple(rest)
 
 
 def _group_identical(layouts: Sequence[Layout], offsets: dict[str, int]) -> list[tuple[Layout, list[int]]]:

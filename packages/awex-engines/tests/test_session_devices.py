@@ -1,0 +1,66 @@
+"""CUDA IPC plans take each piece from the same GPU where a rank there holds it: the ranks publish their
+physical devices through the MetaServer and plan with them (planning needs no GPU, so this runs on CPU)."""
+
+import json
+import threading
+from pathlib import Path
+
+from awex.engines.session import SyncManifest, SyncSession, free_port, version_records
+from awex.meta import canonical_tensors
+from awex.meta.client import MetaClient
+from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
+from awex.meta.server import start_embedded
+
+TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
+
+
+def _plans(transport: str) -> dict:
+    # Megatron TP=1 x DP=2 on GPUs 0 and 1; engine vllm-0 on GPU 1, vllm-1 on GPU 0 (each colocated with a replica)
+    tensors = canonical_tensors(TINY)
+    layouts = [megatron_layout(tensors, MegatronParallel(tp=1, dp=2), instance="trainer"),
+               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0"),
+               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-1")]
+    gpus = {("trainer", 0): "h/GPU-0", ("trainer", 1): "h/GPU-1", ("vllm-0", 0): "h/GPU-1", ("vllm-1", 0): "h/GPU-0"}
+    server = start_embedded()
+    try:
+        client = MetaClient(server.address, job="devices", timeout=20)
+        for layout in layouts:
+            client.publish_layout(layout, "current")
+        manifest = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", free_port(),
+                                transport=transport)
+        plans, errors = {}, []
+
+        def rank(instance: str, local_rank: int) -> None:
+            try:
+                session = SyncSession(MetaClient(server.address, job="devices", timeout=20), instance, local_rank,
+                                      device_key=gpus[(instance, local_rank)])
+                plans[(instance, local_rank)] = session.prepare(manifest, timeout=20)[0]
+            except Exception as e:  # asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank, args=key) for key in gpus]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+        assert not errors, errors
+        remaining = client.keys("devices/")
+        client.forget(*version_records("v1"))
+        assert not client.keys("devices/")  # a version's device records go with the version
+    finally:
+        server.stop()
+    plan = plans[("trainer", 0)]
+    assert len({p.digest for p in plans.values()}) == 1  # every rank planned the same
+    gpu_of = {r.rank: gpus[(r.instance, r.local_rank)] for r in plan.ranks}
+    return {"plan": plan, "gpu_of": gpu_of, "device_keys": remaining}
+
+
+def test_ipc_plans_read_from_the_replica_on_the_receivers_own_gpu():
+    got = _plans("ipc")
+    plan, gpu_of = got["plan"], got["gpu_of"]
+    assert plan.buckets and all(gpu_of[b.src] == gpu_of[b.dst] for b in plan.buckets)
+    assert len(got["device_keys"]) == 4
+
+
+def test_p2p_plans_do_not_ask_for_devices():
+    got = _plans("p2p")
+    assert got["device_keys"] == []
+    assert any(got["gpu_of"][b.src] != got["gpu_of"][b.dst] for b in got["plan"].buckets)
