@@ -9,8 +9,8 @@ import torch
 
 from awex.meta import Box
 from awex.transport import LocalShards
-from awex.transport.copies import merge_copies
-from awex.transport.ipc import ExportedView, IpcExport, export_shards
+from awex.transport.copies import copier, merge_copies, wide_views
+from awex.transport.ipc import ExportedView, IpcExport, export_shards, interleave_sources
 
 
 def _apply(copies):
@@ -103,3 +103,58 @@ def test_waiting_on_the_gpu_has_a_deadline():
     with pytest.raises(TimeoutError, match="late"):
         wait_event(Event(10**9), started + 0.05, lambda: TimeoutError("late"))
     assert 0.05 <= time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_spans_from_several_sources_are_read_evenly_and_receivers_start_apart(first):
+    # two source GPUs with spans of different sizes, each in address order
+    a = [(10, ("a", i)) for i in range(6)]  # 60 bytes
+    b = [(30, ("b", i)) for i in range(2)]  # 60 bytes
+    order = interleave_sources([a, b], first=first)
+    assert sorted(order) == sorted(x for _, x in a + b)  # each span once
+    assert [x for x in order if x[0] == "a"] == [x for _, x in a]  # each source keeps its order
+    assert order[0][0] == "ab"[first]  # receivers begin at different sources
+    # at every point neither source is more than one span ahead of the other in the share of its bytes taken
+    taken = {"a": 0, "b": 0}
+    for src, _ in order:
+        taken[src] += 10 if src == "a" else 30
+        assert abs(taken["a"] - taken["b"]) <= 30
+    # one source after the other (what plain address order gives) would fail that
+    assert interleave_sources([a], first=first) == [x for _, x in a]
+    assert interleave_sources([], first=first) == []
+
+
+def test_query_rows_out_of_a_fused_qkv_are_copied_as_8_byte_words():
+    groups, q_rows, kv_rows, hidden = 4, 2, 1, 8
+    fused = torch.randn(groups, q_rows + 2 * kv_rows, hidden).to(torch.bfloat16)
+    src = fused[:, :q_rows]  # every group's query rows: strided
+    dst = torch.empty(groups, q_rows, hidden, dtype=torch.bfloat16)
+    wide = wide_views(dst, src)
+    assert wide is not None and wide[0].dtype == torch.int64 and wide[0].shape == (groups, q_rows, hidden // 4)
+    copier(dst, src)()
+    assert torch.equal(dst, src)
+    assert wide_views(dst, dst) is None  # both contiguous: a plain copy
+    assert wide_views(dst.transpose(1, 2), src.transpose(1, 2)) is None  # innermost dim strided: no wide view
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_wide_copies_write_exactly_what_copy_writes(seed):
+    g = torch.Generator().manual_seed(seed)
+    rng = __import__("random").Random(seed)
+    dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32, torch.uint8])
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[torch.empty(0, dtype=dtype).element_size()]
+    shape = (rng.randint(1, 4), rng.randint(1, 3), rng.choice([1, 2, 4, 8, 12]))
+    pad = (rng.choice([0, 4, 8]), rng.choice([0, 1, 4]))  # extra rows / columns around the views
+
+    def strided():
+        base = torch.randint(-100, 100, (shape[0] * (shape[1] + pad[0]) * (shape[2] + pad[1]) + 16,),
+                             generator=g).to(bits).view(dtype)  # any bit pattern, NaN payloads included
+        off = rng.choice([0, 4, 8])
+        stride = ((shape[1] + pad[0]) * (shape[2] + pad[1]), shape[2] + pad[1], 1)
+        return base, lambda b: b.as_strided(shape, stride, off)
+
+    (src_base, src_at), (dst_base, dst_at) = strided(), strided()
+    expected = dst_base.clone().view(bits)
+    dst_at(expected).copy_(src_at(src_base.view(bits)))  # the reference: the same bits, element by element
+    copier(dst_at(dst_base), src_at(src_base))()
+    assert torch.equal(dst_base.view(bits), expected)  # what the views cover, and nothing around them

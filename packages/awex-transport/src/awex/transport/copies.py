@@ -6,11 +6,21 @@ slots of a staging buffer. Each piece as its own ``copy_`` costs a kernel launch
 time; the run as one strided copy (one extra leading dimension on both sides) costs one. Built once per plan.
 Copies between two GPUs are left alone: each piece is contiguous there and goes as one peer memcpy, which a
 strided view would turn into temporaries.
+
+Such strided copies are then made wide (:func:`copier`): PyTorch copies a non-contiguous view element by
+element, without vectorised loads, so 2-byte bf16 elements move at a fraction of memory bandwidth (measured on
+H200: 1.79 GB of Qwen3-8B's Q/K/V rows out of Megatron's fused QKV took 2.50 ms, 0.84 ms for as many bytes
+contiguous; a 2D ``cuMemcpy2DAsync`` was no faster). Copying the same bytes viewed as 8-byte integers moves
+four elements per load (1.31 ms; 1.14 ms in a CUDA graph), bit for bit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+_WIDE = (torch.int64, torch.int32, torch.int16)
 
 
 def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -47,3 +57,30 @@ def merge_copies(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[
                         s0.as_strided((count, *s0.shape), (ds, *s0.stride()), s0.storage_offset())))
         i = j + 1
     return out
+
+
+def wide_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``dst`` and ``src`` viewed as the widest integer type their layouts allow, where both are non-contiguous
+    views of one dtype on one device and a wider type fits; else ``None``."""
+    if (dst.dtype != src.dtype or dst.device != src.device or dst.shape != src.shape
+            or (dst.is_contiguous() and src.is_contiguous())):
+        return None
+    for wide in _WIDE:
+        if torch.empty(0, dtype=wide).element_size() <= dst.element_size():
+            return None
+        try:
+            return dst.view(wide), src.view(wide)
+        except RuntimeError:  # innermost dim not contiguous, or sizes, strides, offsets not multiples
+            continue
+    return None
+
+
+def copier(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    """A function copying ``src`` into ``dst`` on the current stream: through :func:`wide_views` where they
+    exist (same bytes, fewer and wider loads), else a plain ``copy_``. Decided once, when a plan's copies are
+    built."""
+    wide = wide_views(dst, src)
+    if wide is not None:
+        d, s = wide
+        return lambda: d.copy_(s, non_blocking=True)
+    return lambda: dst.copy_(src, non_blocking=True)

@@ -22,17 +22,20 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from awex.meta import Box, Plan
-from awex.transport.copies import merge_copies
+from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.peer_dma import enable_peer_access, pull, pull_bytes
 from awex.transport.p2p import TransferStats, TransferTimeout
 from awex.transport.shards import LocalShards, torch_dtype
 
 log = logging.getLogger("awex.transport")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,7 @@ class _Span:
     source: int  # device address of the range (mapped in this process)
     nbytes: int
     buffer: int  # which bounce buffer it lands in
-    placed: list[tuple[torch.Tensor, torch.Tensor]]  # (destination piece, its source inside the bounce buffer)
+    placed: list  # copy functions: each destination piece from its source inside the bounce buffer
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -313,8 +316,8 @@ class IpcExecutor:
                 landed.record(dma)
             with torch.cuda.stream(place):
                 place.wait_event(landed)
-                for d, s in span.placed:
-                    d.copy_(s, non_blocking=True)
+                for copy in span.placed:
+                    copy()
                 free = torch.cuda.Event()
                 free.record(place)
                 placed[span.buffer] = free
@@ -373,6 +376,14 @@ class IpcExecutor:
                 self._direct.extend(items)  # cannot be placed from an aligned buffer (not seen in practice)
             else:
                 kept.append((lo, hi, items))
+        # Receivers pulling from several source GPUs (resharding with fan-out) read them all at once, each source's
+        # spans spread evenly over the sync, and receivers start at different sources: pulling one source after
+        # the other, every receiver would read the same source at the same time (its egress the bottleneck,
+        # the other sources idle).
+        by_source: dict[object, list[tuple[int, tuple]]] = {}
+        for span in kept:
+            by_source.setdefault(span[2][0][1].device, []).append((span[1] - span[0], span))
+        kept = interleave_sources([by_source[k] for k in sorted(by_source, key=str)], first=self.rank)
         largest = -(-max((hi - lo for lo, hi, _ in kept), default=0) // 16) * 16
         count = min(bounce_buffers, len(kept))
         self._bounces = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(count)]
@@ -382,7 +393,7 @@ class IpcExecutor:
             buf = self._bounces[i % count]
             placed = [(d, buf.view(s.dtype).as_strided(s.shape, s.stride(), (s.data_ptr() - lo) // s.element_size()))
                       for d, s in items]
-            self._spans.append(_Span(lo, hi - lo, i % count, merge_copies(placed)))
+            self._spans.append(_Span(lo, hi - lo, i % count, [copier(d, s) for d, s in merge_copies(placed)]))
 
     def _copy_local(self, chunk: int, stream: torch.cuda.Stream) -> None:
         """One slice of the same-GPU copies, replayed from a CUDA graph captured on first use.
@@ -411,9 +422,32 @@ class IpcExecutor:
             branch.wait_stream(stream)
             with torch.cuda.stream(branch):
                 for d, s in copies:
-                    d.copy_(s, non_blocking=True)
+                    copier(d, s)()
         for branch in self._branches:
             stream.wait_stream(branch)
+
+
+def interleave_sources(groups: Sequence[Sequence[tuple[int, T]]], first: int = 0) -> list[T]:
+    """Merge per-source lists of ``(nbytes, item)`` into one order in which every source is read evenly.
+
+    Each list keeps its order; the next item always comes from the source that has had the smallest fraction
+    of its bytes taken so far (ties: sources in turn from ``first``), so at any point of the sync every source
+    has been asked for about the same share of what it holds.
+    """
+    k = len(groups)
+    totals = [sum(n for n, _ in g) or 1 for g in groups]
+    taken = [0] * k
+    pos = [0] * k
+    out: list[T] = []
+    while True:
+        left = [i for i in range(k) if pos[i] < len(groups[i])]
+        if not left:
+            return out
+        i = min(left, key=lambda i: (taken[i] / totals[i], (i - first) % k))
+        n, item = groups[i][pos[i]]
+        pos[i] += 1
+        taken[i] += n
+        out.append(item)
 
 
 def _balance(copies: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -25,7 +25,7 @@ import torch
 
 from awex.meta import Bucket, Plan
 from awex.meta.plan import RELAY_LAG
-from awex.transport.copies import merge_copies
+from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.group import SyncGroup
 from awex.transport.shards import LocalShards, torch_dtype
@@ -73,8 +73,8 @@ class _Wave:
     index: int
     sends: list[tuple[int, torch.Tensor, Bucket]]  # (peer, message, bucket)
     recvs: list[tuple[int, torch.Tensor, Bucket]]
-    pack: list[tuple[torch.Tensor, torch.Tensor]]  # (staging view, native view)
-    unpack: list[tuple[torch.Tensor, torch.Tensor]]  # (native view, staging view)
+    pack: list  # (staging view, native view) pairs while building, then their copy functions
+    unpack: list  # (native view, staging view) pairs while building, then their copy functions
 
 
 class WaveExecutor:
@@ -114,8 +114,8 @@ class WaveExecutor:
                             wave.unpack.append((piece, part))
                 (wave.sends if step.op == "send" else wave.recvs).append((step.peer, message, b))
                 pos += _align(nbytes)
-            wave.pack = merge_copies(wave.pack)
-            wave.unpack = merge_copies(wave.unpack)
+            wave.pack = [copier(d, s) for d, s in merge_copies(wave.pack)]
+            wave.unpack = [copier(d, s) for d, s in merge_copies(wave.unpack)]
             self.waves.append(wave)
             self.sent_regions.append([(names[t.tensor], t.offsets, t.sizes)
                                       for step in by_wave[w] if step.op == "send" for t in step.bucket.transfers])
@@ -164,8 +164,8 @@ class WaveExecutor:
         for i, wave in enumerate(self.waves):
             if before_pack is not None:
                 before_pack(i)
-            for dst, src in wave.pack:
-                dst.copy_(src)
+            for copy in wave.pack:
+                copy()
             works = self._post(wave, deadline, timeout)
             ops = [f"send to rank {p}" for p, _, _ in wave.sends] + [f"recv from rank {p}" for p, _, _ in wave.recvs]
             for work, op in zip(works, ops):
@@ -181,8 +181,8 @@ class WaveExecutor:
                         raise TransferTimeout(f"{self._what(wave)}: {op} not done within the sync's {timeout:g} s "
                                               f"deadline: {e}") from e
                     raise TransferError(f"{self._what(wave)}: {op} failed: {e}") from e
-            for dst, src in wave.unpack:
-                dst.copy_(src)
+            for copy in wave.unpack:
+                copy()
 
     def _run_cuda(self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None) -> None:
         """CUDA tensors (NCCL): double-buffered waves on a pack and an unpack stream, host at most two waves ahead."""
@@ -203,14 +203,14 @@ class WaveExecutor:
             with torch.cuda.stream(pack_stream):
                 if before_pack is not None:
                     before_pack(i)
-                for dst, src in wave.pack:
-                    dst.copy_(src)
+                for copy in wave.pack:
+                    copy()
                 works = self._post(wave, deadline, timeout)
             with torch.cuda.stream(unpack_stream):
                 for work in works:
                     work.wait()  # the unpack stream waits for the wave on the device, the host goes on
-                for dst, src in wave.unpack:
-                    dst.copy_(src)
+                for copy in wave.unpack:
+                    copy()
                 event = torch.cuda.Event()
                 event.record(unpack_stream)
                 done.append(event)
