@@ -96,6 +96,17 @@ def scenario_devices(scenario: Scenario) -> tuple[tuple[str, int, str], ...]:
 
 # ----------------------------------------------------------------------------------------------- model side
 
+def auto_transport(scenario: Scenario, sources, dests) -> str:
+    """What ``transport="auto"`` (the writers' default) picks for this scenario's GPUs: "ipc" or "nccl"."""
+    from awex.meta import PlanOptions, plan_transfers
+    from awex.meta.transport_choice import choose_transport
+
+    devices = tuple((i, r, f"host/GPU-{g.removeprefix('gpu')}") for i, r, g in scenario_devices(scenario))
+    ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
+    p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+    return {"ipc": "ipc", "p2p": "nccl"}[choose_transport(ipc, p2p, devices).transport]
+
+
 def model_tensors(model: str, layers: int | None):
     import dataclasses
 
@@ -754,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
             "wire_bytes": direct.stats.total_bytes,
             "quantize_seconds": max((p.get("quantize_seconds", 0.0) for p in per_rank), default=0.0) or None,
             "transport": sc.transport,
+            "auto_transport": auto_transport(sc, sources, dests),  # the default's choice for these GPUs
             "bytes": received,
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],

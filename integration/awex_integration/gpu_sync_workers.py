@@ -53,7 +53,7 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
                 for d in destinations:  # the engines are up before the first version goes out
                     client.get(f"ready/{d}", timeout=120)
             writer.write(f"v{v}", destinations)
-        return {"versions": versions}
+        return {"versions": versions, "transport": writer.transport_in_use}
     parallel = VllmParallel(tp=tp)
     shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
     dtypes = vllm_param_dtypes(shapes, "bfloat16", quant)

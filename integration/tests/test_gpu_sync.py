@@ -20,6 +20,9 @@ from awex_integration.spawn import run_processes  # noqa: E402
     pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])]), id="colocated-tp2-to-tp1-per-gpu-ipc"),
     pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])]), id="nccl-tp2-to-tp2"),
     pytest.param(("p2p", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="nccl-1-to-3-relay"),
+    # the default: one host, no fan-out -> CUDA IPC between GPUs; fan-out from one GPU -> relayed NCCL
+    pytest.param(("auto", 1, [0], [(1, [1])]), id="auto-1-to-1-picks-ipc"),
+    pytest.param(("auto", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="auto-1-to-3-picks-nccl"),
     # FP8 receivers: the trainer quantises its bf16 weights, FP8 tiles + scales travel and land in place
     pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b"), id="fp8-colocated-1gpu-ipc"),
     pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
@@ -46,6 +49,9 @@ def test_writer_and_readers_on_gpus(case):
         server.stop()
     failures = {k: v for k, (s, v) in out.items() if s != "ok"}
     assert not failures, failures
+    if transport == "auto":
+        picked = "p2p" if len(engines) > 1 and train_tp == 1 else "ipc"
+        assert all(v["transport"] == picked for k, (_, v) in out.items() if k[0] == "trainer"), out
     for key, (_, value) in out.items():
         if key[0] != "trainer":
             assert value["checked"] > 0 and value["bad"] == [], (key, value)

@@ -14,13 +14,15 @@ from awex.meta.server import start_embedded
 TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
 
 
-def _plans(transport: str) -> dict:
+COLOCATED = {("trainer", 0): "h/GPU-0", ("trainer", 1): "h/GPU-1", ("vllm-0", 0): "h/GPU-1", ("vllm-1", 0): "h/GPU-0"}
+
+
+def _plans(transport: str, gpus: dict = COLOCATED) -> dict:
     # Megatron TP=1 x DP=2 on GPUs 0 and 1; engine vllm-0 on GPU 1, vllm-1 on GPU 0 (each colocated with a replica)
     tensors = canonical_tensors(TINY)
     layouts = [megatron_layout(tensors, MegatronParallel(tp=1, dp=2), instance="trainer"),
                vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0"),
                vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-1")]
-    gpus = {("trainer", 0): "h/GPU-0", ("trainer", 1): "h/GPU-1", ("vllm-0", 0): "h/GPU-1", ("vllm-1", 0): "h/GPU-0"}
     server = start_embedded()
     try:
         client = MetaClient(server.address, job="devices", timeout=20)
@@ -28,13 +30,14 @@ def _plans(transport: str) -> dict:
             client.publish_layout(layout, "current")
         manifest = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", free_port(),
                                 transport=transport)
-        plans, errors = {}, []
+        plans, errors, transports = {}, [], {}
 
         def rank(instance: str, local_rank: int) -> None:
             try:
                 session = SyncSession(MetaClient(server.address, job="devices", timeout=20), instance, local_rank,
                                       device_key=gpus[(instance, local_rank)])
                 plans[(instance, local_rank)] = session.prepare(manifest, timeout=20)[0]
+                transports[(instance, local_rank)] = session.transport
             except Exception as e:  # asserted below
                 errors.append(e)
 
@@ -50,7 +53,8 @@ def _plans(transport: str) -> dict:
     plan = plans[("trainer", 0)]
     assert len({p.digest for p in plans.values()}) == 1  # every rank planned the same
     gpu_of = {r.rank: gpus[(r.instance, r.local_rank)] for r in plan.ranks}
-    return {"plan": plan, "gpu_of": gpu_of, "device_keys": remaining}
+    assert len(set(transports.values())) == 1  # every rank chose the same transport
+    return {"plan": plan, "gpu_of": gpu_of, "device_keys": remaining, "transport": transports[("trainer", 0)]}
 
 
 def test_ipc_plans_read_from_the_replica_on_the_receivers_own_gpu():
@@ -64,3 +68,17 @@ def test_p2p_plans_do_not_ask_for_devices():
     got = _plans("p2p")
     assert got["device_keys"] == []
     assert any(got["gpu_of"][b.src] != got["gpu_of"][b.dst] for b in got["plan"].buckets)
+
+
+def test_auto_chooses_ipc_for_engines_sharing_gpus_and_plans_locally():
+    got = _plans("auto")
+    assert got["transport"] == "ipc"
+    assert all(got["gpu_of"][b.src] == got["gpu_of"][b.dst] for b in got["plan"].buckets)
+
+
+def test_auto_falls_back_to_p2p_with_relays_when_a_rank_cannot_share_memory():
+    # vllm-1 on another host: point to point for everyone, planned as an explicit p2p sync is
+    gpus = {**COLOCATED, ("vllm-1", 0): "other/GPU-0"}
+    got = _plans("auto", gpus)
+    assert got["transport"] == "p2p"
+    assert got["plan"].digest == _plans("p2p", gpus)["plan"].digest

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from awex.meta import Layout, Plan, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
+from awex.meta.transport_choice import choose_transport
 from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_group
 from awex.transport.ipc import IpcExecutor, IpcExport
 from awex.transport.p2p import TransferStats
@@ -39,7 +40,8 @@ class SyncManifest:
     wave_bytes: int = 256 << 20
     timeout: float = 300.0
     # "p2p": NCCL on CUDA, gloo on CPU; "ipc": CUDA engines on one host (sharing GPUs or not), receivers pull
-    # from the trainers' memory with their copy engines (fastest where no region goes to several instances)
+    # from the trainers' memory with their copy engines (fastest where no region goes to several instances);
+    # "auto": every rank publishes its device and all choose the same (awex.meta.transport_choice)
     transport: str = "p2p"
     allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
 
@@ -117,6 +119,7 @@ class SyncSession:
     _ipc: IpcState = field(default_factory=IpcState)
     _before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable for that executor)
     device_key: str | None = None  # physical device ("host/GPU-uuid"); from `device` when None and on CUDA
+    transport: str | None = None  # what the current plan runs on: "p2p" or "ipc" (manifest's, or auto's choice)
 
     def physical_device(self) -> str | None:
         """This rank's physical device as ``host/GPU-uuid`` (CUDA), or ``device_key`` when set."""
@@ -128,10 +131,13 @@ class SyncSession:
                 self.device_key = f"{socket.gethostname()}/GPU-{uuid}"
         return self.device_key
 
-    def _devices(self, version: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float) -> tuple:
-        """Every rank's physical device, through the MetaServer (for CUDA IPC plans: take from the same GPU).
-        Published per version (an engine restarted elsewhere never leaves a stale answer)."""
-        self.client.put(f"devices/{version}/{self.instance}/{self.local_rank}", self.physical_device() or "")
+    def _devices(self, version: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float,
+                 ipc_ok: bool = True) -> tuple:
+        """Every rank's physical device, through the MetaServer (for CUDA IPC plans: take from the same GPU; for
+        ``auto``: choose the transport). Published per version (an engine restarted elsewhere never leaves a stale
+        answer); a rank that cannot take part in CUDA IPC publishes none."""
+        mine = (self.physical_device() or "") if ipc_ok else ""
+        self.client.put(f"devices/{version}/{self.instance}/{self.local_rank}", mine)
         out = []
         for name in names:
             for rank in range(layouts[name].world_size):
@@ -141,9 +147,11 @@ class SyncSession:
                     out.append((name, rank, str(key)))
         return tuple(out)
 
-    def prepare(self, manifest: SyncManifest, timeout: float) -> tuple[Plan, int, bool]:
+    def prepare(self, manifest: SyncManifest, timeout: float, ipc_ok: bool = True) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
 
+        With ``transport="auto"`` the ranks also choose, all alike, between CUDA IPC and point to point
+        (:attr:`transport` says which); ``ipc_ok=False``: this rank cannot take part in CUDA IPC.
         Returns the plan, this rank's sync rank, and whether anything was (re)built.
         """
         deadline = time.monotonic() + timeout
@@ -154,14 +162,34 @@ class SyncSession:
         key = (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
-        devices = self._devices(manifest.version, names, layouts, deadline) if manifest.transport == "ipc" else ()
-        plan = plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
-                              PlanOptions(wave_bytes=manifest.wave_bytes, relay=manifest.transport != "ipc",
-                                          allow_cast=manifest.allow_cast, devices=devices))
+        if manifest.transport not in ("p2p", "ipc", "auto"):
+            raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
+        devices = ()
+        if manifest.transport != "p2p":
+            devices = self._devices(manifest.version, names, layouts, deadline, ipc_ok)
+
+        def plan_for(transport: str) -> Plan:
+            return plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
+                                  PlanOptions(wave_bytes=manifest.wave_bytes, relay=transport != "ipc",
+                                              allow_cast=manifest.allow_cast,
+                                              devices=devices if transport == "ipc" else ()))
+
+        transport = manifest.transport
+        if transport == "auto":
+            ipc_plan, p2p_plan = plan_for("ipc"), plan_for("p2p")
+            choice = choose_transport(ipc_plan, p2p_plan, devices)
+            transport = choice.transport
+            plan = ipc_plan if transport == "ipc" else p2p_plan
+            log.info("%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version,
+                     transport, choice.reason)
+        else:
+            plan = plan_for(transport)
+        if transport == "ipc" and not ipc_ok:
+            raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
         me = plan.rank(self.instance, self.local_rank)
         self.client.agree(f"plan/{manifest.version}", f"{self.instance}:{self.local_rank}", plan.world_size,
-                          plan.digest, timeout=max(0.1, deadline - time.monotonic()))
-        if manifest.transport == "ipc":
+                          f"{transport}:{plan.digest}", timeout=max(0.1, deadline - time.monotonic()))
+        if transport == "ipc":
             pass  # no process group: receivers copy from the trainers' memory
         elif self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
             cuda = getattr(self.device, "type", "cpu") == "cuda"
@@ -171,21 +199,24 @@ class SyncSession:
                                             prefix=f"awex/{manifest.host}:{manifest.port}",
                                             device=self.device if cuda else None)
         self._layouts = layouts
-        self._key, self._plan, self._executor = key, plan, None
+        self._key, self._plan, self._executor, self.transport = key, plan, None, transport
         log.info("%s:%d planned %d buckets (digest %s), sync rank %d of %d", self.instance, self.local_rank,
                  len(plan.schedule(me.rank)), plan.digest[:12], me.rank, plan.world_size)
         return plan, me.rank, True
 
     def transfer(self, manifest: SyncManifest, shards: LocalShards | Callable[[Plan], LocalShards],
-                 timeout: float,
+                 timeout: float, refresh: Callable[[], None] | None = None,
                  refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None
                  ) -> TransferStats:
-        """Move this rank's share of the version; ``refresh_by_wave`` (p2p senders): see ``WeightsWriter``."""
+        """Move this rank's share of the version; ``refresh`` / ``refresh_by_wave`` (senders): see
+        ``WeightsWriter`` (per wave only over p2p; once the transport is known, before any byte moves)."""
         started = time.monotonic()
-        plan, rank, _ = self.prepare(manifest, timeout)
-        if manifest.transport == "ipc":
-            if callable(shards):
-                raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
+        plan, rank, _ = self.prepare(manifest, timeout, ipc_ok=not callable(shards))
+        if refresh_by_wave is not None and self.transport != "p2p":
+            refresh_by_wave = None
+        if refresh is not None and refresh_by_wave is None:
+            refresh()
+        if self.transport == "ipc":
             return self._transfer_ipc(manifest, plan, rank, shards, started + timeout)
         if callable(shards):  # views that depend on the plan (receive buffers): built per sync
             executor = WaveExecutor(plan, rank, shards(plan), self._group)

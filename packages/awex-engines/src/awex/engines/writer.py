@@ -34,13 +34,16 @@ class WeightsWriter:
     of about ``wave_bytes`` per rank (staging about twice that). ``transport="ipc"`` is for inference engines
     on the trainer's host (on its GPUs or others): they copy straight from this rank's CUDA memory (IPC
     handles exported once, reused while the parameters do not move); :meth:`write` returns once every
-    receiver has finished reading.
+    receiver has finished reading. ``transport="auto"`` (the default) lets the ranks choose when they first
+    plan: CUDA IPC when every rank is a CUDA rank on one host and no GPU would move more than with relayed
+    point to point (fan-out), else p2p (``awex.meta.transport_choice``; the choice is logged and kept in
+    :attr:`transport_in_use`).
 
     The receivers' dtypes decide what arrives; a narrowing cast (fp32 -> bf16) is refused before any byte moves
     unless the tensor's name matches one of the ``allow_cast`` glob patterns (see ``awex.meta.PlanOptions``).
 
-    ``refresh`` runs at the start of every :meth:`write`, before any byte moves: it recomputes views derived
-    from the weights, such as FP8 tiles quantised on the fly (``awex.convert.Fp8Views.quantize``). With
+    ``refresh`` runs in every :meth:`write`, before any byte moves: it recomputes views derived from the
+    weights, such as FP8 tiles quantised on the fly (``awex.convert.Fp8Views.quantize``). With
     ``refresh_by_wave`` as well (``Fp8Views.by_wave``), the p2p transport refreshes wave by wave instead, each
     wave's part just before it is packed, overlapping the waves already on the wire; ``ipc`` always uses
     ``refresh``.
@@ -59,14 +62,15 @@ class WeightsWriter:
         host: str = "127.0.0.1",
         wave_bytes: int = 256 << 20,
         timeout: float = 300.0,
-        transport: str = "p2p",
+        transport: str = "auto",
         allow_cast: Sequence[str] = (),
         refresh: Callable[[], None] | None = None,
         refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
         keep_versions: int = 2,
     ):
-        if transport not in ("p2p", "ipc"):
-            raise ValueError(f"unknown transport {transport!r}: use 'p2p' (NCCL/gloo) or 'ipc' (CUDA engines on one host)")
+        if transport not in ("p2p", "ipc", "auto"):
+            raise ValueError(f"unknown transport {transport!r}: use 'auto', 'p2p' (NCCL/gloo) or 'ipc' (CUDA engines "
+                             "on one host)")
         if refresh_by_wave is not None and refresh is None:
             raise ValueError("refresh_by_wave needs refresh too: CUDA IPC receivers read whole buffers, refreshed "
                              "all at once (pass refresh=fp8.quantize, refresh_by_wave=fp8.by_wave)")
@@ -98,12 +102,14 @@ class WeightsWriter:
         """This rank's views (what it sends)."""
         return self._shards
 
+    @property
+    def transport_in_use(self) -> str | None:
+        """``"p2p"`` or ``"ipc"``: what the last :meth:`write` used (``auto``'s choice); ``None`` before one."""
+        return self._session.transport
+
     def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
         """Send weight version ``version`` to the named inference instances; returns this rank's stats."""
         started = time.monotonic()
-        by_wave = self.refresh_by_wave if self.transport == "p2p" else None
-        if self.refresh is not None and by_wave is None:
-            self.refresh()
         if self.local_rank == 0:
             if self._port is None:
                 self._port = free_port(self.host)
@@ -114,7 +120,7 @@ class WeightsWriter:
         else:
             manifest = SyncManifest.from_json(self.client.get(manifest_key(version), timeout=self.timeout))
         stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
-                                       refresh_by_wave=by_wave)
+                                       refresh=self.refresh, refresh_by_wave=self.refresh_by_wave)
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_sent, stats.seconds)
         if self.local_rank == 0:

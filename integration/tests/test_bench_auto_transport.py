@@ -1,0 +1,25 @@
+"""The GPU benchmark reports, per scenario, the transport the writers' default (``transport="auto"``) picks for
+its GPUs; planning needs no GPU, so the choice is checked here: CUDA IPC on one host except for fan-out from
+one trainer GPU, where relayed NCCL keeps the trainer's egress at one copy."""
+
+import pytest
+
+from awex.meta import Role
+from awex_integration.bench_gpu import SCENARIOS, auto_transport, layouts_of, model_tensors
+
+EXPECTED = {
+    "1gpu_to_1gpu": "ipc", "1gpu_to_1gpu_ipc": "ipc",
+    "mcore_tp2_to_vllm_tp2": "ipc", "mcore_tp2_to_vllm_tp2_ipc": "ipc",
+    "mcore_tp2_to_2x_vllm_tp1": "ipc", "mcore_tp2_to_2x_vllm_tp1_ipc": "ipc",
+    "1gpu_to_3_instances": "nccl",
+    "colocated_1gpu_ipc": "ipc", "colocated_tp2_to_tp1_per_gpu": "ipc",
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_auto_transport_of_each_benchmark_scenario(scenario):
+    _, tensors = model_tensors("qwen3-8b", 2)
+    layouts = layouts_of(scenario, tensors)
+    sources = [x for x in layouts if x.role == Role.TRAINER]
+    dests = [x for x in layouts if x.role == Role.INFERENCE]
+    assert auto_transport(scenario, sources, dests) == EXPECTED[scenario.name]

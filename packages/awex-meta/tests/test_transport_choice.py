@@ -1,0 +1,70 @@
+"""transport="auto": CUDA IPC on one host unless fan-out makes a GPU move more than the relayed NCCL plan, NCCL
+(point to point) across hosts or where a rank has no CUDA device; engines sharing a GPU always use CUDA IPC."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from awex.meta import PlanOptions, canonical_tensors, load_config, plan_transfers
+from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
+from awex.meta.transport_choice import choose_transport, link_bytes_per_gpu
+
+MODELS = Path(__file__).resolve().parents[3] / "integration" / "models"
+TINY = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
+
+
+def _choose(trainer_tp: int, engines: list[int], gpus: dict[tuple[str, int], str]):
+    sources = [megatron_layout(TINY, MegatronParallel(tp=trainer_tp), instance="trainer")]
+    dests = [vllm_layout(TINY, VllmParallel(tp=tp), instance=f"vllm-{i}") for i, tp in enumerate(engines)]
+    devices = tuple((i, r, d) for (i, r), d in gpus.items())
+    ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
+    p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+    return choose_transport(ipc, p2p, devices), ipc, p2p
+
+
+def _gpus(trainer: list[int], engines: list[list[int]], host=lambda g: "h") -> dict[tuple[str, int], str]:
+    out = {("trainer", r): f"{host(g)}/GPU-{g}" for r, g in enumerate(trainer)}
+    for i, gs in enumerate(engines):
+        out.update({(f"vllm-{i}", r): f"{host(g)}/GPU-{g}" for r, g in enumerate(gs)})
+    return out
+
+
+@pytest.mark.parametrize("trainer, engines", [
+    ([0], [[1]]),  # 1 -> 1 on other GPUs of the host
+    ([0, 1], [[2, 3]]),  # TP=2 -> TP=2
+    ([0, 1], [[2], [3]]),  # TP=2 -> two TP=1: each trainer GPU sends its half twice, each receiver gets it all
+])
+def test_one_host_without_egress_fan_out_uses_ipc(trainer, engines):
+    choice, ipc, p2p = _choose(len(trainer), [len(e) for e in engines], _gpus(trainer, engines))
+    assert choice.transport == "ipc", choice
+    assert choice.busiest_ipc <= choice.busiest_p2p * 1.05
+
+
+def test_fan_out_from_one_gpu_uses_relayed_p2p():
+    gpus = _gpus([0], [[1], [2], [3]])
+    choice, ipc, p2p = _choose(1, [1, 1, 1], gpus)
+    assert choice.transport == "p2p", choice
+    # over IPC the trainer's GPU would send the model three times; with relays once
+    device_of = {r.rank: gpus[(r.instance, r.local_rank)] for r in ipc.ranks}
+    assert link_bytes_per_gpu(ipc, device_of)["h/GPU-0"][0] == 3 * choice.busiest_p2p
+
+
+def test_engines_sharing_gpus_use_ipc():
+    choice, _, _ = _choose(2, [1, 1], _gpus([0, 1], [[0], [1]]))
+    assert choice.transport == "ipc" and "share" in choice.reason
+
+
+def test_several_hosts_use_p2p():
+    choice, _, _ = _choose(1, [1], _gpus([0], [[1]], host=lambda g: f"node{g}"))
+    assert choice.transport == "p2p" and "hosts" in choice.reason
+
+
+def test_a_rank_without_a_cuda_device_means_p2p():
+    gpus = _gpus([0], [[1]])
+    gpus[("vllm-0", 0)] = ""  # a CPU engine, or one that receives into per-sync buffers
+    choice, _, _ = _choose(1, [1], gpus)
+    assert choice.transport == "p2p" and "vllm-0:0" in choice.reason
+    del gpus[("vllm-0", 0)]  # or one that published nothing
+    assert _choose(1, [1], gpus)[0].transport == "p2p"
