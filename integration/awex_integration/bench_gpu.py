@@ -635,6 +635,8 @@ def _device_name() -> str:
 
     n = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0)
+    if n == 1:
+        return f"1x {name}"
     try:
         links = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
         link = "NV18" if "NV18" in links else ("NVLink" if " NV" in links else "PCIe")
@@ -669,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
                          "flat: views of one contiguous buffer (as Megatron-core's DDP keeps them); "
                          "'per-param,flat' runs every scenario both ways")
     ap.add_argument("--timeout", type=float, default=300.0, help="per scenario")
+    ap.add_argument("--upstream", action="store_true",
+                    help="also run checkpoint-engine 0.4.2 where it runs (colocated on one GPU; needs it installed)")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     command = list(sys.argv[1:] if argv is None else argv)
@@ -787,6 +791,14 @@ def main(argv: list[str] | None = None) -> int:
                                            for b in v})[:5],
             "wall_seconds": round(time.monotonic() - started, 1),
         }
+        if args.upstream and sc.name == "colocated_1gpu_ipc" and buffer == buffers[0] and not args.fp8:
+            from awex_integration.bench_checkpoint_engine import run as run_checkpoint_engine
+
+            upstream = run_checkpoint_engine(args.model, args.layers, max(1, args.baseline_iters))
+            entry["upstream"] = upstream
+            if upstream.get("correct"):
+                entry["baselines"]["checkpoint_engine_0.4.2_update"] = upstream["update_seconds"]
+            print(f"checkpoint-engine 0.4.2: {json.dumps(upstream)[:600]}", flush=True)
         results.append(entry)
         _write_results(args.out, device, date, cal, results, command)  # after every scenario: a later one may time out
         base = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["baselines"].items())
