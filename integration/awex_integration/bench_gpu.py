@@ -51,6 +51,7 @@ class Engine:
     kind: str  # "megatron" (trainer) or "vllm" (receiver)
     tp: int
     gpus: tuple[int, ...]
+    dp: int = 1  # trainer data-parallel replicas (Megatron ranks: TP fastest)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ SCENARIOS = [
     Scenario("colocated_tp2_to_tp1_per_gpu", "colocated Megatron TP=2 with a vLLM TP=1 engine on each of the two GPUs",
              (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 1, (0,)),
               Engine("vllm-1", "vllm", 1, (1,))), "ipc", 2),
+    # the common RL colocation: a data-parallel trainer over all GPUs, one engine replica per GPU; every engine
+    # reads the trainer replica on its own GPU (planner locality), nothing crosses NVLink
+    Scenario("colocated_dp2_to_2x_tp1", "colocated Megatron TP=1 x DP=2 with a vLLM TP=1 engine on each of the "
+             "two GPUs", (Engine("trainer", "megatron", 1, (0, 1), dp=2), Engine("vllm-0", "vllm", 1, (0,)),
+                          Engine("vllm-1", "vllm", 1, (1,))), "ipc", 2),
 ]
 
 
@@ -96,15 +102,16 @@ def scenario_devices(scenario: Scenario) -> tuple[tuple[str, int, str], ...]:
 
 # ----------------------------------------------------------------------------------------------- model side
 
-def auto_transport(scenario: Scenario, sources, dests) -> str:
-    """What ``transport="auto"`` (the writers' default) picks for this scenario's GPUs: "ipc" or "nccl"."""
+def auto_transport(scenario: Scenario, sources, dests, fp8: bool = False) -> str:
+    """What ``transport="auto"`` (the writers' default) picks for this scenario's GPUs: "ipc" or "nccl" (``fp8``:
+    the trainer quantises wave by wave, as the writer does with ``refresh_by_wave``)."""
     from awex.meta import PlanOptions, plan_transfers
     from awex.meta.transport_choice import choose_transport
 
     devices = tuple((i, r, f"host/GPU-{g.removeprefix('gpu')}") for i, r, g in scenario_devices(scenario))
     ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
     p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
-    return {"ipc": "ipc", "p2p": "nccl"}[choose_transport(ipc, p2p, devices).transport]
+    return {"ipc": "ipc", "p2p": "nccl"}[choose_transport(ipc, p2p, devices, refresh_by_wave=fp8).transport]
 
 
 def model_tensors(model: str, layers: int | None):
@@ -125,7 +132,7 @@ def layouts_of(scenario: Scenario, tensors):
     out = []
     for e in scenario.engines:
         if e.kind == "megatron":
-            out.append(megatron_layout(tensors, MegatronParallel(tp=e.tp), instance=e.instance))
+            out.append(megatron_layout(tensors, MegatronParallel(tp=e.tp, dp=e.dp), instance=e.instance))
         else:
             out.append(vllm_layout(tensors, VllmParallel(tp=e.tp), instance=e.instance))
     return out
@@ -153,7 +160,7 @@ def native_params(engine: Engine, local_rank: int, dims, device, quant=None, fla
     from awex.meta.layouts import MegatronParallel, VllmParallel
 
     if engine.kind == "megatron":
-        where = MegatronNames(local_rank, 0, MegatronParallel(tp=engine.tp))
+        where = MegatronNames(local_rank % engine.tp, 0, MegatronParallel(tp=engine.tp, dp=engine.dp))
         shapes = megatron_param_shapes(dims, where)[0]
         if flat:
             sizes = {n: -(-math.prod(s) // 64) * 64 for n, s in shapes.items()}  # starts 128-byte aligned
@@ -369,6 +376,9 @@ def worker(a: WorkerArgs) -> dict:
     def sync_once():
         if quantize_in_sync:
             quantize_in_sync()
+        if a.fp8 and scenario.transport == "ipc":  # receivers read the new tiles only once they are written
+            torch.cuda.synchronize()
+            barrier()
         if run:
             last[0] = run()
 
@@ -769,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
             "wire_bytes": direct.stats.total_bytes,
             "quantize_seconds": max((p.get("quantize_seconds", 0.0) for p in per_rank), default=0.0) or None,
             "transport": sc.transport,
-            "auto_transport": auto_transport(sc, sources, dests),  # the default's choice for these GPUs
+            "auto_transport": auto_transport(sc, sources, dests, fp8=args.fp8),  # the default's choice for these GPUs
             "bytes": received,
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],

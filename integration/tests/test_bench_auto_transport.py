@@ -12,7 +12,7 @@ EXPECTED = {
     "mcore_tp2_to_vllm_tp2": "ipc", "mcore_tp2_to_vllm_tp2_ipc": "ipc",
     "mcore_tp2_to_2x_vllm_tp1": "ipc", "mcore_tp2_to_2x_vllm_tp1_ipc": "ipc",
     "1gpu_to_3_instances": "nccl",
-    "colocated_1gpu_ipc": "ipc", "colocated_tp2_to_tp1_per_gpu": "ipc",
+    "colocated_1gpu_ipc": "ipc", "colocated_tp2_to_tp1_per_gpu": "ipc", "colocated_dp2_to_2x_tp1": "ipc",
 }
 
 
@@ -23,3 +23,17 @@ def test_auto_transport_of_each_benchmark_scenario(scenario):
     sources = [x for x in layouts if x.role == Role.TRAINER]
     dests = [x for x in layouts if x.role == Role.INFERENCE]
     assert auto_transport(scenario, sources, dests) == EXPECTED[scenario.name]
+
+
+def test_colocated_replicas_are_read_on_their_own_gpus():
+    from awex.meta import PlanOptions, plan_transfers
+    from awex_integration.bench_gpu import scenario_devices
+
+    scenario = next(s for s in SCENARIOS if s.name == "colocated_dp2_to_2x_tp1")
+    _, tensors = model_tensors("qwen3-8b", 2)
+    layouts = layouts_of(scenario, tensors)
+    plan = plan_transfers([x for x in layouts if x.role == Role.TRAINER], [x for x in layouts if x.role == Role.INFERENCE],
+                          PlanOptions(relay=False, devices=scenario_devices(scenario)))
+    gpu = {(i, r): g for i, r, g in scenario_devices(scenario)}
+    of = {r.rank: gpu[(r.instance, r.local_rank)] for r in plan.ranks}
+    assert plan.buckets and all(of[b.src] == of[b.dst] for b in plan.buckets)

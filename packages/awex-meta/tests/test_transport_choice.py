@@ -68,3 +68,14 @@ def test_a_rank_without_a_cuda_device_means_p2p():
     assert choice.transport == "p2p" and "vllm-0:0" in choice.reason
     del gpus[("vllm-0", 0)]  # or one that published nothing
     assert _choose(1, [1], gpus)[0].transport == "p2p"
+
+
+def test_senders_quantising_wave_by_wave_use_p2p_unless_engines_share_gpus():
+    sources = [megatron_layout(TINY, MegatronParallel(tp=1), instance="trainer")]
+    dests = [vllm_layout(TINY, VllmParallel(tp=1), instance="vllm-0")]
+    for gpus, expected in (([0], [[1]]), "p2p"), (([0], [[0]]), "ipc"):
+        devices = tuple((i, r, d) for (i, r), d in _gpus(*gpus).items())
+        ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
+        p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+        assert choose_transport(ipc, p2p, devices, refresh_by_wave=True).transport == expected
+        assert choose_transport(ipc, p2p, devices).transport == "ipc"

@@ -44,6 +44,7 @@ class SyncManifest:
     # "auto": every rank publishes its device and all choose the same (awex.meta.transport_choice)
     transport: str = "p2p"
     allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
+    refresh_by_wave: bool = False  # the senders derive what they send wave by wave (FP8 on the fly): for "auto"
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -58,7 +59,8 @@ class SyncManifest:
             return cls(version=str(d["version"]), sources=tuple(d["sources"]), destinations=tuple(d["destinations"]),
                        host=str(d["host"]), port=int(d["port"]), wave_bytes=int(d["wave_bytes"]),
                        timeout=float(d["timeout"]), transport=str(d.get("transport", "p2p")),
-                       allow_cast=tuple(str(p) for p in d.get("allow_cast", ())))
+                       allow_cast=tuple(str(p) for p in d.get("allow_cast", ())),
+                       refresh_by_wave=bool(d.get("refresh_by_wave", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
 
@@ -177,7 +179,7 @@ class SyncSession:
         transport = manifest.transport
         if transport == "auto":
             ipc_plan, p2p_plan = plan_for("ipc"), plan_for("p2p")
-            choice = choose_transport(ipc_plan, p2p_plan, devices)
+            choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave)
             transport = choice.transport
             plan = ipc_plan if transport == "ipc" else p2p_plan
             log.info("%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version,

@@ -36,7 +36,8 @@ class WeightsWriter:
     handles exported once, reused while the parameters do not move); :meth:`write` returns once every
     receiver has finished reading. ``transport="auto"`` (the default) lets the ranks choose when they first
     plan: CUDA IPC when every rank is a CUDA rank on one host and no GPU would move more than with relayed
-    point to point (fan-out), else p2p (``awex.meta.transport_choice``; the choice is logged and kept in
+    point to point (fan-out), and, with ``refresh_by_wave``, only where engines share GPUs (only p2p overlaps the
+    quantising with the transfer); else p2p (``awex.meta.transport_choice``; the choice is logged and kept in
     :attr:`transport_in_use`).
 
     The receivers' dtypes decide what arrives; a narrowing cast (fp32 -> bf16) is refused before any byte moves
@@ -114,7 +115,8 @@ class WeightsWriter:
             if self._port is None:
                 self._port = free_port(self.host)
             manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
-                                    self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast)
+                                    self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
+                                    refresh_by_wave=self.refresh_by_wave is not None)
             self.client.put(manifest_key(version), manifest.to_json())
             self.client.publish_event("weights_ready", self.layout.instance, version=version)
         else:

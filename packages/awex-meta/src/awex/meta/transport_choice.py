@@ -13,6 +13,10 @@ On one host, copy engines move bytes at least as fast as NCCL (measured on H200 
 GPU, and no waves or staging), so ``"ipc"`` wins unless it makes some GPU move more bytes over the links than
 the relayed point-to-point plan does, by more than that rate's margin (:data:`IPC_RATE_MARGIN`).
 :func:`choose_transport` compares the busiest GPU of both plans.
+
+A sender that derives what it sends wave by wave (FP8 quantisation on the fly) overlaps that work with the
+transfer only point to point; over CUDA IPC it finishes before receivers read. Then ``"p2p"`` is chosen unless
+engines share GPUs (measured, Qwen3-8B FP8 1 -> 1 on 2x H200: 30.9 ms over NCCL, 37.2 ms over CUDA IPC).
 """
 
 from __future__ import annotations
@@ -56,11 +60,13 @@ def link_bytes_per_gpu(plan: Plan, device_of: dict[int, str]) -> dict[str, tuple
     return {d: (sent[d], received[d]) for d in set(sent) | set(received)}
 
 
-def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices) -> TransportChoice:
+def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices,
+                     refresh_by_wave: bool = False) -> TransportChoice:
     """``"ipc"`` or ``"p2p"`` for a sync whose ranks run on ``devices`` (see the module docstring).
 
     ``ipc_plan`` is the plan without relays (planned with ``devices``), ``p2p_plan`` the plan with relays; both
-    over the same layouts. Deterministic: every rank that sees the same devices chooses the same.
+    over the same layouts; ``refresh_by_wave``: the senders quantise (or otherwise derive) what they send wave by
+    wave. Deterministic: every rank that sees the same devices chooses the same.
     """
     device_of: dict[int, str] = {}
     known = {(i, r): d for i, r, d in devices}
@@ -74,6 +80,9 @@ def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices) -> Transp
         return TransportChoice("p2p", f"ranks on {len(hosts)} hosts ({', '.join(sorted(hosts)[:4])})")
     if len(set(device_of.values())) < len(device_of):
         return TransportChoice("ipc", "engines share GPUs (NCCL cannot put two ranks on one GPU)")
+    if refresh_by_wave:
+        return TransportChoice("p2p", "the senders refresh what they send wave by wave, which only point to point "
+                               "overlaps with the transfer")
     busiest_ipc = max((max(s, r) for s, r in link_bytes_per_gpu(ipc_plan, device_of).values()), default=0)
     p2p_device_of = {r.rank: device_of[ipc_plan.rank(r.instance, r.local_rank).rank] for r in p2p_plan.ranks}
     busiest_p2p = max((max(s, r) for s, r in link_bytes_per_gpu(p2p_plan, p2p_device_of).values()), default=0)
