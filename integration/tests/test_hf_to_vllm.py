@@ -76,6 +76,7 @@ def test_three_steps_hf_trainer_to_vllm(setup):
         assert now != previous, f"step {step}: output did not change"
         assert llm.get_weight_version() == f"step-{step}"
         previous = now
+    assert writer.transport_in_use == "p2p"  # the default ("auto") on CPU engines: gloo, point to point
     versions = {p["name"]: p["weight_version"] for p in client.status()["jobs"]["e2e"]["participants"]}
     assert versions["vllm-0"] == "step-3"
     # the writer keeps the MetaServer records of its last two versions only (a long run must not fill the store)
