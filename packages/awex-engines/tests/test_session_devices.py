@@ -10,6 +10,7 @@ from awex.meta import canonical_tensors
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.meta.server import start_embedded
+from awex.meta.transport_choice import TransportError
 
 TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
 
@@ -17,7 +18,7 @@ TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models
 COLOCATED = {("trainer", 0): "h/GPU-0", ("trainer", 1): "h/GPU-1", ("vllm-0", 0): "h/GPU-1", ("vllm-1", 0): "h/GPU-0"}
 
 
-def _plans(transport: str, gpus: dict = COLOCATED) -> dict:
+def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fails: bool = False) -> dict:
     # Megatron TP=1 x DP=2 on GPUs 0 and 1; engine vllm-0 on GPU 1, vllm-1 on GPU 0 (each colocated with a replica)
     tensors = canonical_tensors(TINY)
     layouts = [megatron_layout(tensors, MegatronParallel(tp=1, dp=2), instance="trainer"),
@@ -35,7 +36,8 @@ def _plans(transport: str, gpus: dict = COLOCATED) -> dict:
         def rank(instance: str, local_rank: int) -> None:
             try:
                 session = SyncSession(MetaClient(server.address, job="devices", timeout=20), instance, local_rank,
-                                      device_key=gpus[(instance, local_rank)])
+                                      device_key=gpus[(instance, local_rank)],
+                                      device_reach=None if reach is None else reach[(instance, local_rank)])
                 plans[(instance, local_rank)] = session.prepare(manifest, timeout=20)[0]
                 transports[(instance, local_rank)] = session.transport
             except Exception as e:  # asserted below
@@ -44,6 +46,8 @@ def _plans(transport: str, gpus: dict = COLOCATED) -> dict:
         threads = [threading.Thread(target=rank, args=key) for key in gpus]
         [t.start() for t in threads]
         [t.join(60) for t in threads]
+        if fails:
+            return {"errors": errors}
         assert not errors, errors
         remaining = client.keys("devices/")
         client.forget(*version_records("v1"))
@@ -82,3 +86,20 @@ def test_auto_falls_back_to_p2p_with_relays_when_a_rank_cannot_share_memory():
     got = _plans("auto", gpus)
     assert got["transport"] == "p2p"
     assert got["plan"].digest == _plans("p2p", gpus)["plan"].digest
+
+
+SEPARATE = {("trainer", 0): "h/GPU-0", ("trainer", 1): "h/GPU-1", ("vllm-0", 0): "h/GPU-2", ("vllm-1", 0): "h/GPU-3"}
+
+
+def test_auto_uses_p2p_when_receivers_cannot_reach_the_trainers_gpus():
+    # every process sees only its own GPU (CUDA_VISIBLE_DEVICES): CUDA IPC between GPUs cannot open the handles
+    own_only = {key: (d,) for key, d in SEPARATE.items()}
+    assert _plans("auto", SEPARATE, own_only)["transport"] == "p2p"
+    everything = {key: tuple(SEPARATE.values()) for key in SEPARATE}
+    assert _plans("auto", SEPARATE, everything)["transport"] == "ipc"
+
+
+def test_explicit_ipc_that_cannot_reach_a_gpu_is_refused_on_every_rank_before_any_byte_moves():
+    got = _plans("ipc", SEPARATE, {key: (d,) for key, d in SEPARATE.items()}, fails=True)
+    assert len(got["errors"]) == 4 and all(isinstance(e, TransportError) for e in got["errors"])
+    assert "vllm-0:0 cannot read trainer:" in str(got["errors"][0]) + str(got["errors"][1])

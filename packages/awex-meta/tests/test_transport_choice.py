@@ -9,7 +9,7 @@ import pytest
 
 from awex.meta import PlanOptions, canonical_tensors, load_config, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
-from awex.meta.transport_choice import choose_transport, link_bytes_per_gpu
+from awex.meta.transport_choice import TransportError, choose_transport, link_bytes_per_gpu, unreachable
 
 MODELS = Path(__file__).resolve().parents[3] / "integration" / "models"
 TINY = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
@@ -79,3 +79,33 @@ def test_senders_quantising_wave_by_wave_use_p2p_unless_engines_share_gpus():
         p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
         assert choose_transport(ipc, p2p, devices, refresh_by_wave=True).transport == expected
         assert choose_transport(ipc, p2p, devices).transport == "ipc"
+
+
+def test_receivers_that_cannot_see_the_source_gpu_get_p2p():
+    # one GPU visible per process (Ray's CUDA_VISIBLE_DEVICES): CUDA IPC across GPUs cannot open the handles
+    gpus = _gpus([0], [[1]])
+    devices = tuple((i, r, d) for (i, r), d in gpus.items())
+    sources = [megatron_layout(TINY, MegatronParallel(tp=1), instance="trainer")]
+    dests = [vllm_layout(TINY, VllmParallel(tp=1), instance="vllm-0")]
+    ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
+    p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+    own_only = {key: [d] for key, d in gpus.items()}
+    assert unreachable(ipc, devices, own_only) == ["vllm-0:0 cannot read trainer:0 on h/GPU-0"]
+    choice = choose_transport(ipc, p2p, devices, reach=own_only)
+    assert choice.transport == "p2p" and "cannot read" in choice.reason
+    everything = {key: ["h/GPU-0", "h/GPU-1"] for key in gpus}
+    assert unreachable(ipc, devices, everything) == []
+    assert choose_transport(ipc, p2p, devices, reach=everything).transport == "ipc"
+
+
+def test_engines_sharing_gpus_that_cannot_reach_the_other_half_are_refused_before_any_byte_moves():
+    # colocated TP=2 trainer, one TP=1 engine per GPU, each process seeing only its own GPU: the engine on GPU 0
+    # needs the half of the model on GPU 1; NCCL cannot run two ranks on one GPU either
+    gpus = _gpus([0, 1], [[0], [1]])
+    devices = tuple((i, r, d) for (i, r), d in gpus.items())
+    sources = [megatron_layout(TINY, MegatronParallel(tp=2), instance="trainer")]
+    dests = [vllm_layout(TINY, VllmParallel(tp=1), instance=f"vllm-{i}") for i in range(2)]
+    ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
+    p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+    with pytest.raises(TransportError, match="CUDA_VISIBLE_DEVICES"):
+        choose_transport(ipc, p2p, devices, reach={key: [d] for key, d in gpus.items()})

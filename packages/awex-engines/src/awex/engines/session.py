@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from awex.meta import Layout, Plan, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
-from awex.meta.transport_choice import choose_transport
+from awex.meta.transport_choice import TransportError, choose_transport, unreachable
 from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_group
 from awex.transport.ipc import IpcExecutor, IpcExport
 from awex.transport.p2p import TransferStats
@@ -122,6 +122,7 @@ class SyncSession:
     _before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable for that executor)
     device_key: str | None = None  # physical device ("host/GPU-uuid"); from `device` when None and on CUDA
     transport: str | None = None  # what the current plan runs on: "p2p" or "ipc" (manifest's, or auto's choice)
+    device_reach: tuple[str, ...] | None = None  # devices this rank reads over CUDA IPC; found out when None
 
     def physical_device(self) -> str | None:
         """This rank's physical device as ``host/GPU-uuid`` (CUDA), or ``device_key`` when set."""
@@ -133,21 +134,46 @@ class SyncSession:
                 self.device_key = f"{socket.gethostname()}/GPU-{uuid}"
         return self.device_key
 
+    def reachable_devices(self) -> tuple[str, ...]:
+        """The devices (``host/GPU-uuid``) whose memory this rank can read over CUDA IPC: its own and every GPU
+        visible in this process with peer access from it (``device_reach`` when set). A process that sees one GPU
+        (``CUDA_VISIBLE_DEVICES``) reaches only its own."""
+        if self.device_reach is not None:
+            return tuple(self.device_reach)
+        mine = self.physical_device()
+        if not mine or getattr(self.device, "type", "cpu") != "cuda":
+            return (mine,) if mine else ()
+        import torch
+
+        host = mine.split("/", 1)[0]
+        out = [mine]
+        for i in range(torch.cuda.device_count()):
+            other = torch.device("cuda", i)
+            if other.index == self.device.index or not torch.cuda.can_device_access_peer(self.device, other):
+                continue
+            uuid = getattr(torch.cuda.get_device_properties(other), "uuid", None)
+            if uuid is not None:
+                out.append(f"{host}/GPU-{uuid}")
+        return tuple(out)
+
     def _devices(self, version: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float,
-                 ipc_ok: bool = True) -> tuple:
-        """Every rank's physical device, through the MetaServer (for CUDA IPC plans: take from the same GPU; for
-        ``auto``: choose the transport). Published per version (an engine restarted elsewhere never leaves a stale
-        answer); a rank that cannot take part in CUDA IPC publishes none."""
+                 ipc_ok: bool = True) -> tuple[tuple, dict]:
+        """Every rank's physical device and the devices it reaches, through the MetaServer (for CUDA IPC plans:
+        take from the same GPU; for ``auto``: choose the transport). Published per version (an engine restarted
+        elsewhere never leaves a stale answer); a rank that cannot take part in CUDA IPC publishes none."""
         mine = (self.physical_device() or "") if ipc_ok else ""
-        self.client.put(f"devices/{version}/{self.instance}/{self.local_rank}", mine)
-        out = []
+        self.client.put(f"devices/{version}/{self.instance}/{self.local_rank}",
+                        {"device": mine, "reach": list(self.reachable_devices()) if mine else []})
+        out, reach = [], {}
         for name in names:
             for rank in range(layouts[name].world_size):
-                key = self.client.get(f"devices/{version}/{name}/{rank}",
+                doc = self.client.get(f"devices/{version}/{name}/{rank}",
                                       timeout=max(0.1, deadline - time.monotonic()))
+                key = doc.get("device") if isinstance(doc, dict) else doc
                 if key:
                     out.append((name, rank, str(key)))
-        return tuple(out)
+                    reach[(name, rank)] = [str(d) for d in doc.get("reach", ())] if isinstance(doc, dict) else [key]
+        return tuple(out), reach
 
     def prepare(self, manifest: SyncManifest, timeout: float, ipc_ok: bool = True) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
@@ -166,9 +192,9 @@ class SyncSession:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
         if manifest.transport not in ("p2p", "ipc", "auto"):
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
-        devices = ()
+        devices, reach = (), {}
         if manifest.transport != "p2p":
-            devices = self._devices(manifest.version, names, layouts, deadline, ipc_ok)
+            devices, reach = self._devices(manifest.version, names, layouts, deadline, ipc_ok)
 
         def plan_for(transport: str) -> Plan:
             return plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
@@ -179,13 +205,17 @@ class SyncSession:
         transport = manifest.transport
         if transport == "auto":
             ipc_plan, p2p_plan = plan_for("ipc"), plan_for("p2p")
-            choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave)
+            choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave, reach)
             transport = choice.transport
             plan = ipc_plan if transport == "ipc" else p2p_plan
             log.info("%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version,
                      transport, choice.reason)
         else:
             plan = plan_for(transport)
+            blocked = unreachable(plan, devices, reach) if transport == "ipc" else []
+            if blocked:
+                raise TransportError(f"sync {manifest.version!r} over CUDA IPC: " + "; ".join(blocked[:8])
+                                     + " (make the GPUs visible to the reading processes, or use transport='p2p')")
         if transport == "ipc" and not ipc_ok:
             raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
         me = plan.rank(self.instance, self.local_rank)

@@ -14,6 +14,12 @@ GPU, and no waves or staging), so ``"ipc"`` wins unless it makes some GPU move m
 the relayed point-to-point plan does, by more than that rate's margin (:data:`IPC_RATE_MARGIN`).
 :func:`choose_transport` compares the busiest GPU of both plans.
 
+CUDA IPC across GPUs also needs every receiver to *reach* the GPUs it reads from: the source GPU must be
+visible in the receiver's process and peer access possible (one GPU per process, as Ray's
+``CUDA_VISIBLE_DEVICES`` gives, rules it out). Ranks publish which devices they reach; :func:`unreachable`
+lists the reads that cannot happen, and ``"auto"`` then takes ``"p2p"`` (or refuses, where engines share GPUs
+and NCCL cannot serve them either).
+
 A sender that derives what it sends wave by wave (FP8 quantisation on the fly) overlaps that work with the
 transfer only point to point; over CUDA IPC it finishes before receivers read. Then ``"p2p"`` is chosen unless
 engines share GPUs (measured, Qwen3-8B FP8 1 -> 1 on 2x H200: 30.9 ms over NCCL, 37.2 ms over CUDA IPC).
@@ -22,7 +28,7 @@ engines share GPUs (measured, Qwen3-8B FP8 1 -> 1 on 2x H200: 30.9 ms over NCCL,
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from awex.meta.plan import Plan
@@ -34,6 +40,14 @@ engines pulling over NVLink against NCCL's point-to-point rate, 389 / 368 GB/s m
 Devices = Sequence[tuple[str, int, str]]
 """``(instance, local_rank, device)``, a device written ``host/GPU-uuid``; an empty device: not a CUDA rank, or
 one that cannot take part in CUDA IPC."""
+
+Reach = Mapping[tuple[str, int], Collection[str]]
+"""``(instance, local_rank) -> devices`` (``host/GPU-uuid``) whose memory that rank can read over CUDA IPC: its
+own and the visible GPUs it has peer access to. A rank missing here is assumed to reach its own device only."""
+
+
+class TransportError(ValueError):
+    """No transport can serve these ranks where they run (raised before any byte moves)."""
 
 
 @dataclass(frozen=True)
@@ -60,13 +74,30 @@ def link_bytes_per_gpu(plan: Plan, device_of: dict[int, str]) -> dict[str, tuple
     return {d: (sent[d], received[d]) for d in set(sent) | set(received)}
 
 
+def unreachable(ipc_plan: Plan, devices: Devices, reach: Reach | None) -> list[str]:
+    """The reads of ``ipc_plan`` a receiver cannot make over CUDA IPC (``"vllm-0:0 cannot read trainer:1 on
+    host/GPU-b"``); empty when every receiver reaches every device it reads from."""
+    known = {(i, r): d for i, r, d in devices}
+    reach = reach or {}
+    out = set()
+    for b in ipc_plan.buckets:
+        src, dst = ipc_plan.ranks[b.src], ipc_plan.ranks[b.dst]
+        there = known.get((src.instance, src.local_rank), "")
+        here = known.get((dst.instance, dst.local_rank), "")
+        if there and there != here and there not in reach.get((dst.instance, dst.local_rank), ()):
+            out.add(f"{dst.instance}:{dst.local_rank} cannot read {src.instance}:{src.local_rank} on {there}")
+    return sorted(out)
+
+
 def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices,
-                     refresh_by_wave: bool = False) -> TransportChoice:
+                     refresh_by_wave: bool = False, reach: Reach | None = None) -> TransportChoice:
     """``"ipc"`` or ``"p2p"`` for a sync whose ranks run on ``devices`` (see the module docstring).
 
     ``ipc_plan`` is the plan without relays (planned with ``devices``), ``p2p_plan`` the plan with relays; both
     over the same layouts; ``refresh_by_wave``: the senders quantise (or otherwise derive) what they send wave by
-    wave. Deterministic: every rank that sees the same devices chooses the same.
+    wave; ``reach``: which devices each rank can read (``None``: every rank reaches every GPU of its host).
+    Deterministic: every rank that sees the same devices chooses the same. Raises :class:`TransportError` when
+    engines share GPUs (no NCCL) and some receiver cannot reach a GPU it must read.
     """
     device_of: dict[int, str] = {}
     known = {(i, r): d for i, r, d in devices}
@@ -78,8 +109,15 @@ def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices,
     hosts = {d.split("/", 1)[0] for d in device_of.values()}
     if len(hosts) > 1:
         return TransportChoice("p2p", f"ranks on {len(hosts)} hosts ({', '.join(sorted(hosts)[:4])})")
+    blocked = unreachable(ipc_plan, devices, reach) if reach is not None else []
     if len(set(device_of.values())) < len(device_of):
+        if blocked:
+            raise TransportError("engines share GPUs, so NCCL cannot serve them, and CUDA IPC cannot either: "
+                                 + "; ".join(blocked[:8]) + ". Make every GPU of the host visible to every engine "
+                                 "process (CUDA_VISIBLE_DEVICES) and peer access possible between them")
         return TransportChoice("ipc", "engines share GPUs (NCCL cannot put two ranks on one GPU)")
+    if blocked:
+        return TransportChoice("p2p", "CUDA IPC not possible: " + "; ".join(blocked[:4]))
     if refresh_by_wave:
         return TransportChoice("p2p", "the senders refresh what they send wave by wave, which only point to point "
                                "overlaps with the transfer")
