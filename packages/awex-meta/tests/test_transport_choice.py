@@ -15,12 +15,18 @@ MODELS = Path(__file__).resolve().parents[3] / "integration" / "models"
 TINY = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
 
 
-def _choose(trainer_tp: int, engines: list[int], gpus: dict[tuple[str, int], str]):
+def _plans(trainer_tp: int, engines: list[int], gpus: dict[tuple[str, int], str]):
+    """The plan without relays (with the devices) and the relayed one, and the devices as the sessions give them."""
     sources = [megatron_layout(TINY, MegatronParallel(tp=trainer_tp), instance="trainer")]
     dests = [vllm_layout(TINY, VllmParallel(tp=tp), instance=f"vllm-{i}") for i, tp in enumerate(engines)]
     devices = tuple((i, r, d) for (i, r), d in gpus.items())
     ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
     p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+    return ipc, p2p, devices
+
+
+def _choose(trainer_tp: int, engines: list[int], gpus: dict[tuple[str, int], str]):
+    ipc, p2p, devices = _plans(trainer_tp, engines, gpus)
     return choose_transport(ipc, p2p, devices), ipc, p2p
 
 
@@ -71,12 +77,8 @@ def test_a_rank_without_a_cuda_device_means_p2p():
 
 
 def test_senders_quantising_wave_by_wave_use_p2p_unless_engines_share_gpus():
-    sources = [megatron_layout(TINY, MegatronParallel(tp=1), instance="trainer")]
-    dests = [vllm_layout(TINY, VllmParallel(tp=1), instance="vllm-0")]
     for gpus, expected in (([0], [[1]]), "p2p"), (([0], [[0]]), "ipc"):
-        devices = tuple((i, r, d) for (i, r), d in _gpus(*gpus).items())
-        ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
-        p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+        ipc, p2p, devices = _plans(1, [1], _gpus(*gpus))
         assert choose_transport(ipc, p2p, devices, refresh_by_wave=True).transport == expected
         assert choose_transport(ipc, p2p, devices).transport == "ipc"
 
@@ -84,11 +86,7 @@ def test_senders_quantising_wave_by_wave_use_p2p_unless_engines_share_gpus():
 def test_receivers_that_cannot_see_the_source_gpu_get_p2p():
     # one GPU visible per process (Ray's CUDA_VISIBLE_DEVICES): CUDA IPC across GPUs cannot open the handles
     gpus = _gpus([0], [[1]])
-    devices = tuple((i, r, d) for (i, r), d in gpus.items())
-    sources = [megatron_layout(TINY, MegatronParallel(tp=1), instance="trainer")]
-    dests = [vllm_layout(TINY, VllmParallel(tp=1), instance="vllm-0")]
-    ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
-    p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+    ipc, p2p, devices = _plans(1, [1], gpus)
     own_only = {key: [d] for key, d in gpus.items()}
     assert unreachable(ipc, devices, own_only) == ["vllm-0:0 cannot read trainer:0 on h/GPU-0"]
     choice = choose_transport(ipc, p2p, devices, reach=own_only)
@@ -102,10 +100,6 @@ def test_engines_sharing_gpus_that_cannot_reach_the_other_half_are_refused_befor
     # colocated TP=2 trainer, one TP=1 engine per GPU, each process seeing only its own GPU: the engine on GPU 0
     # needs the half of the model on GPU 1; NCCL cannot run two ranks on one GPU either
     gpus = _gpus([0, 1], [[0], [1]])
-    devices = tuple((i, r, d) for (i, r), d in gpus.items())
-    sources = [megatron_layout(TINY, MegatronParallel(tp=2), instance="trainer")]
-    dests = [vllm_layout(TINY, VllmParallel(tp=1), instance=f"vllm-{i}") for i in range(2)]
-    ipc = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices))
-    p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+    ipc, p2p, devices = _plans(2, [1, 1], gpus)
     with pytest.raises(TransportError, match="CUDA_VISIBLE_DEVICES"):
         choose_transport(ipc, p2p, devices, reach={key: [d] for key, d in gpus.items()})
