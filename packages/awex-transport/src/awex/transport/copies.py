@@ -66,7 +66,7 @@ def wide_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torc
             or (dst.is_contiguous() and src.is_contiguous())):
         return None
     for wide in _WIDE:
-        if torch.empty(0, dtype=wide).element_size() <= dst.element_size():
+        if wide.itemsize <= dst.element_size():
             return None
         try:
             return dst.view(wide), src.view(wide)

@@ -73,8 +73,8 @@ class _Wave:
     index: int
     sends: list[tuple[int, torch.Tensor, Bucket]]  # (peer, message, bucket)
     recvs: list[tuple[int, torch.Tensor, Bucket]]
-    pack: list  # (staging view, native view) pairs while building, then their copy functions
-    unpack: list  # (native view, staging view) pairs while building, then their copy functions
+    pack: list[Callable[[], None]]  # copies of native views into the staging buffer
+    unpack: list[Callable[[], None]]  # copies out of the staging buffer into native views
 
 
 class WaveExecutor:
@@ -99,6 +99,8 @@ class WaveExecutor:
         for i, w in enumerate(sorted(by_wave)):
             base = (i % self.slots) * slot
             wave = _Wave(w, [], [], [], [])
+            pack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging view, native view)
+            unpack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (native view, staging view)
             pos = base
             for step in by_wave[w]:
                 b = step.bucket
@@ -109,13 +111,13 @@ class WaveExecutor:
                     for here, piece in shards.pieces(names[t.tensor], t.offsets, t.sizes):
                         part = region[here] if here else region
                         if step.op == "send":
-                            wave.pack.append((part, piece))
+                            pack.append((part, piece))
                         else:
-                            wave.unpack.append((piece, part))
+                            unpack.append((piece, part))
                 (wave.sends if step.op == "send" else wave.recvs).append((step.peer, message, b))
                 pos += _align(nbytes)
-            wave.pack = [copier(d, s) for d, s in merge_copies(wave.pack)]
-            wave.unpack = [copier(d, s) for d, s in merge_copies(wave.unpack)]
+            wave.pack = [copier(d, s) for d, s in merge_copies(pack)]
+            wave.unpack = [copier(d, s) for d, s in merge_copies(unpack)]
             self.waves.append(wave)
             self.sent_regions.append([(names[t.tensor], t.offsets, t.sizes)
                                       for step in by_wave[w] if step.op == "send" for t in step.bucket.transfers])
