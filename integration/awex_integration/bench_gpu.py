@@ -361,7 +361,7 @@ def worker(a: WorkerArgs) -> dict:
         if not trainer:
             peers = sorted({s.peer for s in plan.schedule(a.rank)})
             opened = {p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}.json").read_text()))) for p in peers}
-            executor = IpcExecutor(plan, a.rank, shards, opened)
+            executor = IpcExecutor(plan, a.rank, shards, opened, **a.extra.get("ipc", {}))
             run = executor.run
             result["staging_bytes"] = executor.staging_bytes
         else:
@@ -683,9 +683,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="per scenario")
     ap.add_argument("--upstream", action="store_true",
                     help="also run checkpoint-engine 0.4.2 where it runs (colocated on one GPU; needs it installed)")
+    ap.add_argument("--ipc-options", default="{}",
+                    help="JSON keyword arguments for the CUDA IPC executor, e.g. '{\"dma_streams\": 4}' (tuning runs)")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     command = list(sys.argv[1:] if argv is None else argv)
+    ipc_options = json.loads(args.ipc_options)
+    if not isinstance(ipc_options, dict):
+        ap.error("--ipc-options: a JSON object")
 
     if args.worker:
         a = WorkerArgs(**json.loads(args.worker))
@@ -753,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in ranks:
             wa = WorkerArgs(sc.name, args.model, args.layers, r.rank, len(ranks), r.instance, r.local_rank,
                             gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb, args.fp8,
-                            buffer)
+                            buffer, {"ipc": ipc_options})
             argv.append(["--worker", json.dumps(wa.__dict__)])
         started = time.monotonic()
         outs = _launch(argv, args.timeout, env)
@@ -779,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
             "wire_bytes": direct.stats.total_bytes,
             "quantize_seconds": max((p.get("quantize_seconds", 0.0) for p in per_rank), default=0.0) or None,
             "transport": sc.transport,
+            **({"ipc_options": ipc_options} if ipc_options and sc.transport == "ipc" else {}),
             "auto_transport": auto_transport(sc, sources, dests, fp8=args.fp8),  # the default's choice for these GPUs
             "bytes": received,
             "seconds": round(steady, 6),

@@ -10,7 +10,8 @@ import torch
 from awex.meta import Box
 from awex.transport import LocalShards
 from awex.transport.copies import copier, merge_copies, wide_views
-from awex.transport.ipc import ExportedView, IpcExport, export_shards, interleave_sources
+from awex.transport.ipc import (ExportedView, IpcExport, _extent, _rows_within, export_shards, interleave_sources,
+                                ring_slots)
 
 
 def _apply(copies):
@@ -158,3 +159,42 @@ def test_wide_copies_write_exactly_what_copy_writes(seed):
     dst_at(expected).copy_(src_at(src_base.view(bits)))  # the reference: the same bits, element by element
     copier(dst_at(dst_base), src_at(src_base))()
     assert torch.equal(dst_base.view(bits), expected)  # what the views cover, and nothing around them
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bounce_ring_never_overwrites_bytes_not_yet_placed(seed):
+    """Replays the ring in order: a span may land only where every earlier span has been placed, which waiting
+    for ``after`` (and, placements being in order, everything before it) guarantees; spans stay inside."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(x) for x in torch.randint(1, 100, (40,), generator=g)]
+    capacity = 4 * max(sizes)
+    slots = ring_slots(sizes, capacity, align=16)
+    for i, ((offset, after), n) in enumerate(zip(slots, sizes)):
+        assert offset % 16 == 0 and offset + n <= capacity
+        placed_before = after if after is not None else -1  # every span <= after is placed when i starts
+        for j in range(placed_before + 1, i):  # still unplaced (in flight or waiting): must not overlap
+            o, m = slots[j][0], sizes[j]
+            assert o + m <= offset or offset + n <= o, (i, j)
+        if after is not None:  # and waiting is needed: `after` really overlaps
+            o, m = slots[after][0], sizes[after]
+            assert not (o + m <= offset or offset + n <= o)
+    # small spans keep many in flight: with equal spans of a quarter of the ring, 4 at once, then each waits
+    # for the one 4 before it
+    assert [a for _, a in ring_slots([16] * 8, 64)] == [None, None, None, None, 0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        ring_slots([65], 64)
+
+
+def test_large_strided_copies_are_cut_into_rows_that_fit_a_bounce_buffer():
+    src = torch.arange(64 * 40, dtype=torch.float32).view(64, 40)[:, :20]  # column half: strided, 3200 B
+    dst = torch.zeros(64, 20)
+    parts = _rows_within(dst, src, 1000)
+    assert len(parts) > 1
+    for d, s in parts:
+        lo, hi = _extent(s)
+        assert hi - lo <= 1000
+        d.copy_(s)
+    assert torch.equal(dst, src)
+    assert len(_rows_within(torch.zeros(64, 40), torch.ones(64, 40), 100)) == 1  # contiguous: one DMA does it
+    wide = torch.zeros(2, 1000)[:, :500]  # one row alone is larger than the limit: left whole (a direct copy)
+    assert len(_rows_within(wide, torch.ones(2, 500), 100)) == 1

@@ -80,7 +80,7 @@ class _Wave:
 class WaveExecutor:
     """One rank's share of one plan over one group, with everything built once (steady state)."""
 
-    def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup):
+    def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, slots: int = 2):
         self.plan = plan
         self.rank = rank
         self.group = group
@@ -92,7 +92,9 @@ class WaveExecutor:
             by_wave.setdefault(step.bucket.wave, []).append(step)
         sizes = {w: sum(_align(bucket_offsets(s.bucket)[1]) for s in steps) for w, steps in by_wave.items()}
         slot = max(sizes.values(), default=0)
-        self.slots = 2 if self.device.type == "cuda" and len(by_wave) > 1 else 1
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.slots = min(slots, len(by_wave)) if self.device.type == "cuda" and len(by_wave) > 1 else 1
         self.staging = torch.empty(slot * self.slots, dtype=torch.uint8, device=self.device)
         self.waves: list[_Wave] = []
         self.sent_regions: list[list[tuple[str, tuple[int, ...], tuple[int, ...]]]] = []
