@@ -18,6 +18,7 @@ from awex_integration.spawn import run_processes  # noqa: E402
 @pytest.mark.parametrize("case", [
     pytest.param(("ipc", 1, [0], [(1, [0])]), id="colocated-1gpu-ipc"),
     pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])]), id="colocated-tp2-to-tp1-per-gpu-ipc"),
+    pytest.param(("p2p", 1, [0], [(1, [1])]), id="nccl-1-to-1"),
     pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])]), id="nccl-tp2-to-tp2"),
     pytest.param(("p2p", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="nccl-1-to-3-relay"),
     # the default: one host, no fan-out -> CUDA IPC between GPUs; fan-out from one GPU -> relayed NCCL
@@ -25,6 +26,7 @@ from awex_integration.spawn import run_processes  # noqa: E402
     pytest.param(("auto", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="auto-1-to-3-picks-nccl"),
     # FP8 receivers: the trainer quantises its bf16 weights, FP8 tiles + scales travel and land in place
     pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b"), id="fp8-colocated-1gpu-ipc"),
+    pytest.param(("p2p", 1, [0], [(1, [1])], True, "qwen3-8b"), id="fp8-nccl-1-to-1"),
     pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
     pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], True, "qwen3-30b-a3b"), id="fp8-moe-nccl-tp2-to-tp2"),
     pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], False, "qwen3-30b-a3b"), id="moe-nccl-tp2-to-tp2"),

@@ -85,6 +85,16 @@ def test_digest_changes_when_the_plan_changes():
     dst1 = Layout("v", Role.INFERENCE, 2, (m,), (TensorLayout(spec, MeshSharding("m", (("tp", Shard(0)),))),))
     dst2 = Layout("v", Role.INFERENCE, 2, (m,), (TensorLayout(spec, MeshSharding("m", (("tp", Shard(1)),))),))
     assert plan_transfers([src], [dst1]).digest != plan_transfers([src], [dst2]).digest
+    # which transfers travel as their own message changes no bucket, but both ends must agree on it
+    same = plan_transfers([src], [dst1], PlanOptions(direct_bytes=None))
+    assert same.buckets == plan_transfers([src], [dst1]).buckets
+    assert same.digest != plan_transfers([src], [dst1]).digest
+
+
+def test_direct_bytes_must_be_positive_or_none():
+    with pytest.raises(ValueError, match="direct_bytes"):
+        PlanOptions(direct_bytes=0)
+    assert PlanOptions(direct_bytes=None).direct_bytes is None
 
 
 def _one(name, shape, dtype="float32", instance="t", role=Role.TRAINER):

@@ -10,7 +10,7 @@ import zlib
 import torch
 
 from awex.meta import Box, PlanOptions, plan_transfers
-from awex.transport import LocalShards, WaveExecutor, create_sync_group, run_p2p
+from awex.transport import LocalShards, WaveExecutor, create_sync_group
 from awex.transport.shards import torch_dtype
 
 
@@ -22,14 +22,15 @@ def canonical_value(name: str, shape: tuple[int, ...], dtype: str, step: int) ->
 
 def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, host: str, port: int,
            timeout: float, results, behaviour: str = "normal", wave_bytes: int = 256 << 20,
-           allow_cast: tuple = ()) -> None:
+           allow_cast: tuple = (), direct_bytes: int | None = 4 << 20, receiver_pieces: int = 2) -> None:
     from awex.meta.serialize import layout_from_wire
 
     try:
         layouts = [layout_from_wire(d) for d in layout_docs]
         sources = [lay for lay in layouts if lay.role.value == "trainer"]
         dests = [lay for lay in layouts if lay.role.value == "inference"]
-        plan = plan_transfers(sources, dests, PlanOptions(wave_bytes=wave_bytes, allow_cast=tuple(allow_cast)))
+        plan = plan_transfers(sources, dests, PlanOptions(wave_bytes=wave_bytes, allow_cast=tuple(allow_cast),
+                                                          direct_bytes=direct_bytes))
         me = plan.rank(instance, local_rank)
         layout = next(lay for lay in layouts if lay.instance == instance)
         natives: dict[str, torch.Tensor] = {}
@@ -43,12 +44,13 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
         else:
             # receivers write into views of bigger "native" buffers: every box of a tensor lives inside one
             # fused buffer per rank (like vLLM's qkv_proj), so the writes must land in place
-            # and boxes with more than one row come as two pieces in separate buffers (as Megatron's per-group QKV)
+            # and (receiver_pieces=2) boxes with more than one row come as two pieces in separate buffers (as
+            # Megatron's per-group QKV); with receiver_pieces=1 each box is one contiguous view
             def view_of(name, box):
                 spec = layout.tensor(name).spec
                 pieces = []
                 subs = [box]
-                if box.sizes and box.sizes[0] > 1:
+                if box.sizes and box.sizes[0] > 1 and receiver_pieces == 2:
                     half = box.sizes[0] // 2
                     subs = [Box(box.offsets, (half,) + box.sizes[1:]),
                             Box((box.offsets[0] + half,) + box.offsets[1:], (box.sizes[0] - half,) + box.sizes[1:])]
@@ -80,7 +82,8 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
             if calls != list(range(len(executor.waves))):
                 raise AssertionError(f"before_pack called for waves {calls}, expected 0..{len(executor.waves) - 1}")
         else:
-            stats = run_p2p(plan, me.rank, shards, group, timeout=timeout)
+            executor = WaveExecutor(plan, me.rank, shards, group)
+            stats = executor.run(timeout=timeout)
         bad = []
         if role == "inference":
             for name in shards.names():
@@ -93,6 +96,6 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
                 if fused.dim() and fused.shape[0] >= 2 and torch.count_nonzero(fused[: fused.shape[0] // 2].float()):
                     bad.append(f"{key}: wrote outside its view")
         results.put((instance, local_rank, "ok" if not bad else "mismatch: " + ", ".join(bad[:5]),
-                     stats.bytes_received, stats.bytes_sent))
+                     stats.bytes_received, stats.bytes_sent, executor.direct_bytes))
     except BaseException as e:  # reported to the test
-        results.put((instance, local_rank, f"error: {type(e).__name__}: {e}\n{traceback.format_exc()}", 0, 0.0))
+        results.put((instance, local_rank, f"error: {type(e).__name__}: {e}\n{traceback.format_exc()}", 0, 0, 0))

@@ -53,6 +53,11 @@ class PlanOptions:
     cast that loses nothing (bf16 -> fp32) is allowed and logged; a narrowing one (fp32 -> bf16, which would
     silently change precision, e.g. of an MoE router) is a :class:`PlanError` unless the tensor's name matches
     one of the ``allow_cast`` glob patterns (``("*.mlp.gate.weight",)``, or ``("*",)`` for all).
+
+    ``direct_bytes``: a transfer of at least this many bytes travels as its own message, which a transport
+    may send straight from and receive straight into an engine's memory where that is contiguous (no staging
+    copies); smaller ones share one message per bucket. ``None``: every bucket is one message. Part of the
+    plan's digest, since both ends of a message must agree on it.
     """
 
     wave_bytes: int = 256 << 20
@@ -60,10 +65,13 @@ class PlanOptions:
     relay: bool = True
     allow_cast: tuple[str, ...] = ()
     devices: tuple[tuple[str, int, str], ...] = ()
+    direct_bytes: int | None = 4 << 20
 
     def __post_init__(self) -> None:
         if self.wave_bytes <= 0 or self.split_bytes <= 0:
             raise ValueError("wave_bytes and split_bytes must be positive")
+        if self.direct_bytes is not None and self.direct_bytes <= 0:
+            raise ValueError("direct_bytes must be positive (None: no direct messages)")
         if isinstance(self.allow_cast, str):
             object.__setattr__(self, "allow_cast", (self.allow_cast,))
         object.__setattr__(self, "devices", tuple(sorted((str(i), int(r), str(d)) for i, r, d in self.devices)))

@@ -33,7 +33,9 @@ class SyncGroup:
         """Post all ``(tensor, peer)`` sends and receives at once; returns the works to wait on.
 
         On NCCL they form one group (``ncclGroupStart/End``), so transfers to and from different peers run
-        concurrently and their order cannot deadlock; on gloo each is its own asynchronous operation.
+        concurrently and their order cannot deadlock; on gloo each is its own asynchronous operation. Several
+        messages to one peer are matched in order (the k-th send with the peer's k-th receive; on gloo each
+        gets its own tag).
         """
         pg = self.process_group
         if self.backend == "nccl":
@@ -46,9 +48,11 @@ class SyncGroup:
             return [work] if work is not None else []
         works = []
         for op, items in (("send to", sends), ("recv from", recvs)):
+            count: dict[int, int] = {}
             for tensor, peer in items:
+                tag = count[peer] = count.get(peer, -1) + 1
                 try:
-                    works.append((pg.send if op == "send to" else pg.recv)([tensor], peer, 0))
+                    works.append((pg.send if op == "send to" else pg.recv)([tensor], peer, tag))
                 except RuntimeError as e:  # name the peer: "connection closed" alone does not say who died
                     raise RuntimeError(f"{op} rank {peer}: {e}") from e
         return works

@@ -1,8 +1,10 @@
 """Point-to-point execution of one rank's share of a plan, wave by wave.
 
 For every wave of the plan (:mod:`awex.meta.schedule`) a rank packs what it sends into a staging buffer (one
-contiguous message per peer), posts all its sends and receives of the wave at once (on NCCL one grouped call,
-so every link is busy), and copies what it received into its views (in place). On CUDA the waves are
+contiguous message per peer for the small transfers; large ones go straight from and into the engines' memory
+where it is contiguous, :func:`bucket_messages`), posts all its sends and receives of the wave at once (on
+NCCL one grouped call, so every link is busy), and copies what it received into its views (in place). On CUDA
+the waves are
 double-buffered on three streams: packing wave ``w + 1`` and unpacking wave ``w - 1`` overlap wave ``w`` on
 the wire, and the host never runs more than two waves ahead. Staging is two slots of the largest wave
 (bounded by the plan's ``wave_bytes``), allocated once.
@@ -17,14 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from awex.meta import Bucket, Plan
-from awex.meta.plan import RELAY_LAG
+from awex.meta.plan import RELAY_LAG, Step, Transfer
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.group import SyncGroup
@@ -53,15 +55,37 @@ class TransferStats:
     seconds: float = 0.0
 
 
-def bucket_offsets(bucket: Bucket) -> tuple[list[int], int]:
-    """Byte offset of each transfer inside the bucket's message, and the message size (aligned to ``ALIGN``)."""
+def message_offsets(transfers: Sequence[Transfer]) -> tuple[list[int], int]:
+    """Byte offset of each transfer inside one message, and the message size (offsets aligned to ``ALIGN``)."""
     offsets = []
     pos = 0
-    for t in bucket.transfers:
+    for t in transfers:
         pos = -(-pos // ALIGN) * ALIGN
         offsets.append(pos)
         pos += t.nbytes
     return offsets, pos
+
+
+def bucket_offsets(bucket: Bucket) -> tuple[list[int], int]:
+    """Byte offset of each transfer inside the bucket packed as one message, and the message size."""
+    return message_offsets(bucket.transfers)
+
+
+def bucket_messages(bucket: Bucket, direct_bytes: int | None) -> list[tuple[Transfer, ...]]:
+    """The messages a bucket travels as, the same on both ends: its transfers under ``direct_bytes`` (the
+    plan's :attr:`~awex.meta.PlanOptions.direct_bytes`) packed together (first), then each larger transfer
+    alone, in plan order.
+
+    A message that is one transfer can be sent straight out of the sender's memory and received straight
+    into the receiver's where that side's view of it is contiguous (each side decides for itself), skipping
+    the staging copies: on 2x H200 the copies around 256 MiB waves cost a 1 -> 1 NCCL sync 7% (48.8 ms
+    against 45.7 ms for the same messages without them).
+    """
+    if direct_bytes is None:
+        return [bucket.transfers]
+    small = tuple(t for t in bucket.transfers if t.nbytes < direct_bytes)
+    large = [(t,) for t in bucket.transfers if t.nbytes >= direct_bytes]
+    return ([small] if small else []) + large
 
 
 def _align(n: int) -> int:
@@ -71,61 +95,88 @@ def _align(n: int) -> int:
 @dataclass
 class _Wave:
     index: int
-    sends: list[tuple[int, torch.Tensor, Bucket]]  # (peer, message, bucket)
-    recvs: list[tuple[int, torch.Tensor, Bucket]]
+    sends: list[tuple[int, torch.Tensor, int]]  # (peer, message, payload bytes)
+    recvs: list[tuple[int, torch.Tensor, int]]
     pack: list[Callable[[], None]]  # copies of native views into the staging buffer
     unpack: list[Callable[[], None]]  # copies out of the staging buffer into native views
 
 
 class WaveExecutor:
-    """One rank's share of one plan over one group, with everything built once (steady state)."""
+    """One rank's share of one plan over one group, with everything built once (steady state).
 
-    def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, slots: int = 2):
+    Each bucket travels as one or more messages (:func:`bucket_messages`); a message that is one transfer
+    whose view on this rank is contiguous goes straight from or into that view, every other one through a
+    region of the staging buffer.
+    """
+
+    def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup):
         self.plan = plan
         self.rank = rank
         self.group = group
         self.device = shards.device
         dtypes = [torch_dtype(t.dtype) for t in plan.tensors]
         names = [t.name for t in plan.tensors]
-        by_wave: dict[int, list] = {}
+        by_wave: dict[int, list[tuple[Step, list[tuple[tuple[Transfer, ...], torch.Tensor | None]]]]] = {}
+        direct_bytes = getattr(plan.options, "direct_bytes", None)
         for step in plan.schedule(rank):
-            by_wave.setdefault(step.bucket.wave, []).append(step)
-        sizes = {w: sum(_align(bucket_offsets(s.bucket)[1]) for s in steps) for w, steps in by_wave.items()}
+            messages = [(m, self._direct(shards, names[m[0].tensor], m[0], dtypes[m[0].tensor])
+                         if len(m) == 1 and direct_bytes is not None else None)
+                        for m in bucket_messages(step.bucket, direct_bytes)]
+            by_wave.setdefault(step.bucket.wave, []).append((step, messages))
+        sizes = {w: sum(_align(message_offsets(m)[1]) for _, ms in steps for m, direct in ms if direct is None)
+                 for w, steps in by_wave.items()}
         slot = max(sizes.values(), default=0)
-        if slots < 1:
-            raise ValueError(f"slots must be at least 1, got {slots}")
-        self.slots = min(slots, len(by_wave)) if self.device.type == "cuda" and len(by_wave) > 1 else 1
+        self.slots = 2 if self.device.type == "cuda" and len(by_wave) > 1 else 1
         self.staging = torch.empty(slot * self.slots, dtype=torch.uint8, device=self.device)
         self.waves: list[_Wave] = []
         self.sent_regions: list[list[tuple[str, tuple[int, ...], tuple[int, ...]]]] = []
+        self.direct_bytes = 0
         for i, w in enumerate(sorted(by_wave)):
             base = (i % self.slots) * slot
             wave = _Wave(w, [], [], [], [])
             pack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging view, native view)
             unpack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (native view, staging view)
             pos = base
-            for step in by_wave[w]:
-                b = step.bucket
-                offsets, nbytes = bucket_offsets(b)
-                message = self.staging[pos:pos + nbytes]
-                for t, off in zip(b.transfers, offsets):
-                    region = message[off:off + t.nbytes].view(dtypes[t.tensor]).view(t.sizes)
-                    for here, piece in shards.pieces(names[t.tensor], t.offsets, t.sizes):
-                        part = region[here] if here else region
-                        if step.op == "send":
-                            pack.append((part, piece))
-                        else:
-                            unpack.append((piece, part))
-                (wave.sends if step.op == "send" else wave.recvs).append((step.peer, message, b))
-                pos += _align(nbytes)
+            for step, messages in by_wave[w]:
+                for transfers, direct in messages:
+                    size = sum(t.nbytes for t in transfers)
+                    if direct is not None:
+                        message = direct
+                        self.direct_bytes += size
+                    else:
+                        offsets, nbytes = message_offsets(transfers)
+                        message = self.staging[pos:pos + nbytes]
+                        pos += _align(nbytes)
+                        for t, off in zip(transfers, offsets):
+                            region = message[off:off + t.nbytes].view(dtypes[t.tensor]).view(t.sizes)
+                            for here, piece in shards.pieces(names[t.tensor], t.offsets, t.sizes):
+                                part = region[here] if here else region
+                                if step.op == "send":
+                                    pack.append((part, piece))
+                                else:
+                                    unpack.append((piece, part))
+                    (wave.sends if step.op == "send" else wave.recvs).append((step.peer, message, size))
             wave.pack = [copier(d, s) for d, s in merge_copies(pack)]
             wave.unpack = [copier(d, s) for d, s in merge_copies(unpack)]
             self.waves.append(wave)
             self.sent_regions.append([(names[t.tensor], t.offsets, t.sizes)
-                                      for step in by_wave[w] if step.op == "send" for t in step.bucket.transfers])
-        self.bytes_sent = sum(b.nbytes for w in self.waves for _, _, b in w.sends)
-        self.bytes_received = sum(b.nbytes for w in self.waves for _, _, b in w.recvs)
-        self.buckets = sum(len(w.sends) + len(w.recvs) for w in self.waves)
+                                      for step, _ in by_wave[w] if step.op == "send" for t in step.bucket.transfers])
+        self.bytes_sent = sum(n for w in self.waves for _, _, n in w.sends)
+        self.bytes_received = sum(n for w in self.waves for _, _, n in w.recvs)
+        self.buckets = sum(len(steps) for steps in by_wave.values())
+
+    @staticmethod
+    def _direct(shards: LocalShards, name: str, t: Transfer, wire: torch.dtype) -> torch.Tensor | None:
+        """This rank's view of transfer ``t`` as flat bytes, where it is one contiguous piece of the wire dtype."""
+        pieces = shards.pieces(name, t.offsets, t.sizes)
+        if len(pieces) != 1:
+            return None
+        here, view = pieces[0]
+        if here and any(s != slice(0, n) for s, n in zip(here, t.sizes)):
+            return None
+        if view.dtype != wire or not view.is_contiguous() or view.dim() == 0:
+            return None
+        return view.view(torch.uint8).view(-1)
 
     @property
     def staging_bytes(self) -> int:
@@ -152,7 +203,7 @@ class WaveExecutor:
 
     def _what(self, wave: _Wave) -> str:
         peers = sorted({p for p, _, _ in wave.sends} | {p for p, _, _ in wave.recvs})
-        size = sum(b.nbytes for _, _, b in wave.sends) + sum(b.nbytes for _, _, b in wave.recvs)
+        size = sum(n for _, _, n in wave.sends) + sum(n for _, _, n in wave.recvs)
         return f"rank {self.rank}: wave {wave.index} ({size} bytes with rank(s) {peers})"
 
     def _post(self, wave: _Wave, deadline: float, timeout: float):
