@@ -65,7 +65,7 @@ class PlanOptions:
     relay: bool = True
     allow_cast: tuple[str, ...] = ()
     devices: tuple[tuple[str, int, str], ...] = ()
-    direct_bytes: int | None = 4 << 20
+    direct_bytes: int | None = 64 << 20
 
     def __post_init__(self) -> None:
         if self.wave_bytes <= 0 or self.split_bytes <= 0:
