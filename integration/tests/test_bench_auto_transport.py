@@ -10,7 +10,7 @@ from awex_integration.bench_gpu import SCENARIOS, auto_transport, layouts_of, mo
 EXPECTED = {
     "1gpu_to_1gpu": "ipc", "1gpu_to_1gpu_ipc": "ipc",
     "mcore_tp2_to_vllm_tp2": "ipc", "mcore_tp2_to_vllm_tp2_ipc": "ipc",
-    "mcore_tp2_to_2x_vllm_tp1": "ipc", "mcore_tp2_to_2x_vllm_tp1_ipc": "ipc",
+    "mcore_tp2_to_2x_vllm_tp1": "nccl", "mcore_tp2_to_2x_vllm_tp1_ipc": "nccl",  # two GPUs pull from each trainer GPU
     "1gpu_to_3_instances": "nccl",
     "colocated_1gpu_ipc": "ipc", "colocated_tp2_to_tp1_per_gpu": "ipc", "colocated_dp2_to_2x_tp1": "ipc",
 }

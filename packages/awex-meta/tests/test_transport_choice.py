@@ -9,7 +9,8 @@ import pytest
 
 from awex.meta import PlanOptions, canonical_tensors, load_config, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
-from awex.meta.transport_choice import TransportError, choose_transport, link_bytes_per_gpu, unreachable
+from awex.meta.transport_choice import (IPC_RATE_MARGIN, SHARED_SOURCE_FACTOR, TransportError, choose_transport,
+                                       link_bytes_per_gpu, unreachable)
 
 MODELS = Path(__file__).resolve().parents[3] / "integration" / "models"
 TINY = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
@@ -40,12 +41,24 @@ def _gpus(trainer: list[int], engines: list[list[int]], host=lambda g: "h") -> d
 @pytest.mark.parametrize("trainer, engines", [
     ([0], [[1]]),  # 1 -> 1 on other GPUs of the host
     ([0, 1], [[2, 3]]),  # TP=2 -> TP=2
-    ([0, 1], [[2], [3]]),  # TP=2 -> two TP=1: each trainer GPU sends its half twice, each receiver gets it all
 ])
 def test_one_host_without_egress_fan_out_uses_ipc(trainer, engines):
     choice, ipc, p2p = _choose(len(trainer), [len(e) for e in engines], _gpus(trainer, engines))
     assert choice.transport == "ipc", choice
     assert choice.busiest_ipc <= choice.busiest_p2p * 1.05
+
+
+def test_a_gpu_that_several_gpus_pull_from_at_once_counts_its_egress_at_the_shared_rate():
+    # TP=2 -> two TP=1 on other GPUs: each trainer GPU sends its half twice, each receiver gets it all; by bytes
+    # the plans tie, but each trainer GPU is pulled from by two GPUs at once (measured 1.59x over CUDA IPC
+    # against 1.26x over NCCL with relays on 4x H200)
+    gpus = _gpus([0, 1], [[2], [3]])
+    choice, ipc, p2p = _choose(2, [1, 1], gpus)
+    assert choice.transport == "p2p", choice
+    device_of = {r.rank: gpus[(r.instance, r.local_rank)] for r in ipc.ranks}
+    raw = max(max(s, r) for s, r in link_bytes_per_gpu(ipc, device_of).values())
+    assert raw <= choice.busiest_p2p * IPC_RATE_MARGIN < choice.busiest_ipc
+    assert choice.busiest_ipc == int(link_bytes_per_gpu(ipc, device_of)["h/GPU-0"][0] * SHARED_SOURCE_FACTOR)
 
 
 def test_fan_out_from_one_gpu_uses_relayed_p2p():

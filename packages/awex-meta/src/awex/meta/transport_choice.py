@@ -12,7 +12,9 @@ Two ways to move the same weights:
 On one host, copy engines move bytes at least as fast as NCCL (measured on H200 with NV18: 389 vs 368 GB/s per
 GPU, and no waves or staging), so ``"ipc"`` wins unless it makes some GPU move more bytes over the links than
 the relayed point-to-point plan does, by more than that rate's margin (:data:`IPC_RATE_MARGIN`).
-:func:`choose_transport` compares the busiest GPU of both plans.
+:func:`choose_transport` compares the busiest GPU of both plans; a GPU that several other GPUs pull from at
+once (a second one taking at least a quarter of its egress) counts that egress :data:`SHARED_SOURCE_FACTOR`
+times (their copy engines share it poorly).
 
 CUDA IPC across GPUs also needs every receiver to *reach* the GPUs it reads from: the source GPU must be
 visible in the receiver's process and peer access possible (one GPU per process, as Ray's
@@ -36,6 +38,12 @@ from awex.meta.plan import Plan
 IPC_RATE_MARGIN = 1.05
 """How many more bytes the busiest GPU may move over CUDA IPC than point to point and IPC still be chosen: copy
 engines pulling over NVLink against NCCL's point-to-point rate, 389 / 368 GB/s measured on H200 (NV18)."""
+
+SHARED_SOURCE_FACTOR = 1.5
+"""How much longer a GPU takes to serve its bytes over CUDA IPC when two or more other GPUs pull from it at once:
+their copy engines share its egress less well than NCCL's relayed plan spreads it (measured on 4x H200,
+Megatron TP=2 -> two vLLM TP=1 instances on other GPUs, each receiver pulling from both trainer GPUs: 67.9 ms
+over CUDA IPC against a 42.7 ms bound, 53.8 ms over NCCL with relays)."""
 
 Devices = Sequence[tuple[str, int, str]]
 """``(instance, local_rank, device)``, a device written ``host/GPU-uuid``; an empty device: not a CUDA rank, or
@@ -121,7 +129,16 @@ def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices,
     if refresh_by_wave:
         return TransportChoice("p2p", "the senders refresh what they send wave by wave, which only point to point "
                                "overlaps with the transfer")
-    busiest_ipc = max((max(s, r) for s, r in link_bytes_per_gpu(ipc_plan, device_of).values()), default=0)
+    read: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # source GPU -> reader GPU -> bytes
+    for b in ipc_plan.buckets:
+        if device_of[b.src] != device_of[b.dst]:
+            read[device_of[b.src]][device_of[b.dst]] += b.nbytes
+
+    def shared(d: str, sent: int) -> bool:  # a second reader takes a real share (not a few boundary rows)
+        return len(read[d]) > 1 and sorted(read[d].values())[-2] * 4 >= sent
+
+    busiest_ipc = max((max(int(s * SHARED_SOURCE_FACTOR) if shared(d, s) else s, r)
+                       for d, (s, r) in link_bytes_per_gpu(ipc_plan, device_of).items()), default=0)
     p2p_device_of = {r.rank: device_of[ipc_plan.rank(r.instance, r.local_rank).rank] for r in p2p_plan.ranks}
     busiest_p2p = max((max(s, r) for s, r in link_bytes_per_gpu(p2p_plan, p2p_device_of).values()), default=0)
     if busiest_ipc <= busiest_p2p * IPC_RATE_MARGIN:
