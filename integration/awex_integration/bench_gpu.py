@@ -341,7 +341,8 @@ def worker(a: WorkerArgs) -> dict:
     t0 = time.perf_counter()
     if scenario.transport == "nccl":
         direct = a.extra.get("direct_bytes", PlanOptions.direct_bytes)
-        options = PlanOptions(wave_bytes=int(a.wave_mb * (1 << 20)), direct_bytes=direct)
+        options = PlanOptions(wave_bytes=int(a.wave_mb * (1 << 20)), direct_bytes=direct,
+                              broadcast=a.extra.get("fanout") == "broadcast")
         plan = plan_transfers(sources, dests, options)
         group = create_sync_group(a.rank, a.world, "127.0.0.1", a.ports[1], backend="nccl", device=device)
         executor = WaveExecutor(plan, a.rank, shards, group)
@@ -687,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--direct-mb", default="64",
                     help="NCCL: transfers of at least this many MiB travel as their own message, straight from and "
                          "into engine memory where contiguous (PlanOptions.direct_bytes); 'none': all staged")
+    ap.add_argument("--fanout", default="relay", choices=["relay", "broadcast"],
+                    help="NCCL: regions several instances need go by relays (default) or as broadcasts per wave "
+                         "(PlanOptions.broadcast)")
     ap.add_argument("--ipc-options", default="{}",
                     help="JSON keyword arguments for the CUDA IPC executor, e.g. '{\"dma_streams\": 4}' (tuning runs)")
     ap.add_argument("--out", default=None, help="write the results JSON here")
@@ -763,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in ranks:
             wa = WorkerArgs(sc.name, args.model, args.layers, r.rank, len(ranks), r.instance, r.local_rank,
                             gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb, args.fp8,
-                            buffer, {"ipc": ipc_options, "direct_bytes": direct_bytes})
+                            buffer, {"ipc": ipc_options, "direct_bytes": direct_bytes, "fanout": args.fanout})
             argv.append(["--worker", json.dumps(wa.__dict__)])
         started = time.monotonic()
         outs = _launch(argv, args.timeout, env)
@@ -790,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
             "quantize_seconds": max((p.get("quantize_seconds", 0.0) for p in per_rank), default=0.0) or None,
             "transport": sc.transport,
             **({"ipc_options": ipc_options} if ipc_options and sc.transport == "ipc" else {}),
-            **({"direct_bytes": direct_bytes} if sc.transport == "nccl" else {}),
+            **({"direct_bytes": direct_bytes, "fanout": args.fanout} if sc.transport == "nccl" else {}),
             "auto_transport": auto_transport(sc, sources, dests, fp8=args.fp8),  # the default's choice for these GPUs
             "bytes": received,
             "seconds": round(steady, 6),

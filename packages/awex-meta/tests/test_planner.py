@@ -21,7 +21,8 @@ def scenarios(draw):
     devices = tuple((lay.instance, r, d) for lay in (*sources, *dests) for r in range(lay.world_size)
                     for d in [draw(st.sampled_from(["gpu0", "gpu1", None]))] if d is not None)
     options = PlanOptions(wave_bytes=draw(st.sampled_from([8, 64, 1 << 20])), split_bytes=draw(st.sampled_from([1, 16, 1 << 20])),
-                          relay=draw(st.booleans()), devices=devices if draw(st.booleans()) else ())
+                          relay=draw(st.booleans()), devices=devices if draw(st.booleans()) else (),
+                          broadcast=draw(st.booleans()))
     return sources, dests, options
 
 
@@ -38,9 +39,12 @@ def test_every_needed_element_arrives_exactly_once_and_nothing_else_is_sent(scen
     # one piece that straddles a wave boundary (pieces are cut to a pair's share, never finer than `floor`)
     floor = max(1, min(options.split_bytes, options.wave_bytes // 4))
     per_wave: dict[tuple[int, int], list] = {}
+    broadcast_sent = set()  # with broadcast, a source's identical buckets to several destinations go once
     for b in plan.buckets:
-        for r in (b.src, b.dst):
-            per_wave.setdefault((b.wave, r), []).append(b)
+        per_wave.setdefault((b.wave, b.dst), []).append(b)
+        if not options.broadcast or (b.wave, b.src, b.transfers) not in broadcast_sent:
+            broadcast_sent.add((b.wave, b.src, b.transfers))
+            per_wave.setdefault((b.wave, b.src), []).append(b)
     for bs in per_wave.values():
         slack = sum(max(floor, max(t.nbytes for t in b.transfers)) + 1 for b in bs)
         assert sum(b.nbytes for b in bs) <= options.wave_bytes + 2 * slack
@@ -69,9 +73,17 @@ def test_lower_bound_is_never_beaten_and_each_pair_meets_once_per_wave(scenario)
         assert s.max_rank_send_bytes >= s.lower_bound_send_bytes
     assert s.max_rank_recv_bytes == s.lower_bound_recv_bytes
     seen = set()
+    shared: dict[tuple, int] = {}  # broadcast plans: buckets a source sends alike to several destinations
     for b in plan.buckets:
-        assert (b.wave, b.src, b.dst) not in seen, "two buckets for one pair in one wave"
-        seen.add((b.wave, b.src, b.dst))
+        shared[(b.wave, b.src, b.transfers)] = shared.get((b.wave, b.src, b.transfers), 0) + 1
+    for b in plan.buckets:
+        # a pair meets once per wave, apart from buckets its source sends alike to other destinations too
+        # (broadcast plans: one per destination set)
+        if options.broadcast and shared[(b.wave, b.src, b.transfers)] > 1:
+            continue
+        key = (b.wave, b.src, b.dst)
+        assert key not in seen, "two buckets for one pair in one wave"
+        seen.add(key)
     # each rank's schedule is ordered by wave
     for r in range(plan.world_size):
         waves = [step.bucket.wave for step in plan.schedule(r)]
@@ -89,6 +101,28 @@ def test_digest_changes_when_the_plan_changes():
     same = plan_transfers([src], [dst1], PlanOptions(direct_bytes=None))
     assert same.buckets == plan_transfers([src], [dst1]).buckets
     assert same.digest != plan_transfers([src], [dst1]).digest
+
+
+def test_broadcast_plans_give_every_destination_of_a_region_identical_buckets_counted_once_for_the_source():
+    spec = TensorSpec("w", (64, 4), "float32")
+    m = Mesh("m", (("tp", 2),))
+    src = Layout("t", Role.TRAINER, 2, (m,), (TensorLayout(spec, MeshSharding("m", (("tp", Shard(0)),))),))
+    one = Mesh("one", (("tp", 1),))
+    dsts = [Layout(f"v{i}", Role.INFERENCE, 1, (one,), (TensorLayout(spec, MeshSharding("one", ())),))
+            for i in range(3)]
+    options = PlanOptions(wave_bytes=256, broadcast=True)
+    assert options.relay is False  # broadcast replaces relays
+    plan = plan_transfers([src], dsts, options)
+    assert plan.stats.relayed_bytes == 0
+    by_key: dict[tuple, set[int]] = {}
+    for b in plan.buckets:
+        by_key.setdefault((b.wave, b.src, b.transfers), set()).add(b.dst)
+    assert all(len(d) == 3 for d in by_key.values())  # every bucket goes alike to all three engines
+    # each trainer rank holds 512 B that three engines need: as broadcasts its load is 512 B, point to point
+    # three times that (6 waves of 256 B); each engine receives 1024 B (4 waves), now the busiest
+    assert plan.stats.waves == 4
+    assert plan_transfers([src], dsts, PlanOptions(wave_bytes=256, relay=False)).stats.waves == 6
+    assert plan.digest != plan_transfers([src], dsts, PlanOptions(wave_bytes=256, relay=False)).digest
 
 
 def test_direct_bytes_must_be_positive_or_none():

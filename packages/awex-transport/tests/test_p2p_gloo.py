@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def run_world(layouts, timeout=60.0, behaviours=None, wave_bytes=256 << 20, allow_cast=(), direct_bytes=4 << 20,
-              receiver_pieces=2):
+              receiver_pieces=2, broadcast=False):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     docs = [layout_to_wire(lay) for lay in layouts]
@@ -39,7 +39,7 @@ def run_world(layouts, timeout=60.0, behaviours=None, wave_bytes=256 << 20, allo
             behaviour = (behaviours or {}).get((lay.instance, r), "normal")
             p = ctx.Process(target=transport_workers.worker,
                             args=(lay.role.value, docs, lay.instance, r, "127.0.0.1", port, timeout, results, behaviour,
-                                  wave_bytes, tuple(allow_cast), direct_bytes, receiver_pieces))
+                                  wave_bytes, tuple(allow_cast), direct_bytes, receiver_pieces, broadcast))
             p.start()
             procs.append(p)
     out = {}
@@ -118,6 +118,33 @@ def test_large_transfers_travel_alone_straight_from_and_into_engine_memory(recei
     plan = plan_transfers(layouts[:1], layouts[1:], PlanOptions(wave_bytes=model // 4, direct_bytes=512))
     assert plan.stats.relayed_bytes > 0
     assert max(len([t for t in b.transfers if t.nbytes >= 512]) for b in plan.buckets) > 1
+
+
+@pytest.mark.parametrize("trainer_tp, engines", [(1, 3), (2, 2)])
+def test_fan_out_as_broadcasts_sends_each_region_once(trainer_tp, engines):
+    # PlanOptions(broadcast=True): what a trainer rank sends to several engines goes, wave by wave, as one
+    # broadcast over a subgroup of the sync group; with direct_bytes small, a bucket is several messages (a
+    # packed one and large transfers straight from the trainer's views), broadcast in the same order everywhere
+    tensors = canonical_tensors(TINY)
+    layouts = [megatron_layout(tensors, MegatronParallel(tp=trainer_tp, vocab_pad=1), instance="trainer")]
+    layouts += [vllm_layout(tensors, VllmParallel(tp=1), instance=f"vllm-{i}") for i in range(engines)]
+    model = sum(t.spec.nbytes for t in tensors)
+    wave = model // 6
+    out = run_world(layouts, wave_bytes=wave, direct_bytes=512, receiver_pieces=1, broadcast=True)
+    assert len(out) == trainer_tp + engines, out
+    failures = {k: v[0] for k, v in out.items() if v[0] != "ok"}
+    assert not failures, failures
+    sent = sum(out[("trainer", r)][2] for r in range(trainer_tp))
+    # each region leaves once (with TP=2, the few tensors both trainer ranks hold, the norms, may go to each
+    # engine from a different rank: under 1%)
+    assert model <= sent < model * 1.01, (sent, model)
+    for i in range(engines):
+        assert out[(f"vllm-{i}", 0)][1] == model and out[(f"vllm-{i}", 0)][2] == 0  # no relays
+    plan = plan_transfers(layouts[:1], layouts[1:], PlanOptions(wave_bytes=wave, broadcast=True))
+    assert plan.stats.relayed_bytes == 0 and plan.stats.waves > 3
+    # the waves count each broadcast region once for its source: as many as for one engine
+    one = plan_transfers(layouts[:1], layouts[1:2], PlanOptions(wave_bytes=wave))
+    assert plan.stats.waves == one.stats.waves
 
 
 def test_an_explicitly_allowed_narrowing_cast_arrives_in_the_receivers_dtype():

@@ -22,7 +22,8 @@ def canonical_value(name: str, shape: tuple[int, ...], dtype: str, step: int) ->
 
 def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, host: str, port: int,
            timeout: float, results, behaviour: str = "normal", wave_bytes: int = 256 << 20,
-           allow_cast: tuple = (), direct_bytes: int | None = 4 << 20, receiver_pieces: int = 2) -> None:
+           allow_cast: tuple = (), direct_bytes: int | None = 4 << 20, receiver_pieces: int = 2,
+           broadcast: bool = False) -> None:
     from awex.meta.serialize import layout_from_wire
 
     try:
@@ -30,7 +31,7 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
         sources = [lay for lay in layouts if lay.role.value == "trainer"]
         dests = [lay for lay in layouts if lay.role.value == "inference"]
         plan = plan_transfers(sources, dests, PlanOptions(wave_bytes=wave_bytes, allow_cast=tuple(allow_cast),
-                                                          direct_bytes=direct_bytes))
+                                                          direct_bytes=direct_bytes, broadcast=broadcast))
         me = plan.rank(instance, local_rank)
         layout = next(lay for lay in layouts if lay.instance == instance)
         natives: dict[str, torch.Tensor] = {}

@@ -175,7 +175,7 @@ class Plan:
 def plan_digest(plan: Plan) -> str:
     h = hashlib.sha256()
     h.update(b"awex-plan/3\n")
-    h.update(f"D{getattr(plan.options, 'direct_bytes', None)}\n".encode())
+    h.update(f"D{getattr(plan.options, 'direct_bytes', None)},{getattr(plan.options, 'broadcast', False)}\n".encode())
     for r in plan.ranks:
         h.update(f"R{r.rank},{r.instance},{r.role.value},{r.local_rank}\n".encode())
     for t in plan.tensors:

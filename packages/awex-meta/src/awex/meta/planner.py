@@ -27,7 +27,7 @@ from awex.meta.box import Box, intersect
 from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats, Transfer
 from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, scale_name
-from awex.meta.schedule import assign_waves, plan_relays
+from awex.meta.schedule import assign_waves, plan_relays, split_broadcasts
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 
 log = logging.getLogger("awex.meta")
@@ -58,6 +58,12 @@ class PlanOptions:
     may send straight from and receive straight into an engine's memory where that is contiguous (no staging
     copies); smaller ones share one message per bucket. ``None``: every bucket is one message. Part of the
     plan's digest, since both ends of a message must agree on it.
+
+    ``broadcast``: regions one source sends to several destinations go, wave by wave, as one broadcast to all
+    of them (NCCL pipelines a broadcast through its members, so the source's egress stays one copy) instead of
+    relays; implies ``relay=False``. The plan's buckets are those of the plan without relay (one per pair and
+    wave, identical for every destination of a region); the wave count counts such a region once for its
+    source; part of the digest. Not the default: not yet measured on GPUs against relays.
     """
 
     wave_bytes: int = 256 << 20
@@ -66,8 +72,11 @@ class PlanOptions:
     allow_cast: tuple[str, ...] = ()
     devices: tuple[tuple[str, int, str], ...] = ()
     direct_bytes: int | None = 64 << 20
+    broadcast: bool = False
 
     def __post_init__(self) -> None:
+        if self.broadcast:
+            object.__setattr__(self, "relay", False)
         if self.wave_bytes <= 0 or self.split_bytes <= 0:
             raise ValueError("wave_bytes and split_bytes must be positive")
         if self.direct_bytes is not None and self.direct_bytes <= 0:
@@ -169,8 +178,11 @@ def plan_transfers(
     for pair, transfers in same_device.items():
         per_pair.setdefault(pair, []).extend(transfers)
     relays = plan_relays(per_pair, len(ranks)) if options.relay else {}
+    broadcasts = None
+    if options.broadcast:
+        per_pair, broadcasts = split_broadcasts(per_pair)
     ordered, waves = assign_waves(per_pair, relays, itemsizes, options.wave_bytes, len(ranks),
-                                   options.split_bytes)
+                                   options.split_bytes, broadcasts)
     role_of = [r.role for r in ranks]
 
     send = [0] * len(ranks)

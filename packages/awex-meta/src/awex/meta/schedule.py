@@ -19,11 +19,16 @@ from its own freshly written memory. The source's egress no longer multiplies wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from awex.meta.balance import PairTransfers
 from awex.meta.plan import RELAY_LAG, Bucket, Transfer
 
 Relays = dict[tuple[int, int, Transfer], list[int]]
 """``(source, first destination, transfer) -> other destinations`` that get the transfer from the first one."""
+
+Broadcasts = dict[tuple[int, tuple[int, ...]], list[Transfer]]
+"""``(source, destinations) -> transfers`` the source sends to all of those destinations alike (broadcasts)."""
 
 
 def plan_relays(per_pair: PairTransfers, world_size: int) -> Relays:
@@ -77,7 +82,7 @@ def plan_relays(per_pair: PairTransfers, world_size: int) -> Relays:
 
 def assign_waves(
     per_pair: PairTransfers, relays: Relays, itemsizes: list[int], wave_bytes: int, world_size: int,
-    min_piece_bytes: int,
+    min_piece_bytes: int, broadcasts: Broadcasts | None = None,
 ) -> tuple[list[Bucket], int]:
     """Buckets (one per pair and wave) and the number of waves.
 
@@ -86,13 +91,22 @@ def assign_waves(
     pair; a pair whose share would fall below ``min_piece_bytes`` gets fewer chunks of whole pieces, spread
     evenly over the waves (a rank with many peers sends few large messages rather than tiny ones in every
     wave, and the plan stays small).
-    Relayed transfers follow their first hop :data:`RELAY_LAG` waves later.
+    Relayed transfers follow their first hop :data:`RELAY_LAG` waves later. ``broadcasts`` (from
+    :func:`split_broadcasts`) are cut the same way, once per source and destination set, into identical
+    buckets for each destination (a bucket for the pair in that wave besides the pair's own); they count once
+    in their source's load.
     """
+    broadcasts = broadcasts or {}
     load = [0] * world_size
     for (s, d), ts in per_pair.items():
         n = sum(t.nbytes for t in ts)
         load[s] += n
         load[d] += n
+    for (s, ds), ts in broadcasts.items():
+        n = sum(t.nbytes for t in ts)
+        load[s] += n
+        for d in ds:
+            load[d] += n
     for (_, first, t), others in relays.items():
         load[first] += t.nbytes * len(others)
         for o in others:
@@ -103,45 +117,77 @@ def assign_waves(
     relayed: dict[tuple[int, int], dict[int, list[Transfer]]] = {}
     for pair in sorted(per_pair):
         src, dst = pair
-        items = sorted(per_pair[pair])
-        total = sum(t.nbytes for t in items)
-        chunks = min(waves, max(1, total // floor))  # a pair's share per wave is never below `floor`
-        exact = chunks == waves  # a share in every wave: cut pieces at the boundaries; else whole pieces
-        by_wave: dict[int, list[Transfer]] = {}
-        k = 0
-        done = 0
-        used = 0  # bytes in chunk k so far
-        for item in items:
-            forward = relays.get((src, dst, item), ()) if relays else ()
-            todo = [item]
-            while todo:
-                piece = todo.pop()
-                room = (k + 1) * total // chunks - done
-                if exact and piece.nbytes > room and k < chunks - 1:
-                    head, tail = _cut(piece, room, itemsizes[piece.tensor])
-                    if head is None and used:  # not even one row fits: close this chunk, retry in the next
-                        k += 1
-                        used = 0
-                        todo.append(piece)
-                        continue
-                    if head is not None:
-                        todo.append(tail)
-                        piece = head
-                wave = k * waves // chunks
-                by_wave.setdefault(wave, []).append(piece)
-                for other in forward:
-                    relayed.setdefault((dst, other), {}).setdefault(wave + RELAY_LAG, []).append(piece)
-                done += piece.nbytes
-                used += piece.nbytes
-                while k < chunks - 1 and done >= (k + 1) * total // chunks:
-                    k += 1
-                    used = 0
-        _emit(buckets, src, dst, by_wave)
+
+        def forward(piece: Transfer, item: Transfer, wave: int, src=src, dst=dst) -> None:
+            for other in relays.get((src, dst, item), ()):
+                relayed.setdefault((dst, other), {}).setdefault(wave + RELAY_LAG, []).append(piece)
+
+        _emit(buckets, src, dst, _spread(sorted(per_pair[pair]), waves, floor, itemsizes,
+                                         forward if relays else None))
     for (src, dst), by_wave in sorted(relayed.items()):
         _emit(buckets, src, dst, by_wave)
+    for (src, dsts) in sorted(broadcasts):
+        by_wave = _spread(sorted(broadcasts[(src, dsts)]), waves, floor, itemsizes, None)
+        for dst in dsts:
+            _emit(buckets, src, dst, by_wave)
     buckets.sort(key=lambda b: (b.wave, b.src, b.dst))
     used = (buckets[-1].wave + 1) if buckets else 0
     return buckets, used
+
+
+def split_broadcasts(per_pair: PairTransfers) -> tuple[PairTransfers, Broadcasts]:
+    """Separate what one source sends to several destinations: ``(source, destinations) -> transfers`` for
+    every transfer with two or more destinations from one source, and the pairs' remaining transfers."""
+    dsts_of: dict[tuple[int, Transfer], list[int]] = {}
+    for (s, d), ts in sorted(per_pair.items()):
+        for t in ts:
+            dsts_of.setdefault((s, t), []).append(d)
+    rest: PairTransfers = {}
+    groups: Broadcasts = {}
+    for (s, t), ds in dsts_of.items():
+        if len(ds) > 1:
+            groups.setdefault((s, tuple(sorted(ds))), []).append(t)
+        else:
+            rest.setdefault((s, ds[0]), []).append(t)
+    return rest, groups
+
+
+def _spread(items: list[Transfer], waves: int, floor: int, itemsizes: list[int],
+            forward: Callable[[Transfer, Transfer, int], None] | None) -> dict[int, list[Transfer]]:
+    """One pair's transfers (sorted) cut into its chunks of the ``waves`` (see :func:`assign_waves`);
+    ``forward(piece, item, wave)`` is told where each piece of each item went (relays)."""
+    total = sum(t.nbytes for t in items)
+    chunks = min(waves, max(1, total // floor))  # a pair's share per wave is never below `floor`
+    exact = chunks == waves  # a share in every wave: cut pieces at the boundaries; else whole pieces
+    by_wave: dict[int, list[Transfer]] = {}
+    k = 0
+    done = 0
+    used = 0  # bytes in chunk k so far
+    for item in items:
+        todo = [item]
+        while todo:
+            piece = todo.pop()
+            room = (k + 1) * total // chunks - done
+            if exact and piece.nbytes > room and k < chunks - 1:
+                head, tail = _cut(piece, room, itemsizes[piece.tensor])
+                if head is None and used:  # not even one row fits: close this chunk, retry in the next
+                    k += 1
+                    used = 0
+                    todo.append(piece)
+                    continue
+                if head is not None:
+                    todo.append(tail)
+                    piece = head
+            wave = k * waves // chunks
+            by_wave.setdefault(wave, []).append(piece)
+            if forward is not None:
+                forward(piece, item, wave)
+            done += piece.nbytes
+            used += piece.nbytes
+            while k < chunks - 1 and done >= (k + 1) * total // chunks:
+                k += 1
+                used = 0
+    return by_wave
 
 
 def _cut(t: Transfer, nbytes: int, itemsize: int) -> tuple[Transfer | None, Transfer | None]:

@@ -8,7 +8,7 @@ touches ``torch.distributed``'s default group or the engines' own groups, and a 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -28,6 +28,8 @@ class SyncGroup:
     store: dist.Store
 
     device: torch.device | None = None
+    timeout: float = 60.0
+    _subgroups: dict = field(default_factory=dict, repr=False)
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
         """Post all ``(tensor, peer)`` sends and receives at once; returns the works to wait on.
@@ -57,12 +59,42 @@ class SyncGroup:
                     raise RuntimeError(f"{op} rank {peer}: {e}") from e
         return works
 
+    def subgroup(self, members: tuple[int, ...]) -> dist.ProcessGroup:
+        """A process group over ``members`` (sorted sync-world ranks, this one among them; rank ``i`` in it is
+        ``members[i]``), built once on the sync store. Every member must ask for the same subgroups in the same
+        order (an NCCL one is initialised eagerly, like the sync group)."""
+        pg = self._subgroups.get(members)
+        if pg is not None:
+            return pg
+        if self.rank not in members or list(members) != sorted(set(members)):
+            raise ValueError(f"rank {self.rank}: subgroup {members} must be sorted, distinct and include this rank")
+        store = dist.PrefixStore("sub/" + ",".join(map(str, members)), self.store)
+        wait = timedelta(seconds=self.timeout)
+        me = members.index(self.rank)
+        if self.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = wait
+            pg = dist.ProcessGroupNCCL(store, me, len(members), options)
+            probe = torch.ones(1, device=self.device)
+            pg.allreduce([probe]).wait()
+        else:
+            pg = dist.ProcessGroupGloo(store, me, len(members), wait)
+        self._subgroups[members] = pg
+        return pg
+
+    def broadcast(self, members: tuple[int, ...], tensor: torch.Tensor, root: int):
+        """Broadcast ``tensor`` from sync-world rank ``root`` to the other ``members`` (asynchronous: the work)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = members.index(root)
+        return self.subgroup(members).broadcast([tensor], options)
+
     def abort(self) -> None:
         """Abort the group after a failure (unblocks NCCL kernels waiting on a dead peer); best effort."""
-        try:
-            self.process_group.abort()
-        except Exception as e:  # noqa: BLE001 - aborting is a last resort; the caller raises the real error
-            log.warning("aborting the sync group failed: %s", e)
+        for pg in (self.process_group, *self._subgroups.values()):
+            try:
+                pg.abort()
+            except Exception as e:  # noqa: BLE001 - aborting is a last resort; the caller raises the real error
+                log.warning("aborting the sync group failed: %s", e)
 
 
 def create_sync_group(
@@ -102,8 +134,8 @@ def create_sync_group(
         if probe.item() != world_size:
             raise RuntimeError(f"NCCL sync group check failed: all-reduce gave {probe.item()}, expected {world_size}")
         log.info("rank %d/%d joined the nccl sync group at %s:%d on %s", rank, world_size, host, port, dev)
-        return SyncGroup(rank, world_size, backend, pg, store, dev)
+        return SyncGroup(rank, world_size, backend, pg, store, dev, timeout)
     else:
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
     log.info("rank %d/%d joined the %s sync group at %s:%d", rank, world_size, backend, host, port)
-    return SyncGroup(rank, world_size, backend, pg, store, torch.device("cpu"))
+    return SyncGroup(rank, world_size, backend, pg, store, torch.device("cpu"), timeout)

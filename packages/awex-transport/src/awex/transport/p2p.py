@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -99,6 +99,20 @@ class _Wave:
     recvs: list[tuple[int, torch.Tensor, int]]
     pack: list[Callable[[], None]]  # copies of native views into the staging buffer
     unpack: list[Callable[[], None]]  # copies out of the staging buffer into native views
+    broadcasts: list[tuple[tuple[int, ...], int, torch.Tensor, int]] = field(default_factory=list)
+    # (members, root, message, payload bytes), in the plan's global order
+
+
+def broadcast_groups(plan: Plan) -> dict[tuple[int, int, tuple[Transfer, ...]], tuple[int, ...]]:
+    """``(wave, source, transfers) -> members`` (the source and its destinations, sorted) for the buckets of a
+    :attr:`~awex.meta.PlanOptions.broadcast` plan that one source sends alike to several destinations in one
+    wave: each goes as one broadcast. Empty for other plans. The same on every rank."""
+    if not getattr(plan.options, "broadcast", False):
+        return {}
+    dsts: dict[tuple[int, int, tuple[Transfer, ...]], list[int]] = {}
+    for b in plan.buckets:
+        dsts.setdefault((b.wave, b.src, b.transfers), []).append(b.dst)
+    return {key: tuple(sorted({key[1], *ds})) for key, ds in dsts.items() if len(ds) > 1}
 
 
 class WaveExecutor:
@@ -116,14 +130,26 @@ class WaveExecutor:
         self.device = shards.device
         dtypes = [torch_dtype(t.dtype) for t in plan.tensors]
         names = [t.name for t in plan.tensors]
-        by_wave: dict[int, list[tuple[Step, list[tuple[tuple[Transfer, ...], torch.Tensor | None]]]]] = {}
+        Entry = tuple[Step, list[tuple[tuple[Transfer, ...], torch.Tensor | None]], tuple[int, ...] | None]
+        by_wave: dict[int, list[Entry]] = {}
         direct_bytes = getattr(plan.options, "direct_bytes", None)
+        groups = broadcast_groups(plan)
+        for members in sorted(set(groups.values())):  # same order on every rank: NCCL initialises collectively
+            if rank in members:
+                group.subgroup(members)
+        rooted: set[tuple] = set()
         for step in plan.schedule(rank):
+            b = step.bucket
+            members = groups.get((b.wave, b.src, b.transfers))
+            if members is not None and step.op == "send":
+                if (b.wave, b.transfers) in rooted:
+                    continue  # one broadcast serves every destination
+                rooted.add((b.wave, b.transfers))
             messages = [(m, self._direct(shards, names[m[0].tensor], m[0], dtypes[m[0].tensor])
                          if len(m) == 1 and direct_bytes is not None else None)
-                        for m in bucket_messages(step.bucket, direct_bytes)]
-            by_wave.setdefault(step.bucket.wave, []).append((step, messages))
-        sizes = {w: sum(_align(message_offsets(m)[1]) for _, ms in steps for m, direct in ms if direct is None)
+                        for m in bucket_messages(b, direct_bytes)]
+            by_wave.setdefault(b.wave, []).append((step, messages, members))
+        sizes = {w: sum(_align(message_offsets(m)[1]) for _, ms, _ in steps for m, direct in ms if direct is None)
                  for w, steps in by_wave.items()}
         slot = max(sizes.values(), default=0)
         self.slots = 2 if self.device.type == "cuda" and len(by_wave) > 1 else 1
@@ -137,7 +163,7 @@ class WaveExecutor:
             pack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging view, native view)
             unpack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (native view, staging view)
             pos = base
-            for step, messages in by_wave[w]:
+            for step, messages, members in by_wave[w]:
                 for transfers, direct in messages:
                     size = sum(t.nbytes for t in transfers)
                     if direct is not None:
@@ -155,14 +181,20 @@ class WaveExecutor:
                                     pack.append((part, piece))
                                 else:
                                     unpack.append((piece, part))
-                    (wave.sends if step.op == "send" else wave.recvs).append((step.peer, message, size))
+                    if members is not None:
+                        wave.broadcasts.append((members, step.bucket.src, message, size))
+                    else:
+                        (wave.sends if step.op == "send" else wave.recvs).append((step.peer, message, size))
+            wave.broadcasts.sort(key=lambda x: (x[0], x[1]))  # the global order (stable: plan order within)
             wave.pack = [copier(d, s) for d, s in merge_copies(pack)]
             wave.unpack = [copier(d, s) for d, s in merge_copies(unpack)]
             self.waves.append(wave)
             self.sent_regions.append([(names[t.tensor], t.offsets, t.sizes)
-                                      for step, _ in by_wave[w] if step.op == "send" for t in step.bucket.transfers])
-        self.bytes_sent = sum(n for w in self.waves for _, _, n in w.sends)
-        self.bytes_received = sum(n for w in self.waves for _, _, n in w.recvs)
+                                      for step, _, _ in by_wave[w] if step.op == "send" for t in step.bucket.transfers])
+        self.bytes_sent = sum(n for w in self.waves for _, _, n in w.sends) + sum(
+            n for w in self.waves for _, root, _, n in w.broadcasts if root == rank)
+        self.bytes_received = sum(n for w in self.waves for _, _, n in w.recvs) + sum(
+            n for w in self.waves for _, root, _, n in w.broadcasts if root != rank)
         self.buckets = sum(len(steps) for steps in by_wave.values())
 
     @staticmethod
@@ -202,15 +234,26 @@ class WaveExecutor:
         return stats
 
     def _what(self, wave: _Wave) -> str:
-        peers = sorted({p for p, _, _ in wave.sends} | {p for p, _, _ in wave.recvs})
-        size = sum(n for _, _, n in wave.sends) + sum(n for _, _, n in wave.recvs)
+        peers = sorted({p for p, _, _ in wave.sends} | {p for p, _, _ in wave.recvs}
+                       | {m for ms, _, _, _ in wave.broadcasts for m in ms if m != self.rank})
+        size = (sum(n for _, _, n in wave.sends) + sum(n for _, _, n in wave.recvs)
+                + sum(n for _, _, _, n in wave.broadcasts))
         return f"rank {self.rank}: wave {wave.index} ({size} bytes with rank(s) {peers})"
 
-    def _post(self, wave: _Wave, deadline: float, timeout: float):
+    def _post(self, wave: _Wave, deadline: float, timeout: float) -> list[tuple[object, str]]:
+        """Post the wave: its point-to-point messages as one group, then its broadcasts (in the plan's global
+        order on every rank, so ranks meet on each communicator in the same order). ``(work, what)`` pairs."""
         if time.monotonic() >= deadline:
             raise TransferTimeout(f"{self._what(wave)}: the sync's {timeout:g} s deadline passed")
         try:
-            return self.group.exchange([(m, p) for p, m, _ in wave.sends], [(m, p) for p, m, _ in wave.recvs])
+            works = self.group.exchange([(m, p) for p, m, _ in wave.sends], [(m, p) for p, m, _ in wave.recvs])
+            labels = (["the grouped sends and receives"] if self.group.backend == "nccl" else
+                      [f"send to rank {p}" for p, _, _ in wave.sends] + [f"recv from rank {p}" for p, _, _ in wave.recvs])
+            out = list(zip(works, labels))
+            for members, root, message, _ in wave.broadcasts:
+                work = self.group.broadcast(members, message, root)
+                out.append((work, f"broadcast from rank {root} to ranks {[m for m in members if m != root]}"))
+            return out
         except RuntimeError as e:
             raise TransferError(f"{self._what(wave)} failed: {e}") from e
 
@@ -221,9 +264,7 @@ class WaveExecutor:
                 before_pack(i)
             for copy in wave.pack:
                 copy()
-            works = self._post(wave, deadline, timeout)
-            ops = [f"send to rank {p}" for p, _, _ in wave.sends] + [f"recv from rank {p}" for p, _, _ in wave.recvs]
-            for work, op in zip(works, ops):
+            for work, op in self._post(wave, deadline, timeout):
                 left = deadline - time.monotonic()
                 try:
                     if left <= 0:
@@ -262,7 +303,7 @@ class WaveExecutor:
                     copy()
                 works = self._post(wave, deadline, timeout)
             with torch.cuda.stream(unpack_stream):
-                for work in works:
+                for work, _ in works:
                     work.wait()  # the unpack stream waits for the wave on the device, the host goes on
                 for copy in wave.unpack:
                     copy()
