@@ -693,6 +693,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(PlanOptions.broadcast)")
     ap.add_argument("--ipc-options", default="{}",
                     help="JSON keyword arguments for the CUDA IPC executor, e.g. '{\"dma_streams\": 4}' (tuning runs)")
+    ap.add_argument("--upstream-awex", default=None, metavar="DIR",
+                    help="with --upstream: a directory holding the unpacked awex 0.9.0 wheel; its transfer core "
+                         "runs as a baseline in the NCCL scenarios (awex_integration.bench_upstream_awex)")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     command = list(sys.argv[1:] if argv is None else argv)
@@ -817,6 +820,17 @@ def main(argv: list[str] | None = None) -> int:
                                            for b in v})[:5],
             "wall_seconds": round(time.monotonic() - started, 1),
         }
+        if (args.upstream and args.upstream_awex and sc.transport == "nccl" and buffer == buffers[0]
+                and not args.fp8):
+            from awex_integration.bench_upstream_awex import run as run_upstream_awex
+            from awex_integration.bench_upstream_awex import scenario_spec
+
+            spec = scenario_spec(sc, tensors, layouts, max(1, args.baseline_iters), work, _free_ports(1)[0])
+            upstream = run_upstream_awex(args.upstream_awex, spec, args.timeout)
+            entry["upstream_awex"] = upstream
+            if upstream.get("correct"):
+                entry["baselines"]["awex_0.9.0_transfer_core"] = upstream["update_seconds"]
+            print(f"awex 0.9.0: {json.dumps(upstream)[:600]}", flush=True)
         if args.upstream and sc.name == "colocated_1gpu_ipc" and buffer == buffers[0] and not args.fp8:
             from awex_integration.bench_checkpoint_engine import run as run_checkpoint_engine
 
