@@ -613,8 +613,11 @@ def calibrate_worker(rank: int, world: int, port: int, nbytes: int, out_file: st
 
 # ----------------------------------------------------------------------------------------------- driver
 
-def _launch(argv: list[list[str]], timeout: float, env) -> list[tuple[int, str]]:
-    procs = [subprocess.Popen([sys.executable, "-m", "awex_integration.bench_gpu", *args], env=env,
+def launch_workers(argv: list[list[str]], timeout: float, env, module: str = "awex_integration.bench_gpu"
+                   ) -> list[tuple[int, str]]:
+    """Run ``python -m module *args`` for every ``args`` at once; ``(return code, output)`` of each, all killed
+    once ``timeout`` seconds have passed."""
+    procs = [subprocess.Popen([sys.executable, "-m", module, *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in argv]
     deadline = time.monotonic() + timeout
     outs = []
@@ -730,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     cal_world = min(gpus, 3)
     port = _free_ports(1)[0]
     cal_file = str(Path(work) / "calibration.json")
-    outs = _launch([["--calibrate", json.dumps({"rank": r, "world": cal_world, "port": port, "nbytes": 4 * GIB,
+    outs = launch_workers([["--calibrate", json.dumps({"rank": r, "world": cal_world, "port": port, "nbytes": 4 * GIB,
                                                 "out_file": cal_file})] for r in range(cal_world)], 300, env)
     if any(rc for rc, _ in outs):
         print("\n".join(o for _, o in outs))
@@ -773,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
                             buffer, {"ipc": ipc_options, "direct_bytes": direct_bytes, "fanout": args.fanout})
             argv.append(["--worker", json.dumps(wa.__dict__)])
         started = time.monotonic()
-        outs = _launch(argv, args.timeout, env)
+        outs = launch_workers(argv, args.timeout, env)
         failed = [(rc, o) for rc, o in outs if rc != 0]
         if failed:
             print(f"FAILED {sc.name}:\n" + "\n".join(o[-4000:] for _, o in failed), flush=True)

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -73,25 +72,16 @@ def scenario_spec(scenario, tensors, layouts, iters: int, workdir: str, port: in
 
 def run(upstream_dir: str, spec: dict, timeout: float = 300.0) -> dict:
     """Run one scenario's upstream baseline in fresh processes; returns its results (or ``error``)."""
+    from awex_integration.bench_gpu import launch_workers
+
     work = Path(spec["workdir"])
     spec_file = work / "upstream-awex-spec.json"
     spec_file.write_text(json.dumps(spec))
     integration = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([integration]), AWEX_UPSTREAM_DIR=upstream_dir,
                PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "awex_integration.bench_upstream_awex", "--spec",
-                               str(spec_file), "--rank", str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(len(spec["ranks"]))]
-    deadline = time.monotonic() + timeout
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out = (p.communicate()[0] or "") + "\n[timed out]"
-        outs.append((p.returncode, out))
+    outs = launch_workers([["--spec", str(spec_file), "--rank", str(r)] for r in range(len(spec["ranks"]))],
+                          timeout, env, module="awex_integration.bench_upstream_awex")
     if any(rc != 0 for rc, _ in outs):
         return {"version": VERSION, "error": "\n".join(o[-1500:] for rc, o in outs if rc != 0)[-3000:]}
     return json.loads((work / "upstream-awex-result.json").read_text())
