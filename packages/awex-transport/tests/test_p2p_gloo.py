@@ -273,3 +273,19 @@ def test_tensors_of_odd_byte_sizes_share_a_bucket():
     assert len(out) == 3, out
     failures = {k: v[0] for k, v in out.items() if v[0] != "ok"}
     assert not failures, failures
+
+
+def test_subgroups_must_be_sorted_and_include_the_rank():
+    from awex.transport import create_sync_group
+
+    group = create_sync_group(0, 1, "127.0.0.1", free_port(), backend="gloo", timeout=10)
+    pg = group.subgroup((0,))
+    assert group.subgroup((0,)) is pg  # built once
+    for bad in ((1, 0), (1,), (0, 0)):
+        with pytest.raises(ValueError, match="subgroup"):
+            group.subgroup(bad)
+    import torch
+
+    t = torch.arange(4.0)
+    group.broadcast((0,), t, 0).wait()  # a group of one: the root keeps its values
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
