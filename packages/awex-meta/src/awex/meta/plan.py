@@ -41,12 +41,14 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Transfers between one (source, destination) pair in one wave, moved as one message.
+    """Transfers between one (source, destination) pair in one wave, moved together (one message, or a few
+    where transfers of at least ``PlanOptions.direct_bytes`` travel alone).
 
     ``wave`` is the global step the bucket belongs to: every rank posts all its buckets of a wave together
     and waves run in increasing order (:mod:`awex.meta.schedule`). ``seq`` numbers the pair's buckets.
     A bucket whose ``src`` is an inference rank is a relay: that rank received the same regions at least
-    :data:`RELAY_LAG` waves earlier.
+    :data:`RELAY_LAG` waves earlier. In a ``PlanOptions.broadcast`` plan, buckets one source sends alike to
+    several destinations in one wave go as one broadcast (a pair may then have two buckets in a wave).
     """
 
     wave: int

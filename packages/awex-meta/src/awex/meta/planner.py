@@ -61,9 +61,10 @@ class PlanOptions:
 
     ``broadcast``: regions one source sends to several destinations go, wave by wave, as one broadcast to all
     of them (NCCL pipelines a broadcast through its members, so the source's egress stays one copy) instead of
-    relays; implies ``relay=False``. The plan's buckets are those of the plan without relay (one per pair and
-    wave, identical for every destination of a region); the wave count counts such a region once for its
-    source; part of the digest. Not the default: not yet measured on GPUs against relays.
+    relays; implies ``relay=False``. Such regions are cut into waves once per source and destination set, into
+    identical buckets for each destination (:func:`awex.meta.schedule.split_broadcasts`; a pair may then meet
+    in two buckets of one wave, its own and a shared one), counted once in the source's load; part of the
+    digest. Not the default: not yet measured on GPUs against relays.
     """
 
     wave_bytes: int = 256 << 20

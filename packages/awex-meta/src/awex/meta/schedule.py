@@ -1,4 +1,4 @@
-"""Relaying fan-out and cutting every pair's traffic into waves.
+"""Relaying (or broadcasting) fan-out and cutting every pair's traffic into waves.
 
 A *wave* is one step of the whole sync world: every rank posts all its sends and receives of a wave at once
 (one grouped operation), waits for them, and goes on to the next wave. Waves are global and every transfer
@@ -15,6 +15,10 @@ staging memory to about two waves (double buffering).
 busiest rank (one trainer GPU feeding three inference instances), the source sends each such region once, to
 one of its destinations (chosen to balance), and that destination forwards it :data:`RELAY_LAG` waves later,
 from its own freshly written memory. The source's egress no longer multiplies with the number of instances.
+
+*Broadcast* (opt-in, instead of relays): what one source sends to several destinations is cut into waves once
+per destination set (:func:`split_broadcasts`), into identical buckets for each of them, which a transport
+sends as one broadcast per wave; the source's load counts them once.
 """
 
 from __future__ import annotations
