@@ -69,16 +69,26 @@ class TransportChoice:
     busiest_p2p: int | None = None
 
 
-def link_bytes_per_gpu(plan: Plan, device_of: dict[int, str]) -> dict[str, tuple[int, int]]:
-    """``device -> (bytes sent, bytes received)`` over links: transfers between ranks on one device are left out
-    (same-GPU copies)."""
-    sent: dict[str, int] = defaultdict(int)
-    received: dict[str, int] = defaultdict(int)
+def link_bytes_per_pair(plan: Plan, device_of: dict[int, str]) -> dict[tuple[str, str], int]:
+    """``(source device, destination device) -> bytes`` over links: transfers between ranks on one device are
+    left out (same-GPU copies)."""
+    out: dict[tuple[str, str], int] = defaultdict(int)
     for b in plan.buckets:
         src, dst = device_of[b.src], device_of[b.dst]
         if src != dst:
-            sent[src] += b.nbytes
-            received[dst] += b.nbytes
+            out[(src, dst)] += b.nbytes
+    return dict(out)
+
+
+def link_bytes_per_gpu(plan: Plan, device_of: dict[int, str],
+                       pairs: dict[tuple[str, str], int] | None = None) -> dict[str, tuple[int, int]]:
+    """``device -> (bytes sent, bytes received)`` over links (from :func:`link_bytes_per_pair`, given or
+    computed)."""
+    sent: dict[str, int] = defaultdict(int)
+    received: dict[str, int] = defaultdict(int)
+    for (src, dst), n in (link_bytes_per_pair(plan, device_of) if pairs is None else pairs).items():
+        sent[src] += n
+        received[dst] += n
     return {d: (sent[d], received[d]) for d in set(sent) | set(received)}
 
 
@@ -129,16 +139,16 @@ def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices,
     if refresh_by_wave:
         return TransportChoice("p2p", "the senders refresh what they send wave by wave, which only point to point "
                                "overlaps with the transfer")
-    read: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # source GPU -> reader GPU -> bytes
-    for b in ipc_plan.buckets:
-        if device_of[b.src] != device_of[b.dst]:
-            read[device_of[b.src]][device_of[b.dst]] += b.nbytes
+    pairs = link_bytes_per_pair(ipc_plan, device_of)
+    read: dict[str, list[int]] = defaultdict(list)  # source GPU -> bytes each other GPU reads from it
+    for (src, _), n in pairs.items():
+        read[src].append(n)
 
     def shared(d: str, sent: int) -> bool:  # a second reader takes a real share (not a few boundary rows)
-        return len(read[d]) > 1 and sorted(read[d].values())[-2] * 4 >= sent
+        return len(read[d]) > 1 and sorted(read[d])[-2] * 4 >= sent
 
     busiest_ipc = max((max(int(s * SHARED_SOURCE_FACTOR) if shared(d, s) else s, r)
-                       for d, (s, r) in link_bytes_per_gpu(ipc_plan, device_of).items()), default=0)
+                       for d, (s, r) in link_bytes_per_gpu(ipc_plan, device_of, pairs).items()), default=0)
     p2p_device_of = {r.rank: device_of[ipc_plan.rank(r.instance, r.local_rank).rank] for r in p2p_plan.ranks}
     busiest_p2p = max((max(s, r) for s, r in link_bytes_per_gpu(p2p_plan, p2p_device_of).values()), default=0)
     if busiest_ipc <= busiest_p2p * IPC_RATE_MARGIN:

@@ -442,11 +442,13 @@ def _rows_within(d: torch.Tensor, s: torch.Tensor, nbytes: int) -> list[tuple[to
     or one row alone is too large. Without it such a copy would fall back to a copy across GPUs by PyTorch
     (measured on 2x H200 with 32 MiB bounce buffers: the down projections' column halves made a sync 4x slower)."""
     start, end = _extent(s)
-    if end - start <= nbytes or s.dim() == 0 or (d.is_contiguous() and s.is_contiguous()):
+    if (end - start <= nbytes or s.dim() == 0 or s.shape[0] < 2 or s.stride(0) <= 0
+            or (d.is_contiguous() and s.is_contiguous())):
         return [(d, s)]
-    per_row = abs(s.stride(0)) * s.element_size() if s.shape[0] > 1 else end - start
-    rows = (nbytes - (end - start - per_row * (s.shape[0] - 1))) // per_row + 1 if per_row else s.shape[0]
-    if rows < 1 or per_row <= 0:
+    per_row = s.stride(0) * s.element_size()
+    first_row = end - start - per_row * (s.shape[0] - 1)  # the extent of one row
+    rows = (nbytes - first_row) // per_row + 1
+    if rows < 1:
         return [(d, s)]
     return [(d[i:i + rows], s[i:i + rows]) for i in range(0, s.shape[0], rows)]
 

@@ -66,11 +66,6 @@ def message_offsets(transfers: Sequence[Transfer]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def bucket_offsets(bucket: Bucket) -> tuple[list[int], int]:
-    """Byte offset of each transfer inside the bucket packed as one message, and the message size."""
-    return message_offsets(bucket.transfers)
-
-
 def bucket_messages(bucket: Bucket, direct_bytes: int | None) -> list[tuple[Transfer, ...]]:
     """The messages a bucket travels as, the same on both ends: its transfers under ``direct_bytes`` (the
     plan's :attr:`~awex.meta.PlanOptions.direct_bytes`) packed together (first), then each larger transfer
