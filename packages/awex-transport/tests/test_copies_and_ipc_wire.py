@@ -11,7 +11,7 @@ from awex.meta import Box
 from awex.transport import LocalShards
 from awex.transport.copies import copier, merge_copies, wide_views
 from awex.transport.ipc import (ExportedView, IpcExport, _extent, _rows_within, export_shards, interleave_sources,
-                                ring_slots)
+                                paces_local, ring_slots)
 
 
 def _apply(copies):
@@ -198,3 +198,11 @@ def test_large_strided_copies_are_cut_into_rows_that_fit_a_bounce_buffer():
     assert len(_rows_within(torch.zeros(64, 40), torch.ones(64, 40), 100)) == 1  # contiguous: one DMA does it
     wide = torch.zeros(2, 1000)[:, :500]  # one row alone is larger than the limit: left whole (a direct copy)
     assert len(_rows_within(wide, torch.ones(2, 500), 100)) == 1
+
+
+def test_same_gpu_copies_are_paced_only_where_peer_dmas_take_longer():
+    gb = 10**9
+    assert paces_local(int(8.2 * gb), int(8.2 * gb))  # dense colocated TP=2 -> TP=1: DMAs at 1/5 the rate
+    assert not paces_local(int(0.85 * gb), int(15.4 * gb))  # MoE, experts whole on every trainer rank
+    assert not paces_local(0, 1)  # nothing from a peer
+    assert paces_local(1, 0)

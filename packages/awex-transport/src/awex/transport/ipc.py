@@ -27,6 +27,7 @@ from typing import TypeVar
 import torch
 
 from awex.meta import Box, Plan
+from awex.transport.batched_copy import BatchedCopy, split_batchable, triton_available
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.peer_dma import enable_peer_access, pull, pull_bytes
@@ -205,7 +206,11 @@ class IpcExecutor:
     piece alone in its span goes as its own DMA straight into place. (Measured on 2x H200: sending every
     contiguous piece of 8 MiB or more straight into place, skipping the bounce, was slower: more, smaller
     DMAs.) Staging is at most ``bounce_buffers * bounce_bytes``, sized to the largest span actually needed.
-    With ``pace_local`` the same-GPU copies run in slices between placements rather than all at once. Pieces
+    With ``pace_local`` the same-GPU copies run in slices between placements rather than all at once; by default
+    (``None``) they are paced where the peer DMAs are the longer part of the sync (:func:`paces_local`). Same-GPU
+    copies that are contiguous and 16-byte aligned go, each slice, as one kernel launch
+    (:class:`~awex.transport.batched_copy.BatchedCopy`; ``batched_copy=None``: where Triton is installed), the
+    others over ``local_branches`` streams. Pieces
     that go as their own DMA are dealt to ``direct_streams`` streams (balanced by bytes). (Measured on
     2x H200, colocated Megatron TP=2 -> vLLM TP=1 per GPU with per-parameter trainer allocations, 512 MiB of
     staging: four fixed buffers 1.15x the bound, the ring 1.11x, with three DMA streams and two direct ones
@@ -215,7 +220,7 @@ class IpcExecutor:
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, sources: dict[int, LocalShards],
                  cuda_graph: bool = True, bounce_bytes: int = 128 << 20, bounce_buffers: int = 4,
                  max_gap_bytes: int = 1 << 20, dma_streams: int = 3, local_branches: int = 4,
-                 pace_local: bool = True, direct_streams: int = 2):
+                 pace_local: bool | None = None, direct_streams: int = 2, batched_copy: bool | None = None):
         if min(bounce_buffers, dma_streams, local_branches, direct_streams) < 1:
             raise ValueError("bounce_buffers, dma_streams, local_branches and direct_streams must be at least 1")
         self.plan = plan
@@ -263,9 +268,17 @@ class IpcExecutor:
             self._branches = [torch.cuda.Stream(self.device) for _ in range(min(local_branches, len(self._local)))]
             # With peer DMAs running, the same-GPU copies go in slices between span placements: run all at once
             # they saturate this GPU's memory for a few ms and the DMAs into it stall meanwhile.
+            if pace_local is None:
+                pace_local = paces_local(_nbytes(self._remote), _nbytes(self._local))
             self.pace_local = pace_local and bool(self._spans) and bool(self._local)
             chunks = min(8, len(self._spans)) if self.pace_local else 1
-            self._local_chunks = [_balance(c, len(self._branches)) for c in _balance(self._local, chunks)]
+            if batched_copy is None:
+                batched_copy = triton_available()
+            self._local_chunks, self._local_batched = [], []
+            for chunk in _balance(self._local, chunks):
+                together, apart = split_batchable(chunk) if batched_copy else ([], chunk)
+                self._local_batched.append(BatchedCopy(together) if together else None)
+                self._local_chunks.append(_balance(apart, len(self._branches)))
             self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
 
     def run(self, timeout: float = 300.0) -> TransferStats:
@@ -410,7 +423,7 @@ class IpcExecutor:
         The slice's copies are dealt to a few branches (streams forked from ``stream``, balanced by bytes), so
         one copy's tail and the gaps between kernels overlap the next copies instead of adding up.
         """
-        if not any(self._local_chunks[chunk]):
+        if not any(self._local_chunks[chunk]) and self._local_batched[chunk] is None:
             return
         if self._graphs[chunk] is None and self.cuda_graph:
             try:
@@ -427,13 +440,38 @@ class IpcExecutor:
             self._issue_local(chunk, stream)
 
     def _issue_local(self, chunk: int, stream: torch.cuda.Stream) -> None:
-        for branch, copies in zip(self._branches, self._local_chunks[chunk]):
+        lanes = [lane for lane in self._local_chunks[chunk] if lane]
+        for branch, copies in zip(self._branches, lanes):
             branch.wait_stream(stream)
             with torch.cuda.stream(branch):
                 for d, s in copies:
                     copier(d, s)()
-        for branch in self._branches:
+        batched = self._local_batched[chunk]
+        if batched is not None:
+            with torch.cuda.stream(stream):
+                batched()
+        for branch in self._branches[:len(lanes)]:
             stream.wait_stream(branch)
+
+
+COPY_OVER_LINK = 5.0
+"""How many times faster a GPU copies within its memory than it pulls from a peer (bytes moved per second;
+H200: 2100 GB/s against 389 GB/s over NV18, H100 about the same ratio)."""
+
+
+def paces_local(remote_bytes: int, local_bytes: int) -> bool:
+    """Whether a receiver's same-GPU copies should run in slices between its peer DMAs' placements.
+
+    Run at once, same-GPU copies saturate the GPU's memory for a while and the DMAs into it stall meanwhile:
+    where the DMAs take longer than the local copies (Qwen3-8B colocated TP=2 -> TP=1, 8.2 GB each way, on
+    2x H200: 22.1 ms paced, 22.9 ms at once), spreading the local copies over the DMAs hides them. Where the
+    local copies take longer (a MoE model whose experts every trainer rank holds whole: 15.4 GB local, 0.85 GB
+    from the peer), pacing ties them to the DMAs' progress (10.4 ms paced, 9.9 ms at once)."""
+    return remote_bytes * COPY_OVER_LINK >= local_bytes
+
+
+def _nbytes(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(d.numel() * d.element_size() for d, _ in copies)
 
 
 def _rows_within(d: torch.Tensor, s: torch.Tensor, nbytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

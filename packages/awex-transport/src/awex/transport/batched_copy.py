@@ -1,0 +1,134 @@
+"""Many contiguous copies within one GPU as one kernel launch.
+
+A receiver whose sources are separate allocations (per-parameter trainer memory, MoE experts) makes thousands
+of same-GPU copies of a few MiB each. Each as its own copy kernel ends in a tail where most of the GPU idles,
+and a few streams of them do not fill the gaps (measured on H200, Qwen3-30B-A3B's 3,225 expert copies of a
+median 3 MiB, 15.1 GB: 8.07 ms in a CUDA graph over four streams against 7.20 ms at the device's copy rate).
+Here every copy is cut into blocks of ``block_bytes`` and one launch of one Triton kernel copies all blocks,
+each program one block, so the GPU stays full to the end.
+
+Only copies whose both ends are contiguous, 16-byte aligned and a multiple of 16 bytes long take this path
+(so every program moves 16-byte words); :func:`split_batchable` says which. Addresses are kept as byte offsets
+from one base tensor's address, which the kernel receives as its only pointer.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger("awex.transport")
+
+ALIGN = 16
+BLOCK_BYTES = 1 << 16
+
+
+def batchable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``dst <- src`` can go through :class:`BatchedCopy`: both contiguous, on one CUDA device, of
+    equal byte size, 16-byte aligned at both ends and a multiple of 16 bytes long."""
+    nbytes = dst.numel() * dst.element_size()
+    return (dst.device == src.device and dst.device.type == "cuda" and dst.is_contiguous() and src.is_contiguous()
+            and nbytes == src.numel() * src.element_size() and nbytes > 0 and nbytes % ALIGN == 0
+            and dst.data_ptr() % ALIGN == 0 and src.data_ptr() % ALIGN == 0)
+
+
+def split_batchable(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    """``(batchable copies, the others)``, each in the given order."""
+    yes, no = [], []
+    for d, s in copies:
+        (yes if batchable(d, s) else no).append((d, s))
+    return yes, no
+
+
+def copy_blocks(copies: Sequence[tuple[int, int, int]], base: int, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
+    """``(destination address, source address, bytes)`` copies cut into blocks of at most ``block_bytes``: an
+    int64 tensor of ``(destination offset, source offset, bytes)`` rows, offsets from address ``base``
+    (negative where below it), each copy's blocks in order."""
+    if block_bytes <= 0 or block_bytes % ALIGN:
+        raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
+    if not copies:
+        return torch.empty((0, 3), dtype=torch.int64)
+    dst, src, nbytes = (torch.tensor(col, dtype=torch.int64) for col in zip(*copies))
+    if bool((nbytes <= 0).any()):
+        raise ValueError("every copy must move at least one byte")
+    counts = -(-nbytes // block_bytes)
+    which = torch.repeat_interleave(torch.arange(len(copies)), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    at = (torch.arange(int(counts.sum())) - first) * block_bytes
+    return torch.stack([dst[which] + at - base, src[which] + at - base,
+                        torch.clamp(nbytes[which] - at, max=block_bytes)], dim=1)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton (which CUDA builds of PyTorch bring) can be imported here."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_blocks_kernel(base, table, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        dst = tl.multiple_of(tl.load(table + 3 * i), 16)
+        src = tl.multiple_of(tl.load(table + 3 * i + 1), 16)
+        n = tl.multiple_of(tl.load(table + 3 * i + 2), 16)
+        k = tl.arange(0, BLOCK)
+        mask = k < n
+        tl.store(base + dst + k, tl.load(base + src + k, mask=mask), mask=mask)
+
+    return copy_blocks_kernel
+
+
+_COMPILED: set = set()
+
+
+class BatchedCopy:
+    """Copies ``dst <- src`` (all :func:`batchable`, on one GPU) built once, run by calling it: one kernel launch
+    on the current stream (capturable in a CUDA graph). The tensors must stay where they are."""
+
+    def __init__(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]], block_bytes: int = BLOCK_BYTES,
+                 num_warps: int = 16):
+        if not copies:
+            raise ValueError("BatchedCopy needs at least one copy")
+        bad = [i for i, (d, s) in enumerate(copies) if not batchable(d, s)]
+        if bad:
+            raise ValueError(f"copies {bad[:5]} are not batchable (contiguous, one CUDA device, 16-byte aligned)")
+        self.device = copies[0][0].device
+        if any(d.device != self.device for d, _ in copies):
+            raise ValueError("BatchedCopy copies within one GPU")
+        self._base = copies[0][0]  # kept alive: its address is the kernel's base pointer
+        base = self._base.data_ptr()
+        blocks = copy_blocks([(d.data_ptr(), s.data_ptr(), d.numel() * d.element_size()) for d, s in copies],
+                             base, block_bytes)
+        self._table = blocks.view(-1).to(self.device)
+        self._pointer = self._base.view(-1).view(torch.uint8)
+        self.blocks = len(blocks)
+        self.nbytes = int(blocks[:, 2].sum())
+        self.block_bytes = block_bytes
+        self.num_warps = num_warps
+        self._keep = list(copies)
+        self._compile()
+
+    def _compile(self) -> None:
+        """Compile the kernel now, without running it, so that a CUDA graph can capture the first call (once per
+        configuration and device; Triton keeps what it compiled)."""
+        config = (self.block_bytes, self.num_warps, self.device)
+        if config in _COMPILED:
+            return
+        _COMPILED.add(config)
+        try:
+            _kernel().warmup(self._pointer, self._table, BLOCK=self.block_bytes, num_warps=self.num_warps,
+                             grid=(self.blocks,))
+        except (AttributeError, TypeError) as e:  # a Triton without warmup(): it compiles on the first call
+            log.debug("Triton warmup unavailable (%s); the kernel compiles on first use", e)
+
+    def __call__(self) -> None:
+        _kernel()[(self.blocks,)](self._pointer, self._table, BLOCK=self.block_bytes, num_warps=self.num_warps)

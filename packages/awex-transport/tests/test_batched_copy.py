@@ -1,0 +1,77 @@
+"""Block tables of the batched same-GPU copy, replayed on CPU memory (the kernel itself runs in the GPU tests:
+integration/tests/test_gpu_sync.py and the GPU benchmark check every received tensor bit for bit)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from awex.transport.batched_copy import ALIGN, batchable, copy_blocks, split_batchable
+
+
+def replay(memory: torch.Tensor, base: int, table: torch.Tensor, block_bytes: int) -> None:
+    """What the kernel does, program by program: each row copies ``bytes`` from ``base + src`` to ``base + dst``."""
+    for dst, src, n in table.tolist():
+        assert 0 < n <= block_bytes and dst % ALIGN == 0 and src % ALIGN == 0 and n % ALIGN == 0
+        memory[base + dst: base + dst + n] = memory[base + src: base + src + n].clone()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.sampled_from([16, 32, 64, 4096]),
+       st.integers(0, 2**31))
+def test_blocks_copy_exactly_the_bytes_of_each_copy(sizes16, block_bytes, seed):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [16 * n for n in sizes16]
+    total = sum(sizes)
+    memory = torch.randint(0, 256, (2 * total + 64,), dtype=torch.uint8, generator=g)
+    # sources in the first half, destinations in the second, in a shuffled order; base somewhere in between
+    src_at, at = [], 0
+    for n in sizes:
+        src_at.append(at)
+        at += n
+    order = torch.randperm(len(sizes), generator=g).tolist()
+    dst_at, at = [0] * len(sizes), total + 32
+    for i in order:
+        dst_at[i] = at
+        at += sizes[i]
+    base = 16 * int(torch.randint(0, (2 * total + 64) // 16, (1,), generator=g))
+    expected = memory.clone()
+    for d, s, n in zip(dst_at, src_at, sizes):
+        expected[d:d + n] = memory[s:s + n]
+    table = copy_blocks(list(zip(dst_at, src_at, sizes)), base, block_bytes)
+    assert table.dtype == torch.int64 and table.shape[1] == 3
+    assert len(table) == sum(-(-n // block_bytes) for n in sizes)
+    replay(memory, base, table, block_bytes)
+    assert torch.equal(memory, expected)
+
+
+def test_block_size_must_keep_16_byte_words():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        copy_blocks([(0, 64, 32)], 0, 24)
+    with pytest.raises(ValueError, match="at least one byte"):
+        copy_blocks([(0, 64, 0)], 0, 32)
+    assert copy_blocks([], 0).shape == (0, 3)
+
+
+def test_only_contiguous_aligned_cuda_copies_are_batchable():
+    a, b = torch.zeros(64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    assert not batchable(a, b)  # CPU: the kernel is CUDA only
+    yes, no = split_batchable([(a, b)])
+    assert yes == [] and len(no) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernel)")
+def test_batched_copy_on_gpu_matches_plain_copies():
+    from awex.transport.batched_copy import BatchedCopy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    srcs = [torch.randint(-1000, 1000, (n,), dtype=torch.int16, device="cuda", generator=g)
+            for n in (8, 4096, 100000, 8 * 33333)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    copies = list(zip(dsts, srcs))
+    assert all(batchable(d, s) for d, s in copies)
+    BatchedCopy(copies, block_bytes=1024)()
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, s) for d, s in copies)
+    odd = (torch.zeros(7, dtype=torch.int16, device="cuda"), torch.ones(7, dtype=torch.int16, device="cuda"))
+    assert not batchable(*odd)  # 14 bytes: not whole 16-byte words
