@@ -6,9 +6,11 @@ import dataclasses
 
 
 def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: int, gpu: int,
-              destinations: list[str], versions: int = 3, fp8: bool = False, model: str = "qwen3-8b") -> dict:
+              destinations: list[str], versions: int = 3, fp8: bool = False, model: str = "qwen3-8b",
+              readers_per_instance: int = 1) -> dict:
     """One rank: the trainer writes ``versions`` versions, engines receive and check each (FP8 receivers: the
-    trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit)."""
+    trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit), then close; the trainer
+    returns once every reader (``readers_per_instance`` ranks of each destination) has closed."""
     import torch
 
     from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_dtypes, vllm_param_shapes, vllm_views
@@ -53,7 +55,12 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
                 for d in destinations:  # the engines are up before the first version goes out
                     client.get(f"ready/{d}", timeout=120)
             writer.write(f"v{v}", destinations)
-        return {"versions": versions, "transport": writer.transport_in_use}
+        transport_in_use = writer.transport_in_use
+        for d in destinations:  # readers release this process's memory (CUDA IPC) before it exits
+            for r in range(readers_per_instance):
+                client.get(f"closed/{d}/{r}", timeout=120)
+        writer.close()
+        return {"versions": versions, "transport": transport_in_use}
     parallel = VllmParallel(tp=tp)
     shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
     dtypes = vllm_param_dtypes(shapes, "bfloat16", quant)
@@ -74,4 +81,6 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
                 checked += 1
                 if not torch.equal(_bits(view), _bits(full[box.slices()])):
                     bad.append(f"v{v} {name} {box}")
+    reader.close()
+    client.put(f"closed/{instance}/{local_rank}", True)
     return {"checked": checked, "bad": bad[:10]}

@@ -40,7 +40,8 @@ def test_writer_and_readers_on_gpus(case):
     server = start_embedded()
     try:
         jobs = [(("trainer", r), sync_rank, (server.address, transport, "trainer", r, train_tp, train_gpus[r],
-                                               [f"vllm-{i}" for i in range(len(engines))], 3, fp8, model))
+                                               [f"vllm-{i}" for i in range(len(engines))], 3, fp8, model,
+                                               engines[0][0]))
                 for r in range(train_tp)]
         for i, (tp, gpus) in enumerate(engines):
             jobs += [((f"vllm-{i}", r), sync_rank, (server.address, transport, f"vllm-{i}", r, tp, gpus[r], [], 3,

@@ -49,6 +49,19 @@ class WeightsReader:
             client.register(layout.instance, role="inference", instance=layout.instance, world_size=layout.world_size)
             client.publish_layout(layout, "current")
 
+    def close(self) -> None:
+        """Release what syncing holds: plan, staging and the trainers' memory opened over CUDA IPC (idempotent;
+        the engine keeps its weights; no further syncs). Close readers of CUDA IPC syncs before the trainer
+        processes exit: PyTorch counts a reader's references to a trainer's memory in memory the trainer owns,
+        and a reader that releases them after the trainer is gone aborts at exit."""
+        self._session.close()
+
+    def __enter__(self) -> "WeightsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def shards(self) -> LocalShards:
         return self._shards

@@ -123,6 +123,23 @@ class SyncSession:
     device_key: str | None = None  # physical device ("host/GPU-uuid"); from `device` when None and on CUDA
     transport: str | None = None  # what the current plan runs on: "p2p" or "ipc" (manifest's, or auto's choice)
     device_reach: tuple[str, ...] | None = None  # devices this rank reads over CUDA IPC; found out when None
+    closed: bool = False
+
+    def close(self) -> None:
+        """End this rank's part in syncing (idempotent): drop the plan, executors and staging, and the other
+        processes' memory opened over CUDA IPC. A receiver must close (or exit) before the trainer processes
+        whose memory it opened exit: PyTorch counts those references in memory the trainer owns.
+
+        The sync group stays as it is (released with the process): shutting NCCL communicators down gracefully
+        is collective, and a closing rank must not wait for peers that are not closing."""
+        if self.closed:
+            return
+        self.closed = True
+        self._executor = self._before_pack = self._plan = self._key = None
+        self._ipc = IpcState()
+        import gc
+
+        gc.collect()  # views into opened memory may sit in reference cycles (executors' closures)
 
     def physical_device(self) -> str | None:
         """This rank's physical device as ``host/GPU-uuid`` (CUDA), or ``device_key`` when set."""
@@ -243,6 +260,8 @@ class SyncSession:
         """Move this rank's share of the version; ``refresh`` / ``refresh_by_wave`` (senders): see
         ``WeightsWriter`` (per wave only over p2p; once the transport is known, before any byte moves)."""
         started = time.monotonic()
+        if self.closed:
+            raise RuntimeError(f"{self.instance}:{self.local_rank}: this reader or writer is closed")
         plan, rank, _ = self.prepare(manifest, timeout, ipc_ok=not callable(shards))
         if refresh_by_wave is not None and self.transport != "p2p":
             refresh_by_wave = None

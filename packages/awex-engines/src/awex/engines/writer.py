@@ -98,6 +98,17 @@ class WeightsWriter:
             client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
             client.publish_layout(layout, "current")
 
+    def close(self) -> None:
+        """Release what syncing holds on this rank: plan and staging buffers (idempotent; no further syncs). Over
+        CUDA IPC, keep this process alive until every reader has closed (see ``WeightsReader.close``)."""
+        self._session.close()
+
+    def __enter__(self) -> "WeightsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def shards(self) -> LocalShards:
         """This rank's views (what it sends)."""
