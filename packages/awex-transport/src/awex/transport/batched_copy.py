@@ -30,9 +30,9 @@ BLOCK_BYTES = 1 << 16
 def batchable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether ``dst <- src`` can go through :class:`BatchedCopy`: both contiguous, on one CUDA device, of
     equal byte size, 16-byte aligned at both ends and a multiple of 16 bytes long."""
-    nbytes = dst.numel() * dst.element_size()
+    nbytes = dst.nbytes
     return (dst.device == src.device and dst.device.type == "cuda" and dst.is_contiguous() and src.is_contiguous()
-            and nbytes == src.numel() * src.element_size() and nbytes > 0 and nbytes % ALIGN == 0
+            and nbytes == src.nbytes and nbytes > 0 and nbytes % ALIGN == 0
             and dst.data_ptr() % ALIGN == 0 and src.data_ptr() % ALIGN == 0)
 
 
@@ -106,7 +106,7 @@ class BatchedCopy:
             raise ValueError("BatchedCopy copies within one GPU")
         self._base = copies[0][0]  # kept alive: its address is the kernel's base pointer
         base = self._base.data_ptr()
-        blocks = copy_blocks([(d.data_ptr(), s.data_ptr(), d.numel() * d.element_size()) for d, s in copies],
+        blocks = copy_blocks([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in copies],
                              base, block_bytes)
         self._table = blocks.view(-1).to(self.device)
         self._pointer = self._base.view(-1).view(torch.uint8)

@@ -471,7 +471,7 @@ def paces_local(remote_bytes: int, local_bytes: int) -> bool:
 
 
 def _nbytes(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    return sum(d.numel() * d.element_size() for d, _ in copies)
+    return sum(d.nbytes for d, _ in copies)
 
 
 def _rows_within(d: torch.Tensor, s: torch.Tensor, nbytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -542,8 +542,8 @@ def _balance(copies: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[li
         return [list(copies)] if n == 1 else []
     load = [0] * n
     chosen: dict[int, int] = {}
-    for i in sorted(range(len(copies)), key=lambda i: -copies[i][0].numel() * copies[i][0].element_size()):
+    for i in sorted(range(len(copies)), key=lambda i: -copies[i][0].nbytes):
         b = min(range(n), key=load.__getitem__)
         chosen[i] = b
-        load[b] += copies[i][0].numel() * copies[i][0].element_size()
+        load[b] += copies[i][0].nbytes
     return [[c for i, c in enumerate(copies) if chosen[i] == b] for b in range(n)]

@@ -66,8 +66,8 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
 
 def pull(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """Copy contiguous ``src`` (any GPU) into contiguous ``dst`` on ``stream`` (a stream of ``dst``'s GPU)."""
-    nbytes = dst.numel() * dst.element_size()
-    if not (dst.is_contiguous() and src.is_contiguous()) or src.numel() * src.element_size() != nbytes:
+    nbytes = dst.nbytes
+    if not (dst.is_contiguous() and src.is_contiguous()) or src.nbytes != nbytes:
         raise ValueError("peer DMA needs two contiguous tensors of equal byte size")
     pull_bytes(dst.data_ptr(), src.data_ptr(), nbytes, stream)
 
