@@ -196,7 +196,9 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 class IpcExecutor:
     """A receiver's copies for one plan, straight from its sources' memory (built once, run every sync).
 
-    Copies within this GPU run from CUDA graphs. Copies from another GPU's memory are DMAs issued on this GPU
+    The whole sync (every DMA and copy, on all its streams) is captured into one CUDA graph at the first run and
+    replayed after (``cuda_graph``), so a sync of thousands of pieces costs one launch on the host. Copies from
+    another GPU's memory are DMAs issued on this GPU
     (copy engines pulling over NVLink, :mod:`awex.transport.peer_dma`). Many small DMAs cost more than a few
     large ones, and only contiguous memory can be DMA'd, so the pieces read from one mapped allocation are
     fetched as contiguous spans of up to ``bounce_bytes`` (gaps of unneeded bytes up to ``max_gap_bytes``
@@ -258,7 +260,9 @@ class IpcExecutor:
             raise ValueError(f"rank {rank}: copies between devices need CUDA, this rank is on {self.device}")
         for peer in {s.device for _, s in self._remote}:
             enable_peer_access(self.device, peer)
-        self._plan_remote(sources, bounce_bytes, bounce_buffers, max_gap_bytes)
+        if batched_copy is None:
+            batched_copy = triton_available()
+        self._plan_remote(sources, bounce_bytes, bounce_buffers, max_gap_bytes, batched_copy)
         self.buckets = len(plan.schedule(rank))
         self._direct_lanes = _balance(self._direct, min(direct_streams, len(self._direct)))
         if self.device.type == "cuda":
@@ -272,23 +276,44 @@ class IpcExecutor:
                 pace_local = paces_local(_nbytes(self._remote), _nbytes(self._local))
             self.pace_local = pace_local and bool(self._spans) and bool(self._local)
             chunks = min(8, len(self._spans)) if self.pace_local else 1
-            if batched_copy is None:
-                batched_copy = triton_available()
             self._local_chunks, self._local_batched = [], []
             for chunk in _balance(self._local, chunks):
                 together, apart = split_batchable(chunk) if batched_copy else ([], chunk)
                 self._local_batched.append(BatchedCopy(together) if together else None)
                 self._local_chunks.append(_balance(apart, len(self._branches)))
             self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
+        self._whole: torch.cuda.CUDAGraph | None = None
+        self._whole_failed = False
+        self._capturing = False
 
     def run(self, timeout: float = 300.0) -> TransferStats:
         """Copy everything; returns when it is done (or raises after ``timeout``).
 
         Streams overlap: single-piece peer DMAs, span DMAs into the bounce buffers, placements out of them, and
-        the same-GPU copies (one CUDA graph replay after the first sync).
+        the same-GPU copies; after the first sync all of it is one CUDA graph replay (``cuda_graph``).
         """
         started = time.monotonic()
         compute = torch.cuda.current_stream(self.device)
+        if self.cuda_graph and self._whole is None and not self._whole_failed:
+            self._whole = self._capture(compute)
+        if self._whole is not None:
+            self._whole.replay()
+            used = [compute]
+        else:
+            used = self._issue(compute)
+        deadline = started + timeout
+        for stream in used:
+            done = torch.cuda.Event()
+            done.record(stream)
+            wait_event(done, deadline, lambda: TransferTimeout(
+                f"rank {self.rank}: CUDA IPC copies not done within {timeout:g} s"))
+        for stream in used:
+            compute.wait_stream(stream)
+        return TransferStats(bytes_received=self.bytes_received, buckets=self.buckets, waves=1,
+                             seconds=time.monotonic() - started)
+
+    def _issue(self, compute: torch.cuda.Stream) -> list[torch.cuda.Stream]:
+        """Enqueue the whole sync after ``compute``'s work; returns the streams it ran on."""
         used = []
         for stream, lane in zip(self._direct_streams, self._direct_lanes):
             stream.wait_stream(compute)
@@ -305,16 +330,26 @@ class IpcExecutor:
                 for chunk in range(len(self._local_chunks)):
                     self._copy_local(chunk, stream)
             used.append(stream)
-        deadline = started + timeout
-        for stream in used:
-            done = torch.cuda.Event()
-            done.record(stream)
-            wait_event(done, deadline, lambda: TransferTimeout(
-                f"rank {self.rank}: CUDA IPC copies not done within {timeout:g} s"))
-        for stream in used:
-            compute.wait_stream(stream)
-        return TransferStats(bytes_received=self.bytes_received, buckets=self.buckets, waves=1,
-                             seconds=time.monotonic() - started)
+        return used
+
+    def _capture(self, compute: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
+        """The whole sync as one CUDA graph (its streams forked from and joined back into one capture stream), or
+        ``None`` where capture fails (then every sync is issued eagerly, same-GPU copies still from graphs)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(compute)
+        graph = torch.cuda.CUDAGraph()
+        self._capturing = True
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                for stream in self._issue(side):
+                    side.wait_stream(stream)
+            return graph
+        except RuntimeError as e:  # capture is an optimisation: issue eagerly instead
+            log.warning("rank %d: CUDA graph capture of the IPC sync failed (%s); issuing it eagerly", self.rank, e)
+            self._whole_failed = True
+            return None
+        finally:
+            self._capturing = False
 
     def _copy_spans(self, compute: torch.cuda.Stream) -> list[torch.cuda.Stream]:
         """Span DMAs round-robin on the DMA streams (several in flight hide each DMA's start-up), placements on
@@ -352,7 +387,7 @@ class IpcExecutor:
             dst.copy_(src, non_blocking=True)
 
     def _plan_remote(self, sources: dict[int, LocalShards], bounce_bytes: int, bounce_buffers: int,
-                     max_gap_bytes: int) -> None:
+                     max_gap_bytes: int, batched_copy: bool) -> None:
         """Cut the copies from other GPUs into direct DMAs and bounce-buffer spans (see the class docstring)."""
         regions = [x for x in sources.values() if isinstance(x, MappedShards)]
 
@@ -415,7 +450,7 @@ class IpcExecutor:
             placed = [(d, self._ring.view(s.dtype).as_strided(s.shape, s.stride(),
                                                               (offset + s.data_ptr() - lo) // s.element_size()))
                       for d, s in items]
-            self._spans.append(_Span(lo, hi - lo, offset, after, [copier(d, s) for d, s in merge_copies(placed)]))
+            self._spans.append(_Span(lo, hi - lo, offset, after, _placements(merge_copies(placed), batched_copy)))
 
     def _copy_local(self, chunk: int, stream: torch.cuda.Stream) -> None:
         """One slice of the same-GPU copies, replayed from a CUDA graph captured on first use.
@@ -424,6 +459,9 @@ class IpcExecutor:
         one copy's tail and the gaps between kernels overlap the next copies instead of adding up.
         """
         if not any(self._local_chunks[chunk]) and self._local_batched[chunk] is None:
+            return
+        if self._capturing:  # part of the whole sync's graph
+            self._issue_local(chunk, stream)
             return
         if self._graphs[chunk] is None and self.cuda_graph:
             try:
@@ -452,6 +490,16 @@ class IpcExecutor:
                 batched()
         for branch in self._branches[:len(lanes)]:
             stream.wait_stream(branch)
+
+
+def _placements(copies: list[tuple[torch.Tensor, torch.Tensor]], batched: bool) -> list:
+    """A span's copies out of the bounce ring as copy functions: those that can go as one kernel launch together
+    (:class:`~awex.transport.batched_copy.BatchedCopy`, where ``batched`` and there are several), the rest one
+    each."""
+    together, apart = split_batchable(copies) if batched else ([], copies)
+    if len(together) < 2:
+        together, apart = [], copies
+    return ([BatchedCopy(together)] if together else []) + [copier(d, s) for d, s in apart]
 
 
 COPY_OVER_LINK = 5.0
