@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from awex.transport.batched_copy import ALIGN, batchable, contiguous_runs, copy_blocks, split_batchable
+from awex.transport.batched_copy import ALIGN, batchable, copy_blocks, split_batchable
 
 
 def replay(memory: torch.Tensor, base: int, table: torch.Tensor, block_bytes: int) -> None:
@@ -60,39 +60,6 @@ def test_only_contiguous_aligned_cuda_copies_are_batchable():
     assert yes == [] and len(no) == 1
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(1, 6), min_size=2, max_size=4), st.data())
-def test_contiguous_runs_copy_exactly_a_strided_block(shape, data):
-    """Cut a block out of a bigger tensor on both sides (a different block each side): copying each run equals
-    copying the block, and nothing outside it is written."""
-    def block_of(big_shape):
-        starts = [data.draw(st.integers(0, b - n)) for b, n in zip(big_shape, shape)]
-        return tuple(slice(a, a + n) for a, n in zip(starts, shape))
-    grow = [data.draw(st.lists(st.integers(0, 3), min_size=len(shape), max_size=len(shape))) for _ in range(2)]
-    dst_big = torch.zeros([n + g for n, g in zip(shape, grow[0])], dtype=torch.int32)
-    src_big = torch.arange(int(torch.tensor([n + g for n, g in zip(shape, grow[1])]).prod()),
-                           dtype=torch.int32).view([n + g for n, g in zip(shape, grow[1])])
-    dsl, ssl = block_of(dst_big.shape), block_of(src_big.shape)
-    dst, src = dst_big[dsl], src_big[ssl]
-    runs = contiguous_runs(dst, src, min_bytes=1)
-    assert runs is not None  # the last dimension is contiguous on both sides
-    assert all(d.is_contiguous() and s.is_contiguous() for d, s in runs)
-    assert sum(d.numel() for d, _ in runs) == dst.numel()
-    expected = dst_big.clone()
-    expected[dsl] = src
-    for d, s in runs:
-        d.copy_(s)
-    assert torch.equal(dst_big, expected)
-
-
-def test_contiguous_runs_leave_small_or_many_pieces_strided():
-    a, b = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
-    assert len(contiguous_runs(a, b[:, :64], min_bytes=128)) == 64  # rows of 128 bytes
-    assert contiguous_runs(a, b[:, :64], min_bytes=256) is None
-    assert contiguous_runs(a, b[:, :64], min_bytes=1, max_runs=63) is None
-    assert contiguous_runs(a[:, :8], b[:, :16][:, ::2], min_bytes=1) is None  # no contiguous piece on one side
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernel)")
 def test_batched_copy_on_gpu_matches_plain_copies():
     from awex.transport.batched_copy import BatchedCopy
@@ -108,11 +75,3 @@ def test_batched_copy_on_gpu_matches_plain_copies():
     assert all(torch.equal(d, s) for d, s in copies)
     odd = (torch.zeros(7, dtype=torch.int16, device="cuda"), torch.ones(7, dtype=torch.int16, device="cuda"))
     assert not batchable(*odd)  # 14 bytes: not whole 16-byte words
-    # a column block of a matrix (one tensor-parallel half) goes as its rows
-    wide = torch.randn(256, 1024, device="cuda").to(torch.bfloat16)
-    half = torch.zeros(256, 512, dtype=torch.bfloat16, device="cuda")
-    yes, no = split_batchable([(half, wide[:, 512:])])
-    assert no == [] and len(yes) == 256
-    BatchedCopy(yes)()
-    torch.cuda.synchronize()
-    assert torch.equal(half, wide[:, 512:])

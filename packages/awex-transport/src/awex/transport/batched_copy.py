@@ -8,8 +8,7 @@ Here every copy is cut into blocks of ``block_bytes`` and one launch of one Trit
 each program one block, so the GPU stays full to the end.
 
 Only copies whose both ends are contiguous, 16-byte aligned and a multiple of 16 bytes long take this path
-(so every program moves 16-byte words), and strided copies made of such contiguous pieces (rows of a column
-block, blocks of a fused QKV) as those pieces; :func:`split_batchable` says which. Addresses are kept as byte offsets
+(so every program moves 16-byte words); :func:`split_batchable` says which. Addresses are kept as byte offsets
 from one base tensor's address, which the kernel receives as its only pointer.
 """
 
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import itertools
 import logging
 from collections.abc import Sequence
 
@@ -38,51 +36,11 @@ def batchable(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and dst.data_ptr() % ALIGN == 0 and src.data_ptr() % ALIGN == 0)
 
 
-MIN_RUN_BYTES = 1024
-MAX_RUNS = 1 << 16
-
-
-def contiguous_runs(dst: torch.Tensor, src: torch.Tensor, min_bytes: int = MIN_RUN_BYTES,
-                    max_runs: int = MAX_RUNS) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """A strided ``dst <- src`` of equal shapes as the contiguous pieces both sides are made of (the innermost
-    dimensions that are contiguous on both, one piece per index of the others), or ``None`` where those pieces
-    are smaller than ``min_bytes`` or more than ``max_runs`` (left to one strided copy). A column block of a
-    row-major matrix, say one tensor-parallel half of ``o_proj``, is one piece per row."""
-    if dst.shape != src.shape or dst.dtype != src.dtype or dst.dim() == 0:
-        return None
-    for k in range(1, dst.dim()):
-        lead = (0,) * k
-        if dst[lead].is_contiguous() and src[lead].is_contiguous():
-            break
-    else:
-        return None
-    count = 1
-    for n in dst.shape[:k]:
-        count *= n
-    if count > max_runs or dst[lead].nbytes < min_bytes:
-        return None
-    d, s = dst, src
-    if k > 1:  # index the leading dimensions as one, where both sides allow (else one by one)
-        try:
-            d, s = dst.view(count, *dst.shape[k:]), src.view(count, *src.shape[k:])
-        except RuntimeError:
-            return [(dst[i], src[i]) for i in itertools.product(*(range(n) for n in dst.shape[:k]))]
-    return [(d[i], s[i]) for i in range(count)]
-
-
 def split_batchable(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-    """``(batchable copies, the others)``, each in the given order; a strided copy whose contiguous pieces
-    (:func:`contiguous_runs`) are all batchable joins the first list as those pieces."""
+    """``(batchable copies, the others)``, each in the given order."""
     yes, no = [], []
     for d, s in copies:
-        if batchable(d, s):
-            yes.append((d, s))
-            continue
-        runs = contiguous_runs(d, s) if d.device.type == "cuda" else None
-        if runs and all(batchable(rd, rs) for rd, rs in runs):
-            yes.extend(runs)
-        else:
-            no.append((d, s))
+        (yes if batchable(d, s) else no).append((d, s))
     return yes, no
 
 
