@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from awex.transport.batched_copy import ALIGN, batchable, copy_blocks, split_batchable
+from awex.transport.batched_copy import ALIGN, batchable, copy_blocks, split_batchable, spread_evenly
 
 
 def replay(memory: torch.Tensor, base: int, table: torch.Tensor, block_bytes: int) -> None:
@@ -60,6 +60,21 @@ def test_only_contiguous_aligned_cuda_copies_are_batchable():
     assert yes == [] and len(no) == 1
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 300), st.integers(0, 300))
+def test_spread_keeps_each_order_and_mixes_evenly(n, m):
+    table = torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.full((n,), 16)], 1)
+    other = torch.stack([torch.arange(m), torch.ones(m, dtype=torch.int64), torch.full((m,), 16)], 1)
+    out = spread_evenly(table, other)
+    assert len(out) == n + m
+    mine, theirs = out[out[:, 1] == 0], out[out[:, 1] == 1]
+    assert torch.equal(mine, table) and torch.equal(theirs, other)  # every row once, each in its order
+    # every prefix holds the other table's rows in proportion, within one row
+    seen = torch.cumsum(out[:, 1], 0).to(torch.float64)
+    k = torch.arange(1, n + m + 1, dtype=torch.float64)
+    assert bool(((seen - k * m / (n + m)).abs() <= 1.0 + 1e-9).all())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernel)")
 def test_batched_copy_on_gpu_matches_plain_copies():
     from awex.transport.batched_copy import BatchedCopy
@@ -75,3 +90,24 @@ def test_batched_copy_on_gpu_matches_plain_copies():
     assert all(torch.equal(d, s) for d, s in copies)
     odd = (torch.zeros(7, dtype=torch.int16, device="cuda"), torch.ones(7, dtype=torch.int16, device="cuda"))
     assert not batchable(*odd)  # 14 bytes: not whole 16-byte words
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (reads over NVLink)")
+def test_batched_copy_reads_another_gpu_in_the_same_launch():
+    from awex.transport.batched_copy import BatchedCopy
+    from awex.transport.peer_dma import enable_peer_access
+
+    here, there = torch.device("cuda", 0), torch.device("cuda", 1)
+    enable_peer_access(here, there)
+    local = [(torch.zeros(n, dtype=torch.bfloat16, device=here), torch.randn(n, device=here).to(torch.bfloat16))
+             for n in (4096, 300000)]
+    far = [(torch.zeros(n, dtype=torch.bfloat16, device=here), torch.randn(n, device=there).to(torch.bfloat16))
+           for n in (8, 200000, 1 << 20)]
+    assert not any(batchable(d, s) for d, s in far) and all(batchable(d, s, peer=True) for d, s in far)
+    with pytest.raises(ValueError, match="spread copies may read another GPU"):
+        BatchedCopy(far)
+    copy = BatchedCopy(local, block_bytes=4096, spread=far)
+    copy()
+    torch.cuda.synchronize(here)
+    assert all(torch.equal(d, s) for d, s in local)
+    assert all(torch.equal(d, s.to(here)) for d, s in far)

@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 
 from awex.meta import Box, Plan
-from awex.transport.batched_copy import BatchedCopy, split_batchable, triton_available
+from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable, triton_available
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.peer_dma import enable_peer_access, pull, pull_bytes
@@ -212,7 +212,10 @@ class IpcExecutor:
     (``None``) they are paced where the peer DMAs are the longer part of the sync (:func:`paces_local`). Same-GPU
     copies that are contiguous and 16-byte aligned go, each slice, as one kernel launch
     (:class:`~awex.transport.batched_copy.BatchedCopy`; ``batched_copy=None``: where Triton is installed), the
-    others over ``local_branches`` streams. Pieces
+    others over ``local_branches`` streams. Where the same-GPU copies are the longer part (not paced), the
+    contiguous pieces from other GPUs join that launch instead of going as DMAs: the kernel reads them over
+    NVLink, their blocks spread among the local ones (the copy engines' writes into a GPU whose memory a kernel
+    saturates stall it more than the same bytes read by the kernel). Pieces
     that go as their own DMA are dealt to ``direct_streams`` streams (balanced by bytes). (Measured on
     2x H200, colocated Megatron TP=2 -> vLLM TP=1 per GPU with per-parameter trainer allocations, 512 MiB of
     staging: four fixed buffers 1.15x the bound, the ring 1.11x, with three DMA streams and two direct ones
@@ -262,6 +265,14 @@ class IpcExecutor:
             enable_peer_access(self.device, peer)
         if batched_copy is None:
             batched_copy = triton_available()
+        if pace_local is None:
+            pace_local = paces_local(_nbytes(self._remote), _nbytes(self._local))
+        # Where the same-GPU copies are the longer part, the pieces from other GPUs that can ride along are read
+        # by the same kernel launch over NVLink (see BatchedCopy's `spread`), the rest go as DMAs.
+        self._read_in_kernel: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if batched_copy and not pace_local and self._local:
+            self._read_in_kernel = [(d, s) for d, s in self._remote if batchable(d, s, peer=True)]
+            self._remote = [(d, s) for d, s in self._remote if not batchable(d, s, peer=True)]
         self._plan_remote(sources, bounce_bytes, bounce_buffers, max_gap_bytes, batched_copy)
         self.buckets = len(plan.schedule(rank))
         self._direct_lanes = _balance(self._direct, min(direct_streams, len(self._direct)))
@@ -272,14 +283,13 @@ class IpcExecutor:
             self._branches = [torch.cuda.Stream(self.device) for _ in range(min(local_branches, len(self._local)))]
             # With peer DMAs running, the same-GPU copies go in slices between span placements: run all at once
             # they saturate this GPU's memory for a few ms and the DMAs into it stall meanwhile.
-            if pace_local is None:
-                pace_local = paces_local(_nbytes(self._remote), _nbytes(self._local))
             self.pace_local = pace_local and bool(self._spans) and bool(self._local)
             chunks = min(8, len(self._spans)) if self.pace_local else 1
             self._local_chunks, self._local_batched = [], []
             for chunk in _balance(self._local, chunks):
                 together, apart = split_batchable(chunk) if batched_copy else ([], chunk)
-                self._local_batched.append(BatchedCopy(together) if together else None)
+                far = self._read_in_kernel if not self._local_batched else []  # not paced: one chunk
+                self._local_batched.append(BatchedCopy(together, spread=far) if together or far else None)
                 self._local_chunks.append(_balance(apart, len(self._branches)))
             self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
         self._whole: torch.cuda.CUDAGraph | None = None
