@@ -111,10 +111,13 @@ class BatchedCopy:
     so the reads over the link overlap the whole launch instead of leaving the GPU's memory idle at one end
     (measured on 2x H200, the MoE shape's colocated TP=2 -> TP=1 receiver: 15.1 GB within the GPU and 0.75 GB
     from its neighbour took 7.61 ms spread, 9.38 ms with the neighbour's blocks first or last, and 8.27 ms with
-    the neighbour's bytes as copy-engine DMAs running beside the launch; 7.31 ms without them)."""
+    the neighbour's bytes as copy-engine DMAs running beside the launch; 7.31 ms without them).
+    ``spread_sources`` are the addresses the kernel reads each spread copy's source at, where that is not its
+    ``data_ptr()`` (memory of another process: :func:`awex.transport.peer_dma.open_ipc_memory`)."""
 
     def __init__(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]], block_bytes: int = BLOCK_BYTES,
-                 num_warps: int = 16, spread: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()):
+                 num_warps: int = 16, spread: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+                 spread_sources: Sequence[int] | None = None):
         everything = [*copies, *spread]
         if not everything:
             raise ValueError("BatchedCopy needs at least one copy")
@@ -126,10 +129,16 @@ class BatchedCopy:
         self.device = everything[0][0].device
         if any(d.device != self.device for d, _ in everything):
             raise ValueError("BatchedCopy copies into one GPU")
+        if spread_sources is None:
+            spread_sources = [s.data_ptr() for _, s in spread]
+        if len(spread_sources) != len(spread) or any(a % ALIGN for a in spread_sources):
+            raise ValueError(f"spread_sources: one {ALIGN}-byte aligned address per spread copy")
         self._base = everything[0][0]  # kept alive: its address is the kernel's base pointer
         base = self._base.data_ptr()
-        blocks = spread_evenly(*(copy_blocks([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in part],
-                                             base, block_bytes) for part in (copies, spread)))
+        blocks = spread_evenly(
+            copy_blocks([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in copies], base, block_bytes),
+            copy_blocks([(d.data_ptr(), a, d.nbytes) for (d, _), a in zip(spread, spread_sources)], base,
+                        block_bytes))
         self._table = blocks.view(-1).to(self.device)
         self._pointer = self._base.view(-1).view(torch.uint8)
         self.blocks = len(blocks)

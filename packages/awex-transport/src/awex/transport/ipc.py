@@ -20,6 +20,7 @@ import base64
 import bisect
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -30,7 +31,8 @@ from awex.meta import Box, Plan
 from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable, triton_available
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
-from awex.transport.peer_dma import enable_peer_access, pull, pull_bytes
+from awex.transport.peer_dma import (PeerDmaError, close_ipc_memory, enable_peer_access, open_ipc_memory, pull,
+                                     pull_bytes)
 from awex.transport.p2p import TransferStats, TransferTimeout
 from awex.transport.shards import LocalShards, torch_dtype
 
@@ -124,10 +126,65 @@ class MappedShards(LocalShards):
     parameters of one segment with one DMA.
     """
 
-    def __init__(self, shards, regions: Sequence[tuple[int, int]]):
+    def __init__(self, shards, regions: Sequence[tuple[int, int]],
+                 handles: dict[tuple[int, int], tuple[bytes | None, int]] | None = None):
         super().__init__(shards)
         self.regions = tuple(sorted(regions))
         self._starts = [lo for lo, _ in self.regions]
+        self._handles = dict(handles or {})  # region -> (its cudaIpcMemHandle_t or None, the GPU it lives on)
+        self._aliases: dict[tuple[tuple[int, int], int], int | None] = {}
+        self._release = weakref.finalize(self, _close_aliases, self._aliases)
+
+    def kernel_address(self, pointer: int, device: torch.device) -> int | None:
+        """Where kernels on ``device`` read the byte at ``pointer`` (an address of these views), or ``None``
+        where they cannot. Memory of another GPU is mapped a second time, into ``device``'s context, on first
+        use (:func:`~awex.transport.peer_dma.open_ipc_memory`), and unmapped by :meth:`close`."""
+        region = self.region_of(pointer)
+        handle, home = self._handles.get(region, (None, None)) if region else (None, None)
+        if home is None:
+            return None
+        if home == device.index:
+            return pointer
+        key = (region, device.index)
+        if key not in self._aliases:
+            try:
+                self._aliases[key] = open_ipc_memory(handle, device) if handle is not None else None
+            except PeerDmaError as e:
+                log.info("cannot map trainer memory into %s for kernel reads (%s): copy engines read it", device, e)
+                self._aliases[key] = None
+        alias = self._aliases[key]
+        return None if alias is None else alias + pointer - region[0]
+
+    def close(self) -> None:
+        """Unmap the second mappings made for kernel reads (the views themselves stay valid)."""
+        self._release()
+        self._aliases.clear()
+        self._release = weakref.finalize(self, _close_aliases, self._aliases)
+
+
+def _close_aliases(aliases: dict[tuple[tuple[int, int], int], int | None]) -> None:
+    for (_, index), address in aliases.items():
+        if address is not None:
+            try:
+                close_ipc_memory(address, torch.device("cuda", index))
+            except Exception as e:  # at interpreter exit CUDA may be gone already
+                log.debug("closing a CUDA IPC mapping failed: %s", e)
+
+
+def cuda_malloc_handle(shared: bytes) -> bytes | None:
+    """The ``cudaIpcMemHandle_t`` inside the handle PyTorch's ``UntypedStorage._share_cuda_()`` returns, or
+    ``None`` where the storage is not a plain ``cudaMalloc`` allocation (expandable segments).
+
+    PyTorch's format is internal: the 64 handle bytes alone (older releases), or after a type byte ``c``
+    (``cudaMalloc``; ``e`` for expandable segments), or after a version byte and that type byte (2.5 and
+    later). The GPU test ``test_torch_ipc_handle_format`` fails when it changes."""
+    if len(shared) == 64:
+        return shared
+    if len(shared) == 65 and shared[:1] == b"c":
+        return shared[1:]
+    if len(shared) == 66 and shared[1:2] == b"c":
+        return shared[2:]
+    return None
 
     def region_of(self, pointer: int) -> tuple[int, int] | None:
         i = bisect.bisect_right(self._starts, pointer) - 1
@@ -145,6 +202,7 @@ def open_export(export: IpcExport) -> MappedShards:
     torch.cuda._lazy_init()
     storages = []
     mapped: dict[bytes, tuple[int, int]] = {}  # handle -> (allocation start, end of what is known to be mapped)
+    homes: dict[bytes, int] = {}
     for fields in export.storages:
         home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
         st = torch.UntypedStorage._new_shared_cuda(
@@ -153,13 +211,15 @@ def open_export(export: IpcExport) -> MappedShards:
         base = st.data_ptr() - offset
         lo, hi = mapped.get(handle, (base, base))
         mapped[handle] = (lo, max(hi, base + offset + size))
+        homes[handle] = st.device.index
     shards: dict[str, list[tuple[Box, torch.Tensor]]] = {}
     for v in export.views:
         st = storages[v.storage]
         t = torch.empty(0, dtype=torch_dtype(v.dtype), device=st.device)
         t.set_(st, v.offset, v.box.sizes, v.strides)
         shards.setdefault(v.name, []).append((v.box, t))
-    return MappedShards(shards, list(mapped.values()))
+    return MappedShards(shards, list(mapped.values()),
+                        {region: (cuda_malloc_handle(h), homes[h]) for h, region in mapped.items()})
 
 
 def _overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
@@ -270,9 +330,18 @@ class IpcExecutor:
         # Where the same-GPU copies are the longer part, the pieces from other GPUs that can ride along are read
         # by the same kernel launch over NVLink (see BatchedCopy's `spread`), the rest go as DMAs.
         self._read_in_kernel: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kernel_sources: list[int] = []
+        self._mapped = [x for x in sources.values() if isinstance(x, MappedShards)]  # kept: their mappings
         if batched_copy and not pace_local and self._local:
-            self._read_in_kernel = [(d, s) for d, s in self._remote if batchable(d, s, peer=True)]
-            self._remote = [(d, s) for d, s in self._remote if not batchable(d, s, peer=True)]
+            rest = []
+            for d, s in self._remote:
+                address = self._kernel_address(s) if batchable(d, s, peer=True) else None
+                if address is not None and address % 16 == 0:
+                    self._read_in_kernel.append((d, s))
+                    self._kernel_sources.append(address)
+                else:
+                    rest.append((d, s))
+            self._remote = rest
         self._plan_remote(sources, bounce_bytes, bounce_buffers, max_gap_bytes, batched_copy)
         self.buckets = len(plan.schedule(rank))
         self._direct_lanes = _balance(self._direct, min(direct_streams, len(self._direct)))
@@ -288,8 +357,10 @@ class IpcExecutor:
             self._local_chunks, self._local_batched = [], []
             for chunk in _balance(self._local, chunks):
                 together, apart = split_batchable(chunk) if batched_copy else ([], chunk)
-                far = self._read_in_kernel if not self._local_batched else []  # not paced: one chunk
-                self._local_batched.append(BatchedCopy(together, spread=far) if together or far else None)
+                far, at = ((self._read_in_kernel, self._kernel_sources) if not self._local_batched  # not paced:
+                           else ([], []))  # one chunk
+                self._local_batched.append(BatchedCopy(together, spread=far, spread_sources=at)
+                                           if together or far else None)
                 self._local_chunks.append(_balance(apart, len(self._branches)))
             self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
         self._whole: torch.cuda.CUDAGraph | None = None
@@ -389,6 +460,13 @@ class IpcExecutor:
                 if i in local_at:
                     self._copy_local(local_at[i], place)
         return used
+
+    def _kernel_address(self, src: torch.Tensor) -> int | None:
+        """Where this GPU's kernels read ``src`` (memory of another GPU), or ``None`` where they cannot."""
+        for mapped in self._mapped:
+            if mapped.region_of(src.data_ptr()) is not None:
+                return mapped.kernel_address(src.data_ptr(), self.device)
+        return src.data_ptr()  # this process's own memory: readable with peer access (enabled above)
 
     def _peer_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
         if dst.is_contiguous() and src.is_contiguous():

@@ -19,6 +19,11 @@ import functools
 import torch
 
 _PEER_ACCESS_ALREADY_ENABLED = 704
+_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class _IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
 class PeerDmaError(RuntimeError):
@@ -32,6 +37,8 @@ def _libcuda() -> ctypes.CDLL:
     lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
     lib.cuCtxEnablePeerAccess.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcMemHandle, ctypes.c_uint]
+    lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
     return lib
 
 
@@ -75,3 +82,30 @@ def pull(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> Non
 def pull_bytes(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
     """Copy ``nbytes`` from device address ``src`` to ``dst`` on ``stream`` (addresses mapped in this process)."""
     _check(_libcuda().cuMemcpyAsync(dst, src, nbytes, stream.cuda_stream), "cuMemcpyAsync")
+
+
+def open_ipc_memory(handle: bytes, device: torch.device) -> int:
+    """Map another process's allocation (its 64-byte ``cudaIpcMemHandle_t``) into ``device``'s context; returns
+    its address in this process.
+
+    Kernels on ``device`` can read such a mapping over NVLink. They cannot read the mapping PyTorch makes when
+    it opens a storage of another GPU (in that GPU's own context), even with peer access enabled: measured on
+    2x H200, such reads fault with an illegal address. Close with :func:`close_ipc_memory`.
+    """
+    if len(handle) != 64:
+        raise ValueError(f"a CUDA IPC memory handle has 64 bytes, got {len(handle)}")
+    lib = _libcuda()
+    raw = _IpcMemHandle()
+    ctypes.memmove(ctypes.byref(raw), handle, 64)
+    address = ctypes.c_uint64()
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # makes the primary context of `device` current on this thread
+        _check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(address), raw, _IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+               "cuIpcOpenMemHandle")
+    return address.value
+
+
+def close_ipc_memory(address: int, device: torch.device) -> None:
+    """Unmap what :func:`open_ipc_memory` mapped at ``address`` on ``device``."""
+    with torch.cuda.device(device):
+        _check(_libcuda().cuIpcCloseMemHandle(address), "cuIpcCloseMemHandle")
