@@ -161,6 +161,12 @@ class MappedShards(LocalShards):
         self._aliases.clear()
         self._release = weakref.finalize(self, _close_aliases, self._aliases)
 
+    def region_of(self, pointer: int) -> tuple[int, int] | None:
+        i = bisect.bisect_right(self._starts, pointer) - 1
+        if i >= 0 and pointer < self.regions[i][1]:
+            return self.regions[i]
+        return None
+
 
 def _close_aliases(aliases: dict[tuple[tuple[int, int], int], int | None]) -> None:
     for (_, index), address in aliases.items():
@@ -185,12 +191,6 @@ def cuda_malloc_handle(shared: bytes) -> bytes | None:
     if len(shared) == 66 and shared[1:2] == b"c":
         return shared[2:]
     return None
-
-    def region_of(self, pointer: int) -> tuple[int, int] | None:
-        i = bisect.bisect_right(self._starts, pointer) - 1
-        if i >= 0 and pointer < self.regions[i][1]:
-            return self.regions[i]
-        return None
 
 
 def open_export(export: IpcExport) -> MappedShards:
