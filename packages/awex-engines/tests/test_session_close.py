@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from awex.engines.session import IpcState, SyncManifest, SyncSession
-from awex.transport import LocalShards, create_sync_group
+from awex.transport import create_sync_group
+from awex.transport.ipc import MappedShards
 
 
 def _port() -> int:
@@ -19,7 +20,8 @@ def _port() -> int:
 def test_close_drops_plan_executors_and_opened_ipc_memory_once():
     session = SyncSession(None, "vllm-0", 0, device=torch.device("cpu"))  # no client: close must not need one
     group = session._group = create_sync_group(0, 1, "127.0.0.1", _port(), backend="gloo", timeout=10)
-    opened = LocalShards({})
+    opened = MappedShards({}, [])
+    opened._aliases[((0, 1 << 20), 1)] = None  # a region another GPU could not map (nothing to unmap)
     session._ipc = IpcState(opened={("trainer", 0): (1, opened)}, executor=object(), plan=object())
     session._executor, session._plan, session._key = object(), object(), ("key",)
     state = session._ipc
@@ -27,6 +29,7 @@ def test_close_drops_plan_executors_and_opened_ipc_memory_once():
     assert session.closed and session._group is group  # untouched: no collective teardown
     assert session._executor is None and session._plan is None and session._key is None
     assert session._ipc is not state and not session._ipc.opened and session._ipc.executor is None
+    assert not opened._aliases  # second mappings of the trainer's memory released
     session.close()  # idempotent
     manifest = SyncManifest("v1", ("trainer",), ("vllm-0",), "127.0.0.1", 1)
     with pytest.raises(RuntimeError, match="closed"):

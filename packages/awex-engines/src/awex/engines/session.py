@@ -20,7 +20,7 @@ from awex.meta import Layout, Plan, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
 from awex.meta.transport_choice import TransportError, choose_transport, unreachable
 from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_group
-from awex.transport.ipc import IpcExecutor, IpcExport
+from awex.transport.ipc import IpcExecutor, IpcExport, MappedShards
 from awex.transport.p2p import TransferStats
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
@@ -136,7 +136,11 @@ class SyncSession:
             return
         self.closed = True
         self._executor = self._before_pack = self._plan = self._key = None
+        opened = [source for _, source in self._ipc.opened.values()]
         self._ipc = IpcState()
+        for source in opened:
+            if isinstance(source, MappedShards):
+                source.close()  # the second mappings made for kernel reads
         import gc
 
         gc.collect()  # views into opened memory may sit in reference cycles (executors' closures)
