@@ -418,13 +418,14 @@ class IpcExecutor:
         ``None`` where capture fails (then every sync is issued eagerly, same-GPU copies still from graphs)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(compute)
-        graph = torch.cuda.CUDAGraph()
         self._capturing = True
+
+        def whole_sync():
+            for stream in self._issue(side):
+                side.wait_stream(stream)
+
         try:
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-                for stream in self._issue(side):
-                    side.wait_stream(stream)
-            return graph
+            return _captured(whole_sync, side)
         except RuntimeError as e:  # capture is an optimisation: issue eagerly instead
             log.warning("rank %d: CUDA graph capture of the IPC sync failed (%s); issuing it eagerly", self.rank, e)
             self._whole_failed = True
@@ -553,10 +554,7 @@ class IpcExecutor:
             return
         if self._graphs[chunk] is None and self.cuda_graph:
             try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    self._issue_local(chunk, stream)
-                self._graphs[chunk] = graph
+                self._graphs[chunk] = _captured(lambda: self._issue_local(chunk, stream), stream)
             except RuntimeError as e:  # capture is an optimisation: fall back to plain copies
                 log.warning("rank %d: CUDA graph capture of IPC copies failed (%s); copying eagerly", self.rank, e)
                 self.cuda_graph = False
@@ -578,6 +576,20 @@ class IpcExecutor:
                 batched()
         for branch in self._branches[:len(lanes)]:
             stream.wait_stream(branch)
+
+
+def _captured(issue, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """What ``issue()`` enqueues after ``stream`` (and on streams forked from it and joined back), as a CUDA
+    graph. Unlike ``torch.cuda.graph`` this neither synchronizes the device nor collects garbage nor empties
+    PyTorch's cache: the receiving process is an inference engine, whose cached memory stays as it is."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            issue()
+        finally:
+            graph.capture_end()
+    return graph
 
 
 def _placements(copies: list[tuple[torch.Tensor, torch.Tensor]], batched: bool) -> list:
