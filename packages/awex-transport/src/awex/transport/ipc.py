@@ -182,8 +182,8 @@ def cuda_malloc_handle(shared: bytes) -> bytes | None:
     ``None`` where the storage is not a plain ``cudaMalloc`` allocation (expandable segments).
 
     PyTorch's format is internal: the 64 handle bytes alone (older releases), or after a type byte ``c``
-    (``cudaMalloc``; ``e`` for expandable segments), or after a version byte and that type byte (2.5 and
-    later). The GPU test ``test_torch_ipc_handle_format`` fails when it changes."""
+    (``cudaMalloc``; ``e`` for expandable segments), or after a version byte and that type byte (seen with
+    PyTorch 2.11). The GPU test ``test_torch_ipc_handle_format`` fails when it changes."""
     if len(shared) == 64:
         return shared
     if len(shared) == 65 and shared[:1] == b"c":
