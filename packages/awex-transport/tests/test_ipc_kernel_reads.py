@@ -5,6 +5,7 @@ that mapping. ``MappedShards.kernel_address`` maps the allocation a second time 
 These tests run a real exporting process: the handle format they parse is PyTorch's internal one.
 """
 
+import gc
 import json
 import subprocess
 import sys
@@ -90,6 +91,8 @@ def test_kernel_on_one_gpu_reads_another_process_memory_on_another():
         assert torch.equal(local[0][0], local[0][1])
         mapped.close()
         assert not mapped._aliases
+        del mapped, a, b, rows, spread, sources
+        gc.collect()  # release the exporter's memory before it exits (PyTorch counts the references)
     finally:
         exporter.stdin.write("done\n")
         exporter.stdin.close()
