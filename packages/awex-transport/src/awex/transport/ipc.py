@@ -133,7 +133,7 @@ class MappedShards(LocalShards):
         self._starts = [lo for lo, _ in self.regions]
         self._handles = dict(handles or {})  # region -> (its cudaIpcMemHandle_t or None, the GPU it lives on)
         self._aliases: dict[tuple[tuple[int, int], int], int | None] = {}
-        self._release = weakref.finalize(self, _close_aliases, self._aliases)
+        weakref.finalize(self, _close_aliases, self._aliases)
 
     def kernel_address(self, pointer: int, device: torch.device) -> int | None:
         """Where kernels on ``device`` read the byte at ``pointer`` (an address of these views), or ``None``
@@ -157,9 +157,7 @@ class MappedShards(LocalShards):
 
     def close(self) -> None:
         """Unmap the second mappings made for kernel reads (the views themselves stay valid)."""
-        self._release()
-        self._aliases.clear()
-        self._release = weakref.finalize(self, _close_aliases, self._aliases)
+        _close_aliases(self._aliases)
 
     def region_of(self, pointer: int) -> tuple[int, int] | None:
         i = bisect.bisect_right(self._starts, pointer) - 1
@@ -169,12 +167,14 @@ class MappedShards(LocalShards):
 
 
 def _close_aliases(aliases: dict[tuple[tuple[int, int], int], int | None]) -> None:
+    """Unmap and forget every mapping in ``aliases`` (at ``close()`` and when the MappedShards is collected)."""
     for (_, index), address in aliases.items():
         if address is not None:
             try:
                 close_ipc_memory(address, torch.device("cuda", index))
             except Exception as e:  # at interpreter exit CUDA may be gone already
                 log.debug("closing a CUDA IPC mapping failed: %s", e)
+    aliases.clear()
 
 
 def cuda_malloc_handle(shared: bytes) -> bytes | None:
