@@ -156,7 +156,8 @@ class MappedShards(LocalShards):
         return None if alias is None else alias + pointer - region[0]
 
     def close(self) -> None:
-        """Unmap the second mappings made for kernel reads (the views themselves stay valid)."""
+        """Unmap the second mappings made for kernel reads (the views themselves stay valid). Call it only once
+        no executor built over these views runs again: their graphs read through those mappings."""
         _close_aliases(self._aliases)
 
     def region_of(self, pointer: int) -> tuple[int, int] | None:
