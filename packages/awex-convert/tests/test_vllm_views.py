@@ -142,3 +142,47 @@ def test_moe_experts_fuse_into_w13_and_w2(tp, dp, ep):
                 assert not torch.isnan(p).any(), name
     # with expert parallelism each expert lives on exactly one rank; without it on every rank
     assert sorted(held) == (list(range(4)) if ep else sorted(list(range(4)) * tp * dp))
+
+
+def test_param_name_says_which_vllm_parameter_holds_a_canonical_tensor():
+    from awex.convert import vllm_param_name
+
+    pre = "model.layers.3."
+    assert vllm_param_name(pre + "self_attn.k_proj.bias") == pre + "self_attn.qkv_proj.bias"
+    assert vllm_param_name(pre + "self_attn.v_proj.weight_scale_inv") == pre + "self_attn.qkv_proj.weight_scale_inv"
+    assert vllm_param_name(pre + "mlp.up_proj.weight") == pre + "mlp.gate_up_proj.weight"
+    assert vllm_param_name(pre + "mlp.shared_expert.gate_proj.weight") == pre + "mlp.shared_expert.gate_up_proj.weight"
+    assert vllm_param_name(pre + "mlp.experts.7.up_proj.weight") == pre + "mlp.experts.w13_weight"
+    assert vllm_param_name(pre + "mlp.experts.7.down_proj.weight_scale_inv") == pre + "mlp.experts.w2_weight_scale_inv"
+    assert vllm_param_name(pre + "self_attn.o_proj.weight") == pre + "self_attn.o_proj.weight"
+    assert vllm_param_name(pre + "mlp.shared_expert_gate.weight") == pre + "mlp.shared_expert_gate.weight"
+    assert vllm_param_name("lm_head.weight") == "lm_head.weight"
+    assert vllm_param_name("lm_head.weight", tie_embeddings=True) == "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen2_moe_shared_expert_fuses_gate_up_like_a_dense_mlp(tp):
+    config = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-moe-tiny.json")
+                        .read_text())
+    dims = model_dims(config, "float32")
+    assert dims.shared_expert_intermediate, "the model must have a shared expert for this test to test anything"
+    tensors = canonical_tensors(dims)
+    layout = vllm_layout(tensors, VllmParallel(tp=tp), "v")
+    g = torch.Generator().manual_seed(2)
+    full = {t.name: torch.randn(t.spec.shape, generator=g) for t in tensors}
+    for rank in range(tp):
+        params = {n: torch.full(s, float("nan")) for n, s in vllm_param_shapes(dims, VllmParallel(tp=tp), rank).items()}
+        shards = LocalShards.from_layout(layout, rank, vllm_views(params, dims, VllmParallel(tp=tp)))
+        for name in shards.names():
+            for box, view in shards.pairs(name):
+                view.copy_(full[name][box.slices()])
+        pre = f"model.layers.{min(dims.sparse_layers)}.mlp."
+        i = dims.shared_expert_intermediate // tp
+        want = torch.cat([full[pre + "shared_expert.gate_proj.weight"][rank * i:(rank + 1) * i],
+                          full[pre + "shared_expert.up_proj.weight"][rank * i:(rank + 1) * i]])
+        assert torch.equal(params[pre + "shared_expert.gate_up_proj.weight"], want)
+        assert torch.equal(params[pre + "shared_expert_gate.weight"], full[pre + "shared_expert_gate.weight"])
+        for name, p in params.items():
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                p = p[: max(0, min(p.shape[0], dims.vocab - rank * p.shape[0]))]
+            assert not torch.isnan(p).any(), name

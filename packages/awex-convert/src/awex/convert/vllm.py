@@ -18,7 +18,11 @@ layers.L.mlp.gate (MoE router)    ...mlp.gate.weight, replicated
 layers.L.mlp.experts.E.{gate,up}  ...mlp.experts.w13_weight[e] = [gate shard; up shard] of local expert e
 layers.L.mlp.experts.E.down_proj  ...mlp.experts.w2_weight[e] (columns split); with expert parallelism
                                   each rank holds its own experts whole (linear placement)
+layers.L.mlp.shared_expert.*      ...mlp.shared_expert.gate_up_proj / down_proj (Qwen2-MoE), split like a
+                                  dense MLP; ...mlp.shared_expert_gate.weight replicated
 ================================  ===============================================================
+
+:func:`vllm_param_name` says which native parameter holds a canonical tensor.
 
 :func:`vllm_param_shapes` gives the names and shapes vLLM allocates (checked against vLLM's recorded loading
 shapes on CPU), so benchmarks can hold tensors in vLLM's exact layout without the engine.
@@ -43,6 +47,29 @@ from awex.meta.quant import SCALE_SUFFIX, Fp8BlockQuant
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(?:_scale_inv)?$")
+_GATE_UP = re.compile(r"^(mlp|mlp\.shared_expert)\.(gate|up)_proj\.(.+)$")  # dense MLP or Qwen2-MoE shared expert
+_QKV = re.compile(r"^self_attn\.([qkv])_proj\.(.+)$")
+
+
+def vllm_param_name(name: str, tie_embeddings: bool = False) -> str:
+    """The vLLM parameter that holds canonical tensor ``name`` (or part of it): ``q_proj`` / ``k_proj`` /
+    ``v_proj`` live in ``qkv_proj``, ``gate_proj`` / ``up_proj`` in ``gate_up_proj``, expert ``E``'s
+    projections in ``experts.w13_weight`` / ``experts.w2_weight``, a tied ``lm_head`` in ``embed_tokens``;
+    FP8 scales follow their weights. Every other name is the same in vLLM."""
+    if name == "lm_head.weight" and tie_embeddings:
+        return "model.embed_tokens.weight"
+    m = _LAYER.match(name)
+    if not m:
+        return name
+    pre, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    suffix = SCALE_SUFFIX if rest.endswith(SCALE_SUFFIX) else ""
+    if q := _QKV.match(rest):
+        return pre + "self_attn.qkv_proj." + q.group(2)
+    if e := _EXPERT.match(rest):
+        return pre + ("mlp.experts.w2_weight" if e.group(2) == "down" else "mlp.experts.w13_weight") + suffix
+    if g := _GATE_UP.match(rest):
+        return pre + g.group(1) + ".gate_up_proj." + g.group(3)
+    return name
 
 
 def _kv_local(dims: ModelDims, tp: int) -> int:
@@ -85,6 +112,11 @@ def vllm_param_shapes(dims: ModelDims, parallel: VllmParallel, tp_rank: int = 0,
             shapes[pre + "mlp.gate.weight"] = (dims.num_experts, dims.hidden)
             shapes[pre + "mlp.experts.w13_weight"] = (local, 2 * inter, dims.hidden)
             shapes[pre + "mlp.experts.w2_weight"] = (local, dims.hidden, inter)
+            if dims.shared_expert_intermediate:
+                shared = dims.shared_expert_intermediate // tp
+                shapes[pre + "mlp.shared_expert.gate_up_proj.weight"] = (2 * shared, dims.hidden)
+                shapes[pre + "mlp.shared_expert.down_proj.weight"] = (dims.hidden, shared)
+                shapes[pre + "mlp.shared_expert_gate.weight"] = (1, dims.hidden)
         else:
             shapes[pre + "mlp.gate_up_proj.weight"] = (2 * dims.intermediate // tp, dims.hidden)
             shapes[pre + "mlp.down_proj.weight"] = (dims.hidden, dims.intermediate // tp)
@@ -169,37 +201,29 @@ def vllm_views(params: Mapping[str, torch.Tensor], dims: ModelDims, parallel: Vl
         return t.data if isinstance(t, torch.nn.Parameter) else t
 
     def view_of(name: str, box: Box) -> torch.Tensor:
+        native = find(vllm_param_name(name, dims.tie_embeddings))
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            native = find("model.embed_tokens.weight" if name == "lm_head.weight" and dims.tie_embeddings else name)
             return native[: box.sizes[0]]  # real rows first, padding after
-        if name == "model.norm.weight":
-            return find(name)
         m = _LAYER.match(name)
         if not m:
-            raise KeyError(name)
+            return native
         rest = m.group(2)
-        pre = f"model.layers.{m.group(1)}."
         scale = rest.endswith(SCALE_SUFFIX)
-        if rest.startswith("self_attn.") and rest[10:11] in "qkv" and rest[11:17] == "_proj.":
-            qkv = find(pre + "self_attn.qkv_proj." + rest[17:])
-            start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[rest[10]]
+        if q := _QKV.match(rest):
+            start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[q.group(1)]
             if scale:  # tiles of each partition
                 start = {"q": 0, "k": -(-q_rows // fp8_block[0]),
-                         "v": -(-q_rows // fp8_block[0]) + -(-kv_rows // fp8_block[0])}[rest[10]]
-            return qkv[start:start + box.sizes[0]]
-        e = _EXPERT.match(rest)
-        if e:
-            local, part = int(e.group(1)) - first_expert, e.group(2)
-            native = find(pre + ("mlp.experts.w2_weight" if part == "down" else "mlp.experts.w13_weight")
-                          + (SCALE_SUFFIX if scale else ""))[local]
-            if part == "down":
+                         "v": -(-q_rows // fp8_block[0]) + -(-kv_rows // fp8_block[0])}[q.group(1)]
+            return native[start:start + box.sizes[0]]
+        if e := _EXPERT.match(rest):
+            native = native[int(e.group(1)) - first_expert]
+            if e.group(2) == "down":
                 return native
             half = native.shape[0] // 2
-            return native[:half] if part == "gate" else native[half:]
-        if rest.removesuffix(SCALE_SUFFIX) in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            gate_up = find(pre + "mlp.gate_up_proj." + rest.split(".", 2)[2])
-            half = gate_up.shape[0] // 2
-            return gate_up[:half] if rest.startswith("mlp.gate") else gate_up[half:]
-        return find(name)
+            return native[:half] if e.group(2) == "gate" else native[half:]
+        if g := _GATE_UP.match(rest):
+            half = native.shape[0] // 2
+            return native[:half] if g.group(2) == "gate" else native[half:]
+        return native
 
     return view_of
