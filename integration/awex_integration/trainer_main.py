@@ -44,10 +44,11 @@ def trainer_rank(*args) -> dict:
 
 def trainer_body(kind: str, rank: int, world: int, port: int, parallel: MegatronParallel | None, config: dict,
                  model_dir: str, meta: dict, destinations: list[str], steps: int, timeout: float,
-                 fp8: bool = False) -> dict:
+                 fp8: bool = False, wave_bytes: int | None = None) -> dict:
     """Run one trainer rank for ``steps`` steps; returns per-step bytes sent and seconds.
 
     ``fp8``: the receivers hold FP8 block-quantised weights; this rank quantises its own on the fly.
+    ``wave_bytes``: the writer's wave size (default: the writer's).
     """
     from safetensors.torch import load_file
 
@@ -93,6 +94,7 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, str(next(iter(hf.values())).dtype).removeprefix("torch."))).eval()
         layout = hf_model_layout(model, "trainer", "trainer")
         local_rank, view_of = 0, hf_views(model)
+    options = {"wave_bytes": wave_bytes} if wave_bytes else {}
     if fp8:
         from awex.convert import Fp8Views
         from awex.meta import Fp8BlockQuant, quantize_layout
@@ -102,9 +104,9 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         fp8_views = Fp8Views(fp8_layout, local_rank, view_of, quant)
         writer = WeightsWriter(client, fp8_layout, local_rank, fp8_views.view_of, refresh=fp8_views.quantize,
                                refresh_by_wave=fp8_views.by_wave,
-                               timeout=timeout)
+                               timeout=timeout, **options)
     else:
-        writer = WeightsWriter(client, layout, local_rank, view_of, timeout=timeout)
+        writer = WeightsWriter(client, layout, local_rank, view_of, timeout=timeout, **options)
     shards = LocalShards.from_layout(layout, local_rank, view_of)  # the weights themselves (steps change them)
     specs = {t.spec.name: t.spec for t in layout.tensors}
     out = []

@@ -66,18 +66,25 @@ class WeightsReader:
     def shards(self) -> LocalShards:
         return self._shards
 
+    def held_bytes(self) -> int:
+        """Bytes of sync buffers (staging) this reader keeps between versions."""
+        return self._session.held_bytes()
+
     def receive(
         self,
         version: str,
         apply: Callable[[LocalShards], None] | None = None,
         validate: str | None = None,
         strict: bool = False,
+        in_place: bool | None = None,
     ) -> TransferStats:
         """Receive ``version`` (waiting for the trainer's manifest), then ``apply`` it; raises on any failure.
 
         ``validate``: an HF safetensors checkpoint to compare every received tensor with, before applying;
         the report is published at ``validation/<version>/<instance>:<rank>``; with ``strict`` a mismatch
         raises :class:`~awex.engines.validation.ValidationError` and nothing is applied.
+        ``in_place``: whether some views are the engine's own weights (a failed transfer then leaves them
+        partially updated); by default, when there is no ``apply`` step.
         """
         started = time.monotonic()
         try:
@@ -102,7 +109,7 @@ class WeightsReader:
             # In place (no apply step), a transfer that failed part-way has overwritten some weights: the engine no
             # longer holds any one version. Errors before the transfer (planning, shard checks, agreement) leave
             # the previous version intact.
-            partial = apply is None and isinstance(e, TransferError)
+            partial = (apply is None if in_place is None else in_place) and isinstance(e, TransferError)
             if partial:
                 self.version = None
                 if hasattr(e, "add_note"):  # Python >= 3.11

@@ -76,7 +76,7 @@ def version_records(version: str) -> tuple[list[str], list[str]]:
     """The MetaServer records one weight version leaves behind: exact names and prefixes (keys and agreements),
     for ``MetaClient.forget`` once nobody needs them."""
     return ([manifest_key(version), f"plan/{version}", f"ipc-done/{version}"],
-            [f"ipc-ready/{version}/", f"validation/{version}/", f"devices/{version}/"])
+            [f"ipc-ready/{version}/", f"validation/{version}/", f"devices/{version}/", f"received/{version}/"])
 
 
 def layout_key(instance: str) -> str:
@@ -144,6 +144,14 @@ class SyncSession:
         import gc
 
         gc.collect()  # views into opened memory may sit in reference cycles (executors' closures)
+
+    def held_bytes(self) -> int:
+        """Bytes of buffers this rank keeps between syncs (staging of the point-to-point executor, the bounce
+        ring of the CUDA IPC executor), read from the buffers themselves."""
+        held = 0
+        for executor in (self._executor, self._ipc.executor):
+            held += int(getattr(executor, "staging_bytes", 0) or 0) if executor is not None else 0
+        return held
 
     def physical_device(self) -> str | None:
         """This rank's physical device as ``host/GPU-uuid`` (CUDA), or ``device_key`` when set."""

@@ -14,19 +14,32 @@
 The backend is registered in every vLLM process by the ``vllm.general_plugins`` entry point of awex-engines
 (lazily, by module path: nothing of Awex is imported until the backend is used).
 
-Each worker builds its layout from vLLM's own model and parallel config (``awex.meta.layouts.vllm``), receives
-its boxes of each canonical tensor from the trainer ranks that hold them, and loads them through vLLM's weight
-loaders inside a layerwise reload (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``). That path
-works whatever form vLLM keeps its parameters in (CPU-prepacked linears, quantized layers). Everything is
-received before anything is loaded: a failed transfer leaves the model untouched, serving the previous
-version. The loader path hands vLLM a full-shape tensor per canonical tensor in which only this rank's boxes
-are filled (vLLM's loader reads only those); an in-place path for plain parameters comes with the GPU work.
+Each worker builds its layout from vLLM's own model and parallel config (``awex.meta.layouts.vllm``) and, when
+it starts, routes every canonical tensor it holds (``awex.engines.vllm_params``):
+
+- **in place** (the default, ``receive="in_place"``): boxes land directly in the storage of vLLM's live
+  parameters (fused ``qkv_proj`` / ``gate_up_proj``, padded vocabulary, MoE experts; ``awex.convert.vllm``). No
+  staging copy of the shard, no full-size temporary, no loader call; the extra memory is the transport's wave
+  staging (about twice the writer's ``wave_bytes``; none over CUDA IPC). A sync that fails part-way leaves the
+  engine with partly new weights: it reports no consistent version until the next successful sync.
+- **through vLLM's loaders**: only the modules vLLM transformed after loading (vLLM-CPU's prepacked linears and
+  MoE experts, quantisation methods that repack) receive into staging, and are loaded one module at a time
+  inside a layerwise reload (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload`` on that module).
+- ``receive="staged"``: everything goes the loader way, after the whole version has arrived. A failed transfer
+  then leaves the model untouched (the previous version keeps serving), at the cost of a staging copy of the
+  rank's whole shard plus one full-size tensor at a time while loading.
+
+After each version the worker logs how many tensors and bytes went each way and publishes it, with the peak
+extra memory the sync took in this process (measured, ``awex.engines.memory``), at
+``received/<version>/<instance>:<rank>`` on the MetaServer (:class:`ReceiveReport`). ``shutdown()`` closes the
+reader: memory opened over CUDA IPC is released before the trainer may free it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -36,14 +49,18 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from awex.meta import Box
+from awex.convert.vllm import vllm_param_dtypes, vllm_param_name, vllm_param_shapes, vllm_views
+from awex.meta import Box, Fp8BlockQuant
 from awex.meta.client import MetaClient
 from awex.meta.layouts import VllmParallel, vllm_engine_layout
+from awex.meta.models import model_dims
 from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
 
+from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
 from awex.engines.vllm_fixups import check_cpu_moe_reloadable, refresh_cpu_moe_experts, refresh_tied_lm_head
+from awex.engines.vllm_params import Destinations, route
 
 log = logging.getLogger("awex.engines.vllm")
 
@@ -57,6 +74,7 @@ class AwexInitInfo(WeightTransferInitInfo):
     job: str = "default"
     token: str | None = None
     timeout: float = 300.0
+    receive: str = "in_place"  # or "staged": receive everything first, then load (atomic, a shard's memory more)
 
 
 @dataclass
@@ -69,14 +87,36 @@ class AwexUpdateInfo(WeightTransferUpdateInfo):
     strict: bool = False  # with validate: a mismatch is an error and the version is not applied
 
 
+@dataclass(frozen=True)
+class ReceiveReport:
+    """What one worker received of one version, and what it cost in memory (published on the MetaServer)."""
+
+    version: str
+    instance: str
+    rank: int
+    in_place_tensors: int
+    in_place_bytes: int
+    loader_tensors: int
+    loader_bytes: int
+    seconds: float
+    peak_extra_bytes: int | None  # peak during the sync above what the process held before it
+    held_bytes: int  # sync buffers kept between versions (staging), not counted in peak_extra_bytes
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _vllm_parallel(vllm_config) -> VllmParallel:
+    pc = vllm_config.parallel_config
+    return VllmParallel(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size, dp=pc.data_parallel_size,
+                        ep=bool(getattr(pc, "enable_expert_parallel", False)))
+
+
 def engine_layout(vllm_config, instance: str):
     """The canonical layout of a vLLM engine from its own config (FP8 block-quantised checkpoints included)."""
     model_config = vllm_config.model_config
-    pc = vllm_config.parallel_config
     dtype = str(model_config.dtype).removeprefix("torch.")
-    parallel = VllmParallel(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size,
-                            dp=pc.data_parallel_size, ep=bool(getattr(pc, "enable_expert_parallel", False)))
-    return vllm_engine_layout(model_config.hf_config.to_dict(), dtype, parallel, instance=instance)
+    return vllm_engine_layout(model_config.hf_config.to_dict(), dtype, _vllm_parallel(vllm_config), instance=instance)
 
 
 class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo]):
@@ -89,29 +129,57 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.reader: WeightsReader | None = None
+        self.destinations: Destinations | None = None
+        self.last_report: ReceiveReport | None = None
         self.timeout = 300.0
+        self._staging: dict[tuple[str, Box], torch.Tensor] = {}
+        self._bytes = (0, 0)  # in place, through the loaders (per version)
+        self._tied = False
 
     def init_transfer_engine(self, init_info: AwexInitInfo) -> None:
+        if init_info.receive not in ("in_place", "staged"):
+            raise ValueError(f"awex backend: receive={init_info.receive!r}; use 'in_place' or 'staged'")
         pc = self.parallel_config
         local_rank = pc.data_parallel_index * pc.world_size + pc.rank
         layout = engine_layout(self.vllm_config, init_info.instance)
-        check_cpu_moe_reloadable(self.model)  # refuse now what could not be reloaded in place later
-        client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token,
-                            timeout=init_info.timeout)
-        self.timeout = init_info.timeout
-        staging = {}
+        hf_config = self.model_config.hf_config.to_dict()
+        dtype = str(self.model_config.dtype).removeprefix("torch.")
+        dims = model_dims(hf_config, dtype)
+        parallel = _vllm_parallel(self.vllm_config)
+        quant = Fp8BlockQuant.from_hf_config(hf_config)
+        tp_rank, pp_rank = pc.rank % parallel.tp, pc.rank // parallel.tp
+        dp_rank = pc.data_parallel_index
+        shapes = vllm_param_shapes(dims, parallel, tp_rank, pp_rank, quant=quant, dp_rank=dp_rank)
+        names = sorted(layout.rank_boxes(local_rank))
+        self.destinations = route(self.model, names, dims.tie_embeddings, shapes,
+                                  vllm_param_dtypes(shapes, dtype, quant), in_place=init_info.receive == "in_place")
+        if self.destinations.loader:
+            check_cpu_moe_reloadable(self.model)  # refuse now what could not be reloaded later
+        live = vllm_views(dict(self.model.named_parameters()), dims, parallel,
+                          fp8_block=quant.block if quant else (128, 128), tp_rank=tp_rank, dp_rank=dp_rank)
+        through_loader = set(self.destinations.loader)
+        staging = self._staging
 
         def view_of(name: str, box: Box) -> torch.Tensor:
+            if name not in through_loader:
+                return live(name, box)
             t = staging[(name, box)] = torch.empty(box.sizes, dtype=torch_dtype(layout.tensor(name).spec.dtype),
                                                    device=self.device)
             return t
 
+        client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token,
+                            timeout=init_info.timeout)
+        self.timeout = init_info.timeout
         self.reader = WeightsReader(client, layout, local_rank, view_of, timeout=init_info.timeout)
-        log.info("awex backend ready: %s rank %d, %d canonical tensors", layout.instance, local_rank,
-                 len(layout.rank_boxes(local_rank)))
+        shards = self.reader.shards
+        nbytes = {name: sum(view.nbytes for _, view in shards.pairs(name)) for name in shards.names()}
+        self._bytes = (sum(nbytes[n] for n in self.destinations.in_place),
+                       sum(nbytes[n] for n in self.destinations.loader))
+        self._tied = dims.tie_embeddings
+        log.info("awex backend ready: %s rank %d: %s", layout.instance, local_rank, self.destinations.summary())
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: loading starts only after every byte of the version has arrived."""
+        """Nothing to prepare: in-place tensors land as they arrive, loader tensors are loaded after."""
         if self.reader is None:
             raise RuntimeError("awex backend: call init_weight_transfer_engine first")
 
@@ -120,28 +188,57 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             raise RuntimeError("awex backend: call init_weight_transfer_engine first")
         if update_info.timeout:
             self.reader.timeout = update_info.timeout
-        self.reader.receive(update_info.version, apply=self._load_through_vllm, validate=update_info.validate,
-                            strict=update_info.strict)
+        dest = self.destinations
+        started = time.monotonic()
+        with PeakMemory(self.device) as peak:
+            self.reader.receive(update_info.version, apply=self._load_through_vllm if dest.loader else None,
+                                validate=update_info.validate, strict=update_info.strict,
+                                in_place=bool(dest.in_place))
+        report = ReceiveReport(update_info.version, self.reader.layout.instance, self.reader.local_rank,
+                               len(dest.in_place), self._bytes[0], len(dest.loader), self._bytes[1],
+                               round(time.monotonic() - started, 6), peak.extra_bytes, self.reader.held_bytes())
+        self.last_report = report
+        log.info("awex backend: %s:%d received %s: %d tensors (%d bytes) in place, %d (%d bytes) through vLLM's "
+                 "loaders, %.3f s, peak extra memory %s bytes", report.instance, report.rank, report.version,
+                 report.in_place_tensors, report.in_place_bytes, report.loader_tensors, report.loader_bytes,
+                 report.seconds, report.peak_extra_bytes)
+        try:
+            self.reader.client.put(f"received/{report.version}/{report.instance}:{report.rank}", report.to_json())
+        except Exception as e:  # the version is applied; the report is for monitoring
+            log.warning("awex backend: could not publish the receive report of %s: %s", report.version, e)
 
     def _load_through_vllm(self, shards: LocalShards) -> None:
+        """Load the tensors of transformed modules through vLLM's loaders, one module at a time (a layerwise
+        reload of that module: its loaders re-run its post-loading processing, e.g. prepacking)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         layout = self.reader.layout
-        initialize_layerwise_reload(self.model)
-        try:
-            for name in shards.names():
-                spec = layout.tensor(name).spec
-                full = torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
-                for box, view in shards.pairs(name):
-                    full[box.slices()] = view
-                self.model.load_weights([(name, full)])
-        finally:
-            finalize_layerwise_reload(self.model, self.model_config)
+        by_module: dict[str, list[str]] = {}
+        for name in self.destinations.loader:
+            by_module.setdefault(vllm_param_name(name, self._tied).rpartition(".")[0], []).append(name)
+        modules = dict(self.model.named_modules())
+        for module_name, names in by_module.items():
+            module = modules[module_name]
+            initialize_layerwise_reload(module)
+            try:
+                for name in names:
+                    spec = layout.tensor(name).spec
+                    full = torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
+                    for box, view in shards.pairs(name):
+                        full[box.slices()] = view
+                    self.model.load_weights([(name, full)])
+                    del full
+            finally:
+                finalize_layerwise_reload(module, self.model_config)
         refresh_tied_lm_head(self.model)
-        refresh_cpu_moe_experts(self.model)
+        refresh_cpu_moe_experts(self.model, set(by_module))
 
     def finish_weight_update(self) -> None:
         """Loading finished in ``update_weights``; nothing is deferred."""
 
     def shutdown(self) -> None:
+        """Close the reader (releases staging and memory opened over CUDA IPC); the engine keeps its weights."""
+        if self.reader is not None:
+            self.reader.close()
         self.reader = None
+        self._staging.clear()

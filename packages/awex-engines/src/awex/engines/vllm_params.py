@@ -1,0 +1,111 @@
+"""Where each canonical tensor lands in a running vLLM worker: in place, or through vLLM's weight loaders.
+
+In place means the received bytes are written straight into the storage of vLLM's live parameters (views from
+``awex.convert.vllm_views``): no staging copy of the shard, no full-size temporary, no loader call. That is only
+correct where vLLM computes from the parameter itself. Where vLLM transformed a parameter after loading
+(vLLM-CPU prepacks linear weights into a kernel's own format and MoE experts into grouped-GEMM order; quantisation
+methods may repack, transpose or requantise), writing the parameter would change nothing the model computes, so
+the whole module goes through vLLM's loaders inside a layerwise reload instead. The rule is decided per module
+(vLLM's layerwise reload finalises a module as a unit) and fails closed: a quantisation method not known to keep
+its parameters as loaded takes the loader path.
+
+A parameter that should receive in place but does not match what Awex computes for it (missing, other shape,
+dtype or strides) is refused when the backend starts, naming the parameter, before any byte moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from awex.convert.vllm import vllm_param_name
+
+# Quantisation methods whose parameters are what the kernels read (no repacking after loading).
+PLAIN_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod"})
+
+
+def transformed_reason(module: torch.nn.Module | None) -> str | None:
+    """Why ``module``'s parameters must go through vLLM's loaders (``None``: they can be written in place)."""
+    if module is None:
+        return None
+    method = getattr(module, "quant_method", None)
+    if method is not None and type(method).__name__ not in PLAIN_METHODS:
+        return f"quantisation method {type(method).__name__} may repack its weights after loading"
+    cpu_linear = getattr(module, "cpu_linear", None)
+    if cpu_linear is not None and cpu_linear is not torch.nn.functional.linear:
+        return "vLLM-CPU computes from a prepacked copy of this weight"
+    kernel = getattr(method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is not None and _prepacks_experts(experts):
+        return f"{type(experts).__name__} prepacks the experts after loading"
+    return None
+
+
+def _prepacks_experts(experts) -> bool:
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # not the CPU build
+        return False
+    return isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False)
+
+
+@dataclass
+class Destinations:
+    """One worker's routing of its canonical tensors: ``in_place`` names go into live parameters, ``loader``
+    names (with the reason, per module) through vLLM's loaders."""
+
+    in_place: list[str] = field(default_factory=list)
+    loader: list[str] = field(default_factory=list)
+    loader_modules: dict[str, str] = field(default_factory=dict)  # module name -> why it cannot take bytes in place
+
+    def summary(self) -> str:
+        why = sorted(set(self.loader_modules.values()))
+        return (f"{len(self.in_place)} tensors in place, {len(self.loader)} through vLLM's loaders"
+                + (f" ({'; '.join(why)})" if why else ""))
+
+
+def route(model: torch.nn.Module, names: list[str], tie_embeddings: bool,
+          expected: dict[str, tuple[int, ...]] | None = None, dtypes: dict[str, torch.dtype] | None = None,
+          in_place: bool = True) -> Destinations:
+    """Route the canonical tensors ``names`` of one worker (``in_place=False``: all through the loaders).
+
+    ``expected`` / ``dtypes``: the native parameters' shapes and dtypes Awex computes for this rank
+    (``awex.convert.vllm_param_shapes`` / ``vllm_param_dtypes``); an in-place parameter that differs, or is
+    not contiguous, raises ``ValueError`` naming it.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    out = Destinations()
+    native = {name: vllm_param_name(name, tie_embeddings) for name in names}
+    for name in names:
+        module_name = native[name].rpartition(".")[0]
+        reason = "staged receive (atomic updates) asked for" if not in_place else transformed_reason(
+            modules.get(module_name))
+        if reason is not None:
+            out.loader_modules[module_name] = reason
+    problems = []
+    for name in names:
+        param_name = native[name]
+        module_name = param_name.rpartition(".")[0]
+        if module_name in out.loader_modules:
+            out.loader.append(name)
+            continue
+        param = params.get(param_name)
+        if param is None:
+            problems.append(f"{param_name} (for {name}): vLLM has no such parameter")
+            continue
+        want_shape = (expected or {}).get(param_name)
+        if want_shape is not None and tuple(param.shape) != tuple(want_shape):
+            problems.append(f"{param_name}: vLLM holds shape {tuple(param.shape)}, Awex computes {tuple(want_shape)}")
+        elif dtypes and param_name in dtypes and param.dtype != dtypes[param_name]:
+            problems.append(f"{param_name}: vLLM holds {param.dtype}, Awex computes {dtypes[param_name]}")
+        elif not param.is_contiguous():
+            problems.append(f"{param_name}: not contiguous (strides {param.stride()})")
+        else:
+            out.in_place.append(name)
+    if problems:
+        shown = "\n  ".join(sorted(set(problems))[:20])
+        raise ValueError(f"vLLM's live parameters do not match the layout Awex computes for this rank "
+                         f"({len(set(problems))} problem(s)):\n  {shown}")
+    return out
