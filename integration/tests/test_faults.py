@@ -12,9 +12,10 @@ from conftest import MODELS  # noqa: E402
 from test_matrix import run_scenario  # noqa: E402
 
 
-def test_trainer_rank_dying_mid_run_fails_the_sync_and_vllm_keeps_the_previous_version():
+def test_trainer_rank_dying_mid_run_fails_the_sync_and_staged_vllm_keeps_the_previous_version():
+    # receive="staged": nothing is loaded until the whole version has arrived
     result = run_scenario(["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--timeout", "20",
-                           "--fail-rank", "1", "--fail-step", "2"])
+                           "--fail-rank", "1", "--fail-step", "2", "--receive", "staged"])
     assert result["ok"] is False and result["failed_step"] == 2, result
     assert "from rank 1" in result["error"], result["error"]
     assert result["error_seconds"] < 60, "the receiver must give up within its deadline"
@@ -22,15 +23,16 @@ def test_trainer_rank_dying_mid_run_fails_the_sync_and_vllm_keeps_the_previous_v
     assert result["reported_versions"]["vllm-0"] == "step-1"
 
 
-def test_an_in_place_receiver_hit_mid_transfer_says_it_serves_no_consistent_version():
-    # the HF receiver writes straight into its parameters (no staging): a sync that fails part-way has changed
-    # some of them, so it must not claim to still serve the previous version
-    result = run_scenario(["--trainer", "megatron", "--train-tp", "2", "--inference", "hf", "--timeout", "20",
+@pytest.mark.parametrize("inference", ["vllm", "hf"])
+def test_an_in_place_receiver_hit_mid_transfer_says_it_serves_no_consistent_version(inference):
+    # vLLM (its default receive) and HF write straight into their parameters (no staging): a sync that fails
+    # part-way has changed some of them, so they must not claim to still serve the previous version
+    result = run_scenario(["--trainer", "megatron", "--train-tp", "2", "--inference", inference, "--timeout", "20",
                            "--fail-rank", "1", "--fail-step", "2"])
     assert result["ok"] is False and result["failed_step"] == 2, result
     assert "from rank 1" in result["error"], result["error"]
     assert "partially updated" in result["error"], result["error"]
-    assert result["reported_versions"]["hf-0"] is None
+    assert result["reported_versions"][f"{inference}-0"] is None
 
 
 def test_receiver_with_a_different_model_is_refused_before_any_byte_moves():

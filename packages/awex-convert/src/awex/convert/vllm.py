@@ -15,9 +15,10 @@ layers.L.mlp.{gate,up}_proj       ...mlp.gate_up_proj.weight = [gate shard; up s
 layers.L.mlp.down_proj            ...mlp.down_proj.weight (columns split)
 norms                             same names, replicated
 layers.L.mlp.gate (MoE router)    ...mlp.gate.weight, replicated
-layers.L.mlp.experts.E.{gate,up}  ...mlp.experts.w13_weight[e] = [gate shard; up shard] of local expert e
-layers.L.mlp.experts.E.down_proj  ...mlp.experts.w2_weight[e] (columns split); with expert parallelism
-                                  each rank holds its own experts whole (linear placement)
+layers.L.mlp.experts.E.{gate,up}  ...mlp.experts.routed_experts.w13_weight[e] = [gate shard; up shard] of
+                                  local expert e
+layers.L.mlp.experts.E.down_proj  ...mlp.experts.routed_experts.w2_weight[e] (columns split); with expert
+                                  parallelism each rank holds its own experts whole (linear placement)
 layers.L.mlp.shared_expert.*      ...mlp.shared_expert.gate_up_proj / down_proj (Qwen2-MoE), split like a
                                   dense MLP; ...mlp.shared_expert_gate.weight replicated
 ================================  ===============================================================
@@ -54,7 +55,7 @@ _QKV = re.compile(r"^self_attn\.([qkv])_proj\.(.+)$")
 def vllm_param_name(name: str, tie_embeddings: bool = False) -> str:
     """The vLLM parameter that holds canonical tensor ``name`` (or part of it): ``q_proj`` / ``k_proj`` /
     ``v_proj`` live in ``qkv_proj``, ``gate_proj`` / ``up_proj`` in ``gate_up_proj``, expert ``E``'s
-    projections in ``experts.w13_weight`` / ``experts.w2_weight``, a tied ``lm_head`` in ``embed_tokens``;
+    projections in ``experts.routed_experts.w13_weight`` / ``w2_weight`` (vLLM 0.32's names), a tied ``lm_head`` in ``embed_tokens``;
     FP8 scales follow their weights. Every other name is the same in vLLM."""
     if name == "lm_head.weight" and tie_embeddings:
         return "model.embed_tokens.weight"
@@ -66,7 +67,7 @@ def vllm_param_name(name: str, tie_embeddings: bool = False) -> str:
     if q := _QKV.match(rest):
         return pre + "self_attn.qkv_proj." + q.group(2)
     if e := _EXPERT.match(rest):
-        return pre + ("mlp.experts.w2_weight" if e.group(2) == "down" else "mlp.experts.w13_weight") + suffix
+        return pre + "mlp.experts.routed_experts." + ("w2_weight" if e.group(2) == "down" else "w13_weight") + suffix
     if g := _GATE_UP.match(rest):
         return pre + g.group(1) + ".gate_up_proj." + g.group(3)
     return name
@@ -110,8 +111,8 @@ def vllm_param_shapes(dims: ModelDims, parallel: VllmParallel, tp_rank: int = 0,
             local = len(_local_experts(dims, parallel, tp_rank, dp_rank))
             inter = dims.moe_intermediate if parallel.ep else dims.moe_intermediate // tp
             shapes[pre + "mlp.gate.weight"] = (dims.num_experts, dims.hidden)
-            shapes[pre + "mlp.experts.w13_weight"] = (local, 2 * inter, dims.hidden)
-            shapes[pre + "mlp.experts.w2_weight"] = (local, dims.hidden, inter)
+            shapes[pre + "mlp.experts.routed_experts.w13_weight"] = (local, 2 * inter, dims.hidden)
+            shapes[pre + "mlp.experts.routed_experts.w2_weight"] = (local, dims.hidden, inter)
             if dims.shared_expert_intermediate:
                 shared = dims.shared_expert_intermediate // tp
                 shapes[pre + "mlp.shared_expert.gate_up_proj.weight"] = (2 * shared, dims.hidden)

@@ -135,6 +135,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         self._staging: dict[tuple[str, Box], torch.Tensor] = {}
         self._bytes = (0, 0)  # in place, through the loaders (per version)
         self._tied = False
+        self._staged_bytes = 0  # receive buffers of the loader path, kept between versions
 
     def init_transfer_engine(self, init_info: AwexInitInfo) -> None:
         if init_info.receive not in ("in_place", "staged"):
@@ -176,6 +177,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         self._bytes = (sum(nbytes[n] for n in self.destinations.in_place),
                        sum(nbytes[n] for n in self.destinations.loader))
         self._tied = dims.tie_embeddings
+        self._staged_bytes = sum(t.nbytes for t in staging.values())
         log.info("awex backend ready: %s rank %d: %s", layout.instance, local_rank, self.destinations.summary())
 
     def start_weight_update(self) -> None:
@@ -196,7 +198,8 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
                                 in_place=bool(dest.in_place))
         report = ReceiveReport(update_info.version, self.reader.layout.instance, self.reader.local_rank,
                                len(dest.in_place), self._bytes[0], len(dest.loader), self._bytes[1],
-                               round(time.monotonic() - started, 6), peak.extra_bytes, self.reader.held_bytes())
+                               round(time.monotonic() - started, 6), peak.extra_bytes,
+                               self.reader.held_bytes() + self._staged_bytes)
         self.last_report = report
         log.info("awex backend: %s:%d received %s: %d tensors (%d bytes) in place, %d (%d bytes) through vLLM's "
                  "loaders, %.3f s, peak extra memory %s bytes", report.instance, report.rank, report.version,
