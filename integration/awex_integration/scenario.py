@@ -19,6 +19,11 @@ tensors_mismatched, greedy_match, and for vLLM receivers:
   tensors handed to ``load_weights`` during the syncs; ``in_place_verified`` says none moved and exactly the
   tensors routed to the loader path were loaded.
 
+``--control vllm-http``: each vLLM instance is a ``vllm serve`` (OpenAI server) process, and the trainer ranks
+drive it themselves through vLLM's trainer-side API (``WeightTransferTrainerFactory.trainer_init`` with the
+``awex`` backend and vLLM's HTTP client, then ``send_weights()`` per step); ``awex`` (the default): the runner
+holds offline ``LLM`` engines and calls their weight-update methods while the trainers write.
+
 ``--vllm-weights plain`` (the default) applies the harness patch ``awex_integration.vllm_cpu_plain_weights`` so
 vLLM-CPU computes from its plain weights as vLLM does on GPUs (in place is possible); ``prepacked`` leaves
 vLLM-CPU as it ships (its linears take the loader path).
@@ -68,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--infer-ep", action="store_true", help="vLLM expert parallelism (enable_expert_parallel)")
     p.add_argument("--instances", type=int, default=1)
     p.add_argument("--transport", choices=["gloo"], default="gloo")
+    p.add_argument("--control", choices=["awex", "vllm-http"], default="awex",
+                   help="vllm-http: `vllm serve` engines driven by the trainers through vLLM's trainer API")
     p.add_argument("--receive", choices=["in_place", "staged"], default="in_place",
                    help="the vLLM backend's receive mode (staged: everything arrives before anything is loaded)")
     p.add_argument("--vllm-weights", choices=["plain", "prepacked"], default="plain",
@@ -132,6 +139,75 @@ class VllmInstance:
 
     def greedy(self) -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in self.llm.generate(PROMPTS, self.params, use_tqdm=False)]
+
+
+class VllmServeInstance:
+    """A ``vllm serve`` (OpenAI server) process with the awex backend; the trainers drive its weight updates over
+    HTTP (``--control vllm-http``)."""
+
+    def __init__(self, name: str, model_dir: Path, tp: int, dtype: str, cpu: str, plain_weights: bool = True):
+        import subprocess
+        import urllib.request
+
+        from awex_integration import vllm_cpu_plain_weights
+        from awex_integration.vllm_worker_probe import WORKER_EXTENSION
+
+        self.name, self.model_dir = name, model_dir
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu,
+               vllm_cpu_plain_weights.ENV: "1" if plain_weights else "0",
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+        # the OpenAI server module (`vllm serve` reads the "vllm" distribution's version, which vllm-cpu lacks)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+             "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", dtype, "--max-model-len", "256",
+             "--tensor-parallel-size", str(tp), "--seed", "0", "--kv-cache-memory-bytes", str(128 << 20),
+             "--worker-extension-cls", WORKER_EXTENSION, "--weight-transfer-config", '{"backend": "awex"}'],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=5)
+                break
+            except OSError:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"vllm serve for {name} exited: {self.process.stderr.read()[-4000:]}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vllm serve for {name} did not come up within 300 s")
+                time.sleep(2)
+
+    def greedy(self) -> list[list[int]]:
+        out = []
+        for prompt in PROMPTS:
+            body = {"model": str(self.model_dir), "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}
+            out.append(_post_json(self.url + "/v1/completions", body)["choices"][0]["token_ids"])
+        return out
+
+    def weight_version(self) -> str | None:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/weight_info", timeout=30) as r:
+            return json.loads(r.read()).get("weight_version")
+
+    def close(self) -> None:
+        import subprocess
+
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def _post_json(url: str, body: dict, timeout: float = 120) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
 
 
 class HfInstance:
@@ -239,8 +315,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [f"{args.inference}-{i}" for i in range(args.instances)]
     instances = []
     for i, name in enumerate(names):
-        if args.inference == "vllm":
-            cpus = "|".join(str(c % max(1, os.cpu_count() or 1)) for c in range(i * args.infer_tp, (i + 1) * args.infer_tp))
+        cpus = "|".join(str(c % max(1, os.cpu_count() or 1)) for c in range(i * args.infer_tp, (i + 1) * args.infer_tp))
+        if args.control == "vllm-http":
+            if args.inference != "vllm" or args.fp8 or args.check_in_place:
+                raise SystemExit("--control vllm-http: vLLM receivers only, without --fp8 or --check-in-place")
+            instances.append(VllmServeInstance(name, infer_dir, args.infer_tp, args.dtype, cpus,
+                                               plain_weights=args.vllm_weights == "plain"))
+        elif args.inference == "vllm":
             instances.append(VllmInstance(name, infer_dir, args.infer_tp, args.dtype, meta, cpus, ep=args.infer_ep,
                                           receive=args.receive, plain_weights=args.vllm_weights == "plain"))
         elif args.inference == "layout":
@@ -253,7 +334,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 ep=args.train_ep, vocab_pad=128)
     world = {"megatron": parallel.world_size, "fsdp": args.train_dp}.get(args.trainer, 1)
     port = free_port()
-    trainer_meta = {"address": server.address, "job": "scenario", "token": token}
+    trainer_meta = {"address": server.address, "job": "scenario", "token": token, "receive": args.receive,
+                    "endpoints": {inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)}}
     wave_bytes = int(args.wave_mb * (1 << 20)) if args.wave_mb else None
     from awex_integration.spawn import run_processes
 
@@ -284,12 +366,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         save_file(fp8_checkpoint(reference, quant) if quant else reference, str(ref_dir / "model.safetensors"))
         fault = args.fail_step == step
         seq = client.publish_event("step", "scenario", version=version,
-                                   data={"die": args.fail_rank} if fault else None)
+                                   data={"die": args.fail_rank if fault else None, "validate": str(ref_dir)})
         started = time.monotonic()
         errors: list = []
-        threads = [threading.Thread(target=_catching(errors, inst.sync, version, ref_dir)) for inst in instances]
-        [t.start() for t in threads]
-        [t.join(args.timeout + 30) for t in threads]
+        if args.control == "vllm-http":  # the trainers drive the engines; done when every rank says it sent
+            _catching(errors, wait_trainers, client, "trainer_sent", version, world, seq, args.timeout + 60)()
+        else:
+            threads = [threading.Thread(target=_catching(errors, inst.sync, version, ref_dir)) for inst in instances]
+            [t.start() for t in threads]
+            [t.join(args.timeout + 30) for t in threads]
         seconds = time.monotonic() - started
         if errors:
             results.update(ok=False, error=f"{version}: {errors[0]}", failed_step=step,
@@ -299,6 +384,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["reported_versions"] = {p["name"]: p["weight_version"]
                                             for p in client.status()["jobs"]["scenario"]["participants"]
                                             if p["role"] == "inference"}
+            results["failure_events"] = [f"{e['source']}: {e.get('data')}" for e in client.events(0, timeout=0)
+                                         if e["kind"] == "sync_failed"]
             if fault:
                 reference = previous_reference
             break
@@ -341,8 +428,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["in_place_check"] = reports
         results["in_place_verified"] = all(not r["moved"] and not set(r["loaded"]) & set(r["in_place"])
                                            and set(r["loaded"]) == set(r["loader"]) for r in reports)
-    for inst in vllm_instances:
-        inst.close()
+    if args.control == "vllm-http":
+        results["engine_weight_versions"] = {inst.name: inst.weight_version() for inst in instances}
+    for inst in instances:
+        if hasattr(inst, "close"):
+            inst.close()
     if "failed_step" in results:
         server.stop()
         results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}

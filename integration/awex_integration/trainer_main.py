@@ -95,7 +95,22 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         layout = hf_model_layout(model, "trainer", "trainer")
         local_rank, view_of = 0, hf_views(model)
     options = {"wave_bytes": wave_bytes} if wave_bytes else {}
-    if fp8:
+    engine = None
+    if meta.get("endpoints"):  # vLLM's trainer-side API drives the engines (scenario --control vllm-http)
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
+
+        info = AwexTrainerInitInfo(rank=rank, meta_address=meta["address"], job=meta["job"], token=meta["token"],
+                                   instances=tuple(destinations), timeout=timeout, receive=meta["receive"],
+                                   **options)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client={name: HTTPVLLMWeightSyncClient(url, timeout=timeout + 30)
+                          for name, url in meta["endpoints"].items()},
+            source=AwexSource(layout, local_rank, view_of))
+        writer = engine.writer
+    elif fp8:
         from awex.convert import Fp8Views
         from awex.meta import Fp8BlockQuant, quantize_layout
 
@@ -124,7 +139,11 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         with torch.no_grad():
             apply_step(shards, specs, step)
         started = time.monotonic()
-        stats = writer.write(f"step-{step}", destinations)
-        out.append({"step": step, "bytes_sent": stats.bytes_sent, "seconds": time.monotonic() - started})
-        client.publish_event("trainer_sent", f"trainer:{rank}", version=f"step-{step}", data={"bytes": stats.bytes_sent})
+        if engine is not None:
+            engine.send_weights(f"step-{step}", validate=(event.get("data") or {}).get("validate"))
+            sent = engine.writer.last_stats.bytes_sent
+        else:
+            sent = writer.write(f"step-{step}", destinations).bytes_sent
+        out.append({"step": step, "bytes_sent": sent, "seconds": time.monotonic() - started})
+        client.publish_event("trainer_sent", f"trainer:{rank}", version=f"step-{step}", data={"bytes": sent})
     return {"rank": rank, "steps": out}

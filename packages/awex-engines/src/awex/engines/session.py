@@ -75,7 +75,7 @@ def manifest_key(version: str) -> str:
 def version_records(version: str) -> tuple[list[str], list[str]]:
     """The MetaServer records one weight version leaves behind: exact names and prefixes (keys and agreements),
     for ``MetaClient.forget`` once nobody needs them."""
-    return ([manifest_key(version), f"plan/{version}", f"ipc-done/{version}"],
+    return ([manifest_key(version), f"plan/{version}", f"ipc-done/{version}", f"applied/{version}"],
             [f"ipc-ready/{version}/", f"validation/{version}/", f"devices/{version}/", f"received/{version}/"])
 
 

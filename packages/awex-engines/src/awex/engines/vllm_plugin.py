@@ -1,7 +1,9 @@
-"""Registers the ``awex`` weight-transfer backend with vLLM (the ``vllm.general_plugins`` entry point).
+"""Registers the ``awex`` weight-transfer backend with vLLM (the ``vllm.general_plugins`` entry point): the
+worker engine (``awex.engines.vllm_backend``) and the trainer engine (``awex.engines.vllm_trainer``, which also
+registers itself when imported: trainer processes load no vLLM plugins).
 
-Registration is by module path, so vLLM imports ``awex.engines.vllm_backend`` only when a
-``WeightTransferConfig(backend="awex")`` asks for it. Nothing else of vLLM is changed.
+Registration is by module path, so vLLM imports those modules only when ``backend="awex"`` asks for them.
+Nothing else of vLLM is changed.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ BACKEND = "awex"
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "awex.engines.vllm_backend", "AwexWeightTransferEngine")
-    except ValueError:
-        pass  # already registered in this process
+    for factory, module, cls in ((WeightTransferEngineFactory, "awex.engines.vllm_backend", "AwexWeightTransferEngine"),
+                                 (WeightTransferTrainerFactory, "awex.engines.vllm_trainer", "AwexTrainerEngine")):
+        try:
+            factory.register_engine(BACKEND, module, cls)
+        except ValueError:
+            pass  # already registered in this process

@@ -89,6 +89,7 @@ class WeightsWriter:
             raise ValueError("keep_versions must be at least 1")
         self.keep_versions = keep_versions
         self._written: deque[str] = deque()
+        self.last_stats: TransferStats | None = None  # this rank's stats of the last write
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
         if transport == "ipc" and self._shards.device.type != "cuda":
             raise ValueError(f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}")
@@ -134,6 +135,7 @@ class WeightsWriter:
             manifest = SyncManifest.from_json(self.client.get(manifest_key(version), timeout=self.timeout))
         stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
                                        refresh=self.refresh, refresh_by_wave=self.refresh_by_wave)
+        self.last_stats = stats
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_sent, stats.seconds)
         if self.local_rank == 0:

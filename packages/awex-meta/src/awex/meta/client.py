@@ -2,7 +2,8 @@
 
 Every call has a deadline. Waits are long-polls repeated until the caller's deadline, so a missing peer
 produces :class:`~awex.meta.errors.MetaTimeoutError` naming what was awaited, never a hang. The client is
-thread-safe (one connection per call).
+thread-safe: each thread keeps one connection open (HTTP keep-alive: a sync makes a few requests per version, and a
+new TCP connection per request would cost more than the request).
 
     client = MetaClient("http://127.0.0.1:8765", job="grpo-run-7", token=os.environ.get("AWEX_META_TOKEN"))
     client.register("trainer", role="trainer", instance="trainer", world_size=8)
@@ -16,6 +17,7 @@ import http.client
 import json
 import logging
 import socket
+import threading
 import time
 import urllib.parse
 from typing import Any, Sequence
@@ -53,6 +55,23 @@ class MetaClient:
         self.job = job
         self.token = token
         self.timeout = timeout
+        self._local = threading.local()  # this thread's open connection
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_local"]  # connections stay in their process
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def close(self) -> None:
+        """Close this thread's connection (others close with their threads)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
 
     # -- transport -------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: Any = None, *, timeout: float, raw: bytes | None = None,
@@ -68,13 +87,24 @@ class MetaClient:
         deadline = time.monotonic() + timeout
         delay = 0.05
         while True:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=max(1.0, timeout + 5.0))
+            conn = getattr(self._local, "conn", None)
+            reused = conn is not None
+            if conn is None:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=max(1.0, timeout + 5.0))
+            keep = False
             try:
+                if conn.sock is not None:
+                    conn.sock.settimeout(max(1.0, timeout + 5.0))
                 conn.request(method, path, body=data, headers=headers)
                 resp = conn.getresponse()
                 payload = resp.read()
                 status = resp.status
+                keep = not resp.will_close
                 break
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) if reused else () as e:
+                # the server closed this kept-alive connection while it was idle: nothing was processed
+                log.debug("MetaServer connection closed while idle (%s); reconnecting", e)
+                continue
             except (ConnectionRefusedError, socket.gaierror, ConnectionResetError, http.client.RemoteDisconnected) as e:
                 if time.monotonic() + delay > deadline:
                     raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
@@ -83,7 +113,11 @@ class MetaClient:
             except socket.timeout:
                 raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
             finally:
-                conn.close()
+                if keep:
+                    self._local.conn = conn
+                else:
+                    self._local.conn = None
+                    conn.close()
         try:
             doc = json.loads(payload) if payload else None
         except ValueError:
