@@ -131,6 +131,7 @@ def plan(session: nox.Session) -> None:
 
 
 BENCH_PATH = os.pathsep.join(["packages/awex-meta/src", "packages/awex-convert/src", "packages/awex-transport/src",
+                              "packages/awex-engines/src",
                               "integration"])
 
 

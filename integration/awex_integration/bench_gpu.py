@@ -280,9 +280,8 @@ def worker(a: WorkerArgs) -> dict:
     import torch.distributed as dist
 
     from awex.convert import Fp8Views
-    from awex.meta import Fp8BlockQuant, PlanOptions, Role, plan_transfers, quantize_layout
-    from awex.transport import LocalShards, WaveExecutor, create_sync_group
-    from awex.transport.ipc import IpcExecutor, IpcExport, export_shards, open_export
+    from awex.meta import Fp8BlockQuant, Role, quantize_layout
+    from awex.transport import LocalShards
 
     torch.cuda.set_device(a.gpu)
     device = torch.device("cuda", a.gpu)
@@ -332,10 +331,37 @@ def worker(a: WorkerArgs) -> dict:
     shards = LocalShards.from_layout(layout, a.local_rank, view_of)
     torch.cuda.synchronize()
     result: dict = {"rank": a.rank, "instance": a.instance, "gpu": a.gpu, "trainer": trainer}
-    base_alloc = torch.cuda.memory_allocated(device)
+    result["_base_alloc"] = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
 
     # ---- Awex: first sync (everything built) and steady state
+    if a.extra.get("path", "public") == "public":
+        plan, shards = _public_path(a, scenario, layout, trainer, view_of, weights if trainer else None, base_layout,
+                                    quantize, fp8_views if trainer and quant else None, result, barrier, span,
+                                    timed, device, quant)
+    else:
+        plan = _executor_path(a, scenario, sources, dests, layout, shards, trainer, quantize,
+                              fp8_views if trainer and quant else None, weights if trainer else None, base_layout,
+                              result, barrier, span, timed, device, quant)
+    result["plan"] = {"waves": plan.stats.waves, "relayed_bytes": plan.stats.relayed_bytes,
+                      "total_bytes": plan.stats.total_bytes}
+
+    # ---- baselines
+    result["baselines"] = (baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed, quant)
+                           if a.baseline_iters else {})
+    dist.barrier()
+    return result
+
+
+def _executor_path(a, scenario, sources, dests, layout, shards, trainer, quantize, fp8_views, weights, base_layout,
+                   result, barrier, span, timed, device, quant):
+    """Executors wired by hand (``--path executor``): the plan and executors built here, no MetaServer."""
+    import torch
+
+    from awex.meta import PlanOptions, plan_transfers
+    from awex.transport import WaveExecutor, create_sync_group
+    from awex.transport.ipc import IpcExecutor, IpcExport, export_shards, open_export
+
     quantize_in_sync = quantize  # FP8 over IPC: all at once before the copies; over NCCL: per wave (below)
     barrier()
     t0 = time.perf_counter()
@@ -386,7 +412,7 @@ def worker(a: WorkerArgs) -> dict:
 
     result["steady_seconds"] = [timed(sync_once) for _ in range(a.iters)]
     stats = last[0]
-    result["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_alloc
+    result["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - result.pop("_base_alloc")
     if stats is not None:
         result["bytes_received"] = stats.bytes_received
         result["bytes_sent"] = stats.bytes_sent
@@ -408,14 +434,66 @@ def worker(a: WorkerArgs) -> dict:
     torch.cuda.synchronize()
     barrier()
     result["bad_second"] = [] if trainer else mismatches(shards, layout, 2, device, quant)
-    result["plan"] = {"waves": plan.stats.waves, "relayed_bytes": plan.stats.relayed_bytes,
-                      "total_bytes": plan.stats.total_bytes}
+    return plan
 
-    # ---- baselines
-    result["baselines"] = (baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed, quant)
-                           if a.baseline_iters else {})
-    dist.barrier()
-    return result
+
+def _public_path(a, scenario, layout, trainer, view_of, weights, base_layout, quantize, fp8_views, result, barrier,
+                 span, timed, device, quant):
+    """What users run (``--path public``, the default): a ``WeightsWriter`` per trainer rank and a
+    ``WeightsReader`` per receiver rank, meeting at a MetaServer (planning, agreement, versions, IPC handles,
+    everything per version included). Returns the plan and this rank's views (for the baselines)."""
+    import torch
+
+    from awex.engines.reader import WeightsReader
+    from awex.engines.writer import WeightsWriter
+    from awex.meta.client import MetaClient
+
+    client = MetaClient(a.extra["meta"], job=f"{a.scenario}-{a.trainer_buffer}", timeout=a.extra.get("timeout", 300))
+    transport = {"nccl": "p2p", "ipc": "ipc"}[scenario.transport]
+    dests = [e.instance for e in scenario.engines if e.kind != "megatron"]
+    if trainer:
+        side = WeightsWriter(client, layout, a.local_rank, view_of, transport=transport,
+                             wave_bytes=int(a.wave_mb * (1 << 20)), refresh=quantize,
+                             refresh_by_wave=fp8_views.by_wave if fp8_views is not None else None)
+        step = lambda version: side.write(version, dests)  # noqa: E731
+    else:
+        side = WeightsReader(client, layout, a.local_rank, view_of)
+        step = side.receive
+    barrier()  # every rank's layout is published
+    t0 = time.perf_counter()
+    stats = step("v1")
+    torch.cuda.synchronize()
+    result["first_sync_seconds"] = span(t0, time.perf_counter())
+    result["first_sync_phases"] = side.last_phases
+    last = [stats]
+    versions = iter(range(2, 10 ** 6))
+
+    def sync_once():
+        last[0] = step(f"v{next(versions)}")
+
+    result["steady_seconds"] = [timed(sync_once) for _ in range(a.iters)]
+    result["steady_phases"] = side.last_phases
+    stats = last[0]
+    result["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - result.pop("_base_alloc")
+    result["bytes_received"], result["bytes_sent"], result["waves"] = stats.bytes_received, stats.bytes_sent, stats.waves
+    result["staging_bytes"] = side.held_bytes()
+    shards = side.shards
+    result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device, quant)
+    if quantize:
+        result["quantize_seconds"] = statistics.median(_cuda_seconds(quantize) for _ in range(3))
+    if trainer:  # second version: changed values must arrive too (in place)
+        fill(weights, base_layout, 2, device)
+    torch.cuda.synchronize()
+    barrier()
+    step("v-second")
+    torch.cuda.synchronize()
+    barrier()
+    result["bad_second"] = [] if trainer else mismatches(shards, layout, 2, device, quant)
+    plan = side._session._plan
+    if not trainer:
+        side.close()  # release the trainers' memory opened over CUDA IPC before they may exit
+    barrier()
+    return plan, shards
 
 
 def _cuda_seconds(fn) -> float:
@@ -668,6 +746,15 @@ def _write_results(out: str | None, device: str, date: str, cal: dict, results: 
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def _phases(per_rank: list[dict], key: str) -> dict[str, float]:
+    """Seconds of each phase of a sync, the slowest rank's (trainers and receivers together)."""
+    out: dict[str, float] = {}
+    for p in per_rank:
+        for name, seconds in (p.get(key) or {}).items():
+            out[name] = round(max(out.get(name, 0.0), seconds), 6)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -699,6 +786,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upstream-awex", default=None, metavar="DIR",
                     help="with --upstream: a directory holding the unpacked awex 0.9.0 wheel; its transfer core "
                          "runs as a baseline in the NCCL scenarios (awex_integration.bench_upstream_awex)")
+    ap.add_argument("--path", default="public", choices=["public", "executor"],
+                    help="public (default): WeightsWriter / WeightsReader meeting at a MetaServer, as users run "
+                         "them; executor: the transport executors wired by hand (tuning runs)")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     command = list(sys.argv[1:] if argv is None else argv)
@@ -746,6 +836,11 @@ def main(argv: list[str] | None = None) -> int:
           f"GB/s, device copy {copy_bps / 1e9:.0f} GB/s (bytes copied per second); link = the fastest of the "
           f"first three", flush=True)
 
+    meta = None
+    if args.path == "public":
+        from awex.meta.server import start_embedded
+
+        meta = start_embedded()  # in this process; the workers reach it over loopback HTTP
     wanted = [s for s in SCENARIOS if (args.scenarios == "all" or s.name in args.scenarios.split(","))]
     results = []
     dims, tensors = model_tensors(args.model, args.layers)
@@ -773,7 +868,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in ranks:
             wa = WorkerArgs(sc.name, args.model, args.layers, r.rank, len(ranks), r.instance, r.local_rank,
                             gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb, args.fp8,
-                            buffer, {"ipc": ipc_options, "direct_bytes": direct_bytes, "fanout": args.fanout})
+                            buffer, {"ipc": ipc_options, "direct_bytes": direct_bytes, "fanout": args.fanout,
+                                     "path": args.path, "meta": meta.address if meta else None,
+                                     "timeout": args.timeout})
             argv.append(["--worker", json.dumps(wa.__dict__)])
         started = time.monotonic()
         outs = launch_workers(argv, args.timeout, env)
@@ -799,6 +896,10 @@ def main(argv: list[str] | None = None) -> int:
             "wire_bytes": direct.stats.total_bytes,
             "quantize_seconds": max((p.get("quantize_seconds", 0.0) for p in per_rank), default=0.0) or None,
             "transport": sc.transport,
+            "path": ("public: WeightsWriter / WeightsReader with a MetaServer (plan, agreement, versions)"
+                     if args.path == "public" else "executor: transport executors wired by hand"),
+            **({"first_sync_phases": _phases(per_rank, "first_sync_phases"),
+                "steady_phases": _phases(per_rank, "steady_phases")} if args.path == "public" else {}),
             **({"ipc_options": ipc_options} if ipc_options and sc.transport == "ipc" else {}),
             **({"direct_bytes": direct_bytes, "fanout": args.fanout} if sc.transport == "nccl" else {}),
             "auto_transport": auto_transport(sc, sources, dests, fp8=args.fp8),  # the default's choice for these GPUs
@@ -847,7 +948,12 @@ def main(argv: list[str] | None = None) -> int:
         base = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["baselines"].items())
         print(f"{sc.name} ({buffer} trainer buffer): {steady * 1e3:.1f} ms steady (first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
               f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}", flush=True)
+        for key in ("first_sync_phases", "steady_phases"):
+            if entry.get(key):
+                print(f"  {key}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in entry[key].items()), flush=True)
     _write_results(args.out, device, date, cal, results, command)
+    if meta is not None:
+        meta.stop()
     print(json.dumps({"scenarios": [{k: r.get(k) for k in ("name", "seconds", "lower_bound_seconds", "ratio",
                                                           "correct", "baselines")} for r in results]}))
     return 0 if all(r.get("correct") for r in results) else 1

@@ -19,6 +19,7 @@ from awex.meta.client import MetaClient
 from awex.transport import LocalShards
 from awex.transport.p2p import TransferError, TransferStats
 
+from awex.engines.background import Background
 from awex.engines.session import SyncManifest, SyncSession, manifest_key
 
 log = logging.getLogger("awex.engines")
@@ -45,6 +46,7 @@ class WeightsReader:
         self.last_validation = None
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
+        self._background = Background(f"{layout.instance}-{local_rank}")  # version reports
         if publish and local_rank == 0:
             client.register(layout.instance, role="inference", instance=layout.instance, world_size=layout.world_size)
             client.publish_layout(layout, "current")
@@ -54,6 +56,7 @@ class WeightsReader:
         the engine keeps its weights; no further syncs). Close readers of CUDA IPC syncs before the trainer
         processes exit: PyTorch counts a reader's references to a trainer's memory in memory the trainer owns,
         and a reader that releases them after the trainer is gone aborts at exit."""
+        self._background.flush()
         self._session.close()
 
     def __enter__(self) -> "WeightsReader":
@@ -65,6 +68,11 @@ class WeightsReader:
     @property
     def shards(self) -> LocalShards:
         return self._shards
+
+    @property
+    def last_phases(self) -> dict[str, float]:
+        """Seconds of each phase of this rank's last receive (plan, agreement, group, open, transfer, ...)."""
+        return dict(self._session.phases)
 
     def held_bytes(self) -> int:
         """Bytes of sync buffers (staging) this reader keeps between versions."""
@@ -121,6 +129,7 @@ class WeightsReader:
                 log.error("%s:%d failed to receive %s (%s); still serving %s", self.layout.instance, self.local_rank,
                           version, e, self.version)
             if self.local_rank == 0:
+                self._background.flush()  # earlier reports first
                 self._report(self.version)
                 try:
                     detail = ("partially updated in place, no consistent version: " if partial else "") + str(e)
@@ -130,7 +139,7 @@ class WeightsReader:
             raise
         self.version = version
         if self.local_rank == 0:
-            self._report(version)
+            self._background.submit(f"report of version {version}", self._report, version)
         log.info("%s:%d received %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_received, stats.seconds)
         return stats

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -89,16 +90,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class Phases(dict):
+    """Seconds spent in each named phase of one sync (``phases("plan")`` as a context manager adds to it)."""
+
+    @contextmanager
+    def __call__(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[name] = self.get(name, 0.0) + time.perf_counter() - started
+
+
 @dataclass
 class IpcState:
     """What a rank keeps between CUDA IPC syncs: a trainer's export and how many times it was re-exported; a
     receiver's opened exports per source rank (with the generation they came from) and its executor."""
 
     export: IpcExport | None = None
+    exported_from: object = None  # the LocalShards the export was made from (same object: same storages)
     generation: int = 0
     opened: dict[tuple[str, int], tuple[int, LocalShards]] = field(default_factory=dict)
     executor: IpcExecutor | None = None
     plan: Plan | None = None
+    bytes_sent: int | None = None  # a trainer's bytes per version under ``plan``
 
 
 @dataclass
@@ -124,6 +139,7 @@ class SyncSession:
     transport: str | None = None  # what the current plan runs on: "p2p" or "ipc" (manifest's, or auto's choice)
     device_reach: tuple[str, ...] | None = None  # devices this rank reads over CUDA IPC; found out when None
     closed: bool = False
+    phases: Phases = field(default_factory=Phases)  # seconds per phase of the last transfer
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan, executors and staging, and the other
@@ -214,8 +230,11 @@ class SyncSession:
         deadline = time.monotonic() + timeout
         names = (*manifest.sources, *manifest.destinations)
         layouts = {}
-        for name in names:
-            layouts[name] = self._layouts.get(name) or self.client.fetch_layout(name, "current", timeout=max(0.1, deadline - time.monotonic()))
+        phase = self.phases
+        with phase("layouts"):
+            for name in names:
+                layouts[name] = self._layouts.get(name) or self.client.fetch_layout(
+                    name, "current", timeout=max(0.1, deadline - time.monotonic()))
         key = (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
@@ -223,7 +242,8 @@ class SyncSession:
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
         devices, reach = (), {}
         if manifest.transport != "p2p":
-            devices, reach = self._devices(manifest.version, names, layouts, deadline, ipc_ok)
+            with phase("devices"):
+                devices, reach = self._devices(manifest.version, names, layouts, deadline, ipc_ok)
 
         def plan_for(transport: str) -> Plan:
             return plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
@@ -232,6 +252,7 @@ class SyncSession:
                                               devices=devices if transport == "ipc" else ()))
 
         transport = manifest.transport
+        plan_started = time.perf_counter()
         if transport == "auto":
             ipc_plan, p2p_plan = plan_for("ipc"), plan_for("p2p")
             choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave, reach)
@@ -245,20 +266,23 @@ class SyncSession:
             if blocked:
                 raise TransportError(f"sync {manifest.version!r} over CUDA IPC: " + "; ".join(blocked[:8])
                                      + " (make the GPUs visible to the reading processes, or use transport='p2p')")
+        phase["plan"] = time.perf_counter() - plan_started
         if transport == "ipc" and not ipc_ok:
             raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
         me = plan.rank(self.instance, self.local_rank)
-        self.client.agree(f"plan/{manifest.version}", f"{self.instance}:{self.local_rank}", plan.world_size,
-                          f"{transport}:{plan.digest}", timeout=max(0.1, deadline - time.monotonic()))
+        with phase("agreement"):
+            self.client.agree(f"plan/{manifest.version}", f"{self.instance}:{self.local_rank}", plan.world_size,
+                              f"{transport}:{plan.digest}", timeout=max(0.1, deadline - time.monotonic()))
         if transport == "ipc":
             pass  # no process group: receivers copy from the trainers' memory
         elif self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
             cuda = getattr(self.device, "type", "cpu") == "cuda"
-            self._group = create_sync_group(me.rank, plan.world_size, manifest.host, manifest.port,
-                                            backend="nccl" if cuda else "gloo",
-                                            timeout=max(1.0, deadline - time.monotonic()),
-                                            prefix=f"awex/{manifest.host}:{manifest.port}",
-                                            device=self.device if cuda else None)
+            with phase("group"):
+                self._group = create_sync_group(me.rank, plan.world_size, manifest.host, manifest.port,
+                                                backend="nccl" if cuda else "gloo",
+                                                timeout=max(1.0, deadline - time.monotonic()),
+                                                prefix=f"awex/{manifest.host}:{manifest.port}",
+                                                device=self.device if cuda else None)
         self._layouts = layouts
         self._key, self._plan, self._executor, self.transport = key, plan, None, transport
         log.info("%s:%d planned %d buckets (digest %s), sync rank %d of %d", self.instance, self.local_rank,
@@ -274,18 +298,22 @@ class SyncSession:
         started = time.monotonic()
         if self.closed:
             raise RuntimeError(f"{self.instance}:{self.local_rank}: this reader or writer is closed")
+        self.phases = phase = Phases()
         plan, rank, _ = self.prepare(manifest, timeout, ipc_ok=not callable(shards))
         if refresh_by_wave is not None and self.transport != "p2p":
             refresh_by_wave = None
         if refresh is not None and refresh_by_wave is None:
-            refresh()
+            with phase("refresh"):
+                refresh()
         if self.transport == "ipc":
             return self._transfer_ipc(manifest, plan, rank, shards, started + timeout)
         if callable(shards):  # views that depend on the plan (receive buffers): built per sync
-            executor = WaveExecutor(plan, rank, shards(plan), self._group)
+            with phase("executor"):
+                executor = WaveExecutor(plan, rank, shards(plan), self._group)
         else:
             if self._executor is None or self._executor.plan is not plan:
-                self._executor = WaveExecutor(plan, rank, shards, self._group)
+                with phase("executor"):
+                    self._executor = WaveExecutor(plan, rank, shards, self._group)
             executor = self._executor
         before_pack = None
         if refresh_by_wave is not None:
@@ -294,7 +322,8 @@ class SyncSession:
                 cached = self._before_pack = (refresh_by_wave, executor, refresh_by_wave(executor.sent_regions))
             before_pack = cached[2]
         left = max(0.1, timeout - (time.monotonic() - started))
-        return executor.run(timeout=left, before_pack=before_pack)
+        with phase("transfer"):
+            return executor.run(timeout=left, before_pack=before_pack)
 
     def _transfer_ipc(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
                       deadline: float) -> TransferStats:
@@ -309,37 +338,53 @@ class SyncSession:
         me = plan.ranks[rank]
         left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
         stats = TransferStats()
+        phase = self.phases
         if me.role.value == "trainer":
             torch.cuda.current_stream(shards.device).synchronize()  # this version's weights are in memory
             ipc = self._ipc
-            if ipc.export is None or not ipc.export.matches(shards):
-                ipc.export = export_shards(shards)
-                ipc.generation += 1
-                self.client.put(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation}", ipc.export.to_wire())
-                if ipc.generation > 1:  # every receiver of the earlier versions is done with the old handles
-                    self.client.delete(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation - 1}")
-            self.client.put(f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}", ipc.generation)
-            stats.bytes_sent = sum(s.bucket.nbytes for s in plan.schedule(rank))
+            # the same views as last time alias the same storages: only other views need checking
+            if ipc.export is None or (ipc.exported_from is not shards and not ipc.export.matches(shards)):
+                with phase("export"):
+                    ipc.export = export_shards(shards)
+                    ipc.generation += 1
+                    self.client.put(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation}", ipc.export.to_wire())
+                    if ipc.generation > 1:  # every receiver of the earlier versions is done with the old handles
+                        self.client.delete(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation - 1}")
+            ipc.exported_from = shards
+            with phase("ready"):
+                self.client.put(f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}", ipc.generation)
+            if ipc.bytes_sent is None or ipc.plan is not plan:
+                ipc.bytes_sent, ipc.plan = sum(s.bucket.nbytes for s in plan.schedule(rank)), plan
+            stats.bytes_sent = ipc.bytes_sent
         else:
             ipc = self._ipc
             opened = ipc.opened
             sources = {}
             changed = ipc.plan is not plan
-            for peer in sorted({s.peer for s in plan.schedule(rank)}):
-                src = plan.ranks[peer]
-                generation = self.client.get(f"ipc-ready/{manifest.version}/{src.instance}/{src.local_rank}",
-                                             timeout=left())
-                key = (src.instance, src.local_rank)
-                if key not in opened or opened[key][0] != generation:
-                    doc = self.client.get(f"ipc/{src.instance}/{src.local_rank}/{generation}", timeout=left())
-                    opened[key] = (generation, open_export(IpcExport.from_wire(doc)))
-                    changed = True
-                sources[peer] = opened[key][1]
+            with phase("open"):
+                for peer in sorted({s.peer for s in plan.schedule(rank)}):
+                    src = plan.ranks[peer]
+                    generation = self.client.get(f"ipc-ready/{manifest.version}/{src.instance}/{src.local_rank}",
+                                                 timeout=left())
+                    key = (src.instance, src.local_rank)
+                    if key not in opened or opened[key][0] != generation:
+                        doc = self.client.get(f"ipc/{src.instance}/{src.local_rank}/{generation}", timeout=left())
+                        opened[key] = (generation, open_export(IpcExport.from_wire(doc)))
+                        changed = True
+                    sources[peer] = opened[key][1]
             if changed or ipc.executor is None:
-                ipc.executor = IpcExecutor(plan, rank, shards, sources)
+                with phase("executor"):
+                    ipc.executor = IpcExecutor(plan, rank, shards, sources)
                 ipc.plan = plan
-            stats = ipc.executor.run(timeout=left())
-        self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size, "done",
-                          timeout=left())
+            with phase("transfer"):
+                stats = ipc.executor.run(timeout=left())
+            captured = ipc.executor.capture_seconds
+            if captured:  # the first run captured the sync as a CUDA graph
+                phase["capture"] = captured
+                phase["transfer"] -= captured
+                ipc.executor.capture_seconds = 0.0
+        with phase("done"):
+            self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size,
+                              "done", timeout=left())
         stats.seconds = time.monotonic() - started
         return stats

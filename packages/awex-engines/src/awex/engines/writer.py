@@ -22,6 +22,7 @@ from awex.meta.errors import MetaServerError
 from awex.transport import LocalShards
 from awex.transport.p2p import TransferStats
 
+from awex.engines.background import Background
 from awex.engines.session import Region, SyncManifest, SyncSession, free_port, manifest_key, version_records
 
 log = logging.getLogger("awex.engines")
@@ -94,6 +95,7 @@ class WeightsWriter:
         if transport == "ipc" and self._shards.device.type != "cuda":
             raise ValueError(f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}")
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
+        self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._port: int | None = None
         if local_rank == 0:
             client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
@@ -102,6 +104,7 @@ class WeightsWriter:
     def close(self) -> None:
         """Release what syncing holds on this rank: plan and staging buffers (idempotent; no further syncs). Over
         CUDA IPC, keep this process alive until every reader has closed (see ``WeightsReader.close``)."""
+        self._background.flush()
         self._session.close()
 
     def __enter__(self) -> "WeightsWriter":
@@ -130,7 +133,8 @@ class WeightsWriter:
                                     self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
                                     refresh_by_wave=self.refresh_by_wave is not None)
             self.client.put(manifest_key(version), manifest.to_json())
-            self.client.publish_event("weights_ready", self.layout.instance, version=version)
+            self._background.submit(f"event weights_ready {version}", self.client.publish_event, "weights_ready",
+                                    self.layout.instance, version=version)
         else:
             manifest = SyncManifest.from_json(self.client.get(manifest_key(version), timeout=self.timeout))
         stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
@@ -139,8 +143,17 @@ class WeightsWriter:
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_sent, stats.seconds)
         if self.local_rank == 0:
-            self._forget_old(version)
+            self._background.submit(f"dropping the records of versions before {version}", self._forget_old, version)
         return stats
+
+    def held_bytes(self) -> int:
+        """Bytes of sync buffers (staging) this writer keeps between versions."""
+        return self._session.held_bytes()
+
+    @property
+    def last_phases(self) -> dict[str, float]:
+        """Seconds of each phase of this rank's last write (plan, agreement, group, export, transfer, ...)."""
+        return dict(self._session.phases)
 
     def _forget_old(self, version: str) -> None:
         """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes

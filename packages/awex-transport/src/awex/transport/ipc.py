@@ -291,6 +291,7 @@ class IpcExecutor:
             raise ValueError("bounce_buffers, dma_streams, local_branches and direct_streams must be at least 1")
         self.plan = plan
         self.cuda_graph = cuda_graph
+        self.capture_seconds = 0.0  # how long the first run spent capturing the sync as a CUDA graph
         self.rank = rank
         self.device = shards.device
         names = [t.name for t in plan.tensors]
@@ -378,6 +379,7 @@ class IpcExecutor:
         compute = torch.cuda.current_stream(self.device)
         if self.cuda_graph and self._whole is None and not self._whole_failed:
             self._whole = self._capture(compute)
+            self.capture_seconds = time.monotonic() - started
         if self._whole is not None:
             self._whole.replay()
             used = [compute]

@@ -1,0 +1,59 @@
+"""Requests kept off a sync's critical path: events, version reports, dropping old records.
+
+A writer or reader hands them to :class:`Background`, which sends them in order on one daemon thread (with its
+own MetaServer connection). They inform observers; a failure is logged, never raised into a sync. Anything that
+must be seen in order after them (a failure report) calls :meth:`Background.flush` first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("awex.engines")
+
+
+class Background:
+    """One ordered queue of fire-and-forget calls, on a thread started at the first call."""
+
+    def __init__(self, name: str, limit: int = 1024):
+        self.name = name
+        self._queue: queue.Queue = queue.Queue(maxsize=limit)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn(*args, **kwargs)`` after everything submitted before it; ``what`` names it in logs. When the
+        queue is full (the MetaServer is far slower than the syncs), the call runs here instead."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"awex-background-{self.name}", daemon=True)
+                self._thread.start()
+        try:
+            self._queue.put_nowait((what, fn, args, kwargs))
+        except queue.Full:
+            self._call(what, fn, args, kwargs)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything submitted so far was sent (or ``timeout`` passed); whether it was."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        self.submit("flush", done.set)
+        return done.wait(max(0.0, timeout))
+
+    def _run(self) -> None:
+        while True:
+            what, fn, args, kwargs = self._queue.get()
+            self._call(what, fn, args, kwargs)
+
+    @staticmethod
+    def _call(what: str, fn, args, kwargs) -> None:
+        started = time.monotonic()
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # informational requests: the sync's outcome does not depend on them
+            log.warning("%s failed after %.2f s: %s", what, time.monotonic() - started, e)
