@@ -20,7 +20,7 @@ from awex.transport import LocalShards
 from awex.transport.p2p import TransferError, TransferStats
 
 from awex.engines.background import Background
-from awex.engines.session import SyncManifest, SyncSession, manifest_key
+from awex.engines.session import SyncSession
 
 log = logging.getLogger("awex.engines")
 
@@ -96,7 +96,7 @@ class WeightsReader:
         """
         started = time.monotonic()
         try:
-            manifest = SyncManifest.from_json(self.client.get(manifest_key(version), timeout=self.timeout))
+            manifest = self._session.fetch_manifest(version, self.timeout)
             if self.layout.instance not in manifest.destinations:
                 raise ValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
             stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))

@@ -24,6 +24,8 @@ from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_gro
 from awex.transport.ipc import IpcExecutor, IpcExport, MappedShards
 from awex.transport.p2p import TransferStats
 
+from awex.engines.channel import ChannelError, VersionChannel
+
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
 
 log = logging.getLogger("awex.engines")
@@ -46,12 +48,16 @@ class SyncManifest:
     transport: str = "p2p"
     allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
     refresh_by_wave: bool = False  # the senders derive what they send wave by wave (FP8 on the fly): for "auto"
+    channel: str | None = None  # the version channel ("host:port", awex.engines.channel) and its key secret
+    channel_secret: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["sources"] = list(self.sources)
         d["destinations"] = list(self.destinations)
         d["allow_cast"] = list(self.allow_cast)
+        if self.channel is None:
+            del d["channel"], d["channel_secret"]
         return d
 
     @classmethod
@@ -61,12 +67,31 @@ class SyncManifest:
                        host=str(d["host"]), port=int(d["port"]), wave_bytes=int(d["wave_bytes"]),
                        timeout=float(d["timeout"]), transport=str(d.get("transport", "p2p")),
                        allow_cast=tuple(str(p) for p in d.get("allow_cast", ())),
-                       refresh_by_wave=bool(d.get("refresh_by_wave", False)))
+                       refresh_by_wave=bool(d.get("refresh_by_wave", False)),
+                       channel=_channel_address(d.get("channel")), channel_secret=_channel_secret(d))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
 
     def rendezvous(self) -> tuple:
         return (self.host, self.port, self.sources, self.destinations, self.transport)
+
+
+def _channel_address(value: Any) -> str | None:
+    if value is None:
+        return None
+    host, _, port = str(value).rpartition(":")
+    if not host or not 0 < int(port) < 65536:
+        raise ValueError(f"channel address {value!r} is not host:port")
+    return f"{host}:{int(port)}"
+
+
+def _channel_secret(d: dict) -> str | None:
+    secret = d.get("channel_secret")
+    if d.get("channel") is None:
+        return None
+    if not isinstance(secret, str) or not 16 <= len(secret) <= 128 or not secret.isalnum():
+        raise ValueError("a channel needs its secret (16 to 128 letters and digits)")
+    return secret
 
 
 def manifest_key(version: str) -> str:
@@ -140,6 +165,7 @@ class SyncSession:
     device_reach: tuple[str, ...] | None = None  # devices this rank reads over CUDA IPC; found out when None
     closed: bool = False
     phases: Phases = field(default_factory=Phases)  # seconds per phase of the last transfer
+    channel: VersionChannel | None = None  # the sync's version channel (per-version signals), once known
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan, executors and staging, and the other
@@ -151,7 +177,7 @@ class SyncSession:
         if self.closed:
             return
         self.closed = True
-        self._executor = self._before_pack = self._plan = self._key = None
+        self._executor = self._before_pack = self._plan = self._key = self.channel = None
         opened = [source for _, source in self._ipc.opened.values()]
         self._ipc = IpcState()
         for source in opened:
@@ -168,6 +194,38 @@ class SyncSession:
         for executor in (self._executor, self._ipc.executor):
             held += int(getattr(executor, "staging_bytes", 0) or 0) if executor is not None else 0
         return held
+
+    def fetch_manifest(self, version: str, timeout: float) -> SyncManifest:
+        """Version ``version``'s manifest: from the version channel once one is known (checking the MetaServer
+        every second, in case another writer took over with another channel), else from the MetaServer."""
+        deadline = time.monotonic() + timeout
+        while self.channel is not None:
+            try:
+                doc = self.channel.wait([f"manifest/{version}"], min(1.0, max(0.001, deadline - time.monotonic())))[0]
+                return self._adopt(SyncManifest.from_json(doc))
+            except ChannelError as e:  # its host is gone: the MetaServer has the manifest too
+                log.info("%s:%d: version channel gone (%s); asking the MetaServer", self.instance, self.local_rank, e)
+                self.channel = None
+            except TimeoutError:
+                key = manifest_key(version)
+                if key in self.client.keys(key):  # a writer with another channel?
+                    return self._adopt(SyncManifest.from_json(self.client.get(key, timeout=1.0)))
+                if time.monotonic() >= deadline:
+                    raise
+        doc = self.client.get(manifest_key(version), timeout=max(0.1, deadline - time.monotonic()))
+        return self._adopt(SyncManifest.from_json(doc))
+
+    def _adopt(self, manifest: SyncManifest) -> SyncManifest:
+        """Join the manifest's version channel if it is not the one this rank uses."""
+        if manifest.channel and (self.channel is None or self.channel.address != manifest.channel
+                                 or self.channel.secret != manifest.channel_secret):
+            try:
+                self.channel = VersionChannel.connect(manifest.channel, manifest.channel_secret)
+            except ChannelError as e:
+                log.warning("%s:%d: %s; per-version signals go through the MetaServer", self.instance,
+                            self.local_rank, e)
+                self.channel = None
+        return manifest
 
     def physical_device(self) -> str | None:
         """This rank's physical device as ``host/GPU-uuid`` (CUDA), or ``device_key`` when set."""
@@ -352,7 +410,11 @@ class SyncSession:
                         self.client.delete(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation - 1}")
             ipc.exported_from = shards
             with phase("ready"):
-                self.client.put(f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}", ipc.generation)
+                ready = f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}"
+                if self.channel is not None:
+                    self.channel.put(ready, ipc.generation)
+                else:
+                    self.client.put(ready, ipc.generation)
             if ipc.bytes_sent is None or ipc.plan is not plan:
                 ipc.bytes_sent, ipc.plan = sum(s.bucket.nbytes for s in plan.schedule(rank)), plan
             stats.bytes_sent = ipc.bytes_sent
@@ -362,10 +424,17 @@ class SyncSession:
             sources = {}
             changed = ipc.plan is not plan
             with phase("open"):
-                for peer in sorted({s.peer for s in plan.schedule(rank)}):
+                peers = sorted({s.peer for s in plan.schedule(rank)})
+                ready = [f"ipc-ready/{manifest.version}/{plan.ranks[p].instance}/{plan.ranks[p].local_rank}"
+                         for p in peers]
+                if self.channel is not None:
+                    generations = self.channel.wait(ready, left())
+                else:
+                    generations = [self.client.get(key, timeout=left()) for key in ready]
+                for peer, generation in zip(peers, generations):
+                    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+                        raise ValueError(f"{ready[peers.index(peer)]}: {generation!r} is not an export generation")
                     src = plan.ranks[peer]
-                    generation = self.client.get(f"ipc-ready/{manifest.version}/{src.instance}/{src.local_rank}",
-                                                 timeout=left())
                     key = (src.instance, src.local_rank)
                     if key not in opened or opened[key][0] != generation:
                         doc = self.client.get(f"ipc/{src.instance}/{src.local_rank}/{generation}", timeout=left())
@@ -383,8 +452,14 @@ class SyncSession:
                 phase["capture"] = captured
                 phase["transfer"] -= captured
                 ipc.executor.capture_seconds = 0.0
-        with phase("done"):
-            self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size,
-                              "done", timeout=left())
+        with phase("done"):  # the trainers may change their weights only once every receiver has read them
+            if self.channel is None:
+                self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size,
+                                  "done", timeout=left())
+            elif me.role.value == "trainer":
+                self.channel.wait([f"ipc-done/{manifest.version}/{r.instance}/{r.local_rank}" for r in plan.ranks
+                                   if r.role.value != "trainer"], left())
+            else:
+                self.channel.put(f"ipc-done/{manifest.version}/{me.instance}/{me.local_rank}", True)
         stats.seconds = time.monotonic() - started
         return stats

@@ -23,6 +23,7 @@ from awex.transport import LocalShards
 from awex.transport.p2p import TransferStats
 
 from awex.engines.background import Background
+from awex.engines.channel import VersionChannel
 from awex.engines.session import Region, SyncManifest, SyncSession, free_port, manifest_key, version_records
 
 log = logging.getLogger("awex.engines")
@@ -97,6 +98,9 @@ class WeightsWriter:
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._port: int | None = None
+        self._channel: VersionChannel | None = None  # rank 0 hosts the version channel (awex.engines.channel)
+        self._cleaner: VersionChannel | None = None  # the background thread's connection to it
+        self._announced = False  # a manifest went to the MetaServer (the first one, synchronously)
         if local_rank == 0:
             client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
             client.publish_layout(layout, "current")
@@ -106,6 +110,7 @@ class WeightsWriter:
         CUDA IPC, keep this process alive until every reader has closed (see ``WeightsReader.close``)."""
         self._background.flush()
         self._session.close()
+        self._channel = self._cleaner = None  # stops the version channel once the session dropped it too
 
     def __enter__(self) -> "WeightsWriter":
         return self
@@ -129,21 +134,33 @@ class WeightsWriter:
         if self.local_rank == 0:
             if self._port is None:
                 self._port = free_port(self.host)
+            if self._channel is None:
+                self._channel = self._session.channel = VersionChannel.host(self.host, self.timeout)
             manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
                                     self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
-                                    refresh_by_wave=self.refresh_by_wave is not None)
-            self.client.put(manifest_key(version), manifest.to_json())
+                                    refresh_by_wave=self.refresh_by_wave is not None,
+                                    channel=self._channel.address, channel_secret=self._channel.secret)
+            doc = manifest.to_json()
+            self._channel.put(f"manifest/{version}", doc)  # ranks that know the channel read it there
+            if self._announced:  # the ranks know the channel by now: the MetaServer's copy is for late joiners
+                self._background.submit(f"manifest of {version}", self.client.put, manifest_key(version), doc)
+            else:
+                self.client.put(manifest_key(version), doc)
+                self._announced = True
             self._background.submit(f"event weights_ready {version}", self.client.publish_event, "weights_ready",
                                     self.layout.instance, version=version)
         else:
-            manifest = SyncManifest.from_json(self.client.get(manifest_key(version), timeout=self.timeout))
+            manifest = self._session.fetch_manifest(version, self.timeout)
         stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
                                        refresh=self.refresh, refresh_by_wave=self.refresh_by_wave)
         self.last_stats = stats
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_sent, stats.seconds)
         if self.local_rank == 0:
-            self._background.submit(f"dropping the records of versions before {version}", self._forget_old, version)
+            plan = self._session._plan
+            ranks = [(r.instance, r.local_rank) for r in plan.ranks] if plan is not None else []
+            self._background.submit(f"dropping the records of versions before {version}", self._forget_old, version,
+                                    ranks)
         return stats
 
     def held_bytes(self) -> int:
@@ -155,7 +172,7 @@ class WeightsWriter:
         """Seconds of each phase of this rank's last write (plan, agreement, group, export, transfer, ...)."""
         return dict(self._session.phases)
 
-    def _forget_old(self, version: str) -> None:
+    def _forget_old(self, version: str, ranks: Sequence[tuple[str, int]] = ()) -> None:
         """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes
         thousands; the server's key store is bounded). This version's bytes reached every receiver (p2p) or every
         receiver said it is done (ipc), and a receiver finishes a version, validation report included, before it
@@ -164,9 +181,22 @@ class WeightsWriter:
         self._written.append(version)
         while len(self._written) > self.keep_versions:
             old = self._written.popleft()
+            self._forget_signals(old, ranks)
             names, prefixes = version_records(old)
             try:
                 gone = self.client.forget(names, prefixes)
                 log.debug("forgot version %s: %s", old, gone)
             except MetaServerError as e:  # the write itself succeeded; the records only cost server memory
                 log.warning("could not drop the MetaServer records of version %s: %s", old, e)
+
+    def _forget_signals(self, version: str, ranks: Sequence[tuple[str, int]]) -> None:
+        """Drop version ``version``'s keys from the version channel (from the background thread, on a connection
+        of its own)."""
+        channel = self._channel
+        if channel is None:
+            return
+        if self._cleaner is None or self._cleaner.address != channel.address:
+            self._cleaner = channel.clone()
+        keys = [f"manifest/{version}"] + [f"ipc-{kind}/{version}/{instance}/{rank}" for instance, rank in ranks
+                                          for kind in ("ready", "done")]
+        self._cleaner.delete(keys)
