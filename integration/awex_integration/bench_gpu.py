@@ -471,7 +471,10 @@ def _public_path(a, scenario, layout, trainer, view_of, weights, base_layout, qu
     def sync_once():
         last[0] = step(f"v{next(versions)}")
 
-    result["steady_seconds"] = [timed(sync_once) for _ in range(a.iters)]
+    result["steady_seconds"] = []
+    for _ in range(a.iters):
+        side.flush()  # the requests a sync leaves for afterwards get the time a training step gives them (not timed)
+        result["steady_seconds"].append(timed(sync_once))
     result["steady_phases"] = side.last_phases
     stats = last[0]
     result["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - result.pop("_base_alloc")
@@ -746,12 +749,13 @@ def _write_results(out: str | None, device: str, date: str, cal: dict, results: 
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def _phases(per_rank: list[dict], key: str) -> dict[str, float]:
-    """Seconds of each phase of a sync, the slowest rank's (trainers and receivers together)."""
-    out: dict[str, float] = {}
+def _phases(per_rank: list[dict], key: str) -> dict[str, dict[str, float]]:
+    """Seconds of each phase of a sync on the trainers and on the receivers (the slowest rank's of each)."""
+    out: dict[str, dict[str, float]] = {"trainer": {}, "inference": {}}
     for p in per_rank:
+        side = out["trainer" if p["trainer"] else "inference"]
         for name, seconds in (p.get(key) or {}).items():
-            out[name] = round(max(out.get(name, 0.0), seconds), 6)
+            side[name] = round(max(side.get(name, 0.0), seconds), 6)
     return out
 
 
@@ -949,8 +953,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{sc.name} ({buffer} trainer buffer): {steady * 1e3:.1f} ms steady (first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
               f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}", flush=True)
         for key in ("first_sync_phases", "steady_phases"):
-            if entry.get(key):
-                print(f"  {key}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in entry[key].items()), flush=True)
+            for side, phases in (entry.get(key) or {}).items():
+                print(f"  {key} ({side}): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items()), flush=True)
     _write_results(args.out, device, date, cal, results, command)
     if meta is not None:
         meta.stop()

@@ -74,6 +74,10 @@ class WeightsReader:
         """Seconds of each phase of this rank's last receive (plan, agreement, group, open, transfer, ...)."""
         return dict(self._session.phases)
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until the requests a receive leaves for afterwards (the version report) were sent."""
+        return self._background.flush(timeout)
+
     def held_bytes(self) -> int:
         """Bytes of sync buffers (staging) this reader keeps between versions."""
         return self._session.held_bytes()
@@ -99,7 +103,9 @@ class WeightsReader:
             manifest = self._session.fetch_manifest(version, self.timeout)
             if self.layout.instance not in manifest.destinations:
                 raise ValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
+            fetched = time.monotonic()
             stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
+            self._session.phases.update(manifest=fetched - started, transferred=time.monotonic() - started)
             if validate:
                 from awex.engines.validation import load_checkpoint, validate_shards
 
@@ -140,6 +146,7 @@ class WeightsReader:
         self.version = version
         if self.local_rank == 0:
             self._background.submit(f"report of version {version}", self._report, version)
+        self._session.phases["total"] = time.monotonic() - started
         log.info("%s:%d received %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_received, stats.seconds)
         return stats

@@ -24,6 +24,7 @@ from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_gro
 from awex.transport.ipc import IpcExecutor, IpcExport, MappedShards
 from awex.transport.p2p import TransferStats
 
+from awex.engines.board import HostBoard, host_identity
 from awex.engines.channel import ChannelError, VersionChannel
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
@@ -50,14 +51,18 @@ class SyncManifest:
     refresh_by_wave: bool = False  # the senders derive what they send wave by wave (FP8 on the fly): for "auto"
     channel: str | None = None  # the version channel ("host:port", awex.engines.channel) and its key secret
     channel_secret: str | None = None
+    seq: int = 0  # the writer's count of versions written (signals on the host board carry it)
+    board: str | None = None  # the host board (awex.engines.board) and the host it is on
+    board_host: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["sources"] = list(self.sources)
         d["destinations"] = list(self.destinations)
         d["allow_cast"] = list(self.allow_cast)
-        if self.channel is None:
-            del d["channel"], d["channel_secret"]
+        for name in ("channel", "channel_secret", "board", "board_host"):
+            if d[name] is None:
+                del d[name]
         return d
 
     @classmethod
@@ -68,7 +73,9 @@ class SyncManifest:
                        timeout=float(d["timeout"]), transport=str(d.get("transport", "p2p")),
                        allow_cast=tuple(str(p) for p in d.get("allow_cast", ())),
                        refresh_by_wave=bool(d.get("refresh_by_wave", False)),
-                       channel=_channel_address(d.get("channel")), channel_secret=_channel_secret(d))
+                       channel=_channel_address(d.get("channel")), channel_secret=_channel_secret(d),
+                       seq=_count(d.get("seq", 0)), board=_optional_str(d.get("board")),
+                       board_host=_optional_str(d.get("board_host")))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
 
@@ -92,6 +99,18 @@ def _channel_secret(d: dict) -> str | None:
     if not isinstance(secret, str) or not 16 <= len(secret) <= 128 or not secret.isalnum():
         raise ValueError("a channel needs its secret (16 to 128 letters and digits)")
     return secret
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 40:
+        raise ValueError(f"{value!r} is not a version count")
+    return value
+
+
+def _optional_str(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or len(value) > 1024):
+        raise ValueError(f"{str(value)[:80]!r} is not a short string")
+    return value
 
 
 def manifest_key(version: str) -> str:
@@ -166,6 +185,9 @@ class SyncSession:
     closed: bool = False
     phases: Phases = field(default_factory=Phases)  # seconds per phase of the last transfer
     channel: VersionChannel | None = None  # the sync's version channel (per-version signals), once known
+    board: HostBoard | None = None  # the sync's host board, when this rank is on the writer's host
+    signals: str = "meta"  # where this plan's CUDA IPC ready/done signals go: "board", "channel" or "meta"
+    _signals: str = "meta"  # what every rank can use, as the last device exchange found
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan, executors and staging, and the other
@@ -178,6 +200,9 @@ class SyncSession:
             return
         self.closed = True
         self._executor = self._before_pack = self._plan = self._key = self.channel = None
+        if self.board is not None and not self.board.owner:
+            self.board.close()
+        self.board = None
         opened = [source for _, source in self._ipc.opened.values()]
         self._ipc = IpcState()
         for source in opened:
@@ -196,27 +221,32 @@ class SyncSession:
         return held
 
     def fetch_manifest(self, version: str, timeout: float) -> SyncManifest:
-        """Version ``version``'s manifest: from the version channel once one is known (checking the MetaServer
-        every second, in case another writer took over with another channel), else from the MetaServer."""
+        """Version ``version``'s manifest: from the host board or the version channel once one is known (checking
+        the MetaServer every second, in case another writer took over), else from the MetaServer."""
         deadline = time.monotonic() + timeout
-        while self.channel is not None:
+        while True:
+            left = max(0.001, deadline - time.monotonic())
             try:
-                doc = self.channel.wait([f"manifest/{version}"], min(1.0, max(0.001, deadline - time.monotonic())))[0]
-                return self._adopt(SyncManifest.from_json(doc))
+                if self.board is not None:
+                    return self._adopt(SyncManifest.from_json(self.board.manifest(version, min(1.0, left))))
+                if self.channel is not None:
+                    return self._adopt(SyncManifest.from_json(
+                        self.channel.wait([f"manifest/{version}"], min(1.0, left))[0]))
             except ChannelError as e:  # its host is gone: the MetaServer has the manifest too
                 log.info("%s:%d: version channel gone (%s); asking the MetaServer", self.instance, self.local_rank, e)
                 self.channel = None
-            except TimeoutError:
+                continue
+            except TimeoutError:  # BoardTimeout, ChannelTimeout: a writer with another channel, or none yet?
                 key = manifest_key(version)
-                if key in self.client.keys(key):  # a writer with another channel?
+                if key in self.client.keys(key):
                     return self._adopt(SyncManifest.from_json(self.client.get(key, timeout=1.0)))
                 if time.monotonic() >= deadline:
                     raise
-        doc = self.client.get(manifest_key(version), timeout=max(0.1, deadline - time.monotonic()))
-        return self._adopt(SyncManifest.from_json(doc))
+                continue
+            return self._adopt(SyncManifest.from_json(self.client.get(manifest_key(version), timeout=left)))
 
     def _adopt(self, manifest: SyncManifest) -> SyncManifest:
-        """Join the manifest's version channel if it is not the one this rank uses."""
+        """Join the manifest's version channel and host board if this rank does not use them yet."""
         if manifest.channel and (self.channel is None or self.channel.address != manifest.channel
                                  or self.channel.secret != manifest.channel_secret):
             try:
@@ -225,6 +255,14 @@ class SyncSession:
                 log.warning("%s:%d: %s; per-version signals go through the MetaServer", self.instance,
                             self.local_rank, e)
                 self.channel = None
+        if (manifest.board and manifest.board_host == host_identity()
+                and (self.board is None or self.board.path != manifest.board)):
+            try:
+                self.board = HostBoard.attach(manifest.board)
+            except (OSError, ValueError) as e:
+                log.info("%s:%d: cannot use the host board %s (%s)", self.instance, self.local_rank, manifest.board,
+                         e)
+                self.board = None
         return manifest
 
     def physical_device(self) -> str | None:
@@ -266,16 +304,21 @@ class SyncSession:
         elsewhere never leaves a stale answer); a rank that cannot take part in CUDA IPC publishes none."""
         mine = (self.physical_device() or "") if ipc_ok else ""
         self.client.put(f"devices/{version}/{self.instance}/{self.local_rank}",
-                        {"device": mine, "reach": list(self.reachable_devices()) if mine else []})
+                        {"device": mine, "reach": list(self.reachable_devices()) if mine else [],
+                         "signals": [kind for kind, have in (("board", self.board), ("channel", self.channel)) if have]})
         out, reach = [], {}
+        common = {"board", "channel"}
         for name in names:
             for rank in range(layouts[name].world_size):
                 doc = self.client.get(f"devices/{version}/{name}/{rank}",
                                       timeout=max(0.1, deadline - time.monotonic()))
+                common &= set(doc.get("signals", ())) if isinstance(doc, dict) else set()
                 key = doc.get("device") if isinstance(doc, dict) else doc
                 if key:
                     out.append((name, rank, str(key)))
                     reach[(name, rank)] = [str(d) for d in doc.get("reach", ())] if isinstance(doc, dict) else [key]
+        # per-version CUDA IPC signals go where every rank can see them
+        self._signals = "board" if "board" in common else "channel" if "channel" in common else "meta"
         return tuple(out), reach
 
     def prepare(self, manifest: SyncManifest, timeout: float, ipc_ok: bool = True) -> tuple[Plan, int, bool]:
@@ -343,6 +386,7 @@ class SyncSession:
                                                 device=self.device if cuda else None)
         self._layouts = layouts
         self._key, self._plan, self._executor, self.transport = key, plan, None, transport
+        self.signals = self._signals if transport == "ipc" else "meta"
         log.info("%s:%d planned %d buckets (digest %s), sync rank %d of %d", self.instance, self.local_rank,
                  len(plan.schedule(me.rank)), plan.digest[:12], me.rank, plan.world_size)
         return plan, me.rank, True
@@ -411,7 +455,9 @@ class SyncSession:
             ipc.exported_from = shards
             with phase("ready"):
                 ready = f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}"
-                if self.channel is not None:
+                if self.signals == "board":
+                    self.board.ring(rank, manifest.seq, ipc.generation)
+                elif self.signals == "channel":
                     self.channel.put(ready, ipc.generation)
                 else:
                     self.client.put(ready, ipc.generation)
@@ -427,7 +473,9 @@ class SyncSession:
                 peers = sorted({s.peer for s in plan.schedule(rank)})
                 ready = [f"ipc-ready/{manifest.version}/{plan.ranks[p].instance}/{plan.ranks[p].local_rank}"
                          for p in peers]
-                if self.channel is not None:
+                if self.signals == "board":
+                    generations = self.board.wait(peers, manifest.seq, left())
+                elif self.signals == "channel":
                     generations = self.channel.wait(ready, left())
                 else:
                     generations = [self.client.get(key, timeout=left()) for key in ready]
@@ -453,12 +501,17 @@ class SyncSession:
                 phase["transfer"] -= captured
                 ipc.executor.capture_seconds = 0.0
         with phase("done"):  # the trainers may change their weights only once every receiver has read them
-            if self.channel is None:
+            receivers = [r for r in plan.ranks if r.role.value != "trainer"]
+            if self.signals == "meta":
                 self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size,
                                   "done", timeout=left())
+            elif me.role.value == "trainer" and self.signals == "board":
+                self.board.wait([r.rank for r in receivers], manifest.seq, left())
             elif me.role.value == "trainer":
-                self.channel.wait([f"ipc-done/{manifest.version}/{r.instance}/{r.local_rank}" for r in plan.ranks
-                                   if r.role.value != "trainer"], left())
+                self.channel.wait([f"ipc-done/{manifest.version}/{r.instance}/{r.local_rank}" for r in receivers],
+                                  left())
+            elif self.signals == "board":
+                self.board.ring(rank, manifest.seq)
             else:
                 self.channel.put(f"ipc-done/{manifest.version}/{me.instance}/{me.local_rank}", True)
         stats.seconds = time.monotonic() - started

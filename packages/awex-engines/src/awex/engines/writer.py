@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -23,6 +24,7 @@ from awex.transport import LocalShards
 from awex.transport.p2p import TransferStats
 
 from awex.engines.background import Background
+from awex.engines.board import HostBoard, host_identity
 from awex.engines.channel import VersionChannel
 from awex.engines.session import Region, SyncManifest, SyncSession, free_port, manifest_key, version_records
 
@@ -101,6 +103,8 @@ class WeightsWriter:
         self._channel: VersionChannel | None = None  # rank 0 hosts the version channel (awex.engines.channel)
         self._cleaner: VersionChannel | None = None  # the background thread's connection to it
         self._announced = False  # a manifest went to the MetaServer (the first one, synchronously)
+        self._board: HostBoard | None = None  # rank 0: the host board (awex.engines.board), where /dev/shm allows
+        self._seq = 0  # versions written
         if local_rank == 0:
             client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
             client.publish_layout(layout, "current")
@@ -111,6 +115,9 @@ class WeightsWriter:
         self._background.flush()
         self._session.close()
         self._channel = self._cleaner = None  # stops the version channel once the session dropped it too
+        if self._board is not None:
+            self._board.close()  # removes it
+            self._board = None
 
     def __enter__(self) -> "WeightsWriter":
         return self
@@ -131,28 +138,42 @@ class WeightsWriter:
     def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
         """Send weight version ``version`` to the named inference instances; returns this rank's stats."""
         started = time.monotonic()
+        later: list[tuple[str, Callable[[], object]]] = []  # requests sent after the transfer (off its path)
         if self.local_rank == 0:
             if self._port is None:
                 self._port = free_port(self.host)
             if self._channel is None:
                 self._channel = self._session.channel = VersionChannel.host(self.host, self.timeout)
+                try:
+                    self._board = self._session.board = HostBoard.create()
+                except OSError as e:  # no /dev/shm here: the channel carries every signal
+                    log.info("no host board (%s); per-version signals go over the version channel", e)
+            self._seq += 1
             manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
                                     self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
                                     refresh_by_wave=self.refresh_by_wave is not None,
-                                    channel=self._channel.address, channel_secret=self._channel.secret)
+                                    channel=self._channel.address, channel_secret=self._channel.secret, seq=self._seq,
+                                    board=self._board.path if self._board else None,
+                                    board_host=host_identity() if self._board else None)
             doc = manifest.to_json()
-            self._channel.put(f"manifest/{version}", doc)  # ranks that know the channel read it there
+            if self._board is not None:  # ranks on this host read it here, the others on the channel
+                self._board.post(doc)
+            self._channel.put(f"manifest/{version}", doc)
             if self._announced:  # the ranks know the channel by now: the MetaServer's copy is for late joiners
-                self._background.submit(f"manifest of {version}", self.client.put, manifest_key(version), doc)
+                later.append((f"manifest of {version}", partial(self.client.put, manifest_key(version), doc)))
             else:
                 self.client.put(manifest_key(version), doc)
                 self._announced = True
-            self._background.submit(f"event weights_ready {version}", self.client.publish_event, "weights_ready",
-                                    self.layout.instance, version=version)
+            later.append((f"event weights_ready {version}", partial(self.client.publish_event, "weights_ready",
+                                                                      self.layout.instance, version=version)))
         else:
             manifest = self._session.fetch_manifest(version, self.timeout)
+        announced = time.monotonic()
         stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
                                        refresh=self.refresh, refresh_by_wave=self.refresh_by_wave)
+        self._session.phases.update(manifest=announced - started, total=time.monotonic() - started)
+        for what, call in later:
+            self._background.submit(what, call)
         self.last_stats = stats
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_sent, stats.seconds)
@@ -162,6 +183,11 @@ class WeightsWriter:
             self._background.submit(f"dropping the records of versions before {version}", self._forget_old, version,
                                     ranks)
         return stats
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until the requests a write leaves for afterwards (the MetaServer's copy of the manifest, events,
+        dropping old records) were sent; whether they were within ``timeout``."""
+        return self._background.flush(timeout)
 
     def held_bytes(self) -> int:
         """Bytes of sync buffers (staging) this writer keeps between versions."""
