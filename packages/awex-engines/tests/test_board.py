@@ -66,3 +66,17 @@ def test_only_awex_boards_are_opened(tmp_path):
             board.ring(1 << 20, 1)
     finally:
         board.close()
+
+
+def test_an_expected_signal_is_caught_without_sleeping_past_it():
+    board = HostBoard.create()
+    try:
+        ctx = mp.get_context("spawn")
+        p = ctx.Process(target=_signaller, args=(board.path, 3, 1, 0, {}))  # rings after about 0.05 s
+        p.start()
+        assert board.wait([3], 1, timeout=30, expect=0.05) == [0]
+        p.join(30)
+        with pytest.raises(BoardTimeout):  # an expectation never shortens the deadline's wait, nor extends it
+            board.wait([3], 2, timeout=0.1, expect=0.05)
+    finally:
+        board.close()

@@ -1,8 +1,10 @@
 """Requests kept off a sync's critical path: events, version reports, dropping old records.
 
 A writer or reader hands them to :class:`Background`, which sends them in order on one daemon thread (with its
-own MetaServer connection). They inform observers; a failure is logged, never raised into a sync. Anything that
-must be seen in order after them (a failure report) calls :meth:`Background.flush` first.
+own MetaServer connection), each at least ``delay`` seconds after it was handed over: the sync that handed it
+over returns to its caller first, without this thread competing with it for the interpreter. They inform
+observers; a failure is logged, never raised into a sync. Anything that must be seen in order after them (a
+failure report) calls :meth:`Background.flush` first.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ log = logging.getLogger("awex.engines")
 class Background:
     """One ordered queue of fire-and-forget calls, on a thread started at the first call."""
 
-    def __init__(self, name: str, limit: int = 1024):
+    def __init__(self, name: str, limit: int = 1024, delay: float = 0.002):
         self.name = name
+        self.delay = delay
         self._queue: queue.Queue = queue.Queue(maxsize=limit)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -33,7 +36,7 @@ class Background:
                 self._thread = threading.Thread(target=self._run, name=f"awex-background-{self.name}", daemon=True)
                 self._thread.start()
         try:
-            self._queue.put_nowait((what, fn, args, kwargs))
+            self._queue.put_nowait((time.monotonic() + self.delay, what, fn, args, kwargs))
         except queue.Full:
             self._call(what, fn, args, kwargs)
 
@@ -42,12 +45,18 @@ class Background:
         if self._thread is None:
             return True
         done = threading.Event()
-        self.submit("flush", done.set)
+        try:
+            self._queue.put_nowait((0.0, "flush", done.set, (), {}))  # no delay of its own
+        except queue.Full:
+            return False
         return done.wait(max(0.0, timeout))
 
     def _run(self) -> None:
         while True:
-            what, fn, args, kwargs = self._queue.get()
+            not_before, what, fn, args, kwargs = self._queue.get()
+            wait = not_before - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
             self._call(what, fn, args, kwargs)
 
     @staticmethod

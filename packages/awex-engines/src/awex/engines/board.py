@@ -9,7 +9,8 @@ board carries the same signals through a file in ``/dev/shm`` that every process
   (a trainer rank: its weights are ready; a receiver: it finished reading), with 20 bits of detail (a trainer's
   IPC export generation).
 
-Waiting is polling with 20 us sleeps (as for CUDA events), bounded by the caller's deadline. The trainer's
+Waiting is polling (without sleeping for the first 0.3 ms, then with 20 us sleeps), bounded by the caller's
+deadline. The trainer's
 first rank creates the board (mode 0600, a name with a random part) and removes it when it closes or exits.
 A rank that cannot open it (another host, another ``/dev/shm``) uses the channel; signals always go to both.
 """
@@ -21,19 +22,21 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import time
 import weakref
 from typing import Any
-
-import torch
 
 MAGIC = 0x41574558424F4152  # "AWEXBOAR"
 SLOTS = 4096  # sync ranks on one host
 MANIFEST_BYTES = 64 << 10
 POLL_SECONDS = 20e-6
+SPIN_SECONDS = 300e-6  # poll without sleeping this long first (a sleep can take 50-100 us longer than asked)
 DETAIL = 1 << 20
 _HEADER = 4  # int64 words: magic, slots, manifest seq, manifest length
-_SIZE = (_HEADER + SLOTS) * 8 + MANIFEST_BYTES
+_MANIFEST = (_HEADER + SLOTS) * 8  # where the manifest's bytes start
+_SIZE = _MANIFEST + MANIFEST_BYTES
+_WORD = struct.Struct("<q")
 
 
 def host_identity() -> str:
@@ -57,11 +60,15 @@ class HostBoard:
         self.path = path
         self._map = mmap.mmap(fd, _SIZE)
         os.close(fd)
-        words = torch.frombuffer(self._map, dtype=torch.int64, count=_HEADER + SLOTS)
-        self._header, self._slots = words[:_HEADER], words[_HEADER:]
-        self._bytes = memoryview(self._map)[(_HEADER + SLOTS) * 8:]
         self.owner = owner
         self._finalizer = weakref.finalize(self, _remove, path) if owner else None
+
+    # aligned 8-byte words, read and written whole (x86-64 and aarch64 do not tear them)
+    def _get(self, word: int) -> int:
+        return _WORD.unpack_from(self._map, word * 8)[0]
+
+    def _set(self, word: int, value: int) -> None:
+        _WORD.pack_into(self._map, word * 8, value)
 
     @classmethod
     def create(cls, directory: str = "/dev/shm") -> HostBoard:
@@ -69,8 +76,8 @@ class HostBoard:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, _SIZE)
         board = cls(path, fd, owner=True)
-        board._header[1] = SLOTS
-        board._header[0] = MAGIC
+        board._set(1, SLOTS)
+        board._set(0, MAGIC)
         return board
 
     @classmethod
@@ -79,7 +86,7 @@ class HostBoard:
         if not os.path.basename(path).startswith("awex-board-") or os.path.getsize(path) != _SIZE:
             raise ValueError(f"{path} is not an awex board")
         board = cls(path, os.open(path, os.O_RDWR), owner=False)
-        if int(board._header[0]) != MAGIC or int(board._header[1]) != SLOTS:
+        if board._get(0) != MAGIC or board._get(1) != SLOTS:
             raise ValueError(f"{path} is not an awex board")
         return board
 
@@ -89,59 +96,68 @@ class HostBoard:
         raw = json.dumps(doc).encode()
         if len(raw) > MANIFEST_BYTES:
             raise ValueError(f"manifest of {len(raw)} bytes exceeds the board's {MANIFEST_BYTES}")
-        seq = int(self._header[2])
-        self._header[2] = seq + 1  # odd: being written
-        self._bytes[:len(raw)] = raw
-        self._header[3] = len(raw)
-        self._header[2] = seq + 2
+        seq = self._get(2)
+        self._set(2, seq + 1)  # odd: being written
+        self._map[_MANIFEST:_MANIFEST + len(raw)] = raw
+        self._set(3, len(raw))
+        self._set(2, seq + 2)
 
     def manifest(self, version: str, timeout: float) -> dict[str, Any]:
         """The manifest of ``version``, waiting for it up to ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
+        spin_until = time.monotonic() + SPIN_SECONDS
         while True:
-            seq = int(self._header[2])
+            seq = self._get(2)
             if seq and not seq % 2:
-                length = int(self._header[3])
-                raw = bytes(self._bytes[:max(0, min(length, MANIFEST_BYTES))])
-                if int(self._header[2]) == seq:  # not rewritten while we read it
+                length = max(0, min(self._get(3), MANIFEST_BYTES))
+                raw = self._map[_MANIFEST:_MANIFEST + length]
+                if self._get(2) == seq:  # not rewritten while we read it
                     try:
                         doc = json.loads(raw)
                     except ValueError:
                         doc = None
                     if isinstance(doc, dict) and doc.get("version") == version:
                         return doc
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise BoardTimeout(f"the manifest of {version!r} did not appear on the host board within "
                                    f"{timeout:g} s")
-            time.sleep(POLL_SECONDS)
+            if now > spin_until:
+                time.sleep(POLL_SECONDS)
 
     # -- per-rank signals --------------------------------------------------------------------------------
     def ring(self, slot: int, seq: int, detail: int = 0) -> None:
         """Sync rank ``slot`` signals version ``seq`` (``detail``: 0 to 2**20 - 1)."""
         if not 0 <= slot < SLOTS or not 0 <= detail < DETAIL:
             raise ValueError(f"board slot {slot} / detail {detail} out of range")
-        self._slots[slot] = seq * DETAIL + detail
+        self._set(_HEADER + slot, seq * DETAIL + detail)
 
-    def wait(self, slots: list[int], seq: int, timeout: float) -> list[int]:
-        """Until every one of ``slots`` signalled version ``seq`` (or later); their details."""
-        deadline = time.monotonic() + timeout
-        index = torch.tensor(slots, dtype=torch.long)
+    def wait(self, slots: list[int], seq: int, timeout: float, expect: float = 0.0) -> list[int]:
+        """Until every one of ``slots`` signalled version ``seq`` (or later); their details. ``expect``: about
+        when (seconds from now) the signals should come: polling does not sleep from shortly before then (a
+        sleep overshoots by tens of microseconds) until shortly after."""
+        now = time.monotonic()
+        deadline = now + timeout
+        spin_from = now + max(0.0, expect - SPIN_SECONDS) if expect > 2 * SPIN_SECONDS else now
+        spin_until = spin_from + (2 * SPIN_SECONDS if expect > 2 * SPIN_SECONDS else SPIN_SECONDS)
+        if any(not 0 <= s < SLOTS for s in slots):
+            raise ValueError(f"board slots {slots[:8]} out of range")
         floor = seq * DETAIL
         while True:
-            words = self._slots[index]
-            if not bool((words < floor).any()):
-                return [int(w) % DETAIL for w in words]
-            if time.monotonic() >= deadline:
-                late = [s for s, w in zip(slots, words.tolist()) if w < floor]
+            words = [self._get(_HEADER + s) for s in slots]
+            if min(words, default=floor) >= floor:
+                return [w % DETAIL for w in words]
+            now = time.monotonic()
+            if now >= deadline:
+                late = [s for s, w in zip(slots, words) if w < floor]
                 raise BoardTimeout(f"sync ranks {late[:8]} did not signal version {seq} within {timeout:g} s")
-            time.sleep(POLL_SECONDS)
+            if not spin_from <= now <= spin_until:
+                time.sleep(POLL_SECONDS)
 
     def close(self) -> None:
         """Unmap (and, for the creator, remove) the board."""
         if self._finalizer is not None:
             self._finalizer()
-        self._header = self._slots = None
-        self._bytes.release()
         self._map.close()
 
 

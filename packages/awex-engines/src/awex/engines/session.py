@@ -14,7 +14,7 @@ import logging
 import socket
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
 
 from awex.meta import Layout, Plan, PlanOptions, plan_transfers
@@ -56,7 +56,7 @@ class SyncManifest:
     board_host: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["sources"] = list(self.sources)
         d["destinations"] = list(self.destinations)
         d["allow_cast"] = list(self.allow_cast)
@@ -158,6 +158,9 @@ class IpcState:
     executor: IpcExecutor | None = None
     plan: Plan | None = None
     bytes_sent: int | None = None  # a trainer's bytes per version under ``plan``
+    ready_seq: int = 0  # a trainer's last version signalled ready
+    done_after: float = 0.0  # a trainer's last wait for the receivers' "done" (seconds)
+    peers: list[int] | None = None  # a receiver's source ranks under ``plan``
 
 
 @dataclass
@@ -219,6 +222,11 @@ class SyncSession:
         for executor in (self._executor, self._ipc.executor):
             held += int(getattr(executor, "staging_bytes", 0) or 0) if executor is not None else 0
         return held
+
+    def steady_for(self, manifest: SyncManifest) -> bool:
+        """Whether ``manifest`` needs nothing new: the same rendezvous, wave size and casts as the plan in use."""
+        return (self._plan is not None and self._key is not None
+                and self._key[:3] == (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast))
 
     def fetch_manifest(self, version: str, timeout: float) -> SyncManifest:
         """Version ``version``'s manifest: from the host board or the version channel once one is known (checking
@@ -427,14 +435,44 @@ class SyncSession:
         with phase("transfer"):
             return executor.run(timeout=left, before_pack=before_pack)
 
+    def ipc_ready(self, manifest: SyncManifest, shards: LocalShards) -> None:
+        """A trainer rank over CUDA IPC: this version's weights are in memory; export them where they moved, and
+        signal the receivers. ``WeightsWriter.write`` calls it ahead, before the manifest goes out, where the plan
+        is steady (the receivers then find the signal with the manifest)."""
+        import torch
+
+        from awex.transport.ipc import export_shards
+
+        plan = self._plan
+        me = plan.rank(self.instance, self.local_rank)
+        phase = self.phases
+        torch.cuda.current_stream(shards.device).synchronize()  # this version's weights are in memory
+        ipc = self._ipc
+        # the same views as last time alias the same storages: only other views need checking
+        if ipc.export is None or (ipc.exported_from is not shards and not ipc.export.matches(shards)):
+            with phase("export"):
+                ipc.export = export_shards(shards)
+                ipc.generation += 1
+                self.client.put(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation}", ipc.export.to_wire())
+                if ipc.generation > 1:  # every receiver of the earlier versions is done with the old handles
+                    self.client.delete(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation - 1}")
+        ipc.exported_from = shards
+        with phase("ready"):
+            ready = f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}"
+            if self.signals == "board":
+                self.board.ring(me.rank, manifest.seq, ipc.generation)
+            elif self.signals == "channel":
+                self.channel.put(ready, ipc.generation)
+            else:
+                self.client.put(ready, ipc.generation)
+        ipc.ready_seq = manifest.seq
+
     def _transfer_ipc(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
                       deadline: float) -> TransferStats:
         """Sync on one host: trainers publish IPC exports (once, again if their storages move) and say ready;
-        receivers copy straight from the trainers' memory; everyone agrees it is done, so the trainer does not
-        change its weights while they are read."""
-        import torch
-
-        from awex.transport.ipc import IpcExport, export_shards, open_export
+        receivers copy straight from the trainers' memory and say done; the trainers wait for that, so they do not
+        change their weights while they are read."""
+        from awex.transport.ipc import IpcExport, open_export
 
         started = time.monotonic()
         me = plan.ranks[rank]
@@ -442,25 +480,9 @@ class SyncSession:
         stats = TransferStats()
         phase = self.phases
         if me.role.value == "trainer":
-            torch.cuda.current_stream(shards.device).synchronize()  # this version's weights are in memory
             ipc = self._ipc
-            # the same views as last time alias the same storages: only other views need checking
-            if ipc.export is None or (ipc.exported_from is not shards and not ipc.export.matches(shards)):
-                with phase("export"):
-                    ipc.export = export_shards(shards)
-                    ipc.generation += 1
-                    self.client.put(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation}", ipc.export.to_wire())
-                    if ipc.generation > 1:  # every receiver of the earlier versions is done with the old handles
-                        self.client.delete(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation - 1}")
-            ipc.exported_from = shards
-            with phase("ready"):
-                ready = f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}"
-                if self.signals == "board":
-                    self.board.ring(rank, manifest.seq, ipc.generation)
-                elif self.signals == "channel":
-                    self.channel.put(ready, ipc.generation)
-                else:
-                    self.client.put(ready, ipc.generation)
+            if ipc.ready_seq != manifest.seq or not manifest.seq:  # not signalled ahead (WeightsWriter.write)
+                self.ipc_ready(manifest, shards)
             if ipc.bytes_sent is None or ipc.plan is not plan:
                 ipc.bytes_sent, ipc.plan = sum(s.bucket.nbytes for s in plan.schedule(rank)), plan
             stats.bytes_sent = ipc.bytes_sent
@@ -470,7 +492,9 @@ class SyncSession:
             sources = {}
             changed = ipc.plan is not plan
             with phase("open"):
-                peers = sorted({s.peer for s in plan.schedule(rank)})
+                if ipc.peers is None or ipc.plan is not plan:
+                    ipc.peers = sorted({s.peer for s in plan.schedule(rank)})
+                peers = ipc.peers
                 ready = [f"ipc-ready/{manifest.version}/{plan.ranks[p].instance}/{plan.ranks[p].local_rank}"
                          for p in peers]
                 if self.signals == "board":
@@ -506,7 +530,9 @@ class SyncSession:
                 self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size,
                                   "done", timeout=left())
             elif me.role.value == "trainer" and self.signals == "board":
-                self.board.wait([r.rank for r in receivers], manifest.seq, left())
+                waited = time.monotonic()
+                self.board.wait([r.rank for r in receivers], manifest.seq, left(), expect=ipc.done_after)
+                ipc.done_after = time.monotonic() - waited  # about as long next time (same plan, same bytes)
             elif me.role.value == "trainer":
                 self.channel.wait([f"ipc-done/{manifest.version}/{r.instance}/{r.local_rank}" for r in receivers],
                                   left())

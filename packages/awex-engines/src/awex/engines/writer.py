@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from functools import partial
 from typing import Callable, Sequence
 
@@ -102,9 +103,10 @@ class WeightsWriter:
         self._port: int | None = None
         self._channel: VersionChannel | None = None  # rank 0 hosts the version channel (awex.engines.channel)
         self._cleaner: VersionChannel | None = None  # the background thread's connection to it
-        self._announced = False  # a manifest went to the MetaServer (the first one, synchronously)
         self._board: HostBoard | None = None  # rank 0: the host board (awex.engines.board), where /dev/shm allows
         self._seq = 0  # versions written
+        self._manifest: SyncManifest | None = None  # rank 0: the last manifest, and as JSON
+        self._manifest_doc: dict | None = None
         if local_rank == 0:
             client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
             client.publish_layout(layout, "current")
@@ -139,6 +141,7 @@ class WeightsWriter:
         """Send weight version ``version`` to the named inference instances; returns this rank's stats."""
         started = time.monotonic()
         later: list[tuple[str, Callable[[], object]]] = []  # requests sent after the transfer (off its path)
+        refresh = self.refresh
         if self.local_rank == 0:
             if self._port is None:
                 self._port = free_port(self.host)
@@ -149,28 +152,42 @@ class WeightsWriter:
                 except OSError as e:  # no /dev/shm here: the channel carries every signal
                     log.info("no host board (%s); per-version signals go over the version channel", e)
             self._seq += 1
-            manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
-                                    self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
-                                    refresh_by_wave=self.refresh_by_wave is not None,
-                                    channel=self._channel.address, channel_secret=self._channel.secret, seq=self._seq,
-                                    board=self._board.path if self._board else None,
-                                    board_host=host_identity() if self._board else None)
-            doc = manifest.to_json()
+            last = self._manifest
+            steady = (last is not None and last.destinations == tuple(sorted(destinations))
+                      and self._session.steady_for(last))  # every rank of this plan already saw a manifest of ours
+            if steady:
+                manifest = replace(last, version=version, seq=self._seq)
+                doc = dict(self._manifest_doc, version=version, seq=self._seq)
+            else:
+                manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
+                                        self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
+                                        refresh_by_wave=self.refresh_by_wave is not None,
+                                        channel=self._channel.address, channel_secret=self._channel.secret,
+                                        seq=self._seq, board=self._board.path if self._board else None,
+                                        board_host=host_identity() if self._board else None)
+                doc = manifest.to_json()
+            self._manifest, self._manifest_doc = manifest, doc
+            if steady and self._session.transport == "ipc" and self._session.signals == "board":
+                # the receivers find this rank's "ready" on the board with the manifest: one wake-up less
+                if refresh is not None:
+                    refresh()
+                    refresh = None
+                self._session.ipc_ready(manifest, self._shards)
             if self._board is not None:  # ranks on this host read it here, the others on the channel
                 self._board.post(doc)
-            self._channel.put(f"manifest/{version}", doc)
-            if self._announced:  # the ranks know the channel by now: the MetaServer's copy is for late joiners
+            if not steady or self._session.signals != "board":  # not every rank maps the board
+                self._channel.put(f"manifest/{version}", doc)
+            if steady:  # the MetaServer's copy is for observers and late joiners
                 later.append((f"manifest of {version}", partial(self.client.put, manifest_key(version), doc)))
-            else:
+            else:  # ranks that do not know the channel yet (first write, new destinations) look there
                 self.client.put(manifest_key(version), doc)
-                self._announced = True
             later.append((f"event weights_ready {version}", partial(self.client.publish_event, "weights_ready",
                                                                       self.layout.instance, version=version)))
         else:
             manifest = self._session.fetch_manifest(version, self.timeout)
         announced = time.monotonic()
         stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
-                                       refresh=self.refresh, refresh_by_wave=self.refresh_by_wave)
+                                       refresh=refresh, refresh_by_wave=self.refresh_by_wave)
         self._session.phases.update(manifest=announced - started, total=time.monotonic() - started)
         for what, call in later:
             self._background.submit(what, call)

@@ -8,11 +8,18 @@ from collections.abc import Callable
 import torch
 
 POLL_SECONDS = 20e-6
+SPIN_SECONDS = 300e-6  # around an expected completion, poll without sleeping (a sleep overshoots by 50-100 us)
 
 
-def wait_event(event: torch.cuda.Event, deadline: float, timed_out: Callable[[], BaseException]) -> None:
-    """Return once ``event`` has completed; raise ``timed_out()`` once ``time.monotonic()`` passes ``deadline``."""
+def wait_event(event: torch.cuda.Event, deadline: float, timed_out: Callable[[], BaseException],
+               expect_at: float = 0.0) -> None:
+    """Return once ``event`` has completed; raise ``timed_out()`` once ``time.monotonic()`` passes ``deadline``.
+    ``expect_at``: when (``time.monotonic()``) it should complete: from shortly before until shortly after, the
+    poll does not sleep."""
+    spin_from, spin_until = expect_at - SPIN_SECONDS, expect_at + 2 * SPIN_SECONDS
     while not event.query():
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             raise timed_out()
-        time.sleep(POLL_SECONDS)
+        if not spin_from <= now <= spin_until:
+            time.sleep(POLL_SECONDS)

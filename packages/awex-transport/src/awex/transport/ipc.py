@@ -292,6 +292,7 @@ class IpcExecutor:
         self.plan = plan
         self.cuda_graph = cuda_graph
         self.capture_seconds = 0.0  # how long the first run spent capturing the sync as a CUDA graph
+        self._last_seconds = 0.0  # the last run's duration
         self.rank = rank
         self.device = shards.device
         names = [t.name for t in plan.tensors]
@@ -386,15 +387,17 @@ class IpcExecutor:
         else:
             used = self._issue(compute)
         deadline = started + timeout
+        expect_at = started + self._last_seconds  # a steady sync takes about as long as the last one
         for stream in used:
             done = torch.cuda.Event()
             done.record(stream)
             wait_event(done, deadline, lambda: TransferTimeout(
-                f"rank {self.rank}: CUDA IPC copies not done within {timeout:g} s"))
+                f"rank {self.rank}: CUDA IPC copies not done within {timeout:g} s"), expect_at=expect_at)
         for stream in used:
             compute.wait_stream(stream)
-        return TransferStats(bytes_received=self.bytes_received, buckets=self.buckets, waves=1,
-                             seconds=time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self._last_seconds = seconds
+        return TransferStats(bytes_received=self.bytes_received, buckets=self.buckets, waves=1, seconds=seconds)
 
     def _issue(self, compute: torch.cuda.Stream) -> list[torch.cuda.Stream]:
         """Enqueue the whole sync after ``compute``'s work; returns the streams it ran on."""
