@@ -308,6 +308,8 @@ def worker(a: WorkerArgs) -> dict:
         dist.all_gather(out, x)
         return max(float(o[1]) for o in out) - min(float(o[0]) for o in out)
 
+    own: list[float] = []  # this rank's seconds in each timed call (diagnosis: start skew between ranks)
+
     def timed(fn) -> float:
         """Seconds from the first rank starting ``fn`` (after a barrier) to the last rank finishing it."""
         barrier()
@@ -315,7 +317,9 @@ def worker(a: WorkerArgs) -> dict:
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
-        return span(t0, time.perf_counter())
+        t1 = time.perf_counter()
+        own.append(t1 - t0)
+        return span(t0, t1)
 
     params, view_of = native_params(engine, a.local_rank, dims, device, None if trainer else quant,
                                     flat=a.trainer_buffer == "flat")
@@ -347,6 +351,7 @@ def worker(a: WorkerArgs) -> dict:
                       "total_bytes": plan.stats.total_bytes}
 
     # ---- baselines
+    result["own_seconds"] = own[:]
     result["baselines"] = (baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed, quant)
                            if a.baseline_iters else {})
     dist.barrier()
@@ -910,6 +915,9 @@ def main(argv: list[str] | None = None) -> int:
             "bytes": received,
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
+            # each rank's own time in the call (median): what the span adds is the ranks' start skew
+            "rank_seconds": {f"{p['instance']}:{p['rank']}": round(statistics.median(p["own_seconds"]), 6)
+                             for p in per_rank if p.get("own_seconds")},
             "first_sync_seconds": round(per_rank[0]["first_sync_seconds"], 6),
             "lower_bound_seconds": round(bound, 6),
             "ratio": round(steady / bound, 3) if bound else None,
@@ -952,6 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         base = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["baselines"].items())
         print(f"{sc.name} ({buffer} trainer buffer): {steady * 1e3:.1f} ms steady (first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
               f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}", flush=True)
+        print(f"  each rank's own time (median): {entry['rank_seconds']}", flush=True)
         for key in ("first_sync_phases", "steady_phases"):
             for side, phases in (entry.get(key) or {}).items():
                 print(f"  {key} ({side}): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items()), flush=True)

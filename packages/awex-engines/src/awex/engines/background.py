@@ -59,6 +59,12 @@ class Background:
                 time.sleep(wait)
             self._call(what, fn, args, kwargs)
 
+    @classmethod
+    def run_each(cls, calls) -> None:
+        """Run ``(what, fn)`` pairs in order, each failure logged on its own (to hand several over at once)."""
+        for what, fn in calls:
+            cls._call(what, fn, (), {})
+
     @staticmethod
     def _call(what: str, fn, args, kwargs) -> None:
         started = time.monotonic()

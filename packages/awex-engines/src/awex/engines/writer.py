@@ -189,16 +189,16 @@ class WeightsWriter:
         stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
                                        refresh=refresh, refresh_by_wave=self.refresh_by_wave)
         self._session.phases.update(manifest=announced - started, total=time.monotonic() - started)
-        for what, call in later:
-            self._background.submit(what, call)
         self.last_stats = stats
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_sent, stats.seconds)
         if self.local_rank == 0:
             plan = self._session._plan
             ranks = [(r.instance, r.local_rank) for r in plan.ranks] if plan is not None else []
-            self._background.submit(f"dropping the records of versions before {version}", self._forget_old, version,
-                                    ranks)
+            later.append((f"dropping the records of versions before {version}",
+                          partial(self._forget_old, version, ranks)))
+        if later:  # one hand-over: one wake-up of the background thread
+            self._background.submit(f"after {version}", self._background.run_each, later)
         return stats
 
     def flush(self, timeout: float = 10.0) -> bool:
