@@ -22,18 +22,28 @@ DIMS = dataclasses.replace(model_dims(CONFIG, "float32"), layers=2, hidden=64, i
                            kv_heads=2, head_dim=8, vocab=1000)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])  # tp=4 > kv_heads=2: KV heads replicated
-def test_params_fit_the_layout_and_pack_q_k_v_and_gate_up_in_vllm_order(tp):
-    tensors = canonical_tensors(DIMS)
+def received_params(dims, tp: int, seed: int):
+    """Random canonical tensors, and each vLLM rank's parameters (NaN-filled first) after receiving them through
+    ``vllm_views`` in place: ``(full, [params of rank 0, ...])``."""
+    tensors = canonical_tensors(dims)
     layout = vllm_layout(tensors, VllmParallel(tp=tp), "v")
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     full = {t.name: torch.randn(t.spec.shape, generator=g) for t in tensors}
+    out = []
     for rank in range(tp):
-        params = {n: torch.full(s, float("nan")) for n, s in vllm_param_shapes(DIMS, VllmParallel(tp=tp), rank).items()}
-        shards = LocalShards.from_layout(layout, rank, vllm_views(params, DIMS, VllmParallel(tp=tp)))
+        params = {n: torch.full(s, float("nan")) for n, s in vllm_param_shapes(dims, VllmParallel(tp=tp), rank).items()}
+        shards = LocalShards.from_layout(layout, rank, vllm_views(params, dims, VllmParallel(tp=tp)))
         for name in shards.names():
             for box, view in shards.pairs(name):
                 view.copy_(full[name][box.slices()])
+        out.append(params)
+    return full, out
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])  # tp=4 > kv_heads=2: KV heads replicated
+def test_params_fit_the_layout_and_pack_q_k_v_and_gate_up_in_vllm_order(tp):
+    full, ranks = received_params(DIMS, tp, seed=0)
+    for rank, params in enumerate(ranks):
         # what vLLM's loaders build: [q shard; k shard; v shard] and [gate shard; up shard]
         hd, q = DIMS.head_dim, DIMS.heads // tp * DIMS.head_dim
         kv_head = rank * DIMS.kv_heads // tp if tp > DIMS.kv_heads else None
@@ -166,16 +176,8 @@ def test_qwen2_moe_shared_expert_fuses_gate_up_like_a_dense_mlp(tp):
                         .read_text())
     dims = model_dims(config, "float32")
     assert dims.shared_expert_intermediate, "the model must have a shared expert for this test to test anything"
-    tensors = canonical_tensors(dims)
-    layout = vllm_layout(tensors, VllmParallel(tp=tp), "v")
-    g = torch.Generator().manual_seed(2)
-    full = {t.name: torch.randn(t.spec.shape, generator=g) for t in tensors}
-    for rank in range(tp):
-        params = {n: torch.full(s, float("nan")) for n, s in vllm_param_shapes(dims, VllmParallel(tp=tp), rank).items()}
-        shards = LocalShards.from_layout(layout, rank, vllm_views(params, dims, VllmParallel(tp=tp)))
-        for name in shards.names():
-            for box, view in shards.pairs(name):
-                view.copy_(full[name][box.slices()])
+    full, ranks = received_params(dims, tp, seed=2)
+    for rank, params in enumerate(ranks):
         pre = f"model.layers.{min(dims.sparse_layers)}.mlp."
         i = dims.shared_expert_intermediate // tp
         want = torch.cat([full[pre + "shared_expert.gate_proj.weight"][rank * i:(rank + 1) * i],
