@@ -1,0 +1,116 @@
+"""Per-version signals between a WeightsWriter and a WeightsReader (gloo, one process, two threads): through the
+host board where the reader maps it, the version channel where it cannot, and the MetaServer where the channel's
+host is gone (a new writer); every version's bytes arrive whichever way."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from awex.engines import writer as writer_module
+from awex.engines.reader import WeightsReader
+from awex.engines.writer import WeightsWriter
+from awex.meta import canonical_tensors
+from awex.meta.client import MetaClient
+from awex.meta.layouts import hf_layout
+from awex.meta.server import start_embedded
+
+CONFIG = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
+TENSORS = canonical_tensors(CONFIG, dtype="float32")
+
+
+def tensors(fill: float) -> dict[str, torch.Tensor]:
+    return {t.name: torch.full(t.spec.shape, fill) for t in TENSORS}
+
+
+def views(params):
+    return lambda name, box: params[name][box.slices()]
+
+
+@pytest.fixture
+def server():
+    s = start_embedded()
+    yield s
+    s.stop()
+
+
+def sync(writer: WeightsWriter, reader: WeightsReader, version: str) -> None:
+    errors: list = []
+
+    def receive():
+        try:
+            reader.receive(version)
+        except Exception as e:  # asserted below
+            errors.append(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    writer.write(version, ["hf-in"])
+    t.join(60)
+    assert not t.is_alive() and not errors, errors
+
+
+def make_writer(server, params, timeout=60.0) -> WeightsWriter:
+    return WeightsWriter(MetaClient(server.address, job="signals", timeout=timeout), hf_layout(TENSORS, "trainer", "hf-out"),
+                         0, views(params), timeout=timeout)
+
+
+@pytest.mark.parametrize("board", [True, False], ids=["host-board", "channel-only"])
+def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, board):
+    if not board:  # no /dev/shm for the writer: the channel carries every signal
+        def no_board():
+            raise OSError("no /dev/shm here")
+        monkeypatch.setattr(writer_module.HostBoard, "create", staticmethod(no_board))
+    sent, got = tensors(0.0), tensors(-1.0)
+    writer = make_writer(server, sent)
+    reader = WeightsReader(MetaClient(server.address, job="signals", timeout=60), hf_layout(TENSORS, "inference",
+                                                                                             "hf-in"), 0, views(got))
+    for step in range(1, 4):
+        for t in sent.values():
+            t.fill_(float(step))
+        sync(writer, reader, f"v{step}")
+        assert all(torch.equal(got[n], sent[n]) for n in sent), step
+    session = reader._session
+    assert (session.board is not None) == board and session.channel is not None
+    writer.close()
+    reader.close()
+
+
+def test_a_new_writer_with_another_channel_is_found_through_the_metaserver(server):
+    sent, got = tensors(1.0), tensors(-1.0)
+    first = make_writer(server, sent)
+    reader = WeightsReader(MetaClient(server.address, job="signals", timeout=60), hf_layout(TENSORS, "inference",
+                                                                                             "hf-in"), 0, views(got))
+    sync(first, reader, "v1")
+    old_channel = reader._session.channel.address
+    first.close()  # its channel and board go with it
+    for t in sent.values():
+        t.fill_(2.0)
+    second = make_writer(server, sent)
+    sync(second, reader, "v2")
+    assert all(torch.equal(got[n], sent[n]) for n in sent)
+    assert reader._session.channel.address != old_channel
+    second.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("bad", [
+    {"channel": "no-port", "channel_secret": "a" * 32},
+    {"channel": "127.0.0.1:70000", "channel_secret": "a" * 32},
+    {"channel": "127.0.0.1:5000"},  # a channel without its secret
+    {"channel": "127.0.0.1:5000", "channel_secret": "short"},
+    {"channel": "127.0.0.1:5000", "channel_secret": "../" * 12},
+    {"seq": -1}, {"seq": "3"}, {"seq": True},
+    {"board": ["/dev/shm/x"]}, {"board_host": "h" * 2000},
+])
+def test_hostile_signal_fields_in_a_manifest_are_refused(bad):
+    from awex.engines.session import SyncManifest
+
+    doc = SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000).to_json()
+    SyncManifest.from_json(doc)  # the plain one is fine
+    with pytest.raises(ValueError, match="malformed sync manifest"):
+        SyncManifest.from_json({**doc, **bad})
