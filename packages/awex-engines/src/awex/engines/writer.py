@@ -143,46 +143,7 @@ class WeightsWriter:
         later: list[tuple[str, Callable[[], object]]] = []  # requests sent after the transfer (off its path)
         refresh = self.refresh
         if self.local_rank == 0:
-            if self._port is None:
-                self._port = free_port(self.host)
-            if self._channel is None:
-                self._channel = self._session.channel = VersionChannel.host(self.host, self.timeout)
-                try:
-                    self._board = self._session.board = HostBoard.create()
-                except OSError as e:  # no /dev/shm here: the channel carries every signal
-                    log.info("no host board (%s); per-version signals go over the version channel", e)
-            self._seq += 1
-            last = self._manifest
-            steady = (last is not None and last.destinations == tuple(sorted(destinations))
-                      and self._session.steady_for(last))  # every rank of this plan already saw a manifest of ours
-            if steady:
-                manifest = replace(last, version=version, seq=self._seq)
-                doc = dict(self._manifest_doc, version=version, seq=self._seq)
-            else:
-                manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
-                                        self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
-                                        refresh_by_wave=self.refresh_by_wave is not None,
-                                        channel=self._channel.address, channel_secret=self._channel.secret,
-                                        seq=self._seq, board=self._board.path if self._board else None,
-                                        board_host=host_identity() if self._board else None)
-                doc = manifest.to_json()
-            self._manifest, self._manifest_doc = manifest, doc
-            if steady and self._session.transport == "ipc" and self._session.signals == "board":
-                # the receivers find this rank's "ready" on the board with the manifest: one wake-up less
-                if refresh is not None:
-                    refresh()
-                    refresh = None
-                self._session.ipc_ready(manifest, self._shards)
-            if self._board is not None:  # ranks on this host read it here, the others on the channel
-                self._board.post(doc)
-            if not steady or self._session.signals != "board":  # not every rank maps the board
-                self._channel.put(f"manifest/{version}", doc)
-            if steady:  # the MetaServer's copy is for observers and late joiners
-                later.append((f"manifest of {version}", partial(self.client.put, manifest_key(version), doc)))
-            else:  # ranks that do not know the channel yet (first write, new destinations) look there
-                self.client.put(manifest_key(version), doc)
-            later.append((f"event weights_ready {version}", partial(self.client.publish_event, "weights_ready",
-                                                                      self.layout.instance, version=version)))
+            manifest, refresh = self._announce(version, destinations, later)
         else:
             manifest = self._session.fetch_manifest(version, self.timeout)
         announced = time.monotonic()
@@ -200,6 +161,54 @@ class WeightsWriter:
         if later:  # one hand-over: one wake-up of the background thread
             self._background.submit(f"after {version}", self._background.run_each, later)
         return stats
+
+    def _announce(self, version: str, destinations: Sequence[str], later: list
+                  ) -> tuple[SyncManifest, Callable[[], None] | None]:
+        """Rank 0: publish version ``version``'s manifest (host board, version channel, MetaServer) and, in a steady
+        CUDA IPC sync, this rank's "ready" with it. Returns the manifest and the ``refresh`` the transfer still
+        has to run (``None`` once run here); appends what can wait until after the transfer to ``later``."""
+        refresh = self.refresh
+        if self._port is None:
+            self._port = free_port(self.host)
+        if self._channel is None:
+            self._channel = self._session.channel = VersionChannel.host(self.host, self.timeout)
+            try:
+                self._board = self._session.board = HostBoard.create()
+            except OSError as e:  # no /dev/shm here: the channel carries every signal
+                log.info("no host board (%s); per-version signals go over the version channel", e)
+        self._seq += 1
+        last = self._manifest
+        steady = (last is not None and last.destinations == tuple(sorted(destinations))
+                  and self._session.steady_for(last))  # every rank of this plan already saw a manifest of ours
+        if steady:
+            manifest = replace(last, version=version, seq=self._seq)
+            doc = dict(self._manifest_doc, version=version, seq=self._seq)
+        else:
+            manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
+                                    self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
+                                    refresh_by_wave=self.refresh_by_wave is not None,
+                                    channel=self._channel.address, channel_secret=self._channel.secret,
+                                    seq=self._seq, board=self._board.path if self._board else None,
+                                    board_host=host_identity() if self._board else None)
+            doc = manifest.to_json()
+        self._manifest, self._manifest_doc = manifest, doc
+        if steady and self._session.transport == "ipc" and self._session.signals == "board":
+            # the receivers find this rank's "ready" on the board with the manifest: one wake-up less
+            if refresh is not None:
+                refresh()
+                refresh = None
+            self._session.ipc_ready(manifest, self._shards)
+        if self._board is not None:  # ranks on this host read it here, the others on the channel
+            self._board.post(doc)
+        if not steady or self._session.signals != "board":  # not every rank maps the board
+            self._channel.put(f"manifest/{version}", doc)
+        if steady:  # the MetaServer's copy is for observers and late joiners
+            later.append((f"manifest of {version}", partial(self.client.put, manifest_key(version), doc)))
+        else:  # ranks that do not know the channel yet (first write, new destinations) look there
+            self.client.put(manifest_key(version), doc)
+        later.append((f"event weights_ready {version}", partial(self.client.publish_event, "weights_ready",
+                                                                  self.layout.instance, version=version)))
+        return manifest, refresh
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the requests a write leaves for afterwards (the MetaServer's copy of the manifest, events,
