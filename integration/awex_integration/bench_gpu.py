@@ -309,12 +309,27 @@ def worker(a: WorkerArgs) -> dict:
         return max(float(o[1]) for o in out) - min(float(o[0]) for o in out)
 
     own: list[float] = []  # this rank's seconds in each timed call (diagnosis: start skew between ranks)
+    late: list[float] = []  # how late this rank reached the common start, where it did
 
-    def timed(fn) -> float:
-        """Seconds from the first rank starting ``fn`` (after a barrier) to the last rank finishing it."""
+    def start_together() -> float:
+        """A barrier, then every rank waits for one instant rank 0 picked a few milliseconds ahead: the ranks of a
+        benchmark share one host's monotonic clock (which ``span`` relies on too), so every timed call starts on
+        all ranks within microseconds instead of the barrier's release skew (0.1-0.5 ms over gloo)."""
         barrier()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        instant = torch.tensor([time.perf_counter() + 0.005], dtype=torch.float64)
+        dist.broadcast(instant, 0)
+        start = float(instant)
+        now = time.perf_counter()
+        if now > start:
+            late.append(now - start)
+        while now < start:
+            now = time.perf_counter()
+        return now
+
+    def timed(fn) -> float:
+        """Seconds from the common start of ``fn`` on every rank to the last rank finishing it."""
+        t0 = start_together()
         fn()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -352,6 +367,7 @@ def worker(a: WorkerArgs) -> dict:
 
     # ---- baselines
     result["own_seconds"] = own[:]
+    result["late_starts"] = late[:]
     result["baselines"] = (baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed, quant)
                            if a.baseline_iters else {})
     dist.barrier()
@@ -915,7 +931,10 @@ def main(argv: list[str] | None = None) -> int:
             "bytes": received,
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
-            # each rank's own time in the call (median): what the span adds is the ranks' start skew
+            # timed calls start on every rank at one instant; where a rank reached it late, by how much (seconds)
+            "late_starts": {f"{p['instance']}:{p['rank']}": [round(x, 6) for x in p["late_starts"]]
+                            for p in per_rank if p.get("late_starts")},
+            # each rank's own time in the call (median)
             "rank_seconds": {f"{p['instance']}:{p['rank']}": round(statistics.median(p["own_seconds"]), 6)
                              for p in per_rank if p.get("own_seconds")},
             "first_sync_seconds": round(per_rank[0]["first_sync_seconds"], 6),
