@@ -114,3 +114,23 @@ def test_hostile_signal_fields_in_a_manifest_are_refused(bad):
     SyncManifest.from_json(doc)  # the plain one is fine
     with pytest.raises(ValueError, match="malformed sync manifest"):
         SyncManifest.from_json({**doc, **bad})
+
+
+def test_a_steady_writers_manifests_reuse_the_checked_fields_and_anything_else_is_checked_again():
+    """Readers parse a steady writer's manifests (only version and count change) without checking every field
+    again; a changed field, or a hostile count, is parsed (and refused) as usual."""
+    from awex.engines.session import SyncManifest, SyncSession
+
+    session = SyncSession(client=None, instance="r", local_rank=0)
+    doc = SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000, seq=1).to_json()
+    first = session._parse(doc)
+    second = session._parse({**doc, "version": "v2", "seq": 2})
+    assert (second.version, second.seq) == ("v2", 2)
+    assert second == SyncManifest.from_json({**doc, "version": "v2", "seq": 2})
+    moved = session._parse({**doc, "version": "v3", "seq": 3, "port": 5001})
+    assert moved.port == 5001 and first.port == 5000
+    for bad in ({"seq": -1}, {"seq": "4"}, {"seq": True}):
+        with pytest.raises(ValueError, match="malformed sync manifest"):
+            session._parse({**doc, "port": 5001, "version": "v4", **bad})
+    with pytest.raises(ValueError, match="malformed sync manifest"):
+        session._parse({**doc, "port": 5001, "channel": "127.0.0.1:5000"})  # a channel without its secret

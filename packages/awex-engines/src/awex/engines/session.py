@@ -79,6 +79,12 @@ class SyncManifest:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
 
+    def renamed(self, version: str, seq: int) -> SyncManifest:
+        """This manifest for another version of the same writer (its fields already checked, not again)."""
+        other = object.__new__(SyncManifest)
+        other.__dict__.update(self.__dict__, version=version, seq=seq)
+        return other
+
     def rendezvous(self) -> tuple:
         return (self.host, self.port, self.sources, self.destinations, self.transport)
 
@@ -158,7 +164,6 @@ class IpcState:
     executor: IpcExecutor | None = None
     plan: Plan | None = None
     bytes_sent: int | None = None  # a trainer's bytes per version under ``plan``
-    ready_seq: int = 0  # a trainer's last version signalled ready
     done_after: float = 0.0  # a trainer's last wait for the receivers' "done" (seconds)
     peers: list[int] | None = None  # a receiver's source ranks under ``plan``
 
@@ -191,6 +196,7 @@ class SyncSession:
     board: HostBoard | None = None  # the sync's host board, when this rank is on the writer's host
     signals: str = "meta"  # where this plan's CUDA IPC ready/done signals go: "board", "channel" or "meta"
     _signals: str = "meta"  # what every rank can use, as the last device exchange found
+    _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan, executors and staging, and the other
@@ -236,10 +242,9 @@ class SyncSession:
             left = max(0.001, deadline - time.monotonic())
             try:
                 if self.board is not None:
-                    return self._adopt(SyncManifest.from_json(self.board.manifest(version, min(1.0, left))))
+                    return self._adopt(self._parse(self.board.manifest(version, min(1.0, left))))
                 if self.channel is not None:
-                    return self._adopt(SyncManifest.from_json(
-                        self.channel.wait([f"manifest/{version}"], min(1.0, left))[0]))
+                    return self._adopt(self._parse(self.channel.wait([f"manifest/{version}"], min(1.0, left))[0]))
             except ChannelError as e:  # its host is gone: the MetaServer has the manifest too
                 log.info("%s:%d: version channel gone (%s); asking the MetaServer", self.instance, self.local_rank, e)
                 self.channel = None
@@ -247,11 +252,27 @@ class SyncSession:
             except TimeoutError:  # BoardTimeout, ChannelTimeout: a writer with another channel, or none yet?
                 key = manifest_key(version)
                 if key in self.client.keys(key):
-                    return self._adopt(SyncManifest.from_json(self.client.get(key, timeout=1.0)))
+                    return self._adopt(self._parse(self.client.get(key, timeout=1.0)))
                 if time.monotonic() >= deadline:
                     raise
                 continue
-            return self._adopt(SyncManifest.from_json(self.client.get(manifest_key(version), timeout=left)))
+            return self._adopt(self._parse(self.client.get(manifest_key(version), timeout=left)))
+
+    def _parse(self, doc: Any) -> SyncManifest:
+        """``SyncManifest.from_json``, except that a manifest differing from the last one parsed only in its version
+        and count (a steady writer's) reuses that one's checked fields."""
+        if isinstance(doc, dict):
+            same = dict(doc, version=None, seq=None)
+            last = self._parsed
+            if last is not None and "version" in doc and same == last[0]:
+                try:
+                    return last[1].renamed(str(doc["version"]), _count(doc.get("seq", 0)))
+                except ValueError as e:
+                    raise ValueError(f"malformed sync manifest: {e}") from None
+            manifest = SyncManifest.from_json(doc)
+            self._parsed = (same, manifest)
+            return manifest
+        return SyncManifest.from_json(doc)
 
     def _adopt(self, manifest: SyncManifest) -> SyncManifest:
         """Join the manifest's version channel and host board if this rank does not use them yet."""
@@ -435,10 +456,9 @@ class SyncSession:
         with phase("transfer"):
             return executor.run(timeout=left, before_pack=before_pack)
 
-    def ipc_ready(self, manifest: SyncManifest, shards: LocalShards) -> None:
+    def _ipc_ready(self, manifest: SyncManifest, shards: LocalShards) -> None:
         """A trainer rank over CUDA IPC: this version's weights are in memory; export them where they moved, and
-        signal the receivers. ``WeightsWriter.write`` calls it ahead, before the manifest goes out, where the plan
-        is steady (the receivers then find the signal with the manifest)."""
+        signal the receivers."""
         import torch
 
         from awex.transport.ipc import export_shards
@@ -446,7 +466,9 @@ class SyncSession:
         plan = self._plan
         me = plan.rank(self.instance, self.local_rank)
         phase = self.phases
-        torch.cuda.current_stream(shards.device).synchronize()  # this version's weights are in memory
+        stream = torch.cuda.current_stream(shards.device)
+        if not stream.query():  # idle (the usual case, after an optimizer step): no synchronize's wake-up to wait for
+            stream.synchronize()  # this version's weights are in memory
         ipc = self._ipc
         # the same views as last time alias the same storages: only other views need checking
         if ipc.export is None or (ipc.exported_from is not shards and not ipc.export.matches(shards)):
@@ -465,7 +487,6 @@ class SyncSession:
                 self.channel.put(ready, ipc.generation)
             else:
                 self.client.put(ready, ipc.generation)
-        ipc.ready_seq = manifest.seq
 
     def _transfer_ipc(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
                       deadline: float) -> TransferStats:
@@ -481,8 +502,7 @@ class SyncSession:
         phase = self.phases
         if me.role.value == "trainer":
             ipc = self._ipc
-            if ipc.ready_seq != manifest.seq or not manifest.seq:  # not signalled ahead (WeightsWriter.write)
-                self.ipc_ready(manifest, shards)
+            self._ipc_ready(manifest, shards)
             if ipc.bytes_sent is None or ipc.plan is not plan:
                 ipc.bytes_sent, ipc.plan = sum(s.bucket.nbytes for s in plan.schedule(rank)), plan
             stats.bytes_sent = ipc.bytes_sent
@@ -495,17 +515,18 @@ class SyncSession:
                 if ipc.peers is None or ipc.plan is not plan:
                     ipc.peers = sorted({s.peer for s in plan.schedule(rank)})
                 peers = ipc.peers
-                ready = [f"ipc-ready/{manifest.version}/{plan.ranks[p].instance}/{plan.ranks[p].local_rank}"
-                         for p in peers]
+
+                def ready(peer: int) -> str:
+                    return f"ipc-ready/{manifest.version}/{plan.ranks[peer].instance}/{plan.ranks[peer].local_rank}"
                 if self.signals == "board":
                     generations = self.board.wait(peers, manifest.seq, left())
                 elif self.signals == "channel":
-                    generations = self.channel.wait(ready, left())
+                    generations = self.channel.wait([ready(p) for p in peers], left())
                 else:
-                    generations = [self.client.get(key, timeout=left()) for key in ready]
+                    generations = [self.client.get(ready(p), timeout=left()) for p in peers]
                 for peer, generation in zip(peers, generations):
                     if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
-                        raise ValueError(f"{ready[peers.index(peer)]}: {generation!r} is not an export generation")
+                        raise ValueError(f"{ready(peer)}: {generation!r} is not an export generation")
                     src = plan.ranks[peer]
                     key = (src.instance, src.local_rank)
                     if key not in opened or opened[key][0] != generation:
@@ -525,7 +546,7 @@ class SyncSession:
                 phase["transfer"] -= captured
                 ipc.executor.capture_seconds = 0.0
         with phase("done"):  # the trainers may change their weights only once every receiver has read them
-            receivers = [r for r in plan.ranks if r.role.value != "trainer"]
+            receivers = [r for r in plan.ranks if r.role.value != "trainer"] if me.role.value == "trainer" else []
             if self.signals == "meta":
                 self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size,
                                   "done", timeout=left())

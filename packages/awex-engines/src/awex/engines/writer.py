@@ -12,13 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import replace
 from functools import partial
 from typing import Callable, Sequence
 
 import torch
 
-from awex.meta import Box, Layout
+from awex.meta import Box, Layout, Plan
 from awex.meta.client import MetaClient
 from awex.meta.errors import MetaServerError
 from awex.transport import LocalShards
@@ -141,33 +140,28 @@ class WeightsWriter:
         """Send weight version ``version`` to the named inference instances; returns this rank's stats."""
         started = time.monotonic()
         later: list[tuple[str, Callable[[], object]]] = []  # requests sent after the transfer (off its path)
-        refresh = self.refresh
         if self.local_rank == 0:
-            manifest, refresh = self._announce(version, destinations, later)
+            manifest = self._announce(version, destinations, later)
         else:
             manifest = self._session.fetch_manifest(version, self.timeout)
         announced = time.monotonic()
         stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
-                                       refresh=refresh, refresh_by_wave=self.refresh_by_wave)
+                                       refresh=self.refresh, refresh_by_wave=self.refresh_by_wave)
         self._session.phases.update(manifest=announced - started, total=time.monotonic() - started)
         self.last_stats = stats
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_sent, stats.seconds)
         if self.local_rank == 0:
-            plan = self._session._plan
-            ranks = [(r.instance, r.local_rank) for r in plan.ranks] if plan is not None else []
             later.append((f"dropping the records of versions before {version}",
-                          partial(self._forget_old, version, ranks)))
+                          partial(self._forget_old, version, self._session._plan)))
         if later:  # one hand-over: one wake-up of the background thread
             self._background.submit(f"after {version}", self._background.run_each, later)
         return stats
 
-    def _announce(self, version: str, destinations: Sequence[str], later: list
-                  ) -> tuple[SyncManifest, Callable[[], None] | None]:
-        """Rank 0: publish version ``version``'s manifest (host board, version channel, MetaServer) and, in a steady
-        CUDA IPC sync, this rank's "ready" with it. Returns the manifest and the ``refresh`` the transfer still
-        has to run (``None`` once run here); appends what can wait until after the transfer to ``later``."""
-        refresh = self.refresh
+    def _announce(self, version: str, destinations: Sequence[str], later: list) -> SyncManifest:
+        """Rank 0: publish version ``version``'s manifest (host board, version channel, MetaServer); appends what
+        can wait until after the transfer to ``later``. On the host board the manifest goes out first: receivers
+        read it and check their plan while this rank makes sure its weights are in memory and signals "ready"."""
         if self._port is None:
             self._port = free_port(self.host)
         if self._channel is None:
@@ -181,25 +175,19 @@ class WeightsWriter:
         steady = (last is not None and last.destinations == tuple(sorted(destinations))
                   and self._session.steady_for(last))  # every rank of this plan already saw a manifest of ours
         if steady:
-            manifest = replace(last, version=version, seq=self._seq)
             doc = dict(self._manifest_doc, version=version, seq=self._seq)
         else:
-            manifest = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
-                                    self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
-                                    refresh_by_wave=self.refresh_by_wave is not None,
-                                    channel=self._channel.address, channel_secret=self._channel.secret,
-                                    seq=self._seq, board=self._board.path if self._board else None,
-                                    board_host=host_identity() if self._board else None)
-            doc = manifest.to_json()
-        self._manifest, self._manifest_doc = manifest, doc
-        if steady and self._session.transport == "ipc" and self._session.signals == "board":
-            # the receivers find this rank's "ready" on the board with the manifest: one wake-up less
-            if refresh is not None:
-                refresh()
-                refresh = None
-            self._session.ipc_ready(manifest, self._shards)
+            last = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
+                                self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
+                                refresh_by_wave=self.refresh_by_wave is not None,
+                                channel=self._channel.address, channel_secret=self._channel.secret,
+                                seq=self._seq, board=self._board.path if self._board else None,
+                                board_host=host_identity() if self._board else None)
+            doc = last.to_json()
         if self._board is not None:  # ranks on this host read it here, the others on the channel
             self._board.post(doc)
+        manifest = last.renamed(version, self._seq)
+        self._manifest, self._manifest_doc = manifest, doc
         if not steady or self._session.signals != "board":  # not every rank maps the board
             self._channel.put(f"manifest/{version}", doc)
         if steady:  # the MetaServer's copy is for observers and late joiners
@@ -208,7 +196,7 @@ class WeightsWriter:
             self.client.put(manifest_key(version), doc)
         later.append((f"event weights_ready {version}", partial(self.client.publish_event, "weights_ready",
                                                                   self.layout.instance, version=version)))
-        return manifest, refresh
+        return manifest
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the requests a write leaves for afterwards (the MetaServer's copy of the manifest, events,
@@ -224,13 +212,14 @@ class WeightsWriter:
         """Seconds of each phase of this rank's last write (plan, agreement, group, export, transfer, ...)."""
         return dict(self._session.phases)
 
-    def _forget_old(self, version: str, ranks: Sequence[tuple[str, int]] = ()) -> None:
+    def _forget_old(self, version: str, plan: Plan | None = None) -> None:
         """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes
         thousands; the server's key store is bounded). This version's bytes reached every receiver (p2p) or every
         receiver said it is done (ipc), and a receiver finishes a version, validation report included, before it
         receives the next: the older versions' records are final and nobody waits on them (assuming, as training
         does, that this instance's ranks write versions in step, never ``keep_versions`` apart)."""
         self._written.append(version)
+        ranks = [(r.instance, r.local_rank) for r in plan.ranks] if plan is not None else []
         while len(self._written) > self.keep_versions:
             old = self._written.popleft()
             self._forget_signals(old, ranks)
