@@ -29,6 +29,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--token", default=None, help="require this bearer token (prefer --token-env)")
     p_serve.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
     p_serve.add_argument("--max-payload-mb", type=float, default=64.0, help="largest accepted body (default 64)")
+    p_serve.add_argument("--max-job-mb", type=float, default=1024.0,
+                         help="most one job may hold: keys, events, registrations (default 1024)")
+    p_serve.add_argument("--max-total-mb", type=float, default=4096.0, help="most all jobs may hold (default 4096)")
+    p_serve.add_argument("--max-connections", type=int, default=4096, help="open connections (default 4096)")
+    p_serve.add_argument("--allow-no-token", action="store_true",
+                         help="serve on an address beyond loopback without a token (anyone who reaches the port "
+                              "can read and change every job)")
 
     p_status = sub.add_parser("status", help="show who registered, their weight versions and recent events")
     p_status.add_argument("address", help="http://host:port of the MetaServer")
@@ -74,11 +81,37 @@ def _serve(args: argparse.Namespace) -> int:
         token = os.environ.get(args.token_env)
         if not token:
             raise ValueError(f"--token-env {args.token_env}: the variable is empty or unset")
-    config = ServerConfig(token=token, max_payload_bytes=int(args.max_payload_mb * (1 << 20)))
-    print(f"awex-meta: serving on http://{args.host}:{args.port} (token {'required' if token else 'off'})",
-          flush=True)
-    serve_forever(args.host, args.port, config)
+    if not token and not _loopback(args.host):
+        if not args.allow_no_token:
+            raise ValueError(f"--host {args.host} without a token lets anyone who reaches the port read and change "
+                             "every job: pass --token-env VAR (or --allow-no-token on a trusted network)")
+        logging.getLogger("awex.meta.server").warning("serving on %s without a token (--allow-no-token)", args.host)
+    mb = 1 << 20
+    config = ServerConfig(token=token, max_payload_bytes=int(args.max_payload_mb * mb),
+                          max_job_bytes=int(args.max_job_mb * mb), max_total_bytes=int(args.max_total_mb * mb),
+                          max_connections=args.max_connections)
+
+    def started(port: int) -> None:
+        print(f"awex-meta: serving on http://{args.host}:{port} (token {'required' if token else 'off'})", flush=True)
+
+    try:
+        serve_forever(args.host, args.port, config, started=started)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    except KeyboardInterrupt:
+        pass
     return 0
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -28,15 +29,18 @@ from awex.meta.errors import (
     MetaConflictError,
     MetaConnectionError,
     MetaPayloadError,
+    MetaRestartError,
     MetaServerError,
     MetaTimeoutError,
 )
 from awex.meta.layout import Layout
+from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
 from awex.meta.serialize import layout_from_wire, layout_to_wire
 
 log = logging.getLogger("awex.meta.client")
 
 DEFAULT_TIMEOUT = 60.0
+SLACK = 1.0  # seconds a call may take beyond its deadline (the server's answer on its way)
 _POLL_SLICE = 30.0  # longest single long-poll; the server caps it too
 
 
@@ -56,15 +60,22 @@ class MetaClient:
         self.token = token
         self.timeout = timeout
         self._local = threading.local()  # this thread's open connection
+        self._lock = threading.Lock()
+        self._epoch: str | None = None  # the server's epoch as last seen
+        self._owned: dict[str, tuple[str, str, bytes | None]] = {}  # published again after a server restart
+        self.restarts = 0  # server restarts this client noticed
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        del state["_local"]  # connections stay in their process
+        for name in ("_local", "_lock", "_owned"):  # connections stay in their process, and what it published
+            del state[name]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._owned = {}
 
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""
@@ -74,8 +85,11 @@ class MetaClient:
             conn.close()
 
     # -- transport -------------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: Any = None, *, timeout: float, raw: bytes | None = None,
-                 query: dict[str, Any] | None = None) -> tuple[int, Any]:
+    def _request(self, method: str, path: str, body: Any = None, *, deadline: float, raw: bytes | None = None,
+                 query: dict[str, Any] | None = None, own: str | None = None) -> tuple[int, Any]:
+        """One request, answered by ``deadline`` (``time.monotonic()``) plus ``SLACK`` seconds at the latest.
+        A server that cannot be reached is tried again until then; a write whose reply was lost is sent again
+        with the same request id, which the server answers without applying it twice."""
         if query:
             path += "?" + urllib.parse.urlencode(query)
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
@@ -84,34 +98,44 @@ class MetaClient:
             headers["Content-Type"] = "application/json"
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        deadline = time.monotonic() + timeout
+        if method != "GET" and "/agree/" not in path:  # agreements are idempotent by participant
+            headers[REQUEST_ID_HEADER] = secrets.token_hex(12)
         delay = 0.05
         while True:
             conn = getattr(self._local, "conn", None)
             reused = conn is not None
+            budget = max(0.05, deadline - time.monotonic()) + SLACK
             if conn is None:
-                conn = http.client.HTTPConnection(self._host, self._port, timeout=max(1.0, timeout + 5.0))
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=budget)
             keep = False
             try:
                 if conn.sock is not None:
-                    conn.sock.settimeout(max(1.0, timeout + 5.0))
+                    conn.sock.settimeout(budget)
                 conn.request(method, path, body=data, headers=headers)
                 resp = conn.getresponse()
                 payload = resp.read()
                 status = resp.status
+                epoch = resp.getheader(EPOCH_HEADER)
                 keep = not resp.will_close
                 break
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) if reused else () as e:
-                # the server closed this kept-alive connection while it was idle: nothing was processed
-                log.debug("MetaServer connection closed while idle (%s); reconnecting", e)
+                # the server closed this kept-alive connection while it was idle (or the reply was lost: a
+                # write goes again with its request id)
+                log.debug("MetaServer connection closed (%s); reconnecting", e)
                 continue
-            except (ConnectionRefusedError, socket.gaierror, ConnectionResetError, http.client.RemoteDisconnected) as e:
+            except (ConnectionRefusedError, socket.gaierror, ConnectionResetError, BrokenPipeError,
+                    http.client.RemoteDisconnected) as e:
                 if time.monotonic() + delay > deadline:
                     raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
-            except socket.timeout:
+            except (socket.timeout, TimeoutError):
                 raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
+            except OSError as e:  # unreachable network and the like: the caller's deadline decides
+                if time.monotonic() + delay > deadline:
+                    raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
             finally:
                 if keep:
                     self._local.conn = conn
@@ -122,6 +146,8 @@ class MetaClient:
             doc = json.loads(payload) if payload else None
         except ValueError:
             raise MetaServerError(f"MetaServer answered {method} {path} with non-JSON ({status})") from None
+        if epoch:
+            self._saw_epoch(epoch)
         if status == 401:
             raise MetaAuthError(f"MetaServer at {self.address} rejected the token: {_message(doc)}")
         if status in (400, 413):
@@ -130,40 +156,71 @@ class MetaClient:
             raise MetaConflictError(_message(doc))
         if status >= 500:
             raise MetaServerError(f"MetaServer error on {method} {path}: {status} {_message(doc)}")
+        if own is not None and status < 300:  # published again if the server restarts
+            with self._lock:
+                self._owned[own] = (method, path.split("?", 1)[0], data)
         return status, doc
+
+    def _saw_epoch(self, epoch: str) -> None:
+        """Note the server's epoch; on a new one (a restart), publish again what this client owns."""
+        with self._lock:
+            if self._epoch == epoch:
+                return
+            restarted = self._epoch is not None
+            self._epoch = epoch
+            self.restarts += restarted
+            owned = list(self._owned.values()) if restarted else []
+        if restarted:
+            log.warning("MetaServer at %s restarted (epoch %s): publishing again %d registrations and keys this "
+                        "client owns", self.address, epoch, len(owned))
+            for method, path, data in owned:
+                try:
+                    self._request(method, path, raw=data, deadline=time.monotonic() + self.timeout)
+                except MetaServerError as e:
+                    log.warning("could not publish %s again after the MetaServer restarted: %s", path, e)
+
+    @property
+    def epoch(self) -> str | None:
+        """The server's epoch as last seen (``None`` before the first answer); it changes when the server restarts."""
+        return self._epoch
 
     def _job_path(self, *parts: str) -> str:
         return "/v1/jobs/" + urllib.parse.quote(self.job, safe="") + "/" + "/".join(
             urllib.parse.quote(p, safe="/") for p in parts
         )
 
+    def _by(self, timeout: float | None = None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
     # -- service ---------------------------------------------------------------------------------------
     def health(self, timeout: float = 10.0) -> dict[str, Any]:
-        return self._request("GET", "/v1/health", timeout=timeout)[1]
+        return self._request("GET", "/v1/health", deadline=self._by(timeout))[1]
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
         """Every job's participants, their weight versions and recent events."""
-        return self._request("GET", "/v1/status", timeout=timeout)[1]
+        return self._request("GET", "/v1/status", deadline=self._by(timeout))[1]
 
     # -- key-value -------------------------------------------------------------------------------------
-    def put(self, key: str, value: Any, *, create_only: bool = False) -> None:
-        """Store a JSON value under ``key`` (``create_only``: fail with MetaConflictError if it exists)."""
+    def put(self, key: str, value: Any, *, create_only: bool = False, keep: bool = False) -> None:
+        """Store a JSON value under ``key`` (``create_only``: fail with MetaConflictError if it exists; ``keep``:
+        this client publishes it again if the server restarts, until it deletes it)."""
         query = {"create": "1"} if create_only else None
-        self._request("PUT", self._job_path("kv", key), value, timeout=self.timeout, query=query)
+        path = self._job_path("kv", key)
+        self._request("PUT", path, value, deadline=self._by(), query=query, own=path if keep else None)
 
     def try_get(self, key: str) -> Any | None:
         """The value under ``key``, or ``None`` if absent (no waiting)."""
-        status, doc = self._request("GET", self._job_path("kv", key), timeout=self.timeout)
+        status, doc = self._request("GET", self._job_path("kv", key), deadline=self._by())
         return None if status == 404 else doc
 
     def get(self, key: str, timeout: float | None = None) -> Any:
-        """The value under ``key``, waiting for it up to ``timeout`` seconds (long-poll)."""
+        """The value under ``key``, waiting for it up to ``timeout`` seconds (long-poll); raises within the
+        timeout plus ``SLACK`` seconds."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            wait = max(0.0, min(left, _POLL_SLICE))
-            status, doc = self._request("GET", self._job_path("kv", key), timeout=wait + 10.0,
+            wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
+            status, doc = self._request("GET", self._job_path("kv", key), deadline=deadline,
                                         query={"wait": f"{wait:.3f}"})
             if status != 404:
                 return doc
@@ -171,50 +228,71 @@ class MetaClient:
                 raise MetaTimeoutError(f"key {key!r} of job {self.job!r} did not appear within {timeout:g} s")
 
     def delete(self, key: str) -> bool:
-        return bool(self._request("DELETE", self._job_path("kv", key), timeout=self.timeout)[1]["deleted"])
+        path = self._job_path("kv", key)
+        with self._lock:
+            self._owned.pop(path, None)
+        return bool(self._request("DELETE", path, deadline=self._by())[1]["deleted"])
 
     def forget(self, names: Sequence[str] = (), prefixes: Sequence[str] = ()) -> dict[str, int]:
         """Drop keys and agreements named exactly ``names`` or starting with one of ``prefixes``; returns how
         many of each went (``{"keys": n, "agreements": m}``). Writers call it for finished versions."""
         doc = self._request("POST", self._job_path("forget"), {"names": list(names), "prefixes": list(prefixes)},
-                            timeout=self.timeout)[1]
+                            deadline=self._by())[1]
         return {"keys": int(doc["keys"]), "agreements": int(doc["agreements"])}
 
     def keys(self, prefix: str = "") -> list[str]:
-        return self._request("GET", self._job_path("keys"), timeout=self.timeout, query={"prefix": prefix})[1]["keys"]
+        return self._request("GET", self._job_path("keys"), deadline=self._by(), query={"prefix": prefix})[1]["keys"]
 
     # -- participants, versions, events ----------------------------------------------------------------
     def register(self, name: str, *, role: str, instance: str, world_size: int = 1, host: str = "",
                  info: dict[str, Any] | None = None) -> None:
-        """Announce a participant (an engine instance or one of its ranks) to the job."""
+        """Announce a participant (an engine instance or one of its ranks) to the job; announced again if the
+        server restarts."""
         body = {"name": name, "role": role, "instance": instance, "world_size": world_size, "info": info or {}}
         if host:
             body["host"] = host
-        self._request("POST", self._job_path("participants"), body, timeout=self.timeout)
+        self._request("POST", self._job_path("participants"), body, deadline=self._by(),
+                      own=f"participant:{name}")
 
     def report_version(self, name: str, version: str | None) -> None:
-        """Record the weight version participant ``name`` now serves (``None``: no complete version)."""
-        self._request("POST", self._job_path("participants", name, "version"), {"version": version},
-                      timeout=self.timeout)
+        """Record the weight version participant ``name`` now serves (``None``: no complete version). Raises
+        :class:`MetaServerError` when ``name`` is not registered (after a server restart, this client
+        registers its participants again and reports once more)."""
+        path = self._job_path("participants", name, "version")
+        for _ in range(2):
+            restarts = self.restarts
+            status, doc = self._request("POST", path, {"version": version}, deadline=self._by())
+            if status != 404:
+                return
+            if self.restarts == restarts:
+                break
+        raise MetaServerError(f"cannot report version {version!r}: {_message(doc)}")
 
     def publish_event(self, kind: str, source: str, version: str | None = None, data: Any = None) -> int:
         """Publish an event; returns its sequence number."""
         body = {"kind": kind, "source": source, "version": version, "data": data}
-        return int(self._request("POST", self._job_path("events"), body, timeout=self.timeout)[1]["seq"])
+        return int(self._request("POST", self._job_path("events"), body, deadline=self._by())[1]["seq"])
 
     def events(self, after: int = 0, kind: str | None = None, timeout: float = 0.0) -> list[dict[str, Any]]:
-        """Events with sequence number > ``after``; waits up to ``timeout`` seconds for at least one."""
+        """Events with sequence number > ``after``; waits up to ``timeout`` seconds for at least one. Raises
+        :class:`MetaRestartError` if the server restarted since this client last saw it (event numbers began
+        again: events after ``after`` may have been lost)."""
         deadline = time.monotonic() + timeout
+        epoch = self._epoch
         while True:
             wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
             query: dict[str, Any] = {"after": after, "wait": f"{wait:.3f}"}
             if kind:
                 query["kind"] = kind
-            found = self._request("GET", self._job_path("events"), timeout=wait + 10.0, query=query)[1]["events"]
+            found = self._request("GET", self._job_path("events"), deadline=deadline, query=query)[1]["events"]
+            if epoch is not None and self._epoch != epoch:
+                raise MetaRestartError(f"the MetaServer at {self.address} restarted: its events begin again at 1, "
+                                       f"events after {after} may be lost")
             if found or time.monotonic() >= deadline:
                 return found
 
-    def wait_event(self, kind: str, after: int = 0, timeout: float | None = None, version: str | None = None) -> dict[str, Any]:
+    def wait_event(self, kind: str, after: int = 0, timeout: float | None = None,
+                   version: str | None = None) -> dict[str, Any]:
         """The first event of ``kind`` (and ``version``, if given) after ``after``; MetaTimeoutError if none."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -225,7 +303,8 @@ class MetaClient:
                 if version is None or e.get("version") == version:
                     return e
             if time.monotonic() >= deadline:
-                raise MetaTimeoutError(f"no {kind!r} event (version {version!r}) in job {self.job!r} within {timeout:g} s")
+                raise MetaTimeoutError(f"no {kind!r} event (version {version!r}) in job {self.job!r} "
+                                       f"within {timeout:g} s")
 
     def agree(self, name: str, participant: str, expected: int, value: Any, timeout: float | None = None) -> Any:
         """Contribute ``value`` and wait until ``expected`` participants did; raise unless all values are equal.
@@ -237,12 +316,13 @@ class MetaClient:
         body = {"participant": participant, "expected": expected, "value": value}
         while True:
             wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
-            doc = self._request("POST", self._job_path("agree", name), body, timeout=wait + 10.0,
+            doc = self._request("POST", self._job_path("agree", name), body, deadline=deadline,
                                 query={"wait": f"{wait:.3f}"})[1]
             if doc["complete"]:
                 values = doc["distinct_values"]
                 if len(values) != 1:
-                    raise AgreementError(f"participants of {name!r} disagree: {len(values)} distinct values {values[:4]}")
+                    raise AgreementError(f"participants of {name!r} disagree: {len(values)} distinct values "
+                                         f"{values[:4]}")
                 return values[0]
             if time.monotonic() >= deadline:
                 raise MetaTimeoutError(
@@ -251,8 +331,8 @@ class MetaClient:
 
     # -- metadata helpers ------------------------------------------------------------------------------
     def publish_layout(self, layout: Layout, version: str = "current") -> None:
-        """Publish an engine instance's layout for weight version ``version``."""
-        self.put(f"layouts/{version}/{layout.instance}", layout_to_wire(layout))
+        """Publish an engine instance's layout for weight version ``version`` (again if the server restarts)."""
+        self.put(f"layouts/{version}/{layout.instance}", layout_to_wire(layout), keep=True)
 
     def fetch_layout(self, instance: str, version: str = "current", timeout: float | None = None) -> Layout:
         """Fetch (waiting for) the layout an instance published; validated, never evaluated."""

@@ -29,3 +29,8 @@ class MetaConnectionError(MetaServerError, ConnectionError):
 
 class AgreementError(MetaServerError):
     """Participants of an agreement reported different values (e.g. ranks computed different plans)."""
+
+
+class MetaRestartError(MetaServerError):
+    """The MetaServer restarted while this client waited on it: its state (event numbers included) began again,
+    so what was awaited may never come; the caller decides whether to wait again from the start."""

@@ -8,39 +8,51 @@ its own deadline has passed).
 =======================================================  ==================================================
 route                                                    what it does
 =======================================================  ==================================================
-``GET /v1/health``                                       liveness, server version
+``GET /v1/health``                                       liveness, server version, epoch
 ``GET /v1/status``                                       every job: participants, versions, recent events
 ``PUT /v1/jobs/{job}/kv/{key}[?create=1]``               store a JSON value (``create=1``: 409 if present)
 ``GET /v1/jobs/{job}/kv/{key}[?wait=S]``                 fetch a value, waiting up to S seconds
 ``DELETE /v1/jobs/{job}/kv/{key}``                       delete a value
 ``GET /v1/jobs/{job}/keys[?prefix=P]``                   list keys
+``POST /v1/jobs/{job}/forget``                           drop keys and agreements by name or prefix
 ``POST /v1/jobs/{job}/participants``                     register a participant (name, role, instance...)
 ``POST /v1/jobs/{job}/participants/{name}/version``      report the weight version a participant serves
 ``POST /v1/jobs/{job}/events``                           publish an event (kind, source, version, data)
 ``GET /v1/jobs/{job}/events?after=N[&wait=S][&kind=K]``  events after sequence number N
 ``POST /v1/jobs/{job}/agree/{name}``                     contribute a value; wait until all arrived
 =======================================================  ==================================================
+
+Every answer carries ``X-Awex-Epoch``, a random name of this server process: a client that sees it change
+knows the server restarted (its state, event numbers included, is gone). A write carrying
+``X-Awex-Request-Id`` is answered once: a retry with the same id (the reply was lost) gets the first answer
+again instead of being applied twice. Limits (bytes per job and in all, keys, events, agreements, participants,
+JSON nesting, body-read time) answer 4xx with a message naming the limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import re
+import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from awex.meta.server.state import Agreement, JobState, Participant
+from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
+from awex.meta.server.state import Agreement, JobState, Participant, Topics
 
 log = logging.getLogger("awex.meta.server")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 _KEY = re.compile(r"^[A-Za-z0-9_.:@/-]{1,512}$")
 SERVER_VERSION = "1"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
 
 
 @dataclass(frozen=True)
@@ -48,76 +60,142 @@ class ServerConfig:
     """Limits and security settings of a MetaServer."""
 
     token: str | None = None
-    max_payload_bytes: int = 64 << 20
+    max_payload_bytes: int = 64 << 20  # one request body
     max_wait_seconds: float = 60.0
     max_keys_per_job: int = 100_000
     max_jobs: int = 1_000
     max_events_per_job: int = 10_000
     recent_events: int = 20
+    max_job_bytes: int = 1 << 30  # keys, events, participants and agreement values of one job
+    max_total_bytes: int = 4 << 30  # the same over every job
+    max_small_bytes: int = 64 << 10  # one event's data, one agreement value, one participant's info
+    max_agreements_per_job: int = 100_000
+    max_participants_per_job: int = 100_000
+    max_agreement_size: int = 1 << 20  # participants one agreement may expect
+    max_depth: int = 64  # JSON nesting
+    max_connections: int = 4096
+    body_seconds: float = 30.0  # to read one request body
+    idle_seconds: float = 120.0  # a connection with no request in flight is closed after this long
+    remembered_replies: int = 8192  # answers kept for retried writes (by request id)
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": code, "message": message}, status=status)
 
 
-def make_app(config: ServerConfig | None = None) -> web.Application:
-    """Build the aiohttp application (used by the embedded and the standalone server, and by tests)."""
-    config = config or ServerConfig()
-    jobs: dict[str, JobState] = {}
+class _BadRequest(ValueError):
+    status = 400
+    code = "bad_request"
 
-    @web.middleware
-    async def auth_and_errors(request: web.Request, handler):
-        if config.token and request.path != "/v1/health":
-            header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else ""
-            if not hmac.compare_digest(given.encode(), config.token.encode()):
-                return _error(401, "unauthorized", "missing or wrong token (Authorization: Bearer <token>)")
-        try:
-            return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, "too_large", f"payload exceeds {config.max_payload_bytes} bytes")
-        except web.HTTPException:
-            raise
-        except _BadRequest as e:
-            return _error(400, "bad_request", str(e))
 
-    app = web.Application(client_max_size=config.max_payload_bytes, middlewares=[auth_and_errors])
+class _TooLarge(_BadRequest):
+    status = 413
+    code = "too_large"
 
-    def job_of(request: web.Request, create: bool = True) -> JobState:
+
+def json_depth(doc: Any) -> int:
+    """How deeply ``doc`` nests (a scalar is 0), without recursion."""
+    deepest = 0
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+class MetaServerApp:
+    """The MetaServer's state and its route handlers (``make_app`` wires them into an aiohttp application)."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.epoch = secrets.token_hex(8)
+        self.jobs: dict[str, JobState] = {}
+        self.job_topics = Topics()  # "job:<name>" fires when that job is created
+        self.replies: OrderedDict[tuple[str, str], tuple[int, bytes]] = OrderedDict()
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def total_bytes(self) -> int:
+        return sum(j.held_bytes() for j in self.jobs.values())
+
+    def job_of(self, request: web.Request, create: bool = True) -> JobState | None:
+        """The request's job; created on writes, ``None`` for reads of a job that does not exist."""
         name = request.match_info["job"]
         if not _NAME.match(name):
             raise _BadRequest(f"bad job name {name!r} (letters, digits, _.:@- ; at most 128)")
-        job = jobs.get(name)
-        if job is None:
-            if not create:
-                raise _BadRequest(f"unknown job {name!r}")
-            if len(jobs) >= config.max_jobs:
-                raise _BadRequest(f"too many jobs (limit {config.max_jobs})")
-            job = jobs[name] = JobState(name, config.max_events_per_job, config.max_keys_per_job)
+        job = self.jobs.get(name)
+        if job is None and create:
+            if len(self.jobs) >= self.config.max_jobs:
+                raise _BadRequest(f"too many jobs (limit {self.config.max_jobs})")
+            job = self.jobs[name] = JobState(name, self.config.max_events_per_job, self.config.max_keys_per_job)
+            self.job_topics.fire(f"job:{name}")
         return job
 
-    def key_of(request: web.Request) -> str:
-        key = request.match_info["key"]
+    async def job_waiting(self, request: web.Request, wait: float) -> tuple[JobState | None, float]:
+        """The request's job, waiting up to ``wait`` seconds for it to be created; the wait left."""
+        job = self.job_of(request, create=False)
+        if job is None and wait > 0:
+            name = request.match_info["job"]
+            started = time.monotonic()
+            await self.job_topics.wait_until(f"job:{name}", lambda: name in self.jobs, wait)
+            job = self.jobs.get(name)
+            wait = max(0.0, wait - (time.monotonic() - started))
+        return job, wait
+
+    @staticmethod
+    def key_of(request: web.Request, name: str = "key") -> str:
+        key = request.match_info[name]
         if not _KEY.match(key) or ".." in key.split("/"):
             raise _BadRequest(f"bad key {key!r} (letters, digits, _.:@/- ; at most 512)")
         return key
 
-    def wait_of(request: web.Request) -> float:
+    def wait_of(self, request: web.Request) -> float:
         try:
             wait = float(request.query.get("wait", "0"))
         except ValueError:
             raise _BadRequest("wait must be a number of seconds") from None
         if wait != wait or wait < 0:
             raise _BadRequest("wait must be a non-negative number of seconds")
-        return min(wait, config.max_wait_seconds)
+        return min(wait, self.config.max_wait_seconds)
 
-    async def body_json(request: web.Request) -> tuple[bytes, Any]:
-        raw = await request.read()
+    async def body_json(self, request: web.Request) -> tuple[bytes, Any]:
         try:
-            return raw, json.loads(raw)
+            raw = await asyncio.wait_for(request.read(), self.config.body_seconds)
+        except asyncio.TimeoutError:
+            raise _BadRequest(f"the body did not arrive within {self.config.body_seconds:g} s") from None
+        try:
+            doc = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise _BadRequest(f"body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise _BadRequest(f"body nests deeper than {self.config.max_depth} levels") from None
+        if json_depth(doc) > self.config.max_depth:
+            raise _BadRequest(f"body nests deeper than {self.config.max_depth} levels")
+        return raw, doc
 
+    def charge(self, job: JobState, grow: int) -> None:
+        """Refuse a write that would take ``job`` or the server beyond their byte limits."""
+        if grow <= 0:
+            return
+        if job.held_bytes() + grow > self.config.max_job_bytes:
+            raise _TooLarge(f"job {job.name!r} would hold more than {self.config.max_job_bytes} bytes "
+                            "(forget finished versions' records, or raise --max-job-mb)")
+        if self.total_bytes() + grow > self.config.max_total_bytes:
+            raise _TooLarge(f"the server would hold more than {self.config.max_total_bytes} bytes in all")
+
+    def small(self, value: Any, what: str) -> int:
+        size = len(json.dumps(value))
+        if size > self.config.max_small_bytes:
+            raise _TooLarge(f"{what} is {size} bytes (limit {self.config.max_small_bytes})")
+        return size
+
+    @staticmethod
     def fields(doc: Any, spec: dict[str, type | tuple[type, ...]], optional: tuple[str, ...] = ()) -> dict[str, Any]:
         if not isinstance(doc, dict):
             raise _BadRequest("body must be a JSON object")
@@ -133,56 +211,98 @@ def make_app(config: ServerConfig | None = None) -> web.Application:
             out[name] = value
         return out
 
-    # -- routes ----------------------------------------------------------------------------------------
-    async def health(request: web.Request) -> web.Response:
+    # -- middleware ----------------------------------------------------------------------------------------
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        response = await self._answer(request, handler)
+        response.headers[EPOCH_HEADER] = self.epoch
+        return response
+
+    async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
+        config = self.config
+        if config.token and request.path != "/v1/health":
+            header = request.headers.get("Authorization", "")
+            given = header[7:] if header.startswith("Bearer ") else ""
+            if not hmac.compare_digest(given.encode(), config.token.encode()):
+                return _error(401, "unauthorized", "missing or wrong token (Authorization: Bearer <token>)")
+        rid = request.headers.get(REQUEST_ID_HEADER)
+        remembered = None
+        if rid is not None and request.method in ("PUT", "POST", "DELETE") and "/agree/" not in request.path:
+            if not _REQUEST_ID.match(rid):
+                return _error(400, "bad_request", f"bad {REQUEST_ID_HEADER} (8 to 64 letters, digits, _ or -)")
+            remembered = (request.path, rid)
+            if remembered in self.replies:  # a retry of a write already done: the same answer, nothing applied
+                status, body = self.replies[remembered]
+                return web.Response(status=status, body=body, content_type="application/json")
+        try:
+            response = await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            response = _error(413, "too_large", f"payload exceeds {config.max_payload_bytes} bytes")
+        except web.HTTPException:
+            raise
+        except _BadRequest as e:
+            response = _error(e.status, e.code, str(e))
+        if remembered is not None and response.status < 500 and isinstance(response, web.Response):
+            self.replies[remembered] = (response.status, response.body)
+            while len(self.replies) > config.remembered_replies:
+                self.replies.popitem(last=False)
+        return response
+
+    # -- routes --------------------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "server": "awex-meta", "version": SERVER_VERSION,
-                                  "auth": bool(config.token)})
+                                  "auth": bool(self.config.token), "epoch": self.epoch})
 
-    async def status(request: web.Request) -> web.Response:
+    async def status(self, request: web.Request) -> web.Response:
         return web.json_response({"server": "awex-meta", "version": SERVER_VERSION, "time": time.time(),
-                                  "jobs": {n: j.summary(config.recent_events) for n, j in sorted(jobs.items())}})
+                                  "epoch": self.epoch, "held_bytes": self.total_bytes(),
+                                  "jobs": {n: j.summary(self.config.recent_events)
+                                           for n, j in sorted(self.jobs.items())}})
 
-    async def put_value(request: web.Request) -> web.Response:
-        job = job_of(request)
-        key = key_of(request)
-        raw, _ = await body_json(request)
+    async def put_value(self, request: web.Request) -> web.Response:
+        key = self.key_of(request)
+        raw, _ = await self.body_json(request)
+        job = self.job_of(request)
         if request.query.get("create") == "1" and key in job.kv:
             return _error(409, "exists", f"key {key!r} already exists")
         if key not in job.kv and len(job.kv) >= job.max_keys:
             raise _BadRequest(f"too many keys in job {job.name!r} (limit {job.max_keys})")
+        self.charge(job, len(raw) - len(job.kv.get(key, b"")))
         job.kv_bytes += len(raw) - len(job.kv.get(key, b""))
         job.kv[key] = raw
-        await job.notify()
+        job.topics.fire(f"kv:{key}")
         return web.json_response({"ok": True})
 
-    async def get_value(request: web.Request) -> web.Response:
-        job = job_of(request)
-        key = key_of(request)
-        wait = wait_of(request)
-        if key not in job.kv and wait > 0:
-            await job.wait_until(lambda: key in job.kv, wait)
-        raw = job.kv.get(key)
+    async def get_value(self, request: web.Request) -> web.Response:
+        key = self.key_of(request)
+        job, wait = await self.job_waiting(request, self.wait_of(request))
+        if job is not None and key not in job.kv and wait > 0:
+            await job.topics.wait_until(f"kv:{key}", lambda: key in job.kv, wait)
+        raw = job.kv.get(key) if job is not None else None
         if raw is None:
-            return _error(404, "not_found", f"no key {key!r} in job {job.name!r}")
+            return _error(404, "not_found", f"no key {key!r} in job {request.match_info['job']!r}")
         return web.Response(body=raw, content_type="application/json")
 
-    async def delete_value(request: web.Request) -> web.Response:
-        job = job_of(request)
-        key = key_of(request)
-        raw = job.kv.pop(key, None)
+    async def delete_value(self, request: web.Request) -> web.Response:
+        key = self.key_of(request)
+        job = self.job_of(request, create=False)
+        raw = job.kv.pop(key, None) if job is not None else None
         if raw is not None:
             job.kv_bytes -= len(raw)
         return web.json_response({"ok": True, "deleted": raw is not None})
 
-    async def forget(request: web.Request) -> web.Response:
+    async def forget(self, request: web.Request) -> web.Response:
         """Drop keys and agreements by exact name or prefix (a finished weight version's records)."""
-        job = job_of(request)
-        _, doc = await body_json(request)
-        f = fields(doc, {"names": list, "prefixes": list}, optional=("names", "prefixes"))
+        _, doc = await self.body_json(request)
+        f = self.fields(doc, {"names": list, "prefixes": list}, optional=("names", "prefixes"))
+        given = [*f.get("names", []), *f.get("prefixes", [])]
+        if not all(isinstance(x, str) and x for x in given):
+            raise _BadRequest("names and prefixes must be non-empty strings")
+        job = self.job_of(request, create=False)
+        if job is None:
+            return web.json_response({"ok": True, "keys": 0, "agreements": 0})
         names = set(f.get("names", []))
         prefixes = tuple(f.get("prefixes", []))
-        if not all(isinstance(x, str) and x for x in (*names, *prefixes)):
-            raise _BadRequest("names and prefixes must be non-empty strings")
 
         def gone(name: str) -> bool:
             return name in names or name.startswith(prefixes)
@@ -195,90 +315,116 @@ def make_app(config: ServerConfig | None = None) -> web.Application:
             del job.agreements[a]
         return web.json_response({"ok": True, "keys": len(keys), "agreements": len(agreements)})
 
-    async def list_keys(request: web.Request) -> web.Response:
-        job = job_of(request)
+    async def list_keys(self, request: web.Request) -> web.Response:
+        job = self.job_of(request, create=False)
         prefix = request.query.get("prefix", "")
-        return web.json_response({"keys": sorted(k for k in job.kv if k.startswith(prefix))})
+        return web.json_response({"keys": sorted(k for k in job.kv if k.startswith(prefix)) if job else []})
 
-    async def register(request: web.Request) -> web.Response:
-        job = job_of(request)
-        _, doc = await body_json(request)
-        f = fields(doc, {"name": str, "role": str, "instance": str, "world_size": int, "host": str, "info": dict},
-                   optional=("world_size", "host", "info"))
+    async def register(self, request: web.Request) -> web.Response:
+        _, doc = await self.body_json(request)
+        f = self.fields(doc, {"name": str, "role": str, "instance": str, "world_size": int, "host": str,
+                              "info": dict}, optional=("world_size", "host", "info"))
         if not _NAME.match(f["name"]):
             raise _BadRequest(f"bad participant name {f['name']!r}")
         if f["role"] not in ("trainer", "inference"):
             raise _BadRequest("role must be 'trainer' or 'inference'")
-        now = time.time()
+        if not _NAME.match(f["instance"]):
+            raise _BadRequest(f"bad instance name {f['instance']!r}")
+        size = self.small(f.get("info", {}), "the participant's info")
+        job = self.job_of(request)
         old = job.participants.get(f["name"])
+        if old is None and len(job.participants) >= self.config.max_participants_per_job:
+            raise _BadRequest(f"too many participants in job {job.name!r} "
+                              f"(limit {self.config.max_participants_per_job})")
+        self.charge(job, size)
+        now = time.time()
         job.participants[f["name"]] = Participant(
             name=f["name"], role=f["role"], instance=f["instance"], world_size=f.get("world_size", 1),
-            host=f.get("host", request.remote or ""), registered_at=old.registered_at if old else now,
+            host=f.get("host", request.remote or "")[:256], registered_at=old.registered_at if old else now,
             last_seen=now, weight_version=old.weight_version if old else None, info=f.get("info", {}),
         )
+        job.participant_bytes += size - (len(json.dumps(old.info)) if old else 0)
         event = job.add_event("register", f["name"], None, {"role": f["role"], "instance": f["instance"]})
-        await job.notify()
         return web.json_response({"ok": True, "seq": event["seq"]})
 
-    async def report_version(request: web.Request) -> web.Response:
-        job = job_of(request)
+    async def report_version(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        _, doc = await body_json(request)
-        f = fields(doc, {"version": (str, type(None))})
-        p = job.participants.get(name)
+        _, doc = await self.body_json(request)
+        f = self.fields(doc, {"version": (str, type(None))})
+        if f["version"] is not None and len(f["version"]) > 512:
+            raise _BadRequest("version names are at most 512 characters")
+        job = self.job_of(request, create=False)
+        p = job.participants.get(name) if job is not None else None
         if p is None:
-            return _error(404, "not_found", f"participant {name!r} is not registered in job {job.name!r}")
+            return _error(404, "not_found", f"participant {name!r} is not registered in job "
+                                            f"{request.match_info['job']!r}")
         p.weight_version = f["version"]
         p.last_seen = time.time()
         event = job.add_event("version", name, f["version"], None)
-        await job.notify()
         return web.json_response({"ok": True, "seq": event["seq"]})
 
-    async def publish_event(request: web.Request) -> web.Response:
-        job = job_of(request)
-        _, doc = await body_json(request)
-        f = fields(doc, {"kind": str, "source": str, "version": (str, type(None)), "data": object},
-                   optional=("version", "data"))
+    async def publish_event(self, request: web.Request) -> web.Response:
+        _, doc = await self.body_json(request)
+        f = self.fields(doc, {"kind": str, "source": str, "version": (str, type(None)), "data": object},
+                        optional=("version", "data"))
         if not _NAME.match(f["kind"]):
             raise _BadRequest(f"bad event kind {f['kind']!r}")
+        if len(f["source"]) > 256 or (f.get("version") is not None and len(f["version"]) > 512):
+            raise _BadRequest("event source (256) or version (512 characters) too long")
+        size = self.small(f.get("data"), "the event's data")
+        job = self.job_of(request)
+        self.charge(job, size)
         if f["source"] in job.participants:
             job.participants[f["source"]].last_seen = time.time()
-        event = job.add_event(f["kind"], f["source"], f.get("version"), f.get("data"))
-        await job.notify()
+        event = job.add_event(f["kind"], f["source"], f.get("version"), f.get("data"), size)
         return web.json_response({"ok": True, "seq": event["seq"]})
 
-    async def get_events(request: web.Request) -> web.Response:
-        job = job_of(request)
+    async def get_events(self, request: web.Request) -> web.Response:
         try:
             after = int(request.query.get("after", "0"))
         except ValueError:
             raise _BadRequest("after must be an integer") from None
         kind = request.query.get("kind")
-        wait = wait_of(request)
+        job, wait = await self.job_waiting(request, self.wait_of(request))
+        if job is None:
+            return web.json_response({"events": [], "last": 0})
 
         def matching() -> list[dict[str, Any]]:
             return [e for e in job.events if e["seq"] > after and (kind is None or e["kind"] == kind)]
 
         if wait > 0 and not matching():
-            await job.wait_until(lambda: bool(matching()), wait)
+            await job.topics.wait_until("events", lambda: bool(matching()), wait)
         return web.json_response({"events": matching(), "last": job.next_seq - 1})
 
-    async def agree(request: web.Request) -> web.Response:
-        job = job_of(request)
-        name = key_of(request)
-        _, doc = await body_json(request)
-        f = fields(doc, {"participant": str, "expected": int, "value": object})
-        if f["expected"] < 1:
-            raise _BadRequest("expected must be positive")
+    async def agree(self, request: web.Request) -> web.Response:
+        name = self.key_of(request)
+        _, doc = await self.body_json(request)
+        f = self.fields(doc, {"participant": str, "expected": int, "value": object})
+        if not 1 <= f["expected"] <= self.config.max_agreement_size:
+            raise _BadRequest(f"expected must be 1 to {self.config.max_agreement_size}")
+        if len(f["participant"]) > 256:
+            raise _BadRequest("participant names are at most 256 characters")
+        size = self.small(f["value"], "an agreement value")
+        job = self.job_of(request)
         a = job.agreements.get(name)
         if a is None:
+            if len(job.agreements) >= self.config.max_agreements_per_job:
+                raise _BadRequest(f"too many agreements in job {job.name!r} "
+                                  f"(limit {self.config.max_agreements_per_job}; writers forget old versions')")
+            self.charge(job, size)
             a = job.agreements[name] = Agreement(f["expected"])
         if a.expected != f["expected"]:
             return _error(409, "conflict", f"agreement {name!r} expects {a.expected} participants, not {f['expected']}")
+        if f["participant"] not in a.values:
+            if len(a.values) >= a.expected:
+                return _error(409, "conflict", f"agreement {name!r} already has its {a.expected} participants; "
+                                               f"{f['participant']!r} is not one of them")
+            self.charge(job, size)
+            a.value_bytes += size
         a.values[f["participant"]] = f["value"]
-        await job.notify()
-        wait = wait_of(request)
-        await job.wait_until(lambda: len(a.values) >= a.expected, wait)
+        job.topics.fire(f"agree:{name}")
+        wait = self.wait_of(request)
+        await job.topics.wait_until(f"agree:{name}", lambda: len(a.values) >= a.expected, wait)
         done = len(a.values) >= a.expected
         distinct = []
         for v in a.values.values():
@@ -287,20 +433,25 @@ def make_app(config: ServerConfig | None = None) -> web.Application:
         return web.json_response({"complete": done, "arrived": len(a.values), "expected": a.expected,
                                   "distinct_values": distinct if done else []})
 
-    app.router.add_get("/v1/health", health)
-    app.router.add_get("/v1/status", status)
-    app.router.add_put("/v1/jobs/{job}/kv/{key:.+}", put_value)
-    app.router.add_get("/v1/jobs/{job}/kv/{key:.+}", get_value)
-    app.router.add_delete("/v1/jobs/{job}/kv/{key:.+}", delete_value)
-    app.router.add_get("/v1/jobs/{job}/keys", list_keys)
-    app.router.add_post("/v1/jobs/{job}/forget", forget)
-    app.router.add_post("/v1/jobs/{job}/participants", register)
-    app.router.add_post("/v1/jobs/{job}/participants/{name}/version", report_version)
-    app.router.add_post("/v1/jobs/{job}/events", publish_event)
-    app.router.add_get("/v1/jobs/{job}/events", get_events)
-    app.router.add_post("/v1/jobs/{job}/agree/{key:.+}", agree)
+
+SERVER_KEY = web.AppKey("awex_meta_server", MetaServerApp)
+
+
+def make_app(config: ServerConfig | None = None) -> web.Application:
+    """Build the aiohttp application (used by the embedded and the standalone server, and by tests)."""
+    server = MetaServerApp(config or ServerConfig())
+    app = web.Application(client_max_size=server.config.max_payload_bytes, middlewares=[server.middleware])
+    app[SERVER_KEY] = server
+    app.router.add_get("/v1/health", server.health)
+    app.router.add_get("/v1/status", server.status)
+    app.router.add_put("/v1/jobs/{job}/kv/{key:.+}", server.put_value)
+    app.router.add_get("/v1/jobs/{job}/kv/{key:.+}", server.get_value)
+    app.router.add_delete("/v1/jobs/{job}/kv/{key:.+}", server.delete_value)
+    app.router.add_get("/v1/jobs/{job}/keys", server.list_keys)
+    app.router.add_post("/v1/jobs/{job}/forget", server.forget)
+    app.router.add_post("/v1/jobs/{job}/participants", server.register)
+    app.router.add_post("/v1/jobs/{job}/participants/{name}/version", server.report_version)
+    app.router.add_post("/v1/jobs/{job}/events", server.publish_event)
+    app.router.add_get("/v1/jobs/{job}/events", server.get_events)
+    app.router.add_post("/v1/jobs/{job}/agree/{key:.+}", server.agree)
     return app
-
-
-class _BadRequest(ValueError):
-    pass

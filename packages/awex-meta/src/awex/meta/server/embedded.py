@@ -53,11 +53,9 @@ class EmbeddedMetaServer:
         self._loop = loop
         asyncio.set_event_loop(loop)
         try:
-            self._runner = web.AppRunner(
-                make_app(self.config), access_log=None, handle_signals=False, shutdown_timeout=1.0
-            )
+            self._runner = _runner(self.config)
             loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
+            site = LimitedSite(self._runner, self.host, self.port, self.config.max_connections)
             loop.run_until_complete(site.start())
             sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no getter
             if sockets:
@@ -93,6 +91,62 @@ def start_embedded(token: str | None = None, host: str = "127.0.0.1", port: int 
     return EmbeddedMetaServer(host, port, ServerConfig(token=token)).start()
 
 
-def serve_forever(host: str, port: int, config: ServerConfig) -> None:
-    """Run a MetaServer in the foreground until interrupted (``awex-meta serve``)."""
-    web.run_app(make_app(config), host=host, port=port, access_log=None, print=lambda *_: None)
+def serve_forever(host: str, port: int, config: ServerConfig, started=None) -> None:
+    """Run a MetaServer in the foreground until interrupted (``awex-meta serve``); ``OSError`` when it cannot
+    listen there. ``started(port)`` is called once it listens."""
+
+    async def main() -> None:
+        runner = _runner(config)
+        await runner.setup()
+        try:
+            site = LimitedSite(runner, host, port, config.max_connections)
+            await site.start()
+            if started is not None:
+                sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no getter
+                started(sockets[0].getsockname()[1] if sockets else port)
+            await asyncio.Event().wait()  # until interrupted
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def _runner(config: ServerConfig) -> web.AppRunner:
+    # keepalive_timeout also closes connections that never send a request (aiohttp starts it on connect)
+    return web.AppRunner(make_app(config), access_log=None, handle_signals=False, shutdown_timeout=1.0,
+                         keepalive_timeout=config.idle_seconds)
+
+
+class _Refused(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class LimitedSite(web.TCPSite):
+    """A TCP site that closes connections beyond ``max_connections`` as they arrive (so half-open or idle
+    connections cannot exhaust the process's file descriptors; idle ones are closed after
+    ``ServerConfig.idle_seconds``). A burst may overshoot the limit by what one accept round takes (the listen
+    backlog): connections count once set up."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, max_connections: int):
+        super().__init__(runner, host, port)
+        self.max_connections = max_connections
+        self.refused = 0
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+
+        def protocol() -> asyncio.Protocol:
+            if len(server.connections) >= self.max_connections:
+                self.refused += 1
+                if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+                    log.warning("MetaServer: %d connections open (limit %d); refused %d so far",
+                                len(server.connections), self.max_connections, self.refused)
+                return _Refused()
+            return server()
+
+        self._server = await asyncio.get_running_loop().create_server(
+            protocol, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port)

@@ -1,7 +1,8 @@
 """In-memory state of the MetaServer: per job, a key-value store, participants, events and agreements.
 
-Values are JSON documents held as the bytes that arrived (validated as JSON, never evaluated). Every change
-notifies an asyncio condition so that long-polling readers wake at once.
+Values are JSON documents held as the bytes that arrived (validated as JSON, never evaluated). Waiters wait on a
+topic (one key, the job's events, one agreement) and only a change to that topic wakes them: a write wakes the
+requests that wait for it, not every request parked on the server.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
@@ -43,6 +44,44 @@ class Participant:
 class Agreement:
     expected: int
     values: dict[str, Any] = field(default_factory=dict)  # participant -> value
+    value_bytes: int = 0
+
+
+class Topics:
+    """Futures parked per topic; :meth:`fire` wakes the ones of one topic."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, set[asyncio.Future]] = {}
+
+    def fire(self, topic: str) -> None:
+        for fut in self._waiters.pop(topic, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    def waiting(self) -> int:
+        return sum(len(w) for w in self._waiters.values())
+
+    async def wait_until(self, topic: str, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``predicate()`` holds (checked whenever ``topic`` fires) or ``timeout`` seconds pass."""
+        deadline = time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        while not predicate():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            fut = loop.create_future()
+            self._waiters.setdefault(topic, set()).add(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                return predicate()
+            finally:
+                waiters = self._waiters.get(topic)
+                if waiters is not None:
+                    waiters.discard(fut)
+                    if not waiters:
+                        del self._waiters[topic]
+        return True
 
 
 class JobState:
@@ -54,34 +93,25 @@ class JobState:
         self.kv_bytes = 0
         self.max_keys = max_keys
         self.participants: dict[str, Participant] = {}
+        self.participant_bytes = 0
         self.events: deque[dict[str, Any]] = deque(maxlen=max_events)
+        self.event_bytes: deque[int] = deque(maxlen=max_events)
         self.next_seq = 1
         self.agreements: dict[str, Agreement] = {}
-        self.changed = asyncio.Condition()
+        self.topics = Topics()
 
-    async def notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
+    def held_bytes(self) -> int:
+        """What this job holds, counted as the JSON bytes that arrived."""
+        return (self.kv_bytes + sum(self.event_bytes) + self.participant_bytes
+                + sum(a.value_bytes for a in self.agreements.values()))
 
-    async def wait_until(self, predicate, timeout: float) -> bool:
-        """Wait until ``predicate()`` holds or ``timeout`` seconds pass; returns whether it holds."""
-        deadline = time.monotonic() + timeout
-        async with self.changed:
-            while not predicate():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                try:
-                    await asyncio.wait_for(self.changed.wait(), left)
-                except asyncio.TimeoutError:
-                    return predicate()
-            return True
-
-    def add_event(self, kind: str, source: str, version: str | None, data: Any) -> dict[str, Any]:
+    def add_event(self, kind: str, source: str, version: str | None, data: Any, nbytes: int = 0) -> dict[str, Any]:
         event = {"seq": self.next_seq, "time": time.time(), "kind": kind, "source": source,
                  "version": version, "data": data}
         self.next_seq += 1
         self.events.append(event)
+        self.event_bytes.append(nbytes)
+        self.topics.fire("events")
         return event
 
     def summary(self, recent: int) -> dict[str, Any]:
@@ -89,6 +119,7 @@ class JobState:
             "participants": [p.to_json() for p in sorted(self.participants.values(), key=lambda p: p.name)],
             "keys": len(self.kv),
             "key_bytes": self.kv_bytes,
+            "held_bytes": self.held_bytes(),
             "agreements": len(self.agreements),
             "recent_events": list(self.events)[-recent:],
         }

@@ -1,0 +1,4 @@
+"""What the MetaServer and its clients agree on beyond JSON bodies: header names (no aiohttp needed here)."""
+
+EPOCH_HEADER = "X-Awex-Epoch"  # a random name of the server process, on every answer: changes on restart
+REQUEST_ID_HEADER = "X-Awex-Request-Id"  # a write's id: a retry with the same id is answered, not applied again

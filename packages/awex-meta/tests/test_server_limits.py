@@ -1,0 +1,268 @@
+"""MetaServer hardening: restarts noticed (epoch), retried writes applied once, deadlines that hold, limits that
+answer 4xx, waiters woken only by what they wait on, connection and body-read limits, CLI refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from awex.meta import client as client_module
+from awex.meta.client import SLACK, MetaClient
+from awex.meta.errors import MetaPayloadError, MetaRestartError, MetaServerError, MetaTimeoutError
+from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
+from awex.meta.server import EmbeddedMetaServer, ServerConfig, start_embedded
+from awex.meta.server.state import Topics
+
+
+def _raw(address: str, method: str, path: str, body=None, headers=None) -> tuple[int, dict, dict]:
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    data = json.dumps(body).encode() if body is not None else None
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read() or b"null"), dict(resp.getheaders())
+    conn.close()
+    return out
+
+
+def test_a_restart_is_noticed_and_what_the_client_owns_is_published_again():
+    first = start_embedded()
+    port = first.port
+    c = MetaClient(first.address, job="rl", timeout=5)
+    c.register("vllm-0", role="inference", instance="vllm-0", world_size=2)
+    c.put("layouts/current/vllm-0", {"layout": 1}, keep=True)
+    c.put("scratch", 1)  # not kept: gone with the server
+    after = c.publish_event("weights_ready", "trainer", version="v1")
+    epoch = c.epoch
+    first.stop()
+    second = start_embedded(port=port)
+    try:
+        # the report lands although the new server never saw the registration (it used to be dropped: 404)
+        c.report_version("vllm-0", "v2")
+        assert c.epoch != epoch and c.restarts == 1
+        status = c.status()["jobs"]["rl"]
+        assert [(p["name"], p["weight_version"]) for p in status["participants"]] == [("vllm-0", "v2")]
+        assert c.try_get("layouts/current/vllm-0") == {"layout": 1} and c.try_get("scratch") is None
+        # event numbers began again: a waiter for events after the old number is told, not left waiting
+        other = MetaClient(second.address, job="rl", timeout=5)
+        other._epoch = epoch  # a waiter that last saw the first server
+        with pytest.raises(MetaRestartError, match="restarted"):
+            other.events(after=after, timeout=1.0)
+    finally:
+        second.stop()
+
+
+def test_a_retried_write_is_answered_once_and_not_applied_twice():
+    with EmbeddedMetaServer() as s:
+        rid = {REQUEST_ID_HEADER: "a" * 24}
+        first = _raw(s.address, "PUT", "/v1/jobs/j/kv/sync/v1?create=1", {"m": 1}, rid)
+        again = _raw(s.address, "PUT", "/v1/jobs/j/kv/sync/v1?create=1", {"m": 1}, rid)
+        assert first[0] == again[0] == 200  # the create-only put does not conflict with itself
+        other = _raw(s.address, "PUT", "/v1/jobs/j/kv/sync/v1?create=1", {"m": 2}, {REQUEST_ID_HEADER: "b" * 24})
+        assert other[0] == 409
+        ev = {REQUEST_ID_HEADER: "c" * 24}
+        one = _raw(s.address, "POST", "/v1/jobs/j/events", {"kind": "sync_failed", "source": "x"}, ev)
+        two = _raw(s.address, "POST", "/v1/jobs/j/events", {"kind": "sync_failed", "source": "x"}, ev)
+        assert one[1]["seq"] == two[1]["seq"]
+        assert len(MetaClient(s.address, job="j").events(kind="sync_failed")) == 1
+        assert _raw(s.address, "POST", "/v1/jobs/j/events", {"kind": "k", "source": "x"},
+                    {REQUEST_ID_HEADER: "no"})[0] == 400
+
+
+class _FrozenServer:
+    """Accepts connections and never answers (a MetaServer stopped with SIGSTOP, as seen from a client)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.address = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("call", ["get", "put", "events", "agree"])
+def test_waits_against_a_frozen_server_raise_within_their_deadline(call):
+    frozen = _FrozenServer()
+    try:
+        c = MetaClient(frozen.address, job="j", timeout=1.5)
+        started = time.monotonic()
+        with pytest.raises(MetaTimeoutError):
+            {"get": lambda: c.get("k", timeout=1.5), "put": lambda: c.put("k", 1),
+             "events": lambda: c.events(timeout=1.5) or (_ for _ in ()).throw(MetaTimeoutError("none")),
+             "agree": lambda: c.agree("a", "p", 2, 1, timeout=1.5)}[call]()
+        assert time.monotonic() - started < 1.5 + SLACK + 0.5  # it used to take the wait plus 10-15 s
+    finally:
+        frozen.close()
+
+
+def test_a_wait_outlives_a_server_outage_longer_than_one_long_poll(monkeypatch):
+    monkeypatch.setattr(client_module, "_POLL_SLICE", 0.5)
+    first = start_embedded()
+    port = first.port
+    first.stop()  # down for longer than a long-poll slice plus the old per-request allowance (10 s)
+    c = MetaClient(f"http://127.0.0.1:{port}", job="j", timeout=30)
+    found: list = []
+    t = threading.Thread(target=lambda: found.append(c.get("k", timeout=25)))
+    t.start()
+    time.sleep(12)
+    second = start_embedded(port=port)
+    try:
+        MetaClient(second.address, job="j").put("k", "here")
+        t.join(10)
+        assert found == ["here"]
+    finally:
+        second.stop()
+
+
+def test_limits_answer_4xx_and_leave_the_server_healthy():
+    config = ServerConfig(max_job_bytes=20_000, max_total_bytes=30_000, max_small_bytes=1_000, max_depth=16,
+                          max_agreements_per_job=3, max_participants_per_job=2, max_agreement_size=8)
+    with EmbeddedMetaServer(config=config) as s:
+        c = MetaClient(s.address, job="j", timeout=5)
+        c.put("a", "x" * 8_000)
+        c.put("b", "x" * 8_000)
+        with pytest.raises(MetaPayloadError, match="would hold more than 20000 bytes"):
+            c.put("c", "x" * 8_000)
+        c.put("a", "x" * 100)  # replacing a value frees what it held
+        c.put("c", "x" * 8_000)
+        d = MetaClient(s.address, job="k", timeout=5)
+        d.put("a", "x" * 8_000)
+        with pytest.raises(MetaPayloadError, match="more than 30000 bytes in all"):
+            d.put("b", "x" * 8_000)
+        with pytest.raises(MetaPayloadError, match="event's data"):
+            c.publish_event("k", "src", data="x" * 2_000)
+        nested: object = 1
+        for _ in range(40):
+            nested = [nested]
+        with pytest.raises(MetaPayloadError, match="deeper than 16"):
+            c.publish_event("k", "src", data=nested)
+        with pytest.raises(MetaPayloadError, match="deeper than 16"):
+            c.put("deep", nested)
+        deepest = b"[" * 5000 + b"1" + b"]" * 5000  # deeper than the JSON parser's recursion limit
+        with pytest.raises(MetaPayloadError, match="deeper than 16"):
+            c._request("PUT", c._job_path("kv", "deeper"), raw=deepest, deadline=time.monotonic() + 5)
+        with pytest.raises(MetaPayloadError, match="non-empty strings"):
+            c.forget(names=[["x"]])  # used to answer 500
+        for i in range(3):
+            c.agree(f"plan/v{i}", "r0", 1, "d", timeout=1)
+        with pytest.raises(MetaPayloadError, match="too many agreements"):
+            c.agree("plan/v9", "r0", 1, "d", timeout=1)
+        with pytest.raises(MetaPayloadError, match="expected must be 1 to 8"):
+            c.agree("plan/v0", "r0", 9, "d", timeout=1)
+        c.register("p0", role="trainer", instance="t")
+        c.register("p1", role="trainer", instance="t")
+        c.register("p1", role="trainer", instance="t")  # registering again is fine
+        with pytest.raises(MetaPayloadError, match="too many participants"):
+            c.register("p2", role="trainer", instance="t")
+        status = c.status()  # still answers, small
+        assert set(status["jobs"]) == {"j", "k"}
+        assert len(json.dumps(status)) < 20_000
+
+
+def test_reads_do_not_create_jobs_and_a_wait_on_a_new_job_wakes_when_it_appears():
+    with EmbeddedMetaServer() as s:
+        c = MetaClient(s.address, job="later", timeout=5)
+        assert c.try_get("k") is None and c.keys() == [] and c.events() == []
+        assert c.status()["jobs"] == {}
+        threading.Timer(0.3, lambda: MetaClient(s.address, job="later").put("k", 7)).start()
+        started = time.monotonic()
+        assert c.get("k", timeout=4) == 7
+        assert time.monotonic() - started < 2.0
+
+
+def test_a_write_wakes_only_the_waiters_of_its_topic():
+    async def main():
+        topics = Topics()
+        checks = {"a": 0, "b": 0}
+        state = {"a": False}
+
+        def ready(name):
+            def predicate():
+                checks[name] += 1
+                return state.get(name, False)
+            return predicate
+
+        wait_a = asyncio.ensure_future(topics.wait_until("a", ready("a"), 2.0))
+        wait_b = asyncio.ensure_future(topics.wait_until("b", ready("b"), 0.5))
+        await asyncio.sleep(0.05)
+        for _ in range(50):
+            topics.fire("c")  # unrelated writes
+        state["a"] = True
+        topics.fire("a")
+        assert await wait_a is True
+        assert await wait_b is False
+        assert checks["b"] == 2  # once on entry, once at its deadline: never woken by the other topics
+        assert topics.waiting() == 0
+
+    asyncio.run(main())
+
+
+def test_connections_beyond_the_limit_are_closed_and_idle_ones_time_out():
+    with EmbeddedMetaServer(config=ServerConfig(max_connections=8, idle_seconds=1.0)) as s:
+        port = s.port
+        socks = []
+        for _ in range(24):  # one at a time (a burst may overshoot the limit by what one accept round takes)
+            socks.append(socket.create_connection(("127.0.0.1", port)))
+            time.sleep(0.02)
+        time.sleep(0.3)
+        closed = 0
+        for sock in socks:
+            sock.settimeout(0.05)
+            try:
+                closed += sock.recv(1) == b""
+            except socket.timeout:
+                pass
+        assert closed >= 16  # those beyond the limit, at once
+        time.sleep(1.5)  # the idle ones (connected, never sent a request) are closed too
+        assert MetaClient(s.address, timeout=5).health()["ok"] is True
+        for sock in socks:
+            sock.close()
+
+
+def test_a_body_that_never_arrives_is_refused_within_the_body_time():
+    with EmbeddedMetaServer(config=ServerConfig(body_seconds=1.0)) as s:
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.sendall(b"PUT /v1/jobs/j/kv/k HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"a\":")
+        sock.settimeout(5)
+        started = time.monotonic()
+        answer = sock.recv(4096)
+        assert b"400" in answer.split(b"\r\n", 1)[0] and b"did not arrive" in answer
+        assert time.monotonic() - started < 3
+        sock.close()
+
+
+def test_every_answer_names_the_server_epoch():
+    with EmbeddedMetaServer() as s:
+        status, doc, headers = _raw(s.address, "GET", "/v1/health")
+        assert status == 200 and headers[EPOCH_HEADER] == doc["epoch"] and len(doc["epoch"]) == 16
+        assert _raw(s.address, "GET", "/v1/jobs/bad%20name/keys")[2][EPOCH_HEADER] == doc["epoch"]
+
+
+def test_cli_refuses_an_open_address_without_a_token_and_a_busy_port_cleanly():
+    out = subprocess.run([sys.executable, "-m", "awex.meta.cli", "serve", "--host", "0.0.0.0", "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "without a token" in out.stderr and "Traceback" not in out.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        out = subprocess.run([sys.executable, "-m", "awex.meta.cli", "serve", "--port",
+                              str(busy.getsockname()[1])], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 3
+
+
+def test_report_version_of_an_unknown_participant_raises():
+    with EmbeddedMetaServer() as s:
+        with pytest.raises(MetaServerError, match="not registered"):
+            MetaClient(s.address, job="j", timeout=5).report_version("ghost", "v1")
