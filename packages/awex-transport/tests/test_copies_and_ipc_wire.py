@@ -47,6 +47,37 @@ def test_ipc_export_round_trips_through_json_without_pickle():
         IpcExport.from_wire({"storages": []})
 
 
+def _hostile(edit):
+    handle = bytes(range(64))
+    export = IpcExport(storages=((0, handle, 4096, 0, b"ref", 8, b"evt", True),), pointers=(1234,),
+                       views=(ExportedView("w", Box((0, 0), (4, 8)), 0, 16, (8, 1), "bfloat16"),))
+    wire = json.loads(json.dumps(export.to_wire()))
+    edit(wire)
+    return wire
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda w: w["views"][0].__setitem__(3, -1), "storage index"),  # used to pick another storage silently
+    (lambda w: w["views"][0].__setitem__(3, 1), "names storage 1 of 1"),
+    (lambda w: w["views"][0].__setitem__(4, -16), "element offset"),
+    (lambda w: w["views"][0].__setitem__(5, ["8", 1]), "stride"),
+    (lambda w: w["views"][0].__setitem__(6, "complex1024"), "unknown dtype"),
+    (lambda w: w["views"][0].__setitem__(4, 4096), "beyond its storage"),  # offsets past the handle's memory
+    (lambda w: w["views"][0].__setitem__(2, [4, 8, 2]), "different lengths"),
+    (lambda w: w["storages"][0].__setitem__(2, -1), "storage field"),
+    (lambda w: w["storages"][0].__setitem__(1, {"b64": "!!!"}), "malformed"),
+    (lambda w: w["storages"][0].__setitem__(1, {"b64": "A" * 8000}), "handle of"),
+    (lambda w: w.__setitem__("pointers", []), "0 pointers for 1 storages"),
+    (lambda w: w.__setitem__("views", {"a": 1}), "views"),
+    (lambda w: w["storages"][0].__setitem__(0, "gpu0"), "storage field"),
+])
+def test_hostile_ipc_exports_are_refused_before_anything_is_opened(edit, why):
+    IpcExport.from_wire(_hostile(lambda w: None))  # the untouched one parses
+    with pytest.raises(ValueError, match="malformed IPC export") as err:
+        IpcExport.from_wire(_hostile(edit))
+    assert why in str(err.value)
+
+
 def test_ipc_export_needs_cuda_views():
     shards = LocalShards({"w": [(Box((0,), (4,)), torch.zeros(4))]})
     with pytest.raises(ValueError, match="CUDA IPC needs CUDA views"):

@@ -17,6 +17,7 @@ an exported block alive while a receiver holds it.
 from __future__ import annotations
 
 import base64
+import binascii
 import bisect
 import logging
 import time
@@ -75,20 +76,92 @@ class IpcExport:
 
     @classmethod
     def from_wire(cls, doc: dict) -> IpcExport:
-        def dec(x):
-            return base64.b64decode(x["b64"]) if isinstance(x, dict) else x
-
+        """Parse an export published by another process, checking every field against bounds before anything is
+        opened: storage fields of the expected kinds, views inside their storage, known dtypes."""
         try:
-            storages = tuple(tuple(dec(x) for x in s) for s in doc["storages"])
-            views = tuple(ExportedView(str(n), Box(tuple(o), tuple(z)), int(s), int(off), tuple(st), str(dt))
-                          for n, o, z, s, off, st, dt in doc["views"])
-            return cls(storages, tuple(int(p) for p in doc["pointers"]), views)
-        except (KeyError, TypeError, ValueError) as e:
+            return cls._from_wire(doc)
+        except (KeyError, TypeError, ValueError, IndexError, binascii.Error) as e:
             raise ValueError(f"malformed IPC export: {e}") from None
+
+    @classmethod
+    def _from_wire(cls, doc: dict) -> IpcExport:
+        def dec(x):
+            if isinstance(x, dict):
+                raw = base64.b64decode(_checked(x["b64"], str, "handle"), validate=True)
+                if len(raw) > _MAX_HANDLE_BYTES:
+                    raise ValueError(f"a handle of {len(raw)} bytes")
+                return raw
+            if x is None or isinstance(x, bool):
+                return x
+            return _count(x, "storage field")
+
+        if not isinstance(doc, dict):
+            raise TypeError("an export is a JSON object")
+        raw_storages, raw_views, raw_pointers = doc["storages"], doc["views"], doc["pointers"]
+        for what, items, limit in (("storages", raw_storages, _MAX_STORAGES), ("views", raw_views, _MAX_VIEWS),
+                                   ("pointers", raw_pointers, _MAX_STORAGES)):
+            if not isinstance(items, list) or len(items) > limit:
+                raise ValueError(f"{what}: a list of at most {limit}")
+        storages = []
+        for s in raw_storages:
+            if not isinstance(s, list) or not 4 <= len(s) <= 12:
+                raise ValueError("a storage is a list of 4 to 12 fields")
+            fields_ = tuple(dec(x) for x in s)
+            if not isinstance(fields_[0], int) or not isinstance(fields_[1], bytes) or not isinstance(fields_[2], int):
+                raise ValueError("a storage starts with its device, handle and size")
+            storages.append(fields_)
+        pointers = tuple(_count(p, "pointer") for p in raw_pointers)
+        if len(pointers) != len(storages):
+            raise ValueError(f"{len(pointers)} pointers for {len(storages)} storages")
+        views = []
+        for v in raw_views:
+            if not isinstance(v, list) or len(v) != 7:
+                raise ValueError("a view is [name, offsets, sizes, storage, offset, strides, dtype]")
+            name, offsets, sizes, storage, offset, strides, dtype = v
+            name = _checked(name, str, "name")
+            if not 0 < len(name) <= 1024:
+                raise ValueError("a view's name has 1 to 1024 characters")
+            offsets, sizes, strides = (tuple(_count(x, what) for x in _checked(xs, list, what))
+                                       for xs, what in ((offsets, "offset"), (sizes, "size"), (strides, "stride")))
+            if not len(offsets) == len(sizes) == len(strides) <= _MAX_DIMS:
+                raise ValueError(f"view {name!r}: offsets, sizes and strides of different lengths")
+            storage, offset = _count(storage, "storage index"), _count(offset, "element offset")
+            if storage >= len(storages):
+                raise ValueError(f"view {name!r} names storage {storage} of {len(storages)}")
+            dtype = _checked(dtype, str, "dtype")
+            if dtype not in _DTYPE_BYTES:
+                raise ValueError(f"view {name!r}: unknown dtype {dtype!r}")
+            last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides)) if all(sizes) else offset
+            if all(sizes) and (last + 1) * _DTYPE_BYTES[dtype] > storages[storage][2]:
+                raise ValueError(f"view {name!r} reaches beyond its storage ({storages[storage][2]} bytes)")
+            views.append(ExportedView(name, Box(offsets, sizes), storage, offset, strides, dtype))
+        return cls(tuple(storages), pointers, tuple(views))
 
     def matches(self, shards: LocalShards) -> bool:
         """Whether ``shards`` still live where this export says (same storages, same views)."""
         return self.pointers == _storage_pointers(shards)[0]
+
+
+_MAX_STORAGES = 1 << 16
+_MAX_VIEWS = 1 << 22
+_MAX_DIMS = 8
+_MAX_HANDLE_BYTES = 4096
+_MAX_COUNT = 1 << 62
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1}
+
+
+def _checked(value, kind: type, what: str):
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise TypeError(f"{what}: {type(value).__name__} where a {kind.__name__} belongs")
+    return value
+
+
+def _count(value, what: str) -> int:
+    """A non-negative integer below 2**62 (JSON numbers from another process)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_COUNT:
+        raise ValueError(f"{what} {str(value)[:40]!r} is not a count")
+    return value
 
 
 def _storage_pointers(shards: LocalShards) -> tuple[tuple[int, ...], list[torch.UntypedStorage]]:
