@@ -101,6 +101,18 @@ def integration(session: nox.Session) -> None:
 
 
 @nox.session
+def faults(session: nox.Session) -> None:
+    """The fault suite: trainer and engine processes over gloo and a MetaServer with ranks killed, raising,
+    interrupted, the MetaServer restarted, killed and frozen, names reused, 200 syncs in a row; then the vLLM fault
+    cases. Its last line (before pytest's) is the suite's JSON summary; ``-- --cases a,b`` picks cases."""
+    _install_engines(session)
+    session.install(*PACKAGES, *TEST_TOOLS)
+    session.run("python", "-m", "awex_integration.fault_suite", *session.posargs, env={"PYTHONPATH": "integration"})
+    if not session.posargs:
+        _pytest(session, "integration/tests/test_faults.py")
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The main job: Megatron TP=2 -> vLLM TP=1 on CPU, three synced RL-like steps."""
     _install_engines(session)

@@ -50,6 +50,7 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
             return {"errors": errors}
         assert not errors, errors
         remaining = client.keys("devices/")
+        published = [client.get(k) for k in remaining]
         client.forget(*version_records("v1"))
         assert not client.keys("devices/")  # a version's device records go with the version
     finally:
@@ -58,7 +59,8 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
     assert len({p.digest for p in plans.values()}) == 1  # every rank planned the same
     gpu_of = {r.rank: gpus[(r.instance, r.local_rank)] for r in plan.ranks}
     assert len(set(transports.values())) == 1  # every rank chose the same transport
-    return {"plan": plan, "gpu_of": gpu_of, "device_keys": remaining, "transport": transports[("trainer", 0)]}
+    return {"plan": plan, "gpu_of": gpu_of, "device_keys": remaining, "published": published,
+            "transport": transports[("trainer", 0)]}
 
 
 def test_ipc_plans_read_from_the_replica_on_the_receivers_own_gpu():
@@ -68,9 +70,9 @@ def test_ipc_plans_read_from_the_replica_on_the_receivers_own_gpu():
     assert len(got["device_keys"]) == 4
 
 
-def test_p2p_plans_do_not_ask_for_devices():
+def test_p2p_plans_publish_where_signals_go_but_no_devices():
     got = _plans("p2p")
-    assert got["device_keys"] == []
+    assert len(got["device_keys"]) == 4 and all(doc["device"] == "" for doc in got["published"])
     assert any(got["gpu_of"][b.src] != got["gpu_of"][b.dst] for b in got["plan"].buckets)
 
 

@@ -159,6 +159,13 @@ class HostBoard:
             if not spin_from <= now <= spin_until:
                 time.sleep(POLL_SECONDS)
 
+    def signalled(self, slots: list[int], seq: int) -> list[int | None]:
+        """Without waiting: for each of ``slots``, its detail if it signalled version ``seq`` (or later), else
+        ``None``."""
+        floor = seq * DETAIL
+        words = [self._get(_HEADER + s) if 0 <= s < SLOTS else -1 for s in slots]
+        return [w % DETAIL if w >= floor else None for w in words]
+
     def close(self) -> None:
         """Unmap (and, for the creator, remove) the board."""
         if self._finalizer is not None:

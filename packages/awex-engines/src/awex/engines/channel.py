@@ -2,8 +2,8 @@
 
 Planning, agreement and discovery go through the MetaServer (once per layout). What every version needs
 afterwards is a handful of small signals: the trainer's manifest of version V, each trainer rank's "my weights of
-V are ready" (CUDA IPC), each receiver's "done reading V" (CUDA IPC). Through the MetaServer each is an HTTP round
-trip and a long-poll wake-up (about 0.5 ms each on an H200 host): milliseconds per version. The channel carries
+V are ready" (CUDA IPC), each receiver's outcome of V (applied, or failed and why). Through the MetaServer each is
+an HTTP round trip and a long-poll wake-up (about 0.5 ms each on an H200 host): milliseconds per version. The channel carries
 them over a ``torch.distributed.TCPStore`` that the trainer's first rank hosts (a C++ key-value server, tens of
 microseconds per operation). Its address travels in the manifest on the MetaServer; every key carries a random
 secret, also only in the manifest, so a process that cannot read the (token-protected) MetaServer cannot forge
@@ -91,6 +91,15 @@ class VersionChannel:
             return [json.loads(v) for v in raw]
         except ValueError as e:
             raise ChannelError(f"version channel at {self.address}: malformed value: {e}") from None
+
+    def get(self, key: str) -> Any | None:
+        """The value under ``key`` now, or ``None`` if it is not there (no waiting)."""
+        if not self._check(key):
+            return None
+        try:
+            return json.loads(self.store.get(self._key(key)))
+        except (RuntimeError, ValueError):
+            return None
 
     def _check(self, key: str) -> bool:
         try:

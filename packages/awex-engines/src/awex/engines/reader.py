@@ -1,9 +1,9 @@
 """The inference side: :class:`WeightsReader` receives one weight version for one rank of an instance.
 
 The reader receives the rank's boxes into ``LocalShards``: views of the engine's own parameters (in place) or
-staging tensors that an engine-specific ``apply`` then loads (vLLM's loader path). A transport failure raises
-before anything is applied, so the engine keeps serving the previous version; the reader reports the version
-it serves to the MetaServer (``None`` after a failed sync).
+staging tensors that an engine-specific ``apply`` then loads (vLLM's loader path). Every receiving rank
+reports its outcome to the trainers; they count a version as applied, and report it for the instance, only when
+every rank succeeded (``WeightsWriter``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards
-from awex.transport.p2p import TransferError, TransferStats
+from awex.transport.p2p import TransferStats
 
 from awex.engines.background import Background
 from awex.engines.session import SyncSession
@@ -95,10 +95,19 @@ class WeightsReader:
         ``validate``: an HF safetensors checkpoint to compare every received tensor with, before applying;
         the report is published at ``validation/<version>/<instance>:<rank>``; with ``strict`` a mismatch
         raises :class:`~awex.engines.validation.ValidationError` and nothing is applied.
-        ``in_place``: whether some views are the engine's own weights (a failed transfer then leaves them
+        ``in_place``: whether some views are the engine's own weights (a failure once bytes moved then leaves them
         partially updated); by default, when there is no ``apply`` step.
+
+        The outcome (applied, or failed with its cause) goes to the trainers, which count the version as applied
+        only when every receiving rank succeeded, and report each instance's version (see ``WeightsWriter``). A
+        rank that fails publishes a ``sync_failed`` event naming itself and the cause; one left partially updated
+        also reports that its instance serves no consistent version. After a failure the next ``receive`` (a
+        retry, or the next version) plans and joins again.
         """
         started = time.monotonic()
+        manifest = None
+        applying = False  # the apply step began (it changes the engine's weights)
+        self._session.touched = False  # set once bytes start moving into the views
         try:
             manifest = self._session.fetch_manifest(version, self.timeout)
             if self.layout.instance not in manifest.destinations:
@@ -118,42 +127,43 @@ class WeightsReader:
                     raise ValidationError(f"{report.tensors_mismatched} of {report.tensors_checked} received tensors "
                                           f"differ from {validate}: {report.to_json()['mismatched'][:10]}")
             if apply is not None:
+                applying = True
                 apply(self._shards)
         except BaseException as e:
-            # In place (no apply step), a transfer that failed part-way has overwritten some weights: the engine no
-            # longer holds any one version. Errors before the transfer (planning, shard checks, agreement) leave
-            # the previous version intact.
-            partial = (apply is None if in_place is None else in_place) and isinstance(e, TransferError)
-            if partial:
-                self.version = None
-                if hasattr(e, "add_note"):  # Python >= 3.11
-                    e.add_note(f"{self.layout.instance}:{self.local_rank} received in place and its weights are now "
-                               "partially updated: it serves no consistent version until the next successful sync")
-                log.error("%s:%d failed to receive %s (%s); weights partially updated in place, no consistent version",
-                          self.layout.instance, self.local_rank, version, e)
-            else:
-                log.error("%s:%d failed to receive %s (%s); still serving %s", self.layout.instance, self.local_rank,
-                          version, e, self.version)
-            if self.local_rank == 0:
-                self._background.flush()  # earlier reports first
-                self._report(self.version)
-                try:
-                    detail = ("partially updated in place, no consistent version: " if partial else "") + str(e)
-                    self.client.publish_event("sync_failed", self.layout.instance, version=version, data=detail[:2000])
-                except Exception:  # the sync's own error is what the caller must see
-                    pass
+            self._failed(version, manifest, e, in_place if in_place is not None else apply is None, applying)
             raise
+        self._session.finish(manifest, ok=True)
         self.version = version
-        if self.local_rank == 0:
-            self._background.submit(f"report of version {version}", self._report, version)
         self._session.phases["total"] = time.monotonic() - started
         log.info("%s:%d received %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_received, stats.seconds)
         return stats
 
-    def _report(self, version: str | None) -> None:
-        """Tell the MetaServer which version this instance serves."""
+    def _failed(self, version: str, manifest, error: BaseException, in_place: bool, applying: bool) -> None:
+        """Report this rank's failure (to the trainers, as an event, and, when its weights were changed part-way,
+        as its instance serving no consistent version) and get ready for the next attempt."""
+        # In place, a failure once bytes moved (transfer part-way, strict validation, an interrupt) leaves some
+        # weights of the new version, as does one inside the apply step; before that the previous version is intact.
+        partial = (in_place and self._session.touched) or applying
+        where = f"{self.layout.instance}:{self.local_rank}"
+        cause = f"{type(error).__name__}: {error}"
+        if partial:
+            self.version = None
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(f"{where} received in place and its weights are now partially updated: it serves no "
+                               "consistent version until the next successful sync")
+            log.error("%s failed to receive %s (%s); weights partially updated in place, no consistent version",
+                      where, version, cause)
+        else:
+            log.error("%s failed to receive %s (%s); still serving %s", where, version, cause, self.version)
+        if manifest is not None:
+            self._session.finish(manifest, ok=False, cause=cause, partial=partial)
+        self._session.note_failure(manifest)
+        self._background.flush()  # earlier reports first
         try:
-            self.client.report_version(self.layout.instance, version)
-        except Exception:  # reporting must not mask the sync's own outcome
-            log.warning("could not report version %s of %s to the MetaServer", version, self.layout.instance)
+            if partial:
+                self.client.report_version(self.layout.instance, None)
+            detail = f"rank {where}: " + ("partially updated in place, no consistent version: " if partial else "")
+            self.client.publish_event("sync_failed", where, version=version, data=(detail + cause)[:2000])
+        except Exception as e:  # the sync's own error is what the caller must see
+            log.warning("%s could not report its failure of %s: %s", where, version, e)

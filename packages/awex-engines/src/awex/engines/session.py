@@ -126,8 +126,15 @@ def manifest_key(version: str) -> str:
 def version_records(version: str) -> tuple[list[str], list[str]]:
     """The MetaServer records one weight version leaves behind: exact names and prefixes (keys and agreements),
     for ``MetaClient.forget`` once nobody needs them."""
-    return ([manifest_key(version), f"plan/{version}", f"ipc-done/{version}", f"applied/{version}"],
-            [f"ipc-ready/{version}/", f"validation/{version}/", f"devices/{version}/", f"received/{version}/"])
+    return ([manifest_key(version), f"applied/{version}"],
+            [f"plan/{version}/", f"ipc-ready/{version}/", f"validation/{version}/", f"devices/{version}/",
+             f"received/{version}/", f"outcome/{version}/"])
+
+
+def outcome_key(manifest: SyncManifest, instance: str, local_rank: int) -> str:
+    """Where a receiving rank's outcome of one attempt at a version goes (the writer's count names the attempt:
+    a retry of a failed version never meets the first attempt's records)."""
+    return f"outcome/{manifest.version}/{manifest.seq}/{instance}:{local_rank}"
 
 
 def layout_key(instance: str) -> str:
@@ -164,7 +171,6 @@ class IpcState:
     executor: IpcExecutor | None = None
     plan: Plan | None = None
     bytes_sent: int | None = None  # a trainer's bytes per version under ``plan``
-    done_after: float = 0.0  # a trainer's last wait for the receivers' "done" (seconds)
     peers: list[int] | None = None  # a receiver's source ranks under ``plan``
 
 
@@ -194,9 +200,12 @@ class SyncSession:
     phases: Phases = field(default_factory=Phases)  # seconds per phase of the last transfer
     channel: VersionChannel | None = None  # the sync's version channel (per-version signals), once known
     board: HostBoard | None = None  # the sync's host board, when this rank is on the writer's host
-    signals: str = "meta"  # where this plan's CUDA IPC ready/done signals go: "board", "channel" or "meta"
+    signals: str = "meta"  # where this plan's per-version signals go: "board", "channel" or "meta"
+    touched: bool = False  # a receiver: the last transfer began moving bytes into its views
     _signals: str = "meta"  # what every rank can use, as the last device exchange found
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
+    _outcomes_after: float = 0.0  # a trainer's last wait for the receivers' outcomes (seconds)
+    _last_attempt: tuple[str | None, str, int] | None = None  # (channel, version, count) this rank took part in
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan, executors and staging, and the other
@@ -236,8 +245,28 @@ class SyncSession:
 
     def fetch_manifest(self, version: str, timeout: float) -> SyncManifest:
         """Version ``version``'s manifest: from the host board or the version channel once one is known (checking
-        the MetaServer every second, in case another writer took over), else from the MetaServer."""
+        the MetaServer every second, in case another writer took over), else from the MetaServer. Once this rank
+        took part in an attempt at ``version`` (it succeeded or failed), only a later attempt's manifest is taken
+        (the writer announces a retry with a higher count)."""
         deadline = time.monotonic() + timeout
+        while True:
+            manifest = self._fetch_manifest_once(version, deadline)
+            last = self._last_attempt
+            if last is None or (manifest.channel, manifest.version) != last[:2] or manifest.seq > last[2]:
+                return manifest
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no new attempt at version {version!r} within {timeout:g} s (this rank took "
+                                   f"part in attempt {last[2]} already)")
+            time.sleep(0.002)
+
+    def note_failure(self, manifest: SyncManifest | None) -> None:
+        """This rank failed ``manifest``'s attempt: forget the plan and group (:meth:`reset`), and do not take that
+        attempt's manifest again."""
+        self.reset()
+        if manifest is not None:
+            self._last_attempt = (manifest.channel, manifest.version, manifest.seq)
+
+    def _fetch_manifest_once(self, version: str, deadline: float) -> SyncManifest:
         while True:
             left = max(0.001, deadline - time.monotonic())
             try:
@@ -370,10 +399,9 @@ class SyncSession:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
         if manifest.transport not in ("p2p", "ipc", "auto"):
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
-        devices, reach = (), {}
-        if manifest.transport != "p2p":
-            with phase("devices"):
-                devices, reach = self._devices(manifest.version, names, layouts, deadline, ipc_ok)
+        with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
+            devices, reach = self._devices(f"{manifest.version}/{manifest.seq}", names, layouts, deadline,
+                                           ipc_ok and manifest.transport != "p2p")
 
         def plan_for(transport: str) -> Plan:
             return plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
@@ -401,7 +429,8 @@ class SyncSession:
             raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
         me = plan.rank(self.instance, self.local_rank)
         with phase("agreement"):
-            self.client.agree(f"plan/{manifest.version}", f"{self.instance}:{self.local_rank}", plan.world_size,
+            self.client.agree(f"plan/{manifest.version}/{manifest.seq}", f"{self.instance}:{self.local_rank}",
+                              plan.world_size,
                               f"{transport}:{plan.digest}", timeout=max(0.1, deadline - time.monotonic()))
         if transport == "ipc":
             pass  # no process group: receivers copy from the trainers' memory
@@ -415,7 +444,7 @@ class SyncSession:
                                                 device=self.device if cuda else None)
         self._layouts = layouts
         self._key, self._plan, self._executor, self.transport = key, plan, None, transport
-        self.signals = self._signals if transport == "ipc" else "meta"
+        self.signals = self._signals
         log.info("%s:%d planned %d buckets (digest %s), sync rank %d of %d", self.instance, self.local_rank,
                  len(plan.schedule(me.rank)), plan.digest[:12], me.rank, plan.world_size)
         return plan, me.rank, True
@@ -430,6 +459,7 @@ class SyncSession:
         if self.closed:
             raise RuntimeError(f"{self.instance}:{self.local_rank}: this reader or writer is closed")
         self.phases = phase = Phases()
+        self.touched = False
         plan, rank, _ = self.prepare(manifest, timeout, ipc_ok=not callable(shards))
         if refresh_by_wave is not None and self.transport != "p2p":
             refresh_by_wave = None
@@ -453,8 +483,93 @@ class SyncSession:
                 cached = self._before_pack = (refresh_by_wave, executor, refresh_by_wave(executor.sent_regions))
             before_pack = cached[2]
         left = max(0.1, timeout - (time.monotonic() - started))
+        self.touched = True
         with phase("transfer"):
             return executor.run(timeout=left, before_pack=before_pack)
+
+    # -- outcomes: a version counts as applied only when every receiving rank said so -------------------------
+    def finish(self, manifest: SyncManifest, ok: bool, cause: str | None = None, partial: bool = False) -> None:
+        """A receiving rank's outcome of ``manifest``'s version (after its transfer, and any apply or validation
+        step): ``ok``, or failed with ``cause`` (``partial``: its weights were changed part-way). Every trainer
+        rank waits for it (:meth:`await_outcomes`); over CUDA IPC it also says this rank stopped reading the
+        trainers' memory. A failure's cause always goes to the MetaServer too. Never raises on a failure report
+        (the sync's own error is what the caller must see)."""
+        plan = self._plan
+        me = None
+        try:
+            me = plan.rank(self.instance, self.local_rank) if plan is not None else None
+        except KeyError:
+            pass
+        self._last_attempt = (manifest.channel, manifest.version, manifest.seq)
+        doc = {"ok": ok, "cause": (cause or "")[:2000] or None, "partial": partial}
+        try:
+            with self.phases("done"):
+                if not ok or me is None or self.signals == "meta":
+                    self.client.put(outcome_key(manifest, self.instance, self.local_rank), doc)
+                if me is None:
+                    return
+                if self.signals == "board":
+                    self.board.ring(me.rank, manifest.seq, 0 if ok else 1)
+                elif self.signals == "channel":
+                    self.channel.put(f"outcome/{manifest.version}/{manifest.seq}/{me.instance}/{me.local_rank}", doc)
+        except Exception as e:
+            if ok:
+                raise
+            log.warning("%s:%d could not report its failure of %s: %s", self.instance, self.local_rank,
+                        manifest.version, e)
+
+    def await_outcomes(self, manifest: SyncManifest, deadline: float) -> dict[tuple[str, int], dict | None]:
+        """A trainer rank: every receiving rank's outcome of ``manifest``'s version, waiting until ``deadline``
+        (``time.monotonic()``); ``None`` for a rank that did not report by then (dead or stuck)."""
+        plan = self._plan
+        receivers = [r for r in plan.ranks if r.role.value != "trainer"]
+        left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
+        out: dict[tuple[str, int], dict | None] = {}
+        with self.phases("done"):
+            if self.signals == "board":
+                slots = [r.rank for r in receivers]
+                waited = time.monotonic()
+                try:
+                    details = self.board.wait(slots, manifest.seq, left(), expect=self._outcomes_after)
+                    self._outcomes_after = time.monotonic() - waited  # about as long next time
+                except TimeoutError:
+                    details = self.board.signalled(slots, manifest.seq)
+                for r, detail in zip(receivers, details):
+                    out[(r.instance, r.local_rank)] = (None if detail is None else {"ok": True} if detail == 0
+                                                       else self._failure_of(manifest, r))
+            elif self.signals == "channel":
+                keys = [f"outcome/{manifest.version}/{manifest.seq}/{r.instance}/{r.local_rank}" for r in receivers]
+                try:
+                    docs = self.channel.wait(keys, max(0.001, left()))
+                except TimeoutError:
+                    docs = [self.channel.get(k) for k in keys]
+                for r, doc in zip(receivers, docs):
+                    out[(r.instance, r.local_rank)] = doc if isinstance(doc, dict) else None
+            else:
+                for r in receivers:
+                    try:
+                        doc = self.client.get(outcome_key(manifest, r.instance, r.local_rank), timeout=left())
+                    except TimeoutError:
+                        doc = None
+                    out[(r.instance, r.local_rank)] = doc if isinstance(doc, dict) else None
+        return out
+
+    def _failure_of(self, manifest: SyncManifest, rank) -> dict:
+        doc = None
+        try:
+            doc = self.client.get(outcome_key(manifest, rank.instance, rank.local_rank), timeout=2.0)
+        except Exception as e:  # the board said it failed; the cause is a detail
+            log.warning("cause of %s:%d's failure unknown: %s", rank.instance, rank.local_rank, e)
+        return doc if isinstance(doc, dict) and doc.get("ok") is False else {"ok": False, "cause": None}
+
+    def reset(self) -> None:
+        """After a failed sync: forget the plan, the sync group and the executors, so the next manifest (a fresh
+        rendezvous) plans and joins again. The group is dropped, not shut down (a peer may be gone)."""
+        self._key = self._plan = self._group = self._executor = self._before_pack = None
+        self._ipc.executor = None
+        self._ipc.plan = None
+        self._ipc.peers = None
+        self.transport = None
 
     def _ipc_ready(self, manifest: SyncManifest, shards: LocalShards) -> None:
         """A trainer rank over CUDA IPC: this version's weights are in memory; export them where they moved, and
@@ -480,7 +595,7 @@ class SyncSession:
                     self.client.delete(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation - 1}")
         ipc.exported_from = shards
         with phase("ready"):
-            ready = f"ipc-ready/{manifest.version}/{me.instance}/{me.local_rank}"
+            ready = f"ipc-ready/{manifest.version}/{manifest.seq}/{me.instance}/{me.local_rank}"
             if self.signals == "board":
                 self.board.ring(me.rank, manifest.seq, ipc.generation)
             elif self.signals == "channel":
@@ -491,8 +606,9 @@ class SyncSession:
     def _transfer_ipc(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
                       deadline: float) -> TransferStats:
         """Sync on one host: trainers publish IPC exports (once, again if their storages move) and say ready;
-        receivers copy straight from the trainers' memory and say done; the trainers wait for that, so they do not
-        change their weights while they are read."""
+        receivers copy straight from the trainers' memory. Receivers then report their outcome (:meth:`finish`)
+        and the trainers wait for it (:meth:`await_outcomes`), so they do not change their weights while they are
+        read."""
         from awex.transport.ipc import IpcExport, open_export
 
         started = time.monotonic()
@@ -517,7 +633,8 @@ class SyncSession:
                 peers = ipc.peers
 
                 def ready(peer: int) -> str:
-                    return f"ipc-ready/{manifest.version}/{plan.ranks[peer].instance}/{plan.ranks[peer].local_rank}"
+                    src = plan.ranks[peer]
+                    return f"ipc-ready/{manifest.version}/{manifest.seq}/{src.instance}/{src.local_rank}"
                 if self.signals == "board":
                     generations = self.board.wait(peers, manifest.seq, left())
                 elif self.signals == "channel":
@@ -538,6 +655,7 @@ class SyncSession:
                 with phase("executor"):
                     ipc.executor = IpcExecutor(plan, rank, shards, sources)
                 ipc.plan = plan
+            self.touched = True
             with phase("transfer"):
                 stats = ipc.executor.run(timeout=left())
             captured = ipc.executor.capture_seconds
@@ -545,21 +663,5 @@ class SyncSession:
                 phase["capture"] = captured
                 phase["transfer"] -= captured
                 ipc.executor.capture_seconds = 0.0
-        with phase("done"):  # the trainers may change their weights only once every receiver has read them
-            receivers = [r for r in plan.ranks if r.role.value != "trainer"] if me.role.value == "trainer" else []
-            if self.signals == "meta":
-                self.client.agree(f"ipc-done/{manifest.version}", f"{me.instance}:{me.local_rank}", plan.world_size,
-                                  "done", timeout=left())
-            elif me.role.value == "trainer" and self.signals == "board":
-                waited = time.monotonic()
-                self.board.wait([r.rank for r in receivers], manifest.seq, left(), expect=ipc.done_after)
-                ipc.done_after = time.monotonic() - waited  # about as long next time (same plan, same bytes)
-            elif me.role.value == "trainer":
-                self.channel.wait([f"ipc-done/{manifest.version}/{r.instance}/{r.local_rank}" for r in receivers],
-                                  left())
-            elif self.signals == "board":
-                self.board.ring(rank, manifest.seq)
-            else:
-                self.channel.put(f"ipc-done/{manifest.version}/{me.instance}/{me.local_rank}", True)
         stats.seconds = time.monotonic() - started
         return stats

@@ -19,16 +19,19 @@ import torch
 
 from awex.meta import Box, Layout, Plan
 from awex.meta.client import MetaClient
-from awex.meta.errors import MetaServerError
+from awex.meta.errors import MetaConflictError, MetaServerError
 from awex.transport import LocalShards
 from awex.transport.p2p import TransferStats
 
 from awex.engines.background import Background
 from awex.engines.board import HostBoard, host_identity
 from awex.engines.channel import VersionChannel
+from awex.engines.errors import SyncFailedError, instance_verdicts
 from awex.engines.session import Region, SyncManifest, SyncSession, free_port, manifest_key, version_records
 
 log = logging.getLogger("awex.engines")
+
+OUTCOME_GRACE_SECONDS = 10.0  # after a failed write, how long the first rank waits for the receivers' outcomes
 
 
 class WeightsWriter:
@@ -92,7 +95,7 @@ class WeightsWriter:
         if keep_versions < 1:
             raise ValueError("keep_versions must be at least 1")
         self.keep_versions = keep_versions
-        self._written: deque[str] = deque()
+        self._written: deque[tuple[str, int]] = deque()  # (version, attempt count) written, oldest first
         self.last_stats: TransferStats | None = None  # this rank's stats of the last write
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
         if transport == "ipc" and self._shards.device.type != "cuda":
@@ -103,7 +106,9 @@ class WeightsWriter:
         self._channel: VersionChannel | None = None  # rank 0 hosts the version channel (awex.engines.channel)
         self._cleaner: VersionChannel | None = None  # the background thread's connection to it
         self._board: HostBoard | None = None  # rank 0: the host board (awex.engines.board), where /dev/shm allows
-        self._seq = 0  # versions written
+        self._seq = 0  # attempts announced (rank 0): the manifest's count
+        self._applied: set[str] = set()  # versions this writer wrote (names are written once)
+        self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write
         self._manifest: SyncManifest | None = None  # rank 0: the last manifest, and as JSON
         self._manifest_doc: dict | None = None
         if local_rank == 0:
@@ -137,26 +142,115 @@ class WeightsWriter:
         return self._session.transport
 
     def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
-        """Send weight version ``version`` to the named inference instances; returns this rank's stats."""
+        """Send weight version ``version`` to the named inference instances; returns this rank's stats once every
+        receiving rank of every destination applied it. Otherwise raises :class:`SyncFailedError` (naming each
+        rank that failed, with its cause, or did not report by the deadline) or the error that stopped this rank.
+
+        A version name is written once: a name this writer already wrote is refused before any byte moves, as is
+        one another writer announced on the MetaServer. After a failure the next ``write`` (a retry of the same
+        version, or the next one) starts afresh: a new rendezvous, plan and group on every rank, nothing of the
+        failed attempt trusted. The first rank reports each destination's version to the MetaServer: the new one
+        where every rank applied it, none (no consistent version) where some ranks changed their weights and
+        others did not finish, and publishes a ``sync_failed`` event naming who failed and why."""
+        if version in self._applied:
+            raise ValueError(f"version {version!r} was already written by this writer: version names are written once "
+                             "(name each version anew, e.g. after the training step)")
         started = time.monotonic()
+        deadline = started + self.timeout
         later: list[tuple[str, Callable[[], object]]] = []  # requests sent after the transfer (off its path)
-        if self.local_rank == 0:
-            manifest = self._announce(version, destinations, later)
-        else:
-            manifest = self._session.fetch_manifest(version, self.timeout)
-        announced = time.monotonic()
-        stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
-                                       refresh=self.refresh, refresh_by_wave=self.refresh_by_wave)
+        manifest = outcomes = None
+        try:
+            if self.local_rank == 0:
+                manifest = self._announce(version, destinations, later)
+            else:
+                manifest = self._session.fetch_manifest(version, self.timeout)
+            announced = time.monotonic()
+            stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
+                                           refresh=self.refresh, refresh_by_wave=self.refresh_by_wave)
+            outcomes = self._session.await_outcomes(manifest, deadline)
+            failed = {rank: o for rank, o in outcomes.items() if not (o and o.get("ok"))}
+            if failed:
+                raise SyncFailedError(version, failed)
+        except BaseException as e:
+            self._failed(version, manifest, e, outcomes, deadline)
+            raise
+        self._applied.add(version)
         self._session.phases.update(manifest=announced - started, total=time.monotonic() - started)
         self.last_stats = stats
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
                  stats.bytes_sent, stats.seconds)
         if self.local_rank == 0:
+            later.append((f"reporting {version} applied", partial(self._report, version, instance_verdicts(outcomes))))
             later.append((f"dropping the records of versions before {version}",
-                          partial(self._forget_old, version, self._session._plan)))
+                          partial(self._forget_old, version, manifest.seq, self._session._plan)))
         if later:  # one hand-over: one wake-up of the background thread
             self._background.submit(f"after {version}", self._background.run_each, later)
         return stats
+
+    def _failed(self, version: str, manifest: SyncManifest | None, error: BaseException,
+                outcomes: dict | None, deadline: float) -> None:
+        """After a failed attempt: on the first rank, learn what the receivers did (waiting a little for their
+        outcomes where the transfer may have begun), report every destination's version, publish the failure,
+        and drop the attempt's records and signals; on every rank, forget plan and group (fresh next time)."""
+        where = f"{self.layout.instance}:{self.local_rank}"
+        log.error("%s failed to write %s: %s", where, version, error)
+        if self.local_rank == 0 and manifest is not None:
+            if outcomes is None and self._session._plan is not None and isinstance(error, Exception):
+                try:  # the receivers report within moments what they did (a dead one does not)
+                    outcomes = self._session.await_outcomes(
+                        manifest, min(deadline, time.monotonic() + OUTCOME_GRACE_SECONDS))
+                except Exception as e:
+                    log.warning("%s: receivers' outcomes of %s unknown: %s", where, version, e)
+            self._background.flush()
+            if outcomes:
+                self._report(version, instance_verdicts(outcomes))
+            try:
+                self.client.publish_event("sync_failed", where, version=version,
+                                          data=f"{type(error).__name__}: {error}"[:2000])
+            except Exception as e:
+                log.warning("%s could not publish the failure of %s: %s", where, version, e)
+            self._withdraw(manifest)
+        self._session.note_failure(manifest)
+
+    def _withdraw(self, manifest: SyncManifest) -> None:
+        """Rank 0: take a failed attempt's manifest back (board, channel, MetaServer records), so that a retry
+        announces afresh, on a new rendezvous."""
+        version = manifest.version
+        self._manifest = self._manifest_doc = None
+        self._port = None
+        if self._board is not None:
+            self._board.post({"version": None, "withdrawn": version, "seq": manifest.seq})
+        try:
+            if self._channel is not None:
+                self._channel.delete([f"manifest/{version}"])
+        except Exception as e:
+            log.warning("could not withdraw %s from the version channel: %s", version, e)
+        names, prefixes = version_records(version)
+        self._pending_forget.append(version)
+        try:
+            self.client.forget(names, prefixes)
+        except MetaServerError as e:
+            log.warning("could not drop the MetaServer records of the failed version %s: %s", version, e)
+
+    def _report(self, version: str, verdicts: dict[str, str]) -> None:
+        """Tell the MetaServer which version each destination instance serves now."""
+        for instance, verdict in sorted(verdicts.items()):
+            if verdict == "unchanged":
+                continue
+            serves = version if verdict == "applied" else None
+            try:
+                try:
+                    self.client.report_version(instance, serves)
+                except MetaServerError as e:
+                    layout = self._session._layouts.get(instance)
+                    if "not registered" not in str(e) or layout is None:
+                        raise
+                    # a MetaServer restarted while the instance had nothing to tell it: register it on its behalf
+                    self.client.register(instance, role="inference", instance=instance,
+                                         world_size=layout.world_size)
+                    self.client.report_version(instance, serves)
+            except MetaServerError as e:  # reporting must not mask the sync's own outcome
+                log.warning("could not report version %s of %s to the MetaServer: %s", version, instance, e)
 
     def _announce(self, version: str, destinations: Sequence[str], later: list) -> SyncManifest:
         """Rank 0: publish version ``version``'s manifest (host board, version channel, MetaServer); appends what
@@ -191,9 +285,14 @@ class WeightsWriter:
         if not steady or self._session.signals != "board":  # not every rank maps the board
             self._channel.put(f"manifest/{version}", doc)
         if steady:  # the MetaServer's copy is for observers and late joiners
-            later.append((f"manifest of {version}", partial(self.client.put, manifest_key(version), doc)))
+            later.append((f"manifest of {version}", partial(self.client.put, manifest_key(version), doc,
+                                                            create_only=True)))
         else:  # ranks that do not know the channel yet (first write, new destinations) look there
-            self.client.put(manifest_key(version), doc)
+            try:
+                self.client.put(manifest_key(version), doc, create_only=True)
+            except MetaConflictError:
+                raise ValueError(f"version {version!r} was already announced on the MetaServer (by another writer, "
+                                 "or an earlier run of this job): version names are written once") from None
         later.append((f"event weights_ready {version}", partial(self.client.publish_event, "weights_ready",
                                                                   self.layout.instance, version=version)))
         return manifest
@@ -212,17 +311,25 @@ class WeightsWriter:
         """Seconds of each phase of this rank's last write (plan, agreement, group, export, transfer, ...)."""
         return dict(self._session.phases)
 
-    def _forget_old(self, version: str, plan: Plan | None = None) -> None:
+    def _forget_old(self, version: str, seq: int, plan: Plan | None = None) -> None:
         """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes
         thousands; the server's key store is bounded). This version's bytes reached every receiver (p2p) or every
         receiver said it is done (ipc), and a receiver finishes a version, validation report included, before it
         receives the next: the older versions' records are final and nobody waits on them (assuming, as training
         does, that this instance's ranks write versions in step, never ``keep_versions`` apart)."""
-        self._written.append(version)
+        self._written.append((version, seq))
         ranks = [(r.instance, r.local_rank) for r in plan.ranks] if plan is not None else []
+        while self._pending_forget:  # failed attempts: records their ranks may have left after the first drop
+            failed = self._pending_forget.pop()
+            if failed != version:
+                names, prefixes = version_records(failed)
+                try:
+                    self.client.forget(names, prefixes)
+                except MetaServerError as e:
+                    log.warning("could not drop the MetaServer records of the failed version %s: %s", failed, e)
         while len(self._written) > self.keep_versions:
-            old = self._written.popleft()
-            self._forget_signals(old, ranks)
+            old, old_seq = self._written.popleft()
+            self._forget_signals(old, old_seq, ranks)
             names, prefixes = version_records(old)
             try:
                 gone = self.client.forget(names, prefixes)
@@ -230,7 +337,7 @@ class WeightsWriter:
             except MetaServerError as e:  # the write itself succeeded; the records only cost server memory
                 log.warning("could not drop the MetaServer records of version %s: %s", old, e)
 
-    def _forget_signals(self, version: str, ranks: Sequence[tuple[str, int]]) -> None:
+    def _forget_signals(self, version: str, seq: int, ranks: Sequence[tuple[str, int]]) -> None:
         """Drop version ``version``'s keys from the version channel (from the background thread, on a connection
         of its own)."""
         channel = self._channel
@@ -238,6 +345,6 @@ class WeightsWriter:
             return
         if self._cleaner is None or self._cleaner.address != channel.address:
             self._cleaner = channel.clone()
-        keys = [f"manifest/{version}"] + [f"ipc-{kind}/{version}/{instance}/{rank}" for instance, rank in ranks
-                                          for kind in ("ready", "done")]
+        keys = [f"manifest/{version}"] + [f"{kind}/{version}/{seq}/{instance}/{rank}" for instance, rank in ranks
+                                          for kind in ("ipc-ready", "outcome")]
         self._cleaner.delete(keys)

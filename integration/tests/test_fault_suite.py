@@ -1,0 +1,20 @@
+"""The fault suite's cases (``awex_integration.fault_suite``), one test each: real trainer and engine processes over
+gloo and a MetaServer, faults injected, every party's claims checked against what happened. ``./noxw -s faults``
+runs the same cases and prints the suite's JSON summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from awex_integration.fault_suite import cases, run_case
+
+CASES = {case.name: case for case in cases()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fault_case(name):
+    result = run_case(CASES[name], timeout=8.0)
+    assert not result["hangs"], result["hangs"]
+    assert not result["false_success"], result["false_success"]
+    assert result["passed"], result["problems"]
+    assert result["recovered"] == CASES[name].recovers

@@ -1,0 +1,42 @@
+"""Errors of a weight sync as a whole (a transport's own errors live in ``awex.transport``)."""
+
+from __future__ import annotations
+
+from awex.transport.p2p import TransferError
+
+
+class SyncFailedError(TransferError):
+    """Version ``version`` was not applied on every receiving rank. ``failed`` maps ``(instance, rank)`` to that
+    rank's outcome (``{"ok": False, "cause": ..., "partial": ...}``), or to ``None`` for a rank that did not
+    report within the deadline (dead or stuck)."""
+
+    def __init__(self, version: str, failed: dict[tuple[str, int], dict | None]):
+        self.version = version
+        self.failed = dict(failed)
+        parts = []
+        for (instance, rank), outcome in sorted(self.failed.items()):
+            if outcome is None:
+                parts.append(f"{instance}:{rank} did not report (dead or stuck)")
+            else:
+                parts.append(f"{instance}:{rank} failed" + (" part-way" if outcome.get("partial") else "")
+                             + (f": {outcome['cause']}" if outcome.get("cause") else ""))
+        super().__init__(f"version {version!r} was not applied everywhere: " + "; ".join(parts[:8])
+                         + (f" (and {len(parts) - 8} more)" if len(parts) > 8 else ""))
+
+
+def instance_verdicts(outcomes: dict[tuple[str, int], dict | None]) -> dict[str, str]:
+    """Per instance, from its ranks' outcomes of one version: ``"applied"`` (every rank applied it),
+    ``"unchanged"`` (every rank failed before changing anything: the previous version still serves), or
+    ``"inconsistent"`` (some ranks changed, or may have changed, their weights and some did not finish)."""
+    by_instance: dict[str, list[dict | None]] = {}
+    for (instance, _), outcome in outcomes.items():
+        by_instance.setdefault(instance, []).append(outcome)
+    verdicts = {}
+    for instance, ranks in by_instance.items():
+        if all(o is not None and o.get("ok") for o in ranks):
+            verdicts[instance] = "applied"
+        elif all(o is not None and not o.get("ok") and not o.get("partial") for o in ranks):
+            verdicts[instance] = "unchanged"
+        else:
+            verdicts[instance] = "inconsistent"
+    return verdicts
