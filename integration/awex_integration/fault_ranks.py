@@ -39,14 +39,15 @@ def value(name: str, step: int) -> float:
     return step + (zlib.crc32(name.encode()) % 1000) / 1000.0
 
 
-def plain_views(layout, local_rank: int):
-    """Plain tensors standing in for the engine's parameters, one per box of this rank; and a view_of over them."""
+def plain_views(layout, local_rank: int, device: str = "cpu"):
+    """Plain tensors standing in for the engine's parameters, one per box of this rank; and a view_of over them.
+    On ``device="cuda"`` they live on GPU 0 (every rank of a case shares it: CUDA IPC between colocated ranks)."""
     import torch
 
     held: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def view_of(name, box):
-        t = held.setdefault((name, box.offsets), torch.full(box.sizes, -1.0))
+        t = held.setdefault((name, box.offsets), torch.full(box.sizes, -1.0, device=device))
         return t
 
     from awex.transport import LocalShards
@@ -64,14 +65,14 @@ def step_number(version: str) -> int:
 
 
 def trainer_rank(address: str, job: str, rank: int, tp: int, infer_tp: int, script: list[dict], timeout: float,
-                 destinations: list[str], workdir: str) -> list[dict]:
+                 destinations: list[str], workdir: str, device: str = "cpu") -> list[dict]:
     import torch
 
     from awex.engines.writer import WeightsWriter
     from awex.meta.client import MetaClient
 
     layout, _ = layouts(tp, infer_tp)
-    held, view_of = plain_views(layout, rank)
+    held, view_of = plain_views(layout, rank, device)
     writer = WeightsWriter(MetaClient(address, job=job, timeout=timeout), layout, rank, view_of, timeout=timeout,
                            wave_bytes=64 << 10)
     out = []
@@ -90,6 +91,7 @@ def trainer_rank(address: str, job: str, rank: int, tp: int, infer_tp: int, scri
         try:
             writer.write(version, destinations)
             out.append({"version": version, "ok": True, "seconds": time.monotonic() - started,
+                        "transport": writer.transport_in_use,
                         **({"resources": resources()} if step.get("measure") else {})})
         except Exception as e:
             out.append({"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:1500],
@@ -116,8 +118,13 @@ def resources() -> dict:
     gc.collect()
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
-    return {"rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"), "threads": len(os.listdir("/proc/self/task")),
-            "fds": len(os.listdir("/proc/self/fd"))}
+    out = {"rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"), "threads": len(os.listdir("/proc/self/task")),
+           "fds": len(os.listdir("/proc/self/fd"))}
+    import torch
+
+    if torch.cuda.is_initialized():
+        out["cuda_bytes"] = torch.cuda.memory_allocated()
+    return out
 
 
 def _exit_soon(delay: float) -> None:
@@ -127,12 +134,12 @@ def _exit_soon(delay: float) -> None:
 
 
 def receiver_rank(address: str, job: str, instance: str, rank: int, train_tp: int, tp: int, script: list[dict],
-                  timeout: float, workdir: str) -> list[dict]:
+                  timeout: float, workdir: str, device: str = "cpu") -> list[dict]:
     from awex.engines.reader import WeightsReader
     from awex.meta.client import MetaClient
 
     _, layout = layouts(train_tp, tp, instance)
-    held, view_of = plain_views(layout, rank)
+    held, view_of = plain_views(layout, rank, device)
     reader = WeightsReader(MetaClient(address, job=job, timeout=timeout), layout, rank, view_of, timeout=timeout)
     out = []
     for step in script:

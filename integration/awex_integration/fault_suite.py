@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ class Case:
     train_tp: int = 1
     infer_tp: int = 2
     check: Callable[[dict], list[str]] | None = None  # extra checks of the run's record: problems found
+    zombie: list[dict] | None = None  # a second trainer process (rank 0 of the same instance) started at "go"
 
 
 def _steps(*versions: str, **faults: str) -> list[dict]:
@@ -105,11 +107,15 @@ class ProcessServer:
         self.kill()
         self.proc = self._spawn()
 
+    def restart_killed(self) -> None:
+        self.proc = self._spawn()
+
     def freeze(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
 
     def thaw(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         self.thaw()
@@ -124,7 +130,8 @@ def _run_rank(fn, key, args, results) -> None:
         results.put((key, "error", f"{type(e).__name__}: {e}"))
 
 
-def run_case(case: Case, timeout: float) -> dict:
+def run_case(case: Case, timeout: float, device: str = "cpu") -> dict:
+    """Run ``case``; on ``device="cuda"`` every rank's tensors live on GPU 0 (colocated ranks: CUDA IPC)."""
     work = Path(tempfile.mkdtemp(prefix=f"awex-fault-{case.name}-"))
     server = EmbeddedServer() if case.server == "embedded" else ProcessServer()
     job = case.name.replace("_", "-")
@@ -133,13 +140,13 @@ def run_case(case: Case, timeout: float) -> dict:
     procs: dict[tuple[str, int, int], Any] = {}  # (role, rank, life) -> process
 
     def start(role: str, rank: int, script: list[dict], life: int) -> None:
-        if role == "trainer":
+        if role in ("trainer", "zombie"):
             fn, args = fault_ranks.trainer_rank, (server.address, job, rank, case.train_tp, case.infer_tp, script,
-                                                  timeout, ["eng"], str(work))
+                                                  timeout, ["eng"], str(work), device)
         else:
             # an engine waits for the trainer (as vLLM's update call does): its deadline covers the trainer's
             fn, args = fault_ranks.receiver_rank, (server.address, job, "eng", rank, case.train_tp, case.infer_tp,
-                                                   script, RECEIVER_DEADLINES * timeout, str(work))
+                                                   script, RECEIVER_DEADLINES * timeout, str(work), device)
         p = ctx.Process(target=_run_rank, args=(fn, (role, rank, life), args, results), daemon=False)
         p.start()
         procs[(role, rank, life)] = p
@@ -158,6 +165,8 @@ def run_case(case: Case, timeout: float) -> dict:
         if not between_done and all((work / f"at-{k[0]}-{k[1]}").exists() for k in procs if k[2] == 0
                                     and k not in out):
             case.between(server, work)  # every rank waits for "go"
+            if case.zombie is not None:
+                start("zombie", 0, case.zombie, 0)
             (work / "go").write_text("")
             between_done = True
         try:
@@ -247,7 +256,10 @@ def _judge(case: Case, out: dict, hung: list, history: dict, timeout: float, sec
     if case.check is not None:
         problems += case.check({"records": records, "history": history})
     passed = not problems and not hangs and not false_success
+    transports = sorted({rec["transport"] for recs in records.values() for party, rec in recs
+                         if party.startswith("trainer") and rec.get("transport")})
     return {"case": case.name, "what": case.what, "passed": passed, "problems": problems, "hangs": hangs,
+            "transports": transports,
             "false_success": false_success, "recovered": recovered, "should_recover": case.recovers,
             "seconds": round(seconds, 1), "reported": history.get("versions", []),
             "failures": history.get("failures", [])[:6]}
@@ -344,6 +356,23 @@ def cases() -> list[Case]:
         Case("two_hundred_syncs",
              "200 versions in a row: memory, threads and file descriptors stay flat on every rank",
              trainer=[_many(200)], engine=[_many(200)] * 2, check=_flat),
+        Case("metaserver_frozen_during_first_sync",
+             "a standalone MetaServer is frozen (SIGSTOP) for 3 s while the first sync plans and agrees",
+             trainer=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]],
+             engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
+             server="process", between=_freeze(3.0, wait=False), check=_reported("v-2")),
+        Case("metaserver_killed_during_first_sync",
+             "a standalone MetaServer is killed (SIGKILL) as the first sync starts and is back 2 s later, empty: the "
+             "sync succeeds or fails within its deadline, and the next version succeeds",
+             trainer=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]],
+             engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
+             server="process", between=_kill_for(2.0), check=_reported("v-2")),
+        Case("zombie_writer",
+             "a second writer process of the same trainer rank announces a version the first already wrote: refused "
+             "before any byte moves; the first writer goes on",
+             trainer=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]],
+             engine=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]] * 2,
+             zombie=_steps("v-2"), between=lambda server, work: None, check=_zombie_refused),
         Case("version_name_reused",
              "the trainer writes a version name twice: refused before any byte moves; the next version succeeds",
              trainer=[_steps("v-1", "v-1", "v-2")],
@@ -364,16 +393,29 @@ def _flat(run: dict) -> list[str]:
             problems.append(f"{party}: no measurement at v-30 and v-200")
             continue
         a, b = first["resources"], last["resources"]
-        if b["fds"] > a["fds"] + 2 or b["threads"] > a["threads"] + 1 or b["rss_bytes"] > a["rss_bytes"] + (24 << 20):
+        if (b["fds"] > a["fds"] + 2 or b["threads"] > a["threads"] + 1 or b["rss_bytes"] > a["rss_bytes"] + (24 << 20)
+                or b.get("cuda_bytes", 0) > a.get("cuda_bytes", 0) + (1 << 20)):
             problems.append(f"{party} grew from v-30 to v-200: {a} -> {b}")
     return problems
 
 
-def _freeze(seconds: float):
+def _freeze(seconds: float, wait: bool = True):
+    """Freeze the server for ``seconds``: before the ranks go on (``wait``), or while they do."""
     def between(server, work: Path) -> None:
         server.freeze()
-        time.sleep(seconds)
-        server.thaw()
+        if wait:
+            time.sleep(seconds)
+            server.thaw()
+        else:
+            threading.Timer(seconds, server.thaw).start()
+    return between
+
+
+def _kill_for(seconds: float):
+    """Kill the server as the ranks go on; start an empty one on its port ``seconds`` later."""
+    def between(server, work: Path) -> None:
+        server.kill()
+        threading.Timer(seconds, server.restart_killed).start()
     return between
 
 
@@ -385,6 +427,13 @@ def _unchanged_then(before: str, after: str):
             problems.append("eng was reported as serving no consistent version, although no byte had moved")
         return problems + _reported(after)(run)
     return check
+
+
+def _zombie_refused(run: dict) -> list[str]:
+    recs = [rec for party, rec in run["records"].get("v-2", []) if party.startswith("zombie")]
+    if len(recs) != 1 or recs[0]["ok"] or "already announced" not in recs[0].get("error", ""):
+        return [f"the zombie's write of v-2 was not refused: {recs}"]
+    return _reported("v-3")(run)
 
 
 def _reuse_refused(run: dict) -> list[str]:

@@ -18,3 +18,4 @@ def test_fault_case(name):
     assert not result["false_success"], result["false_success"]
     assert result["passed"], result["problems"]
     assert result["recovered"] == CASES[name].recovers
+    assert result["transports"] in ([], ["p2p"])  # CPU ranks: gloo

@@ -58,3 +58,16 @@ def test_writer_and_readers_on_gpus(case):
     for key, (_, value) in out.items():
         if key[0] != "trainer":
             assert value["checked"] > 0 and value["bad"] == [], (key, value)
+
+
+@pytest.mark.parametrize("name", ["receiver_rank_dies_after_transfer", "receiver_raises_in_apply", "two_hundred_syncs"])
+def test_fault_cases_over_cuda_ipc(name):
+    """Fault-suite cases with every rank's weights on GPU 0 (colocated, CUDA IPC): a receiver process that dies
+    after its copy fails the trainer's write within its deadline, the instance reports no consistent version, the
+    restarted rank and the retry succeed; 200 versions keep CUDA memory, host memory, threads and descriptors flat."""
+    from awex_integration.fault_suite import cases, run_case
+
+    case = next(c for c in cases() if c.name == name)
+    result = run_case(case, timeout=20.0, device="cuda")
+    assert result["passed"] and not result["hangs"] and not result["false_success"], result
+    assert result["transports"] == ["ipc"], result["transports"]  # colocated on one GPU: CUDA IPC, as auto picks

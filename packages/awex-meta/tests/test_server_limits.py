@@ -266,3 +266,15 @@ def test_report_version_of_an_unknown_participant_raises():
     with EmbeddedMetaServer() as s:
         with pytest.raises(MetaServerError, match="not registered"):
             MetaClient(s.address, job="j", timeout=5).report_version("ghost", "v1")
+
+
+def test_the_route_table_in_the_docs_lists_every_route():
+    import re
+
+    from awex.meta.server import app
+
+    def shape(path: str) -> str:  # placeholders named alike
+        return re.sub(r"\{[a-z]+(:[^}]*)?\}", "{}", path)
+
+    documented = {(m, shape(p)) for m, p in re.findall(r"``(GET|PUT|POST|DELETE) (/v1/[^` \[?]+)", app.__doc__)}
+    assert documented == {(m, shape(p)) for m, p, _ in app.ROUTES}

@@ -571,19 +571,25 @@ class SyncSession:
         self._ipc.peers = None
         self.transport = None
 
-    def _ipc_ready(self, manifest: SyncManifest, shards: LocalShards) -> None:
+    def _ipc_ready(self, manifest: SyncManifest, shards: LocalShards, deadline: float) -> None:
         """A trainer rank over CUDA IPC: this version's weights are in memory; export them where they moved, and
         signal the receivers."""
         import torch
 
+        from awex.transport.deadline import wait_event
         from awex.transport.ipc import export_shards
+        from awex.transport.p2p import TransferTimeout
 
         plan = self._plan
         me = plan.rank(self.instance, self.local_rank)
         phase = self.phases
         stream = torch.cuda.current_stream(shards.device)
-        if not stream.query():  # idle (the usual case, after an optimizer step): no synchronize's wake-up to wait for
-            stream.synchronize()  # this version's weights are in memory
+        if not stream.query():  # idle (the usual case, after an optimizer step): nothing to wait for
+            done = torch.cuda.Event()  # this version's weights are in memory once the work queued so far ran
+            done.record(stream)
+            wait_event(done, deadline, lambda: TransferTimeout(
+                f"{self.instance}:{self.local_rank}: the GPU work before version {manifest.version} (the weights' "
+                "last update) did not finish before the deadline"))
         ipc = self._ipc
         # the same views as last time alias the same storages: only other views need checking
         if ipc.export is None or (ipc.exported_from is not shards and not ipc.export.matches(shards)):
@@ -618,7 +624,7 @@ class SyncSession:
         phase = self.phases
         if me.role.value == "trainer":
             ipc = self._ipc
-            self._ipc_ready(manifest, shards)
+            self._ipc_ready(manifest, shards, deadline)
             if ipc.bytes_sent is None or ipc.plan is not plan:
                 ipc.bytes_sent, ipc.plan = sum(s.bucket.nbytes for s in plan.schedule(rank)), plan
             stats.bytes_sent = ipc.bytes_sent

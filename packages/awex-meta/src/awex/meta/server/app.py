@@ -437,21 +437,27 @@ class MetaServerApp:
 SERVER_KEY = web.AppKey("awex_meta_server", MetaServerApp)
 
 
+ROUTES = (  # (method, path, handler): the table in this module's docstring lists the same
+    ("GET", "/v1/health", "health"),
+    ("GET", "/v1/status", "status"),
+    ("PUT", "/v1/jobs/{job}/kv/{key:.+}", "put_value"),
+    ("GET", "/v1/jobs/{job}/kv/{key:.+}", "get_value"),
+    ("DELETE", "/v1/jobs/{job}/kv/{key:.+}", "delete_value"),
+    ("GET", "/v1/jobs/{job}/keys", "list_keys"),
+    ("POST", "/v1/jobs/{job}/forget", "forget"),
+    ("POST", "/v1/jobs/{job}/participants", "register"),
+    ("POST", "/v1/jobs/{job}/participants/{name}/version", "report_version"),
+    ("POST", "/v1/jobs/{job}/events", "publish_event"),
+    ("GET", "/v1/jobs/{job}/events", "get_events"),
+    ("POST", "/v1/jobs/{job}/agree/{key:.+}", "agree"),
+)
+
+
 def make_app(config: ServerConfig | None = None) -> web.Application:
     """Build the aiohttp application (used by the embedded and the standalone server, and by tests)."""
     server = MetaServerApp(config or ServerConfig())
     app = web.Application(client_max_size=server.config.max_payload_bytes, middlewares=[server.middleware])
     app[SERVER_KEY] = server
-    app.router.add_get("/v1/health", server.health)
-    app.router.add_get("/v1/status", server.status)
-    app.router.add_put("/v1/jobs/{job}/kv/{key:.+}", server.put_value)
-    app.router.add_get("/v1/jobs/{job}/kv/{key:.+}", server.get_value)
-    app.router.add_delete("/v1/jobs/{job}/kv/{key:.+}", server.delete_value)
-    app.router.add_get("/v1/jobs/{job}/keys", server.list_keys)
-    app.router.add_post("/v1/jobs/{job}/forget", server.forget)
-    app.router.add_post("/v1/jobs/{job}/participants", server.register)
-    app.router.add_post("/v1/jobs/{job}/participants/{name}/version", server.report_version)
-    app.router.add_post("/v1/jobs/{job}/events", server.publish_event)
-    app.router.add_get("/v1/jobs/{job}/events", server.get_events)
-    app.router.add_post("/v1/jobs/{job}/agree/{key:.+}", server.agree)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, getattr(server, handler))
     return app
