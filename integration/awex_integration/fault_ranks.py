@@ -39,9 +39,21 @@ def value(name: str, step: int) -> float:
     return step + (zlib.crc32(name.encode()) % 1000) / 1000.0
 
 
+def rank_device(device: str, role: str, rank: int, train_tp: int) -> str:
+    """Where a rank's tensors live: ``"cpu"``; ``"cuda"``: GPU 0 for every rank (colocated: CUDA IPC);
+    ``"cuda-per-rank"``: a GPU of its own (trainer rank r on GPU r, engine rank r on GPU ``train_tp + r``; NCCL)."""
+    if device != "cuda-per-rank":
+        return device
+    import torch
+
+    index = rank if role == "trainer" else train_tp + rank
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
 def plain_views(layout, local_rank: int, device: str = "cpu"):
-    """Plain tensors standing in for the engine's parameters, one per box of this rank; and a view_of over them.
-    On ``device="cuda"`` they live on GPU 0 (every rank of a case shares it: CUDA IPC between colocated ranks)."""
+    """Plain tensors standing in for the engine's parameters, one per box of this rank; and a view_of over them
+    (on ``device``, see :func:`rank_device`)."""
     import torch
 
     held: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
@@ -65,19 +77,20 @@ def step_number(version: str) -> int:
 
 
 def trainer_rank(address: str, job: str, rank: int, tp: int, infer_tp: int, script: list[dict], timeout: float,
-                 destinations: list[str], workdir: str, device: str = "cpu") -> list[dict]:
+                 destinations: list[str], workdir: str, device: str = "cpu", transport: str = "auto") -> list[dict]:
     import torch
 
     from awex.engines.writer import WeightsWriter
     from awex.meta.client import MetaClient
 
     layout, _ = layouts(tp, infer_tp)
-    held, view_of = plain_views(layout, rank, device)
+    held, view_of = plain_views(layout, rank, rank_device(device, "trainer", rank, tp))
     writer = WeightsWriter(MetaClient(address, job=job, timeout=timeout), layout, rank, view_of, timeout=timeout,
-                           wave_bytes=64 << 10)
-    out = []
+                           wave_bytes=64 << 10, transport=transport)
+    out = Records(workdir)
     for step in script:
         version, fault = step["version"], step.get("fault")
+        writer.timeout = step.get("timeout", timeout)
         if step.get("pause"):
             pause(workdir, "trainer", rank)
         with torch.no_grad():
@@ -87,18 +100,40 @@ def trainer_rank(address: str, job: str, rank: int, tp: int, infer_tp: int, scri
             os._exit(EXIT_CODE)
         if fault == "die_during":  # dies once its first wave is on the way
             writer.refresh = lambda: _exit_soon(0.05)
+        if fault == "die_after_agreement":  # every rank agreed on the plan and joined the group; no byte sent
+            writer.refresh = lambda: os._exit(EXIT_CODE)
         started = time.monotonic()
         try:
             writer.write(version, destinations)
             out.append({"version": version, "ok": True, "seconds": time.monotonic() - started,
+                        "deadline": writer.timeout,
                         "transport": writer.transport_in_use,
                         **({"resources": resources()} if step.get("measure") else {})})
         except Exception as e:
             out.append({"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:1500],
-                        "seconds": time.monotonic() - started})
+                        "seconds": time.monotonic() - started, "deadline": writer.timeout})
         writer.refresh = None
     writer.flush()
-    return out
+    return list(out)
+
+
+class Records(list):
+    """A rank's step records, each also appended to ``records-<pid>.jsonl`` in the case's folder as it is made:
+    the harness reads the steps a rank finished before it died (:func:`died_records`)."""
+
+    def __init__(self, workdir: str):
+        super().__init__()
+        self.path = Path(workdir, f"records-{os.getpid()}.jsonl")
+
+    def append(self, record: dict) -> None:
+        super().append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def died_records(workdir: str, pid: int) -> list[dict]:
+    path = Path(workdir, f"records-{pid}.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def pause(workdir: str, role: str, rank: int, timeout: float = 120.0) -> None:
@@ -139,9 +174,9 @@ def receiver_rank(address: str, job: str, instance: str, rank: int, train_tp: in
     from awex.meta.client import MetaClient
 
     _, layout = layouts(train_tp, tp, instance)
-    held, view_of = plain_views(layout, rank, device)
+    held, view_of = plain_views(layout, rank, rank_device(device, "engine", rank, train_tp))
     reader = WeightsReader(MetaClient(address, job=job, timeout=timeout), layout, rank, view_of, timeout=timeout)
-    out = []
+    out = Records(workdir)
     for step in script:
         version, fault = step["version"], step.get("fault")
         if step.get("pause"):
@@ -158,6 +193,10 @@ def receiver_rank(address: str, job: str, instance: str, rank: int, train_tp: in
             validate, strict = _wrong_checkpoint(held, workdir, f"{instance}-{rank}-{version}"), True
         elif fault == "fail_before_transfer":
             reader._session.transfer = _raise(RuntimeError("engine refused to start receiving"))
+        elif fault == "die_after_agreement":  # agreed on the plan and joined the group, then gone
+            reader._session.transfer = _die_after_prepare(reader._session)
+        if step.get("delay"):  # a slow engine: reaches its update call late
+            time.sleep(step["delay"])
         started = time.monotonic()
         try:
             reader.receive(version, apply=apply, validate=validate, strict=strict, in_place=True)
@@ -171,7 +210,14 @@ def receiver_rank(address: str, job: str, instance: str, rank: int, train_tp: in
             reader._session.__dict__.pop("transfer", None)
     reader.flush()
     reader.close()
-    return out
+    return list(out)
+
+
+def _die_after_prepare(session):
+    def transfer(manifest, shards, timeout, *args, **kwargs):
+        session.prepare(manifest, timeout, ipc_ok=not callable(shards))
+        os._exit(EXIT_CODE)
+    return transfer
 
 
 def _raise(error: BaseException):

@@ -44,7 +44,7 @@ class Case:
     trainer: list[list[dict]]  # one script per trainer rank
     engine: list[list[dict]]  # one script per engine rank (instance "eng")
     restart: dict[tuple[str, int], list[dict]] = field(default_factory=dict)  # a rank that died runs this next
-    restart_delay: float = 0.0  # seconds (beyond the deadline, if negative: -1 = deadline + 1 s) before it does
+    restart_delay: float = 0.0  # seconds before it does; negative: -k = k trainer deadlines + 1 s
     expect_failed: set[str] = field(default_factory=set)  # versions whose first attempt must fail
     recovers: bool = True  # the last version must succeed everywhere
     server: str = "embedded"  # or "process": a standalone `awex-meta serve` the case may kill or stop
@@ -130,8 +130,10 @@ def _run_rank(fn, key, args, results) -> None:
         results.put((key, "error", f"{type(e).__name__}: {e}"))
 
 
-def run_case(case: Case, timeout: float, device: str = "cpu") -> dict:
-    """Run ``case``; on ``device="cuda"`` every rank's tensors live on GPU 0 (colocated ranks: CUDA IPC)."""
+def run_case(case: Case, timeout: float, device: str = "cpu", transport: str = "auto") -> dict:
+    """Run ``case``; on ``device="cuda"`` every rank's tensors live on GPU 0 (colocated ranks: CUDA IPC), on
+    ``"cuda-per-rank"`` each rank has a GPU of its own (``fault_ranks.rank_device``); ``transport``: the
+    writers'."""
     work = Path(tempfile.mkdtemp(prefix=f"awex-fault-{case.name}-"))
     server = EmbeddedServer() if case.server == "embedded" else ProcessServer()
     job = case.name.replace("_", "-")
@@ -142,7 +144,7 @@ def run_case(case: Case, timeout: float, device: str = "cpu") -> dict:
     def start(role: str, rank: int, script: list[dict], life: int) -> None:
         if role in ("trainer", "zombie"):
             fn, args = fault_ranks.trainer_rank, (server.address, job, rank, case.train_tp, case.infer_tp, script,
-                                                  timeout, ["eng"], str(work), device)
+                                                  timeout, ["eng"], str(work), device, transport)
         else:
             # an engine waits for the trainer (as vLLM's update call does): its deadline covers the trainer's
             fn, args = fault_ranks.receiver_rank, (server.address, job, "eng", rank, case.train_tp, case.infer_tp,
@@ -177,10 +179,10 @@ def run_case(case: Case, timeout: float, device: str = "cpu") -> dict:
             pass
         for key, p in list(procs.items()):
             if key not in out and not p.is_alive():
-                out[key] = ("died", p.exitcode)
+                out[key] = ("died", (p.exitcode, fault_ranks.died_records(str(work), p.pid)))
                 nxt = case.restart.get(key[:2]) if key[2] == 0 else None
                 if nxt is not None and p.exitcode == fault_ranks.EXIT_CODE:
-                    delay = timeout + 1.0 if case.restart_delay < 0 else case.restart_delay
+                    delay = -case.restart_delay * timeout + 1.0 if case.restart_delay < 0 else case.restart_delay
                     pending.append((time.monotonic() + delay, key[0], key[1], nxt))
         for item in [x for x in pending if x[0] <= time.monotonic()]:
             pending.remove(item)
@@ -217,18 +219,19 @@ def _judge(case: Case, out: dict, hung: list, history: dict, timeout: float, sec
     records: dict[str, list[tuple[str, dict]]] = {}  # version -> [(party, step record)], in each party's order
     for key, (status, value) in sorted(out.items(), key=lambda kv: kv[0][2]):
         party = f"{key[0]}:{key[1]}"  # a restarted rank counts as its rank
-        if status == "ok":
-            for rec in value:
-                records.setdefault(rec["version"], []).append((party, dict(rec, life=key[2])))
-        elif status == "died" and value != fault_ranks.EXIT_CODE:
-            problems.append(f"{party} died unexpectedly (exit {value})")
-        elif status == "error":
+        if status == "died":  # the steps it finished before it died count as well
+            value, finished = value
+            if value != fault_ranks.EXIT_CODE:
+                problems.append(f"{party} died unexpectedly (exit {value})")
+        for rec in value if status == "ok" else finished if status == "died" else []:
+            records.setdefault(rec["version"], []).append((party, dict(rec, life=key[2])))
+        if status == "error":
             problems.append(f"{party} raised outside a step: {value}")
     hangs = [f"{k[0]}:{k[1]} still running at the case's limit" for k in hung]
     false_success = []
     for version, recs in records.items():
         for party, rec in recs:
-            deadline = timeout * (RECEIVER_DEADLINES if party.startswith("engine") else 1)
+            deadline = rec.get("deadline") or timeout * (RECEIVER_DEADLINES if party.startswith("engine") else 1)
             if rec["seconds"] > deadline + SLACK:
                 hangs.append(f"{party} took {rec['seconds']:.1f} s on {version} (deadline {deadline:g} s)")
             if rec["ok"] and party.startswith("engine") and not rec.get("holds"):
@@ -338,6 +341,13 @@ def cases() -> list[Case]:
              engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3")],
              restart={("trainer", 1): _steps("v-2", "v-3")}, expect_failed={"v-2"}, train_tp=2,
              check=_reported("v-3")),
+        Case("sole_trainer_dies_and_restarts",
+             "the only trainer rank (the one that announces versions) dies after the plan agreement; restarted, it "
+             "announces the retry on a new host board and channel, which the receivers find",
+             trainer=[_steps("v-1", "v-2", v_2="die_after_agreement")],
+             engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3")],
+             restart={("trainer", 0): _steps("v-2", "v-3")}, restart_delay=2.0, expect_failed={"v-2"},
+             check=_reported("v-3")),
         Case("metaserver_restarted_between_syncs",
              "the MetaServer restarts between two versions: clients publish again what they own, syncs go on",
              trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
@@ -378,6 +388,37 @@ def cases() -> list[Case]:
              trainer=[_steps("v-1", "v-1", "v-2")],
              engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
              check=_reuse_refused),
+    ]
+
+
+def nccl_cases() -> list[Case]:
+    """Cases for NCCL between ranks on GPUs of their own (one trainer rank, one engine rank: two GPUs). A dead peer
+    is not noticed by NCCL over NVLink: the survivor's deadline ends the wait and aborts the group; PyTorch's
+    watchdog must neither kill the survivor nor cut short a sync whose deadline is longer than the first's."""
+    return [
+        Case("nccl_receiver_dies_after_agreement",
+             "the engine rank dies after joining the NCCL group, before any byte: the trainer's write fails at its "
+             "deadline and the trainer lives on; the restarted engine and the retry succeed",
+             trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
+             engine=[_steps("v-1", "v-2", v_2="die_after_agreement")],
+             restart={("engine", 0): _steps("v-2", "v-3")}, restart_delay=-1, expect_failed={"v-2"}, infer_tp=1,
+             check=_reported("v-3")),
+        Case("nccl_trainer_dies_after_agreement",
+             "the trainer rank dies after joining the NCCL group: the engine's receive fails at its deadline and the "
+             "engine lives on; the restarted trainer's retry succeeds",
+             trainer=[_steps("v-1", "v-2", v_2="die_after_agreement")],
+             engine=[_steps("v-1", "v-2", "v-2", "v-3")],
+             restart={("trainer", 0): _steps("v-2", "v-3")}, restart_delay=-RECEIVER_DEADLINES,
+             expect_failed={"v-2"}, infer_tp=1, check=_reported("v-3")),
+        Case("nccl_watchdog_follows_deadline",
+             "a sync with a 45 s deadline whose engine comes 30 s late, after a first sync with a short one: "
+             "PyTorch's watchdog (set from the first) neither kills the trainer nor ends the sync",
+             trainer=[[{"version": "v-1"}, {"version": "v-2", "timeout": 45.0}, {"version": "v-3"}]],
+             engine=[[{"version": "v-1"}, {"version": "v-2", "delay": 30.0}, {"version": "v-3"}]],
+             infer_tp=1, check=_reported("v-3")),
+        Case("nccl_two_hundred_syncs",
+             "200 versions over NCCL: CUDA memory, host memory, threads and descriptors stay flat",
+             trainer=[_many(200)], engine=[_many(200)], infer_tp=1, check=_flat),
     ]
 
 

@@ -71,3 +71,20 @@ def test_fault_cases_over_cuda_ipc(name):
     result = run_case(case, timeout=20.0, device="cuda")
     assert result["passed"] and not result["hangs"] and not result["false_success"], result
     assert result["transports"] == ["ipc"], result["transports"]  # colocated on one GPU: CUDA IPC, as auto picks
+
+
+@pytest.mark.parametrize("name", ["nccl_receiver_dies_after_agreement", "nccl_trainer_dies_after_agreement",
+                                  "nccl_watchdog_follows_deadline", "nccl_two_hundred_syncs"])
+def test_fault_cases_over_nccl(name):
+    """Fault-suite cases over NCCL, the trainer rank on GPU 0 and the engine rank on GPU 1: a peer that dies after
+    joining the group fails the survivor's call within its deadline (the group aborted, the process alive: PyTorch's
+    watchdog must not take it down), the restarted peer and the retry succeed; a sync whose deadline is longer than
+    the first's (the watchdog's initial timeout) is not cut short; 200 versions keep every resource flat."""
+    from awex_integration.fault_suite import nccl_cases, run_case
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    case = next(c for c in nccl_cases() if c.name == name)
+    result = run_case(case, timeout=15.0, device="cuda-per-rank", transport="p2p")
+    assert result["passed"] and not result["hangs"] and not result["false_success"], result
+    assert result["transports"] == ["p2p"], result["transports"]

@@ -249,15 +249,26 @@ class SyncSession:
         took part in an attempt at ``version`` (it succeeded or failed), only a later attempt's manifest is taken
         (the writer announces a retry with a higher count)."""
         deadline = time.monotonic() + timeout
+        asked = 0.0
         while True:
             manifest = self._fetch_manifest_once(version, deadline)
-            last = self._last_attempt
-            if last is None or (manifest.channel, manifest.version) != last[:2] or manifest.seq > last[2]:
+            if self._new_attempt(manifest):
                 return manifest
+            if time.monotonic() - asked >= 0.5:  # a restarted writer announces on a board and channel of its own
+                asked = time.monotonic()
+                key = manifest_key(version)
+                if key in self.client.keys(key):
+                    other = self._parse(self.client.get(key, timeout=max(0.1, min(1.0, deadline - asked))))
+                    if self._new_attempt(other):
+                        return self._adopt(other)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no new attempt at version {version!r} within {timeout:g} s (this rank took "
-                                   f"part in attempt {last[2]} already)")
+                                   f"part in attempt {self._last_attempt[2]} already)")
             time.sleep(0.002)
+
+    def _new_attempt(self, manifest: SyncManifest) -> bool:
+        last = self._last_attempt
+        return last is None or (manifest.channel, manifest.version) != last[:2] or manifest.seq > last[2]
 
     def note_failure(self, manifest: SyncManifest | None) -> None:
         """This rank failed ``manifest``'s attempt: forget the plan and group (:meth:`reset`), and do not take that
@@ -436,6 +447,7 @@ class SyncSession:
             pass  # no process group: receivers copy from the trainers' memory
         elif self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
             cuda = getattr(self.device, "type", "cpu") == "cuda"
+            self._drop_group()
             with phase("group"):
                 self._group = create_sync_group(me.rank, plan.world_size, manifest.host, manifest.port,
                                                 backend="nccl" if cuda else "gloo",
@@ -564,12 +576,19 @@ class SyncSession:
 
     def reset(self) -> None:
         """After a failed sync: forget the plan, the sync group and the executors, so the next manifest (a fresh
-        rendezvous) plans and joins again. The group is dropped, not shut down (a peer may be gone)."""
-        self._key = self._plan = self._group = self._executor = self._before_pack = None
+        rendezvous) plans and joins again. The group is dropped, not shut down (a peer may be gone); an NCCL one is
+        aborted first (local: its kernels waiting on a dead peer end, its watchdog stops)."""
+        self._drop_group()
+        self._key = self._plan = self._executor = self._before_pack = None
         self._ipc.executor = None
         self._ipc.plan = None
         self._ipc.peers = None
         self.transport = None
+
+    def _drop_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and group.backend == "nccl":
+            group.abort()
 
     def _ipc_ready(self, manifest: SyncManifest, shards: LocalShards, deadline: float) -> None:
         """A trainer rank over CUDA IPC: this version's weights are in memory; export them where they moved, and

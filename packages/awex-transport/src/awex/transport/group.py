@@ -3,11 +3,22 @@
 It has its own TCP store and is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), so it never
 touches ``torch.distributed``'s default group or the engines' own groups, and a trainer that already runs
 ``init_process_group`` keeps its world untouched. Rank numbers are the plan's sync-world ranks.
+
+NCCL errors reach the caller as exceptions, never as a killed process: PyTorch's NCCL watchdog by default takes
+the whole process down when an operation fails or outlives its timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``).
+A sync group is built with mode 2 (the watchdog aborts the communicator only; a value the user set is kept), its
+watchdog timeout follows each sync's deadline (:meth:`SyncGroup.follow_deadline`: the deadline plus
+:data:`WATCHDOG_SLACK`), and the executors abort the group themselves at the deadline, before the watchdog would.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -15,6 +26,10 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("awex.transport")
+
+WATCHDOG_SLACK = 10.0  # seconds PyTorch's NCCL watchdog waits beyond a sync's deadline (ours comes first)
+ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_env_lock = threading.Lock()
 
 
 @dataclass
@@ -30,6 +45,20 @@ class SyncGroup:
     device: torch.device | None = None
     timeout: float = 60.0
     _subgroups: dict = field(default_factory=dict, repr=False)
+    _watchdog: float = field(default=0.0, repr=False)  # the NCCL watchdog timeout set last (seconds)
+
+    def follow_deadline(self, seconds: float) -> None:
+        """NCCL: operations posted from now on get a watchdog timeout of ``seconds`` (this sync's deadline) plus
+        :data:`WATCHDOG_SLACK`, so a sync with a longer deadline than the first is never cut short by the
+        watchdog, and a shorter one is not left to it. Cheap when unchanged (the steady state)."""
+        if self.backend != "nccl":
+            return
+        want = seconds + WATCHDOG_SLACK
+        if abs(want - self._watchdog) < 0.5:
+            return
+        for pg in (self.process_group, *self._subgroups.values()):
+            _set_watchdog_timeout(pg, want)
+        self._watchdog = want
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
         """Post all ``(tensor, peer)`` sends and receives at once; returns the works to wait on.
@@ -72,11 +101,9 @@ class SyncGroup:
         wait = timedelta(seconds=self.timeout)
         me = members.index(self.rank)
         if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = wait
-            pg = dist.ProcessGroupNCCL(store, me, len(members), options)
-            probe = torch.ones(1, device=self.device)
-            pg.allreduce([probe]).wait()
+            pg = _nccl_process_group(store, me, len(members), self._watchdog or self.timeout + WATCHDOG_SLACK)
+            _probe(pg, self.device, len(members), time.monotonic() + self.timeout,
+                   f"rank {self.rank}: subgroup {members}")
         else:
             pg = dist.ProcessGroupGloo(store, me, len(members), wait)
         self._subgroups[members] = pg
@@ -87,6 +114,19 @@ class SyncGroup:
         options = dist.BroadcastOptions()
         options.rootRank = members.index(root)
         return self.subgroup(members).broadcast([tensor], options)
+
+    def error(self) -> str | None:
+        """NCCL: the communicator's error since it was built (``TIMEOUT``, ``COMM_ERROR``, ``REMOTE_ERROR``: the
+        watchdog aborted it), else None. Checked after each sync: an aborted communicator ends its kernels early,
+        so a sync whose waits all completed is not yet a sync that moved every byte."""
+        if self.backend != "nccl":
+            return None
+        for pg in (self.process_group, *self._subgroups.values()):
+            get = getattr(pg, "get_error", None)
+            name = getattr(get(), "name", "SUCCESS") if get is not None else "SUCCESS"
+            if name != "SUCCESS":
+                return name
+        return None
 
     def abort(self) -> None:
         """Abort the group after a failure (unblocks NCCL kernels waiting on a dead peer); best effort."""
@@ -115,6 +155,7 @@ def create_sync_group(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
+    deadline = time.monotonic() + timeout
     wait = timedelta(seconds=timeout)
     try:
         store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=wait)
@@ -125,17 +166,70 @@ def create_sync_group(
         pg = dist.ProcessGroupGloo(store, rank, world_size, wait)
     elif backend == "nccl":
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = wait
-        pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        probe = torch.ones(1, device=dev)
-        pg.allreduce([probe]).wait()
-        torch.cuda.synchronize(dev)
-        if probe.item() != world_size:
-            raise RuntimeError(f"NCCL sync group check failed: all-reduce gave {probe.item()}, expected {world_size}")
+        pg = _nccl_process_group(store, rank, world_size, timeout + WATCHDOG_SLACK)
+        _probe(pg, dev, world_size, deadline, f"rank {rank}: the nccl sync group at {host}:{port}")
         log.info("rank %d/%d joined the nccl sync group at %s:%d on %s", rank, world_size, host, port, dev)
-        return SyncGroup(rank, world_size, backend, pg, store, dev, timeout)
+        return SyncGroup(rank, world_size, backend, pg, store, dev, timeout, _watchdog=timeout + WATCHDOG_SLACK)
     else:
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
     log.info("rank %d/%d joined the %s sync group at %s:%d", rank, world_size, backend, host, port)
     return SyncGroup(rank, world_size, backend, pg, store, torch.device("cpu"), timeout)
+
+
+@contextmanager
+def _errors_abort_communicator_only() -> Iterator[None]:
+    """While an NCCL process group is built: the watchdog's error handling is "abort the communicator, keep the
+    process" (mode 2), unless the user chose a mode. PyTorch reads the variable once, in the constructor."""
+    with _env_lock:
+        if ERROR_HANDLING in os.environ:
+            yield
+            return
+        os.environ[ERROR_HANDLING] = "2"
+        try:
+            yield
+        finally:
+            os.environ.pop(ERROR_HANDLING, None)
+
+
+def _nccl_process_group(store: dist.Store, rank: int, size: int, watchdog: float) -> dist.ProcessGroup:
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timedelta(seconds=watchdog)
+    with _errors_abort_communicator_only():
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _set_watchdog_timeout(pg, seconds: float) -> None:
+    setter = getattr(pg, "_set_default_timeout", None) or getattr(pg, "set_timeout", None)
+    if setter is None:
+        log.warning("this PyTorch cannot change an NCCL group's timeout; its watchdog keeps the first one")
+        return
+    setter(timedelta(seconds=seconds))
+
+
+def _probe(pg, device: torch.device, size: int, deadline: float, what: str) -> None:
+    """One tiny all-reduce: the communicator is built now (not in the first sync) and every member is there.
+    Waited for with a deadline (an event polled, never a blocking synchronize); on timeout the group is aborted."""
+    from awex.transport.deadline import wait_event
+
+    probe = torch.ones(1, device=device)
+    with torch.cuda.device(device):
+        work = pg.allreduce([probe])
+        work.wait()  # the current stream waits for it; the host does not
+        done = torch.cuda.Event()
+        done.record()
+
+    def timed_out() -> TimeoutError:
+        try:
+            pg.abort()
+        except Exception as e:  # noqa: BLE001 - the timeout is the error to report
+            log.warning("aborting the NCCL group failed: %s", e)
+        return TimeoutError(f"{what}: the first all-reduce did not finish before the deadline (a member is gone "
+                            "or never came)")
+
+    wait_event(done, deadline, timed_out)
+    get_error = getattr(pg, "get_error", None)
+    error = getattr(get_error(), "name", "SUCCESS") if get_error is not None else "SUCCESS"
+    if error != "SUCCESS":
+        raise RuntimeError(f"{what}: the first all-reduce failed ({error})")
+    if probe.item() != size:
+        raise RuntimeError(f"{what}: the first all-reduce gave {probe.item()}, expected {size}")

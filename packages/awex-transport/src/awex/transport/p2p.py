@@ -219,6 +219,7 @@ class WaveExecutor:
         started = time.monotonic()
         deadline = started + timeout
         if self.device.type == "cuda":
+            self.group.follow_deadline(timeout)
             self._run_cuda(deadline, timeout, before_pack)
         else:
             self._run_blocking(deadline, timeout, before_pack)
@@ -307,6 +308,9 @@ class WaveExecutor:
                 done.append(event)
         if done:
             self._wait(done[-1], self.waves[-1], deadline, timeout)
+        error = self.group.error()  # a communicator aborted by PyTorch's watchdog ends its kernels early
+        if error is not None:
+            raise TransferError(f"rank {self.rank}: the sync group reported {error} during the sync")
         compute.wait_stream(unpack_stream)
 
     def _wait(self, event: torch.cuda.Event, wave: _Wave, deadline: float, timeout: float) -> None:
