@@ -16,7 +16,13 @@ import pytest
 
 from awex.meta import client as client_module
 from awex.meta.client import SLACK, MetaClient
-from awex.meta.errors import MetaPayloadError, MetaRestartError, MetaServerError, MetaTimeoutError
+from awex.meta.errors import (
+    MetaNotRegisteredError,
+    MetaPayloadError,
+    MetaRestartError,
+    MetaServerError,
+    MetaTimeoutError,
+)
 from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
 from awex.meta.server import EmbeddedMetaServer, ServerConfig, start_embedded
 from awex.meta.server.state import Topics
@@ -264,7 +270,7 @@ def test_cli_refuses_an_open_address_without_a_token_and_a_busy_port_cleanly():
 
 def test_report_version_of_an_unknown_participant_raises():
     with EmbeddedMetaServer() as s:
-        with pytest.raises(MetaServerError, match="not registered"):
+        with pytest.raises(MetaNotRegisteredError, match="not registered"):  # the writer re-registers on it
             MetaClient(s.address, job="j", timeout=5).report_version("ghost", "v1")
 
 

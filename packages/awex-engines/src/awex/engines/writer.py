@@ -19,7 +19,7 @@ import torch
 
 from awex.meta import Box, Layout, Plan
 from awex.meta.client import MetaClient
-from awex.meta.errors import MetaConflictError, MetaServerError
+from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
 from awex.transport import LocalShards
 from awex.transport.p2p import TransferStats
 
@@ -241,9 +241,9 @@ class WeightsWriter:
             try:
                 try:
                     self.client.report_version(instance, serves)
-                except MetaServerError as e:
+                except MetaNotRegisteredError:
                     layout = self._session._layouts.get(instance)
-                    if "not registered" not in str(e) or layout is None:
+                    if layout is None:
                         raise
                     # a MetaServer restarted while the instance had nothing to tell it: register it on its behalf
                     self.client.register(instance, role="inference", instance=instance,

@@ -29,6 +29,7 @@ from awex.meta.errors import (
     MetaConflictError,
     MetaConnectionError,
     MetaPayloadError,
+    MetaNotRegisteredError,
     MetaRestartError,
     MetaServerError,
     MetaTimeoutError,
@@ -266,7 +267,7 @@ class MetaClient:
                 return
             if self.restarts == restarts:
                 break
-        raise MetaServerError(f"cannot report version {version!r}: {_message(doc)}")
+        raise MetaNotRegisteredError(f"cannot report version {version!r}: {_message(doc)}")
 
     def publish_event(self, kind: str, source: str, version: str | None = None, data: Any = None) -> int:
         """Publish an event; returns its sequence number."""

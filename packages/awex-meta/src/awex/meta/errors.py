@@ -23,6 +23,11 @@ class MetaConflictError(MetaServerError):
     """A write conflicted with the server's state (HTTP 409), e.g. a create-only key that already exists."""
 
 
+class MetaNotRegisteredError(MetaServerError):
+    """A participant named in a request is not registered in the job (HTTP 404), e.g. after a server restart
+    before its owner registered it again."""
+
+
 class MetaConnectionError(MetaServerError, ConnectionError):
     """The server could not be reached before the deadline."""
 
