@@ -20,7 +20,6 @@ from awex.meta.errors import (
     MetaNotRegisteredError,
     MetaPayloadError,
     MetaRestartError,
-    MetaServerError,
     MetaTimeoutError,
 )
 from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
