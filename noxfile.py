@@ -102,9 +102,9 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def faults(session: nox.Session) -> None:
-    """The fault suite: trainer and engine processes over gloo and a MetaServer with ranks killed, raising,
-    interrupted, the MetaServer restarted, killed and frozen, names reused, 200 syncs in a row; then the vLLM fault
-    cases. Its last line (before pytest's) is the suite's JSON summary; ``-- --cases a,b`` picks cases."""
+    """The fault suite: trainer and engine processes over gloo (and shared memory) and a MetaServer with ranks
+    killed, raising, interrupted, the MetaServer restarted, killed and frozen, names reused, 200 syncs in a row,
+    no /dev/shm leak; then the vLLM fault cases. Its last line (before pytest's) is the suite's JSON summary; ``-- --cases a,b`` picks cases."""
     _install_engines(session)
     session.install(*PACKAGES, *TEST_TOOLS)
     session.run("python", "-m", "awex_integration.fault_suite", *session.posargs, env={"PYTHONPATH": "integration"})
@@ -145,6 +145,17 @@ def plan(session: nox.Session) -> None:
 BENCH_PATH = os.pathsep.join(["packages/awex-meta/src", "packages/awex-convert/src", "packages/awex-transport/src",
                               "packages/awex-engines/src",
                               "integration"])
+
+
+@nox.session
+def bench_cpu(session: nox.Session) -> None:
+    """CPU transports through the public path (gloo and host shared memory) against this machine's memory copy
+    rate; arguments after ``--`` go to ``awex_integration.bench_cpu`` (default: results to
+    integration/bench-results-cpu.json)."""
+    _install_engines(session)
+    session.install(*PACKAGES)
+    args = list(session.posargs) or ["--out", "integration/bench-results-cpu.json"]
+    session.run("python", "-m", "awex_integration.bench_cpu", *args, env={"PYTHONPATH": "integration"})
 
 
 @nox.session(venv_backend="none")

@@ -1,5 +1,6 @@
-"""The fault suite: real multi-process syncs on CPU (gloo, a MetaServer) with faults injected, checking what every
-party says against what happened.
+"""The fault suite: real multi-process syncs on CPU (gloo or shared memory, a MetaServer) with faults injected,
+checking what every party says against what happened. Every case also checks that no segment or host board of
+its processes is left in /dev/shm.
 
     python -m awex_integration.fault_suite [--cases NAME,...] [--timeout S]
 
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +54,7 @@ class Case:
     infer_tp: int = 2
     check: Callable[[dict], list[str]] | None = None  # extra checks of the run's record: problems found
     zombie: list[dict] | None = None  # a second trainer process (rank 0 of the same instance) started at "go"
+    transport: str = "auto"  # the writers' (run_case may override it)
 
 
 def _steps(*versions: str, **faults: str) -> list[dict]:
@@ -130,10 +132,11 @@ def _run_rank(fn, key, args, results) -> None:
         results.put((key, "error", f"{type(e).__name__}: {e}"))
 
 
-def run_case(case: Case, timeout: float, device: str = "cpu", transport: str = "auto") -> dict:
+def run_case(case: Case, timeout: float, device: str = "cpu", transport: str | None = None) -> dict:
     """Run ``case``; on ``device="cuda"`` every rank's tensors live on GPU 0 (colocated ranks: CUDA IPC), on
     ``"cuda-per-rank"`` each rank has a GPU of its own (``fault_ranks.rank_device``); ``transport``: the
-    writers'."""
+    writers' (default: the case's)."""
+    transport = transport or case.transport
     work = Path(tempfile.mkdtemp(prefix=f"awex-fault-{case.name}-"))
     server = EmbeddedServer() if case.server == "embedded" else ProcessServer()
     job = case.name.replace("_", "-")
@@ -194,7 +197,22 @@ def run_case(case: Case, timeout: float, device: str = "cpu", transport: str = "
         p.join(5)
     history = _history(server)
     server.stop()
-    return _judge(case, out, hung, history, timeout, time.monotonic() - started)
+    result = _judge(case, out, hung, history, timeout, time.monotonic() - started)
+    leaked = _segments_of({p.pid for p in procs.values()})
+    if leaked:
+        result["problems"].append(f"shared-memory segments left in /dev/shm: {leaked}")
+        result["passed"] = False
+    return result
+
+
+def _segments_of(pids: set[int]) -> list[str]:
+    """Shared-memory segments and host boards created by these processes that are still there."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith(("awex-shm-", "awex-board-")) and n.split("-")[2].isdigit()
+                  and int(n.split("-")[2]) in pids)
 
 
 def _history(server) -> dict:
@@ -422,6 +440,21 @@ def nccl_cases() -> list[Case]:
     ]
 
 
+def shm_cases() -> list[Case]:
+    """Cases for the shared-memory transport (run with ``transport="shm"``; CPU ranks on one host)."""
+    return [
+        Case("shm_trainer_killed_in_first_version",
+             "the trainer is killed while it fills its new shared-memory segment: the receivers fail at their "
+             "deadline, the segment is removed (no /dev/shm leak), the restarted trainer's next version succeeds",
+             trainer=[_steps("v-1", "v-2", v_1="die_during")],
+             engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
+             restart={("trainer", 0): _steps("v-2")}, restart_delay=-RECEIVER_DEADLINES, expect_failed={"v-1"},
+             check=_reported("v-2"), transport="shm"),
+        *[replace(c, name=f"shm_{c.name}", transport="shm") for c in cases()
+          if c.name in ("receiver_rank_dies_after_transfer", "receiver_raises_in_apply")],
+    ]
+
+
 def _many(n: int, at: tuple[int, ...] = (30, 200)) -> list[dict]:
     return [{"version": f"v-{i}", **({"measure": True} if i in at else {})} for i in range(1, n + 1)]
 
@@ -489,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--timeout", type=float, default=8.0, help="every write and receive's deadline (seconds)")
     args = ap.parse_args(argv)
-    chosen = [c for c in cases() if not args.cases or c.name in args.cases.split(",")]
+    chosen = [c for c in cases() + shm_cases() if not args.cases or c.name in args.cases.split(",")]
     started = time.monotonic()
     results = []
     for case in chosen:

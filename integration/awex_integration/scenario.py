@@ -73,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--infer-tp", type=int, default=1)
     p.add_argument("--infer-ep", action="store_true", help="vLLM expert parallelism (enable_expert_parallel)")
     p.add_argument("--instances", type=int, default=1)
-    p.add_argument("--transport", choices=["gloo"], default="gloo")
+    p.add_argument("--transport", choices=["gloo", "shm", "auto"], default="gloo",
+                   help="gloo: point to point over a gloo group; shm: host shared memory; auto: the writers choose")
     p.add_argument("--control", choices=["awex", "vllm-http"], default="awex",
                    help="vllm-http: `vllm serve` engines driven by the trainers through vLLM's trainer API")
     p.add_argument("--receive", choices=["in_place", "staged"], default="in_place",
@@ -336,6 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     world = {"megatron": parallel.world_size, "fsdp": args.train_dp}.get(args.trainer, 1)
     port = free_port()
     trainer_meta = {"address": server.address, "job": "scenario", "token": token, "receive": args.receive,
+                    "transport": {"gloo": "p2p"}.get(args.transport, args.transport),
                     "endpoints": {inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)}}
     wave_bytes = int(args.wave_mb * (1 << 20)) if args.wave_mb else None
     from awex_integration.spawn import run_processes
@@ -428,6 +430,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client.publish_event("step", "scenario", data={"die": -1, "abort": True})
     trainer_thread.join(args.timeout + 30)
     bad = {k: v for k, v in trainer_out.items() if v[0] != "ok"}
+    used = sorted({s.get("transport") for v in trainer_out.values() if v[0] == "ok" for s in v[1]["steps"]} - {None})
+    results["transport"] = {"p2p": "gloo"}.get(used[0], used[0]) if len(used) == 1 else used
     if bad:
         results["ok"] = False
         results["trainer_errors"] = {str(k): str(v[1])[-2000:] for k, v in bad.items()}

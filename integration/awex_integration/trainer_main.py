@@ -95,6 +95,7 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         layout = hf_model_layout(model, "trainer", "trainer")
         local_rank, view_of = 0, hf_views(model)
     options = {"wave_bytes": wave_bytes} if wave_bytes else {}
+    options["transport"] = meta.get("transport", "auto")
     engine = None
     if meta.get("endpoints"):  # vLLM's trainer-side API drives the engines (scenario --control vllm-http)
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -144,6 +145,7 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
             sent = engine.writer.last_stats.bytes_sent
         else:
             sent = writer.write(f"step-{step}", destinations).bytes_sent
-        out.append({"step": step, "bytes_sent": sent, "seconds": time.monotonic() - started})
+        out.append({"step": step, "bytes_sent": sent, "seconds": time.monotonic() - started,
+                    "transport": (engine.writer if engine is not None else writer).transport_in_use})
         client.publish_event("trainer_sent", f"trainer:{rank}", version=f"step-{step}", data={"bytes": sent})
     return {"rank": rank, "steps": out}

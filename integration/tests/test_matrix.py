@@ -50,6 +50,9 @@ CASES = [
     # vLLM's own RL API on both sides: `vllm serve`, the trainer ranks drive it through the awex trainer engine
     ("vllm-http:megatron-tp2->vllm-tp2", ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm",
                                           "--infer-tp", "2", "--control", "vllm-http"]),
+    # host shared memory instead of a gloo group: the trainer writes each version once, vLLM's ranks copy out
+    ("shm:megatron-tp2->vllm-tp2", ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm",
+                                    "--infer-tp", "2", "--transport", "shm"]),
     # atomic updates: everything arrives before anything is loaded
     ("staged:megatron-tp1-pp2->vllm-tp1", ["--trainer", "megatron", "--train-pp", "2", "--inference", "vllm",
                                            "--receive", "staged"]),
@@ -76,6 +79,8 @@ def test_scenario(args):
         assert result["greedy_match"], result
     assert result["ok"], result
     assert len(result["sync_seconds"]) == 2 and all(b > 0 for b in result["bytes"])
+    want = args[args.index("--transport") + 1] if "--transport" in args else "gloo"
+    assert result["transport"] == want, result.get("transport")
     if "vllm" in args:
         check_receive_paths(result, args)
 

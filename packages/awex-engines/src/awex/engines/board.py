@@ -11,7 +11,8 @@ board carries the same signals through a file in ``/dev/shm`` that every process
 
 Waiting is polling (without sleeping for the first 0.3 ms, then with 20 us sleeps), bounded by the caller's
 deadline. The trainer's
-first rank creates the board (mode 0600, a name with a random part) and removes it when it closes or exits.
+first rank creates the board (mode 0600, a name with its pid and a random part) and removes it when it closes or
+exits; a board whose writer was killed is removed by the next sweep (``awex.transport.shm.sweep_stale``).
 A rank that cannot open it (another host, another ``/dev/shm``) uses the channel; signals always go to both.
 """
 
@@ -21,12 +22,14 @@ import functools
 import json
 import mmap
 import os
-import secrets
 import socket
 import struct
 import time
 import weakref
+from pathlib import Path
 from typing import Any
+
+from awex.transport.shm import owned_name, sweep_stale
 
 MAGIC = 0x41574558424F4152  # "AWEXBOAR"
 SLOTS = 4096  # sync ranks on one host
@@ -75,7 +78,8 @@ class HostBoard:
 
     @classmethod
     def create(cls, directory: str = "/dev/shm") -> HostBoard:
-        path = os.path.join(directory, f"awex-board-{secrets.token_hex(12)}")
+        sweep_stale(Path(directory))  # boards and segments of killed writers
+        path = os.path.join(directory, owned_name("awex-board"))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, _SIZE)
         board = cls(path, fd, owner=True)

@@ -23,6 +23,7 @@ from awex.meta.transport_choice import TransportError, choose_transport, unreach
 from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_group
 from awex.transport.ipc import IpcExecutor, IpcExport, MappedShards
 from awex.transport.p2p import TransferStats
+from awex.transport.shm import SegmentInfo, ShmReceiver, ShmSender, sweep_stale
 
 from awex.engines.board import HostBoard, host_identity
 from awex.engines.channel import ChannelError, VersionChannel
@@ -45,7 +46,9 @@ class SyncManifest:
     timeout: float = 300.0
     # "p2p": NCCL on CUDA, gloo on CPU; "ipc": CUDA engines on one host (sharing GPUs or not), receivers pull
     # from the trainers' memory with their copy engines (fastest where no region goes to several instances);
-    # "auto": every rank publishes its device and all choose the same (awex.meta.transport_choice)
+    # "shm": ranks on one host, CPU views; senders write each version once into shared memory, receivers copy
+    # out (awex.transport.shm); "auto": every rank publishes its device and all choose the same
+    # (awex.meta.transport_choice)
     transport: str = "p2p"
     allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
     refresh_by_wave: bool = False  # the senders derive what they send wave by wave (FP8 on the fly): for "auto"
@@ -127,7 +130,7 @@ def version_records(version: str) -> tuple[list[str], list[str]]:
     """The MetaServer records one weight version leaves behind: exact names and prefixes (keys and agreements),
     for ``MetaClient.forget`` once nobody needs them."""
     return ([manifest_key(version), f"applied/{version}"],
-            [f"plan/{version}/", f"ipc-ready/{version}/", f"validation/{version}/", f"devices/{version}/",
+            [f"plan/{version}/", f"ipc-ready/{version}/", f"shm-ready/{version}/", f"validation/{version}/", f"devices/{version}/",
              f"received/{version}/", f"outcome/{version}/"])
 
 
@@ -175,6 +178,25 @@ class IpcState:
 
 
 @dataclass
+class ShmState:
+    """What a rank keeps between shared-memory syncs: a sender's segment (and its generation: a new segment per
+    plan), a receiver's mappings of its senders' segments."""
+
+    sender: ShmSender | None = None
+    receiver: ShmReceiver | None = None
+    generation: int = 0
+    plan: Plan | None = None
+    opened: dict[int, int] = field(default_factory=dict)  # a receiver's peers -> generation mapped
+
+    def close(self) -> None:
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                side.close()
+        self.sender = self.receiver = self.plan = None
+        self.opened = {}
+
+
+@dataclass
 class SyncSession:
     """One rank's side of the sync: caches what does not change between versions.
 
@@ -192,6 +214,7 @@ class SyncSession:
     _layouts: dict[str, Layout] = field(default_factory=dict)
     _executor: WaveExecutor | None = None
     _ipc: IpcState = field(default_factory=IpcState)
+    _shm: ShmState = field(default_factory=ShmState)
     _before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable for that executor)
     device_key: str | None = None  # physical device ("host/GPU-uuid"); from `device` when None and on CUDA
     transport: str | None = None  # what the current plan runs on: "p2p" or "ipc" (manifest's, or auto's choice)
@@ -206,6 +229,7 @@ class SyncSession:
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
     _outcomes_after: float = 0.0  # a trainer's last wait for the receivers' outcomes (seconds)
     _last_attempt: tuple[str | None, str, int] | None = None  # (channel, version, count) this rank took part in
+    _hosts: dict[tuple[str, int], str] = field(default_factory=dict)  # every rank's host, from the device exchange
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan, executors and staging, and the other
@@ -223,6 +247,7 @@ class SyncSession:
         self.board = None
         opened = [source for _, source in self._ipc.opened.values()]
         self._ipc = IpcState()
+        self._shm.close()
         for source in opened:
             if isinstance(source, MappedShards):
                 source.close()  # the second mappings made for kernel reads
@@ -374,14 +399,17 @@ class SyncSession:
         mine = (self.physical_device() or "") if ipc_ok else ""
         self.client.put(f"devices/{version}/{self.instance}/{self.local_rank}",
                         {"device": mine, "reach": list(self.reachable_devices()) if mine else [],
+                         "host": host_identity(),
                          "signals": [kind for kind, have in (("board", self.board), ("channel", self.channel)) if have]})
         out, reach = [], {}
+        self._hosts = {}
         common = {"board", "channel"}
         for name in names:
             for rank in range(layouts[name].world_size):
                 doc = self.client.get(f"devices/{version}/{name}/{rank}",
                                       timeout=max(0.1, deadline - time.monotonic()))
                 common &= set(doc.get("signals", ())) if isinstance(doc, dict) else set()
+                self._hosts[(name, rank)] = str(doc.get("host", "")) if isinstance(doc, dict) else ""
                 key = doc.get("device") if isinstance(doc, dict) else doc
                 if key:
                     out.append((name, rank, str(key)))
@@ -408,7 +436,7 @@ class SyncSession:
         key = (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
-        if manifest.transport not in ("p2p", "ipc", "auto"):
+        if manifest.transport not in ("p2p", "ipc", "shm", "auto"):
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
             devices, reach = self._devices(f"{manifest.version}/{manifest.seq}", names, layouts, deadline,
@@ -416,7 +444,7 @@ class SyncSession:
 
         def plan_for(transport: str) -> Plan:
             return plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
-                                  PlanOptions(wave_bytes=manifest.wave_bytes, relay=transport != "ipc",
+                                  PlanOptions(wave_bytes=manifest.wave_bytes, relay=transport == "p2p",
                                               allow_cast=manifest.allow_cast,
                                               devices=devices if transport == "ipc" else ()))
 
@@ -432,6 +460,11 @@ class SyncSession:
         else:
             plan = plan_for(transport)
             blocked = unreachable(plan, devices, reach) if transport == "ipc" else []
+            hosts = sorted(set(self._hosts.values()))
+            if transport == "shm" and len(hosts) != 1:
+                raise TransportError(f"sync {manifest.version!r} over shared memory: its ranks run on "
+                                     f"{len(hosts)} hosts ({', '.join(h.split('/')[0] for h in hosts[:4])}); "
+                                     "use transport='p2p'")
             if blocked:
                 raise TransportError(f"sync {manifest.version!r} over CUDA IPC: " + "; ".join(blocked[:8])
                                      + " (make the GPUs visible to the reading processes, or use transport='p2p')")
@@ -443,8 +476,8 @@ class SyncSession:
             self.client.agree(f"plan/{manifest.version}/{manifest.seq}", f"{self.instance}:{self.local_rank}",
                               plan.world_size,
                               f"{transport}:{plan.digest}", timeout=max(0.1, deadline - time.monotonic()))
-        if transport == "ipc":
-            pass  # no process group: receivers copy from the trainers' memory
+        if transport in ("ipc", "shm"):
+            pass  # no process group: receivers copy from the trainers' memory, or from shared memory
         elif self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
             cuda = getattr(self.device, "type", "cpu") == "cuda"
             self._drop_group()
@@ -480,6 +513,11 @@ class SyncSession:
                 refresh()
         if self.transport == "ipc":
             return self._transfer_ipc(manifest, plan, rank, shards, started + timeout)
+        if self.transport == "shm":
+            if callable(shards):
+                raise ValueError("transport 'shm' copies into the engine's own views (in place), not per-sync "
+                                 "receive buffers")
+            return self._transfer_shm(manifest, plan, rank, shards, started + timeout)
         if callable(shards):  # views that depend on the plan (receive buffers): built per sync
             with phase("executor"):
                 executor = WaveExecutor(plan, rank, shards(plan), self._group)
@@ -583,6 +621,9 @@ class SyncSession:
         self._ipc.executor = None
         self._ipc.plan = None
         self._ipc.peers = None
+        if self._shm.sender is not None or self._shm.receiver is not None:
+            self._shm.close()
+            sweep_stale()  # a sender killed before it removed its segment's name
         self.transport = None
 
     def _drop_group(self) -> None:
@@ -620,13 +661,35 @@ class SyncSession:
                     self.client.delete(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation - 1}")
         ipc.exported_from = shards
         with phase("ready"):
-            ready = f"ipc-ready/{manifest.version}/{manifest.seq}/{me.instance}/{me.local_rank}"
-            if self.signals == "board":
-                self.board.ring(me.rank, manifest.seq, ipc.generation)
-            elif self.signals == "channel":
-                self.channel.put(ready, ipc.generation)
-            else:
-                self.client.put(ready, ipc.generation)
+            self._ring_ready("ipc", manifest, me, ipc.generation)
+
+    def _ring_ready(self, kind: str, manifest: SyncManifest, me, generation: int) -> None:
+        """A sender: this version's bytes are ready to be read (``generation``: of its export or segment)."""
+        if self.signals == "board":
+            self.board.ring(me.rank, manifest.seq, generation)
+            return
+        ready = f"{kind}-ready/{manifest.version}/{manifest.seq}/{me.instance}/{me.local_rank}"
+        if self.signals == "channel":
+            self.channel.put(ready, generation)
+        else:
+            self.client.put(ready, generation)
+
+    def _await_ready(self, kind: str, manifest: SyncManifest, plan: Plan, peers: list[int],
+                     left: Callable[[], float]) -> list[int]:
+        """A receiver: wait until every sender in ``peers`` said this version is ready; their generations."""
+        def ready(peer: int) -> str:
+            src = plan.ranks[peer]
+            return f"{kind}-ready/{manifest.version}/{manifest.seq}/{src.instance}/{src.local_rank}"
+        if self.signals == "board":
+            generations = self.board.wait(peers, manifest.seq, left())
+        elif self.signals == "channel":
+            generations = self.channel.wait([ready(p) for p in peers], left())
+        else:
+            generations = [self.client.get(ready(p), timeout=left()) for p in peers]
+        for peer, generation in zip(peers, generations):
+            if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+                raise ValueError(f"{ready(peer)}: {generation!r} is not an export generation")
+        return list(generations)
 
     def _transfer_ipc(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
                       deadline: float) -> TransferStats:
@@ -656,19 +719,8 @@ class SyncSession:
                 if ipc.peers is None or ipc.plan is not plan:
                     ipc.peers = sorted({s.peer for s in plan.schedule(rank)})
                 peers = ipc.peers
-
-                def ready(peer: int) -> str:
-                    src = plan.ranks[peer]
-                    return f"ipc-ready/{manifest.version}/{manifest.seq}/{src.instance}/{src.local_rank}"
-                if self.signals == "board":
-                    generations = self.board.wait(peers, manifest.seq, left())
-                elif self.signals == "channel":
-                    generations = self.channel.wait([ready(p) for p in peers], left())
-                else:
-                    generations = [self.client.get(ready(p), timeout=left()) for p in peers]
+                generations = self._await_ready("ipc", manifest, plan, peers, left)
                 for peer, generation in zip(peers, generations):
-                    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
-                        raise ValueError(f"{ready(peer)}: {generation!r} is not an export generation")
                     src = plan.ranks[peer]
                     key = (src.instance, src.local_rank)
                     if key not in opened or opened[key][0] != generation:
@@ -690,3 +742,47 @@ class SyncSession:
                 ipc.executor.capture_seconds = 0.0
         stats.seconds = time.monotonic() - started
         return stats
+
+    def _transfer_shm(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
+                      deadline: float) -> TransferStats:
+        """Sync through host shared memory: a sender fills its segment (a new one per plan, published through the
+        MetaServer) and says ready; receivers map the segments once and copy out. Outcomes as over CUDA IPC."""
+        me = plan.ranks[rank]
+        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+        shm, phase = self._shm, self.phases
+        if me.role.value == "trainer":
+            if shm.sender is None or shm.plan is not plan:
+                with phase("executor"):
+                    shm.close()
+                    shm.sender, shm.plan = ShmSender(plan, rank, shards), plan
+                    shm.generation += 1
+                    self.client.put(f"shm/{me.instance}/{me.local_rank}/{shm.generation}", shm.sender.wire())
+                    if shm.generation > 1:  # its receivers are done with the old segment
+                        self.client.delete(f"shm/{me.instance}/{me.local_rank}/{shm.generation - 1}")
+            with phase("transfer"):
+                stats = shm.sender.fill()
+            with phase("ready"):
+                self._ring_ready("shm", manifest, me, shm.generation)
+            return stats
+        with phase("open"):
+            peers = sorted({s.peer for s in plan.schedule(rank)})
+            generations = self._await_ready("shm", manifest, plan, peers, left)
+            if shm.receiver is None or shm.plan is not plan or any(
+                    shm.opened.get(p) != g for p, g in zip(peers, generations)):
+                infos = {}
+                for peer, generation in zip(peers, generations):
+                    src = plan.ranks[peer]
+                    doc = self.client.get(f"shm/{src.instance}/{src.local_rank}/{generation}", timeout=left())
+                    infos[peer] = SegmentInfo.from_wire(doc, plan, peer)
+                shm.close()
+                shm.receiver, shm.plan = ShmReceiver(plan, rank, shards, infos), plan
+                shm.opened = dict(zip(peers, generations))
+        self.touched = True
+        with phase("transfer"):
+            return shm.receiver.run()
+
+    def applied(self) -> None:
+        """A sender, once every receiver applied a version: over shared memory, each has mapped this plan's
+        segment, so its name can go (the mappings stay)."""
+        if self._shm.sender is not None:
+            self._shm.sender.segment.unlink()

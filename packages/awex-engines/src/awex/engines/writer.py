@@ -41,7 +41,9 @@ class WeightsWriter:
     of about ``wave_bytes`` per rank (staging about twice that). ``transport="ipc"`` is for inference engines
     on the trainer's host (on its GPUs or others): they copy straight from this rank's CUDA memory (IPC
     handles exported once, reused while the parameters do not move); :meth:`write` returns once every
-    receiver has finished reading. ``transport="auto"`` (the default) lets the ranks choose when they first
+    receiver has finished reading. ``transport="shm"`` is for CPU engines on the trainer's host that share its
+    ``/dev/shm``: this rank writes each version once into a shared-memory segment laid out by the plan, and the
+    receivers copy out of it (``awex.transport.shm``). ``transport="auto"`` (the default) lets the ranks choose when they first
     plan: CUDA IPC when every rank is a CUDA rank on one host and no GPU would move more than with relayed
     point to point (fan-out), and, with ``refresh_by_wave``, only where engines share GPUs (only p2p overlaps the
     quantising with the transfer); else p2p (``awex.meta.transport_choice``; the choice is logged and kept in
@@ -76,9 +78,9 @@ class WeightsWriter:
         refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
         keep_versions: int = 2,
     ):
-        if transport not in ("p2p", "ipc", "auto"):
-            raise ValueError(f"unknown transport {transport!r}: use 'auto', 'p2p' (NCCL/gloo) or 'ipc' (CUDA engines "
-                             "on one host)")
+        if transport not in ("p2p", "ipc", "shm", "auto"):
+            raise ValueError(f"unknown transport {transport!r}: use 'auto', 'p2p' (NCCL/gloo), 'ipc' (CUDA engines "
+                             "on one host) or 'shm' (CPU engines on one host)")
         if refresh_by_wave is not None and refresh is None:
             raise ValueError("refresh_by_wave needs refresh too: CUDA IPC receivers read whole buffers, refreshed "
                              "all at once (pass refresh=fp8.quantize, refresh_by_wave=fp8.by_wave)")
@@ -100,6 +102,9 @@ class WeightsWriter:
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
         if transport == "ipc" and self._shards.device.type != "cuda":
             raise ValueError(f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}")
+        if transport == "shm" and self._shards.device.type != "cpu":
+            raise ValueError(f"transport='shm' moves CPU views only for now; {layout.instance} holds its weights on "
+                             f"{self._shards.device}")
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._port: int | None = None
@@ -138,7 +143,7 @@ class WeightsWriter:
 
     @property
     def transport_in_use(self) -> str | None:
-        """``"p2p"`` or ``"ipc"``: what the last :meth:`write` used (``auto``'s choice); ``None`` before one."""
+        """``"p2p"``, ``"ipc"`` or ``"shm"``: what the last :meth:`write` used (``auto``'s choice); ``None`` before one."""
         return self._session.transport
 
     def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
@@ -175,6 +180,7 @@ class WeightsWriter:
             self._failed(version, manifest, e, outcomes, deadline)
             raise
         self._applied.add(version)
+        self._session.applied()
         self._session.phases.update(manifest=announced - started, total=time.monotonic() - started)
         self.last_stats = stats
         log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,

@@ -9,6 +9,8 @@
   double-buffered on CUDA, unpacked in place, with a deadline on every wait.
 - :mod:`awex.transport.ipc`: engines on one host: the receiver copies straight from the trainer's
   CUDA memory (IPC handles exported once) into its own views.
+- :mod:`awex.transport.shm`: CPU engines on one host: each sender writes a version once into a shared-memory
+  segment laid out by the plan, receivers copy out in place; no segment outlives a killed creator.
 """
 
 from awex.transport.group import SyncGroup, create_sync_group
