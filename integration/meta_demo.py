@@ -24,7 +24,9 @@ MODELS = Path(__file__).resolve().parent / "models"
 VERSION = "step-1"
 
 
-def rank_main(address: str, token: str, instance: str, local_rank: int, world: int, peers: list[str], out: dict) -> None:
+def rank_main(
+    address: str, token: str, instance: str, local_rank: int, world: int, peers: list[str], out: dict
+) -> None:
     """What one rank does at set-up: fetch every layout, plan, agree on the plan's digest."""
     client = MetaClient(address, job="demo", token=token, timeout=30.0)
     layouts = [client.fetch_layout(name, VERSION) for name in peers]
@@ -47,14 +49,19 @@ def main() -> int:
     for layout in (trainer, *engines):
         client.register(layout.instance, role=layout.role.value, instance=layout.instance, world_size=layout.world_size)
         client.publish_layout(layout, VERSION)
-    print(f"[2/4] published layouts: trainer Megatron tp=2 pp=2 dp=2 ({trainer.world_size} ranks), "
-          f"2 x vLLM tp=2 ({len(tensors)} canonical tensors of a tiny Qwen2)")
+    print(
+        f"[2/4] published layouts: trainer Megatron tp=2 pp=2 dp=2 ({trainer.world_size} ranks), "
+        f"2 x vLLM tp=2 ({len(tensors)} canonical tensors of a tiny Qwen2)"
+    )
 
     peers = [trainer.instance, *(e.instance for e in engines)]
     world = trainer.world_size + sum(e.world_size for e in engines)
     results: dict = {}
-    threads = [threading.Thread(target=rank_main, args=(server.address, token, lay.instance, r, world, peers, results))
-               for lay in (trainer, *engines) for r in range(lay.world_size)]
+    threads = [
+        threading.Thread(target=rank_main, args=(server.address, token, lay.instance, r, world, peers, results))
+        for lay in (trainer, *engines)
+        for r in range(lay.world_size)
+    ]
     started = time.perf_counter()
     [t.start() for t in threads]
     [t.join() for t in threads]
@@ -64,21 +71,38 @@ def main() -> int:
         return 1
     plan = next(iter(results.values()))[2]
     s = plan.summary()
-    print(f"[3/4] {world} ranks planned independently and agree on digest {digests.pop()[:16]} "
-          f"in {time.perf_counter() - started:.2f} s: {s['ops']} transfers, {s['total_bytes']:,} bytes, "
-          f"busiest sender {s['max_rank_send_bytes']:,} B (lower bound {s['lower_bound_send_bytes']:,} B)")
+    print(
+        f"[3/4] {world} ranks planned independently and agree on digest {digests.pop()[:16]} "
+        f"in {time.perf_counter() - started:.2f} s: {s['ops']} transfers, {s['total_bytes']:,} bytes, "
+        f"busiest sender {s['max_rank_send_bytes']:,} B (lower bound {s['lower_bound_send_bytes']:,} B)"
+    )
     for e in engines:
         client.report_version(e.instance, VERSION)
     subprocess.run([sys.executable, "-m", "awex.meta.cli", "status", server.address, "--token", token], check=True)
     server.stop()
 
-    print("\n[4/4] planner dry run: Qwen3-235B-A22B-shaped MoE, Megatron tp=4 pp=8 ep=8 dp=16 (512 ranks) "
-          "-> 61 vLLM engines tp=8 ep=8 (488 ranks)")
+    print(
+        "\n[4/4] planner dry run: Qwen3-235B-A22B-shaped MoE, Megatron tp=4 pp=8 ep=8 dp=16 (512 ranks) "
+        "-> 61 vLLM engines tp=8 ep=8 (488 ranks)"
+    )
     out = subprocess.run(
-        [sys.executable, "-m", "awex.meta.cli", "plan", "--model", str(MODELS / "qwen3-235b-a22b.json"),
-         "--trainer", "megatron:tp=4,pp=8,ep=8,dp=16,first=11,last=11", "--inference", "vllm:tp=8,ep=8,instances=61",
-         "--link-gbps", "50", "--json"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "awex.meta.cli",
+            "plan",
+            "--model",
+            str(MODELS / "qwen3-235b-a22b.json"),
+            "--trainer",
+            "megatron:tp=4,pp=8,ep=8,dp=16,first=11,last=11",
+            "--inference",
+            "vllm:tp=8,ep=8,instances=61",
+            "--link-gbps",
+            "50",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
     )
     print(out.stdout.rstrip())
     if out.returncode != 0:

@@ -68,6 +68,7 @@ def trainer(model: str, layers: int | None, iters: int, workdir: str, port: int)
     ps.gather_metas("v1")
     seconds = []
     for i in range(iters):
+
         def ask_engine(paths, i=i):  # checkpoint-engine's req_func: tell the engine where to connect
             Path(workdir, f"req-{i}.json.tmp").write_text(json.dumps(paths))
             os.replace(Path(workdir, f"req-{i}.json.tmp"), Path(workdir, f"req-{i}.json"))
@@ -115,9 +116,15 @@ def run(model: str = "qwen3-8b", layers: int | None = None, iters: int = 3, time
         common = ["--model", model, "--iters", str(iters), "--workdir", work, "--port", str(port)]
         if layers:
             common += ["--layers", str(layers)]
-        procs = {role: subprocess.Popen([sys.executable, "-m", "awex_integration.bench_checkpoint_engine", "--role",
-                                         role, *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for role in ("trainer", "engine")}
+        procs = {
+            role: subprocess.Popen(
+                [sys.executable, "-m", "awex_integration.bench_checkpoint_engine", "--role", role, *common],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for role in ("trainer", "engine")
+        }
         outs = {}
         for role, p in procs.items():
             try:
@@ -130,9 +137,14 @@ def run(model: str = "qwen3-8b", layers: int | None = None, iters: int = 3, time
                 return {"error": f"checkpoint-engine {role} failed: {outs[role][-1500:]}"}
         docs = {role: json.loads(out.strip().splitlines()[-1]) for role, out in outs.items()}
     times = docs["trainer"]["update_seconds_all"]
-    return {"version": "checkpoint-engine 0.4.2", "register_seconds": round(docs["trainer"]["register_seconds"], 6),
-            "update_seconds": round(statistics.median(times), 6), "update_seconds_all": [round(t, 6) for t in times],
-            "correct": not docs["engine"]["mismatches"], "mismatches": docs["engine"]["mismatches"]}
+    return {
+        "version": "checkpoint-engine 0.4.2",
+        "register_seconds": round(docs["trainer"]["register_seconds"], 6),
+        "update_seconds": round(statistics.median(times), 6),
+        "update_seconds_all": [round(t, 6) for t in times],
+        "correct": not docs["engine"]["mismatches"],
+        "mismatches": docs["engine"]["mismatches"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,8 +35,10 @@ def _layouts(model: str, layers: int | None, receivers: int):
     from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 
     tensors = _tensors(model, layers)
-    return (megatron_layout(tensors, MegatronParallel(tp=1), instance="trainer"),
-            [vllm_layout(tensors, VllmParallel(tp=1), instance=f"vllm-{i}") for i in range(receivers)])
+    return (
+        megatron_layout(tensors, MegatronParallel(tp=1), instance="trainer"),
+        [vllm_layout(tensors, VllmParallel(tp=1), instance=f"vllm-{i}") for i in range(receivers)],
+    )
 
 
 def _views(layout, value: float | None):
@@ -53,8 +55,9 @@ def _views(layout, value: float | None):
     return view_of, held
 
 
-def rank_main(address: str, role: str, model: str, layers: int | None, receivers: int, transport: str,
-              iters: int) -> dict:
+def rank_main(
+    address: str, role: str, model: str, layers: int | None, receivers: int, transport: str, iters: int
+) -> dict:
     import torch
 
     from awex.engines.reader import WeightsReader
@@ -97,8 +100,12 @@ def rank_main(address: str, role: str, model: str, layers: int | None, receivers
     if role == "trainer":
         side.flush()
     side.close()
-    return {"times": times, "bad": bad, "transport": used,
-            "bytes": sum(t.numel() * t.element_size() for t in held.values())}
+    return {
+        "times": times,
+        "bad": bad,
+        "transport": used,
+        "bytes": sum(t.numel() * t.element_size() for t in held.values()),
+    }
 
 
 def memcpy_rate(nbytes: int) -> float:
@@ -123,18 +130,26 @@ def run(model: str, layers: int | None, receivers: int, transport: str, iters: i
     server = start_embedded()
     try:
         roles = ["trainer", *[f"vllm-{i}" for i in range(receivers)]]
-        out = run_processes([(r, rank_main, (server.address, r, model, layers, receivers, transport, iters))
-                             for r in roles], timeout=600)
+        out = run_processes(
+            [(r, rank_main, (server.address, r, model, layers, receivers, transport, iters)) for r in roles],
+            timeout=600,
+        )
     finally:
         server.stop()
     failed = {k: v for k, (s, v) in out.items() if s != "ok"}
     if failed:
         raise RuntimeError(f"{transport}: {failed}")
-    spans = [max(out[r][1]["times"][i][1] for r in roles) - min(out[r][1]["times"][i][0] for r in roles)
-             for i in range(iters)]
-    return {"transport": out["trainer"][1]["transport"], "seconds": statistics.median(spans),
-            "seconds_all": [round(x, 6) for x in spans], "model_bytes": out["trainer"][1]["bytes"],
-            "mismatched_tensors": sum(out[r][1]["bad"] for r in roles)}
+    spans = [
+        max(out[r][1]["times"][i][1] for r in roles) - min(out[r][1]["times"][i][0] for r in roles)
+        for i in range(iters)
+    ]
+    return {
+        "transport": out["trainer"][1]["transport"],
+        "seconds": statistics.median(spans),
+        "seconds_all": [round(x, 6) for x in spans],
+        "model_bytes": out["trainer"][1]["bytes"],
+        "mismatched_tensors": sum(out[r][1]["bad"] for r in roles),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,13 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["bound_seconds"] = 2 * nbytes / rate
         row["ratio"] = round(row["seconds"] / row["bound_seconds"], 3)
-        print(f"{row['transport']}: {row['seconds'] * 1e3:.1f} ms for {nbytes / 1e6:.0f} MB to {args.receivers} "
-              f"receiver(s); bound {row['bound_seconds'] * 1e3:.1f} ms; ratio {row['ratio']}; mismatched "
-              f"{row['mismatched_tensors']}", flush=True)
-    result = {"device": args.device, "date": time.strftime("%Y-%m-%d"), "memcpy_bytes_per_s": round(rate),
-              "bound": "2 x model bytes / memcpy rate (the sender's copy, then the receivers' copies at once)",
-              "model": args.model, "layers": args.layers, "receivers": args.receivers, "rows": rows,
-              "command": "python -m awex_integration.bench_cpu " + " ".join(sys.argv[1:] if argv is None else argv)}
+        print(
+            f"{row['transport']}: {row['seconds'] * 1e3:.1f} ms for {nbytes / 1e6:.0f} MB to {args.receivers} "
+            f"receiver(s); bound {row['bound_seconds'] * 1e3:.1f} ms; ratio {row['ratio']}; mismatched "
+            f"{row['mismatched_tensors']}",
+            flush=True,
+        )
+    result = {
+        "device": args.device,
+        "date": time.strftime("%Y-%m-%d"),
+        "memcpy_bytes_per_s": round(rate),
+        "bound": "2 x model bytes / memcpy rate (the sender's copy, then the receivers' copies at once)",
+        "model": args.model,
+        "layers": args.layers,
+        "receivers": args.receivers,
+        "rows": rows,
+        "command": "python -m awex_integration.bench_cpu " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if all(r["mismatched_tensors"] == 0 for r in rows) else 1

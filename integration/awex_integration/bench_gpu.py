@@ -64,34 +64,100 @@ class Scenario:
 
 
 SCENARIOS = [
-    Scenario("1gpu_to_1gpu", "1 trainer GPU -> 1 inference GPU, separate processes",
-             (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,))), "nccl", 2),
-    Scenario("mcore_tp2_to_vllm_tp2", "Megatron TP=2 -> vLLM TP=2",
-             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 2, (2, 3))), "nccl", 4),
-    Scenario("mcore_tp2_to_2x_vllm_tp1", "Megatron TP=2 -> two vLLM TP=1 instances (resharding + fan-out)",
-             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 1, (2,)),
-              Engine("vllm-1", "vllm", 1, (3,))), "nccl", 4),
-    Scenario("1gpu_to_3_instances", "1 trainer GPU -> 3 vLLM TP=1 instances (fan-out)",
-             (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,)),
-              Engine("vllm-1", "vllm", 1, (2,)), Engine("vllm-2", "vllm", 1, (3,))), "nccl", 4),
+    Scenario(
+        "1gpu_to_1gpu",
+        "1 trainer GPU -> 1 inference GPU, separate processes",
+        (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,))),
+        "nccl",
+        2,
+    ),
+    Scenario(
+        "mcore_tp2_to_vllm_tp2",
+        "Megatron TP=2 -> vLLM TP=2",
+        (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 2, (2, 3))),
+        "nccl",
+        4,
+    ),
+    Scenario(
+        "mcore_tp2_to_2x_vllm_tp1",
+        "Megatron TP=2 -> two vLLM TP=1 instances (resharding + fan-out)",
+        (
+            Engine("trainer", "megatron", 2, (0, 1)),
+            Engine("vllm-0", "vllm", 1, (2,)),
+            Engine("vllm-1", "vllm", 1, (3,)),
+        ),
+        "nccl",
+        4,
+    ),
+    Scenario(
+        "1gpu_to_3_instances",
+        "1 trainer GPU -> 3 vLLM TP=1 instances (fan-out)",
+        (
+            Engine("trainer", "megatron", 1, (0,)),
+            Engine("vllm-0", "vllm", 1, (1,)),
+            Engine("vllm-1", "vllm", 1, (2,)),
+            Engine("vllm-2", "vllm", 1, (3,)),
+        ),
+        "nccl",
+        4,
+    ),
     # the same host, separate GPUs, through CUDA IPC: receivers pull with their copy engines over NVLink
-    Scenario("1gpu_to_1gpu_ipc", "1 trainer GPU -> 1 inference GPU, separate processes, CUDA IPC pull",
-             (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,))), "ipc", 2),
-    Scenario("mcore_tp2_to_vllm_tp2_ipc", "Megatron TP=2 -> vLLM TP=2 on other GPUs of the host, CUDA IPC pull",
-             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 2, (2, 3))), "ipc", 4),
-    Scenario("mcore_tp2_to_2x_vllm_tp1_ipc", "Megatron TP=2 -> two vLLM TP=1 instances on other GPUs, CUDA IPC pull",
-             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 1, (2,)),
-              Engine("vllm-1", "vllm", 1, (3,))), "ipc", 4),
-    Scenario("colocated_1gpu_ipc", "colocated on one GPU, CUDA IPC, in place",
-             (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (0,))), "ipc", 1),
-    Scenario("colocated_tp2_to_tp1_per_gpu", "colocated Megatron TP=2 with a vLLM TP=1 engine on each of the two GPUs",
-             (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 1, (0,)),
-              Engine("vllm-1", "vllm", 1, (1,))), "ipc", 2),
+    Scenario(
+        "1gpu_to_1gpu_ipc",
+        "1 trainer GPU -> 1 inference GPU, separate processes, CUDA IPC pull",
+        (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,))),
+        "ipc",
+        2,
+    ),
+    Scenario(
+        "mcore_tp2_to_vllm_tp2_ipc",
+        "Megatron TP=2 -> vLLM TP=2 on other GPUs of the host, CUDA IPC pull",
+        (Engine("trainer", "megatron", 2, (0, 1)), Engine("vllm-0", "vllm", 2, (2, 3))),
+        "ipc",
+        4,
+    ),
+    Scenario(
+        "mcore_tp2_to_2x_vllm_tp1_ipc",
+        "Megatron TP=2 -> two vLLM TP=1 instances on other GPUs, CUDA IPC pull",
+        (
+            Engine("trainer", "megatron", 2, (0, 1)),
+            Engine("vllm-0", "vllm", 1, (2,)),
+            Engine("vllm-1", "vllm", 1, (3,)),
+        ),
+        "ipc",
+        4,
+    ),
+    Scenario(
+        "colocated_1gpu_ipc",
+        "colocated on one GPU, CUDA IPC, in place",
+        (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (0,))),
+        "ipc",
+        1,
+    ),
+    Scenario(
+        "colocated_tp2_to_tp1_per_gpu",
+        "colocated Megatron TP=2 with a vLLM TP=1 engine on each of the two GPUs",
+        (
+            Engine("trainer", "megatron", 2, (0, 1)),
+            Engine("vllm-0", "vllm", 1, (0,)),
+            Engine("vllm-1", "vllm", 1, (1,)),
+        ),
+        "ipc",
+        2,
+    ),
     # the common RL colocation: a data-parallel trainer over all GPUs, one engine replica per GPU; every engine
     # reads the trainer replica on its own GPU (planner locality), nothing crosses NVLink
-    Scenario("colocated_dp2_to_2x_tp1", "colocated Megatron TP=1 x DP=2 with a vLLM TP=1 engine on each of the "
-             "two GPUs", (Engine("trainer", "megatron", 1, (0, 1), dp=2), Engine("vllm-0", "vllm", 1, (0,)),
-                          Engine("vllm-1", "vllm", 1, (1,))), "ipc", 2),
+    Scenario(
+        "colocated_dp2_to_2x_tp1",
+        "colocated Megatron TP=1 x DP=2 with a vLLM TP=1 engine on each of the two GPUs",
+        (
+            Engine("trainer", "megatron", 1, (0, 1), dp=2),
+            Engine("vllm-0", "vllm", 1, (0,)),
+            Engine("vllm-1", "vllm", 1, (1,)),
+        ),
+        "ipc",
+        2,
+    ),
 ]
 
 
@@ -101,6 +167,7 @@ def scenario_devices(scenario: Scenario) -> tuple[tuple[str, int, str], ...]:
 
 
 # ----------------------------------------------------------------------------------------------- model side
+
 
 def auto_transport(scenario: Scenario, sources, dests, fp8: bool = False) -> str:
     """What ``transport="auto"`` (the writers' default) picks for this scenario's GPUs: "ipc" or "nccl" (``fp8``:
@@ -156,7 +223,14 @@ def native_params(engine: Engine, local_rank: int, dims, device, quant=None, fla
     (its param-and-grad buffers); otherwise each parameter is its own allocation (as under FSDP2)."""
     import torch
 
-    from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_dtypes, vllm_param_shapes, vllm_views
+    from awex.convert import (
+        MegatronNames,
+        megatron_param_shapes,
+        megatron_views,
+        vllm_param_dtypes,
+        vllm_param_shapes,
+        vllm_views,
+    )
     from awex.meta.layouts import MegatronParallel, VllmParallel
 
     if engine.kind == "megatron":
@@ -167,7 +241,7 @@ def native_params(engine: Engine, local_rank: int, dims, device, quant=None, fla
             buffer = torch.zeros(sum(sizes.values()), dtype=torch.bfloat16, device=device)
             params, at = {}, 0
             for n, s in shapes.items():
-                params[n] = buffer[at:at + math.prod(s)].view(s)
+                params[n] = buffer[at : at + math.prod(s)].view(s)
                 at += sizes[n]
         else:
             params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
@@ -230,6 +304,7 @@ def mismatches(shards, layout, step, device, quant=None) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- limits
 
+
 def lower_bound(plan, gpu_of: dict[int, int], link_bps: float, copy_bps: float) -> tuple[float, dict]:
     """Seconds the busiest GPU needs at the measured limits (see the module docstring); plan without relay."""
     inbound: dict[int, int] = {}
@@ -254,6 +329,7 @@ def lower_bound(plan, gpu_of: dict[int, int], link_bps: float, copy_bps: float) 
 
 
 # ----------------------------------------------------------------------------------------------- worker
+
 
 @dataclass
 class WorkerArgs:
@@ -336,8 +412,9 @@ def worker(a: WorkerArgs) -> dict:
         own.append(t1 - t0)
         return span(t0, t1)
 
-    params, view_of = native_params(engine, a.local_rank, dims, device, None if trainer else quant,
-                                    flat=a.trainer_buffer == "flat")
+    params, view_of = native_params(
+        engine, a.local_rank, dims, device, None if trainer else quant, flat=a.trainer_buffer == "flat"
+    )
     base_layout = next(lay for lay in base_layouts if lay.instance == a.instance)
     quantize = None
     if trainer:
@@ -355,27 +432,80 @@ def worker(a: WorkerArgs) -> dict:
 
     # ---- Awex: first sync (everything built) and steady state
     if a.extra.get("path", "public") == "public":
-        plan, shards = _public_path(a, scenario, layout, trainer, view_of, weights if trainer else None, base_layout,
-                                    quantize, fp8_views if trainer and quant else None, result, barrier, span,
-                                    timed, device, quant)
+        plan, shards = _public_path(
+            a,
+            scenario,
+            layout,
+            trainer,
+            view_of,
+            weights if trainer else None,
+            base_layout,
+            quantize,
+            fp8_views if trainer and quant else None,
+            result,
+            barrier,
+            span,
+            timed,
+            device,
+            quant,
+        )
     else:
-        plan = _executor_path(a, scenario, sources, dests, layout, shards, trainer, quantize,
-                              fp8_views if trainer and quant else None, weights if trainer else None, base_layout,
-                              result, barrier, span, timed, device, quant)
-    result["plan"] = {"waves": plan.stats.waves, "relayed_bytes": plan.stats.relayed_bytes,
-                      "total_bytes": plan.stats.total_bytes}
+        plan = _executor_path(
+            a,
+            scenario,
+            sources,
+            dests,
+            layout,
+            shards,
+            trainer,
+            quantize,
+            fp8_views if trainer and quant else None,
+            weights if trainer else None,
+            base_layout,
+            result,
+            barrier,
+            span,
+            timed,
+            device,
+            quant,
+        )
+    result["plan"] = {
+        "waves": plan.stats.waves,
+        "relayed_bytes": plan.stats.relayed_bytes,
+        "total_bytes": plan.stats.total_bytes,
+    }
 
     # ---- baselines
     result["own_seconds"] = own[:]
     result["late_starts"] = late[:]
-    result["baselines"] = (baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed, quant)
-                           if a.baseline_iters else {})
+    result["baselines"] = (
+        baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barrier, timed, quant)
+        if a.baseline_iters
+        else {}
+    )
     dist.barrier()
     return result
 
 
-def _executor_path(a, scenario, sources, dests, layout, shards, trainer, quantize, fp8_views, weights, base_layout,
-                   result, barrier, span, timed, device, quant):
+def _executor_path(
+    a,
+    scenario,
+    sources,
+    dests,
+    layout,
+    shards,
+    trainer,
+    quantize,
+    fp8_views,
+    weights,
+    base_layout,
+    result,
+    barrier,
+    span,
+    timed,
+    device,
+    quant,
+):
     """Executors wired by hand (``--path executor``): the plan and executors built here, no MetaServer."""
     import torch
 
@@ -388,8 +518,9 @@ def _executor_path(a, scenario, sources, dests, layout, shards, trainer, quantiz
     t0 = time.perf_counter()
     if scenario.transport == "nccl":
         direct = a.extra.get("direct_bytes", PlanOptions.direct_bytes)
-        options = PlanOptions(wave_bytes=int(a.wave_mb * (1 << 20)), direct_bytes=direct,
-                              broadcast=a.extra.get("fanout") == "broadcast")
+        options = PlanOptions(
+            wave_bytes=int(a.wave_mb * (1 << 20)), direct_bytes=direct, broadcast=a.extra.get("fanout") == "broadcast"
+        )
         plan = plan_transfers(sources, dests, options)
         group = create_sync_group(a.rank, a.world, "127.0.0.1", a.ports[1], backend="nccl", device=device)
         executor = WaveExecutor(plan, a.rank, shards, group)
@@ -409,7 +540,9 @@ def _executor_path(a, scenario, sources, dests, layout, shards, trainer, quantiz
         barrier()  # exports written
         if not trainer:
             peers = sorted({s.peer for s in plan.schedule(a.rank)})
-            opened = {p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}.json").read_text()))) for p in peers}
+            opened = {
+                p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}.json").read_text()))) for p in peers
+            }
             executor = IpcExecutor(plan, a.rank, shards, opened, **a.extra.get("ipc", {}))
             run = executor.run
             result["staging_bytes"] = executor.staging_bytes
@@ -458,8 +591,23 @@ def _executor_path(a, scenario, sources, dests, layout, shards, trainer, quantiz
     return plan
 
 
-def _public_path(a, scenario, layout, trainer, view_of, weights, base_layout, quantize, fp8_views, result, barrier,
-                 span, timed, device, quant):
+def _public_path(
+    a,
+    scenario,
+    layout,
+    trainer,
+    view_of,
+    weights,
+    base_layout,
+    quantize,
+    fp8_views,
+    result,
+    barrier,
+    span,
+    timed,
+    device,
+    quant,
+):
     """What users run (``--path public``, the default): a ``WeightsWriter`` per trainer rank and a
     ``WeightsReader`` per receiver rank, meeting at a MetaServer (planning, agreement, versions, IPC handles,
     everything per version included). Returns the plan and this rank's views (for the baselines)."""
@@ -473,9 +621,16 @@ def _public_path(a, scenario, layout, trainer, view_of, weights, base_layout, qu
     transport = {"nccl": "p2p", "ipc": "ipc"}[scenario.transport]
     dests = [e.instance for e in scenario.engines if e.kind != "megatron"]
     if trainer:
-        side = WeightsWriter(client, layout, a.local_rank, view_of, transport=transport,
-                             wave_bytes=int(a.wave_mb * (1 << 20)), refresh=quantize,
-                             refresh_by_wave=fp8_views.by_wave if fp8_views is not None else None)
+        side = WeightsWriter(
+            client,
+            layout,
+            a.local_rank,
+            view_of,
+            transport=transport,
+            wave_bytes=int(a.wave_mb * (1 << 20)),
+            refresh=quantize,
+            refresh_by_wave=fp8_views.by_wave if fp8_views is not None else None,
+        )
         step = lambda version: side.write(version, dests)  # noqa: E731
     else:
         side = WeightsReader(client, layout, a.local_rank, view_of)
@@ -487,7 +642,7 @@ def _public_path(a, scenario, layout, trainer, view_of, weights, base_layout, qu
     result["first_sync_seconds"] = span(t0, time.perf_counter())
     result["first_sync_phases"] = side.last_phases
     last = [stats]
-    versions = iter(range(2, 10 ** 6))
+    versions = iter(range(2, 10**6))
 
     def sync_once():
         last[0] = step(f"v{next(versions)}")
@@ -499,7 +654,11 @@ def _public_path(a, scenario, layout, trainer, view_of, weights, base_layout, qu
     result["steady_phases"] = side.last_phases
     stats = last[0]
     result["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - result.pop("_base_alloc")
-    result["bytes_received"], result["bytes_sent"], result["waves"] = stats.bytes_received, stats.bytes_sent, stats.waves
+    result["bytes_received"], result["bytes_sent"], result["waves"] = (
+        stats.bytes_received,
+        stats.bytes_sent,
+        stats.waves,
+    )
     result["staging_bytes"] = side.held_bytes()
     shards = side.shards
     result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device, quant)
@@ -549,14 +708,17 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
         # per-update IPC: the trainer exports handles for every update, receivers open them and copy
         exports = Path(a.workdir) / f"ipc-base-{a.scenario}"
         exports.mkdir(exist_ok=True)
+
         def per_update(i: int) -> None:
             if trainer:
                 (exports / f"{a.rank}-{i}.json").write_text(json.dumps(export_shards(shards).to_wire()))
             barrier()
             if not trainer:
                 peers = sorted({s.peer for s in plan.schedule(a.rank)})
-                opened = {p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}-{i}.json").read_text())))
-                          for p in peers}
+                opened = {
+                    p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}-{i}.json").read_text())))
+                    for p in peers
+                }
                 IpcExecutor(plan, a.rank, shards, opened).run()
 
         out["ipc_handles_per_update"] = [timed(lambda i=i: per_update(i)) for i in range(a.baseline_iters)]
@@ -625,7 +787,7 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
             pos = 0
             views = {}
             for n in g:
-                v = buf[pos:pos + specs[n].nbytes].view(torch_dtype(specs[n].dtype)).view(specs[n].shape)
+                v = buf[pos : pos + specs[n].nbytes].view(torch_dtype(specs[n].dtype)).view(specs[n].shape)
                 views[n] = v
                 if a.rank == root:
                     v.copy_(fulls[n])
@@ -644,14 +806,16 @@ def baselines(a, scenario, plan, layouts, shards, layout, trainer, device, barri
 
 # ----------------------------------------------------------------------------------------------- calibration
 
+
 def calibrate_worker(rank: int, world: int, port: int, nbytes: int, out_file: str) -> None:
     """Ranks 0..world-1 on GPUs 0..world-1: pair send 0->1, two into one (0,1 -> 2), device copy on GPU 0."""
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+    )
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     res = {}
 
@@ -715,12 +879,18 @@ def calibrate_worker(rank: int, world: int, port: int, nbytes: int, out_file: st
 
 # ----------------------------------------------------------------------------------------------- driver
 
-def launch_workers(argv: list[list[str]], timeout: float, env, module: str = "awex_integration.bench_gpu"
-                   ) -> list[tuple[int, str]]:
+
+def launch_workers(
+    argv: list[list[str]], timeout: float, env, module: str = "awex_integration.bench_gpu"
+) -> list[tuple[int, str]]:
     """Run ``python -m module *args`` for every ``args`` at once; ``(return code, output)`` of each, all killed
     once ``timeout`` seconds have passed."""
-    procs = [subprocess.Popen([sys.executable, "-m", module, *args], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in argv]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for args in argv
+    ]
     deadline = time.monotonic() + timeout
     outs = []
     for p in procs:
@@ -765,8 +935,13 @@ def _device_name() -> str:
 def _write_results(out: str | None, device: str, date: str, cal: dict, results: list, command: list[str]) -> None:
     if not out:
         return
-    doc = {"device": device, "date": date, "limits": cal, "scenarios": results,
-           "command": "python -m awex_integration.bench_gpu " + " ".join(command)}
+    doc = {
+        "device": device,
+        "date": date,
+        "limits": cal,
+        "scenarios": results,
+        "command": "python -m awex_integration.bench_gpu " + " ".join(command),
+    }
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -790,30 +965,57 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=7, help="steady-state syncs timed per scenario (median)")
     ap.add_argument("--baseline-iters", type=int, default=3, help="0: no baselines (quick runs)")
     ap.add_argument("--wave-mb", type=float, default=256.0, help="wave size per rank in MiB (staging ~2x)")
-    ap.add_argument("--fp8", action="store_true",
-                    help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles + scales); trainers "
-                         "quantise their bf16 weights in every sync (timed as part of it)")
-    ap.add_argument("--trainer-buffer", default="per-param",
-                    help="per-param: trainer parameters each in their own allocation (as under FSDP2; default); "
-                         "flat: views of one contiguous buffer (as Megatron-core's DDP keeps them); "
-                         "'per-param,flat' runs every scenario both ways")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles + scales); trainers "
+        "quantise their bf16 weights in every sync (timed as part of it)",
+    )
+    ap.add_argument(
+        "--trainer-buffer",
+        default="per-param",
+        help="per-param: trainer parameters each in their own allocation (as under FSDP2; default); "
+        "flat: views of one contiguous buffer (as Megatron-core's DDP keeps them); "
+        "'per-param,flat' runs every scenario both ways",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="per scenario")
-    ap.add_argument("--upstream", action="store_true",
-                    help="also run checkpoint-engine 0.4.2 where it runs (colocated on one GPU; needs it installed)")
-    ap.add_argument("--direct-mb", default="64",
-                    help="NCCL: transfers of at least this many MiB travel as their own message, straight from and "
-                         "into engine memory where contiguous (PlanOptions.direct_bytes); 'none': all staged")
-    ap.add_argument("--fanout", default="relay", choices=["relay", "broadcast"],
-                    help="NCCL: regions several instances need go by relays (default) or as broadcasts per wave "
-                         "(PlanOptions.broadcast)")
-    ap.add_argument("--ipc-options", default="{}",
-                    help="JSON keyword arguments for the CUDA IPC executor, e.g. '{\"dma_streams\": 4}' (tuning runs)")
-    ap.add_argument("--upstream-awex", default=None, metavar="DIR",
-                    help="with --upstream: a directory holding the unpacked awex 0.9.0 wheel; its transfer core "
-                         "runs as a baseline in the NCCL scenarios (awex_integration.bench_upstream_awex)")
-    ap.add_argument("--path", default="public", choices=["public", "executor"],
-                    help="public (default): WeightsWriter / WeightsReader meeting at a MetaServer, as users run "
-                         "them; executor: the transport executors wired by hand (tuning runs)")
+    ap.add_argument(
+        "--upstream",
+        action="store_true",
+        help="also run checkpoint-engine 0.4.2 where it runs (colocated on one GPU; needs it installed)",
+    )
+    ap.add_argument(
+        "--direct-mb",
+        default="64",
+        help="NCCL: transfers of at least this many MiB travel as their own message, straight from and "
+        "into engine memory where contiguous (PlanOptions.direct_bytes); 'none': all staged",
+    )
+    ap.add_argument(
+        "--fanout",
+        default="relay",
+        choices=["relay", "broadcast"],
+        help="NCCL: regions several instances need go by relays (default) or as broadcasts per wave "
+        "(PlanOptions.broadcast)",
+    )
+    ap.add_argument(
+        "--ipc-options",
+        default="{}",
+        help="JSON keyword arguments for the CUDA IPC executor, e.g. '{\"dma_streams\": 4}' (tuning runs)",
+    )
+    ap.add_argument(
+        "--upstream-awex",
+        default=None,
+        metavar="DIR",
+        help="with --upstream: a directory holding the unpacked awex 0.9.0 wheel; its transfer core "
+        "runs as a baseline in the NCCL scenarios (awex_integration.bench_upstream_awex)",
+    )
+    ap.add_argument(
+        "--path",
+        default="public",
+        choices=["public", "executor"],
+        help="public (default): WeightsWriter / WeightsReader meeting at a MetaServer, as users run "
+        "them; executor: the transport executors wired by hand (tuning runs)",
+    )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     command = list(sys.argv[1:] if argv is None else argv)
@@ -835,31 +1037,50 @@ def main(argv: list[str] | None = None) -> int:
 
     from awex.meta import Fp8BlockQuant, PlanOptions, Role, plan_transfers, quantize_layout
 
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        PYTHONUNBUFFERED="1",
+    )
     gpus = torch.cuda.device_count()
     device = _device_name()
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     work = tempfile.mkdtemp(prefix="awex-bench-")
-    model_label = args.model + (f" ({args.layers} layers)" if args.layers else "") + (", FP8 to receivers" if args.fp8 else "")
+    model_label = (
+        args.model + (f" ({args.layers} layers)" if args.layers else "") + (", FP8 to receivers" if args.fp8 else "")
+    )
     print(f"device: {device}; model {model_label}", flush=True)
 
     # limits, measured now
     cal_world = min(gpus, 3)
     port = _free_ports(1)[0]
     cal_file = str(Path(work) / "calibration.json")
-    outs = launch_workers([["--calibrate", json.dumps({"rank": r, "world": cal_world, "port": port, "nbytes": 4 * GIB,
-                                                "out_file": cal_file})] for r in range(cal_world)], 300, env)
+    outs = launch_workers(
+        [
+            [
+                "--calibrate",
+                json.dumps({"rank": r, "world": cal_world, "port": port, "nbytes": 4 * GIB, "out_file": cal_file}),
+            ]
+            for r in range(cal_world)
+        ],
+        300,
+        env,
+    )
     if any(rc for rc, _ in outs):
         print("\n".join(o for _, o in outs))
         return 1
     cal = json.loads(Path(cal_file).read_text())
     link_bps = max(cal["pair_bps"], cal.get("two_into_one_bps", 0.0), cal.get("dma_bps", 0.0))
     copy_bps = cal["copy_bps"]
-    print(f"limits: NCCL one pair {cal['pair_bps'] / 1e9:.0f} GB/s, two into one "
-          f"{cal.get('two_into_one_bps', 0) / 1e9:.0f} GB/s, copy-engine peer copy {cal.get('dma_bps', 0) / 1e9:.0f} "
-          f"GB/s, device copy {copy_bps / 1e9:.0f} GB/s (bytes copied per second); link = the fastest of the "
-          f"first three", flush=True)
+    print(
+        f"limits: NCCL one pair {cal['pair_bps'] / 1e9:.0f} GB/s, two into one "
+        f"{cal.get('two_into_one_bps', 0) / 1e9:.0f} GB/s, copy-engine peer copy {cal.get('dma_bps', 0) / 1e9:.0f} "
+        f"GB/s, device copy {copy_bps / 1e9:.0f} GB/s (bytes copied per second); link = the fastest of the "
+        f"first three",
+        flush=True,
+    )
 
     meta = None
     if args.path == "public":
@@ -883,27 +1104,49 @@ def main(argv: list[str] | None = None) -> int:
             layouts = [quantize_layout(x, quant) for x in layouts]
         sources = [x for x in layouts if x.role == Role.TRAINER]
         dests = [x for x in layouts if x.role == Role.INFERENCE]
-        direct = plan_transfers(sources, dests, PlanOptions(
-            relay=False, devices=scenario_devices(sc) if sc.transport == "ipc" else ()))
+        direct = plan_transfers(
+            sources, dests, PlanOptions(relay=False, devices=scenario_devices(sc) if sc.transport == "ipc" else ())
+        )
         ranks = direct.ranks
         gpu_of = {r.rank: next(e for e in sc.engines if e.instance == r.instance).gpus[r.local_rank] for r in ranks}
         bound, per_gpu = lower_bound(direct, gpu_of, link_bps, copy_bps)
         ports = _free_ports(2)
         argv = []
         for r in ranks:
-            wa = WorkerArgs(sc.name, args.model, args.layers, r.rank, len(ranks), r.instance, r.local_rank,
-                            gpu_of[r.rank], ports, work, args.iters, args.baseline_iters, args.wave_mb, args.fp8,
-                            buffer, {"ipc": ipc_options, "direct_bytes": direct_bytes, "fanout": args.fanout,
-                                     "path": args.path, "meta": meta.address if meta else None,
-                                     "timeout": args.timeout})
+            wa = WorkerArgs(
+                sc.name,
+                args.model,
+                args.layers,
+                r.rank,
+                len(ranks),
+                r.instance,
+                r.local_rank,
+                gpu_of[r.rank],
+                ports,
+                work,
+                args.iters,
+                args.baseline_iters,
+                args.wave_mb,
+                args.fp8,
+                buffer,
+                {
+                    "ipc": ipc_options,
+                    "direct_bytes": direct_bytes,
+                    "fanout": args.fanout,
+                    "path": args.path,
+                    "meta": meta.address if meta else None,
+                    "timeout": args.timeout,
+                },
+            )
             argv.append(["--worker", json.dumps(wa.__dict__)])
         started = time.monotonic()
         outs = launch_workers(argv, args.timeout, env)
         failed = [(rc, o) for rc, o in outs if rc != 0]
         if failed:
             print(f"FAILED {sc.name}:\n" + "\n".join(o[-4000:] for _, o in failed), flush=True)
-            results.append({"name": sc.name, "what": sc.what, "device": device, "date": date, "error":
-                            failed[0][1][-2000:]})
+            results.append(
+                {"name": sc.name, "what": sc.what, "device": device, "date": date, "error": failed[0][1][-2000:]}
+            )
             continue
         per_rank = [json.loads(Path(work, f"{sc.name}-{r.rank}.json").read_text()) for r in ranks]
         rec = [p for p in per_rank if not p["trainer"]]
@@ -921,10 +1164,19 @@ def main(argv: list[str] | None = None) -> int:
             "wire_bytes": direct.stats.total_bytes,
             "quantize_seconds": max((p.get("quantize_seconds", 0.0) for p in per_rank), default=0.0) or None,
             "transport": sc.transport,
-            "path": ("public: WeightsWriter / WeightsReader with a MetaServer (plan, agreement, versions)"
-                     if args.path == "public" else "executor: transport executors wired by hand"),
-            **({"first_sync_phases": _phases(per_rank, "first_sync_phases"),
-                "steady_phases": _phases(per_rank, "steady_phases")} if args.path == "public" else {}),
+            "path": (
+                "public: WeightsWriter / WeightsReader with a MetaServer (plan, agreement, versions)"
+                if args.path == "public"
+                else "executor: transport executors wired by hand"
+            ),
+            **(
+                {
+                    "first_sync_phases": _phases(per_rank, "first_sync_phases"),
+                    "steady_phases": _phases(per_rank, "steady_phases"),
+                }
+                if args.path == "public"
+                else {}
+            ),
             **({"ipc_options": ipc_options} if ipc_options and sc.transport == "ipc" else {}),
             **({"direct_bytes": direct_bytes, "fanout": args.fanout} if sc.transport == "nccl" else {}),
             "auto_transport": auto_transport(sc, sources, dests, fp8=args.fp8),  # the default's choice for these GPUs
@@ -932,11 +1184,17 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
             # timed calls start on every rank at one instant; where a rank reached it late, by how much (seconds)
-            "late_starts": {f"{p['instance']}:{p['rank']}": [round(x, 6) for x in p["late_starts"]]
-                            for p in per_rank if p.get("late_starts")},
+            "late_starts": {
+                f"{p['instance']}:{p['rank']}": [round(x, 6) for x in p["late_starts"]]
+                for p in per_rank
+                if p.get("late_starts")
+            },
             # each rank's own time in the call (median)
-            "rank_seconds": {f"{p['instance']}:{p['rank']}": round(statistics.median(p["own_seconds"]), 6)
-                             for p in per_rank if p.get("own_seconds")},
+            "rank_seconds": {
+                f"{p['instance']}:{p['rank']}": round(statistics.median(p["own_seconds"]), 6)
+                for p in per_rank
+                if p.get("own_seconds")
+            },
             "first_sync_seconds": round(per_rank[0]["first_sync_seconds"], 6),
             "lower_bound_seconds": round(bound, 6),
             "ratio": round(steady / bound, 3) if bound else None,
@@ -944,19 +1202,22 @@ def main(argv: list[str] | None = None) -> int:
             "per_gpu_bytes": per_gpu,
             "waves": per_rank[0]["plan"]["waves"],
             "relayed_bytes": per_rank[0]["plan"]["relayed_bytes"],
-            "peak_extra_gpu_bytes": {"trainer": max(p["peak_extra_bytes"] for p in per_rank if p["trainer"]),
-                                     "inference": max(p["peak_extra_bytes"] for p in rec)},
+            "peak_extra_gpu_bytes": {
+                "trainer": max(p["peak_extra_bytes"] for p in per_rank if p["trainer"]),
+                "inference": max(p["peak_extra_bytes"] for p in rec),
+            },
             "staging_bytes": max((p.get("staging_bytes", 0) for p in per_rank), default=0),
             "correct": not bad,
             "mismatches": bad[:10],
-            "baselines": {k: round(statistics.median(v), 6) for k, v in per_rank[0]["baselines"].items()
-                          if not k.endswith("_bad")},
-            "baseline_mismatches": sorted({b for p in rec for k, v in p["baselines"].items() if k.endswith("_bad")
-                                           for b in v})[:5],
+            "baselines": {
+                k: round(statistics.median(v), 6) for k, v in per_rank[0]["baselines"].items() if not k.endswith("_bad")
+            },
+            "baseline_mismatches": sorted(
+                {b for p in rec for k, v in p["baselines"].items() if k.endswith("_bad") for b in v}
+            )[:5],
             "wall_seconds": round(time.monotonic() - started, 1),
         }
-        if (args.upstream and args.upstream_awex and sc.transport == "nccl" and buffer == buffers[0]
-                and not args.fp8):
+        if args.upstream and args.upstream_awex and sc.transport == "nccl" and buffer == buffers[0] and not args.fp8:
             from awex_integration.bench_upstream_awex import run as run_upstream_awex
             from awex_integration.bench_upstream_awex import scenario_spec
 
@@ -977,8 +1238,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append(entry)
         _write_results(args.out, device, date, cal, results, command)  # after every scenario: a later one may time out
         base = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["baselines"].items())
-        print(f"{sc.name} ({buffer} trainer buffer): {steady * 1e3:.1f} ms steady (first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
-              f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}", flush=True)
+        print(
+            f"{sc.name} ({buffer} trainer buffer): {steady * 1e3:.1f} ms steady "
+            f"(first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
+            f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}",
+            flush=True,
+        )
         print(f"  each rank's own time (median): {entry['rank_seconds']}", flush=True)
         for key in ("first_sync_phases", "steady_phases"):
             for side, phases in (entry.get(key) or {}).items():
@@ -986,8 +1251,16 @@ def main(argv: list[str] | None = None) -> int:
     _write_results(args.out, device, date, cal, results, command)
     if meta is not None:
         meta.stop()
-    print(json.dumps({"scenarios": [{k: r.get(k) for k in ("name", "seconds", "lower_bound_seconds", "ratio",
-                                                          "correct", "baselines")} for r in results]}))
+    print(
+        json.dumps(
+            {
+                "scenarios": [
+                    {k: r.get(k) for k in ("name", "seconds", "lower_bound_seconds", "ratio", "correct", "baselines")}
+                    for r in results
+                ]
+            }
+        )
+    )
     return 0 if all(r.get("correct") for r in results) else 1
 
 

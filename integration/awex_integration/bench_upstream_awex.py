@@ -37,6 +37,7 @@ VERSION = "awex 0.9.0"
 
 # ----------------------------------------------------------------------------------------------- driver side
 
+
 def scenario_spec(scenario, tensors, layouts, iters: int, workdir: str, port: int) -> dict:
     """Everything a worker needs, as JSON: the canonical tensors, every rank's boxes, its GPU and upstream rank.
 
@@ -58,15 +59,20 @@ def scenario_spec(scenario, tensors, layouts, iters: int, workdir: str, port: in
     ranks = []
     for e_idx, e in enumerate(engines):
         for r, gpu in enumerate(e.gpus):
-            ranks.append({"role": "inference", "engine": e_idx, "local_rank": r, "gpu": gpu,
-                          "boxes": boxes(e.instance, r)})
+            ranks.append(
+                {"role": "inference", "engine": e_idx, "local_rank": r, "gpu": gpu, "boxes": boxes(e.instance, r)}
+            )
     for r, gpu in enumerate(trainer.gpus):
-        ranks.append({"role": "trainer", "engine": 0, "local_rank": r, "gpu": gpu,
-                      "boxes": boxes(trainer.instance, r)})
+        ranks.append({"role": "trainer", "engine": 0, "local_rank": r, "gpu": gpu, "boxes": boxes(trainer.instance, r)})
     return {
         "tensors": [{"name": t.spec.name, "shape": list(t.spec.shape), "dtype": t.spec.dtype} for t in tensors],
-        "engines": len(engines), "engine_ranks": engines[0].tp, "trainer_ranks": trainer.tp,
-        "ranks": ranks, "iters": iters, "workdir": workdir, "port": port,
+        "engines": len(engines),
+        "engine_ranks": engines[0].tp,
+        "trainer_ranks": trainer.tp,
+        "ranks": ranks,
+        "iters": iters,
+        "workdir": workdir,
+        "port": port,
     }
 
 
@@ -78,16 +84,22 @@ def run(upstream_dir: str, spec: dict, timeout: float = 300.0) -> dict:
     spec_file = work / "upstream-awex-spec.json"
     spec_file.write_text(json.dumps(spec))
     integration = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([integration]), AWEX_UPSTREAM_DIR=upstream_dir,
-               PYTHONUNBUFFERED="1")
-    outs = launch_workers([["--spec", str(spec_file), "--rank", str(r)] for r in range(len(spec["ranks"]))],
-                          timeout, env, module="awex_integration.bench_upstream_awex")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([integration]), AWEX_UPSTREAM_DIR=upstream_dir, PYTHONUNBUFFERED="1"
+    )
+    outs = launch_workers(
+        [["--spec", str(spec_file), "--rank", str(r)] for r in range(len(spec["ranks"]))],
+        timeout,
+        env,
+        module="awex_integration.bench_upstream_awex",
+    )
     if any(rc != 0 for rc, _ in outs):
         return {"version": VERSION, "error": "\n".join(o[-1500:] for rc, o in outs if rc != 0)[-3000:]}
     return json.loads((work / "upstream-awex-result.json").read_text())
 
 
 # ----------------------------------------------------------------------------------------------- worker side
+
 
 def _import_upstream(upstream_dir: str):
     """Upstream's transfer modules, without running its package ``__init__`` (which imports Megatron)."""
@@ -98,10 +110,15 @@ def _import_upstream(upstream_dir: str):
     from awex.transfer.nccl_comm import batch_send_recv, nccl_build_recv_ops, nccl_build_send_ops
     from awex.transfer.transfer_plan import TransferPlanBuilder
 
-    return types.SimpleNamespace(ParameterMeta=ParameterMeta, ParameterReplicaMeta=ParameterReplicaMeta,
-                                 ParameterShardMeta=ParameterShardMeta, TransferPlanBuilder=TransferPlanBuilder,
-                                 build_send=nccl_build_send_ops, build_recv=nccl_build_recv_ops,
-                                 batch_send_recv=batch_send_recv)
+    return types.SimpleNamespace(
+        ParameterMeta=ParameterMeta,
+        ParameterReplicaMeta=ParameterReplicaMeta,
+        ParameterShardMeta=ParameterShardMeta,
+        TransferPlanBuilder=TransferPlanBuilder,
+        build_send=nccl_build_send_ops,
+        build_recv=nccl_build_recv_ops,
+        batch_send_recv=batch_send_recv,
+    )
 
 
 def _overlaps(a, b) -> bool:
@@ -127,10 +144,21 @@ def parameter_metas(up, spec: dict, role: str, torch) -> list:
             numel = 1
             for n in sizes:
                 numel *= n
-            shard = up.ParameterShardMeta(tp_rank=r["local_rank"], attn_tp_rank=r["local_rank"], pp_rank=0,
-                                          ep_rank=0, ep_tp_rank=0, global_rank=r["local_rank"], world_size=world,
-                                          engine_rank=0, name=name, shape=sizes, numel=numel, dtype=dtype,
-                                          global_offset=offsets if offsets else (0,))
+            shard = up.ParameterShardMeta(
+                tp_rank=r["local_rank"],
+                attn_tp_rank=r["local_rank"],
+                pp_rank=0,
+                ep_rank=0,
+                ep_tp_rank=0,
+                global_rank=r["local_rank"],
+                world_size=world,
+                engine_rank=0,
+                name=name,
+                shape=sizes,
+                numel=numel,
+                dtype=dtype,
+                global_offset=offsets if offsets else (0,),
+            )
             shards.append(shard)
             for rep in replicas:
                 if not any(_overlaps((offsets, sizes), (tuple(s.global_offset), s.shape)) for s in rep):
@@ -144,8 +172,16 @@ def parameter_metas(up, spec: dict, role: str, torch) -> list:
         for n in shape:
             total *= n
         complete = [rep for rep in replicas if sum(s.numel for s in rep) == total]
-        metas.append(up.ParameterMeta(name=name, global_numel=total, global_shape=shape, dtype=dtype,
-                                      shards=shards, replicas=[up.ParameterReplicaMeta(shards=rep) for rep in complete]))
+        metas.append(
+            up.ParameterMeta(
+                name=name,
+                global_numel=total,
+                global_shape=shape,
+                dtype=dtype,
+                shards=shards,
+                replicas=[up.ParameterReplicaMeta(shards=rep) for rep in complete],
+            )
+        )
     return metas
 
 
@@ -163,13 +199,19 @@ def worker(spec_file: str, rank: int) -> None:
     device = torch.device("cuda", me["gpu"]) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
-                            world_size=world, **({"device_id": device} if cuda else {}))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{spec['port']}",
+        rank=rank,
+        world_size=world,
+        **({"device_id": device} if cuda else {}),
+    )
     infer_world = spec["engines"] * spec["engine_ranks"]
     builder = up.TransferPlanBuilder(infer_world, spec["trainer_ranks"], spec["engines"])
     started = time.perf_counter()
-    plan = builder.build_local_transfer_plan(parameter_metas(up, spec, "inference", torch),
-                                             parameter_metas(up, spec, "trainer", torch), rank)
+    plan = builder.build_local_transfer_plan(
+        parameter_metas(up, spec, "inference", torch), parameter_metas(up, spec, "trainer", torch), rank
+    )
     plan_seconds = time.perf_counter() - started
     trainer = me["role"] == "trainer"
     shapes = {t["name"]: (tuple(t["shape"]), getattr(torch, t["dtype"])) for t in spec["tensors"]}
@@ -182,8 +224,11 @@ def worker(spec_file: str, rank: int) -> None:
             out[name] = full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].contiguous()
         return out
 
-    params = values(1) if trainer else {n: torch.zeros(tuple(s), dtype=shapes[n][1], device=device)
-                                        for n, (_, s) in me["boxes"].items()}
+    params = (
+        values(1)
+        if trainer
+        else {n: torch.zeros(tuple(s), dtype=shapes[n][1], device=device) for n, (_, s) in me["boxes"].items()}
+    )
 
     def update() -> None:  # what upstream's writer / reader do on every update (separated mode)
         if trainer:
@@ -219,11 +264,20 @@ def worker(spec_file: str, rank: int) -> None:
     count = count.to(device) if cuda else count
     dist.all_reduce(count)
     if rank == 0:
-        Path(spec["workdir"], "upstream-awex-result.json").write_text(json.dumps({
-            "version": VERSION, "first_update_seconds": round(first, 6),
-            "update_seconds": round(statistics.median(steady), 6), "update_seconds_all": [round(x, 6) for x in steady],
-            "plan_seconds": round(plan_seconds, 3), "correct": int(count.item()) == 0, "mismatches": bad[:5],
-            "note": "transfer core only, tensors already canonical (a lower bound of an upstream update)"}))
+        Path(spec["workdir"], "upstream-awex-result.json").write_text(
+            json.dumps(
+                {
+                    "version": VERSION,
+                    "first_update_seconds": round(first, 6),
+                    "update_seconds": round(statistics.median(steady), 6),
+                    "update_seconds_all": [round(x, 6) for x in steady],
+                    "plan_seconds": round(plan_seconds, 3),
+                    "correct": int(count.item()) == 0,
+                    "mismatches": bad[:5],
+                    "note": "transfer core only, tensors already canonical (a lower bound of an upstream update)",
+                }
+            )
+        )
     dist.destroy_process_group()
 
 

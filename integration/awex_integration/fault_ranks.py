@@ -30,8 +30,10 @@ def layouts(train_tp: int, infer_tp: int, instance: str = "eng"):
     from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 
     tensors = _tensors()
-    return (megatron_layout(tensors, MegatronParallel(tp=train_tp), instance="trainer"),
-            vllm_layout(tensors, VllmParallel(tp=infer_tp), instance=instance))
+    return (
+        megatron_layout(tensors, MegatronParallel(tp=train_tp), instance="trainer"),
+        vllm_layout(tensors, VllmParallel(tp=infer_tp), instance=instance),
+    )
 
 
 def value(name: str, step: int) -> float:
@@ -76,8 +78,19 @@ def step_number(version: str) -> int:
     return int(version.rsplit("-", 1)[1])
 
 
-def trainer_rank(address: str, job: str, rank: int, tp: int, infer_tp: int, script: list[dict], timeout: float,
-                 destinations: list[str], workdir: str, device: str = "cpu", transport: str = "auto") -> list[dict]:
+def trainer_rank(
+    address: str,
+    job: str,
+    rank: int,
+    tp: int,
+    infer_tp: int,
+    script: list[dict],
+    timeout: float,
+    destinations: list[str],
+    workdir: str,
+    device: str = "cpu",
+    transport: str = "auto",
+) -> list[dict]:
     import torch
 
     from awex.engines.writer import WeightsWriter
@@ -85,8 +98,15 @@ def trainer_rank(address: str, job: str, rank: int, tp: int, infer_tp: int, scri
 
     layout, _ = layouts(tp, infer_tp)
     held, view_of = plain_views(layout, rank, rank_device(device, "trainer", rank, tp))
-    writer = WeightsWriter(MetaClient(address, job=job, timeout=timeout), layout, rank, view_of, timeout=timeout,
-                           wave_bytes=64 << 10, transport=transport)
+    writer = WeightsWriter(
+        MetaClient(address, job=job, timeout=timeout),
+        layout,
+        rank,
+        view_of,
+        timeout=timeout,
+        wave_bytes=64 << 10,
+        transport=transport,
+    )
     out = Records(workdir)
     for step in script:
         version, fault = step["version"], step.get("fault")
@@ -105,13 +125,26 @@ def trainer_rank(address: str, job: str, rank: int, tp: int, infer_tp: int, scri
         started = time.monotonic()
         try:
             writer.write(version, destinations)
-            out.append({"version": version, "ok": True, "seconds": time.monotonic() - started,
-                        "deadline": writer.timeout,
-                        "transport": writer.transport_in_use,
-                        **({"resources": resources()} if step.get("measure") else {})})
+            out.append(
+                {
+                    "version": version,
+                    "ok": True,
+                    "seconds": time.monotonic() - started,
+                    "deadline": writer.timeout,
+                    "transport": writer.transport_in_use,
+                    **({"resources": resources()} if step.get("measure") else {}),
+                }
+            )
         except Exception as e:
-            out.append({"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:1500],
-                        "seconds": time.monotonic() - started, "deadline": writer.timeout})
+            out.append(
+                {
+                    "version": version,
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}"[:1500],
+                    "seconds": time.monotonic() - started,
+                    "deadline": writer.timeout,
+                }
+            )
         writer.refresh = None
     writer.flush()
     return list(out)
@@ -153,8 +186,11 @@ def resources() -> dict:
     gc.collect()
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
-    out = {"rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"), "threads": len(os.listdir("/proc/self/task")),
-           "fds": len(os.listdir("/proc/self/fd"))}
+    out = {
+        "rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"),
+        "threads": len(os.listdir("/proc/self/task")),
+        "fds": len(os.listdir("/proc/self/fd")),
+    }
     import torch
 
     if torch.cuda.is_initialized():
@@ -168,8 +204,18 @@ def _exit_soon(delay: float) -> None:
     threading.Timer(delay, lambda: os._exit(EXIT_CODE)).start()
 
 
-def receiver_rank(address: str, job: str, instance: str, rank: int, train_tp: int, tp: int, script: list[dict],
-                  timeout: float, workdir: str, device: str = "cpu") -> list[dict]:
+def receiver_rank(
+    address: str,
+    job: str,
+    instance: str,
+    rank: int,
+    train_tp: int,
+    tp: int,
+    script: list[dict],
+    timeout: float,
+    workdir: str,
+    device: str = "cpu",
+) -> list[dict]:
     from awex.engines.reader import WeightsReader
     from awex.meta.client import MetaClient
 
@@ -200,12 +246,24 @@ def receiver_rank(address: str, job: str, instance: str, rank: int, train_tp: in
         started = time.monotonic()
         try:
             reader.receive(version, apply=apply, validate=validate, strict=strict, in_place=True)
-            out.append({"version": version, "ok": True, "holds": holds(held, step_number(version)),
-                        "seconds": time.monotonic() - started,
-                        **({"resources": resources()} if step.get("measure") else {})})
+            out.append(
+                {
+                    "version": version,
+                    "ok": True,
+                    "holds": holds(held, step_number(version)),
+                    "seconds": time.monotonic() - started,
+                    **({"resources": resources()} if step.get("measure") else {}),
+                }
+            )
         except BaseException as e:  # KeyboardInterrupt included: the library must report it as a failure too
-            out.append({"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:1500],
-                        "seconds": time.monotonic() - started})
+            out.append(
+                {
+                    "version": version,
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}"[:1500],
+                    "seconds": time.monotonic() - started,
+                }
+            )
         finally:
             reader._session.__dict__.pop("transfer", None)
     reader.flush()
@@ -217,12 +275,14 @@ def _die_after_prepare(session):
     def transfer(manifest, shards, timeout, *args, **kwargs):
         session.prepare(manifest, timeout, ipc_ok=not callable(shards))
         os._exit(EXIT_CODE)
+
     return transfer
 
 
 def _raise(error: BaseException):
     def fail(*_args, **_kwargs):
         raise error
+
     return fail
 
 

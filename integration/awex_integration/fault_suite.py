@@ -94,8 +94,12 @@ class ProcessServer:
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(self.port)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(self.port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         line = proc.stdout.readline()
         if "serving on" not in line:
             raise RuntimeError(f"awex-meta serve did not start: {line}{proc.stdout.read()[:2000]}")
@@ -146,12 +150,39 @@ def run_case(case: Case, timeout: float, device: str = "cpu", transport: str | N
 
     def start(role: str, rank: int, script: list[dict], life: int) -> None:
         if role in ("trainer", "zombie"):
-            fn, args = fault_ranks.trainer_rank, (server.address, job, rank, case.train_tp, case.infer_tp, script,
-                                                  timeout, ["eng"], str(work), device, transport)
+            fn, args = (
+                fault_ranks.trainer_rank,
+                (
+                    server.address,
+                    job,
+                    rank,
+                    case.train_tp,
+                    case.infer_tp,
+                    script,
+                    timeout,
+                    ["eng"],
+                    str(work),
+                    device,
+                    transport,
+                ),
+            )
         else:
             # an engine waits for the trainer (as vLLM's update call does): its deadline covers the trainer's
-            fn, args = fault_ranks.receiver_rank, (server.address, job, "eng", rank, case.train_tp, case.infer_tp,
-                                                   script, RECEIVER_DEADLINES * timeout, str(work), device)
+            fn, args = (
+                fault_ranks.receiver_rank,
+                (
+                    server.address,
+                    job,
+                    "eng",
+                    rank,
+                    case.train_tp,
+                    case.infer_tp,
+                    script,
+                    RECEIVER_DEADLINES * timeout,
+                    str(work),
+                    device,
+                ),
+            )
         p = ctx.Process(target=_run_rank, args=(fn, (role, rank, life), args, results), daemon=False)
         p.start()
         procs[(role, rank, life)] = p
@@ -167,8 +198,7 @@ def run_case(case: Case, timeout: float, device: str = "cpu", transport: str | N
     between_done = case.between is None
     pending: list[tuple[float, str, int, list[dict]]] = []  # restarts due: (when, role, rank, script)
     while (len(out) < len(procs) or pending) and time.monotonic() - started < limit:
-        if not between_done and all((work / f"at-{k[0]}-{k[1]}").exists() for k in procs if k[2] == 0
-                                    and k not in out):
+        if not between_done and all((work / f"at-{k[0]}-{k[1]}").exists() for k in procs if k[2] == 0 and k not in out):
             case.between(server, work)  # every rank waits for "go"
             if case.zombie is not None:
                 start("zombie", 0, case.zombie, 0)
@@ -211,8 +241,11 @@ def _segments_of(pids: set[int]) -> list[str]:
         names = os.listdir("/dev/shm")
     except OSError:
         return []
-    return sorted(n for n in names if n.startswith(("awex-shm-", "awex-board-")) and n.split("-")[2].isdigit()
-                  and int(n.split("-")[2]) in pids)
+    return sorted(
+        n
+        for n in names
+        if n.startswith(("awex-shm-", "awex-board-")) and n.split("-")[2].isdigit() and int(n.split("-")[2]) in pids
+    )
 
 
 def _history(server) -> dict:
@@ -226,10 +259,12 @@ def _history(server) -> dict:
     job = next(iter(jobs.values()), {})
     client.job = next(iter(jobs), "x")
     events = client.events(0, timeout=0)
-    return {"events": events,
-            "versions": [(e["source"], e["version"]) for e in events if e["kind"] == "version"],
-            "failures": [f"{e['source']}: {e.get('data')}" for e in events if e["kind"] == "sync_failed"],
-            "participants": {p["name"]: p["weight_version"] for p in job.get("participants", [])}}
+    return {
+        "events": events,
+        "versions": [(e["source"], e["version"]) for e in events if e["kind"] == "version"],
+        "failures": [f"{e['source']}: {e.get('data')}" for e in events if e["kind"] == "sync_failed"],
+        "participants": {p["name"]: p["weight_version"] for p in job.get("participants", [])},
+    }
 
 
 def _judge(case: Case, out: dict, hung: list, history: dict, timeout: float, seconds: float) -> dict:
@@ -257,8 +292,12 @@ def _judge(case: Case, out: dict, hung: list, history: dict, timeout: float, sec
         trainers = _attempts(records, version)
         for party, attempts in trainers.items():
             # a restarted rank's first attempt is the retry, not the attempt that had to fail
-            if party.startswith("trainer") and version in case.expect_failed and attempts[0]["ok"] \
-                    and attempts[0]["life"] == 0:
+            if (
+                party.startswith("trainer")
+                and version in case.expect_failed
+                and attempts[0]["ok"]
+                and attempts[0]["life"] == 0
+            ):
                 false_success.append(f"{party}'s write of {version} returned although a receiver failed")
     applied = _engine_versions(records)
     for source, version in history.get("versions", []):
@@ -267,9 +306,14 @@ def _judge(case: Case, out: dict, hung: list, history: dict, timeout: float, sec
     last = _last_version(case)
     final = _attempts(records, last) if last else {}
     ranks = {f"trainer:{r}" for r in range(len(case.trainer))} | {f"engine:{r}" for r in range(len(case.engine))}
-    recovered = bool(final) and set(final) >= ranks and all(
-        attempts[-1]["ok"] and (party.startswith("trainer") or attempts[-1].get("holds"))
-        for party, attempts in final.items())
+    recovered = (
+        bool(final)
+        and set(final) >= ranks
+        and all(
+            attempts[-1]["ok"] and (party.startswith("trainer") or attempts[-1].get("holds"))
+            for party, attempts in final.items()
+        )
+    )
     if case.recovers and not recovered:
         problems.append(f"did not recover: {last} did not succeed everywhere ({final})")
     if case.expect_failed and not history.get("failures"):
@@ -277,13 +321,28 @@ def _judge(case: Case, out: dict, hung: list, history: dict, timeout: float, sec
     if case.check is not None:
         problems += case.check({"records": records, "history": history})
     passed = not problems and not hangs and not false_success
-    transports = sorted({rec["transport"] for recs in records.values() for party, rec in recs
-                         if party.startswith("trainer") and rec.get("transport")})
-    return {"case": case.name, "what": case.what, "passed": passed, "problems": problems, "hangs": hangs,
-            "transports": transports,
-            "false_success": false_success, "recovered": recovered, "should_recover": case.recovers,
-            "seconds": round(seconds, 1), "reported": history.get("versions", []),
-            "failures": history.get("failures", [])[:6]}
+    transports = sorted(
+        {
+            rec["transport"]
+            for recs in records.values()
+            for party, rec in recs
+            if party.startswith("trainer") and rec.get("transport")
+        }
+    )
+    return {
+        "case": case.name,
+        "what": case.what,
+        "passed": passed,
+        "problems": problems,
+        "hangs": hangs,
+        "transports": transports,
+        "false_success": false_success,
+        "recovered": recovered,
+        "should_recover": case.recovers,
+        "seconds": round(seconds, 1),
+        "reported": history.get("versions", []),
+        "failures": history.get("failures", [])[:6],
+    }
 
 
 def _attempts(records: dict, version: str) -> dict[str, list[dict]]:
@@ -321,91 +380,147 @@ def _reported(version: str | None):
     def check(run: dict) -> list[str]:
         got = run["history"].get("participants", {}).get("eng")
         return [] if got == version else [f"the MetaServer says eng serves {got!r}, not {version!r}"]
+
     return check
 
 
 def cases() -> list[Case]:
     return [
-        Case("receiver_rank_dies_after_transfer",
-             "a receiver rank dies once its bytes arrived, its instance's other rank succeeds; the rank restarts",
-             trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
-             engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", v_2="die_after_transfer")],
-             restart={("engine", 1): _steps("v-2", "v-3")}, restart_delay=-1, expect_failed={"v-2"},
-             check=_reported("v-3")),
-        Case("receiver_raises_in_apply",
-             "a receiver rank's load step raises after its bytes arrived (weights changed part-way)",
-             trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
-             engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3", v_2="raise_in_apply")],
-             expect_failed={"v-2"}, check=_reported("v-3")),
-        Case("strict_validation_mismatch_in_place",
-             "strict validation finds other values than the reference after receiving in place",
-             trainer=[_steps("v-1", "v-2", "v-3")],
-             engine=[_steps("v-1", "v-2", "v-3", v_2="strict_mismatch"), _steps("v-1", "v-2", "v-3")],
-             expect_failed={"v-2"}, check=_reported("v-3")),
-        Case("receiver_interrupted",
-             "KeyboardInterrupt in a receiver rank's load step",
-             trainer=[_steps("v-1", "v-2", "v-3")],
-             engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3", v_2="interrupt_in_apply")],
-             expect_failed={"v-2"}, check=_reported("v-3")),
-        Case("receivers_fail_before_any_byte",
-             "every receiver rank fails before its transfer: the instance still serves the previous version",
-             trainer=[_steps("v-1", "v-2", "v-3")],
-             engine=[_steps("v-1", "v-2", "v-3", v_2="fail_before_transfer"),
-                     _steps("v-1", "v-2", "v-3", v_2="fail_before_transfer")],
-             expect_failed={"v-2"}, check=_unchanged_then("v-1", "v-3")),
-        Case("trainer_rank_dies",
-             "one of two trainer ranks dies at the start of a sync; it restarts and the retry succeeds",
-             trainer=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", v_2="die_before")],
-             engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3")],
-             restart={("trainer", 1): _steps("v-2", "v-3")}, expect_failed={"v-2"}, train_tp=2,
-             check=_reported("v-3")),
-        Case("sole_trainer_dies_and_restarts",
-             "the only trainer rank (the one that announces versions) dies after the plan agreement; restarted, it "
-             "announces the retry on a new host board and channel, which the receivers find",
-             trainer=[_steps("v-1", "v-2", v_2="die_after_agreement")],
-             engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3")],
-             restart={("trainer", 0): _steps("v-2", "v-3")}, restart_delay=2.0, expect_failed={"v-2"},
-             check=_reported("v-3")),
-        Case("metaserver_restarted_between_syncs",
-             "the MetaServer restarts between two versions: clients publish again what they own, syncs go on",
-             trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
-             engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
-             between=_server_restart, check=_reported("v-3")),
-        Case("metaserver_killed_and_restarted_standalone",
-             "a standalone MetaServer is killed (SIGKILL) and started again between versions",
-             trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
-             engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
-             server="process", between=_server_restart, check=_reported("v-3")),
-        Case("metaserver_frozen_between_syncs",
-             "a standalone MetaServer is frozen (SIGSTOP) for 3 s between versions, then thawed",
-             trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
-             engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
-             server="process", between=_freeze(3.0), check=_reported("v-3")),
-        Case("two_hundred_syncs",
-             "200 versions in a row: memory, threads and file descriptors stay flat on every rank",
-             trainer=[_many(200)], engine=[_many(200)] * 2, check=_flat),
-        Case("metaserver_frozen_during_first_sync",
-             "a standalone MetaServer is frozen (SIGSTOP) for 3 s while the first sync plans and agrees",
-             trainer=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]],
-             engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
-             server="process", between=_freeze(3.0, wait=False), check=_reported("v-2")),
-        Case("metaserver_killed_during_first_sync",
-             "a standalone MetaServer is killed (SIGKILL) as the first sync starts and is back 2 s later, empty: the "
-             "sync succeeds or fails within its deadline, and the next version succeeds",
-             trainer=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]],
-             engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
-             server="process", between=_kill_for(2.0), check=_reported("v-2")),
-        Case("zombie_writer",
-             "a second writer process of the same trainer rank announces a version the first already wrote: refused "
-             "before any byte moves; the first writer goes on",
-             trainer=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]],
-             engine=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]] * 2,
-             zombie=_steps("v-2"), between=lambda server, work: None, check=_zombie_refused),
-        Case("version_name_reused",
-             "the trainer writes a version name twice: refused before any byte moves; the next version succeeds",
-             trainer=[_steps("v-1", "v-1", "v-2")],
-             engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
-             check=_reuse_refused),
+        Case(
+            "receiver_rank_dies_after_transfer",
+            "a receiver rank dies once its bytes arrived, its instance's other rank succeeds; the rank restarts",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", v_2="die_after_transfer")],
+            restart={("engine", 1): _steps("v-2", "v-3")},
+            restart_delay=-1,
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "receiver_raises_in_apply",
+            "a receiver rank's load step raises after its bytes arrived (weights changed part-way)",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3", v_2="raise_in_apply")],
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "strict_validation_mismatch_in_place",
+            "strict validation finds other values than the reference after receiving in place",
+            trainer=[_steps("v-1", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-3", v_2="strict_mismatch"), _steps("v-1", "v-2", "v-3")],
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "receiver_interrupted",
+            "KeyboardInterrupt in a receiver rank's load step",
+            trainer=[_steps("v-1", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3", v_2="interrupt_in_apply")],
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "receivers_fail_before_any_byte",
+            "every receiver rank fails before its transfer: the instance still serves the previous version",
+            trainer=[_steps("v-1", "v-2", "v-3")],
+            engine=[
+                _steps("v-1", "v-2", "v-3", v_2="fail_before_transfer"),
+                _steps("v-1", "v-2", "v-3", v_2="fail_before_transfer"),
+            ],
+            expect_failed={"v-2"},
+            check=_unchanged_then("v-1", "v-3"),
+        ),
+        Case(
+            "trainer_rank_dies",
+            "one of two trainer ranks dies at the start of a sync; it restarts and the retry succeeds",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", v_2="die_before")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3")],
+            restart={("trainer", 1): _steps("v-2", "v-3")},
+            expect_failed={"v-2"},
+            train_tp=2,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "sole_trainer_dies_and_restarts",
+            "the only trainer rank (the one that announces versions) dies after the plan agreement; restarted, it "
+            "announces the retry on a new host board and channel, which the receivers find",
+            trainer=[_steps("v-1", "v-2", v_2="die_after_agreement")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3")],
+            restart={("trainer", 0): _steps("v-2", "v-3")},
+            restart_delay=2.0,
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "metaserver_restarted_between_syncs",
+            "the MetaServer restarts between two versions: clients publish again what they own, syncs go on",
+            trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
+            engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
+            between=_server_restart,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "metaserver_killed_and_restarted_standalone",
+            "a standalone MetaServer is killed (SIGKILL) and started again between versions",
+            trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
+            engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
+            server="process",
+            between=_server_restart,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "metaserver_frozen_between_syncs",
+            "a standalone MetaServer is frozen (SIGSTOP) for 3 s between versions, then thawed",
+            trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
+            engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
+            server="process",
+            between=_freeze(3.0),
+            check=_reported("v-3"),
+        ),
+        Case(
+            "two_hundred_syncs",
+            "200 versions in a row: memory, threads and file descriptors stay flat on every rank",
+            trainer=[_many(200)],
+            engine=[_many(200)] * 2,
+            check=_flat,
+        ),
+        Case(
+            "metaserver_frozen_during_first_sync",
+            "a standalone MetaServer is frozen (SIGSTOP) for 3 s while the first sync plans and agrees",
+            trainer=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]],
+            engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
+            server="process",
+            between=_freeze(3.0, wait=False),
+            check=_reported("v-2"),
+        ),
+        Case(
+            "metaserver_killed_during_first_sync",
+            "a standalone MetaServer is killed (SIGKILL) as the first sync starts and is back 2 s later, empty: the "
+            "sync succeeds or fails within its deadline, and the next version succeeds",
+            trainer=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]],
+            engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
+            server="process",
+            between=_kill_for(2.0),
+            check=_reported("v-2"),
+        ),
+        Case(
+            "zombie_writer",
+            "a second writer process of the same trainer rank announces a version the first already wrote: refused "
+            "before any byte moves; the first writer goes on",
+            trainer=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]],
+            engine=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]] * 2,
+            zombie=_steps("v-2"),
+            between=lambda server, work: None,
+            check=_zombie_refused,
+        ),
+        Case(
+            "version_name_reused",
+            "the trainer writes a version name twice: refused before any byte moves; the next version succeeds",
+            trainer=[_steps("v-1", "v-1", "v-2")],
+            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
+            check=_reuse_refused,
+        ),
     ]
 
 
@@ -414,44 +529,70 @@ def nccl_cases() -> list[Case]:
     is not noticed by NCCL over NVLink: the survivor's deadline ends the wait and aborts the group; PyTorch's
     watchdog must neither kill the survivor nor cut short a sync whose deadline is longer than the first's."""
     return [
-        Case("nccl_receiver_dies_after_agreement",
-             "the engine rank dies after joining the NCCL group, before any byte: the trainer's write fails at its "
-             "deadline and the trainer lives on; the restarted engine and the retry succeed",
-             trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
-             engine=[_steps("v-1", "v-2", v_2="die_after_agreement")],
-             restart={("engine", 0): _steps("v-2", "v-3")}, restart_delay=-1, expect_failed={"v-2"}, infer_tp=1,
-             check=_reported("v-3")),
-        Case("nccl_trainer_dies_after_agreement",
-             "the trainer rank dies after joining the NCCL group: the engine's receive fails at its deadline and the "
-             "engine lives on; the restarted trainer's retry succeeds",
-             trainer=[_steps("v-1", "v-2", v_2="die_after_agreement")],
-             engine=[_steps("v-1", "v-2", "v-2", "v-3")],
-             restart={("trainer", 0): _steps("v-2", "v-3")}, restart_delay=-RECEIVER_DEADLINES,
-             expect_failed={"v-2"}, infer_tp=1, check=_reported("v-3")),
-        Case("nccl_watchdog_follows_deadline",
-             "a sync with a 45 s deadline whose engine comes 30 s late, after a first sync with a short one: "
-             "PyTorch's watchdog (set from the first) neither kills the trainer nor ends the sync",
-             trainer=[[{"version": "v-1"}, {"version": "v-2", "timeout": 45.0}, {"version": "v-3"}]],
-             engine=[[{"version": "v-1"}, {"version": "v-2", "delay": 30.0}, {"version": "v-3"}]],
-             infer_tp=1, check=_reported("v-3")),
-        Case("nccl_two_hundred_syncs",
-             "200 versions over NCCL: CUDA memory, host memory, threads and descriptors stay flat",
-             trainer=[_many(200)], engine=[_many(200)], infer_tp=1, check=_flat),
+        Case(
+            "nccl_receiver_dies_after_agreement",
+            "the engine rank dies after joining the NCCL group, before any byte: the trainer's write fails at its "
+            "deadline and the trainer lives on; the restarted engine and the retry succeed",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", v_2="die_after_agreement")],
+            restart={("engine", 0): _steps("v-2", "v-3")},
+            restart_delay=-1,
+            expect_failed={"v-2"},
+            infer_tp=1,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "nccl_trainer_dies_after_agreement",
+            "the trainer rank dies after joining the NCCL group: the engine's receive fails at its deadline and the "
+            "engine lives on; the restarted trainer's retry succeeds",
+            trainer=[_steps("v-1", "v-2", v_2="die_after_agreement")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3")],
+            restart={("trainer", 0): _steps("v-2", "v-3")},
+            restart_delay=-RECEIVER_DEADLINES,
+            expect_failed={"v-2"},
+            infer_tp=1,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "nccl_watchdog_follows_deadline",
+            "a sync with a 45 s deadline whose engine comes 30 s late, after a first sync with a short one: "
+            "PyTorch's watchdog (set from the first) neither kills the trainer nor ends the sync",
+            trainer=[[{"version": "v-1"}, {"version": "v-2", "timeout": 45.0}, {"version": "v-3"}]],
+            engine=[[{"version": "v-1"}, {"version": "v-2", "delay": 30.0}, {"version": "v-3"}]],
+            infer_tp=1,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "nccl_two_hundred_syncs",
+            "200 versions over NCCL: CUDA memory, host memory, threads and descriptors stay flat",
+            trainer=[_many(200)],
+            engine=[_many(200)],
+            infer_tp=1,
+            check=_flat,
+        ),
     ]
 
 
 def shm_cases() -> list[Case]:
     """Cases for the shared-memory transport (run with ``transport="shm"``; CPU ranks on one host)."""
     return [
-        Case("shm_trainer_killed_in_first_version",
-             "the trainer is killed while it fills its new shared-memory segment: the receivers fail at their "
-             "deadline, the segment is removed (no /dev/shm leak), the restarted trainer's next version succeeds",
-             trainer=[_steps("v-1", "v-2", v_1="die_during")],
-             engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
-             restart={("trainer", 0): _steps("v-2")}, restart_delay=-RECEIVER_DEADLINES, expect_failed={"v-1"},
-             check=_reported("v-2"), transport="shm"),
-        *[replace(c, name=f"shm_{c.name}", transport="shm") for c in cases()
-          if c.name in ("receiver_rank_dies_after_transfer", "receiver_raises_in_apply")],
+        Case(
+            "shm_trainer_killed_in_first_version",
+            "the trainer is killed while it fills its new shared-memory segment: the receivers fail at their "
+            "deadline, the segment is removed (no /dev/shm leak), the restarted trainer's next version succeeds",
+            trainer=[_steps("v-1", "v-2", v_1="die_during")],
+            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
+            restart={("trainer", 0): _steps("v-2")},
+            restart_delay=-RECEIVER_DEADLINES,
+            expect_failed={"v-1"},
+            check=_reported("v-2"),
+            transport="shm",
+        ),
+        *[
+            replace(c, name=f"shm_{c.name}", transport="shm")
+            for c in cases()
+            if c.name in ("receiver_rank_dies_after_transfer", "receiver_raises_in_apply")
+        ],
     ]
 
 
@@ -467,14 +608,19 @@ def _flat(run: dict) -> list[str]:
             problems.append(f"{party}: no measurement at v-30 and v-200")
             continue
         a, b = first["resources"], last["resources"]
-        if (b["fds"] > a["fds"] + 2 or b["threads"] > a["threads"] + 1 or b["rss_bytes"] > a["rss_bytes"] + (24 << 20)
-                or b.get("cuda_bytes", 0) > a.get("cuda_bytes", 0) + (1 << 20)):
+        if (
+            b["fds"] > a["fds"] + 2
+            or b["threads"] > a["threads"] + 1
+            or b["rss_bytes"] > a["rss_bytes"] + (24 << 20)
+            or b.get("cuda_bytes", 0) > a.get("cuda_bytes", 0) + (1 << 20)
+        ):
             problems.append(f"{party} grew from v-30 to v-200: {a} -> {b}")
     return problems
 
 
 def _freeze(seconds: float, wait: bool = True):
     """Freeze the server for ``seconds``: before the ranks go on (``wait``), or while they do."""
+
     def between(server, work: Path) -> None:
         server.freeze()
         if wait:
@@ -482,14 +628,17 @@ def _freeze(seconds: float, wait: bool = True):
             server.thaw()
         else:
             threading.Timer(seconds, server.thaw).start()
+
     return between
 
 
 def _kill_for(seconds: float):
     """Kill the server as the ranks go on; start an empty one on its port ``seconds`` later."""
+
     def between(server, work: Path) -> None:
         server.kill()
         threading.Timer(seconds, server.restart_killed).start()
+
     return between
 
 
@@ -500,6 +649,7 @@ def _unchanged_then(before: str, after: str):
         if None in reported:
             problems.append("eng was reported as serving no consistent version, although no byte had moved")
         return problems + _reported(after)(run)
+
     return check
 
 
@@ -533,13 +683,16 @@ def main(argv: list[str] | None = None) -> int:
         for what in ("problems", "hangs", "false_success"):
             for line in result[what]:
                 print(f"    {what}: {line}", flush=True)
-    summary = {"cases": len(results), "passed": sum(r["passed"] for r in results),
-               "failed": [r["case"] for r in results if not r["passed"]],
-               "hangs": sum(len(r["hangs"]) for r in results),
-               "false_success": sum(len(r["false_success"]) for r in results),
-               "recovered": sum(r["recovered"] for r in results),
-               "should_recover": sum(r["should_recover"] for r in results),
-               "seconds": round(time.monotonic() - started, 1)}
+    summary = {
+        "cases": len(results),
+        "passed": sum(r["passed"] for r in results),
+        "failed": [r["case"] for r in results if not r["passed"]],
+        "hangs": sum(len(r["hangs"]) for r in results),
+        "false_success": sum(len(r["false_success"]) for r in results),
+        "recovered": sum(r["recovered"] for r in results),
+        "should_recover": sum(r["should_recover"] for r in results),
+        "seconds": round(time.monotonic() - started, 1),
+    }
     print(json.dumps(summary), flush=True)
     return 0 if not summary["failed"] else 1
 

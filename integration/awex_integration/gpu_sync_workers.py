@@ -5,23 +5,39 @@ from __future__ import annotations
 import dataclasses
 
 
-def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: int, gpu: int,
-              destinations: list[str], versions: int = 3, fp8: bool = False, model: str = "qwen3-8b",
-              readers_per_instance: int = 1) -> dict:
+def sync_rank(
+    address: str,
+    transport: str,
+    instance: str,
+    local_rank: int,
+    tp: int,
+    gpu: int,
+    destinations: list[str],
+    versions: int = 3,
+    fp8: bool = False,
+    model: str = "qwen3-8b",
+    readers_per_instance: int = 1,
+) -> dict:
     """One rank: the trainer writes ``versions`` versions, engines receive and check each (FP8 receivers: the
     trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit), then close; the trainer
     returns once every reader (``readers_per_instance`` ranks of each destination) has closed."""
     import torch
 
-    from awex.convert import MegatronNames, megatron_param_shapes, megatron_views, vllm_param_dtypes, vllm_param_shapes, vllm_views
+    from awex.convert import (
+        Fp8Views,
+        MegatronNames,
+        megatron_param_shapes,
+        megatron_views,
+        vllm_param_dtypes,
+        vllm_param_shapes,
+        vllm_views,
+    )
     from awex.engines.reader import WeightsReader
     from awex.engines.writer import WeightsWriter
-    from awex.meta import canonical_tensors
+    from awex.meta import Fp8BlockQuant, canonical_tensors, load_config, quantize_layout
     from awex.meta.client import MetaClient
     from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
     from awex.meta.models import model_dims
-    from awex.convert import Fp8Views
-    from awex.meta import Fp8BlockQuant, load_config, quantize_layout
     from awex.transport import LocalShards
     from awex_integration.bench_gpu import MODELS, NamedParams, _bits, canonical_value, expected_value
 
@@ -33,19 +49,30 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
     client = MetaClient(address, job="gpu")
     if instance == "trainer":
         where = MegatronNames(local_rank, 0, MegatronParallel(tp=tp))
-        params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device)
-                  for n, s in megatron_param_shapes(dims, where)[0].items()}
+        params = {
+            n: torch.zeros(s, dtype=torch.bfloat16, device=device)
+            for n, s in megatron_param_shapes(dims, where)[0].items()
+        }
         layout = megatron_layout(tensors, MegatronParallel(tp=tp), instance="trainer")
         view_of = megatron_views(NamedParams(params), dims, where)
         weights = LocalShards.from_layout(layout, local_rank, view_of)
         if quant:
             fp8_views = Fp8Views(quantize_layout(layout, quant), local_rank, view_of, quant)
-            writer = WeightsWriter(client, quantize_layout(layout, quant), local_rank, fp8_views.view_of,
-                                   transport=transport, timeout=120, host="127.0.0.1", refresh=fp8_views.quantize,
-                                   refresh_by_wave=fp8_views.by_wave)
+            writer = WeightsWriter(
+                client,
+                quantize_layout(layout, quant),
+                local_rank,
+                fp8_views.view_of,
+                transport=transport,
+                timeout=120,
+                host="127.0.0.1",
+                refresh=fp8_views.quantize,
+                refresh_by_wave=fp8_views.by_wave,
+            )
         else:
-            writer = WeightsWriter(client, layout, local_rank, view_of, transport=transport, timeout=120,
-                                   host="127.0.0.1")
+            writer = WeightsWriter(
+                client, layout, local_rank, view_of, transport=transport, timeout=120, host="127.0.0.1"
+            )
         for v in range(1, versions + 1):
             for name in weights.names():
                 full = canonical_value(name, layout.tensor(name).spec.shape, v, device)
@@ -68,8 +95,9 @@ def sync_rank(address: str, transport: str, instance: str, local_rank: int, tp: 
     layout = vllm_layout(tensors, parallel, instance=instance)
     if quant:
         layout = quantize_layout(layout, quant)
-    reader = WeightsReader(client, layout, local_rank, vllm_views(params, dims, parallel, tp_rank=local_rank),
-                           timeout=120)
+    reader = WeightsReader(
+        client, layout, local_rank, vllm_views(params, dims, parallel, tp_rank=local_rank), timeout=120
+    )
     if local_rank == 0:
         client.put(f"ready/{instance}", True)
     bad, checked = [], 0

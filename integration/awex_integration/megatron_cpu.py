@@ -23,9 +23,11 @@ def init_distributed(rank: int, world: int, port: int, parallel: MegatronParalle
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
-        expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.etp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
     )
 
 
@@ -40,37 +42,77 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
 
     kwargs = {}
     if dims.num_experts:  # MoE: SequentialMLP experts, allgather dispatcher (the alltoall one needs CUDA streams)
-        kwargs.update(num_moe_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_intermediate, moe_router_topk=2,
-                      expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.etp,
-                      moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
-                      moe_layer_freq=[1 if i in dims.sparse_layers else 0 for i in range(dims.layers)])
+        kwargs.update(
+            num_moe_experts=dims.num_experts,
+            moe_ffn_hidden_size=dims.moe_intermediate,
+            moe_router_topk=2,
+            expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.etp,
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type="allgather",
+            moe_layer_freq=[1 if i in dims.sparse_layers else 0 for i in range(dims.layers)],
+        )
         if dims.shared_expert_intermediate:  # Qwen2-MoE: a shared expert with a sigmoid gate
-            kwargs.update(moe_shared_expert_intermediate_size=dims.shared_expert_intermediate, moe_shared_expert_gate=True)
+            kwargs.update(
+                moe_shared_expert_intermediate_size=dims.shared_expert_intermediate, moe_shared_expert_gate=True
+            )
     if parallel.first or parallel.last:
-        kwargs.update(num_layers_in_first_pipeline_stage=parallel.first or None,
-                      num_layers_in_last_pipeline_stage=parallel.last or None)
+        kwargs.update(
+            num_layers_in_first_pipeline_stage=parallel.first or None,
+            num_layers_in_last_pipeline_stage=parallel.last or None,
+        )
     config = TransformerConfig(
-        num_layers=dims.layers, hidden_size=dims.hidden, ffn_hidden_size=dims.intermediate,
-        num_attention_heads=dims.heads, num_query_groups=dims.kv_heads, kv_channels=dims.head_dim,
-        use_cpu_initialization=True, tensor_model_parallel_size=parallel.tp,
+        num_layers=dims.layers,
+        hidden_size=dims.hidden,
+        ffn_hidden_size=dims.intermediate,
+        num_attention_heads=dims.heads,
+        num_query_groups=dims.kv_heads,
+        kv_channels=dims.head_dim,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
-        params_dtype=dtype, pipeline_dtype=dtype, normalization="RMSNorm", layernorm_epsilon=1e-6,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.attention_bias,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.attention_bias,
         qk_layernorm=dims.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False, **kwargs,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **kwargs,
     )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
-                                    num_experts=dims.num_experts or None, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(
+        normalization="RMSNorm",
+        qk_layernorm=config.qk_layernorm,
+        num_experts=dims.num_experts or None,
+        moe_grouped_gemm=False,
+    )
     vocab = pad_to(dims.vocab, parallel.vocab_pad * parallel.tp)
 
     def one(vp_stage=None):
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=512,
-                        pre_process=pre, post_process=post, position_embedding_type="rope", rotary_base=10000,
-                        share_embeddings_and_output_weights=dims.tie_embeddings, vp_stage=vp_stage)
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=512,
+            pre_process=pre,
+            post_process=post,
+            position_embedding_type="rope",
+            rotary_base=10000,
+            share_embeddings_and_output_weights=dims.tie_embeddings,
+            vp_stage=vp_stage,
+        )
 
     # Without Transformer Engine or Apex, Megatron's torch norms keep fp32 weights; TE keeps every parameter
     # in params_dtype, which is what RL trainers run: match it.

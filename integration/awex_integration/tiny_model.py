@@ -8,8 +8,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-WORDS = ("the quick brown fox jumps over the lazy dog hello world weight sync training inference engine tensor "
-         "parallel pipeline model layer attention reinforcement learning policy reward rollout gradient update").split()
+WORDS = (
+    "the quick brown fox jumps over the lazy dog hello world weight sync training inference engine tensor "
+    "parallel pipeline model layer attention reinforcement learning policy reward rollout gradient update"
+).split()
 
 PROMPTS = ["the quick brown fox", "reinforcement learning policy", "tensor parallel pipeline"]
 
@@ -24,8 +26,12 @@ def make_tokenizer(out: Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     rnd = random.Random(0)
     corpus = [" ".join(rnd.choice(WORDS) for _ in range(20)) for _ in range(2000)]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer)
     n = tok.get_vocab_size()
     if n < vocab_size:
@@ -48,8 +54,12 @@ def make_tiny_model(out: str | Path, config: dict[str, Any], seed: int = 0, dtyp
     cfg.update(torch_dtype=dtype, eos_token_id=0, bos_token_id=0, pad_token_id=0)
     cfg.pop("model_type", None)  # the architecture decides
     model_type = {
-        "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-        "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
+        "Qwen2MoeForCausalLM": "qwen2_moe",
     }[cfg["architectures"][0]]
     cfg.pop("architectures", None)
     hf_config = AutoConfig.for_model(model_type, **cfg)
@@ -81,7 +91,7 @@ def hf_greedy(model, tokenizer, prompts=PROMPTS, max_new_tokens: int = 16) -> li
         for p in prompts:
             ids = tokenizer(p, return_tensors="pt").input_ids
             gen = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
-            out.append(gen[0, ids.shape[1]:].tolist())
+            out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
 

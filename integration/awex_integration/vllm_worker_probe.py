@@ -45,8 +45,11 @@ class WorkerProbe:
         now = {n: p.data_ptr() for n, p in model.named_parameters()}
         engine = self.weight_transfer_engine
         dest = engine.destinations
-        return {"params": len(now),
-                "moved": sorted(n for n, ptr in self._awex_pointers.items() if now.get(n) != ptr),
-                "empty": sorted(n for n, p in model.named_parameters() if p.numel() == 0),
-                "loaded": sorted(set(self._awex_loaded)),
-                "in_place": list(dest.in_place), "loader": list(dest.loader)}
+        return {
+            "params": len(now),
+            "moved": sorted(n for n, ptr in self._awex_pointers.items() if now.get(n) != ptr),
+            "empty": sorted(n for n, p in model.named_parameters() if p.numel() == 0),
+            "loaded": sorted(set(self._awex_loaded)),
+            "in_place": list(dest.in_place),
+            "loader": list(dest.loader),
+        }

@@ -19,8 +19,12 @@ from awex_integration.bench_upstream_awex import run, scenario_spec
 @pytest.fixture(scope="module")
 def upstream_dir(tmp_path_factory):
     where = tmp_path_factory.mktemp("awex-0.9.0")
-    got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(where),
-                          "awex==0.9.0"], capture_output=True, text=True, timeout=180)
+    got = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(where), "awex==0.9.0"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     wheels = list(where.glob("awex-0.9.0-*.whl"))
     if got.returncode != 0 or not wheels:
         pytest.skip(f"awex 0.9.0 wheel not available from the package index: {got.stderr.strip()[-300:]}")
@@ -43,7 +47,8 @@ def test_upstream_awex_transfer_core_delivers_every_box(upstream_dir, tmp_path, 
     spec = scenario_spec(scenario, tensors, layouts, 2, str(tmp_path), _free_port())
     # upstream numbers inference ranks first, then the trainer's
     assert [r["role"] for r in spec["ranks"]] == ["inference"] * (len(spec["ranks"]) - spec["trainer_ranks"]) + [
-        "trainer"] * spec["trainer_ranks"]
+        "trainer"
+    ] * spec["trainer_ranks"]
     result = run(upstream_dir, spec, timeout=240)
     assert "error" not in result, result.get("error")
     assert result["correct"], result["mismatches"]  # receivers compare every box with the trainer's values

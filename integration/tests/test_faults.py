@@ -14,8 +14,24 @@ from test_matrix import run_scenario  # noqa: E402
 
 def test_trainer_rank_dying_mid_run_fails_the_sync_and_staged_vllm_keeps_the_previous_version():
     # receive="staged": nothing is loaded until the whole version has arrived
-    result = run_scenario(["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--timeout", "20",
-                           "--fail-rank", "1", "--fail-step", "2", "--receive", "staged"])
+    result = run_scenario(
+        [
+            "--trainer",
+            "megatron",
+            "--train-tp",
+            "2",
+            "--inference",
+            "vllm",
+            "--timeout",
+            "20",
+            "--fail-rank",
+            "1",
+            "--fail-step",
+            "2",
+            "--receive",
+            "staged",
+        ]
+    )
     assert result["ok"] is False and result["failed_step"] == 2, result
     assert "from rank 1" in result["error"], result["error"]
     assert result["error_seconds"] < 60, "the receiver must give up within its deadline"
@@ -27,8 +43,22 @@ def test_trainer_rank_dying_mid_run_fails_the_sync_and_staged_vllm_keeps_the_pre
 def test_an_in_place_receiver_hit_mid_transfer_says_it_serves_no_consistent_version(inference):
     # vLLM (its default receive) and HF write straight into their parameters (no staging): a sync that fails
     # part-way has changed some of them, so they must not claim to still serve the previous version
-    result = run_scenario(["--trainer", "megatron", "--train-tp", "2", "--inference", inference, "--timeout", "20",
-                           "--fail-rank", "1", "--fail-step", "2"])
+    result = run_scenario(
+        [
+            "--trainer",
+            "megatron",
+            "--train-tp",
+            "2",
+            "--inference",
+            inference,
+            "--timeout",
+            "20",
+            "--fail-rank",
+            "1",
+            "--fail-step",
+            "2",
+        ]
+    )
     assert result["ok"] is False and result["failed_step"] == 2, result
     assert "from rank 1" in result["error"], result["error"]
     assert any("partially updated" in e for e in result["failure_events"]), result["failure_events"]
@@ -36,8 +66,18 @@ def test_an_in_place_receiver_hit_mid_transfer_says_it_serves_no_consistent_vers
 
 
 def test_receiver_with_a_different_model_is_refused_before_any_byte_moves():
-    result = run_scenario(["--trainer", "hf", "--inference", "vllm", "--timeout", "30",
-                           "--infer-model-config", str(MODELS / "qwen3-tiny-tied.json")])
+    result = run_scenario(
+        [
+            "--trainer",
+            "hf",
+            "--inference",
+            "vllm",
+            "--timeout",
+            "30",
+            "--infer-model-config",
+            str(MODELS / "qwen3-tiny-tied.json"),
+        ]
+    )
     assert result["ok"] is False and result["failed_step"] == 1, result
     error = result["error"]
     assert "cannot plan weight transfer" in error

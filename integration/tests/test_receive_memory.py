@@ -15,8 +15,16 @@ from conftest import MODELS  # noqa: E402
 from test_matrix import check_receive_paths, run_scenario  # noqa: E402
 
 WAVE_MB = 4
-ARGS = ["--trainer", "hf", "--inference", "vllm", "--model-config", str(MODELS / "qwen2-small.json"),
-        "--wave-mb", str(WAVE_MB)]
+ARGS = [
+    "--trainer",
+    "hf",
+    "--inference",
+    "vllm",
+    "--model-config",
+    str(MODELS / "qwen2-small.json"),
+    "--wave-mb",
+    str(WAVE_MB),
+]
 
 
 @pytest.fixture(scope="module", params=["in_place", "staged"])

@@ -29,8 +29,9 @@ def test_the_patched_function_exists_with_the_signature_the_patch_implements():
     assert list(inspect.signature(vllm_cpu_plain_weights.plain_cpu_gemm).parameters) == ["layer", "remove_weight"]
 
 
-@pytest.mark.parametrize("where", ["linear.UnquantizedLinearMethod",
-                                   "vocab_parallel_embedding.UnquantizedEmbeddingMethod"])
+@pytest.mark.parametrize(
+    "where", ["linear.UnquantizedLinearMethod", "vocab_parallel_embedding.UnquantizedEmbeddingMethod"]
+)
 def test_vllm_imports_it_at_call_time_where_it_prepacks(where):
     import importlib
 
@@ -38,4 +39,5 @@ def test_vllm_imports_it_at_call_time_where_it_prepacks(where):
     method = getattr(importlib.import_module(f"vllm.model_executor.layers.{module}"), cls)
     assert LAZY_IMPORT in inspect.getsource(method.process_weights_after_loading), (
         f"{where}.process_weights_after_loading no longer imports dispatch_cpu_unquantized_gemm at call time: "
-        "the harness patch would not reach it")
+        "the harness patch would not reach it"
+    )

@@ -22,12 +22,19 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.parametrize("check", ["moe", "tied-head"])
 def test_fixup_still_needed_and_effective(check):
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    out = subprocess.run([sys.executable, "-m", "awex_integration.vllm_upstream_checks", check],
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "awex_integration.vllm_upstream_checks", check],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no result (exit {out.returncode}):\n{out.stderr[-5000:]}"
     result = json.loads(lines[-1])
-    assert result["stale"], (f"vLLM's own reload no longer leaves stale state for '{check}': upstream fixed it; "
-                             f"remove the fixup from awex.engines.vllm_fixups ({result})")
+    assert result["stale"], (
+        f"vLLM's own reload no longer leaves stale state for '{check}': upstream fixed it; "
+        f"remove the fixup from awex.engines.vllm_fixups ({result})"
+    )
     assert result["fixed"], f"the fixup no longer mends '{check}' on this vLLM: {result}"
     assert all(result["refreshed"]), result

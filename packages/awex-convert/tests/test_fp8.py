@@ -4,8 +4,18 @@ import pytest
 import torch
 
 from awex.convert import Fp8Views, dequantize_fp8_blocks, quantize_fp8_blocks
-from awex.meta import Box, Fp8BlockQuant, Layout, Mesh, MeshSharding, Role, Shard, TensorLayout, TensorSpec
-from awex.meta import quantize_layout
+from awex.meta import (
+    Box,
+    Fp8BlockQuant,
+    Layout,
+    Mesh,
+    MeshSharding,
+    Role,
+    Shard,
+    TensorLayout,
+    TensorSpec,
+    quantize_layout,
+)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -18,15 +28,16 @@ def reference_quantize(w, block):
     s = torch.empty((-(-rows // br), -(-cols // bc)))
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
-            tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc].float()
+            tile = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc].float()
             scale = max(tile.abs().max().item() / 448.0, torch.finfo(torch.float32).tiny)
             s[i, j] = scale
-            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / torch.tensor(scale)).clamp(-448, 448).to(E4M3)
+            q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (tile / torch.tensor(scale)).clamp(-448, 448).to(E4M3)
     return q, s
 
 
-@pytest.mark.parametrize("shape,block", [((256, 384), (128, 128)), ((200, 130), (128, 128)), ((64, 96), (32, 32)),
-                                         ((7, 5), (4, 4))])
+@pytest.mark.parametrize(
+    "shape,block", [((256, 384), (128, 128)), ((200, 130), (128, 128)), ((64, 96), (32, 32)), ((7, 5), (4, 4))]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_tile_by_tile_reference(shape, block, dtype):
     g = torch.Generator().manual_seed(0)
@@ -39,7 +50,7 @@ def test_matches_tile_by_tile_reference(shape, block, dtype):
     back = dequantize_fp8_blocks(q, s, block)
     full_scale = s.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
     err = (back - w.float()).abs()
-    assert torch.all(err <= w.float().abs() * 2.0 ** -4 + full_scale * 2.0 ** -9 + 1e-30)
+    assert torch.all(err <= w.float().abs() * 2.0**-4 + full_scale * 2.0**-9 + 1e-30)
 
 
 def test_zero_tile_and_in_place_outputs():
@@ -65,11 +76,19 @@ def test_box_of_whole_tiles_quantises_like_the_whole_tensor():
 def test_sender_views_quantise_current_weights_before_each_write():
     # one weight of 256 x 256 split over 2 ranks (rows), a norm that stays as it is
     mesh = Mesh("m", (("tp", 2),))
-    layout = Layout("trainer", Role.TRAINER, 2, (mesh,), (
-        TensorLayout(TensorSpec("model.layers.0.mlp.down_proj.weight", (256, 256), "bfloat16"),
-                     MeshSharding("m", (("tp", Shard(0)),))),
-        TensorLayout(TensorSpec("model.norm.weight", (256,), "bfloat16"), MeshSharding("m")),
-    ))
+    layout = Layout(
+        "trainer",
+        Role.TRAINER,
+        2,
+        (mesh,),
+        (
+            TensorLayout(
+                TensorSpec("model.layers.0.mlp.down_proj.weight", (256, 256), "bfloat16"),
+                MeshSharding("m", (("tp", Shard(0)),)),
+            ),
+            TensorLayout(TensorSpec("model.norm.weight", (256,), "bfloat16"), MeshSharding("m")),
+        ),
+    )
     quant = Fp8BlockQuant()
     fp8_layout = quantize_layout(layout, quant)
     full = torch.randn(256, 256).to(torch.bfloat16)
@@ -102,8 +121,13 @@ def test_quantising_wave_by_wave_does_each_box_in_the_first_wave_that_sends_it()
     # and `c`; `b` is sent by no wave (another replica sends it) and is never quantised
     mesh = Mesh("m", (("tp", 1),))
     names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(3)]
-    layout = Layout("trainer", Role.TRAINER, 1, (mesh,), tuple(
-        TensorLayout(TensorSpec(n, (256, 128), "bfloat16"), MeshSharding("m")) for n in names))
+    layout = Layout(
+        "trainer",
+        Role.TRAINER,
+        1,
+        (mesh,),
+        tuple(TensorLayout(TensorSpec(n, (256, 128), "bfloat16"), MeshSharding("m")) for n in names),
+    )
     quant = Fp8BlockQuant()
     fp8_layout = quantize_layout(layout, quant)
     params = {n: torch.randn(256, 128).to(torch.bfloat16) for n in names}
@@ -112,8 +136,10 @@ def test_quantising_wave_by_wave_does_each_box_in_the_first_wave_that_sends_it()
     whole = Box((0, 0), (256, 128))
     for n in names:  # mark the buffers: quantised ones change
         views.view_of(n, whole).view(torch.uint8).fill_(0xFF)
-    sent = [[(a, (0, 0), (128, 128)), (c + "_scale_inv", (0, 0), (2, 1))],
-            [(a, (128, 0), (128, 128)), (c, (0, 0), (256, 128))]]
+    sent = [
+        [(a, (0, 0), (128, 128)), (c + "_scale_inv", (0, 0), (2, 1))],
+        [(a, (128, 0), (128, 128)), (c, (0, 0), (256, 128))],
+    ]
     quantize_wave = views.by_wave(sent)
     quantize_wave(0)
     for n in (a, c):

@@ -18,8 +18,9 @@ from awex.meta.models import model_dims
 LocalShards = pytest.importorskip("awex.transport", reason="awex-transport is not installed here").LocalShards
 
 CONFIG = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen3-8b.json").read_text())
-DIMS = dataclasses.replace(model_dims(CONFIG, "float32"), layers=2, hidden=64, intermediate=96, heads=8,
-                           kv_heads=2, head_dim=8, vocab=1000)
+DIMS = dataclasses.replace(
+    model_dims(CONFIG, "float32"), layers=2, hidden=64, intermediate=96, heads=8, kv_heads=2, head_dim=8, vocab=1000
+)
 
 
 def received_params(dims, tp: int, seed: int):
@@ -48,14 +49,27 @@ def test_params_fit_the_layout_and_pack_q_k_v_and_gate_up_in_vllm_order(tp):
         hd, q = DIMS.head_dim, DIMS.heads // tp * DIMS.head_dim
         kv_head = rank * DIMS.kv_heads // tp if tp > DIMS.kv_heads else None
         kv_rows = DIMS.kv_heads // tp * hd
-        kv = slice(kv_head * hd, (kv_head + 1) * hd) if kv_head is not None else slice(rank * kv_rows, (rank + 1) * kv_rows)
+        kv = (
+            slice(kv_head * hd, (kv_head + 1) * hd)
+            if kv_head is not None
+            else slice(rank * kv_rows, (rank + 1) * kv_rows)
+        )
         pre = "model.layers.1."
-        want_qkv = torch.cat([full[pre + "self_attn.q_proj.weight"][rank * q:(rank + 1) * q],
-                              full[pre + "self_attn.k_proj.weight"][kv], full[pre + "self_attn.v_proj.weight"][kv]])
+        want_qkv = torch.cat(
+            [
+                full[pre + "self_attn.q_proj.weight"][rank * q : (rank + 1) * q],
+                full[pre + "self_attn.k_proj.weight"][kv],
+                full[pre + "self_attn.v_proj.weight"][kv],
+            ]
+        )
         assert torch.equal(params[pre + "self_attn.qkv_proj.weight"], want_qkv)
         i = DIMS.intermediate // tp
-        want_gate_up = torch.cat([full[pre + "mlp.gate_proj.weight"][rank * i:(rank + 1) * i],
-                                  full[pre + "mlp.up_proj.weight"][rank * i:(rank + 1) * i]])
+        want_gate_up = torch.cat(
+            [
+                full[pre + "mlp.gate_proj.weight"][rank * i : (rank + 1) * i],
+                full[pre + "mlp.up_proj.weight"][rank * i : (rank + 1) * i],
+            ]
+        )
         assert torch.equal(params[pre + "mlp.gate_up_proj.weight"], want_gate_up)
         # every element except vocabulary padding rows was written
         for name, p in params.items():
@@ -88,9 +102,15 @@ def test_fp8_scales_fuse_like_their_weights(tp):
         assert dtypes["model.layers.0.self_attn.qkv_proj.weight"] == torch.float8_e4m3fn
         assert dtypes["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == torch.float32
         assert dtypes["model.layers.0.input_layernorm.weight"] == torch.float32
-        params = {n: torch.zeros(s, dtype=dtypes[n]) if dtypes[n] == torch.float8_e4m3fn
-                  else torch.full(s, float("nan"), dtype=dtypes[n]) for n, s in shapes.items()}
-        shards = LocalShards.from_layout(layout, rank, vllm_views(params, DIMS, VllmParallel(tp=tp), fp8_block=quant.block))
+        params = {
+            n: torch.zeros(s, dtype=dtypes[n])
+            if dtypes[n] == torch.float8_e4m3fn
+            else torch.full(s, float("nan"), dtype=dtypes[n])
+            for n, s in shapes.items()
+        }
+        shards = LocalShards.from_layout(
+            layout, rank, vllm_views(params, DIMS, VllmParallel(tp=tp), fp8_block=quant.block)
+        )
         for name in shards.names():
             for box, view in shards.pairs(name):
                 view.copy_(full[name][box.slices()])
@@ -99,23 +119,34 @@ def test_fp8_scales_fuse_like_their_weights(tp):
         kv_head = rank * DIMS.kv_heads // tp if tp > DIMS.kv_heads else None
         kv_tiles = max(1, DIMS.kv_heads // tp) * DIMS.head_dim // 8
         kv = slice(kv_head, kv_head + 1) if kv_head is not None else slice(rank * kv_tiles, (rank + 1) * kv_tiles)
-        want = torch.cat([full[pre + "self_attn.q_proj.weight_scale_inv"][rank * q_tiles:(rank + 1) * q_tiles],
-                          full[pre + "self_attn.k_proj.weight_scale_inv"][kv],
-                          full[pre + "self_attn.v_proj.weight_scale_inv"][kv]])
+        want = torch.cat(
+            [
+                full[pre + "self_attn.q_proj.weight_scale_inv"][rank * q_tiles : (rank + 1) * q_tiles],
+                full[pre + "self_attn.k_proj.weight_scale_inv"][kv],
+                full[pre + "self_attn.v_proj.weight_scale_inv"][kv],
+            ]
+        )
         assert torch.equal(params[pre + "self_attn.qkv_proj.weight_scale_inv"], want)
         i_tiles = DIMS.intermediate // tp // 8
-        want = torch.cat([full[pre + "mlp.gate_proj.weight_scale_inv"][rank * i_tiles:(rank + 1) * i_tiles],
-                          full[pre + "mlp.up_proj.weight_scale_inv"][rank * i_tiles:(rank + 1) * i_tiles]])
+        want = torch.cat(
+            [
+                full[pre + "mlp.gate_proj.weight_scale_inv"][rank * i_tiles : (rank + 1) * i_tiles],
+                full[pre + "mlp.up_proj.weight_scale_inv"][rank * i_tiles : (rank + 1) * i_tiles],
+            ]
+        )
         assert torch.equal(params[pre + "mlp.gate_up_proj.weight_scale_inv"], want)
-        down = full[pre + "mlp.down_proj.weight"][:, rank * DIMS.intermediate // tp:(rank + 1) * DIMS.intermediate // tp]
+        down = full[pre + "mlp.down_proj.weight"][
+            :, rank * DIMS.intermediate // tp : (rank + 1) * DIMS.intermediate // tp
+        ]
         assert torch.equal(params[pre + "mlp.down_proj.weight"].view(torch.uint8), down.view(torch.uint8))
         for name, p in params.items():  # every scale was written
             if name.endswith("_scale_inv"):
                 assert not torch.isnan(p).any(), name
 
 
-MOE_DIMS = dataclasses.replace(DIMS, architecture="Qwen3MoeForCausalLM", num_experts=4, moe_intermediate=32,
-                               sparse_layers=frozenset({0, 1}))
+MOE_DIMS = dataclasses.replace(
+    DIMS, architecture="Qwen3MoeForCausalLM", num_experts=4, moe_intermediate=32, sparse_layers=frozenset({0, 1})
+)
 
 
 @pytest.mark.parametrize("tp,dp,ep", [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, True)])
@@ -130,8 +161,9 @@ def test_moe_experts_fuse_into_w13_and_w2(tp, dp, ep):
         tp_rank, dp_rank = rank % tp, rank // tp
         shapes = vllm_param_shapes(MOE_DIMS, parallel, tp_rank, dp_rank=dp_rank)
         params = {n: torch.full(s, float("nan")) for n, s in shapes.items()}
-        shards = LocalShards.from_layout(layout, rank, vllm_views(params, MOE_DIMS, parallel, tp_rank=tp_rank,
-                                                                   dp_rank=dp_rank))
+        shards = LocalShards.from_layout(
+            layout, rank, vllm_views(params, MOE_DIMS, parallel, tp_rank=tp_rank, dp_rank=dp_rank)
+        )
         for name in shards.names():
             for box, view in shards.pairs(name):
                 view.copy_(full[name][box.slices()])
@@ -143,7 +175,9 @@ def test_moe_experts_fuse_into_w13_and_w2(tp, dp, ep):
         for local in range(w13.shape[0]):
             e = first + local
             held.append(e)
-            want = torch.cat([full[f"{pre}experts.{e}.gate_proj.weight"][cols], full[f"{pre}experts.{e}.up_proj.weight"][cols]])
+            want = torch.cat(
+                [full[f"{pre}experts.{e}.gate_proj.weight"][cols], full[f"{pre}experts.{e}.up_proj.weight"][cols]]
+            )
             assert torch.equal(w13[local], want)
             assert torch.equal(w2[local], full[f"{pre}experts.{e}.down_proj.weight"][:, cols])
         assert torch.equal(params[pre + "gate.weight"], full[pre + "gate.weight"])
@@ -163,7 +197,10 @@ def test_param_name_says_which_vllm_parameter_holds_a_canonical_tensor():
     assert vllm_param_name(pre + "mlp.up_proj.weight") == pre + "mlp.gate_up_proj.weight"
     assert vllm_param_name(pre + "mlp.shared_expert.gate_proj.weight") == pre + "mlp.shared_expert.gate_up_proj.weight"
     assert vllm_param_name(pre + "mlp.experts.7.up_proj.weight") == pre + "mlp.experts.routed_experts.w13_weight"
-    assert vllm_param_name(pre + "mlp.experts.7.down_proj.weight_scale_inv") == pre + "mlp.experts.routed_experts.w2_weight_scale_inv"
+    assert (
+        vllm_param_name(pre + "mlp.experts.7.down_proj.weight_scale_inv")
+        == pre + "mlp.experts.routed_experts.w2_weight_scale_inv"
+    )
     assert vllm_param_name(pre + "self_attn.o_proj.weight") == pre + "self_attn.o_proj.weight"
     assert vllm_param_name(pre + "mlp.shared_expert_gate.weight") == pre + "mlp.shared_expert_gate.weight"
     assert vllm_param_name("lm_head.weight") == "lm_head.weight"
@@ -172,16 +209,21 @@ def test_param_name_says_which_vllm_parameter_holds_a_canonical_tensor():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_qwen2_moe_shared_expert_fuses_gate_up_like_a_dense_mlp(tp):
-    config = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-moe-tiny.json")
-                        .read_text())
+    config = json.loads(
+        (Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-moe-tiny.json").read_text()
+    )
     dims = model_dims(config, "float32")
     assert dims.shared_expert_intermediate, "the model must have a shared expert for this test to test anything"
     full, ranks = received_params(dims, tp, seed=2)
     for rank, params in enumerate(ranks):
         pre = f"model.layers.{min(dims.sparse_layers)}.mlp."
         i = dims.shared_expert_intermediate // tp
-        want = torch.cat([full[pre + "shared_expert.gate_proj.weight"][rank * i:(rank + 1) * i],
-                          full[pre + "shared_expert.up_proj.weight"][rank * i:(rank + 1) * i]])
+        want = torch.cat(
+            [
+                full[pre + "shared_expert.gate_proj.weight"][rank * i : (rank + 1) * i],
+                full[pre + "shared_expert.up_proj.weight"][rank * i : (rank + 1) * i],
+            ]
+        )
         assert torch.equal(params[pre + "shared_expert.gate_up_proj.weight"], want)
         assert torch.equal(params[pre + "shared_expert_gate.weight"], full[pre + "shared_expert_gate.weight"])
         for name, p in params.items():

@@ -10,8 +10,9 @@ import pytest
 
 from awex.engines.board import BoardTimeout, HostBoard
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm") or not sys.platform.startswith("linux"),
-                                reason="the host board lives in /dev/shm")
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir("/dev/shm") or not sys.platform.startswith("linux"), reason="the host board lives in /dev/shm"
+)
 
 
 def _signaller(path: str, slot: int, seq: int, detail: int, doc: dict) -> None:

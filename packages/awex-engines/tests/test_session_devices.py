@@ -21,23 +21,28 @@ COLOCATED = {("trainer", 0): "h/GPU-0", ("trainer", 1): "h/GPU-1", ("vllm-0", 0)
 def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fails: bool = False) -> dict:
     # Megatron TP=1 x DP=2 on GPUs 0 and 1; engine vllm-0 on GPU 1, vllm-1 on GPU 0 (each colocated with a replica)
     tensors = canonical_tensors(TINY)
-    layouts = [megatron_layout(tensors, MegatronParallel(tp=1, dp=2), instance="trainer"),
-               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0"),
-               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-1")]
+    layouts = [
+        megatron_layout(tensors, MegatronParallel(tp=1, dp=2), instance="trainer"),
+        vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0"),
+        vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-1"),
+    ]
     server = start_embedded()
     try:
         client = MetaClient(server.address, job="devices", timeout=20)
         for layout in layouts:
             client.publish_layout(layout, "current")
-        manifest = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", free_port(),
-                                transport=transport)
+        manifest = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", free_port(), transport=transport)
         plans, errors, transports = {}, [], {}
 
         def rank(instance: str, local_rank: int) -> None:
             try:
-                session = SyncSession(MetaClient(server.address, job="devices", timeout=20), instance, local_rank,
-                                      device_key=gpus[(instance, local_rank)],
-                                      device_reach=None if reach is None else reach[(instance, local_rank)])
+                session = SyncSession(
+                    MetaClient(server.address, job="devices", timeout=20),
+                    instance,
+                    local_rank,
+                    device_key=gpus[(instance, local_rank)],
+                    device_reach=None if reach is None else reach[(instance, local_rank)],
+                )
                 plans[(instance, local_rank)] = session.prepare(manifest, timeout=20)[0]
                 transports[(instance, local_rank)] = session.transport
             except Exception as e:  # asserted below
@@ -59,8 +64,13 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
     assert len({p.digest for p in plans.values()}) == 1  # every rank planned the same
     gpu_of = {r.rank: gpus[(r.instance, r.local_rank)] for r in plan.ranks}
     assert len(set(transports.values())) == 1  # every rank chose the same transport
-    return {"plan": plan, "gpu_of": gpu_of, "device_keys": remaining, "published": published,
-            "transport": transports[("trainer", 0)]}
+    return {
+        "plan": plan,
+        "gpu_of": gpu_of,
+        "device_keys": remaining,
+        "published": published,
+        "transport": transports[("trainer", 0)],
+    }
 
 
 def test_ipc_plans_read_from_the_replica_on_the_receivers_own_gpu():

@@ -55,20 +55,28 @@ def sync(writer: WeightsWriter, reader: WeightsReader, version: str) -> None:
 
 
 def make_writer(server, params, timeout=60.0) -> WeightsWriter:
-    return WeightsWriter(MetaClient(server.address, job="signals", timeout=timeout), hf_layout(TENSORS, "trainer", "hf-out"),
-                         0, views(params), timeout=timeout)
+    return WeightsWriter(
+        MetaClient(server.address, job="signals", timeout=timeout),
+        hf_layout(TENSORS, "trainer", "hf-out"),
+        0,
+        views(params),
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("board", [True, False], ids=["host-board", "channel-only"])
 def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, board):
     if not board:  # no /dev/shm for the writer: the channel carries every signal
+
         def no_board():
             raise OSError("no /dev/shm here")
+
         monkeypatch.setattr(writer_module.HostBoard, "create", staticmethod(no_board))
     sent, got = tensors(0.0), tensors(-1.0)
     writer = make_writer(server, sent)
-    reader = WeightsReader(MetaClient(server.address, job="signals", timeout=60), hf_layout(TENSORS, "inference",
-                                                                                             "hf-in"), 0, views(got))
+    reader = WeightsReader(
+        MetaClient(server.address, job="signals", timeout=60), hf_layout(TENSORS, "inference", "hf-in"), 0, views(got)
+    )
     for step in range(1, 4):
         for t in sent.values():
             t.fill_(float(step))
@@ -83,8 +91,9 @@ def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, boar
 def test_a_new_writer_with_another_channel_is_found_through_the_metaserver(server):
     sent, got = tensors(1.0), tensors(-1.0)
     first = make_writer(server, sent)
-    reader = WeightsReader(MetaClient(server.address, job="signals", timeout=60), hf_layout(TENSORS, "inference",
-                                                                                             "hf-in"), 0, views(got))
+    reader = WeightsReader(
+        MetaClient(server.address, job="signals", timeout=60), hf_layout(TENSORS, "inference", "hf-in"), 0, views(got)
+    )
     sync(first, reader, "v1")
     old_channel = reader._session.channel.address
     first.close()  # its channel and board go with it
@@ -98,15 +107,21 @@ def test_a_new_writer_with_another_channel_is_found_through_the_metaserver(serve
     reader.close()
 
 
-@pytest.mark.parametrize("bad", [
-    {"channel": "no-port", "channel_secret": "a" * 32},
-    {"channel": "127.0.0.1:70000", "channel_secret": "a" * 32},
-    {"channel": "127.0.0.1:5000"},  # a channel without its secret
-    {"channel": "127.0.0.1:5000", "channel_secret": "short"},
-    {"channel": "127.0.0.1:5000", "channel_secret": "../" * 12},
-    {"seq": -1}, {"seq": "3"}, {"seq": True},
-    {"board": ["/dev/shm/x"]}, {"board_host": "h" * 2000},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"channel": "no-port", "channel_secret": "a" * 32},
+        {"channel": "127.0.0.1:70000", "channel_secret": "a" * 32},
+        {"channel": "127.0.0.1:5000"},  # a channel without its secret
+        {"channel": "127.0.0.1:5000", "channel_secret": "short"},
+        {"channel": "127.0.0.1:5000", "channel_secret": "../" * 12},
+        {"seq": -1},
+        {"seq": "3"},
+        {"seq": True},
+        {"board": ["/dev/shm/x"]},
+        {"board_host": "h" * 2000},
+    ],
+)
 def test_hostile_signal_fields_in_a_manifest_are_refused(bad):
     from awex.engines.session import SyncManifest
 

@@ -61,8 +61,10 @@ def test_a_transformed_module_takes_the_loader_path_whole():
     model.get_submodule("model.layers.0.mlp.gate_up_proj").quant_method = SomeRepackingMethod()
     dest = route(model, NAMES, DIMS.tie_embeddings, SHAPES, DTYPES)
     pre1, pre0 = "model.layers.1.self_attn.", "model.layers.0.mlp."
-    assert sorted(dest.loader) == sorted([pre1 + f"{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")]
-                                         + [pre0 + "gate_proj.weight", pre0 + "up_proj.weight"])
+    assert sorted(dest.loader) == sorted(
+        [pre1 + f"{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")]
+        + [pre0 + "gate_proj.weight", pre0 + "up_proj.weight"]
+    )
     assert set(dest.in_place) == set(NAMES) - set(dest.loader)
     assert "prepacked" in dest.loader_modules["model.layers.1.self_attn.qkv_proj"]
     assert "SomeRepackingMethod" in dest.loader_modules["model.layers.0.mlp.gate_up_proj"]
@@ -75,23 +77,33 @@ def test_staged_receive_sends_everything_through_the_loaders():
     assert sorted(dest.loader) == NAMES and not dest.in_place
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda s: {**s, "model.layers.0.self_attn.o_proj.weight": (128, 64)},
-     r"model\.layers\.0\.self_attn\.o_proj\.weight: vLLM holds shape \(128, 64\), Awex computes \(128, 128\)"),
-    (lambda s: {k: v for k, v in s.items() if k != "model.norm.weight"},
-     r"model\.norm\.weight \(for model\.norm\.weight\): vLLM has no such parameter"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda s: {**s, "model.layers.0.self_attn.o_proj.weight": (128, 64)},
+            r"model\.layers\.0\.self_attn\.o_proj\.weight: vLLM holds shape \(128, 64\), Awex computes \(128, 128\)",
+        ),
+        (
+            lambda s: {k: v for k, v in s.items() if k != "model.norm.weight"},
+            r"model\.norm\.weight \(for model\.norm\.weight\): vLLM has no such parameter",
+        ),
+    ],
+)
 def test_parameters_that_do_not_match_are_refused_by_name(change, message):
     with pytest.raises(ValueError, match=message):
         route(engine(change(SHAPES)), NAMES, DIMS.tie_embeddings, SHAPES, DTYPES)
 
 
 def test_wrong_dtype_and_strides_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"model\.norm\.weight: vLLM holds torch\.bfloat16, Awex computes torch\.float32"):
+    with pytest.raises(
+        ValueError, match=r"model\.norm\.weight: vLLM holds torch\.bfloat16, Awex computes torch\.float32"
+    ):
         route(engine(dtype=torch.bfloat16), NAMES, DIMS.tie_embeddings, SHAPES, DTYPES)
     model = engine()
     down = model.get_submodule("model.layers.0.mlp.down_proj")
-    down.weight = torch.nn.Parameter(torch.zeros(SHAPES["model.layers.0.mlp.down_proj.weight"][::-1]).t(),
-                                     requires_grad=False)
+    down.weight = torch.nn.Parameter(
+        torch.zeros(SHAPES["model.layers.0.mlp.down_proj.weight"][::-1]).t(), requires_grad=False
+    )
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: not contiguous"):
         route(model, NAMES, DIMS.tie_embeddings, SHAPES, DTYPES)

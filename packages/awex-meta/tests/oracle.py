@@ -37,8 +37,9 @@ def check_plan_by_elements(plan: Plan, sources: list[Layout], destinations: list
             assert set(cells) <= holds(bucket.src, name[t.tensor]), "sender does not hold what it sends"
             if plan.ranks[bucket.src].role.value == "inference":  # a relay: it must have received them before
                 for c in cells:
-                    assert arrival.get((bucket.src, name[t.tensor], c), 1 << 30) <= bucket.wave - RELAY_LAG, \
+                    assert arrival.get((bucket.src, name[t.tensor], c), 1 << 30) <= bucket.wave - RELAY_LAG, (
                         "a destination relays data before it arrived"
+                    )
             for c in cells:
                 arrival[(bucket.dst, name[t.tensor], c)] = bucket.wave
             received.setdefault((bucket.dst, name[t.tensor]), []).extend(cells)

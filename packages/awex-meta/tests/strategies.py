@@ -59,8 +59,7 @@ def tensor_specs(draw, count: int):
 
 
 @st.composite
-def layouts(draw, specs: list[TensorSpec], role: Role, instance: str, full_coverage: bool = True,
-            subset: bool = False):
+def layouts(draw, specs: list[TensorSpec], role: Role, instance: str, full_coverage: bool = True, subset: bool = False):
     """A layout over ``specs``. With ``full_coverage`` every element of every tensor is held by some rank."""
     mesh = draw(meshes())
     chosen = specs if not subset else [s for s in specs if draw(st.booleans())] or specs[:1]
@@ -83,7 +82,8 @@ def layouts(draw, specs: list[TensorSpec], role: Role, instance: str, full_cover
 
 def _covers(layout: Layout, spec: TensorSpec) -> bool:
     return sum(b.numel for b, _ in layout.holdings(spec.name)) == spec.numel and _disjoint(
-        [b for b, _ in layout.holdings(spec.name)])
+        [b for b, _ in layout.holdings(spec.name)]
+    )
 
 
 def _disjoint(boxes):

@@ -1,6 +1,7 @@
 """Balance over replicas, measured against the lower bound, for random Megatron -> vLLM shapes."""
 
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
@@ -13,7 +14,9 @@ def dense_or_moe_configs(draw):
     kv = draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0]))
     moe = draw(st.booleans())
     cfg = {
-        "architectures": ["Qwen3MoeForCausalLM" if moe else draw(st.sampled_from(["Qwen2ForCausalLM", "LlamaForCausalLM"]))],
+        "architectures": [
+            "Qwen3MoeForCausalLM" if moe else draw(st.sampled_from(["Qwen2ForCausalLM", "LlamaForCausalLM"]))
+        ],
         "hidden_size": heads * 32,
         "intermediate_size": draw(st.sampled_from([256, 384, 512])),
         "num_attention_heads": heads,
@@ -39,7 +42,9 @@ def test_busiest_sender_within_5_percent_of_lower_bound(cfg, data):
     ep = 1
     if cfg.get("num_experts"):
         ep = data.draw(st.sampled_from([e for e in (1, 2, 4) if (tp * dp) % e == 0 and cfg["num_experts"] % e == 0]))
-    src = megatron_layout(tensors, MegatronParallel(tp=tp, pp=pp, dp=dp, ep=ep, vocab_pad=data.draw(st.sampled_from([1, 128]))))
+    src = megatron_layout(
+        tensors, MegatronParallel(tp=tp, pp=pp, dp=dp, ep=ep, vocab_pad=data.draw(st.sampled_from([1, 128])))
+    )
     itp = data.draw(st.sampled_from([1, 2, 4, 8]))
     assume(cfg["num_attention_heads"] % itp == 0 and (itp <= kv and kv % itp == 0 or itp > kv and itp % kv == 0))
     assume(-(-cfg["vocab_size"] // 64) * 64 % itp == 0)
@@ -52,14 +57,15 @@ def test_busiest_sender_within_5_percent_of_lower_bound(cfg, data):
     # one row of the widest tensor is the planner's granularity when it splits pieces over replicas
     granularity = max(t.nbytes // t.shape[0] for t in plan.tensors if t.shape)
     assert s.max_rank_send_bytes <= 1.05 * s.lower_bound_send_bytes + 2 * max(granularity, 2 * 4096), (
-        s.max_rank_send_bytes / s.lower_bound_send_bytes)
+        s.max_rank_send_bytes / s.lower_bound_send_bytes
+    )
 
 
 def test_qwen3_235b_on_1000_ranks_is_balanced_and_covered():
     """The scale the planner CLI is for: a Qwen3-235B-shaped MoE model, 512 trainer + 488 inference ranks."""
-    from awex.meta import load_config, verify_plan
-
     from conftest import MODELS
+
+    from awex.meta import load_config, verify_plan
 
     tensors = canonical_tensors(load_config(MODELS / "qwen3-235b-a22b.json"))
     sources = layouts_for(parse_engine_spec("megatron:tp=4,pp=8,ep=8,dp=16,first=11,last=11"), tensors, "trainer")

@@ -1,14 +1,15 @@
-from hypothesis import given, strategies as st
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from awex.meta import Box
 from awex.meta.box import split_box
 
 
 def boxes(ndim):
-    return st.tuples(
-        st.tuples(*[st.integers(0, 6)] * ndim), st.tuples(*[st.integers(1, 6)] * ndim)
-    ).map(lambda t: Box(*t))
+    return st.tuples(st.tuples(*[st.integers(0, 6)] * ndim), st.tuples(*[st.integers(1, 6)] * ndim)).map(
+        lambda t: Box(*t)
+    )
 
 
 def cells(box):

@@ -2,12 +2,21 @@ import json
 import subprocess
 import sys
 
-from awex.meta.cli import main
-
 from conftest import MODELS
 
-FIELDS = {"total_bytes", "tensors", "ops", "max_rank_send_bytes", "max_rank_recv_bytes", "lower_bound_bytes",
-          "redundant_bytes", "coverage_ok", "plan_seconds"}
+from awex.meta.cli import main
+
+FIELDS = {
+    "total_bytes",
+    "tensors",
+    "ops",
+    "max_rank_send_bytes",
+    "max_rank_recv_bytes",
+    "lower_bound_bytes",
+    "redundant_bytes",
+    "coverage_ok",
+    "plan_seconds",
+}
 
 
 def run_plan(capsys, *args):
@@ -17,8 +26,17 @@ def run_plan(capsys, *args):
 
 
 def test_plan_cli_reports_a_summary_and_one_json_object(capsys):
-    code, out, doc = run_plan(capsys, "--model", str(MODELS / "qwen3-8b.json"), "--trainer", "megatron:tp=2,dp=4",
-                              "--inference", "vllm:tp=2,instances=2", "--link-gbps", "366")
+    code, out, doc = run_plan(
+        capsys,
+        "--model",
+        str(MODELS / "qwen3-8b.json"),
+        "--trainer",
+        "megatron:tp=2,dp=4",
+        "--inference",
+        "vllm:tp=2,instances=2",
+        "--link-gbps",
+        "366",
+    )
     assert code == 0
     assert FIELDS <= set(doc)
     assert doc["coverage_ok"] is True and doc["redundant_bytes"] == 0
@@ -26,8 +44,9 @@ def test_plan_cli_reports_a_summary_and_one_json_object(capsys):
     # two TP=2 engines each receive the whole model once, plus a second copy of every replicated tensor (norms)
     from awex.meta import canonical_tensors, load_config
 
-    replicated = sum(t.spec.nbytes for t in canonical_tensors(load_config(MODELS / "qwen3-8b.json"))
-                     if t.kind == "replicated")
+    replicated = sum(
+        t.spec.nbytes for t in canonical_tensors(load_config(MODELS / "qwen3-8b.json")) if t.kind == "replicated"
+    )
     assert doc["total_bytes"] == 2 * (16_381_470_720 + replicated)
     assert doc["max_rank_recv_bytes"] == doc["lower_bound_bytes"]  # a TP=2 engine rank needs half the model
     assert doc["lower_bound_seconds"] == round(doc["lower_bound_bytes"] / 366e9, 4)
@@ -36,9 +55,15 @@ def test_plan_cli_reports_a_summary_and_one_json_object(capsys):
 
 
 def test_plan_cli_moe_example_from_the_readme(capsys):
-    code, out, doc = run_plan(capsys, "--model", str(MODELS / "qwen3-235b-a22b.json"),
-                              "--trainer", "megatron:tp=4,pp=8,ep=8,dp=4,first=11,last=11",
-                              "--inference", "vllm:tp=8,ep=8,instances=16")
+    code, out, doc = run_plan(
+        capsys,
+        "--model",
+        str(MODELS / "qwen3-235b-a22b.json"),
+        "--trainer",
+        "megatron:tp=4,pp=8,ep=8,dp=4,first=11,last=11",
+        "--inference",
+        "vllm:tp=8,ep=8,instances=16",
+    )
     assert code == 0 and doc["coverage_ok"] is True
     assert doc["ranks"] == 256 and doc["tensors"] == 36_945
     assert doc["max_rank_send_bytes"] <= 1.05 * doc["lower_bound_send_bytes"]
@@ -47,9 +72,26 @@ def test_plan_cli_moe_example_from_the_readme(capsys):
 def test_plan_cli_errors_are_clear(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    out = subprocess.run([sys.executable, "-m", "awex.meta.cli", "plan", "--model", str(cfg), "--trainer", "hf",
-                          "--inference", "hf"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "awex.meta.cli", "plan", "--model", str(cfg), "--trainer", "hf", "--inference", "hf"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and "unknown model architecture" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "awex.meta.cli", "plan", "--model", str(MODELS / "qwen3-8b.json"),
-                          "--trainer", "megatron:tp=3", "--inference", "vllm"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "awex.meta.cli",
+            "plan",
+            "--model",
+            str(MODELS / "qwen3-8b.json"),
+            "--trainer",
+            "megatron:tp=3",
+            "--inference",
+            "vllm",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and "not divisible by 3" in out.stderr

@@ -6,14 +6,13 @@ tests check the same against the running engines.
 """
 
 import pytest
+from conftest import MODELS
 
 from awex.meta import Box, canonical_tensors, load_config
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.meta.layouts.megatron import pipeline_stages
 from awex.meta.layouts.spec import layouts_for, parse_engine_spec
 from awex.meta.layouts.vllm import expert_owner, pp_layer_ranges
-
-from conftest import MODELS
 
 TINY = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
 
@@ -91,7 +90,9 @@ def test_vllm_replicates_kv_heads_when_tp_exceeds_them():
     lay = vllm_layout(TINY, VllmParallel(tp=4))
     k = "model.layers.0.self_attn.k_proj.weight"
     assert [rows(lay, r, k) for r in range(4)] == [[(0, 32)], [(0, 32)], [(32, 32)], [(32, 32)]]
-    assert [rows(lay, r, "model.layers.0.self_attn.q_proj.weight") for r in range(4)] == [[(32 * r, 32)] for r in range(4)]
+    assert [rows(lay, r, "model.layers.0.self_attn.q_proj.weight") for r in range(4)] == [
+        [(32 * r, 32)] for r in range(4)
+    ]
 
 
 def test_vllm_pipeline_split_and_expert_placement():
@@ -112,8 +113,13 @@ def test_vllm_pipeline_split_and_expert_placement():
 def test_engine_spec_parsing_errors_are_clear():
     assert parse_engine_spec("megatron:tp=4,pp=8,ep=8,dp=4").options == {"tp": 4, "pp": 8, "ep": 8, "dp": 4}
     assert parse_engine_spec("vllm:tp=8,ep=8,instances=16").instances == 16
-    for bad, msg in [("trt:tp=1", "unknown engine"), ("vllm:tp", "key=value"), ("vllm:tp=x", "integer"),
-                     ("vllm:zz=1", "unknown option"), ("megatron:instances=2", "one instance")]:
+    for bad, msg in [
+        ("trt:tp=1", "unknown engine"),
+        ("vllm:tp", "key=value"),
+        ("vllm:tp=x", "integer"),
+        ("vllm:zz=1", "unknown option"),
+        ("megatron:instances=2", "one instance"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             parse_engine_spec(bad)
     with pytest.raises(ValueError, match="must be 1 or dp\\*tp"):

@@ -32,7 +32,11 @@ def test_ceil_chunks_blocks_and_empty_chunks():
     assert [b.sizes[0] for b, _ in ceil.holdings("emb")] == [3, 3, 3, 1]
     # a padded vocabulary: blocks of 4 rows; rank 3 would hold rows 12..16, all padding -> holds nothing
     padded = layout(m, TensorLayout(spec, MeshSharding("m", (("tp", Shard(0, block=4)),))))
-    assert [(b.offsets[0], b.sizes[0], r) for b, r in padded.holdings("emb")] == [(0, 4, (0,)), (4, 4, (1,)), (8, 2, (2,))]
+    assert [(b.offsets[0], b.sizes[0], r) for b, r in padded.holdings("emb")] == [
+        (0, 4, (0,)),
+        (4, 4, (1,)),
+        (8, 2, (2,)),
+    ]
     assert padded.rank_boxes(3) == {}
 
 
@@ -73,8 +77,12 @@ def test_explicit_boxes_allow_several_per_rank():
         (TensorLayout(TensorSpec("w", (4,), "float32"), MeshSharding("m", (("tp", Shard(1)),))), r"Shard\(dim=1\)"),
         (TensorLayout(TensorSpec("w", (4,), "float32"), MeshSharding("m", (("tp", Shard(0, parts=3)),))), "3 parts"),
         (TensorLayout(TensorSpec("w", (4,), "float32"), MeshSharding("m", (("tp", Pin((5,))),))), "Pin"),
-        (TensorLayout(TensorSpec("w", (4,), "float32"),
-                      ExplicitSharding(((0, (Box((0,), (3,)), Box((2,), (2,)))),))), "overlapping"),
+        (
+            TensorLayout(
+                TensorSpec("w", (4,), "float32"), ExplicitSharding(((0, (Box((0,), (3,)), Box((2,), (2,)))),))
+            ),
+            "overlapping",
+        ),
         (TensorLayout(TensorSpec("w", (4,), "float32"), ExplicitSharding(((0, (Box((2,), (3,)),)),))), "does not fit"),
     ],
 )

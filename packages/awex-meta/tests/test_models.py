@@ -1,11 +1,10 @@
 import json
 
 import pytest
+from conftest import MODELS
 
 from awex.meta import UnknownModelError, canonical_tensors, load_config
 from awex.meta.models import model_dims
-
-from conftest import MODELS
 
 
 def test_qwen3_8b_matches_the_hf_state_dict_size():
@@ -52,8 +51,9 @@ def test_unknown_architecture_and_missing_fields(tmp_path):
     with pytest.raises(UnknownModelError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         canonical_tensors({"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="lacks 'vocab_size'"):
-        model_dims({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 1,
-                    "num_hidden_layers": 1})
+        model_dims(
+            {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 1, "num_hidden_layers": 1}
+        )
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert load_config(tmp_path)["architectures"] == ["LlamaForCausalLM"]
     with pytest.raises(FileNotFoundError):

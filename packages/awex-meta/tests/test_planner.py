@@ -1,14 +1,22 @@
-
 import pytest
-from hypothesis import given, strategies as st
-
-from awex.meta import (
-    Layout, Mesh, MeshSharding, PlanError, PlanOptions, Role, Shard, TensorLayout, TensorSpec, plan_transfers,
-    verify_plan,
-)
-
+from hypothesis import given
+from hypothesis import strategies as st
 from oracle import check_plan_by_elements
 from strategies import layouts, tensor_specs
+
+from awex.meta import (
+    Layout,
+    Mesh,
+    MeshSharding,
+    PlanError,
+    PlanOptions,
+    Role,
+    Shard,
+    TensorLayout,
+    TensorSpec,
+    plan_transfers,
+    verify_plan,
+)
 
 
 @st.composite
@@ -18,11 +26,20 @@ def scenarios(draw):
     n_dst = draw(st.integers(1, 3))
     sources = [draw(layouts(specs, Role.TRAINER, f"train{i}")) for i in range(n_src)]
     dests = [draw(layouts(specs, Role.INFERENCE, f"inf{i}", full_coverage=False, subset=True)) for i in range(n_dst)]
-    devices = tuple((lay.instance, r, d) for lay in (*sources, *dests) for r in range(lay.world_size)
-                    for d in [draw(st.sampled_from(["gpu0", "gpu1", None]))] if d is not None)
-    options = PlanOptions(wave_bytes=draw(st.sampled_from([8, 64, 1 << 20])), split_bytes=draw(st.sampled_from([1, 16, 1 << 20])),
-                          relay=draw(st.booleans()), devices=devices if draw(st.booleans()) else (),
-                          broadcast=draw(st.booleans()))
+    devices = tuple(
+        (lay.instance, r, d)
+        for lay in (*sources, *dests)
+        for r in range(lay.world_size)
+        for d in [draw(st.sampled_from(["gpu0", "gpu1", None]))]
+        if d is not None
+    )
+    options = PlanOptions(
+        wave_bytes=draw(st.sampled_from([8, 64, 1 << 20])),
+        split_bytes=draw(st.sampled_from([1, 16, 1 << 20])),
+        relay=draw(st.booleans()),
+        devices=devices if draw(st.booleans()) else (),
+        broadcast=draw(st.booleans()),
+    )
     return sources, dests, options
 
 
@@ -54,8 +71,10 @@ def test_every_needed_element_arrives_exactly_once_and_nothing_else_is_sent(scen
 def test_plan_is_identical_for_any_input_order(scenario, rnd):
     sources, dests, options = scenario
     first = plan_transfers(sources, dests, options)
-    shuffled_sources = [Layout(s.instance, s.role, s.world_size, s.meshes, tuple(rnd.sample(s.tensors, len(s.tensors))))
-                        for s in sources]
+    shuffled_sources = [
+        Layout(s.instance, s.role, s.world_size, s.meshes, tuple(rnd.sample(s.tensors, len(s.tensors))))
+        for s in sources
+    ]
     rnd.shuffle(shuffled_sources)
     shuffled_dests = list(dests)
     rnd.shuffle(shuffled_dests)
@@ -108,8 +127,9 @@ def test_broadcast_plans_give_every_destination_of_a_region_identical_buckets_co
     m = Mesh("m", (("tp", 2),))
     src = Layout("t", Role.TRAINER, 2, (m,), (TensorLayout(spec, MeshSharding("m", (("tp", Shard(0)),))),))
     one = Mesh("one", (("tp", 1),))
-    dsts = [Layout(f"v{i}", Role.INFERENCE, 1, (one,), (TensorLayout(spec, MeshSharding("one", ())),))
-            for i in range(3)]
+    dsts = [
+        Layout(f"v{i}", Role.INFERENCE, 1, (one,), (TensorLayout(spec, MeshSharding("one", ())),)) for i in range(3)
+    ]
     options = PlanOptions(wave_bytes=256, broadcast=True)
     assert options.relay is False  # broadcast replaces relays
     plan = plan_transfers([src], dsts, options)
@@ -142,10 +162,21 @@ def _many(instance, role, specs):
 
 
 def test_missing_tensor_shape_and_dtype_mismatches_are_all_named_before_planning():
-    src = _many("t", Role.TRAINER, [TensorSpec("a", (4,), "float32"), TensorSpec("b", (4,), "float32"),
-                                    TensorSpec("c", (4,), "float32")])
-    dst = _many("v", Role.INFERENCE, [TensorSpec("a", (4,), "float32"), TensorSpec("b", (5,), "float32"),
-                                      TensorSpec("c", (4,), "bfloat16"), TensorSpec("d", (4,), "float32")])
+    src = _many(
+        "t",
+        Role.TRAINER,
+        [TensorSpec("a", (4,), "float32"), TensorSpec("b", (4,), "float32"), TensorSpec("c", (4,), "float32")],
+    )
+    dst = _many(
+        "v",
+        Role.INFERENCE,
+        [
+            TensorSpec("a", (4,), "float32"),
+            TensorSpec("b", (5,), "float32"),
+            TensorSpec("c", (4,), "bfloat16"),
+            TensorSpec("d", (4,), "float32"),
+        ],
+    )
     with pytest.raises(PlanError) as err:
         plan_transfers([src], [dst])
     text = str(err.value)
@@ -160,7 +191,7 @@ def test_region_held_by_no_source_is_an_error():
     m = Mesh("m", (("pp", 2),))
     from awex.meta import Pin
 
-    src = Layout("t", Role.TRAINER, 2, (m,), (TensorLayout(spec, MeshSharding("m", (("pp", Pin((0,))), ))),))
+    src = Layout("t", Role.TRAINER, 2, (m,), (TensorLayout(spec, MeshSharding("m", (("pp", Pin((0,))),))),))
     # source holds all of w on pp=0; make a source that holds only half
     from awex.meta import Box, ExplicitSharding
 
@@ -181,10 +212,10 @@ def test_duplicate_instances_and_empty_inputs():
 
 def test_replicas_share_the_send_load():
     # the upstream weak point: TP2 x DP4 trainer -> one TP8 engine used only 2 of 8 senders
+    from conftest import MODELS
+
     from awex.meta import canonical_tensors, load_config
     from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
-
-    from conftest import MODELS
 
     tensors = canonical_tensors(load_config(MODELS / "qwen3-8b.json"))
     src = megatron_layout(tensors, MegatronParallel(tp=2, dp=4))
@@ -199,16 +230,20 @@ def test_replicas_share_the_send_load():
 def test_with_devices_known_colocated_engines_read_their_own_gpus_replica():
     # Megatron TP=1 x DP=2 on GPUs 0 and 1, a vLLM TP=1 engine on each of them (CUDA IPC): each engine takes
     # everything from the replica on its own GPU; without devices the balancer spreads over both replicas
+    from conftest import MODELS
+
     from awex.meta import canonical_tensors, load_config
     from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
-
-    from conftest import MODELS
 
     tensors = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
     src = megatron_layout(tensors, MegatronParallel(tp=1, dp=2), instance="trainer")
     dsts = [vllm_layout(tensors, VllmParallel(tp=1), instance=f"vllm-{i}") for i in range(2)]
-    devices = (("trainer", 0, "host/gpu-0"), ("trainer", 1, "host/gpu-1"), ("vllm-1", 0, "host/gpu-0"),
-               ("vllm-0", 0, "host/gpu-1"))
+    devices = (
+        ("trainer", 0, "host/gpu-0"),
+        ("trainer", 1, "host/gpu-1"),
+        ("vllm-1", 0, "host/gpu-0"),
+        ("vllm-0", 0, "host/gpu-1"),
+    )
     plan = plan_transfers([src], dsts, PlanOptions(relay=False, devices=devices))
     verify_plan(plan, [src], dsts)
     gpu = {r.rank: dict(((i, lr), d) for i, lr, d in devices)[(r.instance, r.local_rank)] for r in plan.ranks}
@@ -227,9 +262,13 @@ def _fanout_layouts(n_dst: int, src_tp: int):
     spec = [TensorSpec(f"w{i}", (64, 32), "bfloat16") for i in range(6)]
     m = Mesh("m", (("tp", src_tp),))
     one = Mesh("m", (("tp", 1),))
-    src = Layout("t", Role.TRAINER, src_tp, (m,), tuple(TensorLayout(s, MeshSharding("m", (("tp", Shard(0)),))) for s in spec))
-    dsts = [Layout(f"v{i}", Role.INFERENCE, 1, (one,), tuple(TensorLayout(s, MeshSharding("m", ())) for s in spec))
-            for i in range(n_dst)]
+    src = Layout(
+        "t", Role.TRAINER, src_tp, (m,), tuple(TensorLayout(s, MeshSharding("m", (("tp", Shard(0)),))) for s in spec)
+    )
+    dsts = [
+        Layout(f"v{i}", Role.INFERENCE, 1, (one,), tuple(TensorLayout(s, MeshSharding("m", ())) for s in spec))
+        for i in range(n_dst)
+    ]
     return src, dsts
 
 
@@ -257,10 +296,24 @@ def test_no_relay_where_the_source_is_not_the_bottleneck():
 
 
 def test_dtype_policy_widening_is_allowed_and_recorded_narrowing_needs_an_explicit_pattern():
-    src = _many("t", Role.TRAINER, [TensorSpec("model.layers.0.mlp.gate.weight", (4, 8), "float32"),
-                                    TensorSpec("w", (4,), "bfloat16"), TensorSpec("x", (4,), "float32")])
-    dst = _many("v", Role.INFERENCE, [TensorSpec("model.layers.0.mlp.gate.weight", (4, 8), "bfloat16"),
-                                      TensorSpec("w", (4,), "float32"), TensorSpec("x", (4,), "float32")])
+    src = _many(
+        "t",
+        Role.TRAINER,
+        [
+            TensorSpec("model.layers.0.mlp.gate.weight", (4, 8), "float32"),
+            TensorSpec("w", (4,), "bfloat16"),
+            TensorSpec("x", (4,), "float32"),
+        ],
+    )
+    dst = _many(
+        "v",
+        Role.INFERENCE,
+        [
+            TensorSpec("model.layers.0.mlp.gate.weight", (4, 8), "bfloat16"),
+            TensorSpec("w", (4,), "float32"),
+            TensorSpec("x", (4,), "float32"),
+        ],
+    )
     with pytest.raises(PlanError) as err:  # the router would silently lose precision
         plan_transfers([src], [dst])
     assert len(err.value.problems) == 1

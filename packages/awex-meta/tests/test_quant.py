@@ -1,28 +1,55 @@
 """FP8 block quantisation in layouts: which tensors are quantised, where scales live, sender tile checks."""
 
 import pytest
-
-from awex.meta import Box, ExplicitSharding, Fp8BlockQuant, PlanError, canonical_tensors, load_config, plan_transfers
-from awex.meta import quantize_layout, verify_plan
-from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
-
 from conftest import MODELS
 from oracle import check_plan_by_elements
+
+from awex.meta import (
+    Box,
+    ExplicitSharding,
+    Fp8BlockQuant,
+    PlanError,
+    canonical_tensors,
+    load_config,
+    plan_transfers,
+    quantize_layout,
+    verify_plan,
+)
+from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 
 Q8B = canonical_tensors(load_config(MODELS / "qwen3-8b.json"))
 QUANT = Fp8BlockQuant()
 
 
 def small_moe(layers=1, experts=4):
-    return canonical_tensors({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
-                              "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": layers,
-                              "vocab_size": 512, "moe_intermediate_size": 256, "num_experts": experts,
-                              "intermediate_size": 512, "tie_word_embeddings": False}, dtype="bfloat16")
+    return canonical_tensors(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "num_hidden_layers": layers,
+            "vocab_size": 512,
+            "moe_intermediate_size": 256,
+            "num_experts": experts,
+            "intermediate_size": 512,
+            "tie_word_embeddings": False,
+        },
+        dtype="bfloat16",
+    )
 
 
 def test_from_hf_config():
-    cfg = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                   "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}}
+    cfg = {
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["lm_head"],
+        }
+    }
     q = Fp8BlockQuant.from_hf_config(cfg)
     assert q == Fp8BlockQuant(block=(128, 128), dtype="float8_e4m3fn", skip=("lm_head",))
     assert Fp8BlockQuant.from_hf_config({}) is None
@@ -38,8 +65,13 @@ def test_which_tensors_are_quantised():
     # attention and every expert's projections; never the router, norms, embedding or LM head
     assert "model.layers.0.self_attn.q_proj.weight" in quantised
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in quantised
-    for kept in ("model.layers.0.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight",
-                 "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight"):
+    for kept in (
+        "model.layers.0.mlp.gate.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+    ):
         assert kept in moe and kept not in quantised
     skipping = Fp8BlockQuant(skip=("model.layers.0.self_attn", "experts.3"))
     assert not skipping.quantises("model.layers.0.self_attn.q_proj.weight", (256, 256))
@@ -67,9 +99,18 @@ def test_vllm_tp2_scales_follow_the_weight_tiles():
 
 def test_receiver_with_tiles_cut_gets_shared_tiles_explicitly():
     # a receiver whose boxes cut tiles still gets every tile that scales its rows (neighbours share it)
-    tensors = canonical_tensors({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "num_attention_heads": 8,
-                                 "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 1,
-                                 "vocab_size": 512, "intermediate_size": 512})
+    tensors = canonical_tensors(
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_size": 256,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "num_hidden_layers": 1,
+            "vocab_size": 512,
+            "intermediate_size": 512,
+        }
+    )
     lay = quantize_layout(vllm_layout(tensors, VllmParallel(tp=8)), QUANT, sender=False)
     name = "model.layers.0.self_attn.q_proj.weight"  # 512 rows / 8 = 64 rows per rank: half a tile
     for rank in range(8):
@@ -80,20 +121,37 @@ def test_receiver_with_tiles_cut_gets_shared_tiles_explicitly():
 
 
 def test_sender_must_hold_whole_tiles():
-    dense = canonical_tensors({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
-                               "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 1,
-                               "vocab_size": 512, "intermediate_size": 384})
-    with pytest.raises(ValueError, match=r"mlp.gate_proj.weight: rank 0 holds \[0:192, 0:256\] of \(384, 256\), "
-                                         r"which cuts through 128x128 FP8 tiles"):
+    dense = canonical_tensors(
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "num_hidden_layers": 1,
+            "vocab_size": 512,
+            "intermediate_size": 384,
+        }
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"mlp.gate_proj.weight: rank 0 holds \[0:192, 0:256\] of \(384, 256\), "
+        r"which cuts through 128x128 FP8 tiles",
+    ):
         quantize_layout(megatron_layout(dense, MegatronParallel(tp=2, vocab_pad=1)), QUANT)
     # TP=2 cuts Qwen3-8B's tensors into whole tiles; the same layout as a receiver is fine either way
     quantize_layout(megatron_layout(Q8B, MegatronParallel(tp=2)), QUANT)
     quantize_layout(megatron_layout(dense, MegatronParallel(tp=2, vocab_pad=1)), QUANT, sender=False)
 
 
-@pytest.mark.parametrize("train,infer", [(MegatronParallel(tp=2, vocab_pad=1), VllmParallel(tp=1)),
-                                         (MegatronParallel(dp=2, ep=2, vocab_pad=1), VllmParallel(tp=2)),
-                                         (MegatronParallel(tp=2, vocab_pad=1), VllmParallel(tp=4))])
+@pytest.mark.parametrize(
+    "train,infer",
+    [
+        (MegatronParallel(tp=2, vocab_pad=1), VllmParallel(tp=1)),
+        (MegatronParallel(dp=2, ep=2, vocab_pad=1), VllmParallel(tp=2)),
+        (MegatronParallel(tp=2, vocab_pad=1), VllmParallel(tp=4)),
+    ],
+)
 def test_plan_moves_fp8_weights_and_scales(train, infer):
     tensors = small_moe(experts=4)
     src = quantize_layout(megatron_layout(tensors, train), QUANT)
@@ -127,8 +185,10 @@ def test_unquantised_sender_to_fp8_receiver_is_refused_with_a_hint():
 def test_vllm_engine_layout_reads_fp8_from_the_config():
     from awex.meta.layouts import vllm_engine_layout
 
-    cfg = {**load_config(MODELS / "qwen3-8b.json"),
-           "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    cfg = {
+        **load_config(MODELS / "qwen3-8b.json"),
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    }
     lay = vllm_engine_layout(cfg, "bfloat16", VllmParallel(tp=2), instance="vllm-0")
     assert lay.tensor("model.layers.3.mlp.down_proj.weight").spec.dtype == "float8_e4m3fn"
     assert lay.tensor("model.layers.3.mlp.down_proj.weight_scale_inv").spec.shape == (32, 96)

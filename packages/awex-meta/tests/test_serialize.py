@@ -2,15 +2,17 @@ import json
 import pickle
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import layouts, tensor_specs
 
 from awex.meta import RankDescriptor, Role, SchemaError, TensorSpec, dumps_json, from_wire, loads_json, to_wire
 from awex.meta.serialize import dumps_msgpack, loads_msgpack
 
-from strategies import layouts, tensor_specs
 
-
-@given(st.integers(1, 5).flatmap(tensor_specs).flatmap(lambda s: layouts(s, Role.INFERENCE, "vllm-0", full_coverage=False)))
+@given(
+    st.integers(1, 5).flatmap(tensor_specs).flatmap(lambda s: layouts(s, Role.INFERENCE, "vllm-0", full_coverage=False))
+)
 def test_layout_round_trips_exactly_through_json_and_msgpack(layout):
     data = dumps_json(layout)
     back = loads_json(data)
@@ -27,10 +29,10 @@ def test_other_documents_round_trip():
 
 
 def test_layout_wire_size_grows_with_tensors_not_ranks(tmp_path):
+    from conftest import MODELS
+
     from awex.meta import canonical_tensors, load_config
     from awex.meta.layouts import MegatronParallel, megatron_layout
-
-    from conftest import MODELS
 
     tensors = canonical_tensors(load_config(MODELS / "qwen3-8b.json"))
     small = dumps_json(megatron_layout(tensors, MegatronParallel(tp=2, dp=1)))
@@ -46,16 +48,29 @@ def test_layout_wire_size_grows_with_tensors_not_ranks(tmp_path):
         ("[]", "expected a metadata document"),
         ('{"schema": 99, "kind": "layout"}', "schema version 99"),
         ('{"schema": 1, "kind": "plan"}', "unknown document kind"),
-        ('{"schema": 1, "kind": "layout", "instance": "x", "role": "boss", "world_size": 1, "meshes": [], '
-         '"shardings": [], "tensors": []}', "role"),
-        ('{"schema": 1, "kind": "layout", "instance": "x", "role": "trainer", "world_size": 1, '
-         '"meshes": [{"name": "m", "dims": [["tp", 1]]}], "shardings": [{"mesh": "m", "place": []}], '
-         '"tensors": [["w", [4], "float32", 3]]}', "out of range"),
-        ('{"schema": 1, "kind": "layout", "instance": "x", "role": "trainer", "world_size": 1, '
-         '"meshes": [{"name": "m", "dims": [["tp", 1]]}], "shardings": [{"mesh": "m", "place": [["tp", {"exec": 1}]]}], '
-         '"tensors": [["w", [4], "float32", 0]]}', "unknown placement"),
-        ('{"schema": 1, "kind": "layout", "instance": "x", "role": "trainer", "world_size": 2, '
-         '"meshes": [{"name": "m", "dims": [["tp", 1]]}], "shardings": [], "tensors": []}', "has 1 ranks"),
+        (
+            '{"schema": 1, "kind": "layout", "instance": "x", "role": "boss", "world_size": 1, "meshes": [], '
+            '"shardings": [], "tensors": []}',
+            "role",
+        ),
+        (
+            '{"schema": 1, "kind": "layout", "instance": "x", "role": "trainer", "world_size": 1, '
+            '"meshes": [{"name": "m", "dims": [["tp", 1]]}], "shardings": [{"mesh": "m", "place": []}], '
+            '"tensors": [["w", [4], "float32", 3]]}',
+            "out of range",
+        ),
+        (
+            '{"schema": 1, "kind": "layout", "instance": "x", "role": "trainer", "world_size": 1, '
+            '"meshes": [{"name": "m", "dims": [["tp", 1]]}], '
+            '"shardings": [{"mesh": "m", "place": [["tp", {"exec": 1}]]}], '
+            '"tensors": [["w", [4], "float32", 0]]}',
+            "unknown placement",
+        ),
+        (
+            '{"schema": 1, "kind": "layout", "instance": "x", "role": "trainer", "world_size": 2, '
+            '"meshes": [{"name": "m", "dims": [["tp", 1]]}], "shardings": [], "tensors": []}',
+            "has 1 ranks",
+        ),
         ('{"schema": 1, "kind": "tensor", "tensor": ["w", [true], "float32"]}', "integers"),
     ],
 )

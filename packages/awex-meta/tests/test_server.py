@@ -11,14 +11,21 @@ import time
 import urllib.request
 
 import pytest
+from conftest import MODELS
 
 from awex.meta import canonical_tensors, load_config
 from awex.meta.client import MetaClient
-from awex.meta.errors import AgreementError, MetaAuthError, MetaConflictError, MetaConnectionError, MetaPayloadError, MetaServerError, MetaTimeoutError
+from awex.meta.errors import (
+    AgreementError,
+    MetaAuthError,
+    MetaConflictError,
+    MetaConnectionError,
+    MetaPayloadError,
+    MetaServerError,
+    MetaTimeoutError,
+)
 from awex.meta.layouts import VllmParallel, vllm_layout
 from awex.meta.server import EmbeddedMetaServer, ServerConfig, start_embedded
-
-from conftest import MODELS
 
 
 @pytest.fixture(scope="module")
@@ -178,19 +185,32 @@ def test_standalone_server_and_status_cli(tmp_path):
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(port), "--token-env", "AWEX_META_TOKEN"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         c = MetaClient(f"http://127.0.0.1:{port}", job="rl", token="tok", timeout=15.0)
         c.register("vllm-0", role="inference", instance="vllm-0", world_size=2)
         c.report_version("vllm-0", "step-7")
-        out = subprocess.run([sys.executable, "-m", "awex.meta.cli", "status", f"http://127.0.0.1:{port}"],
-                             env=env, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [sys.executable, "-m", "awex.meta.cli", "status", f"http://127.0.0.1:{port}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.returncode == 0, out.stderr
         assert "job rl: 1 participant(s)" in out.stdout
         assert "vllm-0" in out.stdout and "step-7" in out.stdout and "version=step-7" in out.stdout
-        bad = subprocess.run([sys.executable, "-m", "awex.meta.cli", "status", f"http://127.0.0.1:{port}",
-                              "--token", "nope"], env=env, capture_output=True, text=True, timeout=30)
+        bad = subprocess.run(
+            [sys.executable, "-m", "awex.meta.cli", "status", f"http://127.0.0.1:{port}", "--token", "nope"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert bad.returncode == 2 and "rejected the token" in bad.stderr
     finally:
         proc.terminate()
@@ -206,8 +226,14 @@ def _free_port() -> int:
 
 
 def test_forget_drops_a_finished_versions_keys_and_agreements_only(client):
-    for key in ("sync/v1", "sync/v10", "ipc-ready/v1/trainer/0", "ipc-ready/v10/trainer/0", "validation/v1/e:0",
-                "layouts/current/trainer"):
+    for key in (
+        "sync/v1",
+        "sync/v10",
+        "ipc-ready/v1/trainer/0",
+        "ipc-ready/v10/trainer/0",
+        "validation/v1/e:0",
+        "layouts/current/trainer",
+    ):
         client.put(key, {"k": key})
     client.agree("plan/v1", "rank0", 1, "d")
     client.agree("plan/v10", "rank0", 1, "d")

@@ -78,8 +78,10 @@ def test_a_retried_write_is_answered_once_and_not_applied_twice():
         two = _raw(s.address, "POST", "/v1/jobs/j/events", {"kind": "sync_failed", "source": "x"}, ev)
         assert one[1]["seq"] == two[1]["seq"]
         assert len(MetaClient(s.address, job="j").events(kind="sync_failed")) == 1
-        assert _raw(s.address, "POST", "/v1/jobs/j/events", {"kind": "k", "source": "x"},
-                    {REQUEST_ID_HEADER: "no"})[0] == 400
+        assert (
+            _raw(s.address, "POST", "/v1/jobs/j/events", {"kind": "k", "source": "x"}, {REQUEST_ID_HEADER: "no"})[0]
+            == 400
+        )
 
 
 class _FrozenServer:
@@ -102,9 +104,12 @@ def test_waits_against_a_frozen_server_raise_within_their_deadline(call):
         c = MetaClient(frozen.address, job="j", timeout=1.5)
         started = time.monotonic()
         with pytest.raises(MetaTimeoutError):
-            {"get": lambda: c.get("k", timeout=1.5), "put": lambda: c.put("k", 1),
-             "events": lambda: c.events(timeout=1.5) or (_ for _ in ()).throw(MetaTimeoutError("none")),
-             "agree": lambda: c.agree("a", "p", 2, 1, timeout=1.5)}[call]()
+            {
+                "get": lambda: c.get("k", timeout=1.5),
+                "put": lambda: c.put("k", 1),
+                "events": lambda: c.events(timeout=1.5) or (_ for _ in ()).throw(MetaTimeoutError("none")),
+                "agree": lambda: c.agree("a", "p", 2, 1, timeout=1.5),
+            }[call]()
         assert time.monotonic() - started < 1.5 + SLACK + 0.5  # it used to take the wait plus 10-15 s
     finally:
         frozen.close()
@@ -130,8 +135,15 @@ def test_a_wait_outlives_a_server_outage_longer_than_one_long_poll(monkeypatch):
 
 
 def test_limits_answer_4xx_and_leave_the_server_healthy():
-    config = ServerConfig(max_job_bytes=20_000, max_total_bytes=30_000, max_small_bytes=1_000, max_depth=16,
-                          max_agreements_per_job=3, max_participants_per_job=2, max_agreement_size=8)
+    config = ServerConfig(
+        max_job_bytes=20_000,
+        max_total_bytes=30_000,
+        max_small_bytes=1_000,
+        max_depth=16,
+        max_agreements_per_job=3,
+        max_participants_per_job=2,
+        max_agreement_size=8,
+    )
     with EmbeddedMetaServer(config=config) as s:
         c = MetaClient(s.address, job="j", timeout=5)
         c.put("a", "x" * 8_000)
@@ -195,6 +207,7 @@ def test_a_write_wakes_only_the_waiters_of_its_topic():
             def predicate():
                 checks[name] += 1
                 return state.get(name, False)
+
             return predicate
 
         wait_a = asyncio.ensure_future(topics.wait_until("a", ready("a"), 2.0))
@@ -237,8 +250,10 @@ def test_connections_beyond_the_limit_are_closed_and_idle_ones_time_out():
 def test_a_body_that_never_arrives_is_refused_within_the_body_time():
     with EmbeddedMetaServer(config=ServerConfig(body_seconds=1.0)) as s:
         sock = socket.create_connection(("127.0.0.1", s.port))
-        sock.sendall(b"PUT /v1/jobs/j/kv/k HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"a\":")
+        sock.sendall(
+            b"PUT /v1/jobs/j/kv/k HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"a":'
+        )
         sock.settimeout(5)
         started = time.monotonic()
         answer = sock.recv(4096)
@@ -255,14 +270,22 @@ def test_every_answer_names_the_server_epoch():
 
 
 def test_cli_refuses_an_open_address_without_a_token_and_a_busy_port_cleanly():
-    out = subprocess.run([sys.executable, "-m", "awex.meta.cli", "serve", "--host", "0.0.0.0", "--port", "0"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "awex.meta.cli", "serve", "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "without a token" in out.stderr and "Traceback" not in out.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
-        out = subprocess.run([sys.executable, "-m", "awex.meta.cli", "serve", "--port",
-                              str(busy.getsockname()[1])], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(busy.getsockname()[1])],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 3
 

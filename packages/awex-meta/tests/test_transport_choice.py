@@ -9,8 +9,14 @@ import pytest
 
 from awex.meta import PlanOptions, canonical_tensors, load_config, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
-from awex.meta.transport_choice import (IPC_RATE_MARGIN, SHARED_SOURCE_FACTOR, TransportError, choose_transport,
-                                       link_bytes_per_gpu, unreachable)
+from awex.meta.transport_choice import (
+    IPC_RATE_MARGIN,
+    SHARED_SOURCE_FACTOR,
+    TransportError,
+    choose_transport,
+    link_bytes_per_gpu,
+    unreachable,
+)
 
 MODELS = Path(__file__).resolve().parents[3] / "integration" / "models"
 TINY = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
@@ -38,10 +44,13 @@ def _gpus(trainer: list[int], engines: list[list[int]], host=lambda g: "h") -> d
     return out
 
 
-@pytest.mark.parametrize("trainer, engines", [
-    ([0], [[1]]),  # 1 -> 1 on other GPUs of the host
-    ([0, 1], [[2, 3]]),  # TP=2 -> TP=2
-])
+@pytest.mark.parametrize(
+    "trainer, engines",
+    [
+        ([0], [[1]]),  # 1 -> 1 on other GPUs of the host
+        ([0, 1], [[2, 3]]),  # TP=2 -> TP=2
+    ],
+)
 def test_one_host_without_egress_fan_out_uses_ipc(trainer, engines):
     choice, ipc, p2p = _choose(len(trainer), [len(e) for e in engines], _gpus(trainer, engines))
     assert choice.transport == "ipc", choice

@@ -13,12 +13,11 @@ def replay(memory: torch.Tensor, base: int, table: torch.Tensor, block_bytes: in
     """What the kernel does, program by program: each row copies ``bytes`` from ``base + src`` to ``base + dst``."""
     for dst, src, n in table.tolist():
         assert 0 < n <= block_bytes and dst % ALIGN == 0 and src % ALIGN == 0 and n % ALIGN == 0
-        memory[base + dst: base + dst + n] = memory[base + src: base + src + n].clone()
+        memory[base + dst : base + dst + n] = memory[base + src : base + src + n].clone()
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.sampled_from([16, 32, 64, 4096]),
-       st.integers(0, 2**31))
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.sampled_from([16, 32, 64, 4096]), st.integers(0, 2**31))
 def test_blocks_copy_exactly_the_bytes_of_each_copy(sizes16, block_bytes, seed):
     g = torch.Generator().manual_seed(seed)
     sizes = [16 * n for n in sizes16]
@@ -37,7 +36,7 @@ def test_blocks_copy_exactly_the_bytes_of_each_copy(sizes16, block_bytes, seed):
     base = 16 * int(torch.randint(0, (2 * total + 64) // 16, (1,), generator=g))
     expected = memory.clone()
     for d, s, n in zip(dst_at, src_at, sizes):
-        expected[d:d + n] = memory[s:s + n]
+        expected[d : d + n] = memory[s : s + n]
     table = copy_blocks(list(zip(dst_at, src_at, sizes)), base, block_bytes)
     assert table.dtype == torch.int64 and table.shape[1] == 3
     assert len(table) == sum(-(-n // block_bytes) for n in sizes)
@@ -80,8 +79,10 @@ def test_batched_copy_on_gpu_matches_plain_copies():
     from awex.transport.batched_copy import BatchedCopy
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    srcs = [torch.randint(-1000, 1000, (n,), dtype=torch.int16, device="cuda", generator=g)
-            for n in (8, 4096, 100000, 8 * 33333)]
+    srcs = [
+        torch.randint(-1000, 1000, (n,), dtype=torch.int16, device="cuda", generator=g)
+        for n in (8, 4096, 100000, 8 * 33333)
+    ]
     dsts = [torch.zeros_like(s) for s in srcs]
     copies = list(zip(dsts, srcs))
     assert all(batchable(d, s) for d, s in copies)
@@ -99,10 +100,14 @@ def test_batched_copy_reads_another_gpu_in_the_same_launch():
 
     here, there = torch.device("cuda", 0), torch.device("cuda", 1)
     enable_peer_access(here, there)
-    local = [(torch.zeros(n, dtype=torch.bfloat16, device=here), torch.randn(n, device=here).to(torch.bfloat16))
-             for n in (4096, 300000)]
-    far = [(torch.zeros(n, dtype=torch.bfloat16, device=here), torch.randn(n, device=there).to(torch.bfloat16))
-           for n in (8, 200000, 1 << 20)]
+    local = [
+        (torch.zeros(n, dtype=torch.bfloat16, device=here), torch.randn(n, device=here).to(torch.bfloat16))
+        for n in (4096, 300000)
+    ]
+    far = [
+        (torch.zeros(n, dtype=torch.bfloat16, device=here), torch.randn(n, device=there).to(torch.bfloat16))
+        for n in (8, 200000, 1 << 20)
+    ]
     assert not any(batchable(d, s) for d, s in far) and all(batchable(d, s, peer=True) for d, s in far)
     with pytest.raises(ValueError, match="spread copies may read another GPU"):
         BatchedCopy(far)

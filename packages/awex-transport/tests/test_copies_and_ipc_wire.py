@@ -10,8 +10,16 @@ import torch
 from awex.meta import Box
 from awex.transport import LocalShards
 from awex.transport.copies import copier, merge_copies, wide_views
-from awex.transport.ipc import (ExportedView, IpcExport, _extent, _rows_within, export_shards, interleave_sources,
-                                paces_local, ring_slots)
+from awex.transport.ipc import (
+    ExportedView,
+    IpcExport,
+    _extent,
+    _rows_within,
+    export_shards,
+    interleave_sources,
+    paces_local,
+    ring_slots,
+)
 
 
 def _apply(copies):
@@ -27,7 +35,7 @@ def test_merged_copies_write_exactly_what_the_separate_copies_write(seed):
     groups, rows, skip = 4, 6, 10  # a Megatron-like fused source: `rows` useful rows every `skip`
     copies = []
     for dst in (a, b):
-        pieces = [(dst[i * rows:(i + 1) * rows], src[i * skip:i * skip + rows]) for i in range(groups)]
+        pieces = [(dst[i * rows : (i + 1) * rows], src[i * skip : i * skip + rows]) for i in range(groups)]
         pieces += [(dst[30:31], src[63:64]), (dst[40:48, 2:5], src[0:8, 0:3])]  # irregular tail
         copies.append(pieces)
     _apply(copies[0])
@@ -39,8 +47,11 @@ def test_merged_copies_write_exactly_what_the_separate_copies_write(seed):
 
 def test_ipc_export_round_trips_through_json_without_pickle():
     handle = bytes(range(64))
-    export = IpcExport(storages=((0, handle, 4096, 0, b"ref", 8, b"evt", True),), pointers=(1234,),
-                       views=(ExportedView("w", Box((0, 0), (4, 8)), 0, 16, (8, 1), "bfloat16"),))
+    export = IpcExport(
+        storages=((0, handle, 4096, 0, b"ref", 8, b"evt", True),),
+        pointers=(1234,),
+        views=(ExportedView("w", Box((0, 0), (4, 8)), 0, 16, (8, 1), "bfloat16"),),
+    )
     wire = json.loads(json.dumps(export.to_wire()))
     assert IpcExport.from_wire(wire) == export
     with pytest.raises(ValueError, match="malformed IPC export"):
@@ -49,28 +60,34 @@ def test_ipc_export_round_trips_through_json_without_pickle():
 
 def _hostile(edit):
     handle = bytes(range(64))
-    export = IpcExport(storages=((0, handle, 4096, 0, b"ref", 8, b"evt", True),), pointers=(1234,),
-                       views=(ExportedView("w", Box((0, 0), (4, 8)), 0, 16, (8, 1), "bfloat16"),))
+    export = IpcExport(
+        storages=((0, handle, 4096, 0, b"ref", 8, b"evt", True),),
+        pointers=(1234,),
+        views=(ExportedView("w", Box((0, 0), (4, 8)), 0, 16, (8, 1), "bfloat16"),),
+    )
     wire = json.loads(json.dumps(export.to_wire()))
     edit(wire)
     return wire
 
 
-@pytest.mark.parametrize("edit, why", [
-    (lambda w: w["views"][0].__setitem__(3, -1), "storage index"),  # used to pick another storage silently
-    (lambda w: w["views"][0].__setitem__(3, 1), "names storage 1 of 1"),
-    (lambda w: w["views"][0].__setitem__(4, -16), "element offset"),
-    (lambda w: w["views"][0].__setitem__(5, ["8", 1]), "stride"),
-    (lambda w: w["views"][0].__setitem__(6, "complex1024"), "unknown dtype"),
-    (lambda w: w["views"][0].__setitem__(4, 4096), "beyond its storage"),  # offsets past the handle's memory
-    (lambda w: w["views"][0].__setitem__(2, [4, 8, 2]), "different lengths"),
-    (lambda w: w["storages"][0].__setitem__(2, -1), "storage field"),
-    (lambda w: w["storages"][0].__setitem__(1, {"b64": "!!!"}), "malformed"),
-    (lambda w: w["storages"][0].__setitem__(1, {"b64": "A" * 8000}), "handle of"),
-    (lambda w: w.__setitem__("pointers", []), "0 pointers for 1 storages"),
-    (lambda w: w.__setitem__("views", {"a": 1}), "views"),
-    (lambda w: w["storages"][0].__setitem__(0, "gpu0"), "storage field"),
-])
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda w: w["views"][0].__setitem__(3, -1), "storage index"),  # used to pick another storage silently
+        (lambda w: w["views"][0].__setitem__(3, 1), "names storage 1 of 1"),
+        (lambda w: w["views"][0].__setitem__(4, -16), "element offset"),
+        (lambda w: w["views"][0].__setitem__(5, ["8", 1]), "stride"),
+        (lambda w: w["views"][0].__setitem__(6, "complex1024"), "unknown dtype"),
+        (lambda w: w["views"][0].__setitem__(4, 4096), "beyond its storage"),  # offsets past the handle's memory
+        (lambda w: w["views"][0].__setitem__(2, [4, 8, 2]), "different lengths"),
+        (lambda w: w["storages"][0].__setitem__(2, -1), "storage field"),
+        (lambda w: w["storages"][0].__setitem__(1, {"b64": "!!!"}), "malformed"),
+        (lambda w: w["storages"][0].__setitem__(1, {"b64": "A" * 8000}), "handle of"),
+        (lambda w: w.__setitem__("pointers", []), "0 pointers for 1 storages"),
+        (lambda w: w.__setitem__("views", {"a": 1}), "views"),
+        (lambda w: w["storages"][0].__setitem__(0, "gpu0"), "storage field"),
+    ],
+)
 def test_hostile_ipc_exports_are_refused_before_anything_is_opened(edit, why):
     IpcExport.from_wire(_hostile(lambda w: None))  # the untouched one parses
     with pytest.raises(ValueError, match="malformed IPC export") as err:
@@ -179,8 +196,11 @@ def test_wide_copies_write_exactly_what_copy_writes(seed):
     pad = (rng.choice([0, 4, 8]), rng.choice([0, 1, 4]))  # extra rows / columns around the views
 
     def strided():
-        base = torch.randint(-100, 100, (shape[0] * (shape[1] + pad[0]) * (shape[2] + pad[1]) + 16,),
-                             generator=g).to(bits).view(dtype)  # any bit pattern, NaN payloads included
+        base = (
+            torch.randint(-100, 100, (shape[0] * (shape[1] + pad[0]) * (shape[2] + pad[1]) + 16,), generator=g)
+            .to(bits)
+            .view(dtype)
+        )  # any bit pattern, NaN payloads included
         off = rng.choice([0, 4, 8])
         stride = ((shape[1] + pad[0]) * (shape[2] + pad[1]), shape[2] + pad[1], 1)
         return base, lambda b: b.as_strided(shape, stride, off)

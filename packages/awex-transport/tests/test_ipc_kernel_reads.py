@@ -65,8 +65,9 @@ def test_kernel_on_one_gpu_reads_another_process_memory_on_another():
     from awex.transport.batched_copy import BatchedCopy
     from awex.transport.peer_dma import enable_peer_access
 
-    exporter = subprocess.Popen([sys.executable, "-c", EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         line = exporter.stdout.readline()
         assert line, "the exporting process died"
@@ -74,16 +75,17 @@ def test_kernel_on_one_gpu_reads_another_process_memory_on_another():
         torch.cuda.set_device(here)
         enable_peer_access(here, there)
         mapped = open_export(IpcExport.from_wire(json.loads(line)))
-        (_, a), = mapped.pairs("a")
-        (_, b), = mapped.pairs("b")
+        ((_, a),) = mapped.pairs("a")
+        ((_, b),) = mapped.pairs("b")
         assert a.device == there
         rows = b[100:300]  # a contiguous piece inside the allocation
         spread = [(torch.zeros_like(a, device=here), a), (torch.zeros_like(rows, device=here), rows)]
         sources = [mapped.kernel_address(s.data_ptr(), here) for _, s in spread]
         assert None not in sources and sources[0] != a.data_ptr()  # a second mapping, in GPU 0's context
         assert mapped.kernel_address(a.data_ptr(), there) == a.data_ptr()  # read on its own GPU: as it is
-        local = [(torch.zeros(4096, dtype=torch.int32, device=here), torch.full((4096,), 5, dtype=torch.int32,
-                                                                                device=here))]
+        local = [
+            (torch.zeros(4096, dtype=torch.int32, device=here), torch.full((4096,), 5, dtype=torch.int32, device=here))
+        ]
         BatchedCopy(local, spread=spread, spread_sources=sources)()
         torch.cuda.synchronize(here)
         assert torch.equal(spread[0][0].cpu(), torch.arange(1 << 20, dtype=torch.int32))

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import transport_workers
 
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.meta.serialize import layout_to_wire
-
-import transport_workers
 
 TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
 
@@ -27,8 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(layouts, timeout=60.0, behaviours=None, wave_bytes=256 << 20, allow_cast=(), direct_bytes=4 << 20,
-              receiver_pieces=2, broadcast=False):
+def run_world(
+    layouts,
+    timeout=60.0,
+    behaviours=None,
+    wave_bytes=256 << 20,
+    allow_cast=(),
+    direct_bytes=4 << 20,
+    receiver_pieces=2,
+    broadcast=False,
+):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     docs = [layout_to_wire(lay) for lay in layouts]
@@ -37,9 +44,25 @@ def run_world(layouts, timeout=60.0, behaviours=None, wave_bytes=256 << 20, allo
     for lay in layouts:
         for r in range(lay.world_size):
             behaviour = (behaviours or {}).get((lay.instance, r), "normal")
-            p = ctx.Process(target=transport_workers.worker,
-                            args=(lay.role.value, docs, lay.instance, r, "127.0.0.1", port, timeout, results, behaviour,
-                                  wave_bytes, tuple(allow_cast), direct_bytes, receiver_pieces, broadcast))
+            p = ctx.Process(
+                target=transport_workers.worker,
+                args=(
+                    lay.role.value,
+                    docs,
+                    lay.instance,
+                    r,
+                    "127.0.0.1",
+                    port,
+                    timeout,
+                    results,
+                    behaviour,
+                    wave_bytes,
+                    tuple(allow_cast),
+                    direct_bytes,
+                    receiver_pieces,
+                    broadcast,
+                ),
+            )
             p.start()
             procs.append(p)
     out = {}
@@ -148,8 +171,9 @@ def test_fan_out_as_broadcasts_sends_each_region_once(trainer_tp, engines):
 
 
 def test_an_explicitly_allowed_narrowing_cast_arrives_in_the_receivers_dtype():
-    trainer = megatron_layout(canonical_tensors(TINY, dtype="float32"), MegatronParallel(tp=2, vocab_pad=128),
-                              instance="trainer")
+    trainer = megatron_layout(
+        canonical_tensors(TINY, dtype="float32"), MegatronParallel(tp=2, vocab_pad=128), instance="trainer"
+    )
     engine = vllm_layout(canonical_tensors(TINY, dtype="bfloat16"), VllmParallel(tp=1), instance="vllm-0")
     out = run_world([trainer, engine], allow_cast=("*",))
     assert len(out) == 3, out
@@ -164,11 +188,14 @@ def test_senders_prepare_each_wave_just_before_it_is_packed():
     # (WaveExecutor.sent_regions[i]); receivers get the real values only if every wave was prepared, in order,
     # before it was packed
     tensors = canonical_tensors(TINY)
-    layouts = [megatron_layout(tensors, MegatronParallel(tp=2, vocab_pad=1), instance="trainer"),
-               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0")]
+    layouts = [
+        megatron_layout(tensors, MegatronParallel(tp=2, vocab_pad=1), instance="trainer"),
+        vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0"),
+    ]
     wave = sum(t.spec.nbytes for t in tensors) // 10
-    out = run_world(layouts, wave_bytes=wave,
-                    behaviours={("trainer", 0): "fill_before_pack", ("trainer", 1): "fill_before_pack"})
+    out = run_world(
+        layouts, wave_bytes=wave, behaviours={("trainer", 0): "fill_before_pack", ("trainer", 1): "fill_before_pack"}
+    )
     assert len(out) == 3, out
     failures = {k: v[0] for k, v in out.items() if v[0] != "ok"}
     assert not failures, failures
@@ -177,8 +204,10 @@ def test_senders_prepare_each_wave_just_before_it_is_packed():
 
 def test_a_sender_that_dies_makes_receivers_fail_within_the_deadline():
     tensors = canonical_tensors(TINY)
-    layouts = [megatron_layout(tensors, MegatronParallel(tp=2, vocab_pad=1), instance="trainer"),
-               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0")]
+    layouts = [
+        megatron_layout(tensors, MegatronParallel(tp=2, vocab_pad=1), instance="trainer"),
+        vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0"),
+    ]
     started = time.monotonic()
     out = run_world(layouts, timeout=8.0, behaviours={("trainer", 1): "die_before_send"})
     elapsed = time.monotonic() - started
@@ -190,8 +219,10 @@ def test_a_sender_that_dies_makes_receivers_fail_within_the_deadline():
 
 def test_a_sender_that_stalls_makes_receivers_time_out():
     tensors = canonical_tensors(TINY)
-    layouts = [megatron_layout(tensors, MegatronParallel(tp=1, vocab_pad=1), instance="trainer"),
-               vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0")]
+    layouts = [
+        megatron_layout(tensors, MegatronParallel(tp=1, vocab_pad=1), instance="trainer"),
+        vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0"),
+    ]
     out = run_world(layouts, timeout=4.0, behaviours={("trainer", 0): "stall"})
     status = out[("vllm-0", 0)][0]
     assert status.startswith("error: TransferTimeout"), status
@@ -244,8 +275,14 @@ def test_pieces_must_tile_each_box():
     assert "model.norm.weight [0:128]: pieces cover 100 of 128 elements" in str(err.value)
     assert "model.layers.0.input_layernorm.weight: pieces overlap" in str(err.value)
 
-    shards = LocalShards({"w": [(Box((0, 0), (2, 3)), torch.arange(6.).view(2, 3)),
-                                (Box((2, 0), (2, 3)), torch.arange(6., 12.).view(2, 3))]})
+    shards = LocalShards(
+        {
+            "w": [
+                (Box((0, 0), (2, 3)), torch.arange(6.0).view(2, 3)),
+                (Box((2, 0), (2, 3)), torch.arange(6.0, 12.0).view(2, 3)),
+            ]
+        }
+    )
     out = torch.empty(2, 2)
     shards.copy_out("w", (1, 1), (2, 2), out)  # spans both pieces
     assert out.tolist() == [[4.0, 5.0], [7.0, 8.0]]
@@ -260,13 +297,22 @@ def test_tensors_of_odd_byte_sizes_share_a_bucket():
     # longer than the sum of its transfers and the staging must hold every message whole
     from awex.meta import Layout, Mesh, MeshSharding, Role, Shard, TensorLayout, TensorSpec
 
-    specs = [TensorSpec("a.weight", (3, 5), "float8_e4m3fn"), TensorSpec("a.weight_scale_inv", (1, 1), "float32"),
-             TensorSpec("b.weight", (7, 3), "float8_e4m3fn"), TensorSpec("c", (5,), "bfloat16")]
+    specs = [
+        TensorSpec("a.weight", (3, 5), "float8_e4m3fn"),
+        TensorSpec("a.weight_scale_inv", (1, 1), "float32"),
+        TensorSpec("b.weight", (7, 3), "float8_e4m3fn"),
+        TensorSpec("c", (5,), "bfloat16"),
+    ]
 
     def layout(instance, role, tp):
         mesh = Mesh("m", (("tp", tp),))
-        return Layout(instance, role, tp, (mesh,), tuple(
-            TensorLayout(s, MeshSharding("m", (("tp", Shard(0)),) if s.shape[0] > 1 else ())) for s in specs))
+        return Layout(
+            instance,
+            role,
+            tp,
+            (mesh,),
+            tuple(TensorLayout(s, MeshSharding("m", (("tp", Shard(0)),) if s.shape[0] > 1 else ())) for s in specs),
+        )
 
     layouts = [layout("trainer", Role.TRAINER, 1), layout("vllm-0", Role.INFERENCE, 2)]
     out = run_world(layouts)

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transport_workers import canonical_value
 
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.transport import LocalShards
 from awex.transport.shm import SEGMENT_DIR, Segment, SegmentInfo, ShmReceiver, ShmSender, segment_layout, sweep_stale
-from transport_workers import canonical_value
 
 TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
 
@@ -88,12 +88,14 @@ def test_a_receiver_refuses_segments_that_do_not_match_its_plan():
     sender = ShmSender(plan, rank, shards)
     try:
         good = sender.wire()
-        for bad, why in [(dict(good, nbytes=good["nbytes"] + 8), "holds"),
-                         (dict(good, digest="0" * 64), "laid out for plan"),
-                         (dict(good, rank=rank + 1), "laid out for plan"),
-                         (dict(good, nbytes="12"), "must be integers"),
-                         (dict(good, extra=1), "malformed"),
-                         ([good], "malformed")]:
+        for bad, why in [
+            (dict(good, nbytes=good["nbytes"] + 8), "holds"),
+            (dict(good, digest="0" * 64), "laid out for plan"),
+            (dict(good, rank=rank + 1), "laid out for plan"),
+            (dict(good, nbytes="12"), "must be integers"),
+            (dict(good, extra=1), "malformed"),
+            ([good], "malformed"),
+        ]:
             with pytest.raises(ValueError, match=why):
                 SegmentInfo.from_wire(bad, plan, rank)
         with pytest.raises(ValueError, match="not an Awex shared-memory segment"):
@@ -115,8 +117,10 @@ def test_gpu_views_are_refused_with_a_clear_error():
 
 
 def test_segments_of_a_killed_creator_are_swept_and_live_ones_kept():
-    code = ("import os, sys, time; from awex.transport.shm import Segment; s = Segment.create(4096); "
-            "print(s.path, flush=True); time.sleep(60)")
+    code = (
+        "import os, sys, time; from awex.transport.shm import Segment; s = Segment.create(4096); "
+        "print(s.path, flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     path = proc.stdout.readline().strip()
     mine = Segment.create(64)

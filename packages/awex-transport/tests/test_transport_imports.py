@@ -19,8 +19,8 @@ def test_import_pulls_in_no_engine():
 
 
 def test_shares_the_awex_namespace_with_meta():
-    import awex.transport
     import awex.meta
+    import awex.transport
 
     assert awex.transport.__name__ == "awex.transport"
     assert awex.meta.Box((0,), (4,)).numel == 4

@@ -20,23 +20,41 @@ def canonical_value(name: str, shape: tuple[int, ...], dtype: str, step: int) ->
     return torch.randn(shape, generator=g, dtype=torch.float32).to(torch_dtype(dtype))
 
 
-def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, host: str, port: int,
-           timeout: float, results, behaviour: str = "normal", wave_bytes: int = 256 << 20,
-           allow_cast: tuple = (), direct_bytes: int | None = 4 << 20, receiver_pieces: int = 2,
-           broadcast: bool = False) -> None:
+def worker(
+    role: str,
+    layout_docs: list[dict],
+    instance: str,
+    local_rank: int,
+    host: str,
+    port: int,
+    timeout: float,
+    results,
+    behaviour: str = "normal",
+    wave_bytes: int = 256 << 20,
+    allow_cast: tuple = (),
+    direct_bytes: int | None = 4 << 20,
+    receiver_pieces: int = 2,
+    broadcast: bool = False,
+) -> None:
     from awex.meta.serialize import layout_from_wire
 
     try:
         layouts = [layout_from_wire(d) for d in layout_docs]
         sources = [lay for lay in layouts if lay.role.value == "trainer"]
         dests = [lay for lay in layouts if lay.role.value == "inference"]
-        plan = plan_transfers(sources, dests, PlanOptions(wave_bytes=wave_bytes, allow_cast=tuple(allow_cast),
-                                                          direct_bytes=direct_bytes, broadcast=broadcast))
+        plan = plan_transfers(
+            sources,
+            dests,
+            PlanOptions(
+                wave_bytes=wave_bytes, allow_cast=tuple(allow_cast), direct_bytes=direct_bytes, broadcast=broadcast
+            ),
+        )
         me = plan.rank(instance, local_rank)
         layout = next(lay for lay in layouts if lay.instance == instance)
         natives: dict[str, torch.Tensor] = {}
 
         if role == "trainer":
+
             def view_of(name, box):
                 spec = layout.tensor(name).spec
                 if behaviour == "fill_before_pack":  # nothing there until each wave's before_pack fills it
@@ -53,12 +71,14 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
                 subs = [box]
                 if box.sizes and box.sizes[0] > 1 and receiver_pieces == 2:
                     half = box.sizes[0] // 2
-                    subs = [Box(box.offsets, (half,) + box.sizes[1:]),
-                            Box((box.offsets[0] + half,) + box.offsets[1:], (box.sizes[0] - half,) + box.sizes[1:])]
+                    subs = [
+                        Box(box.offsets, (half,) + box.sizes[1:]),
+                        Box((box.offsets[0] + half,) + box.offsets[1:], (box.sizes[0] - half,) + box.sizes[1:]),
+                    ]
                 for sub in subs:
                     shape = (2 * sub.sizes[0],) + sub.sizes[1:] if sub.sizes else ()
                     fused = natives.setdefault(f"{name}#{sub}", torch.zeros(shape, dtype=torch_dtype(spec.dtype)))
-                    pieces.append((sub, fused[sub.sizes[0]:] if sub.sizes else fused))
+                    pieces.append((sub, fused[sub.sizes[0] :] if sub.sizes else fused))
                 return pieces
 
         shards = LocalShards.from_layout(layout, local_rank, view_of)
@@ -96,7 +116,15 @@ def worker(role: str, layout_docs: list[dict], instance: str, local_rank: int, h
             for key, fused in natives.items():
                 if fused.dim() and fused.shape[0] >= 2 and torch.count_nonzero(fused[: fused.shape[0] // 2].float()):
                     bad.append(f"{key}: wrote outside its view")
-        results.put((instance, local_rank, "ok" if not bad else "mismatch: " + ", ".join(bad[:5]),
-                     stats.bytes_received, stats.bytes_sent, executor.direct_bytes))
+        results.put(
+            (
+                instance,
+                local_rank,
+                "ok" if not bad else "mismatch: " + ", ".join(bad[:5]),
+                stats.bytes_received,
+                stats.bytes_sent,
+                executor.direct_bytes,
+            )
+        )
     except BaseException as e:  # reported to the test
         results.put((instance, local_rank, f"error: {type(e).__name__}: {e}\n{traceback.format_exc()}", 0, 0, 0))

@@ -24,6 +24,15 @@ from awex.convert.vllm import vllm_param_dtypes, vllm_param_name, vllm_param_sha
 __version__ = "0.1.0"
 
 __all__ = [
-    "Fp8Views", "MegatronNames", "dequantize_fp8_blocks", "hf_views", "megatron_param_shapes", "megatron_views", "quantize_fp8_blocks", "vllm_param_dtypes", "vllm_param_name",
-    "vllm_param_shapes", "vllm_views",
+    "Fp8Views",
+    "MegatronNames",
+    "dequantize_fp8_blocks",
+    "hf_views",
+    "megatron_param_shapes",
+    "megatron_views",
+    "quantize_fp8_blocks",
+    "vllm_param_dtypes",
+    "vllm_param_name",
+    "vllm_param_shapes",
+    "vllm_views",
 ]

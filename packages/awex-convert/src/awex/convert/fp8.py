@@ -37,8 +37,12 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def quantize_fp8_blocks(
-    weight: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float8_e4m3fn,
-    *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+    weight: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a 2-D weight tile by tile: returns ``(fp8 weight, float32 scale_inv)``.
 
@@ -96,8 +100,9 @@ def _triton_kernel():
         return None
 
     @triton.jit
-    def quantize_tiles(x, q, s, rows, cols, sxr, sxc, sqr, sqc, ssr, ssc, fmax, tiny,
-                       BR: tl.constexpr, BC: tl.constexpr):
+    def quantize_tiles(
+        x, q, s, rows, cols, sxr, sxc, sqr, sqc, ssr, ssc, fmax, tiny, BR: tl.constexpr, BC: tl.constexpr
+    ):
         tr = tl.program_id(0)
         tc = tl.program_id(1)
         r = tr * BR + tl.arange(0, BR)
@@ -120,12 +125,30 @@ def _quantize_cuda(weight, block, q, s, fmax: float, tiny: float) -> None:
     rows, cols = weight.shape
     br, bc = block
     grid = (s.shape[0], s.shape[1])
-    kernel[grid](weight, q, s, rows, cols, weight.stride(0), weight.stride(1), q.stride(0), q.stride(1),
-                 s.stride(0), s.stride(1), fmax, tiny, BR=br, BC=bc, num_warps=8)
+    kernel[grid](
+        weight,
+        q,
+        s,
+        rows,
+        cols,
+        weight.stride(0),
+        weight.stride(1),
+        q.stride(0),
+        q.stride(1),
+        s.stride(0),
+        s.stride(1),
+        fmax,
+        tiny,
+        BR=br,
+        BC=bc,
+        num_warps=8,
+    )
 
 
 def dequantize_fp8_blocks(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``fp8 * scale_inv`` tile by tile, in ``dtype``."""
@@ -133,8 +156,10 @@ def dequantize_fp8_blocks(
     br, bc = block
     expected = (-(-rows // br), -(-cols // bc))
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"scale_inv of shape {tuple(scale_inv.shape)} does not tile a {rows}x{cols} weight "
-                         f"in {br}x{bc} blocks (expected {expected})")
+        raise ValueError(
+            f"scale_inv of shape {tuple(scale_inv.shape)} does not tile a {rows}x{cols} weight "
+            f"in {br}x{bc} blocks (expected {expected})"
+        )
     full = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return (weight.float() * full).to(dtype)
 
@@ -151,8 +176,7 @@ class Fp8Views:
     weights must stay where they are, as for every other view a sync uses. ``cuda_graph=False`` keeps it eager.
     """
 
-    def __init__(self, layout: Layout, local_rank: int, view_of: ViewOf, quant: Fp8BlockQuant,
-                 cuda_graph: bool = True):
+    def __init__(self, layout: Layout, local_rank: int, view_of: ViewOf, quant: Fp8BlockQuant, cuda_graph: bool = True):
         self.quant = quant
         self.cuda_graph = cuda_graph
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -169,8 +193,10 @@ class Fp8Views:
                 continue
             for box in boxes:
                 if not quant.whole_tiles(box, spec.shape):
-                    raise ValueError(f"{layout.instance} rank {local_rank}: {name} {box} cuts through "
-                                     f"{quant.block} FP8 tiles; a sender must hold whole tiles")
+                    raise ValueError(
+                        f"{layout.instance} rank {local_rank}: {name} {box} cuts through "
+                        f"{quant.block} FP8 tiles; a sender must hold whole tiles"
+                    )
                 device = _device_of(view_of(name, box))
                 weight = torch.empty(box.sizes, dtype=self._dtype, device=device)
                 image = quant.block_image(box)
@@ -245,7 +271,9 @@ class Fp8Views:
     def _quantize_box(self, key: tuple[str, Box]) -> None:
         name, box = key
         source = _assemble(self._source(name, box), box)
-        quantize_fp8_blocks(source, self.quant.block, self._dtype, out=self._weights[key], scale_out=self._scale_of[key])
+        quantize_fp8_blocks(
+            source, self.quant.block, self._dtype, out=self._weights[key], scale_out=self._scale_of[key]
+        )
 
     def by_wave(self, sent: Sequence[Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]]]) -> Callable[[int], None]:
         """Quantise wave by wave instead of all at once: ``sent[i]`` lists the regions ``(name, offsets, sizes)``

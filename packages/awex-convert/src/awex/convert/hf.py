@@ -9,7 +9,6 @@ import torch
 
 from awex.meta import Box
 
-
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 

@@ -106,7 +106,7 @@ def megatron_views(
         for j in range(groups_local):
             sub = Box((box.offsets[0] + j * rows,) + box.offsets[1:], (rows,) + box.sizes[1:])
             start = j * group_rows + skip
-            pieces.append((sub, native[start:start + rows]))
+            pieces.append((sub, native[start : start + rows]))
         if box.sizes[0] != groups_local * rows or first_group != where.tp_rank * groups_local:
             raise ValueError(f"megatron: {part} box {box} does not match rank {where.tp_rank}'s query groups")
         return pieces
@@ -139,8 +139,9 @@ def megatron_views(
         if rest == "mlp.down_proj.weight":
             return find(chunk, pre + "mlp.linear_fc2.weight")
         if rest in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
-            return _gate_or_up(find(chunk, pre + "mlp.shared_experts.linear_fc1.weight"),
-                               rest.startswith("mlp.shared_expert.gate"))
+            return _gate_or_up(
+                find(chunk, pre + "mlp.shared_experts.linear_fc1.weight"), rest.startswith("mlp.shared_expert.gate")
+            )
         if rest == "mlp.shared_expert.down_proj.weight":
             return find(chunk, pre + "mlp.shared_experts.linear_fc2.weight")
         if rest == "mlp.shared_expert_gate.weight":  # the shared expert's sigmoid gate, replicated

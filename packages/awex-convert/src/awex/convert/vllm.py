@@ -55,7 +55,8 @@ _QKV = re.compile(r"^self_attn\.([qkv])_proj\.(.+)$")
 def vllm_param_name(name: str, tie_embeddings: bool = False) -> str:
     """The vLLM parameter that holds canonical tensor ``name`` (or part of it): ``q_proj`` / ``k_proj`` /
     ``v_proj`` live in ``qkv_proj``, ``gate_proj`` / ``up_proj`` in ``gate_up_proj``, expert ``E``'s
-    projections in ``experts.routed_experts.w13_weight`` / ``w2_weight`` (vLLM 0.32's names), a tied ``lm_head`` in ``embed_tokens``;
+    projections in ``experts.routed_experts.w13_weight`` / ``w2_weight`` (vLLM 0.32's names), a tied ``lm_head`` in
+    ``embed_tokens``;
     FP8 scales follow their weights. Every other name is the same in vLLM."""
     if name == "lm_head.weight" and tie_embeddings:
         return "model.embed_tokens.weight"
@@ -82,12 +83,20 @@ def _local_experts(dims: ModelDims, parallel: VllmParallel, tp_rank: int, dp_ran
     if not parallel.ep:
         return range(dims.num_experts)
     ep_rank = dp_rank * parallel.tp + tp_rank
-    mine = [e for e in range(dims.num_experts) if expert_owner(e, dims.num_experts, parallel.dp * parallel.tp) == ep_rank]
+    mine = [
+        e for e in range(dims.num_experts) if expert_owner(e, dims.num_experts, parallel.dp * parallel.tp) == ep_rank
+    ]
     return range(mine[0], mine[-1] + 1) if mine else range(0)
 
 
-def vllm_param_shapes(dims: ModelDims, parallel: VllmParallel, tp_rank: int = 0, pp_rank: int = 0,
-                      quant: Fp8BlockQuant | None = None, dp_rank: int = 0) -> dict[str, tuple[int, ...]]:
+def vllm_param_shapes(
+    dims: ModelDims,
+    parallel: VllmParallel,
+    tp_rank: int = 0,
+    pp_rank: int = 0,
+    quant: Fp8BlockQuant | None = None,
+    dp_rank: int = 0,
+) -> dict[str, tuple[int, ...]]:
     """Names and shapes of one vLLM rank's parameters (with ``quant``, FP8 weights' scales too)."""
     tp = parallel.tp
     padded = -(-dims.vocab // parallel.vocab_pad) * parallel.vocab_pad
@@ -133,13 +142,16 @@ def vllm_param_shapes(dims: ModelDims, parallel: VllmParallel, tp_rank: int = 0,
                 shapes[name + SCALE_SUFFIX] = _fused_scale_shape(name, shape, dims, tp, quant)
             elif name.endswith(_EXPERT_WEIGHTS) and quant.quantises(_canonical_probe(name), shape[1:]):
                 e, rows, cols = shape
-                tiles = (2 * -(-(rows // 2) // quant.block[0]) if name.endswith("w13_weight") else -(-rows // quant.block[0]))
+                tiles = (
+                    2 * -(-(rows // 2) // quant.block[0]) if name.endswith("w13_weight") else -(-rows // quant.block[0])
+                )
                 shapes[name + SCALE_SUFFIX] = (e, tiles, -(-cols // quant.block[1]))
     return shapes
 
 
-def vllm_param_dtypes(shapes: Mapping[str, tuple[int, ...]], dtype: str,
-                      quant: Fp8BlockQuant | None = None) -> dict[str, torch.dtype]:
+def vllm_param_dtypes(
+    shapes: Mapping[str, tuple[int, ...]], dtype: str, quant: Fp8BlockQuant | None = None
+) -> dict[str, torch.dtype]:
     """The dtype of each parameter :func:`vllm_param_shapes` names: the quantised dtype for weights that have a
     scale, float32 for the scales, ``dtype`` (the model's, e.g. ``"bfloat16"``) for everything else."""
     plain = getattr(torch, dtype)
@@ -163,12 +175,17 @@ _FUSED_LINEARS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "do
 
 def _canonical_probe(native: str) -> str:
     """A canonical name of one of the projections a native fused linear holds (for quant.quantises)."""
-    return (native.replace("qkv_proj", "q_proj").replace("gate_up_proj", "gate_proj")
-            .replace("experts.w13_weight", "experts.0.gate_proj.weight").replace("experts.w2_weight", "experts.0.down_proj.weight"))
+    return (
+        native.replace("qkv_proj", "q_proj")
+        .replace("gate_up_proj", "gate_proj")
+        .replace("experts.w13_weight", "experts.0.gate_proj.weight")
+        .replace("experts.w2_weight", "experts.0.down_proj.weight")
+    )
 
 
-def _fused_scale_shape(name: str, shape: tuple[int, ...], dims: ModelDims, tp: int,
-                       quant: Fp8BlockQuant) -> tuple[int, int]:
+def _fused_scale_shape(
+    name: str, shape: tuple[int, ...], dims: ModelDims, tp: int, quant: Fp8BlockQuant
+) -> tuple[int, int]:
     """Tiles of each fused partition, stacked (vLLM's per-partition scale rows)."""
     br, bc = quant.block
     cols = -(-shape[1] // bc)
@@ -181,9 +198,14 @@ def _fused_scale_shape(name: str, shape: tuple[int, ...], dims: ModelDims, tp: i
     return (-(-shape[0] // br), cols)
 
 
-def vllm_views(params: Mapping[str, torch.Tensor], dims: ModelDims, parallel: VllmParallel,
-               fp8_block: tuple[int, int] = (128, 128), tp_rank: int = 0, dp_rank: int = 0,
-               ) -> Callable[[str, Box], torch.Tensor]:
+def vllm_views(
+    params: Mapping[str, torch.Tensor],
+    dims: ModelDims,
+    parallel: VllmParallel,
+    fp8_block: tuple[int, int] = (128, 128),
+    tp_rank: int = 0,
+    dp_rank: int = 0,
+) -> Callable[[str, Box], torch.Tensor]:
     """``view_of(name, box)`` over one vLLM rank's parameters (``dict(model.named_parameters())``).
 
     FP8 scales (``X.weight_scale_inv``) are found in the fused ``weight_scale_inv`` parameters, in
@@ -213,9 +235,12 @@ def vllm_views(params: Mapping[str, torch.Tensor], dims: ModelDims, parallel: Vl
         if q := _QKV.match(rest):
             start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[q.group(1)]
             if scale:  # tiles of each partition
-                start = {"q": 0, "k": -(-q_rows // fp8_block[0]),
-                         "v": -(-q_rows // fp8_block[0]) + -(-kv_rows // fp8_block[0])}[q.group(1)]
-            return native[start:start + box.sizes[0]]
+                start = {
+                    "q": 0,
+                    "k": -(-q_rows // fp8_block[0]),
+                    "v": -(-q_rows // fp8_block[0]) + -(-kv_rows // fp8_block[0]),
+                }[q.group(1)]
+            return native[start : start + box.sizes[0]]
         if e := _EXPERT.match(rest):
             native = native[int(e.group(1)) - first_expert]
             if e.group(2) == "down":

@@ -105,7 +105,7 @@ class HostBoard:
             raise ValueError(f"manifest of {len(raw)} bytes exceeds the board's {MANIFEST_BYTES}")
         seq = self._get(2)
         self._set(2, seq + 1)  # odd: being written
-        self._map[_MANIFEST:_MANIFEST + len(raw)] = raw
+        self._map[_MANIFEST : _MANIFEST + len(raw)] = raw
         self._set(3, len(raw))
         self._set(2, seq + 2)
 
@@ -118,7 +118,7 @@ class HostBoard:
             seq = self._get(2)
             if seq != seen and seq and not seq % 2:
                 length = max(0, min(self._get(3), MANIFEST_BYTES))
-                raw = self._map[_MANIFEST:_MANIFEST + length]
+                raw = self._map[_MANIFEST : _MANIFEST + length]
                 if self._get(2) == seq:  # not rewritten while we read it
                     try:
                         doc = json.loads(raw)
@@ -129,8 +129,7 @@ class HostBoard:
                     seen = seq
             now = time.monotonic()
             if now >= deadline:
-                raise BoardTimeout(f"the manifest of {version!r} did not appear on the host board within "
-                                   f"{timeout:g} s")
+                raise BoardTimeout(f"the manifest of {version!r} did not appear on the host board within {timeout:g} s")
             if now > spin_until:
                 time.sleep(POLL_SECONDS)
 

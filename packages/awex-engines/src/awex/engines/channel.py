@@ -3,7 +3,8 @@
 Planning, agreement and discovery go through the MetaServer (once per layout). What every version needs
 afterwards is a handful of small signals: the trainer's manifest of version V, each trainer rank's "my weights of
 V are ready" (CUDA IPC), each receiver's outcome of V (applied, or failed and why). Through the MetaServer each is
-an HTTP round trip and a long-poll wake-up (about 0.5 ms each on an H200 host): milliseconds per version. The channel carries
+an HTTP round trip and a long-poll wake-up (about 0.5 ms each on an H200 host): milliseconds per version. The channel
+carries
 them over a ``torch.distributed.TCPStore`` that the trainer's first rank hosts (a C++ key-value server, tens of
 microseconds per operation). Its address travels in the manifest on the MetaServer; every key carries a random
 secret, also only in the manifest, so a process that cannot read the (token-protected) MetaServer cannot forge
@@ -83,8 +84,10 @@ class VersionChannel:
             raw = self.store.multi_get(full)
         except dist.DistStoreError as e:  # the wait timed out
             missing = [k for k in keys if not self._check(k)]
-            raise ChannelTimeout(f"{', '.join(missing[:4]) or ', '.join(keys[:4])} did not arrive on the version "
-                                 f"channel within {timeout:g} s") from e
+            raise ChannelTimeout(
+                f"{', '.join(missing[:4]) or ', '.join(keys[:4])} did not arrive on the version "
+                f"channel within {timeout:g} s"
+            ) from e
         except RuntimeError as e:  # DistNetworkError: the host is gone
             raise ChannelError(f"version channel at {self.address}: {e}") from None
         try:

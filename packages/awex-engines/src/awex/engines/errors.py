@@ -18,10 +18,16 @@ class SyncFailedError(TransferError):
             if outcome is None:
                 parts.append(f"{instance}:{rank} did not report (dead or stuck)")
             else:
-                parts.append(f"{instance}:{rank} failed" + (" part-way" if outcome.get("partial") else "")
-                             + (f": {outcome['cause']}" if outcome.get("cause") else ""))
-        super().__init__(f"version {version!r} was not applied everywhere: " + "; ".join(parts[:8])
-                         + (f" (and {len(parts) - 8} more)" if len(parts) > 8 else ""))
+                parts.append(
+                    f"{instance}:{rank} failed"
+                    + (" part-way" if outcome.get("partial") else "")
+                    + (f": {outcome['cause']}" if outcome.get("cause") else "")
+                )
+        super().__init__(
+            f"version {version!r} was not applied everywhere: "
+            + "; ".join(parts[:8])
+            + (f" (and {len(parts) - 8} more)" if len(parts) > 8 else "")
+        )
 
 
 def instance_verdicts(outcomes: dict[tuple[str, int], dict | None]) -> dict[str, str]:

@@ -29,7 +29,6 @@ from awex.meta import Box, Layout, canonical_tensors
 from awex.meta.layout import Mesh, MeshSharding, Pin, Shard, TensorLayout
 from awex.meta.spec import Role
 
-
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 

@@ -29,5 +29,3 @@ def hf_model_layout(model: torch.nn.Module, role: Role | str, instance: str, dty
 
 
 __all__ = ["hf_model_layout", "hf_views"]
-
-

@@ -14,12 +14,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from awex.convert import MegatronNames, megatron_views
+from awex.engines.writer import WeightsWriter
 from awex.meta import canonical_tensors
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel, megatron_layout
 from awex.meta.models import model_dims
-
-from awex.engines.writer import WeightsWriter
 
 
 def megatron_writer(
@@ -38,7 +37,10 @@ def megatron_writer(
 
     dims = model_dims(config, dtype)
     layout = megatron_layout(canonical_tensors(dims), parallel, instance=instance)
-    where = MegatronNames(parallel_state.get_tensor_model_parallel_rank(),
-                          parallel_state.get_pipeline_model_parallel_rank(), parallel,
-                          ep_rank=parallel_state.get_expert_model_parallel_rank() if parallel.ep > 1 else 0)
+    where = MegatronNames(
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel,
+        ep_rank=parallel_state.get_expert_model_parallel_rank() if parallel.ep > 1 else 0,
+    )
     return WeightsWriter(client, layout, dist.get_rank(), megatron_views(model, dims, where), **writer_options)

@@ -14,13 +14,12 @@ from typing import Callable, Sequence
 
 import torch
 
+from awex.engines.background import Background
+from awex.engines.session import SyncSession
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards
 from awex.transport.p2p import TransferStats
-
-from awex.engines.background import Background
-from awex.engines.session import SyncSession
 
 log = logging.getLogger("awex.engines")
 
@@ -124,8 +123,10 @@ class WeightsReader:
                 if strict and report.tensors_mismatched:
                     from awex.engines.validation import ValidationError
 
-                    raise ValidationError(f"{report.tensors_mismatched} of {report.tensors_checked} received tensors "
-                                          f"differ from {validate}: {report.to_json()['mismatched'][:10]}")
+                    raise ValidationError(
+                        f"{report.tensors_mismatched} of {report.tensors_checked} received tensors "
+                        f"differ from {validate}: {report.to_json()['mismatched'][:10]}"
+                    )
             if apply is not None:
                 applying = True
                 apply(self._shards)
@@ -135,8 +136,14 @@ class WeightsReader:
         self._session.finish(manifest, ok=True)
         self.version = version
         self._session.phases["total"] = time.monotonic() - started
-        log.info("%s:%d received %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
-                 stats.bytes_received, stats.seconds)
+        log.info(
+            "%s:%d received %s: %d bytes in %.3f s",
+            self.layout.instance,
+            self.local_rank,
+            version,
+            stats.bytes_received,
+            stats.seconds,
+        )
         return stats
 
     def _failed(self, version: str, manifest, error: BaseException, in_place: bool, applying: bool) -> None:
@@ -150,10 +157,16 @@ class WeightsReader:
         if partial:
             self.version = None
             if hasattr(error, "add_note"):  # Python >= 3.11
-                error.add_note(f"{where} received in place and its weights are now partially updated: it serves no "
-                               "consistent version until the next successful sync")
-            log.error("%s failed to receive %s (%s); weights partially updated in place, no consistent version",
-                      where, version, cause)
+                error.add_note(
+                    f"{where} received in place and its weights are now partially updated: it serves no "
+                    "consistent version until the next successful sync"
+                )
+            log.error(
+                "%s failed to receive %s (%s); weights partially updated in place, no consistent version",
+                where,
+                version,
+                cause,
+            )
         else:
             log.error("%s failed to receive %s (%s); still serving %s", where, version, cause, self.version)
         if manifest is not None:

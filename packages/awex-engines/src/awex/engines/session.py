@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
 
+from awex.engines.board import HostBoard, host_identity
+from awex.engines.channel import ChannelError, VersionChannel
 from awex.meta import Layout, Plan, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
 from awex.meta.transport_choice import TransportError, choose_transport, unreachable
@@ -24,9 +26,6 @@ from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_gro
 from awex.transport.ipc import IpcExecutor, IpcExport, MappedShards
 from awex.transport.p2p import TransferStats
 from awex.transport.shm import SegmentInfo, ShmReceiver, ShmSender, sweep_stale
-
-from awex.engines.board import HostBoard, host_identity
-from awex.engines.channel import ChannelError, VersionChannel
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
 
@@ -71,14 +70,23 @@ class SyncManifest:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SyncManifest:
         try:
-            return cls(version=str(d["version"]), sources=tuple(d["sources"]), destinations=tuple(d["destinations"]),
-                       host=str(d["host"]), port=int(d["port"]), wave_bytes=int(d["wave_bytes"]),
-                       timeout=float(d["timeout"]), transport=str(d.get("transport", "p2p")),
-                       allow_cast=tuple(str(p) for p in d.get("allow_cast", ())),
-                       refresh_by_wave=bool(d.get("refresh_by_wave", False)),
-                       channel=_channel_address(d.get("channel")), channel_secret=_channel_secret(d),
-                       seq=_count(d.get("seq", 0)), board=_optional_str(d.get("board")),
-                       board_host=_optional_str(d.get("board_host")))
+            return cls(
+                version=str(d["version"]),
+                sources=tuple(d["sources"]),
+                destinations=tuple(d["destinations"]),
+                host=str(d["host"]),
+                port=int(d["port"]),
+                wave_bytes=int(d["wave_bytes"]),
+                timeout=float(d["timeout"]),
+                transport=str(d.get("transport", "p2p")),
+                allow_cast=tuple(str(p) for p in d.get("allow_cast", ())),
+                refresh_by_wave=bool(d.get("refresh_by_wave", False)),
+                channel=_channel_address(d.get("channel")),
+                channel_secret=_channel_secret(d),
+                seq=_count(d.get("seq", 0)),
+                board=_optional_str(d.get("board")),
+                board_host=_optional_str(d.get("board_host")),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
 
@@ -129,9 +137,18 @@ def manifest_key(version: str) -> str:
 def version_records(version: str) -> tuple[list[str], list[str]]:
     """The MetaServer records one weight version leaves behind: exact names and prefixes (keys and agreements),
     for ``MetaClient.forget`` once nobody needs them."""
-    return ([manifest_key(version), f"applied/{version}"],
-            [f"plan/{version}/", f"ipc-ready/{version}/", f"shm-ready/{version}/", f"validation/{version}/", f"devices/{version}/",
-             f"received/{version}/", f"outcome/{version}/"])
+    return (
+        [manifest_key(version), f"applied/{version}"],
+        [
+            f"plan/{version}/",
+            f"ipc-ready/{version}/",
+            f"shm-ready/{version}/",
+            f"validation/{version}/",
+            f"devices/{version}/",
+            f"received/{version}/",
+            f"outcome/{version}/",
+        ],
+    )
 
 
 def outcome_key(manifest: SyncManifest, instance: str, local_rank: int) -> str:
@@ -265,8 +282,11 @@ class SyncSession:
 
     def steady_for(self, manifest: SyncManifest) -> bool:
         """Whether ``manifest`` needs nothing new: the same rendezvous, wave size and casts as the plan in use."""
-        return (self._plan is not None and self._key is not None
-                and self._key[:3] == (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast))
+        return (
+            self._plan is not None
+            and self._key is not None
+            and self._key[:3] == (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast)
+        )
 
     def fetch_manifest(self, version: str, timeout: float) -> SyncManifest:
         """Version ``version``'s manifest: from the host board or the version channel once one is known (checking
@@ -287,8 +307,10 @@ class SyncSession:
                     if self._new_attempt(other):
                         return self._adopt(other)
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"no new attempt at version {version!r} within {timeout:g} s (this rank took "
-                                   f"part in attempt {self._last_attempt[2]} already)")
+                raise TimeoutError(
+                    f"no new attempt at version {version!r} within {timeout:g} s (this rank took "
+                    f"part in attempt {self._last_attempt[2]} already)"
+                )
             time.sleep(0.002)
 
     def _new_attempt(self, manifest: SyncManifest) -> bool:
@@ -341,21 +363,27 @@ class SyncSession:
 
     def _adopt(self, manifest: SyncManifest) -> SyncManifest:
         """Join the manifest's version channel and host board if this rank does not use them yet."""
-        if manifest.channel and (self.channel is None or self.channel.address != manifest.channel
-                                 or self.channel.secret != manifest.channel_secret):
+        if manifest.channel and (
+            self.channel is None
+            or self.channel.address != manifest.channel
+            or self.channel.secret != manifest.channel_secret
+        ):
             try:
                 self.channel = VersionChannel.connect(manifest.channel, manifest.channel_secret)
             except ChannelError as e:
-                log.warning("%s:%d: %s; per-version signals go through the MetaServer", self.instance,
-                            self.local_rank, e)
+                log.warning(
+                    "%s:%d: %s; per-version signals go through the MetaServer", self.instance, self.local_rank, e
+                )
                 self.channel = None
-        if (manifest.board and manifest.board_host == host_identity()
-                and (self.board is None or self.board.path != manifest.board)):
+        if (
+            manifest.board
+            and manifest.board_host == host_identity()
+            and (self.board is None or self.board.path != manifest.board)
+        ):
             try:
                 self.board = HostBoard.attach(manifest.board)
             except (OSError, ValueError) as e:
-                log.info("%s:%d: cannot use the host board %s (%s)", self.instance, self.local_rank, manifest.board,
-                         e)
+                log.info("%s:%d: cannot use the host board %s (%s)", self.instance, self.local_rank, manifest.board, e)
                 self.board = None
         return manifest
 
@@ -391,23 +419,28 @@ class SyncSession:
                 out.append(f"{host}/GPU-{uuid}")
         return tuple(out)
 
-    def _devices(self, version: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float,
-                 ipc_ok: bool = True) -> tuple[tuple, dict]:
+    def _devices(
+        self, version: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float, ipc_ok: bool = True
+    ) -> tuple[tuple, dict]:
         """Every rank's physical device and the devices it reaches, through the MetaServer (for CUDA IPC plans:
         take from the same GPU; for ``auto``: choose the transport). Published per version (an engine restarted
         elsewhere never leaves a stale answer); a rank that cannot take part in CUDA IPC publishes none."""
         mine = (self.physical_device() or "") if ipc_ok else ""
-        self.client.put(f"devices/{version}/{self.instance}/{self.local_rank}",
-                        {"device": mine, "reach": list(self.reachable_devices()) if mine else [],
-                         "host": host_identity(),
-                         "signals": [kind for kind, have in (("board", self.board), ("channel", self.channel)) if have]})
+        self.client.put(
+            f"devices/{version}/{self.instance}/{self.local_rank}",
+            {
+                "device": mine,
+                "reach": list(self.reachable_devices()) if mine else [],
+                "host": host_identity(),
+                "signals": [kind for kind, have in (("board", self.board), ("channel", self.channel)) if have],
+            },
+        )
         out, reach = [], {}
         self._hosts = {}
         common = {"board", "channel"}
         for name in names:
             for rank in range(layouts[name].world_size):
-                doc = self.client.get(f"devices/{version}/{name}/{rank}",
-                                      timeout=max(0.1, deadline - time.monotonic()))
+                doc = self.client.get(f"devices/{version}/{name}/{rank}", timeout=max(0.1, deadline - time.monotonic()))
                 common &= set(doc.get("signals", ())) if isinstance(doc, dict) else set()
                 self._hosts[(name, rank)] = str(doc.get("host", "")) if isinstance(doc, dict) else ""
                 key = doc.get("device") if isinstance(doc, dict) else doc
@@ -432,21 +465,29 @@ class SyncSession:
         with phase("layouts"):
             for name in names:
                 layouts[name] = self._layouts.get(name) or self.client.fetch_layout(
-                    name, "current", timeout=max(0.1, deadline - time.monotonic()))
+                    name, "current", timeout=max(0.1, deadline - time.monotonic())
+                )
         key = (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
         if manifest.transport not in ("p2p", "ipc", "shm", "auto"):
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
-            devices, reach = self._devices(f"{manifest.version}/{manifest.seq}", names, layouts, deadline,
-                                           ipc_ok and manifest.transport != "p2p")
+            devices, reach = self._devices(
+                f"{manifest.version}/{manifest.seq}", names, layouts, deadline, ipc_ok and manifest.transport != "p2p"
+            )
 
         def plan_for(transport: str) -> Plan:
-            return plan_transfers([layouts[n] for n in manifest.sources], [layouts[n] for n in manifest.destinations],
-                                  PlanOptions(wave_bytes=manifest.wave_bytes, relay=transport == "p2p",
-                                              allow_cast=manifest.allow_cast,
-                                              devices=devices if transport == "ipc" else ()))
+            return plan_transfers(
+                [layouts[n] for n in manifest.sources],
+                [layouts[n] for n in manifest.destinations],
+                PlanOptions(
+                    wave_bytes=manifest.wave_bytes,
+                    relay=transport == "p2p",
+                    allow_cast=manifest.allow_cast,
+                    devices=devices if transport == "ipc" else (),
+                ),
+            )
 
         transport = manifest.transport
         plan_started = time.perf_counter()
@@ -455,49 +496,75 @@ class SyncSession:
             choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave, reach)
             transport = choice.transport
             plan = ipc_plan if transport == "ipc" else p2p_plan
-            log.info("%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version,
-                     transport, choice.reason)
+            log.info(
+                "%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version, transport, choice.reason
+            )
         else:
             plan = plan_for(transport)
             blocked = unreachable(plan, devices, reach) if transport == "ipc" else []
             hosts = sorted(set(self._hosts.values()))
             if transport == "shm" and len(hosts) != 1:
-                raise TransportError(f"sync {manifest.version!r} over shared memory: its ranks run on "
-                                     f"{len(hosts)} hosts ({', '.join(h.split('/')[0] for h in hosts[:4])}); "
-                                     "use transport='p2p'")
+                raise TransportError(
+                    f"sync {manifest.version!r} over shared memory: its ranks run on "
+                    f"{len(hosts)} hosts ({', '.join(h.split('/')[0] for h in hosts[:4])}); "
+                    "use transport='p2p'"
+                )
             if blocked:
-                raise TransportError(f"sync {manifest.version!r} over CUDA IPC: " + "; ".join(blocked[:8])
-                                     + " (make the GPUs visible to the reading processes, or use transport='p2p')")
+                raise TransportError(
+                    f"sync {manifest.version!r} over CUDA IPC: "
+                    + "; ".join(blocked[:8])
+                    + " (make the GPUs visible to the reading processes, or use transport='p2p')"
+                )
         phase["plan"] = time.perf_counter() - plan_started
         if transport == "ipc" and not ipc_ok:
             raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
         me = plan.rank(self.instance, self.local_rank)
         with phase("agreement"):
-            self.client.agree(f"plan/{manifest.version}/{manifest.seq}", f"{self.instance}:{self.local_rank}",
-                              plan.world_size,
-                              f"{transport}:{plan.digest}", timeout=max(0.1, deadline - time.monotonic()))
+            self.client.agree(
+                f"plan/{manifest.version}/{manifest.seq}",
+                f"{self.instance}:{self.local_rank}",
+                plan.world_size,
+                f"{transport}:{plan.digest}",
+                timeout=max(0.1, deadline - time.monotonic()),
+            )
         if transport in ("ipc", "shm"):
             pass  # no process group: receivers copy from the trainers' memory, or from shared memory
         elif self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
             cuda = getattr(self.device, "type", "cpu") == "cuda"
             self._drop_group()
             with phase("group"):
-                self._group = create_sync_group(me.rank, plan.world_size, manifest.host, manifest.port,
-                                                backend="nccl" if cuda else "gloo",
-                                                timeout=max(1.0, deadline - time.monotonic()),
-                                                prefix=f"awex/{manifest.host}:{manifest.port}",
-                                                device=self.device if cuda else None)
+                self._group = create_sync_group(
+                    me.rank,
+                    plan.world_size,
+                    manifest.host,
+                    manifest.port,
+                    backend="nccl" if cuda else "gloo",
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    prefix=f"awex/{manifest.host}:{manifest.port}",
+                    device=self.device if cuda else None,
+                )
         self._layouts = layouts
         self._key, self._plan, self._executor, self.transport = key, plan, None, transport
         self.signals = self._signals
-        log.info("%s:%d planned %d buckets (digest %s), sync rank %d of %d", self.instance, self.local_rank,
-                 len(plan.schedule(me.rank)), plan.digest[:12], me.rank, plan.world_size)
+        log.info(
+            "%s:%d planned %d buckets (digest %s), sync rank %d of %d",
+            self.instance,
+            self.local_rank,
+            len(plan.schedule(me.rank)),
+            plan.digest[:12],
+            me.rank,
+            plan.world_size,
+        )
         return plan, me.rank, True
 
-    def transfer(self, manifest: SyncManifest, shards: LocalShards | Callable[[Plan], LocalShards],
-                 timeout: float, refresh: Callable[[], None] | None = None,
-                 refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None
-                 ) -> TransferStats:
+    def transfer(
+        self,
+        manifest: SyncManifest,
+        shards: LocalShards | Callable[[Plan], LocalShards],
+        timeout: float,
+        refresh: Callable[[], None] | None = None,
+        refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
+    ) -> TransferStats:
         """Move this rank's share of the version; ``refresh`` / ``refresh_by_wave`` (senders): see
         ``WeightsWriter`` (per wave only over p2p; once the transport is known, before any byte moves)."""
         started = time.monotonic()
@@ -515,8 +582,9 @@ class SyncSession:
             return self._transfer_ipc(manifest, plan, rank, shards, started + timeout)
         if self.transport == "shm":
             if callable(shards):
-                raise ValueError("transport 'shm' copies into the engine's own views (in place), not per-sync "
-                                 "receive buffers")
+                raise ValueError(
+                    "transport 'shm' copies into the engine's own views (in place), not per-sync receive buffers"
+                )
             return self._transfer_shm(manifest, plan, rank, shards, started + timeout)
         if callable(shards):  # views that depend on the plan (receive buffers): built per sync
             with phase("executor"):
@@ -565,8 +633,9 @@ class SyncSession:
         except Exception as e:
             if ok:
                 raise
-            log.warning("%s:%d could not report its failure of %s: %s", self.instance, self.local_rank,
-                        manifest.version, e)
+            log.warning(
+                "%s:%d could not report its failure of %s: %s", self.instance, self.local_rank, manifest.version, e
+            )
 
     def await_outcomes(self, manifest: SyncManifest, deadline: float) -> dict[tuple[str, int], dict | None]:
         """A trainer rank: every receiving rank's outcome of ``manifest``'s version, waiting until ``deadline``
@@ -585,8 +654,9 @@ class SyncSession:
                 except TimeoutError:
                     details = self.board.signalled(slots, manifest.seq)
                 for r, detail in zip(receivers, details):
-                    out[(r.instance, r.local_rank)] = (None if detail is None else {"ok": True} if detail == 0
-                                                       else self._failure_of(manifest, r))
+                    out[(r.instance, r.local_rank)] = (
+                        None if detail is None else {"ok": True} if detail == 0 else self._failure_of(manifest, r)
+                    )
             elif self.signals == "channel":
                 keys = [f"outcome/{manifest.version}/{manifest.seq}/{r.instance}/{r.local_rank}" for r in receivers]
                 try:
@@ -647,9 +717,14 @@ class SyncSession:
         if not stream.query():  # idle (the usual case, after an optimizer step): nothing to wait for
             done = torch.cuda.Event()  # this version's weights are in memory once the work queued so far ran
             done.record(stream)
-            wait_event(done, deadline, lambda: TransferTimeout(
-                f"{self.instance}:{self.local_rank}: the GPU work before version {manifest.version} (the weights' "
-                "last update) did not finish before the deadline"))
+            wait_event(
+                done,
+                deadline,
+                lambda: TransferTimeout(
+                    f"{self.instance}:{self.local_rank}: the GPU work before version {manifest.version} (the weights' "
+                    "last update) did not finish before the deadline"
+                ),
+            )
         ipc = self._ipc
         # the same views as last time alias the same storages: only other views need checking
         if ipc.export is None or (ipc.exported_from is not shards and not ipc.export.matches(shards)):
@@ -674,12 +749,15 @@ class SyncSession:
         else:
             self.client.put(ready, generation)
 
-    def _await_ready(self, kind: str, manifest: SyncManifest, plan: Plan, peers: list[int],
-                     left: Callable[[], float]) -> list[int]:
+    def _await_ready(
+        self, kind: str, manifest: SyncManifest, plan: Plan, peers: list[int], left: Callable[[], float]
+    ) -> list[int]:
         """A receiver: wait until every sender in ``peers`` said this version is ready; their generations."""
+
         def ready(peer: int) -> str:
             src = plan.ranks[peer]
             return f"{kind}-ready/{manifest.version}/{manifest.seq}/{src.instance}/{src.local_rank}"
+
         if self.signals == "board":
             generations = self.board.wait(peers, manifest.seq, left())
         elif self.signals == "channel":
@@ -691,8 +769,9 @@ class SyncSession:
                 raise ValueError(f"{ready(peer)}: {generation!r} is not an export generation")
         return list(generations)
 
-    def _transfer_ipc(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
-                      deadline: float) -> TransferStats:
+    def _transfer_ipc(
+        self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards, deadline: float
+    ) -> TransferStats:
         """Sync on one host: trainers publish IPC exports (once, again if their storages move) and say ready;
         receivers copy straight from the trainers' memory. Receivers then report their outcome (:meth:`finish`)
         and the trainers wait for it (:meth:`await_outcomes`), so they do not change their weights while they are
@@ -743,8 +822,9 @@ class SyncSession:
         stats.seconds = time.monotonic() - started
         return stats
 
-    def _transfer_shm(self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards,
-                      deadline: float) -> TransferStats:
+    def _transfer_shm(
+        self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards, deadline: float
+    ) -> TransferStats:
         """Sync through host shared memory: a sender fills its segment (a new one per plan, published through the
         MetaServer) and says ready; receivers map the segments once and copy out. Outcomes as over CUDA IPC."""
         me = plan.ranks[rank]
@@ -767,8 +847,11 @@ class SyncSession:
         with phase("open"):
             peers = sorted({s.peer for s in plan.schedule(rank)})
             generations = self._await_ready("shm", manifest, plan, peers, left)
-            if shm.receiver is None or shm.plan is not plan or any(
-                    shm.opened.get(p) != g for p, g in zip(peers, generations)):
+            if (
+                shm.receiver is None
+                or shm.plan is not plan
+                or any(shm.opened.get(p) != g for p, g in zip(peers, generations))
+            ):
                 infos = {}
                 for peer, generation in zip(peers, generations):
                     src = plan.ranks[peer]

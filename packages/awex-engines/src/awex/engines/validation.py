@@ -28,14 +28,28 @@ class ValidationReport:
     per_tensor: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"tensors_checked": self.tensors_checked, "tensors_mismatched": self.tensors_mismatched,
-                "mismatched": sorted(n for n, r in self.per_tensor.items() if not r["bit_exact"])[:50],
-                "max_abs_diff": max((r["max_abs_diff"] for r in self.per_tensor.values()), default=0.0)}
+        return {
+            "tensors_checked": self.tensors_checked,
+            "tensors_mismatched": self.tensors_mismatched,
+            "mismatched": sorted(n for n, r in self.per_tensor.items() if not r["bit_exact"])[:50],
+            "max_abs_diff": max((r["max_abs_diff"] for r in self.per_tensor.values()), default=0.0),
+        }
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class _StoredTensor:
@@ -54,8 +68,9 @@ class _StoredTensor:
         for n in self.shape:
             numel *= n
         if end - begin != numel * dtype.itemsize:
-            raise ValueError(f"{path}: tensor holds {end - begin} bytes, its shape and dtype need "
-                             f"{numel * dtype.itemsize}")
+            raise ValueError(
+                f"{path}: tensor holds {end - begin} bytes, its shape and dtype need {numel * dtype.itemsize}"
+            )
 
     def __getitem__(self, index) -> torch.Tensor:
         index = index if isinstance(index, tuple) else (index,)
@@ -127,9 +142,10 @@ def _compare(view: torch.Tensor, ref, box) -> tuple[bool, float]:
     else:
         rows = max(1, _CHUNK // max(1, view[0].numel()))
         first = index[0].start or 0
-        chunks = [(view[i:i + rows], lambda i=i: ref[(slice(first + i, first + min(i + rows, view.shape[0])),
-                                                        *index[1:])])
-                  for i in range(0, view.shape[0], rows)]
+        chunks = [
+            (view[i : i + rows], lambda i=i: ref[(slice(first + i, first + min(i + rows, view.shape[0])), *index[1:])])
+            for i in range(0, view.shape[0], rows)
+        ]
     exact, worst = True, 0.0
     for got, read in chunks:
         a = got.cpu()
@@ -160,6 +176,7 @@ def validate_shards(shards: LocalShards, reference: Mapping, strict: bool = Fals
         report.per_tensor[name] = {"max_abs_diff": worst, "bit_exact": exact}
     if strict and report.tensors_mismatched:
         bad = [n for n, r in report.per_tensor.items() if not r["bit_exact"]]
-        raise ValidationError(f"{report.tensors_mismatched} of {report.tensors_checked} tensors differ from the "
-                              f"reference: {bad[:10]}")
+        raise ValidationError(
+            f"{report.tensors_mismatched} of {report.tensors_checked} tensors differ from the reference: {bad[:10]}"
+        )
     return report

@@ -42,7 +42,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -50,17 +49,16 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from awex.convert.vllm import vllm_param_dtypes, vllm_param_name, vllm_param_shapes, vllm_views
+from awex.engines.memory import PeakMemory
+from awex.engines.reader import WeightsReader
+from awex.engines.vllm_fixups import check_cpu_moe_reloadable, refresh_cpu_moe_experts, refresh_tied_lm_head
+from awex.engines.vllm_params import Destinations, route
 from awex.meta import Box, Fp8BlockQuant
 from awex.meta.client import MetaClient
 from awex.meta.layouts import VllmParallel, vllm_engine_layout
 from awex.meta.models import model_dims
 from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
-
-from awex.engines.memory import PeakMemory
-from awex.engines.reader import WeightsReader
-from awex.engines.vllm_fixups import check_cpu_moe_reloadable, refresh_cpu_moe_experts, refresh_tied_lm_head
-from awex.engines.vllm_params import Destinations, route
 
 log = logging.getLogger("awex.engines.vllm")
 
@@ -108,8 +106,12 @@ class ReceiveReport:
 
 def _vllm_parallel(vllm_config) -> VllmParallel:
     pc = vllm_config.parallel_config
-    return VllmParallel(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size, dp=pc.data_parallel_size,
-                        ep=bool(getattr(pc, "enable_expert_parallel", False)))
+    return VllmParallel(
+        tp=pc.tensor_parallel_size,
+        pp=pc.pipeline_parallel_size,
+        dp=pc.data_parallel_size,
+        ep=bool(getattr(pc, "enable_expert_parallel", False)),
+    )
 
 
 def engine_layout(vllm_config, instance: str):
@@ -152,30 +154,44 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         dp_rank = pc.data_parallel_index
         shapes = vllm_param_shapes(dims, parallel, tp_rank, pp_rank, quant=quant, dp_rank=dp_rank)
         names = sorted(layout.rank_boxes(local_rank))
-        self.destinations = route(self.model, names, dims.tie_embeddings, shapes,
-                                  vllm_param_dtypes(shapes, dtype, quant), in_place=init_info.receive == "in_place")
+        self.destinations = route(
+            self.model,
+            names,
+            dims.tie_embeddings,
+            shapes,
+            vllm_param_dtypes(shapes, dtype, quant),
+            in_place=init_info.receive == "in_place",
+        )
         if self.destinations.loader:
             check_cpu_moe_reloadable(self.model)  # refuse now what could not be reloaded later
-        live = vllm_views(dict(self.model.named_parameters()), dims, parallel,
-                          fp8_block=quant.block if quant else (128, 128), tp_rank=tp_rank, dp_rank=dp_rank)
+        live = vllm_views(
+            dict(self.model.named_parameters()),
+            dims,
+            parallel,
+            fp8_block=quant.block if quant else (128, 128),
+            tp_rank=tp_rank,
+            dp_rank=dp_rank,
+        )
         through_loader = set(self.destinations.loader)
         staging = self._staging
 
         def view_of(name: str, box: Box) -> torch.Tensor:
             if name not in through_loader:
                 return live(name, box)
-            t = staging[(name, box)] = torch.empty(box.sizes, dtype=torch_dtype(layout.tensor(name).spec.dtype),
-                                                   device=self.device)
+            t = staging[(name, box)] = torch.empty(
+                box.sizes, dtype=torch_dtype(layout.tensor(name).spec.dtype), device=self.device
+            )
             return t
 
-        client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token,
-                            timeout=init_info.timeout)
+        client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token, timeout=init_info.timeout)
         self.timeout = init_info.timeout
         self.reader = WeightsReader(client, layout, local_rank, view_of, timeout=init_info.timeout)
         shards = self.reader.shards
         nbytes = {name: sum(view.nbytes for _, view in shards.pairs(name)) for name in shards.names()}
-        self._bytes = (sum(nbytes[n] for n in self.destinations.in_place),
-                       sum(nbytes[n] for n in self.destinations.loader))
+        self._bytes = (
+            sum(nbytes[n] for n in self.destinations.in_place),
+            sum(nbytes[n] for n in self.destinations.loader),
+        )
         self._tied = dims.tie_embeddings
         self._staged_bytes = sum(t.nbytes for t in staging.values())
         log.info("awex backend ready: %s rank %d: %s", layout.instance, local_rank, self.destinations.summary())
@@ -193,18 +209,39 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         dest = self.destinations
         started = time.monotonic()
         with PeakMemory(self.device) as peak:
-            self.reader.receive(update_info.version, apply=self._load_through_vllm if dest.loader else None,
-                                validate=update_info.validate, strict=update_info.strict,
-                                in_place=bool(dest.in_place))
-        report = ReceiveReport(update_info.version, self.reader.layout.instance, self.reader.local_rank,
-                               len(dest.in_place), self._bytes[0], len(dest.loader), self._bytes[1],
-                               round(time.monotonic() - started, 6), peak.extra_bytes,
-                               self.reader.held_bytes() + self._staged_bytes)
+            self.reader.receive(
+                update_info.version,
+                apply=self._load_through_vllm if dest.loader else None,
+                validate=update_info.validate,
+                strict=update_info.strict,
+                in_place=bool(dest.in_place),
+            )
+        report = ReceiveReport(
+            update_info.version,
+            self.reader.layout.instance,
+            self.reader.local_rank,
+            len(dest.in_place),
+            self._bytes[0],
+            len(dest.loader),
+            self._bytes[1],
+            round(time.monotonic() - started, 6),
+            peak.extra_bytes,
+            self.reader.held_bytes() + self._staged_bytes,
+        )
         self.last_report = report
-        log.info("awex backend: %s:%d received %s: %d tensors (%d bytes) in place, %d (%d bytes) through vLLM's "
-                 "loaders, %.3f s, peak extra memory %s bytes", report.instance, report.rank, report.version,
-                 report.in_place_tensors, report.in_place_bytes, report.loader_tensors, report.loader_bytes,
-                 report.seconds, report.peak_extra_bytes)
+        log.info(
+            "awex backend: %s:%d received %s: %d tensors (%d bytes) in place, %d (%d bytes) through vLLM's "
+            "loaders, %.3f s, peak extra memory %s bytes",
+            report.instance,
+            report.rank,
+            report.version,
+            report.in_place_tensors,
+            report.in_place_bytes,
+            report.loader_tensors,
+            report.loader_bytes,
+            report.seconds,
+            report.peak_extra_bytes,
+        )
         try:
             self.reader.client.put(f"received/{report.version}/{report.instance}:{report.rank}", report.to_json())
         except Exception as e:  # the version is applied; the report is for monitoring

@@ -62,9 +62,11 @@ def check_cpu_moe_reloadable(model: torch.nn.Module) -> None:
     for name, _, experts in _cpu_moe_layers(model):
         config = experts.moe_config
         if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
-            raise RuntimeError(f"{name}: vLLM-CPU pads this MoE layer's intermediate size "
-                               f"({config.intermediate_size_per_partition}); reloading its experts in place is "
-                               "not supported by awex on this vLLM build")
+            raise RuntimeError(
+                f"{name}: vLLM-CPU pads this MoE layer's intermediate size "
+                f"({config.intermediate_size_per_partition}); reloading its experts in place is "
+                "not supported by awex on this vLLM build"
+            )
 
 
 def refresh_cpu_moe_experts(model: torch.nn.Module, reloaded: set[str] | None = None) -> int:

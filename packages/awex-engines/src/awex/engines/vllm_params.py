@@ -61,13 +61,19 @@ class Destinations:
 
     def summary(self) -> str:
         why = sorted(set(self.loader_modules.values()))
-        return (f"{len(self.in_place)} tensors in place, {len(self.loader)} through vLLM's loaders"
-                + (f" ({'; '.join(why)})" if why else ""))
+        return f"{len(self.in_place)} tensors in place, {len(self.loader)} through vLLM's loaders" + (
+            f" ({'; '.join(why)})" if why else ""
+        )
 
 
-def route(model: torch.nn.Module, names: list[str], tie_embeddings: bool,
-          expected: dict[str, tuple[int, ...]] | None = None, dtypes: dict[str, torch.dtype] | None = None,
-          in_place: bool = True) -> Destinations:
+def route(
+    model: torch.nn.Module,
+    names: list[str],
+    tie_embeddings: bool,
+    expected: dict[str, tuple[int, ...]] | None = None,
+    dtypes: dict[str, torch.dtype] | None = None,
+    in_place: bool = True,
+) -> Destinations:
     """Route the canonical tensors ``names`` of one worker (``in_place=False``: all through the loaders).
 
     ``expected`` / ``dtypes``: the native parameters' shapes and dtypes Awex computes for this rank
@@ -80,8 +86,11 @@ def route(model: torch.nn.Module, names: list[str], tie_embeddings: bool,
     native = {name: vllm_param_name(name, tie_embeddings) for name in names}
     for name in names:
         module_name = native[name].rpartition(".")[0]
-        reason = "staged receive (atomic updates) asked for" if not in_place else transformed_reason(
-            modules.get(module_name))
+        reason = (
+            "staged receive (atomic updates) asked for"
+            if not in_place
+            else transformed_reason(modules.get(module_name))
+        )
         if reason is not None:
             out.loader_modules[module_name] = reason
     problems = []
@@ -106,6 +115,8 @@ def route(model: torch.nn.Module, names: list[str], tie_embeddings: bool,
             out.in_place.append(name)
     if problems:
         shown = "\n  ".join(sorted(set(problems))[:20])
-        raise ValueError(f"vLLM's live parameters do not match the layout Awex computes for this rank "
-                         f"({len(set(problems))} problem(s)):\n  {shown}")
+        raise ValueError(
+            f"vLLM's live parameters do not match the layout Awex computes for this rank "
+            f"({len(set(problems))} problem(s)):\n  {shown}"
+        )
     return out

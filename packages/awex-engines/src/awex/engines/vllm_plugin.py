@@ -14,8 +14,10 @@ BACKEND = "awex"
 def register() -> None:
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    for factory, module, cls in ((WeightTransferEngineFactory, "awex.engines.vllm_backend", "AwexWeightTransferEngine"),
-                                 (WeightTransferTrainerFactory, "awex.engines.vllm_trainer", "AwexTrainerEngine")):
+    for factory, module, cls in (
+        (WeightTransferEngineFactory, "awex.engines.vllm_backend", "AwexWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "awex.engines.vllm_trainer", "AwexTrainerEngine"),
+    ):
         try:
             factory.register_engine(BACKEND, module, cls)
         except ValueError:

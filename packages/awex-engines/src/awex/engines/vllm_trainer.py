@@ -33,14 +33,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
-
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
+from awex.engines.writer import WeightsWriter
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport.shards import torch_dtype
-
-from awex.engines.writer import WeightsWriter
 
 log = logging.getLogger("awex.engines.vllm")
 
@@ -53,9 +51,13 @@ class AwexSource(WeightSource):
     Not iterated: Awex never materialises full tensors; each rank sends the boxes it holds.
     """
 
-    def __init__(self, layout: Layout, local_rank: int,
-                 view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
-                 refresh: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        layout: Layout,
+        local_rank: int,
+        view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
+        refresh: Callable[[], None] | None = None,
+    ):
         self.layout = layout
         self.local_rank = local_rank
         self.view_of = view_of
@@ -118,8 +120,16 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
 
     init_info_cls = AwexTrainerInitInfo
 
-    def __init__(self, *, client: Any, source: AwexSource, is_sender: bool, info: AwexTrainerInitInfo,
-                 writer: WeightsWriter, meta: MetaClient):
+    def __init__(
+        self,
+        *,
+        client: Any,
+        source: AwexSource,
+        is_sender: bool,
+        info: AwexTrainerInitInfo,
+        writer: WeightsWriter,
+        meta: MetaClient,
+    ):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info
         self.writer = writer
@@ -131,34 +141,59 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
         if isinstance(client, Mapping):
             missing = sorted(set(info.instances) - set(client))
             if missing or len(client) != len(info.instances):
-                raise ValueError(f"awex: one client per instance: instances {list(info.instances)}, clients for "
-                                 f"{sorted(client)}")
+                raise ValueError(
+                    f"awex: one client per instance: instances {list(info.instances)}, clients for {sorted(client)}"
+                )
             return dict(client)
         if len(info.instances) != 1:
             raise ValueError(f"awex: {len(info.instances)} instances need a {{instance: client}} mapping")
         return {info.instances[0]: client}
 
     @classmethod
-    def trainer_init(cls, init_info: AwexTrainerInitInfo, *, client: Any, source: WeightSource | None = None
-                     ) -> AwexTrainerEngine:
+    def trainer_init(
+        cls, init_info: AwexTrainerInitInfo, *, client: Any, source: WeightSource | None = None
+    ) -> AwexTrainerEngine:
         if not isinstance(source, AwexSource):
-            raise TypeError(f"the awex trainer engine needs an AwexSource (layout and views of this rank's "
-                            f"parameters), got {type(source).__name__}")
+            raise TypeError(
+                f"the awex trainer engine needs an AwexSource (layout and views of this rank's "
+                f"parameters), got {type(source).__name__}"
+            )
         if init_info.receive not in ("in_place", "staged"):
             raise ValueError(f"awex: receive={init_info.receive!r}; use 'in_place' or 'staged'")
         clients = cls._clients(init_info, client)
         meta = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token, timeout=init_info.timeout)
-        writer = WeightsWriter(meta, source.layout, source.local_rank, source.view_of, wave_bytes=init_info.wave_bytes,
-                               timeout=init_info.timeout, transport=init_info.transport, refresh=source.refresh)
-        engine = cls(client=clients, source=source, is_sender=init_info.is_sender, info=init_info, writer=writer,
-                     meta=meta)
+        writer = WeightsWriter(
+            meta,
+            source.layout,
+            source.local_rank,
+            source.view_of,
+            wave_bytes=init_info.wave_bytes,
+            timeout=init_info.timeout,
+            transport=init_info.transport,
+            refresh=source.refresh,
+        )
+        engine = cls(
+            client=clients, source=source, is_sender=init_info.is_sender, info=init_info, writer=writer, meta=meta
+        )
         if engine.is_sender:
             for instance, c in clients.items():
-                c.init_weight_transfer_engine({"meta_address": init_info.meta_address, "job": init_info.job,
-                                               "token": init_info.token, "instance": instance,
-                                               "timeout": init_info.timeout, "receive": init_info.receive})
-        log.info("awex trainer engine ready: rank %d of %s, %d instance(s)%s", source.local_rank,
-                 source.layout.instance, len(clients), " (sender)" if engine.is_sender else "")
+                c.init_weight_transfer_engine(
+                    {
+                        "meta_address": init_info.meta_address,
+                        "job": init_info.job,
+                        "token": init_info.token,
+                        "instance": instance,
+                        "timeout": init_info.timeout,
+                        "receive": init_info.receive,
+                    }
+                )
+        log.info(
+            "awex trainer engine ready: rank %d of %s, %d instance(s)%s",
+            source.local_rank,
+            source.layout.instance,
+            len(clients),
+            " (sender)" if engine.is_sender else "",
+        )
         return engine
 
     def send_weights(self, version: str | None = None, validate: str | None = None) -> str:
@@ -184,8 +219,10 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
             except BaseException as e:  # reported below, with the instance named
                 errors[instance] = e
 
-        threads = [threading.Thread(target=drive, args=item, name=f"awex-update-{item[0]}", daemon=True)
-                   for item in self.client.items()]
+        threads = [
+            threading.Thread(target=drive, args=item, name=f"awex-update-{item[0]}", daemon=True)
+            for item in self.client.items()
+        ]
         for t in threads:
             t.start()
         try:
@@ -196,7 +233,8 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
             t.join(max(0.0, started + self.info.timeout + SLACK - time.monotonic()))
             if t.is_alive():
                 errors[t.name.removeprefix("awex-update-")] = TimeoutError(
-                    f"update_weights did not return within {self.info.timeout + SLACK:g} s")
+                    f"update_weights did not return within {self.info.timeout + SLACK:g} s"
+                )
         if not errors:
             missing = self._missing_reports(version, max(0.1, started + self.info.timeout - time.monotonic()))
             if missing:
@@ -211,8 +249,9 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
             self.meta.put(f"applied/{version}", {"ok": False, "error": error[:4000]})
             raise RuntimeError(f"version {version!r} was not applied: {error}")
         self.meta.put(f"applied/{version}", {"ok": True})
-        log.info("awex: %s applied on %s in %.3f s", version, ", ".join(self.info.instances),
-                 time.monotonic() - started)
+        log.info(
+            "awex: %s applied on %s in %.3f s", version, ", ".join(self.info.instances), time.monotonic() - started
+        )
         return version
 
     def _missing_reports(self, version: str, timeout: float) -> list[str]:
@@ -220,10 +259,14 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
         deadline = time.monotonic() + timeout
         missing = []
         for instance in self.info.instances:
-            world = self.meta.fetch_layout(instance, "current", timeout=max(0.1, deadline - time.monotonic())).world_size
+            world = self.meta.fetch_layout(
+                instance, "current", timeout=max(0.1, deadline - time.monotonic())
+            ).world_size
             for rank in range(world):
                 try:
-                    self.meta.get(f"received/{version}/{instance}:{rank}", timeout=max(0.1, deadline - time.monotonic()))
+                    self.meta.get(
+                        f"received/{version}/{instance}:{rank}", timeout=max(0.1, deadline - time.monotonic())
+                    )
                 except Exception:
                     missing.append(f"{instance}:{rank}")
         return missing

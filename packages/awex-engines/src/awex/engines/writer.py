@@ -17,17 +17,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from awex.meta import Box, Layout, Plan
-from awex.meta.client import MetaClient
-from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
-from awex.transport import LocalShards
-from awex.transport.p2p import TransferStats
-
 from awex.engines.background import Background
 from awex.engines.board import HostBoard, host_identity
 from awex.engines.channel import VersionChannel
 from awex.engines.errors import SyncFailedError, instance_verdicts
 from awex.engines.session import Region, SyncManifest, SyncSession, free_port, manifest_key, version_records
+from awex.meta import Box, Layout, Plan
+from awex.meta.client import MetaClient
+from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
+from awex.transport import LocalShards
+from awex.transport.p2p import TransferStats
 
 log = logging.getLogger("awex.engines")
 
@@ -43,7 +42,8 @@ class WeightsWriter:
     handles exported once, reused while the parameters do not move); :meth:`write` returns once every
     receiver has finished reading. ``transport="shm"`` is for CPU engines on the trainer's host that share its
     ``/dev/shm``: this rank writes each version once into a shared-memory segment laid out by the plan, and the
-    receivers copy out of it (``awex.transport.shm``). ``transport="auto"`` (the default) lets the ranks choose when they first
+    receivers copy out of it (``awex.transport.shm``). ``transport="auto"`` (the default) lets the ranks choose when
+    they first
     plan: CUDA IPC when every rank is a CUDA rank on one host and no GPU would move more than with relayed
     point to point (fan-out), and, with ``refresh_by_wave``, only where engines share GPUs (only p2p overlaps the
     quantising with the transfer); else p2p (``awex.meta.transport_choice``; the choice is logged and kept in
@@ -79,11 +79,15 @@ class WeightsWriter:
         keep_versions: int = 2,
     ):
         if transport not in ("p2p", "ipc", "shm", "auto"):
-            raise ValueError(f"unknown transport {transport!r}: use 'auto', 'p2p' (NCCL/gloo), 'ipc' (CUDA engines "
-                             "on one host) or 'shm' (CPU engines on one host)")
+            raise ValueError(
+                f"unknown transport {transport!r}: use 'auto', 'p2p' (NCCL/gloo), 'ipc' (CUDA engines "
+                "on one host) or 'shm' (CPU engines on one host)"
+            )
         if refresh_by_wave is not None and refresh is None:
-            raise ValueError("refresh_by_wave needs refresh too: CUDA IPC receivers read whole buffers, refreshed "
-                             "all at once (pass refresh=fp8.quantize, refresh_by_wave=fp8.by_wave)")
+            raise ValueError(
+                "refresh_by_wave needs refresh too: CUDA IPC receivers read whole buffers, refreshed "
+                "all at once (pass refresh=fp8.quantize, refresh_by_wave=fp8.by_wave)"
+            )
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
@@ -101,10 +105,14 @@ class WeightsWriter:
         self.last_stats: TransferStats | None = None  # this rank's stats of the last write
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
         if transport == "ipc" and self._shards.device.type != "cuda":
-            raise ValueError(f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}")
+            raise ValueError(
+                f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}"
+            )
         if transport == "shm" and self._shards.device.type != "cpu":
-            raise ValueError(f"transport='shm' moves CPU views only for now; {layout.instance} holds its weights on "
-                             f"{self._shards.device}")
+            raise ValueError(
+                f"transport='shm' moves CPU views only for now; {layout.instance} holds its weights on "
+                f"{self._shards.device}"
+            )
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._port: int | None = None
@@ -143,7 +151,8 @@ class WeightsWriter:
 
     @property
     def transport_in_use(self) -> str | None:
-        """``"p2p"``, ``"ipc"`` or ``"shm"``: what the last :meth:`write` used (``auto``'s choice); ``None`` before one."""
+        """``"p2p"``, ``"ipc"`` or ``"shm"``: what the last :meth:`write` used (``auto``'s choice); ``None`` before
+        one."""
         return self._session.transport
 
     def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
@@ -158,8 +167,10 @@ class WeightsWriter:
         where every rank applied it, none (no consistent version) where some ranks changed their weights and
         others did not finish, and publishes a ``sync_failed`` event naming who failed and why."""
         if version in self._applied:
-            raise ValueError(f"version {version!r} was already written by this writer: version names are written once "
-                             "(name each version anew, e.g. after the training step)")
+            raise ValueError(
+                f"version {version!r} was already written by this writer: version names are written once "
+                "(name each version anew, e.g. after the training step)"
+            )
         started = time.monotonic()
         deadline = started + self.timeout
         later: list[tuple[str, Callable[[], object]]] = []  # requests sent after the transfer (off its path)
@@ -170,8 +181,13 @@ class WeightsWriter:
             else:
                 manifest = self._session.fetch_manifest(version, self.timeout)
             announced = time.monotonic()
-            stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started),
-                                           refresh=self.refresh, refresh_by_wave=self.refresh_by_wave)
+            stats = self._session.transfer(
+                manifest,
+                self._shards,
+                self.timeout - (time.monotonic() - started),
+                refresh=self.refresh,
+                refresh_by_wave=self.refresh_by_wave,
+            )
             outcomes = self._session.await_outcomes(manifest, deadline)
             failed = {rank: o for rank, o in outcomes.items() if not (o and o.get("ok"))}
             if failed:
@@ -183,18 +199,29 @@ class WeightsWriter:
         self._session.applied()
         self._session.phases.update(manifest=announced - started, total=time.monotonic() - started)
         self.last_stats = stats
-        log.info("%s:%d sent %s: %d bytes in %.3f s", self.layout.instance, self.local_rank, version,
-                 stats.bytes_sent, stats.seconds)
+        log.info(
+            "%s:%d sent %s: %d bytes in %.3f s",
+            self.layout.instance,
+            self.local_rank,
+            version,
+            stats.bytes_sent,
+            stats.seconds,
+        )
         if self.local_rank == 0:
             later.append((f"reporting {version} applied", partial(self._report, version, instance_verdicts(outcomes))))
-            later.append((f"dropping the records of versions before {version}",
-                          partial(self._forget_old, version, manifest.seq, self._session._plan)))
+            later.append(
+                (
+                    f"dropping the records of versions before {version}",
+                    partial(self._forget_old, version, manifest.seq, self._session._plan),
+                )
+            )
         if later:  # one hand-over: one wake-up of the background thread
             self._background.submit(f"after {version}", self._background.run_each, later)
         return stats
 
-    def _failed(self, version: str, manifest: SyncManifest | None, error: BaseException,
-                outcomes: dict | None, deadline: float) -> None:
+    def _failed(
+        self, version: str, manifest: SyncManifest | None, error: BaseException, outcomes: dict | None, deadline: float
+    ) -> None:
         """After a failed attempt: on the first rank, learn what the receivers did (waiting a little for their
         outcomes where the transfer may have begun), report every destination's version, publish the failure,
         and drop the attempt's records and signals; on every rank, forget plan and group (fresh next time)."""
@@ -204,15 +231,17 @@ class WeightsWriter:
             if outcomes is None and self._session._plan is not None and isinstance(error, Exception):
                 try:  # the receivers report within moments what they did (a dead one does not)
                     outcomes = self._session.await_outcomes(
-                        manifest, min(deadline, time.monotonic() + OUTCOME_GRACE_SECONDS))
+                        manifest, min(deadline, time.monotonic() + OUTCOME_GRACE_SECONDS)
+                    )
                 except Exception as e:
                     log.warning("%s: receivers' outcomes of %s unknown: %s", where, version, e)
             self._background.flush()
             if outcomes:
                 self._report(version, instance_verdicts(outcomes))
             try:
-                self.client.publish_event("sync_failed", where, version=version,
-                                          data=f"{type(error).__name__}: {error}"[:2000])
+                self.client.publish_event(
+                    "sync_failed", where, version=version, data=f"{type(error).__name__}: {error}"[:2000]
+                )
             except Exception as e:
                 log.warning("%s could not publish the failure of %s: %s", where, version, e)
             self._withdraw(manifest)
@@ -252,8 +281,7 @@ class WeightsWriter:
                     if layout is None:
                         raise
                     # a MetaServer restarted while the instance had nothing to tell it: register it on its behalf
-                    self.client.register(instance, role="inference", instance=instance,
-                                         world_size=layout.world_size)
+                    self.client.register(instance, role="inference", instance=instance, world_size=layout.world_size)
                     self.client.report_version(instance, serves)
             except MetaServerError as e:  # reporting must not mask the sync's own outcome
                 log.warning("could not report version %s of %s to the MetaServer: %s", version, instance, e)
@@ -272,17 +300,29 @@ class WeightsWriter:
                 log.info("no host board (%s); per-version signals go over the version channel", e)
         self._seq += 1
         last = self._manifest
-        steady = (last is not None and last.destinations == tuple(sorted(destinations))
-                  and self._session.steady_for(last))  # every rank of this plan already saw a manifest of ours
+        steady = (
+            last is not None and last.destinations == tuple(sorted(destinations)) and self._session.steady_for(last)
+        )  # every rank of this plan already saw a manifest of ours
         if steady:
             doc = dict(self._manifest_doc, version=version, seq=self._seq)
         else:
-            last = SyncManifest(version, (self.layout.instance,), tuple(sorted(destinations)), self.host,
-                                self._port, self.wave_bytes, self.timeout, self.transport, self.allow_cast,
-                                refresh_by_wave=self.refresh_by_wave is not None,
-                                channel=self._channel.address, channel_secret=self._channel.secret,
-                                seq=self._seq, board=self._board.path if self._board else None,
-                                board_host=host_identity() if self._board else None)
+            last = SyncManifest(
+                version,
+                (self.layout.instance,),
+                tuple(sorted(destinations)),
+                self.host,
+                self._port,
+                self.wave_bytes,
+                self.timeout,
+                self.transport,
+                self.allow_cast,
+                refresh_by_wave=self.refresh_by_wave is not None,
+                channel=self._channel.address,
+                channel_secret=self._channel.secret,
+                seq=self._seq,
+                board=self._board.path if self._board else None,
+                board_host=host_identity() if self._board else None,
+            )
             doc = last.to_json()
         if self._board is not None:  # ranks on this host read it here, the others on the channel
             self._board.post(doc)
@@ -291,16 +331,23 @@ class WeightsWriter:
         if not steady or self._session.signals != "board":  # not every rank maps the board
             self._channel.put(f"manifest/{version}", doc)
         if steady:  # the MetaServer's copy is for observers and late joiners
-            later.append((f"manifest of {version}", partial(self.client.put, manifest_key(version), doc,
-                                                            create_only=True)))
+            later.append(
+                (f"manifest of {version}", partial(self.client.put, manifest_key(version), doc, create_only=True))
+            )
         else:  # ranks that do not know the channel yet (first write, new destinations) look there
             try:
                 self.client.put(manifest_key(version), doc, create_only=True)
             except MetaConflictError:
-                raise ValueError(f"version {version!r} was already announced on the MetaServer (by another writer, "
-                                 "or an earlier run of this job): version names are written once") from None
-        later.append((f"event weights_ready {version}", partial(self.client.publish_event, "weights_ready",
-                                                                  self.layout.instance, version=version)))
+                raise ValueError(
+                    f"version {version!r} was already announced on the MetaServer (by another writer, "
+                    "or an earlier run of this job): version names are written once"
+                ) from None
+        later.append(
+            (
+                f"event weights_ready {version}",
+                partial(self.client.publish_event, "weights_ready", self.layout.instance, version=version),
+            )
+        )
         return manifest
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -351,6 +398,7 @@ class WeightsWriter:
             return
         if self._cleaner is None or self._cleaner.address != channel.address:
             self._cleaner = channel.clone()
-        keys = [f"manifest/{version}"] + [f"{kind}/{version}/{seq}/{instance}/{rank}" for instance, rank in ranks
-                                          for kind in ("ipc-ready", "outcome")]
+        keys = [f"manifest/{version}"] + [
+            f"{kind}/{version}/{seq}/{instance}/{rank}" for instance, rank in ranks for kind in ("ipc-ready", "outcome")
+        ]
         self._cleaner.delete(keys)

@@ -59,7 +59,9 @@ def _emitter(out: PairTransfers):
     return emit
 
 
-def _greedy(groups: dict[tuple[int, ...], list[Piece]], world_size: int, split_bytes: int) -> tuple[PairTransfers, list[int]]:
+def _greedy(
+    groups: dict[tuple[int, ...], list[Piece]], world_size: int, split_bytes: int
+) -> tuple[PairTransfers, list[int]]:
     loads = [0] * world_size
     out: PairTransfers = {}
     emit = _emitter(out)

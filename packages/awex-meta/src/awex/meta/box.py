@@ -120,8 +120,11 @@ def split_box(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
             sizes = list(box.sizes)
             offsets[dim] += i
             sizes[dim] = 1
-            out.extend(split_box(Box(tuple(offsets), tuple(sizes)), itemsize, max_bytes) if dim + 1 < box.ndim
-                       else [Box(tuple(offsets), tuple(sizes))])
+            out.extend(
+                split_box(Box(tuple(offsets), tuple(sizes)), itemsize, max_bytes)
+                if dim + 1 < box.ndim
+                else [Box(tuple(offsets), tuple(sizes))]
+            )
         return out
     per = max(1, max_bytes // slab)
     out = []

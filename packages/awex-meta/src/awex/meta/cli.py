@@ -29,13 +29,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--token", default=None, help="require this bearer token (prefer --token-env)")
     p_serve.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
     p_serve.add_argument("--max-payload-mb", type=float, default=64.0, help="largest accepted body (default 64)")
-    p_serve.add_argument("--max-job-mb", type=float, default=1024.0,
-                         help="most one job may hold: keys, events, registrations (default 1024)")
+    p_serve.add_argument(
+        "--max-job-mb",
+        type=float,
+        default=1024.0,
+        help="most one job may hold: keys, events, registrations (default 1024)",
+    )
     p_serve.add_argument("--max-total-mb", type=float, default=4096.0, help="most all jobs may hold (default 4096)")
     p_serve.add_argument("--max-connections", type=int, default=4096, help="open connections (default 4096)")
-    p_serve.add_argument("--allow-no-token", action="store_true",
-                         help="serve on an address beyond loopback without a token (anyone who reaches the port "
-                              "can read and change every job)")
+    p_serve.add_argument(
+        "--allow-no-token",
+        action="store_true",
+        help="serve on an address beyond loopback without a token (anyone who reaches the port "
+        "can read and change every job)",
+    )
 
     p_status = sub.add_parser("status", help="show who registered, their weight versions and recent events")
     p_status.add_argument("address", help="http://host:port of the MetaServer")
@@ -44,18 +51,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p_plan = sub.add_parser("plan", help="plan a sync for a model and layouts without moving any byte")
     p_plan.add_argument("--model", required=True, help="HF config.json (or a directory holding one)")
-    p_plan.add_argument("--trainer", action="append", required=True, metavar="SPEC",
-                        help="trainer layout, e.g. megatron:tp=4,pp=8,ep=8,dp=4 or hf (repeatable)")
-    p_plan.add_argument("--inference", action="append", required=True, metavar="SPEC",
-                        help="inference layout, e.g. vllm:tp=8,ep=8,instances=16 or hf:instances=2 (repeatable)")
+    p_plan.add_argument(
+        "--trainer",
+        action="append",
+        required=True,
+        metavar="SPEC",
+        help="trainer layout, e.g. megatron:tp=4,pp=8,ep=8,dp=4 or hf (repeatable)",
+    )
+    p_plan.add_argument(
+        "--inference",
+        action="append",
+        required=True,
+        metavar="SPEC",
+        help="inference layout, e.g. vllm:tp=8,ep=8,instances=16 or hf:instances=2 (repeatable)",
+    )
     p_plan.add_argument("--dtype", default=None, help="override the config's dtype for every tensor")
-    p_plan.add_argument("--wave-mb", type=float, default=256.0,
-                        help="bytes a rank sends plus receives per wave, in MiB (default 256; staging is about twice)")
+    p_plan.add_argument(
+        "--wave-mb",
+        type=float,
+        default=256.0,
+        help="bytes a rank sends plus receives per wave, in MiB (default 256; staging is about twice)",
+    )
     p_plan.add_argument("--no-relay", action="store_true", help="never let destinations forward regions")
-    p_plan.add_argument("--split-mb", type=float, default=16.0,
-                        help="smallest part when a piece is spread over replicas (default 16)")
-    p_plan.add_argument("--link-gbps", type=float, default=None,
-                        help="per-rank link bandwidth in GB/s: estimate the sync time")
+    p_plan.add_argument(
+        "--split-mb", type=float, default=16.0, help="smallest part when a piece is spread over replicas (default 16)"
+    )
+    p_plan.add_argument(
+        "--link-gbps", type=float, default=None, help="per-rank link bandwidth in GB/s: estimate the sync time"
+    )
     p_plan.add_argument("--no-verify", action="store_true", help="skip the independent coverage check")
     p_plan.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
 
@@ -83,13 +106,19 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--token-env {args.token_env}: the variable is empty or unset")
     if not token and not _loopback(args.host):
         if not args.allow_no_token:
-            raise ValueError(f"--host {args.host} without a token lets anyone who reaches the port read and change "
-                             "every job: pass --token-env VAR (or --allow-no-token on a trusted network)")
+            raise ValueError(
+                f"--host {args.host} without a token lets anyone who reaches the port read and change "
+                "every job: pass --token-env VAR (or --allow-no-token on a trusted network)"
+            )
         logging.getLogger("awex.meta.server").warning("serving on %s without a token (--allow-no-token)", args.host)
     mb = 1 << 20
-    config = ServerConfig(token=token, max_payload_bytes=int(args.max_payload_mb * mb),
-                          max_job_bytes=int(args.max_job_mb * mb), max_total_bytes=int(args.max_total_mb * mb),
-                          max_connections=args.max_connections)
+    config = ServerConfig(
+        token=token,
+        max_payload_bytes=int(args.max_payload_mb * mb),
+        max_job_bytes=int(args.max_job_mb * mb),
+        max_total_bytes=int(args.max_total_mb * mb),
+        max_connections=args.max_connections,
+    )
 
     def started(port: int) -> None:
         print(f"awex-meta: serving on http://{args.host}:{port} (token {'required' if token else 'off'})", flush=True)
@@ -130,8 +159,10 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  {'name':<24} {'role':<10} {'instance':<16} {'ranks':>5}  {'weight version':<16} last seen")
             for p in job["participants"]:
                 seen = f"{now - p['last_seen']:.0f} s ago"
-                print(f"  {p['name']:<24} {p['role']:<10} {p['instance']:<16} {p['world_size']:>5}  "
-                      f"{str(p['weight_version'] or '-'):<16} {seen}")
+                print(
+                    f"  {p['name']:<24} {p['role']:<10} {p['instance']:<16} {p['world_size']:>5}  "
+                    f"{str(p['weight_version'] or '-'):<16} {seen}"
+                )
         if job["recent_events"]:
             print("  recent events:")
             for e in job["recent_events"]:
@@ -160,8 +191,9 @@ def _plan(args: argparse.Namespace) -> int:
         spec = parse_engine_spec(text)
         prefix = spec.engine if len(args.inference) == 1 else f"{spec.engine}{i}"
         destinations += layouts_for(spec, tensors, "inference", prefix=prefix)
-    options = PlanOptions(wave_bytes=int(args.wave_mb * (1 << 20)), split_bytes=int(args.split_mb * (1 << 20)),
-                          relay=not args.no_relay)
+    options = PlanOptions(
+        wave_bytes=int(args.wave_mb * (1 << 20)), split_bytes=int(args.split_mb * (1 << 20)), relay=not args.no_relay
+    )
     plan = plan_transfers(sources, destinations, options)
     summary = plan.summary()
     summary["model"] = dims.architecture
@@ -184,7 +216,9 @@ def _plan(args: argparse.Namespace) -> int:
         bw = args.link_gbps * 1e9
         summary["link_gbps"] = args.link_gbps
         summary["lower_bound_seconds"] = round(summary["lower_bound_bytes"] / bw, 4)
-        summary["busiest_rank_seconds"] = round(max(summary["max_rank_send_bytes"], summary["max_rank_recv_bytes"]) / bw, 4)
+        summary["busiest_rank_seconds"] = round(
+            max(summary["max_rank_send_bytes"], summary["max_rank_recv_bytes"]) / bw, 4
+        )
         summary["estimated_seconds"] = round(_wave_schedule_seconds(plan, bw), 4)
     _print_human(summary, args, dims)
     if args.json:
@@ -237,13 +271,17 @@ def _print_human(s: dict, args: argparse.Namespace, dims) -> None:
     if s["coverage_ok"] is None:
         lines.append("coverage   not verified (--no-verify)")
     elif s["coverage_ok"]:
-        lines.append(f"coverage   ok: every needed element is received exactly once; redundant bytes: "
-                     f"{s['redundant_bytes']} (checked in {s['verify_seconds']:.2f} s)")
+        lines.append(
+            f"coverage   ok: every needed element is received exactly once; redundant bytes: "
+            f"{s['redundant_bytes']} (checked in {s['verify_seconds']:.2f} s)"
+        )
     else:
         lines.append("coverage   FAILED: " + "; ".join(s["coverage_problems"][:5]))
     if "estimated_seconds" in s:
-        lines.append(f"estimate   at {s['link_gbps']:g} GB/s per rank: {s['lower_bound_seconds']:.3f} s lower bound, "
-                     f"{s['estimated_seconds']:.3f} s for this plan's wave schedule")
+        lines.append(
+            f"estimate   at {s['link_gbps']:g} GB/s per rank: {s['lower_bound_seconds']:.3f} s lower bound, "
+            f"{s['estimated_seconds']:.3f} s for this plan's wave schedule"
+        )
     print("\n".join(lines), flush=True)
 
 

@@ -28,8 +28,8 @@ from awex.meta.errors import (
     MetaAuthError,
     MetaConflictError,
     MetaConnectionError,
-    MetaPayloadError,
     MetaNotRegisteredError,
+    MetaPayloadError,
     MetaRestartError,
     MetaServerError,
     MetaTimeoutError,
@@ -86,8 +86,17 @@ class MetaClient:
             conn.close()
 
     # -- transport -------------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: Any = None, *, deadline: float, raw: bytes | None = None,
-                 query: dict[str, Any] | None = None, own: str | None = None) -> tuple[int, Any]:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        deadline: float,
+        raw: bytes | None = None,
+        query: dict[str, Any] | None = None,
+        own: str | None = None,
+    ) -> tuple[int, Any]:
         """One request, answered by ``deadline`` (``time.monotonic()``) plus ``SLACK`` seconds at the latest.
         A server that cannot be reached is tried again until then; a write whose reply was lost is sent again
         with the same request id, which the server answers without applying it twice."""
@@ -124,8 +133,13 @@ class MetaClient:
                 # write goes again with its request id)
                 log.debug("MetaServer connection closed (%s); reconnecting", e)
                 continue
-            except (ConnectionRefusedError, socket.gaierror, ConnectionResetError, BrokenPipeError,
-                    http.client.RemoteDisconnected) as e:
+            except (
+                ConnectionRefusedError,
+                socket.gaierror,
+                ConnectionResetError,
+                BrokenPipeError,
+                http.client.RemoteDisconnected,
+            ) as e:
                 if time.monotonic() + delay > deadline:
                     raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
                 time.sleep(delay)
@@ -172,8 +186,12 @@ class MetaClient:
             self.restarts += restarted
             owned = list(self._owned.values()) if restarted else []
         if restarted:
-            log.warning("MetaServer at %s restarted (epoch %s): publishing again %d registrations and keys this "
-                        "client owns", self.address, epoch, len(owned))
+            log.warning(
+                "MetaServer at %s restarted (epoch %s): publishing again %d registrations and keys this client owns",
+                self.address,
+                epoch,
+                len(owned),
+            )
             for method, path, data in owned:
                 try:
                     self._request(method, path, raw=data, deadline=time.monotonic() + self.timeout)
@@ -186,8 +204,11 @@ class MetaClient:
         return self._epoch
 
     def _job_path(self, *parts: str) -> str:
-        return "/v1/jobs/" + urllib.parse.quote(self.job, safe="") + "/" + "/".join(
-            urllib.parse.quote(p, safe="/") for p in parts
+        return (
+            "/v1/jobs/"
+            + urllib.parse.quote(self.job, safe="")
+            + "/"
+            + "/".join(urllib.parse.quote(p, safe="/") for p in parts)
         )
 
     def _by(self, timeout: float | None = None) -> float:
@@ -221,8 +242,9 @@ class MetaClient:
         deadline = time.monotonic() + timeout
         while True:
             wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
-            status, doc = self._request("GET", self._job_path("kv", key), deadline=deadline,
-                                        query={"wait": f"{wait:.3f}"})
+            status, doc = self._request(
+                "GET", self._job_path("kv", key), deadline=deadline, query={"wait": f"{wait:.3f}"}
+            )
             if status != 404:
                 return doc
             if time.monotonic() >= deadline:
@@ -237,23 +259,31 @@ class MetaClient:
     def forget(self, names: Sequence[str] = (), prefixes: Sequence[str] = ()) -> dict[str, int]:
         """Drop keys and agreements named exactly ``names`` or starting with one of ``prefixes``; returns how
         many of each went (``{"keys": n, "agreements": m}``). Writers call it for finished versions."""
-        doc = self._request("POST", self._job_path("forget"), {"names": list(names), "prefixes": list(prefixes)},
-                            deadline=self._by())[1]
+        doc = self._request(
+            "POST", self._job_path("forget"), {"names": list(names), "prefixes": list(prefixes)}, deadline=self._by()
+        )[1]
         return {"keys": int(doc["keys"]), "agreements": int(doc["agreements"])}
 
     def keys(self, prefix: str = "") -> list[str]:
         return self._request("GET", self._job_path("keys"), deadline=self._by(), query={"prefix": prefix})[1]["keys"]
 
     # -- participants, versions, events ----------------------------------------------------------------
-    def register(self, name: str, *, role: str, instance: str, world_size: int = 1, host: str = "",
-                 info: dict[str, Any] | None = None) -> None:
+    def register(
+        self,
+        name: str,
+        *,
+        role: str,
+        instance: str,
+        world_size: int = 1,
+        host: str = "",
+        info: dict[str, Any] | None = None,
+    ) -> None:
         """Announce a participant (an engine instance or one of its ranks) to the job; announced again if the
         server restarts."""
         body = {"name": name, "role": role, "instance": instance, "world_size": world_size, "info": info or {}}
         if host:
             body["host"] = host
-        self._request("POST", self._job_path("participants"), body, deadline=self._by(),
-                      own=f"participant:{name}")
+        self._request("POST", self._job_path("participants"), body, deadline=self._by(), own=f"participant:{name}")
 
     def report_version(self, name: str, version: str | None) -> None:
         """Record the weight version participant ``name`` now serves (``None``: no complete version). Raises
@@ -287,13 +317,16 @@ class MetaClient:
                 query["kind"] = kind
             found = self._request("GET", self._job_path("events"), deadline=deadline, query=query)[1]["events"]
             if epoch is not None and self._epoch != epoch:
-                raise MetaRestartError(f"the MetaServer at {self.address} restarted: its events begin again at 1, "
-                                       f"events after {after} may be lost")
+                raise MetaRestartError(
+                    f"the MetaServer at {self.address} restarted: its events begin again at 1, "
+                    f"events after {after} may be lost"
+                )
             if found or time.monotonic() >= deadline:
                 return found
 
-    def wait_event(self, kind: str, after: int = 0, timeout: float | None = None,
-                   version: str | None = None) -> dict[str, Any]:
+    def wait_event(
+        self, kind: str, after: int = 0, timeout: float | None = None, version: str | None = None
+    ) -> dict[str, Any]:
         """The first event of ``kind`` (and ``version``, if given) after ``after``; MetaTimeoutError if none."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -304,8 +337,9 @@ class MetaClient:
                 if version is None or e.get("version") == version:
                     return e
             if time.monotonic() >= deadline:
-                raise MetaTimeoutError(f"no {kind!r} event (version {version!r}) in job {self.job!r} "
-                                       f"within {timeout:g} s")
+                raise MetaTimeoutError(
+                    f"no {kind!r} event (version {version!r}) in job {self.job!r} within {timeout:g} s"
+                )
 
     def agree(self, name: str, participant: str, expected: int, value: Any, timeout: float | None = None) -> Any:
         """Contribute ``value`` and wait until ``expected`` participants did; raise unless all values are equal.
@@ -317,13 +351,15 @@ class MetaClient:
         body = {"participant": participant, "expected": expected, "value": value}
         while True:
             wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
-            doc = self._request("POST", self._job_path("agree", name), body, deadline=deadline,
-                                query={"wait": f"{wait:.3f}"})[1]
+            doc = self._request(
+                "POST", self._job_path("agree", name), body, deadline=deadline, query={"wait": f"{wait:.3f}"}
+            )[1]
             if doc["complete"]:
                 values = doc["distinct_values"]
                 if len(values) != 1:
-                    raise AgreementError(f"participants of {name!r} disagree: {len(values)} distinct values "
-                                         f"{values[:4]}")
+                    raise AgreementError(
+                        f"participants of {name!r} disagree: {len(values)} distinct values {values[:4]}"
+                    )
                 return values[0]
             if time.monotonic() >= deadline:
                 raise MetaTimeoutError(
@@ -343,7 +379,9 @@ class MetaClient:
         """Publish transport rendezvous information (e.g. a TCP store address) for a version."""
         self.put(f"rendezvous/{version}/{name}", info)
 
-    def fetch_rendezvous(self, version: str = "current", name: str = "default", timeout: float | None = None) -> dict[str, Any]:
+    def fetch_rendezvous(
+        self, version: str = "current", name: str = "default", timeout: float | None = None
+    ) -> dict[str, Any]:
         return self.get(f"rendezvous/{version}/{name}", timeout)
 
 

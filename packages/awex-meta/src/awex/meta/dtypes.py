@@ -58,11 +58,21 @@ def itemsize(name: str) -> int:
 
 
 _EXACT_WIDENING = {
-    ("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"),
+    ("float16", "float32"),
+    ("bfloat16", "float32"),
+    ("float16", "float64"),
+    ("bfloat16", "float64"),
     ("float32", "float64"),
     *((f8, wide) for f8 in ("float8_e4m3fn", "float8_e5m2") for wide in ("float16", "bfloat16", "float32", "float64")),
-    ("int8", "int16"), ("int8", "int32"), ("int8", "int64"), ("int16", "int32"), ("int16", "int64"),
-    ("int32", "int64"), ("uint8", "int16"), ("uint8", "int32"), ("uint8", "int64"),
+    ("int8", "int16"),
+    ("int8", "int32"),
+    ("int8", "int64"),
+    ("int16", "int32"),
+    ("int16", "int64"),
+    ("int32", "int64"),
+    ("uint8", "int16"),
+    ("uint8", "int32"),
+    ("uint8", "int64"),
 }
 
 

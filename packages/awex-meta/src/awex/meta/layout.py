@@ -284,11 +284,14 @@ def _validate_sharding(instance: str, t: TensorLayout, meshes: dict[str, Mesh], 
             parts = p.parts or size
             if size % parts:
                 raise ValueError(
-                    f"{instance}: {name}: {parts} parts cannot be spread over mesh dimension {dim_name!r} of size {size}"
+                    f"{instance}: {name}: {parts} parts cannot be spread over mesh dimension {dim_name!r} "
+                    f"of size {size}"
                 )
         elif isinstance(p, Pin):
             if p.indices[-1] >= size:
-                raise ValueError(f"{instance}: {name}: Pin{p.indices} outside mesh dimension {dim_name!r} of size {size}")
+                raise ValueError(
+                    f"{instance}: {name}: Pin{p.indices} outside mesh dimension {dim_name!r} of size {size}"
+                )
         else:
             raise TypeError(f"{instance}: {name}: unknown placement {p!r}")
 
@@ -333,4 +336,6 @@ def _expand_explicit(sharding: ExplicitSharding) -> Holdings:
         for b in bs:
             if not b.is_empty():
                 boxes.setdefault(b, []).append(rank)
-    return tuple((b, tuple(sorted(set(r)))) for b, r in sorted(boxes.items(), key=lambda kv: (kv[0].offsets, kv[0].sizes)))
+    return tuple(
+        (b, tuple(sorted(set(r)))) for b, r in sorted(boxes.items(), key=lambda kv: (kv[0].offsets, kv[0].sizes))
+    )

@@ -134,7 +134,9 @@ def model_dims(config: Mapping[str, Any], dtype: str | None = None) -> ModelDims
     sparse: frozenset[int] = frozenset()
     shared = 0
     if arch.moe:
-        num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)  # transformers v5 renamed it
+        num_experts = int(
+            config.get("num_experts") or config.get("num_local_experts") or 0
+        )  # transformers v5 renamed it
         moe_inter = int(config.get("moe_intermediate_size") or 0)
         step = int(config.get("decoder_sparse_step") or 1)
         only_mlp = set(config.get("mlp_only_layers") or [])

@@ -22,8 +22,8 @@ from itertools import product
 from typing import Sequence
 
 from awex.meta.balance import PairTransfers, Piece, assign_sources
-from awex.meta.dtypes import is_exact_cast
 from awex.meta.box import Box, intersect
+from awex.meta.dtypes import is_exact_cast
 from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats, Transfer
 from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, scale_name
@@ -31,7 +31,6 @@ from awex.meta.schedule import assign_waves, plan_relays, split_broadcasts
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 
 log = logging.getLogger("awex.meta")
-
 
 
 @dataclass(frozen=True)
@@ -122,8 +121,11 @@ def plan_transfers(
     dst_groups = _group_identical(destinations, offsets)
     tensors, casts = _check_tensors(_group_identical(sources, offsets), dst_groups, options.allow_cast)
     if casts:
-        log.info("plan casts %d tensor(s) on the way (source -> destination dtype): %s", len(casts),
-                 ", ".join(f"{n} {a}->{b}" for n, a, b in casts[:20]) + (" ..." if len(casts) > 20 else ""))
+        log.info(
+            "plan casts %d tensor(s) on the way (source -> destination dtype): %s",
+            len(casts),
+            ", ".join(f"{n} {a}->{b}" for n, a, b in casts[:20]) + (" ..." if len(casts) > 20 else ""),
+        )
     itemsizes = [t.itemsize for t in tensors]
 
     groups: dict[tuple[int, ...], list[Piece]] = {}
@@ -166,8 +168,9 @@ def plan_transfers(
                 for g in dsts:
                     recv[g] += nbytes
                 if known:
-                    dsts = _take_same_device(dsts, cands, device_of, same_device, same_device_load,
-                                             Transfer(tidx, p_off, p_size, nbytes))
+                    dsts = _take_same_device(
+                        dsts, cands, device_of, same_device, same_device_load, Transfer(tidx, p_off, p_size, nbytes)
+                    )
                     if not dsts:
                         continue
                 group.append((-nbytes, tidx, p_off, p_size, dsts))
@@ -182,8 +185,9 @@ def plan_transfers(
     broadcasts = None
     if options.broadcast:
         per_pair, broadcasts = split_broadcasts(per_pair)
-    ordered, waves = assign_waves(per_pair, relays, itemsizes, options.wave_bytes, len(ranks),
-                                   options.split_bytes, broadcasts)
+    ordered, waves = assign_waves(
+        per_pair, relays, itemsizes, options.wave_bytes, len(ranks), options.split_bytes, broadcasts
+    )
     role_of = [r.role for r in ranks]
 
     send = [0] * len(ranks)
@@ -213,8 +217,14 @@ def plan_transfers(
     return Plan(tuple(ranks), tuple(tensors), tuple(ordered), stats, options, casts=tuple(casts))
 
 
-def _take_same_device(dsts: tuple[int, ...], cands: tuple[int, ...], device_of: list[str | None],
-                      out: PairTransfers, load: list[int], transfer: Transfer) -> tuple[int, ...]:
+def _take_same_device(
+    dsts: tuple[int, ...],
+    cands: tuple[int, ...],
+    device_of: list[str | None],
+    out: PairTransfers,
+    load: list[int],
+    transfer: Transfer,
+) -> tuple[int, ...]:
     """Give each destination with a candidate source on its own device the piece from there (the least loaded
     such source); returns the destinations left for the load-balanced assignment."""
     rest = []
@@ -235,8 +245,11 @@ def _group_identical(layouts: Sequence[Layout], offsets: dict[str, int]) -> list
     groups: list[tuple[Layout, list[int]]] = []
     for layout in layouts:
         for rep, bases in groups:
-            if (rep.world_size == layout.world_size and rep.meshes == layout.meshes
-                    and (rep.tensors is layout.tensors or rep.tensors == layout.tensors)):
+            if (
+                rep.world_size == layout.world_size
+                and rep.meshes == layout.meshes
+                and (rep.tensors is layout.tensors or rep.tensors == layout.tensors)
+            ):
                 bases.append(offsets[layout.instance])
                 break
         else:
@@ -245,7 +258,8 @@ def _group_identical(layouts: Sequence[Layout], offsets: dict[str, int]) -> list
 
 
 def _check_tensors(
-    sources: list[tuple[Layout, list[int]]], destinations: list[tuple[Layout, list[int]]],
+    sources: list[tuple[Layout, list[int]]],
+    destinations: list[tuple[Layout, list[int]]],
     allow_cast: tuple[str, ...] = (),
 ) -> tuple[list[TensorSpec], list[tuple[str, str, str]]]:
     """Specs of every tensor some destination holds (in the destination's dtype) and the casts on the way,
@@ -271,20 +285,27 @@ def _check_tensors(
         d = dst[name]
         s = src.get(name)
         if s is None:
-            hint = (" (the destination loads FP8 block-quantised weights: quantise on the sender, see "
-                    "awex.meta.quant)" if name.endswith(SCALE_SUFFIX) else "")
+            hint = (
+                " (the destination loads FP8 block-quantised weights: quantise on the sender, see awex.meta.quant)"
+                if name.endswith(SCALE_SUFFIX)
+                else ""
+            )
             problems.append(f"{name}: needed by the destination but held by no source{hint}")
         elif s.shape != d.shape:
             problems.append(f"{name}: shape mismatch: source {tuple(s.shape)} vs destination {tuple(d.shape)}")
         elif d.dtype in FP8_DTYPES and s.dtype not in FP8_DTYPES and scale_name(name) in dst:
-            problems.append(f"{name}: the destination holds it block-quantised ({d.dtype} with {scale_name(name)}); "
-                            f"a cast from {s.dtype} cannot produce that: quantise on the sender (awex.meta.quant)")
+            problems.append(
+                f"{name}: the destination holds it block-quantised ({d.dtype} with {scale_name(name)}); "
+                f"a cast from {s.dtype} cannot produce that: quantise on the sender (awex.meta.quant)"
+            )
         elif s.dtype != d.dtype:
             if is_exact_cast(s.dtype, d.dtype) or any(fnmatchcase(name, pat) for pat in allow_cast):
                 casts.append((name, s.dtype, d.dtype))
             else:
-                problems.append(f"{name}: dtype mismatch: source {s.dtype} vs destination {d.dtype} (a narrowing "
-                                f"cast; allow it explicitly with PlanOptions(allow_cast=...) if intended)")
+                problems.append(
+                    f"{name}: dtype mismatch: source {s.dtype} vs destination {d.dtype} (a narrowing "
+                    f"cast; allow it explicitly with PlanOptions(allow_cast=...) if intended)"
+                )
     if problems:
         raise PlanError(problems)
     return [dst[n] for n in sorted(dst)], casts

@@ -30,9 +30,16 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 SCALE_SUFFIX = "_scale_inv"
 # linear weights vLLM's FP8 method quantises (by canonical name); routers, norms, embeddings never
 _QUANTISED_SUFFIXES = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "shared_expert.gate_proj.weight",
+    "shared_expert.up_proj.weight",
+    "shared_expert.down_proj.weight",
 )
 
 
@@ -68,12 +75,16 @@ class Fp8BlockQuant:
             return None
         method = str(q.get("quant_method", "")).lower()
         if method != "fp8":
-            raise ValueError(f"quantization_config.quant_method={method!r}: awex moves FP8 block-quantised "
-                             "weights ('fp8' with weight_block_size) or unquantised ones only")
+            raise ValueError(
+                f"quantization_config.quant_method={method!r}: awex moves FP8 block-quantised "
+                "weights ('fp8' with weight_block_size) or unquantised ones only"
+            )
         block = q.get("weight_block_size")
         if not block:
-            raise ValueError("quantization_config: FP8 without weight_block_size (per-tensor scales) is not "
-                             "supported; use block quantisation, e.g. weight_block_size [128, 128]")
+            raise ValueError(
+                "quantization_config: FP8 without weight_block_size (per-tensor scales) is not "
+                "supported; use block quantisation, e.g. weight_block_size [128, 128]"
+            )
         fmt = str(q.get("fmt", "e4m3")).lower()
         dtype = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}.get(fmt)
         if dtype is None:
@@ -101,8 +112,9 @@ class Fp8BlockQuant:
 
     def whole_tiles(self, box: Box, shape: tuple[int, ...]) -> bool:
         """Whether a box of a weight of ``shape`` consists of whole tiles (the last tile may be short)."""
-        return all(o % b == 0 and (e % b == 0 or e == n)
-                   for o, e, b, n in zip(box.offsets, box.ends, self.block, shape))
+        return all(
+            o % b == 0 and (e % b == 0 or e == n) for o, e, b, n in zip(box.offsets, box.ends, self.block, shape)
+        )
 
 
 def _is_expert_weight(name: str) -> bool:
@@ -139,9 +151,11 @@ def quantize_layout(layout: Layout, quant: Fp8BlockQuant, *, sender: bool | None
         if sender:
             for box, ranks in holdings:
                 if not quant.whole_tiles(box, spec.shape):
-                    problems.append(f"{spec.name}: rank {ranks[0]} holds {box} of {spec.shape}, which cuts through "
-                                    f"{quant.block[0]}x{quant.block[1]} FP8 tiles; a sender must hold whole tiles "
-                                    "to compute their scales")
+                    problems.append(
+                        f"{spec.name}: rank {ranks[0]} holds {box} of {spec.shape}, which cuts through "
+                        f"{quant.block[0]}x{quant.block[1]} FP8 tiles; a sender must hold whole tiles "
+                        "to compute their scales"
+                    )
                     break
         out.append(TensorLayout(TensorSpec(spec.name, spec.shape, quant.dtype), t.sharding))
         scale = TensorSpec(scale_name(spec.name), quant.scale_shape(spec.shape), "float32")

@@ -85,8 +85,13 @@ def plan_relays(per_pair: PairTransfers, world_size: int) -> Relays:
 
 
 def assign_waves(
-    per_pair: PairTransfers, relays: Relays, itemsizes: list[int], wave_bytes: int, world_size: int,
-    min_piece_bytes: int, broadcasts: Broadcasts | None = None,
+    per_pair: PairTransfers,
+    relays: Relays,
+    itemsizes: list[int],
+    wave_bytes: int,
+    world_size: int,
+    min_piece_bytes: int,
+    broadcasts: Broadcasts | None = None,
 ) -> tuple[list[Bucket], int]:
     """Buckets (one per pair and wave) and the number of waves.
 
@@ -126,11 +131,10 @@ def assign_waves(
             for other in relays.get((src, dst, item), ()):
                 relayed.setdefault((dst, other), {}).setdefault(wave + RELAY_LAG, []).append(piece)
 
-        _emit(buckets, src, dst, _spread(sorted(per_pair[pair]), waves, floor, itemsizes,
-                                         forward if relays else None))
+        _emit(buckets, src, dst, _spread(sorted(per_pair[pair]), waves, floor, itemsizes, forward if relays else None))
     for (src, dst), by_wave in sorted(relayed.items()):
         _emit(buckets, src, dst, by_wave)
-    for (src, dsts) in sorted(broadcasts):
+    for src, dsts in sorted(broadcasts):
         by_wave = _spread(sorted(broadcasts[(src, dsts)]), waves, floor, itemsizes, None)
         for dst in dsts:
             _emit(buckets, src, dst, by_wave)
@@ -156,8 +160,13 @@ def split_broadcasts(per_pair: PairTransfers) -> tuple[PairTransfers, Broadcasts
     return rest, groups
 
 
-def _spread(items: list[Transfer], waves: int, floor: int, itemsizes: list[int],
-            forward: Callable[[Transfer, Transfer, int], None] | None) -> dict[int, list[Transfer]]:
+def _spread(
+    items: list[Transfer],
+    waves: int,
+    floor: int,
+    itemsizes: list[int],
+    forward: Callable[[Transfer, Transfer, int], None] | None,
+) -> dict[int, list[Transfer]]:
     """One pair's transfers (sorted) cut into its chunks of the ``waves`` (see :func:`assign_waves`);
     ``forward(piece, item, wave)`` is told where each piece of each item went (relays)."""
     total = sum(t.nbytes for t in items)

@@ -73,8 +73,14 @@ def spec_from_wire(v: Any, where: str = "tensor") -> TensorSpec:
 
 
 def rank_to_wire(r: RankDescriptor) -> dict:
-    return {"rank": r.rank, "instance": r.instance, "role": r.role.value, "local_rank": r.local_rank,
-            "host": r.host, "device": r.device}
+    return {
+        "rank": r.rank,
+        "instance": r.instance,
+        "role": r.role.value,
+        "local_rank": r.local_rank,
+        "host": r.host,
+        "device": r.device,
+    }
 
 
 def rank_from_wire(d: Any, where: str = "rank") -> RankDescriptor:
@@ -187,14 +193,21 @@ def layout_from_wire(d: Any) -> Layout:
     for i, m in enumerate(_req(d, "meshes", list, where)):
         dims = _req(m, "dims", list, f"{where}.meshes[{i}]")
         for j, dim in enumerate(dims):
-            if (not isinstance(dim, list) or len(dim) != 2 or not isinstance(dim[0], str)
-                    or not isinstance(dim[1], int) or isinstance(dim[1], bool)):
+            if (
+                not isinstance(dim, list)
+                or len(dim) != 2
+                or not isinstance(dim[0], str)
+                or not isinstance(dim[1], int)
+                or isinstance(dim[1], bool)
+            ):
                 raise SchemaError(f"{where}.meshes[{i}].dims[{j}]: expected [name, size]")
         try:
             meshes.append(Mesh(_req(m, "name", str, f"{where}.meshes[{i}]"), tuple((n, s) for n, s in dims)))
         except ValueError as e:
             raise SchemaError(f"{where}.meshes[{i}]: {e}") from None
-    shardings = [_sharding_from_wire(s, f"{where}.shardings[{i}]") for i, s in enumerate(_req(d, "shardings", list, where))]
+    shardings = [
+        _sharding_from_wire(s, f"{where}.shardings[{i}]") for i, s in enumerate(_req(d, "shardings", list, where))
+    ]
     tensors = []
     for i, t in enumerate(_req(d, "tensors", list, where)):
         if not isinstance(t, list) or len(t) != 4 or not isinstance(t[3], int) or isinstance(t[3], bool):

@@ -80,8 +80,9 @@ def link_bytes_per_pair(plan: Plan, device_of: dict[int, str]) -> dict[tuple[str
     return dict(out)
 
 
-def link_bytes_per_gpu(plan: Plan, device_of: dict[int, str],
-                       pairs: dict[tuple[str, str], int] | None = None) -> dict[str, tuple[int, int]]:
+def link_bytes_per_gpu(
+    plan: Plan, device_of: dict[int, str], pairs: dict[tuple[str, str], int] | None = None
+) -> dict[str, tuple[int, int]]:
     """``device -> (bytes sent, bytes received)`` over links (from :func:`link_bytes_per_pair`, given or
     computed)."""
     sent: dict[str, int] = defaultdict(int)
@@ -107,8 +108,9 @@ def unreachable(ipc_plan: Plan, devices: Devices, reach: Reach | None) -> list[s
     return sorted(out)
 
 
-def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices,
-                     refresh_by_wave: bool = False, reach: Reach | None = None) -> TransportChoice:
+def choose_transport(
+    ipc_plan: Plan, p2p_plan: Plan, devices: Devices, refresh_by_wave: bool = False, reach: Reach | None = None
+) -> TransportChoice:
     """``"ipc"`` or ``"p2p"`` for a sync whose ranks run on ``devices`` (see the module docstring).
 
     ``ipc_plan`` is the plan without relays (planned with ``devices``), ``p2p_plan`` the plan with relays; both
@@ -130,15 +132,20 @@ def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices,
     blocked = unreachable(ipc_plan, devices, reach) if reach is not None else []
     if len(set(device_of.values())) < len(device_of):
         if blocked:
-            raise TransportError("engines share GPUs, so NCCL cannot serve them, and CUDA IPC cannot either: "
-                                 + "; ".join(blocked[:8]) + ". Make every GPU of the host visible to every engine "
-                                 "process (CUDA_VISIBLE_DEVICES) and peer access possible between them")
+            raise TransportError(
+                "engines share GPUs, so NCCL cannot serve them, and CUDA IPC cannot either: "
+                + "; ".join(blocked[:8])
+                + ". Make every GPU of the host visible to every engine "
+                "process (CUDA_VISIBLE_DEVICES) and peer access possible between them"
+            )
         return TransportChoice("ipc", "engines share GPUs (NCCL cannot put two ranks on one GPU)")
     if blocked:
         return TransportChoice("p2p", "CUDA IPC not possible: " + "; ".join(blocked[:4]))
     if refresh_by_wave:
-        return TransportChoice("p2p", "the senders refresh what they send wave by wave, which only point to point "
-                               "overlaps with the transfer")
+        return TransportChoice(
+            "p2p",
+            "the senders refresh what they send wave by wave, which only point to point overlaps with the transfer",
+        )
     pairs = link_bytes_per_pair(ipc_plan, device_of)
     read: dict[str, list[int]] = defaultdict(list)  # source GPU -> bytes each other GPU reads from it
     for (src, _), n in pairs.items():
@@ -147,12 +154,26 @@ def choose_transport(ipc_plan: Plan, p2p_plan: Plan, devices: Devices,
     def shared(d: str, sent: int) -> bool:  # a second reader takes a real share (not a few boundary rows)
         return len(read[d]) > 1 and sorted(read[d])[-2] * 4 >= sent
 
-    busiest_ipc = max((max(int(s * SHARED_SOURCE_FACTOR) if shared(d, s) else s, r)
-                       for d, (s, r) in link_bytes_per_gpu(ipc_plan, device_of, pairs).items()), default=0)
+    busiest_ipc = max(
+        (
+            max(int(s * SHARED_SOURCE_FACTOR) if shared(d, s) else s, r)
+            for d, (s, r) in link_bytes_per_gpu(ipc_plan, device_of, pairs).items()
+        ),
+        default=0,
+    )
     p2p_device_of = {r.rank: device_of[ipc_plan.rank(r.instance, r.local_rank).rank] for r in p2p_plan.ranks}
     busiest_p2p = max((max(s, r) for s, r in link_bytes_per_gpu(p2p_plan, p2p_device_of).values()), default=0)
     if busiest_ipc <= busiest_p2p * IPC_RATE_MARGIN:
-        return TransportChoice("ipc", f"one host, the busiest GPU moves {busiest_ipc} B over CUDA IPC, "
-                               f"{busiest_p2p} B point to point", busiest_ipc, busiest_p2p)
-    return TransportChoice("p2p", f"one host, but fan-out: over CUDA IPC the busiest GPU would move {busiest_ipc} B, "
-                           f"{busiest_p2p} B point to point with relays", busiest_ipc, busiest_p2p)
+        return TransportChoice(
+            "ipc",
+            f"one host, the busiest GPU moves {busiest_ipc} B over CUDA IPC, {busiest_p2p} B point to point",
+            busiest_ipc,
+            busiest_p2p,
+        )
+    return TransportChoice(
+        "p2p",
+        f"one host, but fan-out: over CUDA IPC the busiest GPU would move {busiest_ipc} B, "
+        f"{busiest_p2p} B point to point with relays",
+        busiest_ipc,
+        busiest_p2p,
+    )

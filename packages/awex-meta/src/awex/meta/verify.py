@@ -68,8 +68,10 @@ def verify_plan(
                 if relay:
                     when = arrived.get((src, t))
                     if when is None or when > b.wave - RELAY_LAG:
-                        problems.append(f"{names[t.tensor]} {t.region}: rank {src} relays it in wave {b.wave} "
-                                        f"but received it {'never' if when is None else f'in wave {when}'}")
+                        problems.append(
+                            f"{names[t.tensor]} {t.region}: rank {src} relays it in wave {b.wave} "
+                            f"but received it {'never' if when is None else f'in wave {when}'}"
+                        )
                 arrived[(b.dst, t)] = b.wave
             received_bytes += t.nbytes
             if id(t) not in sized:
@@ -144,7 +146,7 @@ def _pairwise_disjoint(boxes: list[Box]) -> bool:
     boxes = sorted(boxes, key=lambda b: b.offsets)
     for i, a in enumerate(boxes):
         end = a.offsets[0] + a.sizes[0]
-        for b in boxes[i + 1:]:
+        for b in boxes[i + 1 :]:
             if b.offsets[0] >= end:
                 break
             if a.intersect(b) is not None:

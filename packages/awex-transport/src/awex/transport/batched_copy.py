@@ -32,10 +32,18 @@ def batchable(dst: torch.Tensor, src: torch.Tensor, peer: bool = False) -> bool:
     ``peer``: ``src`` on any GPU, read over NVLink), of equal byte size, 16-byte aligned at both ends and a
     multiple of 16 bytes long."""
     nbytes = dst.nbytes
-    return (dst.device.type == "cuda" and src.device.type == "cuda" and (peer or dst.device == src.device)
-            and dst.is_contiguous() and src.is_contiguous()
-            and nbytes == src.nbytes and nbytes > 0 and nbytes % ALIGN == 0
-            and dst.data_ptr() % ALIGN == 0 and src.data_ptr() % ALIGN == 0)
+    return (
+        dst.device.type == "cuda"
+        and src.device.type == "cuda"
+        and (peer or dst.device == src.device)
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and nbytes == src.nbytes
+        and nbytes > 0
+        and nbytes % ALIGN == 0
+        and dst.data_ptr() % ALIGN == 0
+        and src.data_ptr() % ALIGN == 0
+    )
 
 
 def split_batchable(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]):
@@ -61,8 +69,9 @@ def copy_blocks(copies: Sequence[tuple[int, int, int]], base: int, block_bytes: 
     which = torch.repeat_interleave(torch.arange(len(copies)), counts)
     first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     at = (torch.arange(int(counts.sum())) - first) * block_bytes
-    return torch.stack([dst[which] + at - base, src[which] + at - base,
-                        torch.clamp(nbytes[which] - at, max=block_bytes)], dim=1)
+    return torch.stack(
+        [dst[which] + at - base, src[which] + at - base, torch.clamp(nbytes[which] - at, max=block_bytes)], dim=1
+    )
 
 
 def spread_evenly(table: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -70,8 +79,12 @@ def spread_evenly(table: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     that every stretch of the launch runs both kinds of block in the same proportion."""
     if not len(table) or not len(other):
         return torch.cat([table, other])
-    position = torch.cat([torch.arange(len(table), dtype=torch.float64) / len(table),
-                          (torch.arange(len(other), dtype=torch.float64) + 0.5) / len(other)])
+    position = torch.cat(
+        [
+            torch.arange(len(table), dtype=torch.float64) / len(table),
+            (torch.arange(len(other), dtype=torch.float64) + 0.5) / len(other),
+        ]
+    )
     return torch.cat([table, other])[torch.argsort(position, stable=True)]
 
 
@@ -115,17 +128,25 @@ class BatchedCopy:
     ``spread_sources`` are the addresses the kernel reads each spread copy's source at, where that is not its
     ``data_ptr()`` (memory of another process: :func:`awex.transport.peer_dma.open_ipc_memory`)."""
 
-    def __init__(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]], block_bytes: int = BLOCK_BYTES,
-                 num_warps: int = 16, spread: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-                 spread_sources: Sequence[int] | None = None):
+    def __init__(
+        self,
+        copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_bytes: int = BLOCK_BYTES,
+        num_warps: int = 16,
+        spread: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        spread_sources: Sequence[int] | None = None,
+    ):
         everything = [*copies, *spread]
         if not everything:
             raise ValueError("BatchedCopy needs at least one copy")
-        bad = ([i for i, (d, s) in enumerate(copies) if not batchable(d, s)]
-               + [len(copies) + i for i, (d, s) in enumerate(spread) if not batchable(d, s, peer=True)])
+        bad = [i for i, (d, s) in enumerate(copies) if not batchable(d, s)] + [
+            len(copies) + i for i, (d, s) in enumerate(spread) if not batchable(d, s, peer=True)
+        ]
         if bad:
-            raise ValueError(f"copies {bad[:5]} are not batchable (contiguous, CUDA, 16-byte aligned; only "
-                             "spread copies may read another GPU)")
+            raise ValueError(
+                f"copies {bad[:5]} are not batchable (contiguous, CUDA, 16-byte aligned; only "
+                "spread copies may read another GPU)"
+            )
         self.device = everything[0][0].device
         if any(d.device != self.device for d, _ in everything):
             raise ValueError("BatchedCopy copies into one GPU")
@@ -137,8 +158,8 @@ class BatchedCopy:
         base = self._base.data_ptr()
         blocks = spread_evenly(
             copy_blocks([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in copies], base, block_bytes),
-            copy_blocks([(d.data_ptr(), a, d.nbytes) for (d, _), a in zip(spread, spread_sources)], base,
-                        block_bytes))
+            copy_blocks([(d.data_ptr(), a, d.nbytes) for (d, _), a in zip(spread, spread_sources)], base, block_bytes),
+        )
         self._table = blocks.view(-1).to(self.device)
         self._pointer = self._base.view(-1).view(torch.uint8)
         self.blocks = len(blocks)
@@ -156,8 +177,9 @@ class BatchedCopy:
             return
         _COMPILED.add(config)
         try:
-            _kernel().warmup(self._pointer, self._table, BLOCK=self.block_bytes, num_warps=self.num_warps,
-                             grid=(self.blocks,))
+            _kernel().warmup(
+                self._pointer, self._table, BLOCK=self.block_bytes, num_warps=self.num_warps, grid=(self.blocks,)
+            )
         except (AttributeError, TypeError) as e:  # a Triton without warmup(): it compiles on the first call
             log.debug("Triton warmup unavailable (%s); the kernel compiles on first use", e)
 

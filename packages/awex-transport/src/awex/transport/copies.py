@@ -24,8 +24,13 @@ _WIDE = (torch.int64, torch.int32, torch.int16)
 
 
 def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
 
 
 def merge_copies(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -44,17 +49,24 @@ def merge_copies(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[
                 j = i + 1
                 while j + 1 < n:
                     dn, sn = copies[j + 1]
-                    if not (_same_geometry(d0, dn) and _same_geometry(s0, sn)
-                            and dn.storage_offset() - copies[j][0].storage_offset() == dd
-                            and sn.storage_offset() - copies[j][1].storage_offset() == ds):
+                    if not (
+                        _same_geometry(d0, dn)
+                        and _same_geometry(s0, sn)
+                        and dn.storage_offset() - copies[j][0].storage_offset() == dd
+                        and sn.storage_offset() - copies[j][1].storage_offset() == ds
+                    ):
                         break
                     j += 1
         if j == i:
             out.append((d0, s0))
         else:
             count = j - i + 1
-            out.append((d0.as_strided((count, *d0.shape), (dd, *d0.stride()), d0.storage_offset()),
-                        s0.as_strided((count, *s0.shape), (ds, *s0.stride()), s0.storage_offset())))
+            out.append(
+                (
+                    d0.as_strided((count, *d0.shape), (dd, *d0.stride()), d0.storage_offset()),
+                    s0.as_strided((count, *s0.shape), (ds, *s0.stride()), s0.storage_offset()),
+                )
+            )
         i = j + 1
     return out
 
@@ -62,8 +74,12 @@ def merge_copies(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[
 def wide_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``dst`` and ``src`` viewed as the widest integer type their layouts allow, where both are non-contiguous
     views of one dtype on one device and a wider type fits; else ``None``."""
-    if (dst.dtype != src.dtype or dst.device != src.device or dst.shape != src.shape
-            or (dst.is_contiguous() and src.is_contiguous())):
+    if (
+        dst.dtype != src.dtype
+        or dst.device != src.device
+        or dst.shape != src.shape
+        or (dst.is_contiguous() and src.is_contiguous())
+    ):
         return None
     for wide in _WIDE:
         if wide.itemsize <= dst.element_size():

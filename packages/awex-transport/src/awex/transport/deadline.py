@@ -11,8 +11,9 @@ POLL_SECONDS = 20e-6
 SPIN_SECONDS = 300e-6  # around an expected completion, poll without sleeping (a sleep overshoots by 50-100 us)
 
 
-def wait_event(event: torch.cuda.Event, deadline: float, timed_out: Callable[[], BaseException],
-               expect_at: float = 0.0) -> None:
+def wait_event(
+    event: torch.cuda.Event, deadline: float, timed_out: Callable[[], BaseException], expect_at: float = 0.0
+) -> None:
     """Return once ``event`` has completed; raise ``timed_out()`` once ``time.monotonic()`` passes ``deadline``.
     ``expect_at``: when (``time.monotonic()``) it should complete: from shortly before until shortly after, the
     poll does not sleep."""

@@ -102,8 +102,9 @@ class SyncGroup:
         me = members.index(self.rank)
         if self.backend == "nccl":
             pg = _nccl_process_group(store, me, len(members), self._watchdog or self.timeout + WATCHDOG_SLACK)
-            _probe(pg, self.device, len(members), time.monotonic() + self.timeout,
-                   f"rank {self.rank}: subgroup {members}")
+            _probe(
+                pg, self.device, len(members), time.monotonic() + self.timeout, f"rank {self.rank}: subgroup {members}"
+            )
         else:
             pg = dist.ProcessGroupGloo(store, me, len(members), wait)
         self._subgroups[members] = pg
@@ -160,7 +161,9 @@ def create_sync_group(
     try:
         store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=wait)
     except (RuntimeError, TimeoutError) as e:  # torch raises DistStoreError (a RuntimeError) on timeouts
-        raise TimeoutError(f"rank {rank}: could not join the sync store at {host}:{port} within {timeout:g} s: {e}") from e
+        raise TimeoutError(
+            f"rank {rank}: could not join the sync store at {host}:{port} within {timeout:g} s: {e}"
+        ) from e
     store = dist.PrefixStore(prefix, store)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, world_size, wait)
@@ -223,8 +226,9 @@ def _probe(pg, device: torch.device, size: int, deadline: float, what: str) -> N
             pg.abort()
         except Exception as e:  # noqa: BLE001 - the timeout is the error to report
             log.warning("aborting the NCCL group failed: %s", e)
-        return TimeoutError(f"{what}: the first all-reduce did not finish before the deadline (a member is gone "
-                            "or never came)")
+        return TimeoutError(
+            f"{what}: the first all-reduce did not finish before the deadline (a member is gone or never came)"
+        )
 
     wait_event(done, deadline, timed_out)
     get_error = getattr(pg, "get_error", None)

@@ -32,9 +32,15 @@ from awex.meta import Box, Plan
 from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable, triton_available
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
-from awex.transport.peer_dma import (PeerDmaError, close_ipc_memory, enable_peer_access, open_ipc_memory, pull,
-                                     pull_bytes)
 from awex.transport.p2p import TransferStats, TransferTimeout
+from awex.transport.peer_dma import (
+    PeerDmaError,
+    close_ipc_memory,
+    enable_peer_access,
+    open_ipc_memory,
+    pull,
+    pull_bytes,
+)
 from awex.transport.shards import LocalShards, torch_dtype
 
 log = logging.getLogger("awex.transport")
@@ -70,8 +76,10 @@ class IpcExport:
         return {
             "storages": [[enc(x) for x in s] for s in self.storages],
             "pointers": list(self.pointers),
-            "views": [[v.name, list(v.box.offsets), list(v.box.sizes), v.storage, v.offset, list(v.strides), v.dtype]
-                      for v in self.views],
+            "views": [
+                [v.name, list(v.box.offsets), list(v.box.sizes), v.storage, v.offset, list(v.strides), v.dtype]
+                for v in self.views
+            ],
         }
 
     @classmethod
@@ -98,8 +106,11 @@ class IpcExport:
         if not isinstance(doc, dict):
             raise TypeError("an export is a JSON object")
         raw_storages, raw_views, raw_pointers = doc["storages"], doc["views"], doc["pointers"]
-        for what, items, limit in (("storages", raw_storages, _MAX_STORAGES), ("views", raw_views, _MAX_VIEWS),
-                                   ("pointers", raw_pointers, _MAX_STORAGES)):
+        for what, items, limit in (
+            ("storages", raw_storages, _MAX_STORAGES),
+            ("views", raw_views, _MAX_VIEWS),
+            ("pointers", raw_pointers, _MAX_STORAGES),
+        ):
             if not isinstance(items, list) or len(items) > limit:
                 raise ValueError(f"{what}: a list of at most {limit}")
         storages = []
@@ -121,8 +132,10 @@ class IpcExport:
             name = _checked(name, str, "name")
             if not 0 < len(name) <= 1024:
                 raise ValueError("a view's name has 1 to 1024 characters")
-            offsets, sizes, strides = (tuple(_count(x, what) for x in _checked(xs, list, what))
-                                       for xs, what in ((offsets, "offset"), (sizes, "size"), (strides, "stride")))
+            offsets, sizes, strides = (
+                tuple(_count(x, what) for x in _checked(xs, list, what))
+                for xs, what in ((offsets, "offset"), (sizes, "size"), (strides, "stride"))
+            )
             if not len(offsets) == len(sizes) == len(strides) <= _MAX_DIMS:
                 raise ValueError(f"view {name!r}: offsets, sizes and strides of different lengths")
             storage, offset = _count(storage, "storage index"), _count(offset, "element offset")
@@ -147,8 +160,20 @@ _MAX_VIEWS = 1 << 22
 _MAX_DIMS = 8
 _MAX_HANDLE_BYTES = 4096
 _MAX_COUNT = 1 << 62
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
-                "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1}
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
 
 
 def _checked(value, kind: type, what: str):
@@ -186,8 +211,16 @@ def export_shards(shards: LocalShards) -> IpcExport:
     views = []
     for name in sorted(shards.names()):
         for box, view in shards.pairs(name):
-            views.append(ExportedView(name, box, index[view.untyped_storage().data_ptr()], view.storage_offset(),
-                                      tuple(view.stride()), str(view.dtype).removeprefix("torch.")))
+            views.append(
+                ExportedView(
+                    name,
+                    box,
+                    index[view.untyped_storage().data_ptr()],
+                    view.storage_offset(),
+                    tuple(view.stride()),
+                    str(view.dtype).removeprefix("torch."),
+                )
+            )
     return IpcExport(handles, pointers, tuple(views))
 
 
@@ -199,8 +232,12 @@ class MappedShards(LocalShards):
     parameters of one segment with one DMA.
     """
 
-    def __init__(self, shards, regions: Sequence[tuple[int, int]],
-                 handles: dict[tuple[int, int], tuple[bytes | None, int]] | None = None):
+    def __init__(
+        self,
+        shards,
+        regions: Sequence[tuple[int, int]],
+        handles: dict[tuple[int, int], tuple[bytes | None, int]] | None = None,
+    ):
         super().__init__(shards)
         self.regions = tuple(sorted(regions))
         self._starts = [lo for lo, _ in self.regions]
@@ -280,7 +317,8 @@ def open_export(export: IpcExport) -> MappedShards:
     for fields in export.storages:
         home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
         st = torch.UntypedStorage._new_shared_cuda(
-            home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync)
+            home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync
+        )
         storages.append(st)
         base = st.data_ptr() - offset
         lo, hi = mapped.get(handle, (base, base))
@@ -292,8 +330,9 @@ def open_export(export: IpcExport) -> MappedShards:
         t = torch.empty(0, dtype=torch_dtype(v.dtype), device=st.device)
         t.set_(st, v.offset, v.box.sizes, v.strides)
         shards.setdefault(v.name, []).append((v.box, t))
-    return MappedShards(shards, list(mapped.values()),
-                        {region: (cuda_malloc_handle(h), homes[h]) for h, region in mapped.items()})
+    return MappedShards(
+        shards, list(mapped.values()), {region: (cuda_malloc_handle(h), homes[h]) for h, region in mapped.items()}
+    )
 
 
 def _overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
@@ -356,10 +395,22 @@ class IpcExecutor:
     1.09x; eight fixed buffers, twice the memory, 1.08x.)
     """
 
-    def __init__(self, plan: Plan, rank: int, shards: LocalShards, sources: dict[int, LocalShards],
-                 cuda_graph: bool = True, bounce_bytes: int = 128 << 20, bounce_buffers: int = 4,
-                 max_gap_bytes: int = 1 << 20, dma_streams: int = 3, local_branches: int = 4,
-                 pace_local: bool | None = None, direct_streams: int = 2, batched_copy: bool | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        shards: LocalShards,
+        sources: dict[int, LocalShards],
+        cuda_graph: bool = True,
+        bounce_bytes: int = 128 << 20,
+        bounce_buffers: int = 4,
+        max_gap_bytes: int = 1 << 20,
+        dma_streams: int = 3,
+        local_branches: int = 4,
+        pace_local: bool | None = None,
+        direct_streams: int = 2,
+        batched_copy: bool | None = None,
+    ):
         if min(bounce_buffers, dma_streams, local_branches, direct_streams) < 1:
             raise ValueError("bounce_buffers, dma_streams, local_branches and direct_streams must be at least 1")
         self.plan = plan
@@ -433,10 +484,14 @@ class IpcExecutor:
             self._local_chunks, self._local_batched = [], []
             for chunk in _balance(self._local, chunks):
                 together, apart = split_batchable(chunk) if batched_copy else ([], chunk)
-                far, at = ((self._read_in_kernel, self._kernel_sources) if not self._local_batched  # not paced:
-                           else ([], []))  # one chunk
-                self._local_batched.append(BatchedCopy(together, spread=far, spread_sources=at)
-                                           if together or far else None)
+                far, at = (
+                    (self._read_in_kernel, self._kernel_sources)
+                    if not self._local_batched  # not paced:
+                    else ([], [])
+                )  # one chunk
+                self._local_batched.append(
+                    BatchedCopy(together, spread=far, spread_sources=at) if together or far else None
+                )
                 self._local_chunks.append(_balance(apart, len(self._branches)))
             self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
         self._whole: torch.cuda.CUDAGraph | None = None
@@ -464,8 +519,12 @@ class IpcExecutor:
         for stream in used:
             done = torch.cuda.Event()
             done.record(stream)
-            wait_event(done, deadline, lambda: TransferTimeout(
-                f"rank {self.rank}: CUDA IPC copies not done within {timeout:g} s"), expect_at=expect_at)
+            wait_event(
+                done,
+                deadline,
+                lambda: TransferTimeout(f"rank {self.rank}: CUDA IPC copies not done within {timeout:g} s"),
+                expect_at=expect_at,
+            )
         for stream in used:
             compute.wait_stream(stream)
         seconds = time.monotonic() - started
@@ -516,12 +575,15 @@ class IpcExecutor:
         """Span DMAs round-robin on the DMA streams (several in flight hide each DMA's start-up), placements on
         one stream; a part of the ring is refilled only once what it held has been placed."""
         place = self._streams["place"]
-        used = [*self._dma_streams[:len(self._spans)], place]
+        used = [*self._dma_streams[: len(self._spans)], place]
         for stream in used:
             stream.wait_stream(compute)
         placed: list[torch.cuda.Event] = []
-        local_at = {} if not self.pace_local else {
-            j * len(self._spans) // len(self._local_chunks): j for j in range(len(self._local_chunks))}
+        local_at = (
+            {}
+            if not self.pace_local
+            else {j * len(self._spans) // len(self._local_chunks): j for j in range(len(self._local_chunks))}
+        )
         for i, span in enumerate(self._spans):
             dma = self._dma_streams[i % len(self._dma_streams)]
             landed = torch.cuda.Event()
@@ -554,8 +616,14 @@ class IpcExecutor:
         else:  # only pieces too large for a bounce buffer and not contiguous (PyTorch's copy kernel)
             dst.copy_(src, non_blocking=True)
 
-    def _plan_remote(self, sources: dict[int, LocalShards], bounce_bytes: int, bounce_buffers: int,
-                     max_gap_bytes: int, batched_copy: bool) -> None:
+    def _plan_remote(
+        self,
+        sources: dict[int, LocalShards],
+        bounce_bytes: int,
+        bounce_buffers: int,
+        max_gap_bytes: int,
+        batched_copy: bool,
+    ) -> None:
         """Cut the copies from other GPUs into direct DMAs and bounce-buffer spans (see the class docstring)."""
         regions = [x for x in sources.values() if isinstance(x, MappedShards)]
 
@@ -615,9 +683,15 @@ class IpcExecutor:
         self.staging_bytes = capacity
         self._spans: list[_Span] = []
         for (lo, hi, items), (offset, after) in zip(kept, slots):
-            placed = [(d, self._ring.view(s.dtype).as_strided(s.shape, s.stride(),
-                                                              (offset + s.data_ptr() - lo) // s.element_size()))
-                      for d, s in items]
+            placed = [
+                (
+                    d,
+                    self._ring.view(s.dtype).as_strided(
+                        s.shape, s.stride(), (offset + s.data_ptr() - lo) // s.element_size()
+                    ),
+                )
+                for d, s in items
+            ]
             self._spans.append(_Span(lo, hi - lo, offset, after, _placements(merge_copies(placed), batched_copy)))
 
     def _copy_local(self, chunk: int, stream: torch.cuda.Stream) -> None:
@@ -653,7 +727,7 @@ class IpcExecutor:
         if batched is not None:
             with torch.cuda.stream(stream):
                 batched()
-        for branch in self._branches[:len(lanes)]:
+        for branch in self._branches[: len(lanes)]:
             stream.wait_stream(branch)
 
 
@@ -707,15 +781,20 @@ def _rows_within(d: torch.Tensor, s: torch.Tensor, nbytes: int) -> list[tuple[to
     or one row alone is too large. Without it such a copy would fall back to a copy across GPUs by PyTorch
     (measured on 2x H200 with 32 MiB bounce buffers: the down projections' column halves made a sync 4x slower)."""
     start, end = _extent(s)
-    if (end - start <= nbytes or s.dim() == 0 or s.shape[0] < 2 or s.stride(0) <= 0
-            or (d.is_contiguous() and s.is_contiguous())):
+    if (
+        end - start <= nbytes
+        or s.dim() == 0
+        or s.shape[0] < 2
+        or s.stride(0) <= 0
+        or (d.is_contiguous() and s.is_contiguous())
+    ):
         return [(d, s)]
     per_row = s.stride(0) * s.element_size()
     first_row = end - start - per_row * (s.shape[0] - 1)  # the extent of one row
     rows = (nbytes - first_row) // per_row + 1
     if rows < 1:
         return [(d, s)]
-    return [(d[i:i + rows], s[i:i + rows]) for i in range(0, s.shape[0], rows)]
+    return [(d[i : i + rows], s[i : i + rows]) for i in range(0, s.shape[0], rows)]
 
 
 def ring_slots(sizes: Sequence[int], capacity: int, align: int = 16) -> list[tuple[int, int | None]]:

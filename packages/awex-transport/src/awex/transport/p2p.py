@@ -140,12 +140,20 @@ class WaveExecutor:
                 if (b.wave, b.transfers) in rooted:
                     continue  # one broadcast serves every destination
                 rooted.add((b.wave, b.transfers))
-            messages = [(m, self._direct(shards, names[m[0].tensor], m[0], dtypes[m[0].tensor])
-                         if len(m) == 1 and direct_bytes is not None else None)
-                        for m in bucket_messages(b, direct_bytes)]
+            messages = [
+                (
+                    m,
+                    self._direct(shards, names[m[0].tensor], m[0], dtypes[m[0].tensor])
+                    if len(m) == 1 and direct_bytes is not None
+                    else None,
+                )
+                for m in bucket_messages(b, direct_bytes)
+            ]
             by_wave.setdefault(b.wave, []).append((step, messages, members))
-        sizes = {w: sum(_align(message_offsets(m)[1]) for _, ms, _ in steps for m, direct in ms if direct is None)
-                 for w, steps in by_wave.items()}
+        sizes = {
+            w: sum(_align(message_offsets(m)[1]) for _, ms, _ in steps for m, direct in ms if direct is None)
+            for w, steps in by_wave.items()
+        }
         slot = max(sizes.values(), default=0)
         self.slots = 2 if self.device.type == "cuda" and len(by_wave) > 1 else 1
         self.staging = torch.empty(slot * self.slots, dtype=torch.uint8, device=self.device)
@@ -166,10 +174,10 @@ class WaveExecutor:
                         self.direct_bytes += size
                     else:
                         offsets, nbytes = message_offsets(transfers)
-                        message = self.staging[pos:pos + nbytes]
+                        message = self.staging[pos : pos + nbytes]
                         pos += _align(nbytes)
                         for t, off in zip(transfers, offsets):
-                            region = message[off:off + t.nbytes].view(dtypes[t.tensor]).view(t.sizes)
+                            region = message[off : off + t.nbytes].view(dtypes[t.tensor]).view(t.sizes)
                             for here, piece in shards.pieces(names[t.tensor], t.offsets, t.sizes):
                                 part = region[here] if here else region
                                 if step.op == "send":
@@ -184,12 +192,20 @@ class WaveExecutor:
             wave.pack = [copier(d, s) for d, s in merge_copies(pack)]
             wave.unpack = [copier(d, s) for d, s in merge_copies(unpack)]
             self.waves.append(wave)
-            self.sent_regions.append([(names[t.tensor], t.offsets, t.sizes)
-                                      for step, _, _ in by_wave[w] if step.op == "send" for t in step.bucket.transfers])
+            self.sent_regions.append(
+                [
+                    (names[t.tensor], t.offsets, t.sizes)
+                    for step, _, _ in by_wave[w]
+                    if step.op == "send"
+                    for t in step.bucket.transfers
+                ]
+            )
         self.bytes_sent = sum(n for w in self.waves for _, _, n in w.sends) + sum(
-            n for w in self.waves for _, root, _, n in w.broadcasts if root == rank)
+            n for w in self.waves for _, root, _, n in w.broadcasts if root == rank
+        )
         self.bytes_received = sum(n for w in self.waves for _, _, n in w.recvs) + sum(
-            n for w in self.waves for _, root, _, n in w.broadcasts if root != rank)
+            n for w in self.waves for _, root, _, n in w.broadcasts if root != rank
+        )
         self.buckets = sum(len(steps) for steps in by_wave.values())
 
     @staticmethod
@@ -223,17 +239,36 @@ class WaveExecutor:
             self._run_cuda(deadline, timeout, before_pack)
         else:
             self._run_blocking(deadline, timeout, before_pack)
-        stats = TransferStats(self.bytes_sent, self.bytes_received, self.buckets, len(self.waves),
-                              self.staging_bytes, time.monotonic() - started)
-        log.debug("rank %d: %d waves, %d buckets, sent %d B, received %d B in %.3f s", self.rank, stats.waves,
-                  stats.buckets, stats.bytes_sent, stats.bytes_received, stats.seconds)
+        stats = TransferStats(
+            self.bytes_sent,
+            self.bytes_received,
+            self.buckets,
+            len(self.waves),
+            self.staging_bytes,
+            time.monotonic() - started,
+        )
+        log.debug(
+            "rank %d: %d waves, %d buckets, sent %d B, received %d B in %.3f s",
+            self.rank,
+            stats.waves,
+            stats.buckets,
+            stats.bytes_sent,
+            stats.bytes_received,
+            stats.seconds,
+        )
         return stats
 
     def _what(self, wave: _Wave) -> str:
-        peers = sorted({p for p, _, _ in wave.sends} | {p for p, _, _ in wave.recvs}
-                       | {m for ms, _, _, _ in wave.broadcasts for m in ms if m != self.rank})
-        size = (sum(n for _, _, n in wave.sends) + sum(n for _, _, n in wave.recvs)
-                + sum(n for _, _, _, n in wave.broadcasts))
+        peers = sorted(
+            {p for p, _, _ in wave.sends}
+            | {p for p, _, _ in wave.recvs}
+            | {m for ms, _, _, _ in wave.broadcasts for m in ms if m != self.rank}
+        )
+        size = (
+            sum(n for _, _, n in wave.sends)
+            + sum(n for _, _, n in wave.recvs)
+            + sum(n for _, _, _, n in wave.broadcasts)
+        )
         return f"rank {self.rank}: wave {wave.index} ({size} bytes with rank(s) {peers})"
 
     def _post(self, wave: _Wave, deadline: float, timeout: float) -> list[tuple[object, str]]:
@@ -243,8 +278,11 @@ class WaveExecutor:
             raise TransferTimeout(f"{self._what(wave)}: the sync's {timeout:g} s deadline passed")
         try:
             works = self.group.exchange([(m, p) for p, m, _ in wave.sends], [(m, p) for p, m, _ in wave.recvs])
-            labels = (["the grouped sends and receives"] if self.group.backend == "nccl" else
-                      [f"send to rank {p}" for p, _, _ in wave.sends] + [f"recv from rank {p}" for p, _, _ in wave.recvs])
+            labels = (
+                ["the grouped sends and receives"]
+                if self.group.backend == "nccl"
+                else [f"send to rank {p}" for p, _, _ in wave.sends] + [f"recv from rank {p}" for p, _, _ in wave.recvs]
+            )
             out = list(zip(works, labels))
             for members, root, message, _ in wave.broadcasts:
                 work = self.group.broadcast(members, message, root)
@@ -270,8 +308,9 @@ class WaveExecutor:
                     text = str(e).lower()
                     late = time.monotonic() >= deadline or "timed out" in text or "timeout" in text
                     if late:
-                        raise TransferTimeout(f"{self._what(wave)}: {op} not done within the sync's {timeout:g} s "
-                                              f"deadline: {e}") from e
+                        raise TransferTimeout(
+                            f"{self._what(wave)}: {op} not done within the sync's {timeout:g} s deadline: {e}"
+                        ) from e
                     raise TransferError(f"{self._what(wave)}: {op} failed: {e}") from e
             for copy in wave.unpack:
                 copy()
@@ -316,8 +355,9 @@ class WaveExecutor:
     def _wait(self, event: torch.cuda.Event, wave: _Wave, deadline: float, timeout: float) -> None:
         def timed_out() -> TransferTimeout:
             self.group.abort()
-            return TransferTimeout(f"{self._what(wave)}: not done within the sync's {timeout:g} s deadline; "
-                                   "the sync group was aborted")
+            return TransferTimeout(
+                f"{self._what(wave)}: not done within the sync's {timeout:g} s deadline; the sync group was aborted"
+            )
 
         wait_event(event, deadline, timed_out)
 

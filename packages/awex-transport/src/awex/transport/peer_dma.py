@@ -56,8 +56,10 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
     if device == peer:
         return
     if not torch.cuda.can_device_access_peer(device, peer):
-        raise PeerDmaError(f"{device} cannot access {peer} directly (no P2P path between them): CUDA IPC "
-                           "copies across these GPUs are not possible")
+        raise PeerDmaError(
+            f"{device} cannot access {peer} directly (no P2P path between them): CUDA IPC "
+            "copies across these GPUs are not possible"
+        )
     lib = _libcuda()
     for here, there in ((peer, device), (device, peer)):  # ends with `device` current
         with torch.cuda.device(here):
@@ -100,8 +102,10 @@ def open_ipc_memory(handle: bytes, device: torch.device) -> int:
     address = ctypes.c_uint64()
     with torch.cuda.device(device):
         torch.cuda.current_stream(device)  # makes the primary context of `device` current on this thread
-        _check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(address), raw, _IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-               "cuIpcOpenMemHandle")
+        _check(
+            lib.cuIpcOpenMemHandle_v2(ctypes.byref(address), raw, _IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+            "cuIpcOpenMemHandle",
+        )
     return address.value
 
 

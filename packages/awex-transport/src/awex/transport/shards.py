@@ -42,7 +42,9 @@ class LocalShards:
         for name, pairs in self._shards.items():
             for box, view in pairs:
                 if tuple(view.shape) != box.sizes:
-                    raise ShardMismatchError(f"{name}: view of shape {tuple(view.shape)} for box {box} of shape {box.sizes}")
+                    raise ShardMismatchError(
+                        f"{name}: view of shape {tuple(view.shape)} for box {box} of shape {box.sizes}"
+                    )
         devices = {view.device for pairs in self._shards.values() for _, view in pairs}
         if len(devices) > 1:
             raise ShardMismatchError(f"a rank's views must be on one device, got {sorted(map(str, devices))}")
@@ -78,9 +80,13 @@ class LocalShards:
                     if not box.contains(sub):
                         problems.append(f"{name} {box}: piece {sub} lies outside the box")
                     elif tuple(view.shape) != sub.sizes:
-                        problems.append(f"{name} {sub}: native view has shape {tuple(view.shape)}, expected {sub.sizes}")
+                        problems.append(
+                            f"{name} {sub}: native view has shape {tuple(view.shape)}, expected {sub.sizes}"
+                        )
                     elif view.dtype != want:
-                        problems.append(f"{name} {sub}: native dtype {view.dtype}, layout says {layout.tensor(name).spec.dtype}")
+                        problems.append(
+                            f"{name} {sub}: native dtype {view.dtype}, layout says {layout.tensor(name).spec.dtype}"
+                        )
                     else:
                         covered += sub.numel
                         shards.setdefault(name, []).append((sub, view))
@@ -94,7 +100,8 @@ class LocalShards:
         if problems:
             shown = "\n  ".join(problems[:30])
             raise ShardMismatchError(
-                f"{layout.instance} rank {local_rank}: {len(problems)} shard(s) do not match the layout:\n  {shown}")
+                f"{layout.instance} rank {local_rank}: {len(problems)} shard(s) do not match the layout:\n  {shown}"
+            )
         return cls(shards)
 
     def names(self) -> Iterable[str]:

@@ -114,8 +114,9 @@ class Segment:
         self.owner = owner
         self._map = mmap.mmap(fd, max(nbytes, 1))
         os.close(fd)
-        self.tensor = (torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes] if nbytes
-                       else torch.empty(0, dtype=torch.uint8))
+        self.tensor = (
+            torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
+        )
         self._finalizer = weakref.finalize(self, _remove, path) if owner else None  # at exit too
 
     @classmethod
@@ -162,7 +163,6 @@ class Segment:
             pass
 
 
-
 def _remove(path: Path) -> None:
     try:
         os.unlink(path)
@@ -170,9 +170,10 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _region_view(segment: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype,
-                 sizes: tuple[int, ...]) -> torch.Tensor:
-    return segment[offset:offset + nbytes].view(dtype).view(sizes)
+def _region_view(
+    segment: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, sizes: tuple[int, ...]
+) -> torch.Tensor:
+    return segment[offset : offset + nbytes].view(dtype).view(sizes)
 
 
 def _check_cpu(shards: LocalShards) -> None:
@@ -202,16 +203,19 @@ class ShmSender:
 
     def wire(self) -> dict[str, Any]:
         """What receivers need to open the segment (published through the MetaServer)."""
-        return {"path": str(self.segment.path), "nbytes": self.segment.nbytes, "digest": self.plan.digest,
-                "rank": self.rank}
+        return {
+            "path": str(self.segment.path),
+            "nbytes": self.segment.nbytes,
+            "digest": self.plan.digest,
+            "rank": self.rank,
+        }
 
     def fill(self) -> TransferStats:
         """Write this version's bytes into the segment."""
         started = time.monotonic()
         for copy in self.copies:
             copy()
-        return TransferStats(bytes_sent=self.bytes_sent, buckets=len(self.copies),
-                             seconds=time.monotonic() - started)
+        return TransferStats(bytes_sent=self.bytes_sent, buckets=len(self.copies), seconds=time.monotonic() - started)
 
     def close(self) -> None:
         self.copies = []
@@ -234,11 +238,18 @@ class SegmentInfo:
         path, nbytes, digest, rank = doc["path"], doc["nbytes"], doc["digest"], doc["rank"]
         if not isinstance(path, str) or not isinstance(digest, str):
             raise ValueError("malformed shared-memory segment record: path and digest must be strings")
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not isinstance(rank, int) or isinstance(rank, bool):
+        if (
+            not isinstance(nbytes, int)
+            or isinstance(nbytes, bool)
+            or not isinstance(rank, int)
+            or isinstance(rank, bool)
+        ):
             raise ValueError("malformed shared-memory segment record: nbytes and rank must be integers")
         if digest != plan.digest or rank != peer:
-            raise ValueError(f"the segment of sync rank {rank} was laid out for plan {digest[:12]}, not for this "
-                             f"rank's plan {plan.digest[:12]} and sync rank {peer}")
+            raise ValueError(
+                f"the segment of sync rank {rank} was laid out for plan {digest[:12]}, not for this "
+                f"rank's plan {plan.digest[:12]} and sync rank {peer}"
+            )
         expected = segment_layout(plan, peer)[1]
         if nbytes != expected:
             raise ValueError(f"the segment of sync rank {peer} holds {nbytes} bytes; the plan puts {expected} there")
@@ -274,8 +285,9 @@ class ShmReceiver:
         started = time.monotonic()
         for copy in self.copies:
             copy()
-        return TransferStats(bytes_received=self.bytes_received, buckets=len(self.copies),
-                             seconds=time.monotonic() - started)
+        return TransferStats(
+            bytes_received=self.bytes_received, buckets=len(self.copies), seconds=time.monotonic() - started
+        )
 
     def close(self) -> None:
         self.copies = []

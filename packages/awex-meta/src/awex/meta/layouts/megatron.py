@@ -12,7 +12,8 @@ Ranks follow Megatron's default order ``tp-cp-ep-dp-pp`` (tensor parallel fastes
   128) and split in equal blocks; rows past the real vocabulary are padding, not canonical data.
 - Pipeline stages: layer ``L`` belongs to chunk ``L // (layers / (pp * vpp))`` and that chunk to stage
   ``chunk % pp``; uneven pipelines give the first and last stage ``first``/``last`` layers
-  (``--decoder-first/last-pipeline-num-layers``) and split the rest evenly; the embedding is on the first stage, final norm and output layer on the last. With tied
+  (``--decoder-first/last-pipeline-num-layers``) and split the rest evenly; the embedding is on the first stage, final
+  norm and output layer on the last. With tied
   embeddings the last stage keeps a copy of the embedding as its output layer.
 - Experts: expert ``e`` lives on EP rank ``e // (experts / ep)``, split over expert-TP (``etp``) like a dense MLP.
 """

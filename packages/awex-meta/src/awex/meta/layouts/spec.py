@@ -60,7 +60,9 @@ def parse_engine_spec(text: str) -> EngineSpec:
     return EngineSpec(engine, options, instances)
 
 
-def layouts_for(spec: EngineSpec, tensors: Sequence[CanonicalTensor], role: Role | str, prefix: str | None = None) -> list[Layout]:
+def layouts_for(
+    spec: EngineSpec, tensors: Sequence[CanonicalTensor], role: Role | str, prefix: str | None = None
+) -> list[Layout]:
     """The layouts of every instance an engine description stands for."""
     role = Role(role)
     prefix = prefix or spec.engine

@@ -127,8 +127,9 @@ def vllm_layout(tensors: Sequence[CanonicalTensor], parallel: VllmParallel, inst
     return Layout(instance, Role.INFERENCE, p.world_size, (mesh,), tuple(out))
 
 
-def vllm_engine_layout(hf_config: Mapping[str, Any], dtype: str, parallel: VllmParallel,
-                       instance: str = "vllm") -> Layout:
+def vllm_engine_layout(
+    hf_config: Mapping[str, Any], dtype: str, parallel: VllmParallel, instance: str = "vllm"
+) -> Layout:
     """The layout of a vLLM engine from its HF config: canonical tensors in ``dtype`` placed by
     :func:`vllm_layout`, in their FP8 form (weights + ``weight_scale_inv``) when the config declares FP8 block
     quantisation. Other quantisation methods raise ``ValueError`` (Awex does not move them)."""

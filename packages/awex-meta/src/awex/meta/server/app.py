@@ -184,8 +184,10 @@ class MetaServerApp:
         if grow <= 0:
             return
         if job.held_bytes() + grow > self.config.max_job_bytes:
-            raise _TooLarge(f"job {job.name!r} would hold more than {self.config.max_job_bytes} bytes "
-                            "(forget finished versions' records, or raise --max-job-mb)")
+            raise _TooLarge(
+                f"job {job.name!r} would hold more than {self.config.max_job_bytes} bytes "
+                "(forget finished versions' records, or raise --max-job-mb)"
+            )
         if self.total_bytes() + grow > self.config.max_total_bytes:
             raise _TooLarge(f"the server would hold more than {self.config.max_total_bytes} bytes in all")
 
@@ -250,14 +252,27 @@ class MetaServerApp:
 
     # -- routes --------------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "server": "awex-meta", "version": SERVER_VERSION,
-                                  "auth": bool(self.config.token), "epoch": self.epoch})
+        return web.json_response(
+            {
+                "ok": True,
+                "server": "awex-meta",
+                "version": SERVER_VERSION,
+                "auth": bool(self.config.token),
+                "epoch": self.epoch,
+            }
+        )
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response({"server": "awex-meta", "version": SERVER_VERSION, "time": time.time(),
-                                  "epoch": self.epoch, "held_bytes": self.total_bytes(),
-                                  "jobs": {n: j.summary(self.config.recent_events)
-                                           for n, j in sorted(self.jobs.items())}})
+        return web.json_response(
+            {
+                "server": "awex-meta",
+                "version": SERVER_VERSION,
+                "time": time.time(),
+                "epoch": self.epoch,
+                "held_bytes": self.total_bytes(),
+                "jobs": {n: j.summary(self.config.recent_events) for n, j in sorted(self.jobs.items())},
+            }
+        )
 
     async def put_value(self, request: web.Request) -> web.Response:
         key = self.key_of(request)
@@ -322,8 +337,11 @@ class MetaServerApp:
 
     async def register(self, request: web.Request) -> web.Response:
         _, doc = await self.body_json(request)
-        f = self.fields(doc, {"name": str, "role": str, "instance": str, "world_size": int, "host": str,
-                              "info": dict}, optional=("world_size", "host", "info"))
+        f = self.fields(
+            doc,
+            {"name": str, "role": str, "instance": str, "world_size": int, "host": str, "info": dict},
+            optional=("world_size", "host", "info"),
+        )
         if not _NAME.match(f["name"]):
             raise _BadRequest(f"bad participant name {f['name']!r}")
         if f["role"] not in ("trainer", "inference"):
@@ -334,14 +352,21 @@ class MetaServerApp:
         job = self.job_of(request)
         old = job.participants.get(f["name"])
         if old is None and len(job.participants) >= self.config.max_participants_per_job:
-            raise _BadRequest(f"too many participants in job {job.name!r} "
-                              f"(limit {self.config.max_participants_per_job})")
+            raise _BadRequest(
+                f"too many participants in job {job.name!r} (limit {self.config.max_participants_per_job})"
+            )
         self.charge(job, size)
         now = time.time()
         job.participants[f["name"]] = Participant(
-            name=f["name"], role=f["role"], instance=f["instance"], world_size=f.get("world_size", 1),
-            host=f.get("host", request.remote or "")[:256], registered_at=old.registered_at if old else now,
-            last_seen=now, weight_version=old.weight_version if old else None, info=f.get("info", {}),
+            name=f["name"],
+            role=f["role"],
+            instance=f["instance"],
+            world_size=f.get("world_size", 1),
+            host=f.get("host", request.remote or "")[:256],
+            registered_at=old.registered_at if old else now,
+            last_seen=now,
+            weight_version=old.weight_version if old else None,
+            info=f.get("info", {}),
         )
         job.participant_bytes += size - (len(json.dumps(old.info)) if old else 0)
         event = job.add_event("register", f["name"], None, {"role": f["role"], "instance": f["instance"]})
@@ -356,8 +381,9 @@ class MetaServerApp:
         job = self.job_of(request, create=False)
         p = job.participants.get(name) if job is not None else None
         if p is None:
-            return _error(404, "not_found", f"participant {name!r} is not registered in job "
-                                            f"{request.match_info['job']!r}")
+            return _error(
+                404, "not_found", f"participant {name!r} is not registered in job {request.match_info['job']!r}"
+            )
         p.weight_version = f["version"]
         p.last_seen = time.time()
         event = job.add_event("version", name, f["version"], None)
@@ -365,8 +391,11 @@ class MetaServerApp:
 
     async def publish_event(self, request: web.Request) -> web.Response:
         _, doc = await self.body_json(request)
-        f = self.fields(doc, {"kind": str, "source": str, "version": (str, type(None)), "data": object},
-                        optional=("version", "data"))
+        f = self.fields(
+            doc,
+            {"kind": str, "source": str, "version": (str, type(None)), "data": object},
+            optional=("version", "data"),
+        )
         if not _NAME.match(f["kind"]):
             raise _BadRequest(f"bad event kind {f['kind']!r}")
         if len(f["source"]) > 256 or (f.get("version") is not None and len(f["version"]) > 512):
@@ -409,16 +438,22 @@ class MetaServerApp:
         a = job.agreements.get(name)
         if a is None:
             if len(job.agreements) >= self.config.max_agreements_per_job:
-                raise _BadRequest(f"too many agreements in job {job.name!r} "
-                                  f"(limit {self.config.max_agreements_per_job}; writers forget old versions')")
+                raise _BadRequest(
+                    f"too many agreements in job {job.name!r} "
+                    f"(limit {self.config.max_agreements_per_job}; writers forget old versions')"
+                )
             self.charge(job, size)
             a = job.agreements[name] = Agreement(f["expected"])
         if a.expected != f["expected"]:
             return _error(409, "conflict", f"agreement {name!r} expects {a.expected} participants, not {f['expected']}")
         if f["participant"] not in a.values:
             if len(a.values) >= a.expected:
-                return _error(409, "conflict", f"agreement {name!r} already has its {a.expected} participants; "
-                                               f"{f['participant']!r} is not one of them")
+                return _error(
+                    409,
+                    "conflict",
+                    f"agreement {name!r} already has its {a.expected} participants; "
+                    f"{f['participant']!r} is not one of them",
+                )
             self.charge(job, size)
             a.value_bytes += size
         a.values[f["participant"]] = f["value"]
@@ -430,8 +465,14 @@ class MetaServerApp:
         for v in a.values.values():
             if v not in distinct:
                 distinct.append(v)
-        return web.json_response({"complete": done, "arrived": len(a.values), "expected": a.expected,
-                                  "distinct_values": distinct if done else []})
+        return web.json_response(
+            {
+                "complete": done,
+                "arrived": len(a.values),
+                "expected": a.expected,
+                "distinct_values": distinct if done else [],
+            }
+        )
 
 
 SERVER_KEY = web.AppKey("awex_meta_server", MetaServerApp)

@@ -113,8 +113,13 @@ def serve_forever(host: str, port: int, config: ServerConfig, started=None) -> N
 
 def _runner(config: ServerConfig) -> web.AppRunner:
     # keepalive_timeout also closes connections that never send a request (aiohttp starts it on connect)
-    return web.AppRunner(make_app(config), access_log=None, handle_signals=False, shutdown_timeout=1.0,
-                         keepalive_timeout=config.idle_seconds)
+    return web.AppRunner(
+        make_app(config),
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=1.0,
+        keepalive_timeout=config.idle_seconds,
+    )
 
 
 class _Refused(asyncio.Protocol):
@@ -142,11 +147,20 @@ class LimitedSite(web.TCPSite):
             if len(server.connections) >= self.max_connections:
                 self.refused += 1
                 if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
-                    log.warning("MetaServer: %d connections open (limit %d); refused %d so far",
-                                len(server.connections), self.max_connections, self.refused)
+                    log.warning(
+                        "MetaServer: %d connections open (limit %d); refused %d so far",
+                        len(server.connections),
+                        self.max_connections,
+                        self.refused,
+                    )
                 return _Refused()
             return server()
 
         self._server = await asyncio.get_running_loop().create_server(
-            protocol, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port)
+            protocol,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )

@@ -102,12 +102,22 @@ class JobState:
 
     def held_bytes(self) -> int:
         """What this job holds, counted as the JSON bytes that arrived."""
-        return (self.kv_bytes + sum(self.event_bytes) + self.participant_bytes
-                + sum(a.value_bytes for a in self.agreements.values()))
+        return (
+            self.kv_bytes
+            + sum(self.event_bytes)
+            + self.participant_bytes
+            + sum(a.value_bytes for a in self.agreements.values())
+        )
 
     def add_event(self, kind: str, source: str, version: str | None, data: Any, nbytes: int = 0) -> dict[str, Any]:
-        event = {"seq": self.next_seq, "time": time.time(), "kind": kind, "source": source,
-                 "version": version, "data": data}
+        event = {
+            "seq": self.next_seq,
+            "time": time.time(),
+            "kind": kind,
+            "source": source,
+            "version": version,
+            "data": data,
+        }
         self.next_seq += 1
         self.events.append(event)
         self.event_bytes.append(nbytes)
