@@ -1,7 +1,7 @@
 """The host board: a sync's per-version signals through shared memory, for the ranks on the writer's host.
 
 The version channel (``awex.engines.channel``) reaches every rank over TCP; on one host a TCP wake-up still
-costs tenths of a millisecond (0.4-0.5 ms measured on an H200 host's loopback), several times per version. The
+costs tenths of a millisecond, several times per version (measured: docs/performance.md). The
 board carries the same signals through a file in ``/dev/shm`` that every process on the host maps:
 
 - the manifest of the current version, under a sequence lock (odd while it is being written);
@@ -46,7 +46,7 @@ _WORD = struct.Struct("<q")
 @functools.lru_cache(maxsize=1)
 def host_identity() -> str:
     """Which host (and boot) this process runs on: ranks on the same one can share the board. Read once per
-    process (reading ``/proc`` costs about 0.1 ms on some GPU hosts, and every manifest is checked against it)."""
+    process (reading ``/proc`` is slow on some hosts, and every manifest is checked against it)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

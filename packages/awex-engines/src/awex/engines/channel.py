@@ -3,7 +3,7 @@
 Planning, agreement and discovery go through the MetaServer (once per layout). What every version needs
 afterwards is a handful of small signals: the trainer's manifest of version V, each trainer rank's "my weights of
 V are ready" (CUDA IPC), each receiver's outcome of V (applied, or failed and why). Through the MetaServer each is
-an HTTP round trip and a long-poll wake-up (about 0.5 ms each on an H200 host): milliseconds per version. The channel
+an HTTP round trip and a long-poll wake-up: milliseconds per version (measured: docs/performance.md). The channel
 carries
 them over a ``torch.distributed.TCPStore`` that the trainer's first rank hosts (a C++ key-value server, tens of
 microseconds per operation). Its address travels in the manifest on the MetaServer; every key carries a random

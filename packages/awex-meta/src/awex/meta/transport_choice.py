@@ -9,8 +9,8 @@ Two ways to move the same weights:
   one copy of what it holds however many instances need it. The only choice across hosts or without GPUs.
   NCCL cannot put two ranks on one GPU, so engines sharing a GPU must use ``"ipc"``.
 
-On one host, copy engines move bytes at least as fast as NCCL (measured on H200 with NV18: 389 vs 368 GB/s per
-GPU, and no waves or staging), so ``"ipc"`` wins unless it makes some GPU move more bytes over the links than
+On one host, copy engines move bytes at least as fast as NCCL, with no waves or staging (measured: see
+:data:`IPC_RATE_MARGIN`), so ``"ipc"`` wins unless it makes some GPU move more bytes over the links than
 the relayed point-to-point plan does, by more than that rate's margin (:data:`IPC_RATE_MARGIN`).
 :func:`choose_transport` compares the busiest GPU of both plans; a GPU that several other GPUs pull from at
 once (a second one taking at least a quarter of its egress) counts that egress :data:`SHARED_SOURCE_FACTOR`
@@ -24,7 +24,7 @@ and NCCL cannot serve them either).
 
 A sender that derives what it sends wave by wave (FP8 quantisation on the fly) overlaps that work with the
 transfer only point to point; over CUDA IPC it finishes before receivers read. Then ``"p2p"`` is chosen unless
-engines share GPUs (measured, Qwen3-8B FP8 1 -> 1 on 2x H200: 30.9 ms over NCCL, 37.2 ms over CUDA IPC).
+engines share GPUs (measured: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -37,13 +37,11 @@ from awex.meta.plan import Plan
 
 IPC_RATE_MARGIN = 1.05
 """How many more bytes the busiest GPU may move over CUDA IPC than point to point and IPC still be chosen: copy
-engines pulling over NVLink against NCCL's point-to-point rate, 389 / 368 GB/s measured on H200 (NV18)."""
+engines pulling over NVLink against NCCL's point-to-point rate (measured: docs/performance.md)."""
 
 SHARED_SOURCE_FACTOR = 1.5
 """How much longer a GPU takes to serve its bytes over CUDA IPC when two or more other GPUs pull from it at once:
-their copy engines share its egress less well than NCCL's relayed plan spreads it (measured on 4x H200,
-Megatron TP=2 -> two vLLM TP=1 instances on other GPUs, each receiver pulling from both trainer GPUs: 67.9 ms
-over CUDA IPC against a 42.7 ms bound, 53.8 ms over NCCL with relays)."""
+their copy engines share its egress less well than NCCL's relayed plan spreads it (measured: docs/performance.md)."""
 
 Devices = Sequence[tuple[str, int, str]]
 """``(instance, local_rank, device)``, a device written ``host/GPU-uuid``; an empty device: not a CUDA rank, or

@@ -2,8 +2,7 @@
 
 A receiver whose sources are separate allocations (per-parameter trainer memory, MoE experts) makes thousands
 of same-GPU copies of a few MiB each. Each as its own copy kernel ends in a tail where most of the GPU idles,
-and a few streams of them do not fill the gaps (measured on H200, Qwen3-30B-A3B's 3,225 expert copies of a
-median 3 MiB, 15.1 GB: 8.07 ms in a CUDA graph over four streams against 7.20 ms at the device's copy rate).
+and a few streams of them do not fill the gaps (measured: docs/performance.md).
 Here every copy is cut into blocks of ``block_bytes`` and one launch of one Triton kernel copies all blocks,
 each program one block, so the GPU stays full to the end.
 
@@ -122,9 +121,7 @@ class BatchedCopy:
     ``spread`` copies may read another GPU of the host (peer access enabled, :func:`batchable` with ``peer``):
     the kernel's loads cross NVLink. Their blocks are spread evenly among the others' (:func:`spread_evenly`),
     so the reads over the link overlap the whole launch instead of leaving the GPU's memory idle at one end
-    (measured on 2x H200, the MoE shape's colocated TP=2 -> TP=1 receiver: 15.1 GB within the GPU and 0.75 GB
-    from its neighbour took 7.61 ms spread, 9.38 ms with the neighbour's blocks first or last, and 8.27 ms with
-    the neighbour's bytes as copy-engine DMAs running beside the launch; 7.31 ms without them).
+    (measured: docs/performance.md).
     ``spread_sources`` are the addresses the kernel reads each spread copy's source at, where that is not its
     ``data_ptr()`` (memory of another process: :func:`awex.transport.peer_dma.open_ipc_memory`)."""
 

@@ -8,10 +8,9 @@ Copies between two GPUs are left alone: each piece is contiguous there and goes 
 strided view would turn into temporaries.
 
 Such strided copies are then made wide (:func:`copier`): PyTorch copies a non-contiguous view element by
-element, without vectorised loads, so 2-byte bf16 elements move at a fraction of memory bandwidth (measured on
-H200: 1.79 GB of Qwen3-8B's Q/K/V rows out of Megatron's fused QKV took 2.50 ms, 0.84 ms for as many bytes
-contiguous; a 2D ``cuMemcpy2DAsync`` was no faster). Copying the same bytes viewed as 8-byte integers moves
-four elements per load (1.31 ms; 1.14 ms in a CUDA graph), bit for bit.
+element, without vectorised loads, so 2-byte bf16 elements move at a fraction of memory bandwidth (a 2D
+``cuMemcpy2DAsync`` is no faster). Copying the same bytes viewed as 8-byte integers moves four elements per
+load, bit for bit (measured: docs/performance.md).
 """
 
 from __future__ import annotations

@@ -378,9 +378,9 @@ class IpcExecutor:
     included) into a bounce ring and placed from there by local copies. Spans go end to end around the ring
     (:func:`ring_slots`; ``bounce_buffers`` times the largest span) and alternate between ``dma_streams``
     streams, so the next DMAs overlap the last placements, many at once where spans are small; a
-    piece alone in its span goes as its own DMA straight into place. (Measured on 2x H200: sending every
-    contiguous piece of 8 MiB or more straight into place, skipping the bounce, was slower: more, smaller
-    DMAs.) Staging is at most ``bounce_buffers * bounce_bytes``, sized to the largest span actually needed.
+    piece alone in its span goes as its own DMA straight into place (sending every large contiguous piece straight
+    into place was slower: more, smaller DMAs). Staging is at most ``bounce_buffers * bounce_bytes``, sized to the
+    largest span actually needed.
     With ``pace_local`` the same-GPU copies run in slices between placements rather than all at once; by default
     (``None``) they are paced where the peer DMAs are the longer part of the sync (:func:`paces_local`). Same-GPU
     copies that are contiguous and 16-byte aligned go, each slice, as one kernel launch
@@ -389,10 +389,8 @@ class IpcExecutor:
     contiguous pieces from other GPUs join that launch instead of going as DMAs: the kernel reads them over
     NVLink, their blocks spread among the local ones (the copy engines' writes into a GPU whose memory a kernel
     saturates stall it more than the same bytes read by the kernel). Pieces
-    that go as their own DMA are dealt to ``direct_streams`` streams (balanced by bytes). (Measured on
-    2x H200, colocated Megatron TP=2 -> vLLM TP=1 per GPU with per-parameter trainer allocations, 512 MiB of
-    staging: four fixed buffers 1.15x the bound, the ring 1.11x, with three DMA streams and two direct ones
-    1.09x; eight fixed buffers, twice the memory, 1.08x.)
+    that go as their own DMA are dealt to ``direct_streams`` streams (balanced by bytes). The defaults were
+    measured: docs/performance.md.
     """
 
     def __init__(
@@ -757,17 +755,16 @@ def _placements(copies: list[tuple[torch.Tensor, torch.Tensor]], batched: bool) 
 
 COPY_OVER_LINK = 5.0
 """How many times faster a GPU copies within its memory than it pulls from a peer (bytes moved per second;
-H200: 2100 GB/s against 389 GB/s over NV18, H100 about the same ratio)."""
+measured: docs/performance.md)."""
 
 
 def paces_local(remote_bytes: int, local_bytes: int) -> bool:
     """Whether a receiver's same-GPU copies should run in slices between its peer DMAs' placements.
 
     Run at once, same-GPU copies saturate the GPU's memory for a while and the DMAs into it stall meanwhile:
-    where the DMAs take longer than the local copies (Qwen3-8B colocated TP=2 -> TP=1, 8.2 GB each way, on
-    2x H200: 22.1 ms paced, 22.9 ms at once), spreading the local copies over the DMAs hides them. Where the
-    local copies take longer (a MoE model whose experts every trainer rank holds whole: 15.4 GB local, 0.85 GB
-    from the peer), pacing ties them to the DMAs' progress (10.4 ms paced, 9.9 ms at once)."""
+    where the DMAs take longer than the local copies, spreading the local copies over the DMAs hides them. Where
+    the local copies take longer (a MoE model whose experts every trainer rank holds whole), pacing ties them to
+    the DMAs' progress (measured: docs/performance.md)."""
     return remote_bytes * COPY_OVER_LINK >= local_bytes
 
 
@@ -779,7 +776,7 @@ def _rows_within(d: torch.Tensor, s: torch.Tensor, nbytes: int) -> list[tuple[to
     """A copy whose source spans more than ``nbytes`` cut along its first dimension into copies that each span
     at most ``nbytes`` (so they fit a bounce buffer), unless both sides are contiguous (one DMA does it whole)
     or one row alone is too large. Without it such a copy would fall back to a copy across GPUs by PyTorch
-    (measured on 2x H200 with 32 MiB bounce buffers: the down projections' column halves made a sync 4x slower)."""
+    (the down projections' column halves made a sync several times slower; measured: docs/performance.md)."""
     start, end = _extent(s)
     if (
         end - start <= nbytes

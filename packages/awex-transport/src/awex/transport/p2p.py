@@ -73,8 +73,7 @@ def bucket_messages(bucket: Bucket, direct_bytes: int | None) -> list[tuple[Tran
 
     A message that is one transfer can be sent straight out of the sender's memory and received straight
     into the receiver's where that side's view of it is contiguous (each side decides for itself), skipping
-    the staging copies: on 2x H200 the copies around 256 MiB waves cost a 1 -> 1 NCCL sync 7% (48.8 ms
-    against 45.7 ms for the same messages without them).
+    the staging copies, which cost a large sync several percent (measured: docs/performance.md).
     """
     if direct_bytes is None:
         return [bucket.transfers]

@@ -3,8 +3,8 @@
 PyTorch runs a copy between two GPUs on the *source* GPU's current stream. In colocated mode the source GPU
 belongs to another engine's process, and every process that issues work on a GPU has its own context there;
 contexts on one GPU time-slice. So a receiver pulling from its neighbour GPU through ``Tensor.copy_`` takes
-turns with the neighbour's own receiver (measured on 2x H200: the peer DMAs and the neighbour's local copies
-added up instead of overlapping, 34.7 ms against 27.0 + 7.7 ms). Issuing the DMA on a stream of the receiving
+turns with the neighbour's own receiver: the two add up instead of overlapping (measured: docs/performance.md).
+Issuing the DMA on a stream of the receiving
 GPU keeps each process on its own GPU: the copy engines pull over NVLink while the neighbour's kernels run.
 
 Only the CUDA driver API is used (``libcuda``, present wherever CUDA runs), through ``ctypes``; both sides must
@@ -51,7 +51,7 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
     """Peer access between the two GPUs' contexts in this process, both ways (idempotent).
 
     Both directions are needed for full speed: with only ``device -> peer`` enabled, a DMA issued on
-    ``device`` from memory of ``peer`` ran at about 31 GB/s on 2x H200 (staged), with both at link speed.
+    ``device`` from memory of ``peer`` ran at a fraction of link speed (measured: docs/performance.md).
     """
     if device == peer:
         return
@@ -91,8 +91,8 @@ def open_ipc_memory(handle: bytes, device: torch.device) -> int:
     its address in this process.
 
     Kernels on ``device`` can read such a mapping over NVLink. They cannot read the mapping PyTorch makes when
-    it opens a storage of another GPU (in that GPU's own context), even with peer access enabled: measured on
-    2x H200, such reads fault with an illegal address. Close with :func:`close_ipc_memory`.
+    it opens a storage of another GPU (in that GPU's own context), even with peer access enabled: such reads
+    fault with an illegal address (seen on H200). Close with :func:`close_ipc_memory`.
     """
     if len(handle) != 64:
         raise ValueError(f"a CUDA IPC memory handle has 64 bytes, got {len(handle)}")
