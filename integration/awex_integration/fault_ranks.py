@@ -122,6 +122,8 @@ def trainer_rank(
             writer.refresh = lambda: _exit_soon(0.05)
         if fault == "die_after_agreement":  # every rank agreed on the plan and joined the group; no byte sent
             writer.refresh = lambda: os._exit(EXIT_CODE)
+        if fault == "die_before_ready":  # its weights are out (an IPC export, a filled segment); not yet signalled
+            writer._session._ring_ready = lambda *args: os._exit(EXIT_CODE)
         started = time.monotonic()
         try:
             writer.write(version, destinations)

@@ -578,9 +578,10 @@ def shm_cases() -> list[Case]:
     return [
         Case(
             "shm_trainer_killed_in_first_version",
-            "the trainer is killed while it fills its new shared-memory segment: the receivers fail at their "
-            "deadline, the segment is removed (no /dev/shm leak), the restarted trainer's next version succeeds",
-            trainer=[_steps("v-1", "v-2", v_1="die_during")],
+            "the trainer is killed once it filled its new shared-memory segment, before it says ready: the "
+            "receivers fail at their deadline, the segment is removed (no /dev/shm leak), the restarted trainer's "
+            "next version succeeds",
+            trainer=[_steps("v-1", "v-2", v_1="die_before_ready")],
             engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
             restart={("trainer", 0): _steps("v-2")},
             restart_delay=-RECEIVER_DEADLINES,

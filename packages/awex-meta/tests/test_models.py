@@ -64,3 +64,11 @@ def test_dtype_override_and_aliases():
     cfg = load_config(MODELS / "qwen2-tiny.json")
     assert {t.spec.dtype for t in canonical_tensors(cfg, dtype="bf16")} == {"bfloat16"}
     assert {t.spec.dtype for t in canonical_tensors({**cfg, "torch_dtype": None, "dtype": "float16"})} == {"float16"}
+
+
+def test_a_tensor_of_an_unknown_kind_is_refused():
+    from awex.meta import TensorSpec
+    from awex.meta.models import CanonicalTensor
+
+    with pytest.raises(ValueError, match="unknown tensor kind 'colum'"):  # a typo in a model table
+        CanonicalTensor(TensorSpec("w", (4, 4), "float32"), "colum")

@@ -1,8 +1,18 @@
-"""awex.engines: Bindings for training and inference engines, and the WeightsWriter / WeightsReader that compose Awex.
+"""awex.engines: the WeightsWriter / WeightsReader that compose Awex, and bindings for training and inference
+engines.
 
-This distribution is a skeleton: it installs, imports and declares its dependencies; its modules arrive with
-the end-to-end CPU sync work. It depends on awex-meta for the shared vocabulary (tensor specs, boxes, layouts,
-plans).
+- :class:`WeightsWriter` (one per trainer rank) and :class:`WeightsReader` (one per receiving rank): a weight
+  version's sync through a MetaServer, over the transport the ranks choose (``p2p``, ``ipc``, ``shm``).
+- :class:`SyncFailedError`: a version not applied on every receiving rank, naming who failed and why.
+- Sources and receivers per engine: :mod:`awex.engines.megatron`, :mod:`awex.engines.fsdp`, :mod:`awex.engines.hf`;
+  vLLM's ``awex`` weight-transfer backend (:mod:`awex.engines.vllm_backend`) and trainer engine
+  (:mod:`awex.engines.vllm_trainer`). Engines themselves are optional extras: importing this package imports none.
 """
 
+from awex.engines.errors import SyncFailedError
+from awex.engines.reader import WeightsReader
+from awex.engines.writer import WeightsWriter
+
 __version__ = "0.1.0"
+
+__all__ = ["SyncFailedError", "WeightsReader", "WeightsWriter"]

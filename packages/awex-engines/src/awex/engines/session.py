@@ -157,10 +157,6 @@ def outcome_key(manifest: SyncManifest, instance: str, local_rank: int) -> str:
     return f"outcome/{manifest.version}/{manifest.seq}/{instance}:{local_rank}"
 
 
-def layout_key(instance: str) -> str:
-    return f"layouts/current/{instance}"
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

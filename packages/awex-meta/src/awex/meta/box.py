@@ -70,11 +70,6 @@ class Box:
     def to_list(self) -> list[list[int]]:
         return [list(self.offsets), list(self.sizes)]
 
-    @classmethod
-    def from_list(cls, value: list[list[int]]) -> Box:
-        offsets, sizes = value
-        return cls(tuple(int(v) for v in offsets), tuple(int(v) for v in sizes))
-
     def __str__(self) -> str:
         if not self.sizes:
             return "[]"

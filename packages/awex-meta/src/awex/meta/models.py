@@ -38,6 +38,10 @@ class CanonicalTensor:
     expert: int | None = None
     heads: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.spec.name}: unknown tensor kind {self.kind!r} (one of {', '.join(KINDS)})")
+
     @property
     def name(self) -> str:
         return self.spec.name

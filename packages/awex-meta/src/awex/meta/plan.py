@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 from awex.meta.box import Box
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
@@ -136,11 +136,6 @@ class Plan:
             steps.append(Step("send", b.dst, b) if b.src == rank else Step("recv", b.src, b))
         return steps
 
-    def iter_transfers(self) -> Iterator[tuple[Bucket, Transfer]]:
-        for b in self.buckets:
-            for t in b.transfers:
-                yield b, t
-
     @property
     def digest(self) -> str:
         """SHA-256 of the plan's canonical encoding: equal on every rank that planned the same inputs."""
@@ -177,7 +172,7 @@ class Plan:
 def plan_digest(plan: Plan) -> str:
     h = hashlib.sha256()
     h.update(b"awex-plan/3\n")
-    h.update(f"D{getattr(plan.options, 'direct_bytes', None)},{getattr(plan.options, 'broadcast', False)}\n".encode())
+    h.update(f"D{plan.options.direct_bytes},{plan.options.broadcast}\n".encode())
     for r in plan.ranks:
         h.update(f"R{r.rank},{r.instance},{r.role.value},{r.local_rank}\n".encode())
     for t in plan.tensors:

@@ -101,7 +101,7 @@ def broadcast_groups(plan: Plan) -> dict[tuple[int, int, tuple[Transfer, ...]], 
     """``(wave, source, transfers) -> members`` (the source and its destinations, sorted) for the buckets of a
     :attr:`~awex.meta.PlanOptions.broadcast` plan that one source sends alike to several destinations in one
     wave: each goes as one broadcast. Empty for other plans. The same on every rank."""
-    if not getattr(plan.options, "broadcast", False):
+    if not plan.options.broadcast:
         return {}
     dsts: dict[tuple[int, int, tuple[Transfer, ...]], list[int]] = {}
     for b in plan.buckets:
@@ -126,7 +126,7 @@ class WaveExecutor:
         names = [t.name for t in plan.tensors]
         Entry = tuple[Step, list[tuple[tuple[Transfer, ...], torch.Tensor | None]], tuple[int, ...] | None]
         by_wave: dict[int, list[Entry]] = {}
-        direct_bytes = getattr(plan.options, "direct_bytes", None)
+        direct_bytes = plan.options.direct_bytes
         groups = broadcast_groups(plan)
         for members in sorted(set(groups.values())):  # same order on every rank: NCCL initialises collectively
             if rank in members:
