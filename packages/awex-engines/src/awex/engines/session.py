@@ -242,7 +242,6 @@ class SyncSession:
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
     _outcomes_after: float = 0.0  # a trainer's last wait for the receivers' outcomes (seconds)
     _last_attempt: tuple[str | None, str, int] | None = None  # (channel, version, count) this rank took part in
-    _hosts: dict[tuple[str, int], str] = field(default_factory=dict)  # every rank's host, from the device exchange
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan, executors and staging, and the other
@@ -417,10 +416,11 @@ class SyncSession:
 
     def _devices(
         self, version: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float, ipc_ok: bool = True
-    ) -> tuple[tuple, dict]:
+    ) -> tuple[tuple, dict, set[str]]:
         """Every rank's physical device and the devices it reaches, through the MetaServer (for CUDA IPC plans:
-        take from the same GPU; for ``auto``: choose the transport). Published per version (an engine restarted
-        elsewhere never leaves a stale answer); a rank that cannot take part in CUDA IPC publishes none."""
+        take from the same GPU; for ``auto``: choose the transport), and the hosts the ranks run on (for shared
+        memory). Published per version (an engine restarted elsewhere never leaves a stale answer); a rank that
+        cannot take part in CUDA IPC publishes no device."""
         mine = (self.physical_device() or "") if ipc_ok else ""
         self.client.put(
             f"devices/{version}/{self.instance}/{self.local_rank}",
@@ -431,21 +431,20 @@ class SyncSession:
                 "signals": [kind for kind, have in (("board", self.board), ("channel", self.channel)) if have],
             },
         )
-        out, reach = [], {}
-        self._hosts = {}
+        out, reach, hosts = [], {}, set()
         common = {"board", "channel"}
         for name in names:
             for rank in range(layouts[name].world_size):
                 doc = self.client.get(f"devices/{version}/{name}/{rank}", timeout=max(0.1, deadline - time.monotonic()))
                 common &= set(doc.get("signals", ())) if isinstance(doc, dict) else set()
-                self._hosts[(name, rank)] = str(doc.get("host", "")) if isinstance(doc, dict) else ""
+                hosts.add(str(doc.get("host", "")) if isinstance(doc, dict) else "")
                 key = doc.get("device") if isinstance(doc, dict) else doc
                 if key:
                     out.append((name, rank, str(key)))
                     reach[(name, rank)] = [str(d) for d in doc.get("reach", ())] if isinstance(doc, dict) else [key]
         # per-version CUDA IPC signals go where every rank can see them
         self._signals = "board" if "board" in common else "channel" if "channel" in common else "meta"
-        return tuple(out), reach
+        return tuple(out), reach, hosts
 
     def prepare(self, manifest: SyncManifest, timeout: float, ipc_ok: bool = True) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
@@ -469,7 +468,7 @@ class SyncSession:
         if manifest.transport not in ("p2p", "ipc", "shm", "auto"):
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
-            devices, reach = self._devices(
+            devices, reach, hosts = self._devices(
                 f"{manifest.version}/{manifest.seq}", names, layouts, deadline, ipc_ok and manifest.transport != "p2p"
             )
 
@@ -498,11 +497,10 @@ class SyncSession:
         else:
             plan = plan_for(transport)
             blocked = unreachable(plan, devices, reach) if transport == "ipc" else []
-            hosts = sorted(set(self._hosts.values()))
             if transport == "shm" and len(hosts) != 1:
                 raise TransportError(
                     f"sync {manifest.version!r} over shared memory: its ranks run on "
-                    f"{len(hosts)} hosts ({', '.join(h.split('/')[0] for h in hosts[:4])}); "
+                    f"{len(hosts)} hosts ({', '.join(h.split('/')[0] for h in sorted(hosts)[:4])}); "
                     "use transport='p2p'"
                 )
             if blocked:

@@ -27,6 +27,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,7 @@ class ShmSender:
         dtypes = [torch_dtype(t.dtype) for t in plan.tensors]
         copies = []
         for (tensor, offs, sizes), at in offsets.items():
-            nbytes = dtypes[tensor].itemsize * _numel(sizes)
+            nbytes = dtypes[tensor].itemsize * prod(sizes)
             region = _region_view(self.segment.tensor, at, nbytes, dtypes[tensor], sizes)
             for here, piece in shards.pieces(names[tensor], offs, sizes):
                 copies.append((region[here] if here else region, piece))
@@ -294,10 +295,3 @@ class ShmReceiver:
         for segment in self.segments.values():
             segment.close()
         self.segments = {}
-
-
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
