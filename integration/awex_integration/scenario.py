@@ -82,9 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--instances", type=int, default=1)
     p.add_argument(
         "--transport",
-        choices=["gloo", "shm", "auto"],
+        choices=["gloo", "shm", "rdma", "auto"],
         default="gloo",
-        help="gloo: point to point over a gloo group; shm: host shared memory; auto: the writers choose",
+        help="gloo: point to point over a gloo group; shm: host shared memory; rdma: one-sided reads through "
+        "Mooncake's transfer engine (TCP where there is no RDMA NIC); auto: the writers choose",
     )
     p.add_argument(
         "--control",

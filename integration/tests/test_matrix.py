@@ -117,6 +117,11 @@ CASES = [
         "shm:megatron-tp2->vllm-tp2",
         ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2", "--transport", "shm"],
     ),
+    # one-sided reads of the trainers' registered buffers through Mooncake's transfer engine (TCP here: no RDMA NIC)
+    (
+        "rdma:megatron-tp2->vllm-tp2",
+        ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2", "--transport", "rdma"],
+    ),
     # atomic updates: everything arrives before anything is loaded
     (
         "staged:megatron-tp1-pp2->vllm-tp1",

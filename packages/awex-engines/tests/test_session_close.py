@@ -6,9 +6,10 @@ import socket
 import pytest
 import torch
 
-from awex.engines.session import IpcState, SyncManifest, SyncSession
+from awex.engines.session import SyncManifest, SyncSession
 from awex.transport import create_sync_group
-from awex.transport.ipc import MappedShards
+from awex.transport.ipc import IpcTransport, MappedShards
+from awex.transport.p2p import P2pTransport
 
 
 def _port() -> int:
@@ -17,18 +18,22 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_close_drops_plan_executors_and_opened_ipc_memory_once():
+def test_close_drops_plan_transports_and_opened_ipc_memory_once():
     session = SyncSession(None, "vllm-0", 0, device=torch.device("cpu"))  # no client: close must not need one
-    group = session._group = create_sync_group(0, 1, "127.0.0.1", _port(), backend="gloo", timeout=10)
+    p2p = P2pTransport()
+    group = p2p.group = create_sync_group(0, 1, "127.0.0.1", _port(), backend="gloo", timeout=10)
+    aborted = []
+    group.abort = lambda: aborted.append(True)  # closing must not abort (or shut down) the group
     opened = MappedShards({}, [])
     opened._aliases[((0, 1 << 20), 1)] = None  # a region another GPU could not map (nothing to unmap)
-    session._ipc = IpcState(opened={("trainer", 0): (1, opened)}, executor=object(), plan=object())
-    session._executor, session._plan, session._key = object(), object(), ("key",)
-    state = session._ipc
+    ipc = IpcTransport()
+    ipc.opened, ipc.executor = {("trainer", 0): (1, opened)}, object()
+    session._transports = {"p2p": p2p, "ipc": ipc}
+    session._plan, session._key = object(), ("key",)
     session.close()
-    assert session.closed and session._group is group  # untouched: no collective teardown
-    assert session._executor is None and session._plan is None and session._key is None
-    assert session._ipc is not state and not session._ipc.opened and session._ipc.executor is None
+    assert session.closed and not aborted and p2p.group is None
+    assert session._plan is None and session._key is None and not session._transports
+    assert not ipc.opened and ipc.executor is None
     assert not opened._aliases  # second mappings of the trainer's memory released
     session.close()  # idempotent
     manifest = SyncManifest("v1", ("trainer",), ("vllm-0",), "127.0.0.1", 1)

@@ -10,8 +10,8 @@ def _never(*args):
 
 
 def test_unknown_transport_is_refused():
-    with pytest.raises(ValueError, match="unknown transport 'rdma'"):
-        WeightsWriter(None, None, 0, _never, transport="rdma")
+    with pytest.raises(ValueError, match="unknown transport 'nvlink'"):
+        WeightsWriter(None, None, 0, _never, transport="nvlink")
 
 
 def test_refresh_by_wave_alone_is_refused():

@@ -22,10 +22,9 @@ from awex.engines.channel import ChannelError, VersionChannel
 from awex.meta import Layout, Plan, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
 from awex.meta.transport_choice import TransportError, choose_transport, unreachable
-from awex.transport import LocalShards, SyncGroup, WaveExecutor, create_sync_group
-from awex.transport.ipc import IpcExecutor, IpcExport, MappedShards
-from awex.transport.p2p import TransferStats
-from awex.transport.shm import SegmentInfo, ShmReceiver, ShmSender, sweep_stale
+from awex.transport import LocalShards
+from awex.transport.base import Setup, TransferStats, Transport
+from awex.transport.registry import TRANSPORTS, make_transport
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
 
@@ -176,40 +175,6 @@ class Phases(dict):
 
 
 @dataclass
-class IpcState:
-    """What a rank keeps between CUDA IPC syncs: a trainer's export and how many times it was re-exported; a
-    receiver's opened exports per source rank (with the generation they came from) and its executor."""
-
-    export: IpcExport | None = None
-    exported_from: object = None  # the LocalShards the export was made from (same object: same storages)
-    generation: int = 0
-    opened: dict[tuple[str, int], tuple[int, LocalShards]] = field(default_factory=dict)
-    executor: IpcExecutor | None = None
-    plan: Plan | None = None
-    bytes_sent: int | None = None  # a trainer's bytes per version under ``plan``
-    peers: list[int] | None = None  # a receiver's source ranks under ``plan``
-
-
-@dataclass
-class ShmState:
-    """What a rank keeps between shared-memory syncs: a sender's segment (and its generation: a new segment per
-    plan), a receiver's mappings of its senders' segments."""
-
-    sender: ShmSender | None = None
-    receiver: ShmReceiver | None = None
-    generation: int = 0
-    plan: Plan | None = None
-    opened: dict[int, int] = field(default_factory=dict)  # a receiver's peers -> generation mapped
-
-    def close(self) -> None:
-        for side in (self.sender, self.receiver):
-            if side is not None:
-                side.close()
-        self.sender = self.receiver = self.plan = None
-        self.opened = {}
-
-
-@dataclass
 class SyncSession:
     """One rank's side of the sync: caches what does not change between versions.
 
@@ -223,14 +188,10 @@ class SyncSession:
     _key: tuple | None = None
     _plan: Plan | None = None
     device: object = None  # torch.device of this rank's views: cuda -> NCCL, cpu -> gloo
-    _group: SyncGroup | None = None
     _layouts: dict[str, Layout] = field(default_factory=dict)
-    _executor: WaveExecutor | None = None
-    _ipc: IpcState = field(default_factory=IpcState)
-    _shm: ShmState = field(default_factory=ShmState)
-    _before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable for that executor)
+    _transports: dict[str, Transport] = field(default_factory=dict)  # made once per name, kept while open
     device_key: str | None = None  # physical device ("host/GPU-uuid"); from `device` when None and on CUDA
-    transport: str | None = None  # what the current plan runs on: "p2p" or "ipc" (manifest's, or auto's choice)
+    transport: str | None = None  # what the current plan runs on (the manifest's, or auto's choice)
     device_reach: tuple[str, ...] | None = None  # devices this rank reads over CUDA IPC; found out when None
     closed: bool = False
     phases: Phases = field(default_factory=Phases)  # seconds per phase of the last transfer
@@ -244,25 +205,21 @@ class SyncSession:
     _last_attempt: tuple[str | None, str, int] | None = None  # (channel, version, count) this rank took part in
 
     def close(self) -> None:
-        """End this rank's part in syncing (idempotent): drop the plan, executors and staging, and the other
-        processes' memory opened over CUDA IPC. A receiver must close (or exit) before the trainer processes
-        whose memory it opened exit: PyTorch counts those references in memory the trainer owns.
-
-        The sync group stays as it is (released with the process): shutting NCCL communicators down gracefully
-        is collective, and a closing rank must not wait for peers that are not closing."""
+        """End this rank's part in syncing (idempotent): drop the plan and every transport's state (executors,
+        staging, segments, the other processes' memory opened over CUDA IPC). A receiver must close (or exit)
+        before the trainer processes whose memory it opened exit: PyTorch counts those references in memory the
+        trainer owns. A sync group is dropped, not shut down (shutting NCCL down is collective, and a closing
+        rank must not wait for peers that are not closing)."""
         if self.closed:
             return
         self.closed = True
-        self._executor = self._before_pack = self._plan = self._key = self.channel = None
+        self._plan = self._key = self.channel = None
         if self.board is not None and not self.board.owner:
             self.board.close()
         self.board = None
-        opened = [source for _, source in self._ipc.opened.values()]
-        self._ipc = IpcState()
-        self._shm.close()
-        for source in opened:
-            if isinstance(source, MappedShards):
-                source.close()  # the second mappings made for kernel reads
+        transports, self._transports = list(self._transports.values()), {}
+        for transport in transports:
+            transport.close()
         import gc
 
         gc.collect()  # views into opened memory may sit in reference cycles (executors' closures)
@@ -270,10 +227,7 @@ class SyncSession:
     def held_bytes(self) -> int:
         """Bytes of buffers this rank keeps between syncs (staging of the point-to-point executor, the bounce
         ring of the CUDA IPC executor), read from the buffers themselves."""
-        held = 0
-        for executor in (self._executor, self._ipc.executor):
-            held += int(getattr(executor, "staging_bytes", 0) or 0) if executor is not None else 0
-        return held
+        return sum(t.held_bytes for t in self._transports.values())
 
     def steady_for(self, manifest: SyncManifest) -> bool:
         """Whether ``manifest`` needs nothing new: the same rendezvous, wave size and casts as the plan in use."""
@@ -465,7 +419,7 @@ class SyncSession:
         key = (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
-        if manifest.transport not in ("p2p", "ipc", "shm", "auto"):
+        if manifest.transport not in (*TRANSPORTS, "auto"):
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
             devices, reach, hosts = self._devices(
@@ -521,24 +475,12 @@ class SyncSession:
                 f"{transport}:{plan.digest}",
                 timeout=max(0.1, deadline - time.monotonic()),
             )
-        if transport in ("ipc", "shm"):
-            pass  # no process group: receivers copy from the trainers' memory, or from shared memory
-        elif self._group is None or self._key is None or self._key[0] != manifest.rendezvous():
-            cuda = getattr(self.device, "type", "cpu") == "cuda"
-            self._drop_group()
-            with phase("group"):
-                self._group = create_sync_group(
-                    me.rank,
-                    plan.world_size,
-                    manifest.host,
-                    manifest.port,
-                    backend="nccl" if cuda else "gloo",
-                    timeout=max(1.0, deadline - time.monotonic()),
-                    prefix=f"awex/{manifest.host}:{manifest.port}",
-                    device=self.device if cuda else None,
-                )
+        if transport not in self._transports:
+            self._transports[transport] = make_transport(transport)
+        setup = Setup(manifest.host, manifest.port, deadline, self.device, manifest.rendezvous())
+        self._transports[transport].prepare(plan, me.rank, setup, phase)
         self._layouts = layouts
-        self._key, self._plan, self._executor, self.transport = key, plan, None, transport
+        self._key, self._plan, self.transport = key, plan, transport
         self.signals = self._signals
         log.info(
             "%s:%d planned %d buckets (digest %s), sync rank %d of %d",
@@ -567,37 +509,22 @@ class SyncSession:
         self.phases = phase = Phases()
         self.touched = False
         plan, rank, _ = self.prepare(manifest, timeout, ipc_ok=not callable(shards))
-        if refresh_by_wave is not None and self.transport != "p2p":
+        transport = self._transports[self.transport]
+        if not transport.refreshes_by_wave:
             refresh_by_wave = None
         if refresh is not None and refresh_by_wave is None:
             with phase("refresh"):
                 refresh()
-        if self.transport == "ipc":
-            return self._transfer_ipc(manifest, plan, rank, shards, started + timeout)
-        if self.transport == "shm":
-            if callable(shards):
-                raise ValueError(
-                    "transport 'shm' copies into the engine's own views (in place), not per-sync receive buffers"
-                )
-            return self._transfer_shm(manifest, plan, rank, shards, started + timeout)
-        if callable(shards):  # views that depend on the plan (receive buffers): built per sync
-            with phase("executor"):
-                executor = WaveExecutor(plan, rank, shards(plan), self._group)
-        else:
-            if self._executor is None or self._executor.plan is not plan:
-                with phase("executor"):
-                    self._executor = WaveExecutor(plan, rank, shards, self._group)
-            executor = self._executor
-        before_pack = None
-        if refresh_by_wave is not None:
-            cached = self._before_pack
-            if cached is None or cached[0] is not refresh_by_wave or cached[1] is not executor:
-                cached = self._before_pack = (refresh_by_wave, executor, refresh_by_wave(executor.sent_regions))
-            before_pack = cached[2]
-        left = max(0.1, timeout - (time.monotonic() - started))
-        self.touched = True
-        with phase("transfer"):
-            return executor.run(timeout=left, before_pack=before_pack)
+        if callable(shards) and transport.in_place_only:
+            raise ValueError(
+                f"transport {self.transport!r} copies into the engine's own views (in place), not per-sync "
+                "receive buffers"
+            )
+        link = _PeerLink(self, manifest, plan, rank)
+        stats = transport.run(shards, link, started + timeout, phase, refresh_by_wave)
+        if transport.signals_ready:
+            stats.seconds = time.monotonic() - started
+        return stats
 
     # -- outcomes: a version counts as applied only when every receiving rank said so -------------------------
     def finish(self, manifest: SyncManifest, ok: bool, cause: str | None = None, partial: bool = False) -> None:
@@ -680,57 +607,11 @@ class SyncSession:
         """After a failed sync: forget the plan, the sync group and the executors, so the next manifest (a fresh
         rendezvous) plans and joins again. The group is dropped, not shut down (a peer may be gone); an NCCL one is
         aborted first (local: its kernels waiting on a dead peer end, its watchdog stops)."""
-        self._drop_group()
-        self._key = self._plan = self._executor = self._before_pack = None
-        self._ipc.executor = None
-        self._ipc.plan = None
-        self._ipc.peers = None
-        if self._shm.sender is not None or self._shm.receiver is not None:
-            self._shm.close()
-            sweep_stale()  # a sender killed before it removed its segment's name
+        self._key = self._plan = None
+        transport = self._transports.get(self.transport) if self.transport else None
+        if transport is not None:
+            transport.abort()
         self.transport = None
-
-    def _drop_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None and group.backend == "nccl":
-            group.abort()
-
-    def _ipc_ready(self, manifest: SyncManifest, shards: LocalShards, deadline: float) -> None:
-        """A trainer rank over CUDA IPC: this version's weights are in memory; export them where they moved, and
-        signal the receivers."""
-        import torch
-
-        from awex.transport.deadline import wait_event
-        from awex.transport.ipc import export_shards
-        from awex.transport.p2p import TransferTimeout
-
-        plan = self._plan
-        me = plan.rank(self.instance, self.local_rank)
-        phase = self.phases
-        stream = torch.cuda.current_stream(shards.device)
-        if not stream.query():  # idle (the usual case, after an optimizer step): nothing to wait for
-            done = torch.cuda.Event()  # this version's weights are in memory once the work queued so far ran
-            done.record(stream)
-            wait_event(
-                done,
-                deadline,
-                lambda: TransferTimeout(
-                    f"{self.instance}:{self.local_rank}: the GPU work before version {manifest.version} (the weights' "
-                    "last update) did not finish before the deadline"
-                ),
-            )
-        ipc = self._ipc
-        # the same views as last time alias the same storages: only other views need checking
-        if ipc.export is None or (ipc.exported_from is not shards and not ipc.export.matches(shards)):
-            with phase("export"):
-                ipc.export = export_shards(shards)
-                ipc.generation += 1
-                self.client.put(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation}", ipc.export.to_wire())
-                if ipc.generation > 1:  # every receiver of the earlier versions is done with the old handles
-                    self.client.delete(f"ipc/{me.instance}/{me.local_rank}/{ipc.generation - 1}")
-        ipc.exported_from = shards
-        with phase("ready"):
-            self._ring_ready("ipc", manifest, me, ipc.generation)
 
     def _ring_ready(self, kind: str, manifest: SyncManifest, me, generation: int) -> None:
         """A sender: this version's bytes are ready to be read (``generation``: of its export or segment)."""
@@ -763,103 +644,44 @@ class SyncSession:
                 raise ValueError(f"{ready(peer)}: {generation!r} is not an export generation")
         return list(generations)
 
-    def _transfer_ipc(
-        self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards, deadline: float
-    ) -> TransferStats:
-        """Sync on one host: trainers publish IPC exports (once, again if their storages move) and say ready;
-        receivers copy straight from the trainers' memory. Receivers then report their outcome (:meth:`finish`)
-        and the trainers wait for it (:meth:`await_outcomes`), so they do not change their weights while they are
-        read."""
-        from awex.transport.ipc import IpcExport, open_export
-
-        started = time.monotonic()
-        me = plan.ranks[rank]
-        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
-        stats = TransferStats()
-        phase = self.phases
-        if me.role.value == "trainer":
-            ipc = self._ipc
-            self._ipc_ready(manifest, shards, deadline)
-            if ipc.bytes_sent is None or ipc.plan is not plan:
-                ipc.bytes_sent, ipc.plan = sum(s.bucket.nbytes for s in plan.schedule(rank)), plan
-            stats.bytes_sent = ipc.bytes_sent
-        else:
-            ipc = self._ipc
-            opened = ipc.opened
-            sources = {}
-            changed = ipc.plan is not plan
-            with phase("open"):
-                if ipc.peers is None or ipc.plan is not plan:
-                    ipc.peers = sorted({s.peer for s in plan.schedule(rank)})
-                peers = ipc.peers
-                generations = self._await_ready("ipc", manifest, plan, peers, left)
-                for peer, generation in zip(peers, generations):
-                    src = plan.ranks[peer]
-                    key = (src.instance, src.local_rank)
-                    if key not in opened or opened[key][0] != generation:
-                        doc = self.client.get(f"ipc/{src.instance}/{src.local_rank}/{generation}", timeout=left())
-                        opened[key] = (generation, open_export(IpcExport.from_wire(doc)))
-                        changed = True
-                    sources[peer] = opened[key][1]
-            if changed or ipc.executor is None:
-                with phase("executor"):
-                    ipc.executor = IpcExecutor(plan, rank, shards, sources)
-                ipc.plan = plan
-            self.touched = True
-            with phase("transfer"):
-                stats = ipc.executor.run(timeout=left())
-            captured = ipc.executor.capture_seconds
-            if captured:  # the first run captured the sync as a CUDA graph
-                phase["capture"] = captured
-                phase["transfer"] -= captured
-                ipc.executor.capture_seconds = 0.0
-        stats.seconds = time.monotonic() - started
-        return stats
-
-    def _transfer_shm(
-        self, manifest: SyncManifest, plan: Plan, rank: int, shards: LocalShards, deadline: float
-    ) -> TransferStats:
-        """Sync through host shared memory: a sender fills its segment (a new one per plan, published through the
-        MetaServer) and says ready; receivers map the segments once and copy out. Outcomes as over CUDA IPC."""
-        me = plan.ranks[rank]
-        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
-        shm, phase = self._shm, self.phases
-        if me.role.value == "trainer":
-            if shm.sender is None or shm.plan is not plan:
-                with phase("executor"):
-                    shm.close()
-                    shm.sender, shm.plan = ShmSender(plan, rank, shards), plan
-                    shm.generation += 1
-                    self.client.put(f"shm/{me.instance}/{me.local_rank}/{shm.generation}", shm.sender.wire())
-                    if shm.generation > 1:  # its receivers are done with the old segment
-                        self.client.delete(f"shm/{me.instance}/{me.local_rank}/{shm.generation - 1}")
-            with phase("transfer"):
-                stats = shm.sender.fill()
-            with phase("ready"):
-                self._ring_ready("shm", manifest, me, shm.generation)
-            return stats
-        with phase("open"):
-            peers = sorted({s.peer for s in plan.schedule(rank)})
-            generations = self._await_ready("shm", manifest, plan, peers, left)
-            if (
-                shm.receiver is None
-                or shm.plan is not plan
-                or any(shm.opened.get(p) != g for p, g in zip(peers, generations))
-            ):
-                infos = {}
-                for peer, generation in zip(peers, generations):
-                    src = plan.ranks[peer]
-                    doc = self.client.get(f"shm/{src.instance}/{src.local_rank}/{generation}", timeout=left())
-                    infos[peer] = SegmentInfo.from_wire(doc, plan, peer)
-                shm.close()
-                shm.receiver, shm.plan = ShmReceiver(plan, rank, shards, infos), plan
-                shm.opened = dict(zip(peers, generations))
-        self.touched = True
-        with phase("transfer"):
-            return shm.receiver.run()
-
     def applied(self) -> None:
-        """A sender, once every receiver applied a version: over shared memory, each has mapped this plan's
-        segment, so its name can go (the mappings stay)."""
-        if self._shm.sender is not None:
-            self._shm.sender.segment.unlink()
+        """A sender, once every receiver applied a version (over shared memory: each has mapped this plan's
+        segment, so its name can go)."""
+        transport = self._transports.get(self.transport) if self.transport else None
+        if transport is not None:
+            transport.applied()
+
+
+@dataclass
+class _PeerLink:
+    """What the transport of one version says between ranks (:class:`awex.transport.base.PeerLink`): descriptors
+    through the MetaServer under ``<transport>/<instance>/<local rank>/<generation>``, ready signals where every
+    rank can take them (host board, version channel or MetaServer)."""
+
+    session: SyncSession
+    manifest: SyncManifest
+    plan: Plan
+    rank: int
+
+    def _key(self, rank: int, generation: int) -> str:
+        r = self.plan.ranks[rank]
+        return f"{self.session.transport}/{r.instance}/{r.local_rank}/{generation}"
+
+    def publish(self, generation: int, doc: dict) -> None:
+        client = self.session.client
+        client.put(self._key(self.rank, generation), doc)
+        if generation > 1:  # every receiver of the earlier versions is done with the one before
+            client.delete(self._key(self.rank, generation - 1))
+
+    def descriptor(self, peer: int, generation: int, deadline: float) -> Any:
+        return self.session.client.get(self._key(peer, generation), timeout=max(0.1, deadline - time.monotonic()))
+
+    def ready(self, generation: int) -> None:
+        self.session._ring_ready(self.session.transport, self.manifest, self.plan.ranks[self.rank], generation)
+
+    def moving(self) -> None:
+        self.session.touched = True
+
+    def await_ready(self, peers: Sequence[int], deadline: float) -> list[int]:
+        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+        return self.session._await_ready(self.session.transport, self.manifest, self.plan, list(peers), left)

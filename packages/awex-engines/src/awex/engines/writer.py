@@ -26,7 +26,8 @@ from awex.meta import Box, Layout, Plan
 from awex.meta.client import MetaClient
 from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
 from awex.transport import LocalShards
-from awex.transport.p2p import TransferStats
+from awex.transport.base import TransferStats
+from awex.transport.registry import TRANSPORTS
 
 log = logging.getLogger("awex.engines")
 
@@ -42,9 +43,10 @@ class WeightsWriter:
     handles exported once, reused while the parameters do not move); :meth:`write` returns once every
     receiver has finished reading. ``transport="shm"`` is for CPU engines on the trainer's host that share its
     ``/dev/shm``: this rank writes each version once into a shared-memory segment laid out by the plan, and the
-    receivers copy out of it (``awex.transport.shm``). ``transport="auto"`` (the default) lets the ranks choose when
-    they first
-    plan: CUDA IPC when every rank is a CUDA rank on one host and no GPU would move more than with relayed
+    receivers copy out of it (``awex.transport.shm``). ``transport="rdma"`` works across hosts: receivers read
+    this rank's registered buffer one-sided through Mooncake's transfer engine (RDMA NICs where the host has
+    them, TCP elsewhere; ``awex.transport.rdma``). ``transport="auto"`` (the default) lets the ranks choose when
+    they first plan: CUDA IPC when every rank is a CUDA rank on one host and no GPU would move more than with relayed
     point to point (fan-out), and, with ``refresh_by_wave``, only where engines share GPUs (only p2p overlaps the
     quantising with the transfer); else p2p (``awex.meta.transport_choice``; the choice is logged and kept in
     :attr:`transport_in_use`).
@@ -78,10 +80,10 @@ class WeightsWriter:
         refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
         keep_versions: int = 2,
     ):
-        if transport not in ("p2p", "ipc", "shm", "auto"):
+        if transport not in (*TRANSPORTS, "auto"):
             raise ValueError(
                 f"unknown transport {transport!r}: use 'auto', 'p2p' (NCCL/gloo), 'ipc' (CUDA engines "
-                "on one host) or 'shm' (CPU engines on one host)"
+                "on one host), 'shm' (CPU engines on one host) or 'rdma' (Mooncake's transfer engine)"
             )
         if refresh_by_wave is not None and refresh is None:
             raise ValueError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,32 +27,24 @@ import torch
 
 from awex.meta import Bucket, Plan
 from awex.meta.plan import RELAY_LAG, Step, Transfer
+from awex.transport.base import (
+    PeerLink,
+    RefreshByWave,
+    Setup,
+    TransferError,
+    TransferStats,
+    TransferTimeout,
+    Transport,
+    timed,
+)
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
-from awex.transport.group import SyncGroup
+from awex.transport.group import SyncGroup, create_sync_group
 from awex.transport.shards import LocalShards, torch_dtype
 
 log = logging.getLogger("awex.transport")
 
 ALIGN = 16
-
-
-class TransferError(RuntimeError):
-    """A send or receive failed (peer gone, connection closed, backend error)."""
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    """The sync did not finish before its deadline."""
-
-
-@dataclass
-class TransferStats:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    buckets: int = 0
-    waves: int = 0
-    staging_bytes: int = 0
-    seconds: float = 0.0
 
 
 def message_offsets(transfers: Sequence[Transfer]) -> tuple[list[int], int]:
@@ -364,3 +356,90 @@ class WaveExecutor:
 def run_p2p(plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, timeout: float = 300.0) -> TransferStats:
     """Execute ``rank``'s sends and receives of ``plan`` over ``group`` within ``timeout`` seconds (one-off)."""
     return WaveExecutor(plan, rank, shards, group).run(timeout)
+
+
+class P2pTransport(Transport):
+    """Point to point over a process group of the sync's own: NCCL for CUDA views, gloo for CPU views (HCCL can
+    plug in as another backend of the same group). Relayed plans, waves through staging buffers."""
+
+    name = "p2p"
+    in_place_only = False
+    signals_ready = False
+    refreshes_by_wave = True
+
+    def __init__(self) -> None:
+        self.group: SyncGroup | None = None
+        self._rendezvous: tuple | None = None
+        self.plan: Plan | None = None
+        self.rank = -1
+        self._executor: WaveExecutor | None = None
+        self._before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable)
+
+    def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
+        rendezvous = (setup.host, setup.port, plan.world_size, rank, setup.rendezvous)
+        if self.group is None or self._rendezvous != rendezvous:
+            cuda = getattr(setup.device, "type", "cpu") == "cuda"
+            self._drop_group()
+            with timed(phases, "group"):
+                self.group = create_sync_group(
+                    rank,
+                    plan.world_size,
+                    setup.host,
+                    setup.port,
+                    backend="nccl" if cuda else "gloo",
+                    timeout=max(1.0, setup.deadline - time.monotonic()),
+                    prefix=f"awex/{setup.host}:{setup.port}",
+                    device=setup.device if cuda else None,
+                )
+            self._rendezvous = rendezvous
+        self.plan, self.rank = plan, rank
+        self._executor = self._before_pack = None
+
+    def run(
+        self,
+        shards: LocalShards | Callable[[Plan], LocalShards],
+        link: PeerLink,
+        deadline: float,
+        phases: MutableMapping[str, float],
+        refresh_by_wave: RefreshByWave | None = None,
+    ) -> TransferStats:
+        if self.plan is None or self.group is None:
+            raise RuntimeError("P2pTransport.run before prepare")
+        if callable(shards):  # views that depend on the plan (receive buffers): built per sync
+            with timed(phases, "executor"):
+                executor = WaveExecutor(self.plan, self.rank, shards(self.plan), self.group)
+        else:
+            if self._executor is None:
+                with timed(phases, "executor"):
+                    self._executor = WaveExecutor(self.plan, self.rank, shards, self.group)
+            executor = self._executor
+        before_pack = None
+        if refresh_by_wave is not None:
+            cached = self._before_pack
+            if cached is None or cached[0] is not refresh_by_wave or cached[1] is not executor:
+                cached = self._before_pack = (refresh_by_wave, executor, refresh_by_wave(executor.sent_regions))
+            before_pack = cached[2]
+        link.moving()
+        with timed(phases, "transfer"):
+            return executor.run(timeout=max(0.1, deadline - time.monotonic()), before_pack=before_pack)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._executor.staging_bytes if self._executor is not None else 0
+
+    def abort(self) -> None:
+        """Abort an NCCL group (local: its kernels waiting on a dead peer end, its watchdog stops); the next
+        plan joins a new one."""
+        self._drop_group()
+        self.plan = self._executor = self._before_pack = None
+
+    def close(self) -> None:
+        """Drop the group without shutting it down: shutting NCCL communicators down gracefully is collective,
+        and a closing rank must not wait for peers that are not closing (released with the process)."""
+        self.group = self._rendezvous = None
+        self.plan = self._executor = self._before_pack = None
+
+    def _drop_group(self) -> None:
+        group, self.group, self._rendezvous = self.group, None, None
+        if group is not None and group.backend == "nccl":
+            group.abort()

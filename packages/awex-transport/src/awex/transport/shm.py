@@ -25,44 +25,24 @@ import re
 import secrets
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from math import prod
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from awex.meta import Plan
-from awex.transport.copies import copier, merge_copies
-from awex.transport.p2p import TransferStats
-from awex.transport.shards import LocalShards, torch_dtype
+from awex.transport.base import PeerLink, RefreshByWave, Setup, TransferStats, Transport, timed
+from awex.transport.shards import LocalShards
+from awex.transport.staged import empty_copies, fill_copies, segment_layout
 
 log = logging.getLogger("awex.transport")
 
 SEGMENT_DIR = Path("/dev/shm")
 PREFIX = "awex-shm"
-ALIGN = 64
 OWNED = ("awex-shm", "awex-board")  # files in /dev/shm named by owned_name (the host board too)
 _NAME = re.compile(r"^(awex-shm|awex-board)-(\d+)-(\d+)-[0-9a-f]+$")
-Region = tuple[int, tuple[int, ...], tuple[int, ...]]  # (plan tensor index, offsets, sizes)
-
-
-def segment_layout(plan: Plan, rank: int) -> tuple[dict[Region, int], int]:
-    """Where each distinct region sync rank ``rank`` sends lies in its segment (byte offsets, aligned), and the
-    segment's size. The same on every rank of the plan."""
-    offsets: dict[Region, int] = {}
-    pos = 0
-    for step in plan.schedule(rank):
-        if step.op != "send":
-            continue
-        for t in step.bucket.transfers:
-            key = (t.tensor, t.offsets, t.sizes)
-            if key not in offsets:
-                pos = -(-pos // ALIGN) * ALIGN
-                offsets[key] = pos
-                pos += t.nbytes
-    return offsets, pos
 
 
 def _start_time(pid: int) -> int | None:
@@ -171,12 +151,6 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _region_view(
-    segment: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, sizes: tuple[int, ...]
-) -> torch.Tensor:
-    return segment[offset : offset + nbytes].view(dtype).view(sizes)
-
-
 def _check_cpu(shards: LocalShards) -> None:
     if shards.device.type != "cpu":
         raise ValueError(f"transport 'shm' moves CPU views only for now; these views are on {shards.device}")
@@ -188,18 +162,9 @@ class ShmSender:
     def __init__(self, plan: Plan, rank: int, shards: LocalShards):
         _check_cpu(shards)
         self.plan, self.rank = plan, rank
-        offsets, total = segment_layout(plan, rank)
         sweep_stale()
-        self.segment = Segment.create(total)
-        names = [t.name for t in plan.tensors]
-        dtypes = [torch_dtype(t.dtype) for t in plan.tensors]
-        copies = []
-        for (tensor, offs, sizes), at in offsets.items():
-            nbytes = dtypes[tensor].itemsize * prod(sizes)
-            region = _region_view(self.segment.tensor, at, nbytes, dtypes[tensor], sizes)
-            for here, piece in shards.pieces(names[tensor], offs, sizes):
-                copies.append((region[here] if here else region, piece))
-        self.copies = [copier(d, s) for d, s in merge_copies(copies)]
+        self.segment = Segment.create(segment_layout(plan, rank)[1])
+        self.copies = fill_copies(plan, rank, shards, self.segment.tensor)
         self.bytes_sent = sum(s.bucket.nbytes for s in plan.schedule(rank) if s.op == "send")
 
     def wire(self) -> dict[str, Any]:
@@ -268,18 +233,8 @@ class ShmReceiver:
         if missing:
             raise ValueError(f"sync rank {rank}: no segment of sync rank(s) {missing}")
         self.segments = {peer: Segment.attach(info.path, info.nbytes) for peer, info in segments.items()}
-        layouts = {peer: segment_layout(plan, peer)[0] for peer in self.segments}
-        names = [t.name for t in plan.tensors]
-        dtypes = [torch_dtype(t.dtype) for t in plan.tensors]
-        copies = []
-        for step in steps:
-            source = self.segments[step.peer].tensor
-            for t in step.bucket.transfers:
-                at = layouts[step.peer][(t.tensor, t.offsets, t.sizes)]
-                region = _region_view(source, at, t.nbytes, dtypes[t.tensor], t.sizes)
-                for here, piece in shards.pieces(names[t.tensor], t.offsets, t.sizes):
-                    copies.append((piece, region[here] if here else region))
-        self.copies = [copier(d, s) for d, s in merge_copies(copies)]
+        where = {peer: (seg.tensor, segment_layout(plan, peer)[0]) for peer, seg in self.segments.items()}
+        self.copies = empty_copies(plan, rank, shards, where)
         self.bytes_received = sum(s.bucket.nbytes for s in steps)
 
     def run(self) -> TransferStats:
@@ -295,3 +250,89 @@ class ShmReceiver:
         for segment in self.segments.values():
             segment.close()
         self.segments = {}
+
+
+class ShmTransport(Transport):
+    """Host shared memory: a sender fills its segment (a new one per plan, its name published as a descriptor)
+    and says ready; receivers map the segments once per plan and copy out."""
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self.sender: ShmSender | None = None
+        self.receiver: ShmReceiver | None = None
+        self.generation = 0  # of this rank's segment: a new segment per plan
+        self.plan: Plan | None = None  # what the segment or the mappings were built for
+        self.opened: dict[int, int] = {}  # a receiver's peers -> generation mapped
+        self._next: tuple[Plan, int] | None = None
+        self._peers: list[int] = []
+
+    def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
+        self._next = (plan, rank)
+        self._peers = sorted({s.peer for s in plan.schedule(rank) if s.op == "recv"})
+
+    def run(
+        self,
+        shards: LocalShards | Callable[[Plan], LocalShards],
+        link: PeerLink,
+        deadline: float,
+        phases: MutableMapping[str, float],
+        refresh_by_wave: RefreshByWave | None = None,
+    ) -> TransferStats:
+        if self._next is None:
+            raise RuntimeError("ShmTransport.run before prepare")
+        if callable(shards):
+            raise ValueError("transport 'shm' copies into the engine's own views (in place), not receive buffers")
+        plan, rank = self._next
+        if plan.ranks[rank].role.value == "trainer":
+            if self.sender is None or self.plan is not plan:
+                with timed(phases, "executor"):
+                    self._release()
+                    self.sender, self.plan = ShmSender(plan, rank, shards), plan
+                    self.generation += 1
+                    link.publish(self.generation, self.sender.wire())
+            with timed(phases, "transfer"):
+                stats = self.sender.fill()
+            with timed(phases, "ready"):
+                link.ready(self.generation)
+            return stats
+        with timed(phases, "open"):
+            peers = self._peers
+            generations = link.await_ready(peers, deadline)
+            if (
+                self.receiver is None
+                or self.plan is not plan
+                or any(self.opened.get(p) != g for p, g in zip(peers, generations))
+            ):
+                infos = {
+                    peer: SegmentInfo.from_wire(link.descriptor(peer, generation, deadline), plan, peer)
+                    for peer, generation in zip(peers, generations)
+                }
+                self._release()
+                self.receiver, self.plan = ShmReceiver(plan, rank, shards, infos), plan
+                self.opened = dict(zip(peers, generations))
+        link.moving()
+        with timed(phases, "transfer"):
+            return self.receiver.run()
+
+    def applied(self) -> None:
+        """Every receiver mapped this plan's segment: its name can go (the mappings stay)."""
+        if self.sender is not None:
+            self.sender.segment.unlink()
+
+    def abort(self) -> None:
+        if self.sender is not None or self.receiver is not None:
+            self._release()
+            sweep_stale()  # a sender killed before it removed its segment's name
+        self._next = None
+
+    def close(self) -> None:
+        self._release()
+        self._next = None
+
+    def _release(self) -> None:
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                side.close()
+        self.sender = self.receiver = self.plan = None
+        self.opened = {}

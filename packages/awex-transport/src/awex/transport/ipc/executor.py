@@ -1,338 +1,29 @@
-"""Sync on one host over CUDA IPC: the receiver copies straight from the trainer's memory into its own.
-
-When trainer and inference processes share a host (the same GPUs, colocated, or other GPUs of one NVLink
-domain), no staging on the trainer and no collective are needed: the trainer exports, once, a CUDA IPC handle
-for every storage behind its views and a description of each view (storage, offset, sizes, strides, dtype) as
-plain data (:class:`IpcExport`, JSON/msgpack through the MetaServer, never pickled). The receiver opens the
-handles once, rebuilds the same views over the trainer's memory, and for every transfer of the plan copies
-source pieces into its own pieces in place: a device-to-device copy on the same GPU, a DMA pulled over NVLink
-by this GPU's copy engines across GPUs (:class:`IpcExecutor`). Exports stay valid while the trainer's storages
-do not move (:meth:`IpcExport.matches` tells); then they are re-exported.
-
-The handles come from PyTorch's own CUDA storage sharing (``UntypedStorage._share_cuda_`` /
-``_new_shared_cuda``, the calls ``torch.multiprocessing`` makes), so the trainer's caching allocator keeps
-an exported block alive while a receiver holds it.
-"""
+"""A receiver's copies for one plan, straight from its sources' memory: peer DMAs into a bounce ring and
+placements out of it, captured as one CUDA graph."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import bisect
 import logging
 import time
-import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
-from awex.meta import Box, Plan
+from awex.meta import Plan
+from awex.transport.base import TransferStats, TransferTimeout
 from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable, triton_available
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
-from awex.transport.p2p import TransferStats, TransferTimeout
+from awex.transport.ipc.mapping import MappedShards
+from awex.transport.ipc.scheduling import interleave_sources, paces_local, ring_slots
 from awex.transport.peer_dma import (
-    PeerDmaError,
-    close_ipc_memory,
     enable_peer_access,
-    open_ipc_memory,
     pull,
     pull_bytes,
 )
-from awex.transport.shards import LocalShards, torch_dtype
+from awex.transport.shards import LocalShards
 
 log = logging.getLogger("awex.transport")
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ExportedView:
-    """One view of a trainer rank's memory: ``box`` of canonical tensor ``name`` lives at ``storage`` with
-    this element offset, sizes and strides."""
-
-    name: str
-    box: Box
-    storage: int
-    offset: int
-    strides: tuple[int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class IpcExport:
-    """What a trainer rank publishes once: its storages' IPC handles and its views over them."""
-
-    storages: tuple[tuple, ...]  # the fields of UntypedStorage._share_cuda_() (handles are bytes)
-    pointers: tuple[int, ...]  # the storages' device addresses when exported (to notice that they moved)
-    views: tuple[ExportedView, ...]
-
-    def to_wire(self) -> dict:
-        def enc(x):
-            return {"b64": base64.b64encode(x).decode()} if isinstance(x, bytes) else x
-
-        return {
-            "storages": [[enc(x) for x in s] for s in self.storages],
-            "pointers": list(self.pointers),
-            "views": [
-                [v.name, list(v.box.offsets), list(v.box.sizes), v.storage, v.offset, list(v.strides), v.dtype]
-                for v in self.views
-            ],
-        }
-
-    @classmethod
-    def from_wire(cls, doc: dict) -> IpcExport:
-        """Parse an export published by another process, checking every field against bounds before anything is
-        opened: storage fields of the expected kinds, views inside their storage, known dtypes."""
-        try:
-            return cls._from_wire(doc)
-        except (KeyError, TypeError, ValueError, IndexError, binascii.Error) as e:
-            raise ValueError(f"malformed IPC export: {e}") from None
-
-    @classmethod
-    def _from_wire(cls, doc: dict) -> IpcExport:
-        def dec(x):
-            if isinstance(x, dict):
-                raw = base64.b64decode(_checked(x["b64"], str, "handle"), validate=True)
-                if len(raw) > _MAX_HANDLE_BYTES:
-                    raise ValueError(f"a handle of {len(raw)} bytes")
-                return raw
-            if x is None or isinstance(x, bool):
-                return x
-            return _count(x, "storage field")
-
-        if not isinstance(doc, dict):
-            raise TypeError("an export is a JSON object")
-        raw_storages, raw_views, raw_pointers = doc["storages"], doc["views"], doc["pointers"]
-        for what, items, limit in (
-            ("storages", raw_storages, _MAX_STORAGES),
-            ("views", raw_views, _MAX_VIEWS),
-            ("pointers", raw_pointers, _MAX_STORAGES),
-        ):
-            if not isinstance(items, list) or len(items) > limit:
-                raise ValueError(f"{what}: a list of at most {limit}")
-        storages = []
-        for s in raw_storages:
-            if not isinstance(s, list) or not 4 <= len(s) <= 12:
-                raise ValueError("a storage is a list of 4 to 12 fields")
-            fields_ = tuple(dec(x) for x in s)
-            if not isinstance(fields_[0], int) or not isinstance(fields_[1], bytes) or not isinstance(fields_[2], int):
-                raise ValueError("a storage starts with its device, handle and size")
-            storages.append(fields_)
-        pointers = tuple(_count(p, "pointer") for p in raw_pointers)
-        if len(pointers) != len(storages):
-            raise ValueError(f"{len(pointers)} pointers for {len(storages)} storages")
-        views = []
-        for v in raw_views:
-            if not isinstance(v, list) or len(v) != 7:
-                raise ValueError("a view is [name, offsets, sizes, storage, offset, strides, dtype]")
-            name, offsets, sizes, storage, offset, strides, dtype = v
-            name = _checked(name, str, "name")
-            if not 0 < len(name) <= 1024:
-                raise ValueError("a view's name has 1 to 1024 characters")
-            offsets, sizes, strides = (
-                tuple(_count(x, what) for x in _checked(xs, list, what))
-                for xs, what in ((offsets, "offset"), (sizes, "size"), (strides, "stride"))
-            )
-            if not len(offsets) == len(sizes) == len(strides) <= _MAX_DIMS:
-                raise ValueError(f"view {name!r}: offsets, sizes and strides of different lengths")
-            storage, offset = _count(storage, "storage index"), _count(offset, "element offset")
-            if storage >= len(storages):
-                raise ValueError(f"view {name!r} names storage {storage} of {len(storages)}")
-            dtype = _checked(dtype, str, "dtype")
-            if dtype not in _DTYPE_BYTES:
-                raise ValueError(f"view {name!r}: unknown dtype {dtype!r}")
-            last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides)) if all(sizes) else offset
-            if all(sizes) and (last + 1) * _DTYPE_BYTES[dtype] > storages[storage][2]:
-                raise ValueError(f"view {name!r} reaches beyond its storage ({storages[storage][2]} bytes)")
-            views.append(ExportedView(name, Box(offsets, sizes), storage, offset, strides, dtype))
-        return cls(tuple(storages), pointers, tuple(views))
-
-    def matches(self, shards: LocalShards) -> bool:
-        """Whether ``shards`` still live where this export says (same storages, same views)."""
-        return self.pointers == _storage_pointers(shards)[0]
-
-
-_MAX_STORAGES = 1 << 16
-_MAX_VIEWS = 1 << 22
-_MAX_DIMS = 8
-_MAX_HANDLE_BYTES = 4096
-_MAX_COUNT = 1 << 62
-_DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float64": 8,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "bool": 1,
-}
-
-
-def _checked(value, kind: type, what: str):
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise TypeError(f"{what}: {type(value).__name__} where a {kind.__name__} belongs")
-    return value
-
-
-def _count(value, what: str) -> int:
-    """A non-negative integer below 2**62 (JSON numbers from another process)."""
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_COUNT:
-        raise ValueError(f"{what} {str(value)[:40]!r} is not a count")
-    return value
-
-
-def _storage_pointers(shards: LocalShards) -> tuple[tuple[int, ...], list[torch.UntypedStorage]]:
-    seen: dict[int, int] = {}
-    storages: list[torch.UntypedStorage] = []
-    for name in sorted(shards.names()):
-        for _, view in shards.pairs(name):
-            st = view.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen[st.data_ptr()] = len(storages)
-                storages.append(st)
-    return tuple(s.data_ptr() for s in storages), storages
-
-
-def export_shards(shards: LocalShards) -> IpcExport:
-    """Export a trainer rank's CUDA views for receivers on this host (call once; re-export when they move)."""
-    if shards.device.type != "cuda":
-        raise ValueError(f"CUDA IPC needs CUDA views, these are on {shards.device}")
-    pointers, storages = _storage_pointers(shards)
-    index = {p: i for i, p in enumerate(pointers)}
-    handles = tuple(tuple(st._share_cuda_()) for st in storages)
-    views = []
-    for name in sorted(shards.names()):
-        for box, view in shards.pairs(name):
-            views.append(
-                ExportedView(
-                    name,
-                    box,
-                    index[view.untyped_storage().data_ptr()],
-                    view.storage_offset(),
-                    tuple(view.stride()),
-                    str(view.dtype).removeprefix("torch."),
-                )
-            )
-    return IpcExport(handles, pointers, tuple(views))
-
-
-class MappedShards(LocalShards):
-    """A source rank's views opened over CUDA IPC, with the address ranges mapped in this process.
-
-    Each IPC handle maps a whole allocation (one segment of the trainer's caching allocator, usually holding
-    many parameters); ``regions`` are those ranges ``(start, end)``, so a receiver may read across several
-    parameters of one segment with one DMA.
-    """
-
-    def __init__(
-        self,
-        shards,
-        regions: Sequence[tuple[int, int]],
-        handles: dict[tuple[int, int], tuple[bytes | None, int]] | None = None,
-    ):
-        super().__init__(shards)
-        self.regions = tuple(sorted(regions))
-        self._starts = [lo for lo, _ in self.regions]
-        self._handles = dict(handles or {})  # region -> (its cudaIpcMemHandle_t or None, the GPU it lives on)
-        self._aliases: dict[tuple[tuple[int, int], int], int | None] = {}
-        weakref.finalize(self, _close_aliases, self._aliases)
-
-    def kernel_address(self, pointer: int, device: torch.device) -> int | None:
-        """Where kernels on ``device`` read the byte at ``pointer`` (an address of these views), or ``None``
-        where they cannot. Memory of another GPU is mapped a second time, into ``device``'s context, on first
-        use (:func:`~awex.transport.peer_dma.open_ipc_memory`), and unmapped by :meth:`close`."""
-        region = self.region_of(pointer)
-        handle, home = self._handles.get(region, (None, None)) if region else (None, None)
-        if home is None:
-            return None
-        if home == device.index:
-            return pointer
-        key = (region, device.index)
-        if key not in self._aliases:
-            try:
-                self._aliases[key] = open_ipc_memory(handle, device) if handle is not None else None
-            except PeerDmaError as e:
-                log.info("cannot map trainer memory into %s for kernel reads (%s): copy engines read it", device, e)
-                self._aliases[key] = None
-        alias = self._aliases[key]
-        return None if alias is None else alias + pointer - region[0]
-
-    def close(self) -> None:
-        """Unmap the second mappings made for kernel reads (the views themselves stay valid). Call it only once
-        no executor built over these views runs again: their graphs read through those mappings."""
-        _close_aliases(self._aliases)
-
-    def region_of(self, pointer: int) -> tuple[int, int] | None:
-        i = bisect.bisect_right(self._starts, pointer) - 1
-        if i >= 0 and pointer < self.regions[i][1]:
-            return self.regions[i]
-        return None
-
-
-def _close_aliases(aliases: dict[tuple[tuple[int, int], int], int | None]) -> None:
-    """Unmap and forget every mapping in ``aliases`` (at ``close()`` and when the MappedShards is collected)."""
-    for (_, index), address in aliases.items():
-        if address is not None:
-            try:
-                close_ipc_memory(address, torch.device("cuda", index))
-            except Exception as e:  # at interpreter exit CUDA may be gone already
-                log.debug("closing a CUDA IPC mapping failed: %s", e)
-    aliases.clear()
-
-
-def cuda_malloc_handle(shared: bytes) -> bytes | None:
-    """The ``cudaIpcMemHandle_t`` inside the handle PyTorch's ``UntypedStorage._share_cuda_()`` returns, or
-    ``None`` where the storage is not a plain ``cudaMalloc`` allocation (expandable segments).
-
-    PyTorch's format is internal: the 64 handle bytes alone (older releases), or after a type byte ``c``
-    (``cudaMalloc``; ``e`` for expandable segments), or after a version byte and that type byte (seen with
-    PyTorch 2.11). The GPU test ``test_torch_ipc_handle_format`` fails when it changes."""
-    if len(shared) == 64:
-        return shared
-    if len(shared) == 65 and shared[:1] == b"c":
-        return shared[1:]
-    if len(shared) == 66 and shared[1:2] == b"c":
-        return shared[2:]
-    return None
-
-
-def open_export(export: IpcExport) -> MappedShards:
-    """The trainer rank's views, rebuilt over its memory in this process (opens each handle once).
-
-    Views of memory on another GPU stay on that GPU; the IPC executor reads them with DMAs issued on this
-    GPU (:mod:`awex.transport.peer_dma`).
-    """
-    torch.cuda._lazy_init()
-    storages = []
-    mapped: dict[bytes, tuple[int, int]] = {}  # handle -> (allocation start, end of what is known to be mapped)
-    homes: dict[bytes, int] = {}
-    for fields in export.storages:
-        home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
-        st = torch.UntypedStorage._new_shared_cuda(
-            home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync
-        )
-        storages.append(st)
-        base = st.data_ptr() - offset
-        lo, hi = mapped.get(handle, (base, base))
-        mapped[handle] = (lo, max(hi, base + offset + size))
-        homes[handle] = st.device.index
-    shards: dict[str, list[tuple[Box, torch.Tensor]]] = {}
-    for v in export.views:
-        st = storages[v.storage]
-        t = torch.empty(0, dtype=torch_dtype(v.dtype), device=st.device)
-        t.set_(st, v.offset, v.box.sizes, v.strides)
-        shards.setdefault(v.name, []).append((v.box, t))
-    return MappedShards(
-        shards, list(mapped.values()), {region: (cuda_malloc_handle(h), homes[h]) for h, region in mapped.items()}
-    )
 
 
 def _overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
@@ -753,21 +444,6 @@ def _placements(copies: list[tuple[torch.Tensor, torch.Tensor]], batched: bool) 
     return ([BatchedCopy(together)] if together else []) + [copier(d, s) for d, s in apart]
 
 
-COPY_OVER_LINK = 5.0
-"""How many times faster a GPU copies within its memory than it pulls from a peer (bytes moved per second;
-measured: docs/performance.md)."""
-
-
-def paces_local(remote_bytes: int, local_bytes: int) -> bool:
-    """Whether a receiver's same-GPU copies should run in slices between its peer DMAs' placements.
-
-    Run at once, same-GPU copies saturate the GPU's memory for a while and the DMAs into it stall meanwhile:
-    where the DMAs take longer than the local copies, spreading the local copies over the DMAs hides them. Where
-    the local copies take longer (a MoE model whose experts every trainer rank holds whole), pacing ties them to
-    the DMAs' progress (measured: docs/performance.md)."""
-    return remote_bytes * COPY_OVER_LINK >= local_bytes
-
-
 def _nbytes(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return sum(d.nbytes for d, _ in copies)
 
@@ -792,51 +468,6 @@ def _rows_within(d: torch.Tensor, s: torch.Tensor, nbytes: int) -> list[tuple[to
     if rows < 1:
         return [(d, s)]
     return [(d[i : i + rows], s[i : i + rows]) for i in range(0, s.shape[0], rows)]
-
-
-def ring_slots(sizes: Sequence[int], capacity: int, align: int = 16) -> list[tuple[int, int | None]]:
-    """Where each of a sequence of spans lands in a ring of ``capacity`` bytes, and which earlier span must be
-    placed (read out) before it may be written: ``(offset, after)``, ``after`` the latest earlier span whose
-    bytes overlap (``None``: none). Spans go end to end (``align``-ed) and start again at 0 when the next one
-    does not fit, so small spans keep many DMAs in flight where fixed slots of the largest size would keep few.
-    Placements run in order on one stream, so waiting for ``after`` covers every earlier overlapping span."""
-    out: list[tuple[int, int | None]] = []
-    live: list[tuple[int, int, int]] = []  # (start, end, span) of earlier spans, latest last
-    pos = 0
-    for i, n in enumerate(sizes):
-        if n > capacity:
-            raise ValueError(f"a span of {n} bytes does not fit a ring of {capacity} bytes")
-        if pos + n > capacity:
-            pos = 0
-        start, end = pos, pos + n
-        after = next((j for a, b, j in reversed(live) if a < end and start < b), None)
-        out.append((start, after))
-        live.append((start, end, i))
-        pos = -(-end // align) * align
-    return out
-
-
-def interleave_sources(groups: Sequence[Sequence[tuple[int, T]]], first: int = 0) -> list[T]:
-    """Merge per-source lists of ``(nbytes, item)`` into one order in which every source is read evenly.
-
-    Each list keeps its order; the next item always comes from the source that has had the smallest fraction
-    of its bytes taken so far (ties: sources in turn from ``first``), so at any point of the sync every source
-    has been asked for about the same share of what it holds.
-    """
-    k = len(groups)
-    totals = [sum(n for n, _ in g) or 1 for g in groups]
-    taken = [0] * k
-    pos = [0] * k
-    out: list[T] = []
-    while True:
-        left = [i for i in range(k) if pos[i] < len(groups[i])]
-        if not left:
-            return out
-        i = min(left, key=lambda i: (taken[i] / totals[i], (i - first) % k))
-        n, item = groups[i][pos[i]]
-        pos[i] += 1
-        taken[i] += n
-        out.append(item)
 
 
 def _balance(copies: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -1,0 +1,137 @@
+"""The one interface every transport implements, and what a transport may ask of the ranks around it.
+
+A :class:`Transport` moves one rank's share of a plan. The sync session (``awex.engines.session``) picks one by
+name (:func:`awex.transport.registry.make_transport`), calls :meth:`Transport.prepare` once per plan, then
+:meth:`Transport.run` once per version under that version's deadline, and :meth:`Transport.close` at the end.
+After a failed version it calls :meth:`Transport.abort` (the next version prepares again).
+
+Transports that need more than the plan talk to their peers through a :class:`PeerLink` the session hands them
+per version: *descriptors* published once per plan (CUDA IPC handles, a segment's name, registered memory), and
+a per-version *ready* signal from each sender to the receivers that read from it. The session decides where
+those go (the MetaServer, the host board, the version channel); transports never see MetaServer keys.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from awex.meta import Plan
+from awex.transport.shards import LocalShards
+
+Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
+RefreshByWave = Callable[[Sequence[Sequence[Region]]], Callable[[int], None]]
+
+
+class TransferError(RuntimeError):
+    """A send or receive failed (peer gone, connection closed, backend error)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The sync did not finish before its deadline."""
+
+
+@dataclass
+class TransferStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    buckets: int = 0
+    waves: int = 0
+    staging_bytes: int = 0
+    seconds: float = 0.0
+
+
+class PeerLink(Protocol):
+    """What one transport's ranks say to each other in one version (given by the session per version)."""
+
+    def publish(self, generation: int, doc: dict[str, Any]) -> None:
+        """This rank's descriptor, generation ``generation`` (1, 2, ...: a new one when what it describes
+        changed); replaces the one before."""
+
+    def descriptor(self, peer: int, generation: int, deadline: float) -> Any:
+        """Sync rank ``peer``'s descriptor of ``generation``, waiting until ``deadline`` (``time.monotonic()``).
+        Untrusted: the transport checks it against its own plan before use."""
+
+    def ready(self, generation: int) -> None:
+        """A sender: this version's bytes can be read (``generation``: of the descriptor that describes them)."""
+
+    def await_ready(self, peers: Sequence[int], deadline: float) -> list[int]:
+        """A receiver: wait until every sender in ``peers`` said this version is ready; their generations."""
+
+    def moving(self) -> None:
+        """A receiver: bytes start moving into its views now (a failure from here on leaves them partly
+        changed; before it, untouched)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where a plan's ranks meet, for transports that build a process group of their own."""
+
+    host: str
+    port: int
+    deadline: float  # time.monotonic() by which the group must exist
+    device: Any = None  # torch.device of this rank's views
+    rendezvous: tuple = ()  # what identifies the meeting: a group is reused while it is the same
+
+
+class Transport(ABC):
+    """One rank's side of a transport. Implementations: ``p2p`` (NCCL/gloo), ``ipc`` (CUDA IPC), ``shm`` (host
+    shared memory), ``rdma`` (Mooncake's transfer engine)."""
+
+    name: ClassVar[str]
+    in_place_only: ClassVar[bool] = True
+    """Receivers copy into the engine's own views; ``False``: also into per-sync receive buffers (a callable
+    that builds the views from the plan)."""
+    signals_ready: ClassVar[bool] = True
+    """Senders say per version that their bytes are ready (receivers read): the session must give it a link."""
+
+    @abstractmethod
+    def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
+        """Get ready to run ``plan`` as sync rank ``rank`` (called when the plan or its rendezvous changed)."""
+
+    @abstractmethod
+    def run(
+        self,
+        shards: LocalShards | Callable[[Plan], LocalShards],
+        link: PeerLink,
+        deadline: float,
+        phases: MutableMapping[str, float],
+        refresh_by_wave: RefreshByWave | None = None,
+    ) -> TransferStats:
+        """Move this rank's share of one version before ``deadline`` (``time.monotonic()``); seconds per phase
+        go to ``phases`` (``open``, ``executor``, ``transfer``, ...). ``refresh_by_wave`` only where
+        :attr:`refreshes_by_wave`."""
+
+    refreshes_by_wave: ClassVar[bool] = False
+    """A sender may derive each wave's bytes just before it is sent (FP8 quantised on the fly)."""
+
+    def applied(self) -> None:
+        """A sender, once every receiver applied a version (release what only the first version needed)."""
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffers this transport keeps between versions."""
+        return 0
+
+    @abstractmethod
+    def abort(self) -> None:
+        """After a failed version: drop what may be broken (a group with a dead peer); keep what stays valid
+        (descriptors and their generations, so peers never mistake an old one for a new one)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release everything this rank holds (idempotent); never waits for peers."""
+
+
+@contextmanager
+def timed(phases: MutableMapping[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``phases[name]``."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - started

@@ -1,0 +1,129 @@
+"""The CUDA IPC transport: trainers export their memory (once, again if their storages move) and say ready;
+receivers copy straight from it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, MutableMapping
+
+import torch
+
+from awex.meta import Plan
+from awex.transport.base import PeerLink, RefreshByWave, Setup, TransferStats, TransferTimeout, Transport, timed
+from awex.transport.deadline import wait_event
+from awex.transport.ipc.executor import IpcExecutor
+from awex.transport.ipc.mapping import MappedShards, open_export
+from awex.transport.ipc.wire import IpcExport, export_shards
+from awex.transport.shards import LocalShards
+
+
+class IpcTransport(Transport):
+    """Engines on one host over CUDA IPC (sharing GPUs or not). Receivers report their outcome and the trainers
+    wait for it (the writer does), so trainers do not change their weights while they are read."""
+
+    name = "ipc"
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.rank = -1
+        # a trainer's export, what it was made from (same object: same storages) and how often it was re-made
+        self.export: IpcExport | None = None
+        self.exported_from: object = None
+        self.generation = 0
+        self.bytes_sent: int | None = None
+        # a receiver's opened exports per source rank (with the generation they came from) and its executor
+        self.opened: dict[tuple[str, int], tuple[int, MappedShards]] = {}
+        self.executor: IpcExecutor | None = None
+        self.peers: list[int] = []
+
+    def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
+        self.plan, self.rank = plan, rank
+        self.executor = None
+        schedule = plan.schedule(rank)
+        self.peers = sorted({s.peer for s in schedule})
+        self.bytes_sent = sum(s.bucket.nbytes for s in schedule)
+
+    def run(
+        self,
+        shards: LocalShards | Callable[[Plan], LocalShards],
+        link: PeerLink,
+        deadline: float,
+        phases: MutableMapping[str, float],
+        refresh_by_wave: RefreshByWave | None = None,
+    ) -> TransferStats:
+        if self.plan is None:
+            raise RuntimeError("IpcTransport.run before prepare")
+        if callable(shards):
+            raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
+        if self.plan.ranks[self.rank].role.value == "trainer":
+            self._ready(shards, link, deadline, phases)
+            return TransferStats(bytes_sent=self.bytes_sent or 0)
+        plan, changed = self.plan, self.executor is None
+        with timed(phases, "open"):
+            generations = link.await_ready(self.peers, deadline)
+            sources = {}
+            for peer, generation in zip(self.peers, generations):
+                src = plan.ranks[peer]
+                key = (src.instance, src.local_rank)  # sync ranks may be renumbered by a new plan
+                held = self.opened.get(key)
+                if held is None or held[0] != generation:
+                    doc = link.descriptor(peer, generation, deadline)
+                    if held is not None:
+                        held[1].close()
+                    held = self.opened[key] = (generation, open_export(IpcExport.from_wire(doc)))
+                    changed = True
+                sources[peer] = held[1]
+        if changed:
+            with timed(phases, "executor"):
+                self.executor = IpcExecutor(plan, self.rank, shards, sources)
+        executor = self.executor
+        link.moving()
+        with timed(phases, "transfer"):
+            stats = executor.run(timeout=max(0.1, deadline - time.monotonic()))
+        if executor.capture_seconds:  # the first run captured the sync as a CUDA graph
+            phases["capture"] = executor.capture_seconds
+            phases["transfer"] -= executor.capture_seconds
+            executor.capture_seconds = 0.0
+        return stats
+
+    def _ready(self, shards: LocalShards, link: PeerLink, deadline: float, phases: MutableMapping[str, float]) -> None:
+        """A trainer: this version's weights are in memory; export them where they moved, and say ready."""
+        stream = torch.cuda.current_stream(shards.device)
+        if not stream.query():  # idle (the usual case, after an optimizer step): nothing to wait for
+            done = torch.cuda.Event()  # this version's weights are in memory once the work queued so far ran
+            done.record(stream)
+            wait_event(
+                done,
+                deadline,
+                lambda: TransferTimeout(
+                    f"sync rank {self.rank}: the GPU work before this version (the weights' last update) did not "
+                    "finish before the deadline"
+                ),
+            )
+        # the same views as last time alias the same storages: only other views need checking
+        if self.export is None or (self.exported_from is not shards and not self.export.matches(shards)):
+            with timed(phases, "export"):
+                self.export = export_shards(shards)
+                self.generation += 1
+                link.publish(self.generation, self.export.to_wire())
+        self.exported_from = shards
+        with timed(phases, "ready"):
+            link.ready(self.generation)
+
+    @property
+    def held_bytes(self) -> int:
+        return int(getattr(self.executor, "staging_bytes", 0) or 0) if self.executor is not None else 0
+
+    def abort(self) -> None:
+        """Keep the export and the opened exports (still valid, and their generations tell peers what is new);
+        the next plan builds a new executor."""
+        self.plan = self.executor = None
+
+    def close(self) -> None:
+        """Drop the executor and close the other processes' memory opened here. A receiver must close (or exit)
+        before the trainers whose memory it opened exit: PyTorch counts those references in the trainer's
+        memory."""
+        opened = [source for _, source in self.opened.values()]
+        self.opened, self.executor, self.plan, self.export, self.exported_from = {}, None, None, None, None
+        for source in opened:
+            source.close()

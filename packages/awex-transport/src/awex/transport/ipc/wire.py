@@ -1,0 +1,192 @@
+"""CUDA IPC exports as plain data: the handles of a rank's storages and the views over them, checked on arrival
+(never pickled)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from awex.meta import Box
+from awex.transport.shards import LocalShards
+
+log = logging.getLogger("awex.transport")
+
+
+@dataclass(frozen=True)
+class ExportedView:
+    """One view of a trainer rank's memory: ``box`` of canonical tensor ``name`` lives at ``storage`` with
+    this element offset, sizes and strides."""
+
+    name: str
+    box: Box
+    storage: int
+    offset: int
+    strides: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class IpcExport:
+    """What a trainer rank publishes once: its storages' IPC handles and its views over them."""
+
+    storages: tuple[tuple, ...]  # the fields of UntypedStorage._share_cuda_() (handles are bytes)
+    pointers: tuple[int, ...]  # the storages' device addresses when exported (to notice that they moved)
+    views: tuple[ExportedView, ...]
+
+    def to_wire(self) -> dict:
+        def enc(x):
+            return {"b64": base64.b64encode(x).decode()} if isinstance(x, bytes) else x
+
+        return {
+            "storages": [[enc(x) for x in s] for s in self.storages],
+            "pointers": list(self.pointers),
+            "views": [
+                [v.name, list(v.box.offsets), list(v.box.sizes), v.storage, v.offset, list(v.strides), v.dtype]
+                for v in self.views
+            ],
+        }
+
+    @classmethod
+    def from_wire(cls, doc: dict) -> IpcExport:
+        """Parse an export published by another process, checking every field against bounds before anything is
+        opened: storage fields of the expected kinds, views inside their storage, known dtypes."""
+        try:
+            return cls._from_wire(doc)
+        except (KeyError, TypeError, ValueError, IndexError, binascii.Error) as e:
+            raise ValueError(f"malformed IPC export: {e}") from None
+
+    @classmethod
+    def _from_wire(cls, doc: dict) -> IpcExport:
+        def dec(x):
+            if isinstance(x, dict):
+                raw = base64.b64decode(_checked(x["b64"], str, "handle"), validate=True)
+                if len(raw) > _MAX_HANDLE_BYTES:
+                    raise ValueError(f"a handle of {len(raw)} bytes")
+                return raw
+            if x is None or isinstance(x, bool):
+                return x
+            return _count(x, "storage field")
+
+        if not isinstance(doc, dict):
+            raise TypeError("an export is a JSON object")
+        raw_storages, raw_views, raw_pointers = doc["storages"], doc["views"], doc["pointers"]
+        for what, items, limit in (
+            ("storages", raw_storages, _MAX_STORAGES),
+            ("views", raw_views, _MAX_VIEWS),
+            ("pointers", raw_pointers, _MAX_STORAGES),
+        ):
+            if not isinstance(items, list) or len(items) > limit:
+                raise ValueError(f"{what}: a list of at most {limit}")
+        storages = []
+        for s in raw_storages:
+            if not isinstance(s, list) or not 4 <= len(s) <= 12:
+                raise ValueError("a storage is a list of 4 to 12 fields")
+            fields_ = tuple(dec(x) for x in s)
+            if not isinstance(fields_[0], int) or not isinstance(fields_[1], bytes) or not isinstance(fields_[2], int):
+                raise ValueError("a storage starts with its device, handle and size")
+            storages.append(fields_)
+        pointers = tuple(_count(p, "pointer") for p in raw_pointers)
+        if len(pointers) != len(storages):
+            raise ValueError(f"{len(pointers)} pointers for {len(storages)} storages")
+        views = []
+        for v in raw_views:
+            if not isinstance(v, list) or len(v) != 7:
+                raise ValueError("a view is [name, offsets, sizes, storage, offset, strides, dtype]")
+            name, offsets, sizes, storage, offset, strides, dtype = v
+            name = _checked(name, str, "name")
+            if not 0 < len(name) <= 1024:
+                raise ValueError("a view's name has 1 to 1024 characters")
+            offsets, sizes, strides = (
+                tuple(_count(x, what) for x in _checked(xs, list, what))
+                for xs, what in ((offsets, "offset"), (sizes, "size"), (strides, "stride"))
+            )
+            if not len(offsets) == len(sizes) == len(strides) <= _MAX_DIMS:
+                raise ValueError(f"view {name!r}: offsets, sizes and strides of different lengths")
+            storage, offset = _count(storage, "storage index"), _count(offset, "element offset")
+            if storage >= len(storages):
+                raise ValueError(f"view {name!r} names storage {storage} of {len(storages)}")
+            dtype = _checked(dtype, str, "dtype")
+            if dtype not in _DTYPE_BYTES:
+                raise ValueError(f"view {name!r}: unknown dtype {dtype!r}")
+            last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides)) if all(sizes) else offset
+            if all(sizes) and (last + 1) * _DTYPE_BYTES[dtype] > storages[storage][2]:
+                raise ValueError(f"view {name!r} reaches beyond its storage ({storages[storage][2]} bytes)")
+            views.append(ExportedView(name, Box(offsets, sizes), storage, offset, strides, dtype))
+        return cls(tuple(storages), pointers, tuple(views))
+
+    def matches(self, shards: LocalShards) -> bool:
+        """Whether ``shards`` still live where this export says (same storages, same views)."""
+        return self.pointers == _storage_pointers(shards)[0]
+
+
+_MAX_STORAGES = 1 << 16
+_MAX_VIEWS = 1 << 22
+_MAX_DIMS = 8
+_MAX_HANDLE_BYTES = 4096
+_MAX_COUNT = 1 << 62
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
+
+
+def _checked(value, kind: type, what: str):
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise TypeError(f"{what}: {type(value).__name__} where a {kind.__name__} belongs")
+    return value
+
+
+def _count(value, what: str) -> int:
+    """A non-negative integer below 2**62 (JSON numbers from another process)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_COUNT:
+        raise ValueError(f"{what} {str(value)[:40]!r} is not a count")
+    return value
+
+
+def _storage_pointers(shards: LocalShards) -> tuple[tuple[int, ...], list[torch.UntypedStorage]]:
+    seen: dict[int, int] = {}
+    storages: list[torch.UntypedStorage] = []
+    for name in sorted(shards.names()):
+        for _, view in shards.pairs(name):
+            st = view.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen[st.data_ptr()] = len(storages)
+                storages.append(st)
+    return tuple(s.data_ptr() for s in storages), storages
+
+
+def export_shards(shards: LocalShards) -> IpcExport:
+    """Export a trainer rank's CUDA views for receivers on this host (call once; re-export when they move)."""
+    if shards.device.type != "cuda":
+        raise ValueError(f"CUDA IPC needs CUDA views, these are on {shards.device}")
+    pointers, storages = _storage_pointers(shards)
+    index = {p: i for i, p in enumerate(pointers)}
+    handles = tuple(tuple(st._share_cuda_()) for st in storages)
+    views = []
+    for name in sorted(shards.names()):
+        for box, view in shards.pairs(name):
+            views.append(
+                ExportedView(
+                    name,
+                    box,
+                    index[view.untyped_storage().data_ptr()],
+                    view.storage_offset(),
+                    tuple(view.stride()),
+                    str(view.dtype).removeprefix("torch."),
+                )
+            )
+    return IpcExport(handles, pointers, tuple(views))
