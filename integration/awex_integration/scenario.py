@@ -88,6 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "Mooncake's transfer engine (TCP where there is no RDMA NIC); auto: the writers choose",
     )
     p.add_argument(
+        "--hosts",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="2: the MetaServer and the trainers in one network namespace, the engines in another, joined by a veth "
+        "pair (two hosts on one machine; needs root)",
+    )
+    p.add_argument(
         "--control",
         choices=["awex", "vllm-http"],
         default="awex",
@@ -386,6 +394,22 @@ def fp8_checkpoint(weights: dict[str, torch.Tensor], quant) -> dict[str, torch.T
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One scenario; with ``--hosts 2`` in two network namespaces, removed afterwards."""
+    if args.hosts == 1:
+        return _run(args, None)
+    from awex_integration import netns
+
+    why = netns.unavailable()
+    if why:
+        raise SystemExit(f"--hosts 2: {why}")
+    hosts = netns.TwoHosts.create()
+    try:
+        return _run(args, hosts)
+    finally:
+        hosts.close()
+
+
+def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
@@ -405,7 +429,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("--fp8: HF transformers holds FP8 weights only on GPUs; use --inference vllm or layout")
         infer_dir = write_fp8_model(infer_dir, work / "infer-model-fp8", quant)
     token = secrets.token_hex(8)
-    server = start_embedded(token=token)
+    host = "127.0.0.1"
+    if (
+        hosts is not None
+    ):  # this thread's sockets: the MetaServer's in the trainers' namespace, the rest in the engines'
+        from awex_integration.netns import enter
+
+        enter(hosts.a)
+        host = hosts.address_a
+    server = start_embedded(token=token, host=host)
+    if hosts is not None:
+        enter(hosts.b)
     meta = {"meta_address": server.address, "job": "scenario", "token": token, "timeout": args.timeout}
     client = MetaClient(server.address, job="scenario", token=token, timeout=args.timeout)
     names = [f"{args.inference}-{i}" for i in range(args.instances)]
@@ -452,39 +486,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "token": token,
         "receive": args.receive,
         "transport": {"gloo": "p2p"}.get(args.transport, args.transport),
+        "host": host,  # where the trainers' sync group and version channel listen
         "endpoints": {inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)},
     }
     wave_bytes = int(args.wave_mb * (1 << 20)) if args.wave_mb else None
     from awex_integration.spawn import run_processes
 
     trainer_out: dict = {}
+
+    def trainer_job(r: int) -> tuple:
+        job = (args.trainer, r, world, port, parallel, config, str(model_dir), trainer_meta, names, args.steps)
+        job = (*job, args.timeout, args.fp8, wave_bytes)
+        if hosts is not None:  # the trainers run on the first "host"
+            from awex_integration.netns import in_namespace
+
+            return (r, in_namespace, (hosts.a, trainer_rank, *job))
+        return (r, trainer_rank, job)
+
     trainer_thread = threading.Thread(
         target=lambda: trainer_out.update(
-            run_processes(
-                [
-                    (
-                        r,
-                        trainer_rank,
-                        (
-                            args.trainer,
-                            r,
-                            world,
-                            port,
-                            parallel,
-                            config,
-                            str(model_dir),
-                            trainer_meta,
-                            names,
-                            args.steps,
-                            args.timeout,
-                            args.fp8,
-                            wave_bytes,
-                        ),
-                    )
-                    for r in range(world)
-                ],
-                timeout=args.timeout * (args.steps + 2),
-            )
+            run_processes([trainer_job(r) for r in range(world)], timeout=args.timeout * (args.steps + 2))
         )
     )
     trainer_thread.start()

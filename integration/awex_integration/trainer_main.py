@@ -114,6 +114,8 @@ def trainer_body(
         local_rank, view_of = 0, hf_views(model)
     options = {"wave_bytes": wave_bytes} if wave_bytes else {}
     options["transport"] = meta.get("transport", "auto")
+    if meta.get("host"):
+        options["host"] = meta["host"]
     engine = None
     if meta.get("endpoints"):  # vLLM's trainer-side API drives the engines (scenario --control vllm-http)
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory

@@ -44,15 +44,24 @@ _WORD = struct.Struct("<q")
 
 
 @functools.lru_cache(maxsize=1)
-def host_identity() -> str:
-    """Which host (and boot) this process runs on: ranks on the same one can share the board. Read once per
-    process (reading ``/proc`` is slow on some hosts, and every manifest is checked against it)."""
+@functools.lru_cache(maxsize=1)
+def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            return f.read().strip()
     except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
+        return "?"
+
+
+def host_identity() -> str:
+    """Which host (and boot) this process runs on, as far as ranks can share the board and shared memory: the
+    hostname, the boot and the network namespace. Processes in separate network namespaces (containers with
+    their own network, usually their own ``/dev/shm`` too) count as separate hosts: they sync as hosts do."""
+    try:
+        net = os.stat("/proc/thread-self/ns/net").st_ino
+    except OSError:
+        net = 0
+    return f"{socket.gethostname()}/{_boot_id()}/{net}"
 
 
 class BoardTimeout(TimeoutError):

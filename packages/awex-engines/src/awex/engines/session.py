@@ -452,10 +452,11 @@ class SyncSession:
             plan = plan_for(transport)
             blocked = unreachable(plan, devices, reach) if transport == "ipc" else []
             if transport == "shm" and len(hosts) != 1:
+                names = [h.split("/")[0] for h in sorted(hosts)]
+                apart = "; separate network namespaces count as hosts" if len(set(names)) < len(names) else ""
                 raise TransportError(
                     f"sync {manifest.version!r} over shared memory: its ranks run on "
-                    f"{len(hosts)} hosts ({', '.join(h.split('/')[0] for h in sorted(hosts)[:4])}); "
-                    "use transport='p2p'"
+                    f"{len(hosts)} hosts ({', '.join(names[:4])}{apart}); use transport='p2p' or 'rdma'"
                 )
             if blocked:
                 raise TransportError(

@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from awex.transport.net import local_address
+
 log = logging.getLogger("awex.transport")
 
 WATCHDOG_SLACK = 10.0  # seconds PyTorch's NCCL watchdog waits beyond a sync's deadline (ours comes first)
@@ -166,7 +168,7 @@ def create_sync_group(
         ) from e
     store = dist.PrefixStore(prefix, store)
     if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, wait)
+        pg = _gloo_process_group(store, rank, world_size, wait, host, port)
     elif backend == "nccl":
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         pg = _nccl_process_group(store, rank, world_size, timeout + WATCHDOG_SLACK)
@@ -177,6 +179,18 @@ def create_sync_group(
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
     log.info("rank %d/%d joined the %s sync group at %s:%d", rank, world_size, backend, host, port)
     return SyncGroup(rank, world_size, backend, pg, store, torch.device("cpu"), timeout)
+
+
+def _gloo_process_group(store, rank: int, world_size: int, wait: timedelta, host: str, port: int):
+    """A gloo group whose device listens on this host's address on the route to the store (``host``), where
+    peers on other hosts reach it; gloo's default (the address the machine's hostname resolves to) may be an
+    interface they cannot reach. ``GLOO_SOCKET_IFNAME``, where set, chooses instead."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(store, rank, world_size, wait)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = wait
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host, port))]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
 @contextmanager

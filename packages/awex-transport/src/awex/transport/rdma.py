@@ -24,7 +24,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -44,6 +43,7 @@ from awex.transport.base import (
     Transport,
     timed,
 )
+from awex.transport.net import local_address
 from awex.transport.shards import LocalShards
 from awex.transport.staged import ALIGN, RegionKey, empty_copies, fill_copies, segment_layout
 
@@ -110,15 +110,7 @@ class _Engine:
 def local_hostname(peer_host: str, peer_port: int) -> str:
     """The address other hosts reach this process at: ``AWEX_RDMA_HOSTNAME``, else this host's address on the route
     to ``peer_host`` (the sync's rendezvous host)."""
-    given = os.environ.get(HOSTNAME_ENV)
-    if given:
-        return given
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((peer_host, peer_port or 9))  # no packet is sent: this only picks the route
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
+    return os.environ.get(HOSTNAME_ENV) or local_address(peer_host, peer_port)
 
 
 def default_protocol() -> str:
