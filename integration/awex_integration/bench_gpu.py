@@ -59,7 +59,7 @@ class Scenario:
     name: str
     what: str
     engines: tuple[Engine, ...]
-    transport: str  # "nccl" or "ipc"
+    transport: str  # "nccl", "ipc" or "shm"
     gpus: int
 
 
@@ -126,6 +126,14 @@ SCENARIOS = [
         ),
         "ipc",
         4,
+    ),
+    # the same host through page-locked host shared memory: device-to-host into the segment, host-to-device out
+    Scenario(
+        "1gpu_to_1gpu_shm",
+        "1 trainer GPU -> 1 inference GPU, separate processes, through pinned /dev/shm (public path only)",
+        (Engine("trainer", "megatron", 1, (0,)), Engine("vllm-0", "vllm", 1, (1,))),
+        "shm",
+        2,
     ),
     Scenario(
         "colocated_1gpu_ipc",
@@ -303,6 +311,14 @@ def mismatches(shards, layout, step, device, quant=None) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- limits
+
+
+def sources_ranks(plan):
+    return [r for r in plan.ranks if r.role.value == "trainer"]
+
+
+def dest_ranks(plan):
+    return [r for r in plan.ranks if r.role.value != "trainer"]
 
 
 def lower_bound(plan, gpu_of: dict[int, int], link_bps: float, copy_bps: float) -> tuple[float, dict]:
@@ -618,7 +634,7 @@ def _public_path(
     from awex.meta.client import MetaClient
 
     client = MetaClient(a.extra["meta"], job=f"{a.scenario}-{a.trainer_buffer}", timeout=a.extra.get("timeout", 300))
-    transport = {"nccl": "p2p", "ipc": "ipc"}[scenario.transport]
+    transport = {"nccl": "p2p", "ipc": "ipc", "shm": "shm"}[scenario.transport]
     dests = [e.instance for e in scenario.engines if e.kind != "megatron"]
     if trainer:
         side = WeightsWriter(
@@ -869,6 +885,22 @@ def calibrate_worker(rank: int, world: int, port: int, nbytes: int, out_file: st
 
         res["two_into_one_seconds"] = timed(two_into_one)
         res["two_into_one_bps"] = nbytes / res["two_into_one_seconds"]
+    if rank == 0:  # the host side of the shm transport: page-locked host memory <-> GPU 0 on the copy engines
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+        def d2h():
+            pinned.copy_(buf, non_blocking=True)
+            torch.cuda.synchronize()
+
+        def h2d():
+            buf.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+    else:
+        d2h = h2d = lambda: None  # noqa: E731
+    res["d2h_seconds"] = timed(d2h)
+    res["d2h_bps"] = nbytes / res["d2h_seconds"]
+    res["h2d_seconds"] = timed(h2d)
+    res["h2d_bps"] = nbytes / res["h2d_seconds"]
     dst = torch.empty_like(buf)
     res["copy_seconds"] = timed(lambda: dst.copy_(buf))
     res["copy_bps"] = nbytes / res["copy_seconds"]  # bytes copied per second (each read once, written once)
@@ -1077,8 +1109,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"limits: NCCL one pair {cal['pair_bps'] / 1e9:.0f} GB/s, two into one "
         f"{cal.get('two_into_one_bps', 0) / 1e9:.0f} GB/s, copy-engine peer copy {cal.get('dma_bps', 0) / 1e9:.0f} "
-        f"GB/s, device copy {copy_bps / 1e9:.0f} GB/s (bytes copied per second); link = the fastest of the "
-        f"first three",
+        f"GB/s, device copy {copy_bps / 1e9:.0f} GB/s (bytes copied per second), pinned host memory: D2H "
+        f"{cal['d2h_bps'] / 1e9:.0f} GB/s, H2D {cal['h2d_bps'] / 1e9:.0f} GB/s; link = the fastest of the first three",
         flush=True,
     )
 
@@ -1110,6 +1142,18 @@ def main(argv: list[str] | None = None) -> int:
         ranks = direct.ranks
         gpu_of = {r.rank: next(e for e in sc.engines if e.instance == r.instance).gpus[r.local_rank] for r in ranks}
         bound, per_gpu = lower_bound(direct, gpu_of, link_bps, copy_bps)
+        if sc.transport == "shm":  # every byte crosses to host memory and back: D2H by the senders, then H2D
+            if args.path != "public":
+                print(f"skip {sc.name}: the shm transport runs through the public path only")
+                continue
+            sent = max(sum(b.nbytes for b in direct.buckets if b.src == r.rank) for r in sources_ranks(direct))
+            received = max(sum(b.nbytes for b in direct.buckets if b.dst == r.rank) for r in dest_ranks(direct))
+            bound = sent / cal["d2h_bps"] + received / cal["h2d_bps"]
+            per_gpu = {
+                "d2h_bytes": sent,
+                "h2d_bytes": received,
+                "pipelined_bound_seconds": max(sent / cal["d2h_bps"], received / cal["h2d_bps"]),
+            }
         ports = _free_ports(2)
         argv = []
         for r in ranks:

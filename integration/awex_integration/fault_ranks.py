@@ -122,8 +122,17 @@ def trainer_rank(
             writer.refresh = lambda: _exit_soon(0.05)
         if fault == "die_after_agreement":  # every rank agreed on the plan and joined the group; no byte sent
             writer.refresh = lambda: os._exit(EXIT_CODE)
-        if fault == "die_before_ready":  # its weights are out (an IPC export, a filled segment); not yet signalled
+        if fault == "die_before_ready":  # its weights are out (an IPC export); not yet signalled
             writer._session._ring_ready = lambda *args: os._exit(EXIT_CODE)
+        if fault == "die_while_filling":  # shm: said ready, its segment part-filled (the receivers copy what is there)
+            from awex.transport import shm
+
+            def fill_half(sender, count=1, deadline=None):
+                sender.segment.set_progress(count, sender.segment.nbytes // 2)  # (the bytes are not written)
+                time.sleep(0.2)  # the receivers copy the first half
+                os._exit(EXIT_CODE)
+
+            shm.ShmSender.fill = fill_half
         started = time.monotonic()
         try:
             writer.write(version, destinations)

@@ -54,7 +54,7 @@ class Case:
     infer_tp: int = 2
     check: Callable[[dict], list[str]] | None = None  # extra checks of the run's record: problems found
     zombie: list[dict] | None = None  # a second trainer process (rank 0 of the same instance) started at "go"
-    transport: str = "auto"  # the writers' (run_case may override it)
+    transport: str = "p2p"  # the writers' (gloo on CPU; run_case may override it)
 
 
 def _steps(*versions: str, **faults: str) -> list[dict]:
@@ -384,6 +384,21 @@ def _reported(version: str | None):
     return check
 
 
+def _failed_fast(version: str, within: float, then=None):
+    """Every engine rank's failed attempt at ``version`` ended within ``within`` seconds (not at its deadline);
+    ``then``: a further check."""
+
+    def check(run: dict) -> list[str]:
+        slow = [
+            f"{party} failed {version} after {rec['seconds']:.1f} s (not within {within:g} s)"
+            for party, rec in run["records"].get(version, [])
+            if party.startswith("engine") and not rec["ok"] and rec["seconds"] > within
+        ]
+        return slow + (then(run) if then else [])
+
+    return check
+
+
 def cases() -> list[Case]:
     return [
         Case(
@@ -578,15 +593,28 @@ def shm_cases() -> list[Case]:
     return [
         Case(
             "shm_trainer_killed_in_first_version",
-            "the trainer is killed once it filled its new shared-memory segment, before it says ready: the "
-            "receivers fail at their deadline, the segment is removed (no /dev/shm leak), the restarted trainer's "
-            "next version succeeds",
+            "the trainer is killed as it is about to say its new shared-memory segment is ready: the "
+            "receivers notice its process is gone within seconds (not at their deadline), the segment is removed "
+            "(no /dev/shm leak), the restarted trainer's next version succeeds",
             trainer=[_steps("v-1", "v-2", v_1="die_before_ready")],
             engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
             restart={("trainer", 0): _steps("v-2")},
-            restart_delay=-RECEIVER_DEADLINES,
+            restart_delay=3.0,
             expect_failed={"v-1"},
-            check=_reported("v-2"),
+            check=_failed_fast("v-1", 5.0, then=_reported("v-2")),
+            transport="shm",
+        ),
+        Case(
+            "shm_trainer_killed_while_filling",
+            "the trainer said ready and dies with its segment half filled: the receivers, which copied that half, "
+            "notice within seconds that it is gone and fail (changed part-way); the restarted trainer's next "
+            "version succeeds",
+            trainer=[_steps("v-1", "v-2", v_1="die_while_filling")],
+            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
+            restart={("trainer", 0): _steps("v-2")},
+            restart_delay=3.0,
+            expect_failed={"v-1"},
+            check=_failed_fast("v-1", 5.0, then=_reported("v-2")),
             transport="shm",
         ),
         *[

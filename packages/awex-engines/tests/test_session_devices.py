@@ -115,3 +115,12 @@ def test_explicit_ipc_that_cannot_reach_a_gpu_is_refused_on_every_rank_before_an
     got = _plans("ipc", SEPARATE, {key: (d,) for key, d in SEPARATE.items()}, fails=True)
     assert len(got["errors"]) == 4 and all(isinstance(e, TransportError) for e in got["errors"])
     assert "vllm-0:0 cannot read trainer:" in str(got["errors"][0]) + str(got["errors"][1])
+
+
+def test_auto_chooses_shared_memory_for_cpu_ranks_on_one_host():
+    cpu = {key: None for key in COLOCATED}  # no GPU: CPU ranks copying into their own views
+    got = _plans("auto", cpu)
+    assert got["transport"] == "shm"
+    assert all(doc["cpu"] and doc["in_place"] and doc["device"] == "" for doc in got["published"])
+    trainers = {r.rank for r in got["plan"].ranks if r.instance == "trainer"}
+    assert all(b.src in trainers for b in got["plan"].buckets)  # no relays: receivers read the senders' segments

@@ -125,3 +125,13 @@ def test_engines_sharing_gpus_that_cannot_reach_the_other_half_are_refused_befor
     ipc, p2p, devices = _plans(2, [1, 1], gpus)
     with pytest.raises(TransportError, match="CUDA_VISIBLE_DEVICES"):
         choose_transport(ipc, p2p, devices, reach={key: [d] for key, d in gpus.items()})
+
+
+def test_cpu_ranks_on_one_host_copying_in_place_use_shared_memory():
+    ipc, p2p, _ = _plans(2, [2, 1], {})
+    assert choose_transport(ipc, p2p, (), shm_ok=True).transport == "shm"
+    assert choose_transport(ipc, p2p, (), shm_ok=False).transport == "p2p"  # several hosts, or receive buffers
+    assert choose_transport(ipc, p2p, (), refresh_by_wave=True, shm_ok=True).transport == "p2p"
+    some_gpu = {("trainer", 0): "h/GPU-0"}  # a CUDA rank among CPU ranks: not a shared-memory sync
+    ipc, p2p, devices = _plans(2, [2, 1], some_gpu)
+    assert choose_transport(ipc, p2p, devices, shm_ok=True).transport == "p2p"

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from transport_workers import canonical_value
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.transport import LocalShards
+from awex.transport.base import TransferTimeout
 from awex.transport.shm import SEGMENT_DIR, Segment, SegmentInfo, ShmReceiver, ShmSender, segment_layout, sweep_stale
 
 TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
@@ -30,7 +32,7 @@ def _world(train_tp=2, engines=((2,), (1,))):
     return trainer, dests, plan_transfers([trainer], dests, PlanOptions(relay=False))  # as the session plans shm
 
 
-def _views(layout, rank: int, step: int | None):
+def _views(layout, rank: int, step: int | None, device: str = "cpu"):
     """Views of one rank: filled with the canonical values of ``step`` (a trainer), or -1 (a receiver)."""
     held = {}
 
@@ -39,10 +41,10 @@ def _views(layout, rank: int, step: int | None):
         if key not in held:
             spec = next(t.spec for t in layout.tensors if t.spec.name == name)
             if step is None:
-                held[key] = torch.full(box.sizes, -1.0, dtype=torch.float32)
+                held[key] = torch.full(box.sizes, -1.0, dtype=torch.float32, device=device)
             else:
                 full = canonical_value(name, spec.shape, "float32", step)
-                held[key] = full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].clone()
+                held[key] = full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].to(device).clone()
         return held[key]
 
     return LocalShards.from_layout(layout, rank, view_of), held
@@ -108,12 +110,34 @@ def test_a_receiver_refuses_segments_that_do_not_match_its_plan():
         sender.close()
 
 
-def test_gpu_views_are_refused_with_a_clear_error():
-    trainer, _, plan = _world()
-    shards, _ = _views(trainer, 0, step=1)
-    shards.device = torch.device("meta")  # anything but the CPU
-    with pytest.raises(ValueError, match="CPU views only"):
-        ShmSender(plan, plan.rank("trainer", 0).rank, shards)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine (runs on the GPU machines)")
+def test_gpu_views_move_through_pinned_segments():
+    """A GPU sender fills its page-locked segment with device-to-host copies; GPU receivers copy out host to
+    device; every byte arrives."""
+    trainer, dests, plan = _world()
+    senders = {}
+    for r in range(trainer.world_size):
+        shards, _ = _views(trainer, r, step=4, device="cuda")
+        rank = plan.rank("trainer", r).rank
+        senders[rank] = ShmSender(plan, rank, shards)
+        assert senders[rank].segment._pinned
+        senders[rank].fill()
+    infos = {rank: SegmentInfo.from_wire(s.wire(), plan, rank) for rank, s in senders.items()}
+    try:
+        for layout in dests:
+            for r in range(layout.world_size):
+                shards, held = _views(layout, r, step=None, device="cuda")
+                receiver = ShmReceiver(plan, plan.rank(layout.instance, r).rank, shards, infos)
+                receiver.run()
+                spec = {t.spec.name: t.spec for t in layout.tensors}
+                for (name, offsets), view in held.items():
+                    full = canonical_value(name, spec[name].shape, "float32", 4)
+                    want = full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]
+                    assert torch.equal(view.cpu(), want), (layout.instance, r, name)
+                receiver.close()
+    finally:
+        for s in senders.values():
+            s.close()
 
 
 def test_segments_of_a_killed_creator_are_swept_and_live_ones_kept():
@@ -136,3 +160,36 @@ def test_segments_of_a_killed_creator_are_swept_and_live_ones_kept():
         proc.kill()
         mine.close()
     assert not os.path.exists(mine.path)
+
+
+def test_receivers_copy_what_the_progress_word_says_is_there_and_never_an_older_version(monkeypatch):
+    import awex.transport.shm as shm
+
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 4096)  # many chunks
+    trainer, dests, plan = _world(train_tp=1, engines=((1,),))
+    shards, _ = _views(trainer, 0, step=2)
+    sender = ShmSender(plan, plan.rank("trainer", 0).rank, shards)
+    assert len(sender.chunks) > 4
+    info = {0: SegmentInfo.from_wire(sender.wire(), plan, 0)}
+    layout = dests[0]
+    try:
+        sender.fill(count=7)  # the segment holds version 7
+        half = sender.chunks[len(sender.chunks) // 2][1]
+        sender.segment.set_progress(8, half)  # version 8: only the first half is there yet
+        recv, held = _views(layout, 0, step=None)
+        receiver = ShmReceiver(plan, plan.rank(layout.instance, 0).rank, recv, info)
+        with pytest.raises(TransferTimeout, match="not filled with version 8"):
+            receiver.run(count=8, deadline=time.monotonic() + 0.3)
+        copied = [k for k, v in held.items() if not torch.equal(v, torch.full_like(v, -1.0))]
+        assert 0 < len(copied) < len(held)  # what was there was copied, the rest waits
+        with pytest.raises(TransferTimeout, match="not filled with version 9"):  # the segment holds 8, not 9
+            ShmReceiver(plan, 1, _views(layout, 0, step=None)[0], info).run(count=9, deadline=time.monotonic() + 0.2)
+        sender.segment.set_progress(8, sender.segment.nbytes)
+        receiver.run(count=8, deadline=time.monotonic() + 5)
+        spec = {t.spec.name: t.spec for t in layout.tensors}
+        for (name, offsets), view in held.items():
+            full = canonical_value(name, spec[name].shape, "float32", 2)
+            assert torch.equal(view, full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]), name
+        receiver.close()
+    finally:
+        sender.close()

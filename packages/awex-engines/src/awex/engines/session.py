@@ -11,6 +11,7 @@ NCCL, CPU views over gloo.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from contextlib import contextmanager
@@ -23,12 +24,15 @@ from awex.meta import Layout, Plan, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
 from awex.meta.transport_choice import TransportError, choose_transport, unreachable
 from awex.transport import LocalShards
-from awex.transport.base import Setup, TransferStats, Transport
+from awex.transport.base import Setup, TransferError, TransferStats, Transport
 from awex.transport.registry import TRANSPORTS, make_transport
+from awex.transport.shm import SEGMENT_DIR, alive, start_time
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
 
 log = logging.getLogger("awex.engines")
+
+LIVENESS_SECONDS = 1.0  # a receiver waiting for senders checks this often that those on its host still run
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,17 @@ class Phases(dict):
 
 
 @dataclass
+class Places:
+    """Where a sync's ranks run (:meth:`SyncSession._devices`)."""
+
+    devices: list[tuple[str, int, str]] = field(default_factory=list)  # (instance, local rank, host/GPU-uuid)
+    reach: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # devices each CUDA rank reads
+    hosts: set[str] = field(default_factory=set)
+    processes: dict[tuple[str, int], tuple[str, int, int | None]] = field(default_factory=dict)  # host, pid, start
+    shm_ok: bool = False  # every rank a CPU rank copying in place, all on one host with a writable /dev/shm
+
+
+@dataclass
 class SyncSession:
     """One rank's side of the sync: caches what does not change between versions.
 
@@ -203,6 +218,7 @@ class SyncSession:
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
     _outcomes_after: float = 0.0  # a trainer's last wait for the receivers' outcomes (seconds)
     _last_attempt: tuple[str | None, str, int] | None = None  # (channel, version, count) this rank took part in
+    _processes: dict[tuple[str, int], tuple[str, int, int | None]] = field(default_factory=dict)  # of the plan's ranks
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan and every transport's state (executors,
@@ -369,36 +385,50 @@ class SyncSession:
         return tuple(out)
 
     def _devices(
-        self, version: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float, ipc_ok: bool = True
-    ) -> tuple[tuple, dict, set[str]]:
-        """Every rank's physical device and the devices it reaches, through the MetaServer (for CUDA IPC plans:
-        take from the same GPU; for ``auto``: choose the transport), and the hosts the ranks run on (for shared
-        memory). Published per version (an engine restarted elsewhere never leaves a stale answer); a rank that
-        cannot take part in CUDA IPC publishes no device."""
-        mine = (self.physical_device() or "") if ipc_ok else ""
+        self, version: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float, in_place: bool = True
+    ) -> Places:
+        """Where every rank runs, through the MetaServer: its physical device and the devices it reaches (for CUDA
+        IPC plans: take from the same GPU; for ``auto``: choose the transport), its host and process (shared
+        memory; noticing a sender on this host that exited). Published per version (an engine restarted elsewhere
+        never leaves a stale answer); a rank that cannot copy in place publishes no device."""
+        mine = (self.physical_device() or "") if in_place else ""
+        pid = os.getpid()
         self.client.put(
             f"devices/{version}/{self.instance}/{self.local_rank}",
             {
                 "device": mine,
                 "reach": list(self.reachable_devices()) if mine else [],
                 "host": host_identity(),
+                "pid": pid,
+                "started": start_time(pid),
+                "cpu": getattr(self.device, "type", "cpu") == "cpu",
+                "shm": SEGMENT_DIR.is_dir() and os.access(SEGMENT_DIR, os.W_OK),
+                "in_place": bool(in_place),
                 "signals": [kind for kind, have in (("board", self.board), ("channel", self.channel)) if have],
             },
         )
-        out, reach, hosts = [], {}, set()
+        places = Places()
         common = {"board", "channel"}
+        cpu_in_place = True
         for name in names:
             for rank in range(layouts[name].world_size):
                 doc = self.client.get(f"devices/{version}/{name}/{rank}", timeout=max(0.1, deadline - time.monotonic()))
-                common &= set(doc.get("signals", ())) if isinstance(doc, dict) else set()
-                hosts.add(str(doc.get("host", "")) if isinstance(doc, dict) else "")
-                key = doc.get("device") if isinstance(doc, dict) else doc
+                doc = doc if isinstance(doc, dict) else {"device": doc}
+                common &= set(doc.get("signals", ()))
+                host = str(doc.get("host", ""))
+                places.hosts.add(host)
+                pid, started = doc.get("pid"), doc.get("started")
+                if isinstance(pid, int) and (started is None or isinstance(started, int)):
+                    places.processes[(name, rank)] = (host, pid, started)
+                cpu_in_place &= doc.get("cpu") is True and doc.get("in_place") is True and doc.get("shm") is True
+                key = doc.get("device")
                 if key:
-                    out.append((name, rank, str(key)))
-                    reach[(name, rank)] = [str(d) for d in doc.get("reach", ())] if isinstance(doc, dict) else [key]
-        # per-version CUDA IPC signals go where every rank can see them
+                    places.devices.append((name, rank, str(key)))
+                    places.reach[(name, rank)] = [str(d) for d in doc.get("reach", ())]
+        places.shm_ok = cpu_in_place and len(places.hosts) == 1
+        # per-version signals go where every rank can see them
         self._signals = "board" if "board" in common else "channel" if "channel" in common else "meta"
-        return tuple(out), reach, hosts
+        return places
 
     def prepare(self, manifest: SyncManifest, timeout: float, ipc_ok: bool = True) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
@@ -422,9 +452,11 @@ class SyncSession:
         if manifest.transport not in (*TRANSPORTS, "auto"):
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
-            devices, reach, hosts = self._devices(
+            places = self._devices(
                 f"{manifest.version}/{manifest.seq}", names, layouts, deadline, ipc_ok and manifest.transport != "p2p"
             )
+        devices, reach, hosts = tuple(places.devices), places.reach, places.hosts
+        self._processes = places.processes
 
         def plan_for(transport: str) -> Plan:
             return plan_transfers(
@@ -442,9 +474,11 @@ class SyncSession:
         plan_started = time.perf_counter()
         if transport == "auto":
             ipc_plan, p2p_plan = plan_for("ipc"), plan_for("p2p")
-            choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave, reach)
+            choice = choose_transport(
+                ipc_plan, p2p_plan, devices, manifest.refresh_by_wave, reach, shm_ok=places.shm_ok
+            )
             transport = choice.transport
-            plan = ipc_plan if transport == "ipc" else p2p_plan
+            plan = p2p_plan if transport == "p2p" else ipc_plan  # shm: the same plan as ipc (no relays)
             log.info(
                 "%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version, transport, choice.reason
             )
@@ -626,24 +660,47 @@ class SyncSession:
             self.client.put(ready, generation)
 
     def _await_ready(
-        self, kind: str, manifest: SyncManifest, plan: Plan, peers: list[int], left: Callable[[], float]
+        self, kind: str, manifest: SyncManifest, plan: Plan, peers: list[int], deadline: float
     ) -> list[int]:
-        """A receiver: wait until every sender in ``peers`` said this version is ready; their generations."""
+        """A receiver: wait until every sender in ``peers`` said this version is ready (before ``deadline``); their
+        generations. Every second it checks that the senders on this host still run: one that exited fails the wait
+        at once instead of at the deadline (across hosts only the deadline tells)."""
 
         def ready(peer: int) -> str:
             src = plan.ranks[peer]
             return f"{kind}-ready/{manifest.version}/{manifest.seq}/{src.instance}/{src.local_rank}"
 
-        if self.signals == "board":
-            generations = self.board.wait(peers, manifest.seq, left())
-        elif self.signals == "channel":
-            generations = self.channel.wait([ready(p) for p in peers], left())
-        else:
-            generations = [self.client.get(ready(p), timeout=left()) for p in peers]
+        def wait(keys_or_slots, timeout: float):
+            if self.signals == "board":
+                return self.board.wait(keys_or_slots, manifest.seq, timeout)
+            if self.signals == "channel":
+                return self.channel.wait([ready(p) for p in keys_or_slots], timeout)
+            return [self.client.get(ready(p), timeout=timeout) for p in keys_or_slots]
+
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                generations = wait(peers, max(0.001, min(LIVENESS_SECONDS, left)))
+                break
+            except TimeoutError:
+                if left <= LIVENESS_SECONDS:
+                    raise
+                self._check_senders_alive(plan, peers, manifest)
         for peer, generation in zip(peers, generations):
             if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
                 raise ValueError(f"{ready(peer)}: {generation!r} is not an export generation")
         return list(generations)
+
+    def _check_senders_alive(self, plan: Plan, peers: list[int], manifest: SyncManifest) -> None:
+        here = host_identity()
+        for peer in peers:
+            src = plan.ranks[peer]
+            host, pid, started = self._processes.get((src.instance, src.local_rank), (None, 0, None))
+            if host == here and started is not None and not alive(pid, started):
+                raise TransferError(
+                    f"{self.instance}:{self.local_rank}: sender {src.instance}:{src.local_rank} (pid {pid}, this "
+                    f"host) exited before its part of version {manifest.version!r} arrived"
+                )
 
     def applied(self) -> None:
         """A sender, once every receiver applied a version (over shared memory: each has mapped this plan's
@@ -680,9 +737,15 @@ class _PeerLink:
     def ready(self, generation: int) -> None:
         self.session._ring_ready(self.session.transport, self.manifest, self.plan.ranks[self.rank], generation)
 
+    @property
+    def count(self) -> int:
+        return self.manifest.seq
+
+    def check_senders(self, peers: Sequence[int]) -> None:
+        self.session._check_senders_alive(self.plan, list(peers), self.manifest)
+
     def moving(self) -> None:
         self.session.touched = True
 
     def await_ready(self, peers: Sequence[int], deadline: float) -> list[int]:
-        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
-        return self.session._await_ready(self.session.transport, self.manifest, self.plan, list(peers), left)
+        return self.session._await_ready(self.session.transport, self.manifest, self.plan, list(peers), deadline)

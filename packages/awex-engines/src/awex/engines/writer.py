@@ -110,11 +110,6 @@ class WeightsWriter:
             raise ValueError(
                 f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}"
             )
-        if transport == "shm" and self._shards.device.type != "cpu":
-            raise ValueError(
-                f"transport='shm' moves CPU views only for now; {layout.instance} holds its weights on "
-                f"{self._shards.device}"
-            )
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._port: int | None = None

@@ -1,13 +1,19 @@
-"""Which transport a sync should use, from where its ranks run: CUDA IPC on one host, else point to point.
+"""Which transport a sync should use, from where its ranks run: CUDA IPC on one host for CUDA ranks, shared
+memory on one host for CPU ranks, else point to point.
 
-Two ways to move the same weights:
+The transports (``awex.transport.registry``) and when ``auto`` takes each:
 
 - ``"ipc"``: every rank on one host. Receivers pull with their GPUs' copy engines straight from the trainers'
   memory (a same-GPU copy where they share a GPU). No relay: a region several receivers need leaves its source
   once per receiver, so a source's egress multiplies with the fan-out.
 - ``"p2p"``: NCCL (gloo on CPU) in waves through staging buffers, with relays that keep a source's egress at
-  one copy of what it holds however many instances need it. The only choice across hosts or without GPUs.
+  one copy of what it holds however many instances need it. What `auto` takes across hosts.
   NCCL cannot put two ranks on one GPU, so engines sharing a GPU must use ``"ipc"``.
+- ``"shm"``: every rank a CPU rank on one host, copying into its own views: each sender writes a version once
+  into shared memory, receivers copy out (measured faster than gloo on one host: docs/performance.md). With
+  ``refresh_by_wave``, ``"p2p"`` (only it overlaps the refresh with the transfer).
+- ``"rdma"``: one-sided reads through Mooncake's transfer engine, across hosts; never chosen by ``auto`` yet
+  (which stays with ``"p2p"`` across hosts until rdma is measured against NCCL on RDMA NICs); ask for it by name.
 
 On one host, copy engines move bytes at least as fast as NCCL, with no waves or staging (measured: see
 :data:`IPC_RATE_MARGIN`), so ``"ipc"`` wins unless it makes some GPU move more bytes over the links than
@@ -107,9 +113,15 @@ def unreachable(ipc_plan: Plan, devices: Devices, reach: Reach | None) -> list[s
 
 
 def choose_transport(
-    ipc_plan: Plan, p2p_plan: Plan, devices: Devices, refresh_by_wave: bool = False, reach: Reach | None = None
+    ipc_plan: Plan,
+    p2p_plan: Plan,
+    devices: Devices,
+    refresh_by_wave: bool = False,
+    reach: Reach | None = None,
+    shm_ok: bool = False,
 ) -> TransportChoice:
-    """``"ipc"`` or ``"p2p"`` for a sync whose ranks run on ``devices`` (see the module docstring).
+    """``"ipc"``, ``"shm"`` or ``"p2p"`` for a sync whose ranks run on ``devices`` (see the module docstring);
+    ``shm_ok``: every rank is a CPU rank copying into its own views, all on one host.
 
     ``ipc_plan`` is the plan without relays (planned with ``devices``), ``p2p_plan`` the plan with relays; both
     over the same layouts; ``refresh_by_wave``: the senders quantise (or otherwise derive) what they send wave by
@@ -123,6 +135,8 @@ def choose_transport(
         device_of[rank.rank] = known.get((rank.instance, rank.local_rank), "")
     missing = sorted(f"{r.instance}:{r.local_rank}" for r in ipc_plan.ranks if not device_of[r.rank])
     if missing:
+        if shm_ok and not refresh_by_wave and len(missing) == len(ipc_plan.ranks):
+            return TransportChoice("shm", "CPU ranks on one host: each sender writes a version once to shared memory")
         return TransportChoice("p2p", f"not on a CUDA device that can share memory: {', '.join(missing[:8])}")
     hosts = {d.split("/", 1)[0] for d in device_of.values()}
     if len(hosts) > 1:

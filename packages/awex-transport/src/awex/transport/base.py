@@ -48,6 +48,8 @@ class TransferStats:
 class PeerLink(Protocol):
     """What one transport's ranks say to each other in one version (given by the session per version)."""
 
+    count: int  # the writer's count of versions written: the same on every rank, larger for every new attempt
+
     def publish(self, generation: int, doc: dict[str, Any]) -> None:
         """This rank's descriptor, generation ``generation`` (1, 2, ...: a new one when what it describes
         changed); replaces the one before."""
@@ -61,6 +63,10 @@ class PeerLink(Protocol):
 
     def await_ready(self, peers: Sequence[int], deadline: float) -> list[int]:
         """A receiver: wait until every sender in ``peers`` said this version is ready; their generations."""
+
+    def check_senders(self, peers: Sequence[int]) -> None:
+        """A receiver: raise at once if a sender in ``peers`` that runs on this host has exited (across hosts only
+        the deadline tells)."""
 
     def moving(self) -> None:
         """A receiver: bytes start moving into its views now (a failure from here on leaves them partly

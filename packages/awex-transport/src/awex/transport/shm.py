@@ -3,17 +3,21 @@ receiver on the host copies what it needs out of it, in place.
 
 For engines on one host that cannot use CUDA IPC or a process group between them: CPU engines, separate containers
 sharing ``/dev/shm``, GPUs without peer access. A sender's segment holds each distinct region it sends once, however
-many receivers read it (:func:`segment_layout`, a pure function of the plan: every rank computes where each region
-lies). Per version the sender fills its segment and signals "ready"; receivers copy out and report their outcome;
+many receivers read it (:func:`~awex.transport.staged.segment_layout`, a pure function of the plan: every rank
+computes where each region lies). Per version the sender says "ready", then fills its segment chunk by chunk; a
+progress word in the segment's header says how many bytes of which version (the writer's count) the data holds, and
+receivers copy each region out as soon as it is there, overlapping the filling. Receivers report their outcome;
 the sender changes nothing until every receiver did (the writer waits for the outcomes before it returns).
+
+GPU views: both sides page-lock their mapping of a segment (``cudaHostRegister``), so the sender fills it with
+device-to-host copies and receivers empty it with host-to-device copies on the copy engines; each side waits for
+its copies under the deadline.
 
 Segments are files in ``/dev/shm`` named ``awex-shm-<creator pid>-<creator start time>-<random>`` (mode 0600). The
 creator removes the name once every receiver has mapped it (after the first applied version: the mappings stay
 valid), when it closes, and at exit; a segment whose creator was killed before that is removed by the next sweep
 (:func:`sweep_stale`, run by every new sender and by a receiver whose sync failed). A receiver checks a segment's
 name, size and plan digest against its own plan before any byte moves.
-
-CPU views only for now: GPU views (pinned segments filled by copy-engine transfers) are not built yet.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,19 +38,24 @@ from typing import Any
 import torch
 
 from awex.meta import Plan
-from awex.transport.base import PeerLink, RefreshByWave, Setup, TransferStats, Transport, timed
+from awex.transport.base import PeerLink, RefreshByWave, Setup, TransferStats, TransferTimeout, Transport, timed
+from awex.transport.copies import copier
+from awex.transport.deadline import wait_event
 from awex.transport.shards import LocalShards
-from awex.transport.staged import empty_copies, fill_copies, segment_layout
+from awex.transport.staged import empty_pairs, extent, fill_pairs, segment_layout
 
 log = logging.getLogger("awex.transport")
 
 SEGMENT_DIR = Path("/dev/shm")
 PREFIX = "awex-shm"
 OWNED = ("awex-shm", "awex-board")  # files in /dev/shm named by owned_name (the host board too)
+CHUNK_BYTES = 16 << 20  # a sender advances its progress word about this often
+POLL_SECONDS = 100e-6  # a receiver waiting for its senders' progress sleeps this long between looks
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
 _NAME = re.compile(r"^(awex-shm|awex-board)-(\d+)-(\d+)-[0-9a-f]+$")
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """A process's start time (clock ticks since boot), which tells it from a later process with its pid."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -54,11 +64,16 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
+def alive(pid: int, started: int | None) -> bool:
+    """Whether process ``pid`` that started at ``started`` (:func:`start_time`) still runs (on this host)."""
+    return start_time(pid) == started
+
+
 def owned_name(prefix: str) -> str:
     """A name for a file in /dev/shm that :func:`sweep_stale` removes once its creator (this process) is gone:
     ``<prefix>-<pid>-<start time>-<random>``."""
     pid = os.getpid()
-    return f"{prefix}-{pid}-{_start_time(pid) or 0}-{secrets.token_hex(8)}"
+    return f"{prefix}-{pid}-{start_time(pid) or 0}-{secrets.token_hex(8)}"
 
 
 def sweep_stale(directory: Path = SEGMENT_DIR) -> list[str]:
@@ -74,7 +89,7 @@ def sweep_stale(directory: Path = SEGMENT_DIR) -> list[str]:
         if m is None:
             continue
         pid, started = int(m.group(2)), int(m.group(3))
-        if _start_time(pid) == started:
+        if start_time(pid) == started:
             continue
         try:
             os.unlink(directory / name)
@@ -86,26 +101,45 @@ def sweep_stale(directory: Path = SEGMENT_DIR) -> list[str]:
     return removed
 
 
+HEADER = 64  # bytes before the data: the progress word (8 bytes), then padding to keep the data aligned
+COUNT_SHIFT = 40  # progress word: (version count mod 2**23) << 40 | bytes filled (< 1 TiB per segment)
+
+
+def progress_word(count: int, filled: int) -> int:
+    return ((count % (1 << 23)) << COUNT_SHIFT) | filled
+
+
 class Segment:
-    """One process's mapping of a segment (:meth:`create` makes one, :meth:`attach` opens one)."""
+    """One process's mapping of a segment (:meth:`create` makes one, :meth:`attach` opens one): a header whose
+    progress word says how much of which version the data holds, then the data."""
 
     def __init__(self, path: Path, nbytes: int, fd: int, owner: bool):
         self.path = path
         self.nbytes = nbytes
         self.owner = owner
-        self._map = mmap.mmap(fd, max(nbytes, 1))
+        self._map = mmap.mmap(fd, HEADER + nbytes)
         os.close(fd)
-        self.tensor = (
-            torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
-        )
+        self._word = memoryview(self._map)[:8].cast("q")  # one aligned 8-byte load or store: never torn
+        self._all = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.tensor = self._all[HEADER:]
         self._finalizer = weakref.finalize(self, _remove, path) if owner else None  # at exit too
+        self._pinned = False
+
+    def set_progress(self, count: int, filled: int) -> None:
+        """The data holds the first ``filled`` bytes of version ``count`` (the writer's count)."""
+        self._word[0] = progress_word(count, filled)
+
+    def progress(self, count: int) -> int:
+        """How many bytes of version ``count`` the data holds (from its start); -1 while it holds another."""
+        word = self._word[0]
+        return word & ((1 << COUNT_SHIFT) - 1) if word >> COUNT_SHIFT == count % (1 << 23) else -1
 
     @classmethod
     def create(cls, nbytes: int, directory: Path = SEGMENT_DIR) -> Segment:
         path = directory / owned_name(PREFIX)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
+            os.ftruncate(fd, HEADER + nbytes)
         except OSError:
             os.close(fd)
             os.unlink(path)
@@ -121,9 +155,9 @@ class Segment:
             raise ValueError(f"{path!r} is not an Awex shared-memory segment in {directory}")
         fd = os.open(p, os.O_RDWR)
         size = os.fstat(fd).st_size
-        if size != max(nbytes, 1):
+        if size != HEADER + nbytes:
             os.close(fd)
-            raise ValueError(f"segment {p.name} holds {size} bytes; this rank's plan puts {nbytes} there")
+            raise ValueError(f"segment {p.name} holds {size - HEADER} bytes; this rank's plan puts {nbytes} there")
         return cls(p, nbytes, fd, owner=False)
 
     @property
@@ -135,9 +169,23 @@ class Segment:
         if self._finalizer is not None:
             self._finalizer()
 
+    def pin(self) -> None:
+        """Page-lock this mapping for the CUDA driver (``cudaHostRegister``), so copies between it and GPU memory
+        run on the copy engines, asynchronously, at the link's rate."""
+        if self._pinned:
+            return
+        error = torch.cuda.cudart().cudaHostRegister(self._all.data_ptr(), self._all.numel(), _HOST_REGISTER_PORTABLE)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaHostRegister of segment {self.path.name} ({self.nbytes} bytes) failed: {error}")
+        self._pinned = True
+
     def close(self) -> None:
         self.unlink()
-        self.tensor = None
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._all.data_ptr())
+            self._pinned = False
+        self.tensor = self._all = None
+        self._word.release()
         try:
             self._map.close()
         except BufferError:  # views of it are still alive somewhere: the mapping goes with them
@@ -151,20 +199,41 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _check_cpu(shards: LocalShards) -> None:
-    if shards.device.type != "cpu":
-        raise ValueError(f"transport 'shm' moves CPU views only for now; these views are on {shards.device}")
+def _finish(device: torch.device, deadline: float, what: str) -> None:
+    """Wait (until ``deadline``) for the copies queued on ``device``'s current stream (CUDA views); nothing on CPU."""
+    if device.type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    wait_event(done, deadline, lambda: TransferTimeout(f"{what}: the copies did not finish before the deadline"))
 
 
 class ShmSender:
-    """A sender's segment and the copies that fill it, built once per plan."""
+    """A sender's segment and the copies that fill it, built once per plan, in chunks of about
+    :data:`CHUNK_BYTES` in the segment's order: after each chunk the progress word says how far the data is
+    filled, and receivers copy out what is there while the rest is filled."""
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards):
-        _check_cpu(shards)
-        self.plan, self.rank = plan, rank
+        self.plan, self.rank, self.device = plan, rank, shards.device
         sweep_stale()
         self.segment = Segment.create(segment_layout(plan, rank)[1])
-        self.copies = fill_copies(plan, rank, shards, self.segment.tensor)
+        if self.device.type == "cuda":
+            self.segment.pin()
+        pairs = fill_pairs(plan, rank, shards, self.segment.tensor)
+        base = self.segment.tensor.data_ptr()
+        spans = [extent(d, base) for d, _ in pairs]
+        # the data below the earliest byte still to be written is final: progress after each chunk
+        first_left = [self.segment.nbytes] * (len(pairs) + 1)
+        for k in range(len(pairs) - 1, -1, -1):
+            first_left[k] = min(first_left[k + 1], spans[k][0])
+        self.chunks: list[tuple[list[Callable[[], None]], int]] = []
+        group, size = [], 0
+        for k, (d, src) in enumerate(pairs):
+            group.append(copier(d, src))
+            size += spans[k][1] - spans[k][0]
+            if size >= CHUNK_BYTES or k == len(pairs) - 1:
+                self.chunks.append((group, first_left[k + 1]))
+                group, size = [], 0
         self.bytes_sent = sum(s.bucket.nbytes for s in plan.schedule(rank) if s.op == "send")
 
     def wire(self) -> dict[str, Any]:
@@ -176,15 +245,41 @@ class ShmSender:
             "rank": self.rank,
         }
 
-    def fill(self) -> TransferStats:
-        """Write this version's bytes into the segment."""
+    def fill(self, count: int = 1, deadline: float | None = None) -> TransferStats:
+        """Write version ``count``'s bytes into the segment, chunk by chunk, advancing the progress word (from GPU
+        views: device-to-host copies on the copy engines, each chunk waited for until ``deadline``)."""
         started = time.monotonic()
-        for copy in self.copies:
-            copy()
-        return TransferStats(bytes_sent=self.bytes_sent, buckets=len(self.copies), seconds=time.monotonic() - started)
+        deadline = deadline or started + 300.0
+        segment = self.segment
+        segment.set_progress(count, 0)
+        if self.device.type != "cuda":
+            for group, done in self.chunks:
+                for copy in group:
+                    copy()
+                segment.set_progress(count, done)
+        else:
+            with torch.cuda.device(self.device):
+                stream = torch.cuda.current_stream(self.device)
+                events = []
+                for group, done in self.chunks:
+                    for copy in group:
+                        copy()
+                    events.append((stream.record_event(), done))
+                for event, done in events:
+                    wait_event(
+                        event,
+                        deadline,
+                        lambda: TransferTimeout(
+                            f"sync rank {self.rank}: filling its segment did not finish before the deadline"
+                        ),
+                    )
+                    segment.set_progress(count, done)
+        segment.set_progress(count, segment.nbytes)
+        copies = sum(len(g) for g, _ in self.chunks)
+        return TransferStats(bytes_sent=self.bytes_sent, buckets=copies, seconds=time.monotonic() - started)
 
     def close(self) -> None:
-        self.copies = []
+        self.chunks = []
         self.segment.close()
 
 
@@ -223,30 +318,73 @@ class SegmentInfo:
 
 
 class ShmReceiver:
-    """A receiver's mappings of its senders' segments and the copies out of them, built once per plan."""
+    """A receiver's mappings of its senders' segments and the copies out of them, built once per plan; each copy
+    runs as soon as its sender's progress word says its bytes are there."""
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, segments: Mapping[int, SegmentInfo]):
-        _check_cpu(shards)
-        self.plan, self.rank = plan, rank
+        self.plan, self.rank, self.device = plan, rank, shards.device
         steps = [s for s in plan.schedule(rank) if s.op == "recv"]
         missing = sorted({s.peer for s in steps} - set(segments))
         if missing:
             raise ValueError(f"sync rank {rank}: no segment of sync rank(s) {missing}")
         self.segments = {peer: Segment.attach(info.path, info.nbytes) for peer, info in segments.items()}
+        if self.device.type == "cuda":
+            for segment in self.segments.values():
+                segment.pin()
         where = {peer: (seg.tensor, segment_layout(plan, peer)[0]) for peer, seg in self.segments.items()}
-        self.copies = empty_copies(plan, rank, shards, where)
+        per_peer: dict[int, list[tuple[int, Callable[[], None]]]] = {peer: [] for peer in self.segments}
+        for peer, (d, src) in empty_pairs(plan, rank, shards, where):
+            per_peer[peer].append((extent(src, self.segments[peer].tensor.data_ptr())[1], copier(d, src)))
+        self.copies = {peer: sorted(c, key=lambda x: x[0]) for peer, c in per_peer.items()}  # by the bytes they need
         self.bytes_received = sum(s.bucket.nbytes for s in steps)
 
-    def run(self) -> TransferStats:
+    def run(
+        self, count: int = 1, deadline: float | None = None, check: Callable[[list[int]], None] | None = None
+    ) -> TransferStats:
+        """Copy this rank's regions of version ``count`` out of the segments, each as soon as its bytes are there
+        (into GPU views: host-to-device copies on the copy engines, waited for until ``deadline``: the sender may
+        overwrite the segment once this rank reported). ``check(peers)`` runs every second while waiting (raises
+        if a sender is gone)."""
         started = time.monotonic()
-        for copy in self.copies:
-            copy()
+        deadline = deadline or started + 300.0
+        next_of = dict.fromkeys(self.copies, 0)
+        checked = started
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            while True:
+                moved = False
+                for peer, copies in self.copies.items():
+                    k = next_of[peer]
+                    if k == len(copies):
+                        continue
+                    filled = self.segments[peer].progress(count)
+                    while k < len(copies) and copies[k][0] <= filled:
+                        copies[k][1]()
+                        k += 1
+                        moved = True
+                    next_of[peer] = k
+                waiting = [p for p, c in self.copies.items() if next_of[p] < len(c)]
+                if not waiting:
+                    break
+                if not moved:
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise TransferTimeout(
+                            f"sync rank {self.rank}: the segments of sync rank(s) {waiting} were not filled with "
+                            f"version {count} before the deadline"
+                        )
+                    if check is not None and now - checked >= 1.0:
+                        checked = now
+                        check(waiting)
+                    time.sleep(POLL_SECONDS)
+            _finish(self.device, deadline, f"sync rank {self.rank} copying out of the segments")
         return TransferStats(
-            bytes_received=self.bytes_received, buckets=len(self.copies), seconds=time.monotonic() - started
+            bytes_received=self.bytes_received,
+            buckets=sum(len(c) for c in self.copies.values()),
+            seconds=time.monotonic() - started,
         )
 
     def close(self) -> None:
-        self.copies = []
+        self.copies = {}
         for segment in self.segments.values():
             segment.close()
         self.segments = {}
@@ -291,11 +429,10 @@ class ShmTransport(Transport):
                     self.sender, self.plan = ShmSender(plan, rank, shards), plan
                     self.generation += 1
                     link.publish(self.generation, self.sender.wire())
-            with timed(phases, "transfer"):
-                stats = self.sender.fill()
-            with timed(phases, "ready"):
+            with timed(phases, "ready"):  # receivers follow the progress word while the segment fills
                 link.ready(self.generation)
-            return stats
+            with timed(phases, "transfer"):
+                return self.sender.fill(link.count, deadline)
         with timed(phases, "open"):
             peers = self._peers
             generations = link.await_ready(peers, deadline)
@@ -313,7 +450,7 @@ class ShmTransport(Transport):
                 self.opened = dict(zip(peers, generations))
         link.moving()
         with timed(phases, "transfer"):
-            return self.receiver.run()
+            return self.receiver.run(link.count, deadline, link.check_senders)
 
     def applied(self) -> None:
         """Every receiver mapped this plan's segment: its name can go (the mappings stay)."""
