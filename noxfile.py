@@ -140,7 +140,7 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def faults(session: nox.Session) -> None:
-    """The fault suite: trainer and engine processes over gloo (and shared memory) and a MetaServer with ranks
+    """The fault suite: trainer and engine processes over gloo (and shared memory, rdma) and a MetaServer with ranks
     killed, raising, interrupted, the MetaServer restarted, killed and frozen, names reused, 200 syncs in a row,
     no /dev/shm leak; then the vLLM fault cases. Its last line (before pytest's) is the suite's JSON summary; ``--
     --cases a,b`` picks cases."""

@@ -625,6 +625,16 @@ def shm_cases() -> list[Case]:
     ]
 
 
+def rdma_cases() -> list[Case]:
+    """Cases for the rdma transport (Mooncake's transfer engine; TCP here): a sender that dies, a receiver that
+    dies after its reads; registrations go with the processes and the next version succeeds."""
+    return [
+        replace(c, name=f"rdma_{c.name}", transport="rdma")
+        for c in cases()
+        if c.name in ("trainer_rank_dies", "receiver_rank_dies_after_transfer")
+    ]
+
+
 def _many(n: int, at: tuple[int, ...] = (30, 200)) -> list[dict]:
     return [{"version": f"v-{i}", **({"measure": True} if i in at else {})} for i in range(1, n + 1)]
 
@@ -701,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--timeout", type=float, default=8.0, help="every write and receive's deadline (seconds)")
     args = ap.parse_args(argv)
-    chosen = [c for c in cases() + shm_cases() if not args.cases or c.name in args.cases.split(",")]
+    every = cases() + shm_cases() + rdma_cases()
+    chosen = [c for c in every if not args.cases or c.name in args.cases.split(",")]
     started = time.monotonic()
     results = []
     for case in chosen:

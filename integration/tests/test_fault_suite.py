@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from awex_integration.fault_suite import cases, run_case, shm_cases
+from awex_integration.fault_suite import cases, rdma_cases, run_case, shm_cases
 
-CASES = {case.name: case for case in cases() + shm_cases()}
+CASES = {case.name: case for case in cases() + shm_cases() + rdma_cases()}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -18,5 +18,5 @@ def test_fault_case(name):
     assert not result["false_success"], result["false_success"]
     assert result["passed"], result["problems"]
     assert result["recovered"] == CASES[name].recovers
-    # CPU ranks: gloo, or shared memory where the case asks for it
-    assert result["transports"] in ([], ["shm"] if CASES[name].transport == "shm" else ["p2p"])
+    # CPU ranks: gloo, or the transport the case asks for
+    assert result["transports"] in ([], [CASES[name].transport])

@@ -27,7 +27,7 @@ def test_close_drops_plan_transports_and_opened_ipc_memory_once():
     opened = MappedShards({}, [])
     opened._aliases[((0, 1 << 20), 1)] = None  # a region another GPU could not map (nothing to unmap)
     ipc = IpcTransport()
-    ipc.opened, ipc.executor = {("trainer", 0): (1, opened)}, object()
+    ipc.opened, ipc.executor = {("trainer", 0): (1, opened, {})}, object()
     session._transports = {"p2p": p2p, "ipc": ipc}
     session._plan, session._key = object(), ("key",)
     session.close()

@@ -191,3 +191,39 @@ def test_the_transport_module_imports_and_explains_a_missing_engine():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "awex-transport[rdma" in out.stdout, out.stderr[-2000:]
+
+
+def _gpudirect_unavailable() -> str | None:
+    from awex.meta.rdma_devices import active_ports
+
+    if not torch.cuda.is_available():
+        return "no CUDA device here"
+    if not active_ports():
+        return "no active RDMA port here (GPUDirect RDMA needs RDMA NICs)"
+    return None
+
+
+@pytest.mark.skipif(_gpudirect_unavailable() is not None, reason=f"GPUDirect RDMA: {_gpudirect_unavailable()}")
+def test_gpu_views_read_over_rdma_nics():
+    """CUDA buffers registered with the NICs (Mooncake's CUDA build): the same reads as over TCP, every byte."""
+    engine = _Engine.get("127.0.0.1", "rdma")
+    trainer, dests, plan = _world()
+    senders = {}
+    for r in range(trainer.world_size):
+        shards, _ = _views(trainer, r, step=6, device="cuda")
+        rank = plan.rank("trainer", r).rank
+        senders[rank] = RdmaSender(plan, rank, shards, engine)
+        assert senders[rank].buffer.is_cuda
+        senders[rank].fill()
+    infos = {rank: BufferInfo.from_wire(s.info().to_wire(), plan, rank) for rank, s in senders.items()}
+    try:
+        layout = dests[0]
+        shards, held = _views(layout, 0, step=None, device="cuda")
+        RdmaReceiver(plan, plan.rank(layout.instance, 0).rank, shards, engine, infos).run(time.monotonic() + 30)
+        spec = {t.spec.name: t.spec for t in layout.tensors}
+        for (name, offsets), view in held.items():
+            full = canonical_value(name, spec[name].shape, "float32", 6)
+            assert torch.equal(view.cpu(), full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))])
+    finally:
+        for s in senders.values():
+            s.close()

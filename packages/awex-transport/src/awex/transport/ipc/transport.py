@@ -32,13 +32,15 @@ class IpcTransport(Transport):
         self.generation = 0
         self.bytes_sent: int | None = None
         # a receiver's opened exports per source rank (with the generation they came from) and its executor
-        self.opened: dict[tuple[str, int], tuple[int, MappedShards]] = {}
+        self.opened: dict[tuple[str, int], tuple[int, MappedShards, dict]] = {}  # generation, mapping, descriptor
+        self._recheck = False
         self.executor: IpcExecutor | None = None
         self.peers: list[int] = []
 
     def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
         self.plan, self.rank = plan, rank
         self.executor = None
+        self._recheck = True  # a new plan may mean a restarted trainer, whose generations start again at 1
         schedule = plan.schedule(rank)
         self.peers = sorted({s.peer for s in schedule})
         self.bytes_sent = sum(s.bucket.nbytes for s in schedule)
@@ -66,13 +68,22 @@ class IpcTransport(Transport):
                 src = plan.ranks[peer]
                 key = (src.instance, src.local_rank)  # sync ranks may be renumbered by a new plan
                 held = self.opened.get(key)
-                if held is None or held[0] != generation:
+                doc = None
+                if held is not None and held[0] == generation and self._recheck:
                     doc = link.descriptor(peer, generation, deadline)
-                    if held is not None:
-                        held[1].close()
-                    held = self.opened[key] = (generation, open_export(IpcExport.from_wire(doc)))
+                    if doc == held[2]:  # the same export: keep what is open
+                        doc = None
+                    else:
+                        held = None  # another process's export under the same generation
+                if held is None or held[0] != generation:
+                    doc = doc if doc is not None else link.descriptor(peer, generation, deadline)
+                    stale = self.opened.pop(key, None)
+                    if stale is not None:
+                        stale[1].close()
+                    held = self.opened[key] = (generation, open_export(IpcExport.from_wire(doc)), doc)
                     changed = True
                 sources[peer] = held[1]
+            self._recheck = False
         if changed:
             with timed(phases, "executor"):
                 self.executor = IpcExecutor(plan, self.rank, shards, sources)
@@ -123,7 +134,7 @@ class IpcTransport(Transport):
         """Drop the executor and close the other processes' memory opened here. A receiver must close (or exit)
         before the trainers whose memory it opened exit: PyTorch counts those references in the trainer's
         memory."""
-        opened = [source for _, source in self.opened.values()]
+        opened = [source for _, source, _ in self.opened.values()]
         self.opened, self.executor, self.plan, self.export, self.exported_from = {}, None, None, None, None
         for source in opened:
             source.close()
