@@ -109,10 +109,10 @@ def run(model: str = "qwen3-8b", layers: int | None = None, iters: int = 3, time
     """Both processes; returns the numbers (or ``{"error": ...}``)."""
     import subprocess
 
-    from awex_integration.bench_gpu import _free_ports
+    from awex.transport.net import free_ports
 
     with tempfile.TemporaryDirectory() as work:
-        port = _free_ports(1)[0]
+        port = free_ports(1)[0]
         common = ["--model", model, "--iters", str(iters), "--workdir", work, "--port", str(port)]
         if layers:
             common += ["--layers", str(layers)]

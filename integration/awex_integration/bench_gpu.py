@@ -527,7 +527,7 @@ def _executor_path(
 
     from awex.meta import PlanOptions, plan_transfers
     from awex.transport import WaveExecutor, create_sync_group
-    from awex.transport.ipc import IpcExecutor, IpcExport, export_shards, open_export
+    from awex.transport.ipc import IpcExecutor, IpcExport, IpcOptions, export_shards, open_export
 
     quantize_in_sync = quantize  # FP8 over IPC: all at once before the copies; over NCCL: per wave (below)
     barrier()
@@ -559,7 +559,7 @@ def _executor_path(
             opened = {
                 p: open_export(IpcExport.from_wire(json.loads((exports / f"{p}.json").read_text()))) for p in peers
             }
-            executor = IpcExecutor(plan, a.rank, shards, opened, **a.extra.get("ipc", {}))
+            executor = IpcExecutor(plan, a.rank, shards, opened, IpcOptions.from_dict(a.extra.get("ipc", {})))
             run = executor.run
             result["staging_bytes"] = executor.staging_bytes
         else:
@@ -948,18 +948,6 @@ def launch_workers(
     return outs
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _device_name() -> str:
     import torch
 
@@ -999,6 +987,8 @@ def _phases(per_rank: list[dict], key: str) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from awex.transport.net import free_ports  # here: upstream Awex's workers import this module before their awex
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--calibrate", help=argparse.SUPPRESS)
@@ -1066,6 +1056,12 @@ def main(argv: list[str] | None = None) -> int:
     ipc_options = json.loads(args.ipc_options)
     if not isinstance(ipc_options, dict):
         ap.error("--ipc-options: a JSON object")
+    from awex.transport.ipc.options import IpcOptions
+
+    try:
+        IpcOptions.from_dict(ipc_options)  # refused here, before any worker starts
+    except (TypeError, ValueError) as e:
+        ap.error(f"--ipc-options: {e}")
 
     if args.worker:
         a = WorkerArgs(**json.loads(args.worker))
@@ -1098,7 +1094,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # limits, measured now
     cal_world = min(gpus, 3)
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     cal_file = str(Path(work) / "calibration.json")
     outs = launch_workers(
         [
@@ -1169,7 +1165,7 @@ def main(argv: list[str] | None = None) -> int:
                 "h2d_bytes": received,
                 "one_after_the_other_seconds": sent / cal["d2h_bps"] + received / cal["h2d_bps"],
             }
-        ports = _free_ports(2)
+        ports = free_ports(2)
         argv = []
         for r in ranks:
             wa = WorkerArgs(
@@ -1280,7 +1276,7 @@ def main(argv: list[str] | None = None) -> int:
             from awex_integration.bench_upstream_awex import run as run_upstream_awex
             from awex_integration.bench_upstream_awex import scenario_spec
 
-            spec = scenario_spec(sc, tensors, layouts, max(1, args.baseline_iters), work, _free_ports(1)[0])
+            spec = scenario_spec(sc, tensors, layouts, max(1, args.baseline_iters), work, free_ports(1)[0])
             upstream = run_upstream_awex(args.upstream_awex, spec, args.timeout)
             entry["upstream_awex"] = upstream
             if upstream.get("correct"):

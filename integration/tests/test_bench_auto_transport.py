@@ -10,6 +10,7 @@ from awex_integration.bench_gpu import SCENARIOS, auto_transport, layouts_of, mo
 EXPECTED = {
     "1gpu_to_1gpu": "ipc",
     "1gpu_to_1gpu_ipc": "ipc",
+    "1gpu_to_1gpu_shm": "ipc",  # asked for shm; the default would take CUDA IPC on these GPUs
     "mcore_tp2_to_vllm_tp2": "ipc",
     "mcore_tp2_to_vllm_tp2_ipc": "ipc",
     "mcore_tp2_to_2x_vllm_tp1": "nccl",

@@ -5,13 +5,13 @@ package is also called ``awex``); skipped where the index cannot be reached."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import zipfile
 
 import pytest
 
+from awex.transport.net import free_port
 from awex_integration import bench_gpu
 from awex_integration.bench_upstream_awex import run, scenario_spec
 
@@ -33,18 +33,12 @@ def upstream_dir(tmp_path_factory):
     return str(where / "unpacked")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("name", ["mcore_tp2_to_2x_vllm_tp1", "1gpu_to_3_instances"])
 def test_upstream_awex_transfer_core_delivers_every_box(upstream_dir, tmp_path, name):
     scenario = next(s for s in bench_gpu.SCENARIOS if s.name == name)
     _, tensors = bench_gpu.model_tensors("qwen2-tiny", None)
     layouts = bench_gpu.layouts_of(scenario, tensors)
-    spec = scenario_spec(scenario, tensors, layouts, 2, str(tmp_path), _free_port())
+    spec = scenario_spec(scenario, tensors, layouts, 2, str(tmp_path), free_port())
     # upstream numbers inference ranks first, then the trainer's
     assert [r["role"] for r in spec["ranks"]] == ["inference"] * (len(spec["ranks"]) - spec["trainer_ranks"]) + [
         "trainer"

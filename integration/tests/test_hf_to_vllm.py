@@ -93,7 +93,7 @@ def test_three_steps_hf_trainer_to_vllm(setup):
         assert now != previous, f"step {step}: output did not change"
         assert llm.get_weight_version() == f"step-{step}"
         previous = now
-    assert writer.transport_in_use == "p2p"  # the default ("auto") on CPU engines: gloo, point to point
+    assert writer.transport_in_use == "shm"  # the default ("auto") for CPU engines on one host, in place
     writer.close()  # sends what it kept off the sync's critical path (dropping old records)
 
     def reported() -> str | None:  # the reader reports off the critical path too, right after the sync

@@ -6,7 +6,8 @@ import socket
 import pytest
 import torch
 
-from awex.engines.session import SyncManifest, SyncSession
+from awex.engines.manifest import SyncManifest
+from awex.engines.session import SyncSession
 from awex.transport import create_sync_group
 from awex.transport.ipc import IpcTransport, MappedShards
 from awex.transport.p2p import P2pTransport

@@ -5,12 +5,15 @@ import json
 import threading
 from pathlib import Path
 
-from awex.engines.session import SyncManifest, SyncSession, free_port, version_records
+from awex.engines.keys import version_records
+from awex.engines.manifest import SyncManifest
+from awex.engines.session import SyncSession
 from awex.meta import canonical_tensors
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.meta.server import start_embedded
 from awex.meta.transport_choice import TransportError
+from awex.transport.net import free_port
 
 TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
 

@@ -18,7 +18,8 @@ from awex.transport.ipc import (
     paces_local,
     ring_slots,
 )
-from awex.transport.ipc.executor import _extent, _rows_within
+from awex.transport.ipc.spans import extent as _extent
+from awex.transport.ipc.spans import rows_within as _rows_within
 
 
 def _apply(copies):
@@ -102,7 +103,7 @@ def test_ipc_export_needs_cuda_views():
 
 @pytest.mark.parametrize("branches", [1, 2, 3, 5])
 def test_local_copies_dealt_to_branches_once_each_in_order_and_balanced(branches):
-    from awex.transport.ipc.executor import _balance
+    from awex.transport.ipc.spans import balance as _balance
 
     g = torch.Generator().manual_seed(branches)
     sizes = [int(x) for x in torch.randint(1, 1000, (40,), generator=g)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import queue
-import socket
 import time
 from pathlib import Path
 
@@ -16,14 +15,9 @@ import transport_workers
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.meta.serialize import layout_to_wire
+from awex.transport.net import free_port
 
 TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(

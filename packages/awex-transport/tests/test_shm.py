@@ -18,7 +18,9 @@ from awex.meta import PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.transport import LocalShards
 from awex.transport.base import TransferTimeout
-from awex.transport.shm import SEGMENT_DIR, Segment, SegmentInfo, ShmReceiver, ShmSender, segment_layout, sweep_stale
+from awex.transport.segments import SEGMENT_DIR, Segment, sweep_stale
+from awex.transport.shm import SegmentInfo, ShmReceiver, ShmSender
+from awex.transport.staged import segment_layout
 
 TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
 
@@ -142,7 +144,7 @@ def test_gpu_views_move_through_pinned_segments():
 
 def test_segments_of_a_killed_creator_are_swept_and_live_ones_kept():
     code = (
-        "import os, sys, time; from awex.transport.shm import Segment; s = Segment.create(4096); "
+        "import os, sys, time; from awex.transport.segments import Segment; s = Segment.create(4096); "
         "print(s.path, flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

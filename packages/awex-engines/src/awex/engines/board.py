@@ -29,7 +29,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from awex.transport.shm import owned_name, sweep_stale
+from awex.transport.segments import owned_name, sweep_stale
 
 MAGIC = 0x41574558424F4152  # "AWEXBOAR"
 SLOTS = 4096  # sync ranks on one host

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from awex.engines import keys
 from awex.engines.background import Background
 from awex.engines.session import SyncSession
 from awex.meta import Box, Layout
@@ -119,7 +120,7 @@ class WeightsReader:
 
                 report = validate_shards(self._shards, load_checkpoint(validate), strict=False)
                 self.last_validation = report
-                self.client.put(f"validation/{version}/{self.layout.instance}:{self.local_rank}", report.to_json())
+                self.client.put(keys.validation(version, self.layout.instance, self.local_rank), report.to_json())
                 if strict and report.tensors_mismatched:
                     from awex.engines.validation import ValidationError
 

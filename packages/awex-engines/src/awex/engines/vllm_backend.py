@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from awex.convert.vllm import vllm_param_dtypes, vllm_param_name, vllm_param_shapes, vllm_views
+from awex.engines import keys
 from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
 from awex.engines.vllm_fixups import check_cpu_moe_reloadable, refresh_cpu_moe_experts, refresh_tied_lm_head
@@ -243,7 +244,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             report.peak_extra_bytes,
         )
         try:
-            self.reader.client.put(f"received/{report.version}/{report.instance}:{report.rank}", report.to_json())
+            self.reader.client.put(keys.received(report.version, report.instance, report.rank), report.to_json())
         except Exception as e:  # the version is applied; the report is for monitoring
             log.warning("awex backend: could not publish the receive report of %s: %s", report.version, e)
 

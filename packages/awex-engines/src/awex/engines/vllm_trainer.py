@@ -35,6 +35,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
+from awex.engines import keys
 from awex.engines.writer import WeightsWriter
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
@@ -205,7 +206,7 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
         started = time.monotonic()
         if not self.is_sender:
             self.writer.write(version, self.info.instances)
-            verdict = self.meta.get(f"applied/{version}", timeout=self.info.timeout + SLACK)
+            verdict = self.meta.get(keys.applied(version), timeout=self.info.timeout + SLACK)
             if not verdict.get("ok"):
                 raise RuntimeError(f"version {version!r} was not applied: {verdict.get('error')}")
             return version
@@ -246,9 +247,9 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
                 errors.setdefault(instance, e)
         if errors:
             error = "; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in errors.items())
-            self.meta.put(f"applied/{version}", {"ok": False, "error": error[:4000]})
+            self.meta.put(keys.applied(version), {"ok": False, "error": error[:4000]})
             raise RuntimeError(f"version {version!r} was not applied: {error}")
-        self.meta.put(f"applied/{version}", {"ok": True})
+        self.meta.put(keys.applied(version), {"ok": True})
         log.info(
             "awex: %s applied on %s in %.3f s", version, ", ".join(self.info.instances), time.monotonic() - started
         )
@@ -264,9 +265,7 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
             ).world_size
             for rank in range(world):
                 try:
-                    self.meta.get(
-                        f"received/{version}/{instance}:{rank}", timeout=max(0.1, deadline - time.monotonic())
-                    )
+                    self.meta.get(keys.received(version, instance, rank), timeout=max(0.1, deadline - time.monotonic()))
                 except Exception:
                     missing.append(f"{instance}:{rank}")
         return missing

@@ -17,16 +17,20 @@ from typing import Callable, Sequence
 
 import torch
 
+from awex.engines import keys
 from awex.engines.background import Background
 from awex.engines.board import HostBoard, host_identity
 from awex.engines.channel import VersionChannel
 from awex.engines.errors import SyncFailedError, instance_verdicts
-from awex.engines.session import Region, SyncManifest, SyncSession, free_port, manifest_key, version_records
+from awex.engines.keys import version_records
+from awex.engines.manifest import SyncManifest
+from awex.engines.session import Region, SyncSession
 from awex.meta import Box, Layout, Plan
 from awex.meta.client import MetaClient
 from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
 from awex.transport import LocalShards
 from awex.transport.base import TransferStats
+from awex.transport.net import free_port
 from awex.transport.registry import TRANSPORTS
 
 log = logging.getLogger("awex.engines")
@@ -254,7 +258,7 @@ class WeightsWriter:
             self._board.post({"version": None, "withdrawn": version, "seq": manifest.seq})
         try:
             if self._channel is not None:
-                self._channel.delete([f"manifest/{version}"])
+                self._channel.delete([keys.channel_manifest(version)])
         except Exception as e:
             log.warning("could not withdraw %s from the version channel: %s", version, e)
         names, prefixes = version_records(version)
@@ -326,14 +330,14 @@ class WeightsWriter:
         manifest = last.renamed(version, self._seq)
         self._manifest, self._manifest_doc = manifest, doc
         if not steady or self._session.signals != "board":  # not every rank maps the board
-            self._channel.put(f"manifest/{version}", doc)
+            self._channel.put(keys.channel_manifest(version), doc)
         if steady:  # the MetaServer's copy is for observers and late joiners
             later.append(
-                (f"manifest of {version}", partial(self.client.put, manifest_key(version), doc, create_only=True))
+                (f"manifest of {version}", partial(self.client.put, keys.manifest(version), doc, create_only=True))
             )
         else:  # ranks that do not know the channel yet (first write, new destinations) look there
             try:
-                self.client.put(manifest_key(version), doc, create_only=True)
+                self.client.put(keys.manifest(version), doc, create_only=True)
             except MetaConflictError:
                 raise ValueError(
                     f"version {version!r} was already announced on the MetaServer (by another writer, "
@@ -395,7 +399,8 @@ class WeightsWriter:
             return
         if self._cleaner is None or self._cleaner.address != channel.address:
             self._cleaner = channel.clone()
-        keys = [f"manifest/{version}"] + [
-            f"{kind}/{version}/{seq}/{instance}/{rank}" for instance, rank in ranks for kind in ("ipc-ready", "outcome")
-        ]
-        self._cleaner.delete(keys)
+        names = [keys.channel_manifest(version)]
+        for instance, rank in ranks:
+            names += [keys.ready(t, version, seq, instance, rank) for t in sorted(TRANSPORTS)]
+            names.append(keys.channel_outcome(version, seq, instance, rank))
+        self._cleaner.delete(names)

@@ -1,4 +1,4 @@
-"""Which of this host's addresses its peers reach it at."""
+"""Addresses and ports: which of this host's addresses its peers reach it at, a free port to listen on."""
 
 from __future__ import annotations
 
@@ -15,3 +15,20 @@ def local_address(peer_host: str, peer_port: int = 9) -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the caller listens on it soon after; another process may take it first)."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` now."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

@@ -14,12 +14,14 @@ The handles come from PyTorch's own CUDA storage sharing (``UntypedStorage._shar
 an exported block alive while a receiver holds it.
 
 Modules: :mod:`.wire` (exports as plain data, checked on arrival), :mod:`.mapping` (opening them),
-:mod:`.executor` (the receiver's copies), :mod:`.scheduling` (its pure rules), :mod:`.transport` (the
+:mod:`.executor` (the receiver's copies), :mod:`.options` (its knobs), :mod:`.spans` and :mod:`.scheduling` (its
+planning and pure rules), :mod:`.transport` (the
 :class:`~awex.transport.base.Transport` the sync session drives).
 """
 
 from awex.transport.ipc.executor import IpcExecutor
 from awex.transport.ipc.mapping import MappedShards, cuda_malloc_handle, open_export
+from awex.transport.ipc.options import IpcOptions
 from awex.transport.ipc.scheduling import COPY_OVER_LINK, interleave_sources, paces_local, ring_slots
 from awex.transport.ipc.transport import IpcTransport
 from awex.transport.ipc.wire import ExportedView, IpcExport, export_shards
@@ -29,6 +31,7 @@ __all__ = [
     "ExportedView",
     "IpcExecutor",
     "IpcExport",
+    "IpcOptions",
     "IpcTransport",
     "MappedShards",
     "cuda_malloc_handle",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +14,9 @@ from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable,
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.ipc.mapping import MappedShards
+from awex.transport.ipc.options import IpcOptions
 from awex.transport.ipc.scheduling import interleave_sources, paces_local, ring_slots
+from awex.transport.ipc.spans import Span, balance, captured, extent, nbytes_of, overlap, placements, rows_within, shift
 from awex.transport.peer_dma import (
     enable_peer_access,
     pull,
@@ -24,37 +25,6 @@ from awex.transport.peer_dma import (
 from awex.transport.shards import LocalShards
 
 log = logging.getLogger("awex.transport")
-
-
-def _overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
-    out = []
-    for x, y in zip(a, b):
-        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
-        if lo >= hi:
-            return None
-        out.append(slice(lo, hi))
-    return tuple(out)
-
-
-def _shift(s: tuple[slice, ...], by: tuple[slice, ...]) -> tuple[slice, ...]:
-    return tuple(slice(x.start - b.start, x.stop - b.start) for x, b in zip(s, by))
-
-
-@dataclass
-class _Span:
-    """One peer DMA of a contiguous address range of a source GPU into a bounce buffer, then local placements."""
-
-    source: int  # device address of the range (mapped in this process)
-    nbytes: int
-    offset: int  # where it lands in the bounce ring
-    after: int | None  # the latest earlier span whose bytes it overwrites: placed before this DMA starts
-    placed: list  # copy functions: each destination piece from its source inside the bounce ring
-
-
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """The address range ``t``'s elements span (first byte, one past the last)."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 class IpcExecutor:
@@ -71,7 +41,7 @@ class IpcExecutor:
     streams, so the next DMAs overlap the last placements, many at once where spans are small; a
     piece alone in its span goes as its own DMA straight into place (sending every large contiguous piece straight
     into place was slower: more, smaller DMAs). Staging is at most ``bounce_buffers * bounce_bytes``, sized to the
-    largest span actually needed.
+    largest span actually needed. The knobs are :class:`~awex.transport.ipc.options.IpcOptions`.
     With ``pace_local`` the same-GPU copies run in slices between placements rather than all at once; by default
     (``None``) they are paced where the peer DMAs are the longer part of the sync (:func:`paces_local`). Same-GPU
     copies that are contiguous and 16-byte aligned go, each slice, as one kernel launch
@@ -90,18 +60,17 @@ class IpcExecutor:
         rank: int,
         shards: LocalShards,
         sources: dict[int, LocalShards],
-        cuda_graph: bool = True,
-        bounce_bytes: int = 128 << 20,
-        bounce_buffers: int = 4,
-        max_gap_bytes: int = 1 << 20,
-        dma_streams: int = 3,
-        local_branches: int = 4,
-        pace_local: bool | None = None,
-        direct_streams: int = 2,
-        batched_copy: bool | None = None,
+        options: IpcOptions | None = None,
     ):
-        if min(bounce_buffers, dma_streams, local_branches, direct_streams) < 1:
-            raise ValueError("bounce_buffers, dma_streams, local_branches and direct_streams must be at least 1")
+        o = options or IpcOptions()
+        cuda_graph, bounce_bytes, bounce_buffers, max_gap_bytes = (
+            o.cuda_graph,
+            o.bounce_bytes,
+            o.bounce_buffers,
+            o.max_gap_bytes,
+        )
+        dma_streams, local_branches, pace_local = o.dma_streams, o.local_branches, o.pace_local
+        direct_streams, batched_copy = o.direct_streams, o.batched_copy
         self.plan = plan
         self.cuda_graph = cuda_graph
         self.capture_seconds = 0.0  # how long the first run spent capturing the sync as a CUDA graph
@@ -125,11 +94,11 @@ class IpcExecutor:
                     here_d = here_d or whole
                     for here_s, sview in src_pieces:
                         here_s = here_s or whole
-                        both = _overlap(here_d, here_s)
+                        both = overlap(here_d, here_s)
                         if both is None:
                             continue
-                        d = dview[_shift(both, here_d)] if both else dview
-                        s = sview[_shift(both, here_s)] if both else sview
+                        d = dview[shift(both, here_d)] if both else dview
+                        s = sview[shift(both, here_s)] if both else sview
                         self.copies.append((d, s))
                 self.bytes_received += t.nbytes
         self.copies = merge_copies(self.copies)
@@ -142,7 +111,7 @@ class IpcExecutor:
         if batched_copy is None:
             batched_copy = triton_available()
         if pace_local is None:
-            pace_local = paces_local(_nbytes(self._remote), _nbytes(self._local))
+            pace_local = paces_local(nbytes_of(self._remote), nbytes_of(self._local))
         # Where the same-GPU copies are the longer part, the pieces from other GPUs that can ride along are read
         # by the same kernel launch over NVLink (see BatchedCopy's `spread`), the rest go as DMAs.
         self._read_in_kernel: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -160,7 +129,7 @@ class IpcExecutor:
             self._remote = rest
         self._plan_remote(sources, bounce_bytes, bounce_buffers, max_gap_bytes, batched_copy)
         self.buckets = len(plan.schedule(rank))
-        self._direct_lanes = _balance(self._direct, min(direct_streams, len(self._direct)))
+        self._direct_lanes = balance(self._direct, min(direct_streams, len(self._direct)))
         if self.device.type == "cuda":
             self._streams = {k: torch.cuda.Stream(self.device) for k in ("place", "local")}
             self._direct_streams = [torch.cuda.Stream(self.device) for _ in self._direct_lanes]
@@ -171,7 +140,7 @@ class IpcExecutor:
             self.pace_local = pace_local and bool(self._spans) and bool(self._local)
             chunks = min(8, len(self._spans)) if self.pace_local else 1
             self._local_chunks, self._local_batched = [], []
-            for chunk in _balance(self._local, chunks):
+            for chunk in balance(self._local, chunks):
                 together, apart = split_batchable(chunk) if batched_copy else ([], chunk)
                 far, at = (
                     (self._read_in_kernel, self._kernel_sources)
@@ -181,7 +150,7 @@ class IpcExecutor:
                 self._local_batched.append(
                     BatchedCopy(together, spread=far, spread_sources=at) if together or far else None
                 )
-                self._local_chunks.append(_balance(apart, len(self._branches)))
+                self._local_chunks.append(balance(apart, len(self._branches)))
             self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
         self._whole: torch.cuda.CUDAGraph | None = None
         self._whole_failed = False
@@ -252,7 +221,7 @@ class IpcExecutor:
                 side.wait_stream(stream)
 
         try:
-            return _captured(whole_sync, side)
+            return captured(whole_sync, side)
         except RuntimeError as e:  # capture is an optimisation: issue eagerly instead
             log.warning("rank %d: CUDA graph capture of the IPC sync failed (%s); issuing it eagerly", self.rank, e)
             self._whole_failed = True
@@ -327,8 +296,8 @@ class IpcExecutor:
         self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
         by_region: dict[tuple[int, int], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
         for d, s in self._remote:
-            for d, s in _rows_within(d, s, bounce_bytes):
-                start, end = _extent(s)
+            for d, s in rows_within(d, s, bounce_bytes):
+                start, end = extent(s)
                 if end - start > bounce_bytes:
                     self._direct.append((d, s))
                 else:
@@ -370,7 +339,7 @@ class IpcExecutor:
         slots = ring_slots([hi - lo for lo, hi, _ in kept], capacity)
         self._ring = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         self.staging_bytes = capacity
-        self._spans: list[_Span] = []
+        self._spans: list[Span] = []
         for (lo, hi, items), (offset, after) in zip(kept, slots):
             placed = [
                 (
@@ -381,7 +350,7 @@ class IpcExecutor:
                 )
                 for d, s in items
             ]
-            self._spans.append(_Span(lo, hi - lo, offset, after, _placements(merge_copies(placed), batched_copy)))
+            self._spans.append(Span(lo, hi - lo, offset, after, placements(merge_copies(placed), batched_copy)))
 
     def _copy_local(self, chunk: int, stream: torch.cuda.Stream) -> None:
         """One slice of the same-GPU copies, replayed from a CUDA graph captured on first use.
@@ -396,7 +365,7 @@ class IpcExecutor:
             return
         if self._graphs[chunk] is None and self.cuda_graph:
             try:
-                self._graphs[chunk] = _captured(lambda: self._issue_local(chunk, stream), stream)
+                self._graphs[chunk] = captured(lambda: self._issue_local(chunk, stream), stream)
             except RuntimeError as e:  # capture is an optimisation: fall back to plain copies
                 log.warning("rank %d: CUDA graph capture of IPC copies failed (%s); copying eagerly", self.rank, e)
                 self.cuda_graph = False
@@ -418,66 +387,3 @@ class IpcExecutor:
                 batched()
         for branch in self._branches[: len(lanes)]:
             stream.wait_stream(branch)
-
-
-def _captured(issue, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-    """What ``issue()`` enqueues after ``stream`` (and on streams forked from it and joined back), as a CUDA
-    graph. Unlike ``torch.cuda.graph`` this neither synchronizes the device nor collects garbage nor empties
-    PyTorch's cache: the receiving process is an inference engine, whose cached memory stays as it is."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            issue()
-        finally:
-            graph.capture_end()
-    return graph
-
-
-def _placements(copies: list[tuple[torch.Tensor, torch.Tensor]], batched: bool) -> list:
-    """A span's copies out of the bounce ring as copy functions: those that can go as one kernel launch together
-    (:class:`~awex.transport.batched_copy.BatchedCopy`, where ``batched`` and there are several), the rest one
-    each."""
-    together, apart = split_batchable(copies) if batched else ([], copies)
-    if len(together) < 2:
-        together, apart = [], copies
-    return ([BatchedCopy(together)] if together else []) + [copier(d, s) for d, s in apart]
-
-
-def _nbytes(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    return sum(d.nbytes for d, _ in copies)
-
-
-def _rows_within(d: torch.Tensor, s: torch.Tensor, nbytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A copy whose source spans more than ``nbytes`` cut along its first dimension into copies that each span
-    at most ``nbytes`` (so they fit a bounce buffer), unless both sides are contiguous (one DMA does it whole)
-    or one row alone is too large. Without it such a copy would fall back to a copy across GPUs by PyTorch
-    (the down projections' column halves made a sync several times slower; measured: docs/performance.md)."""
-    start, end = _extent(s)
-    if (
-        end - start <= nbytes
-        or s.dim() == 0
-        or s.shape[0] < 2
-        or s.stride(0) <= 0
-        or (d.is_contiguous() and s.is_contiguous())
-    ):
-        return [(d, s)]
-    per_row = s.stride(0) * s.element_size()
-    first_row = end - start - per_row * (s.shape[0] - 1)  # the extent of one row
-    rows = (nbytes - first_row) // per_row + 1
-    if rows < 1:
-        return [(d, s)]
-    return [(d[i : i + rows], s[i : i + rows]) for i in range(0, s.shape[0], rows)]
-
-
-def _balance(copies: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Deal copies to ``n`` branches, largest first to the least loaded (by bytes); each keeps plan order."""
-    if n <= 1:
-        return [list(copies)] if n == 1 else []
-    load = [0] * n
-    chosen: dict[int, int] = {}
-    for i in sorted(range(len(copies)), key=lambda i: -copies[i][0].nbytes):
-        b = min(range(n), key=load.__getitem__)
-        chosen[i] = b
-        load[b] += copies[i][0].nbytes
-    return [[c for i, c in enumerate(copies) if chosen[i] == b] for b in range(n)]

@@ -1,0 +1,76 @@
+"""Every MetaServer (and version channel) key a sync uses, in one place, and what a version leaves behind.
+
+A version's records live under its name: ``sync/<v>`` (the manifest), ``plan/<v>/<count>`` (the plan agreement),
+``devices/<v>/<count>/<instance>/<rank>`` (where each rank runs), ``<transport>-ready/<v>/<count>/...`` (ready
+signals when neither the host board nor the version channel carries them), ``outcome/<v>/<count>/...``,
+``validation/<v>/...``, ``received/<v>/...``, ``applied/<v>``. A transport's descriptors are per rank and
+generation (``<transport>/<instance>/<rank>/<generation>``), replaced as they change, not per version.
+"""
+
+from __future__ import annotations
+
+from awex.transport.registry import TRANSPORTS
+
+
+def manifest(version: str) -> str:
+    return f"sync/{version}"
+
+
+def applied(version: str) -> str:
+    return f"applied/{version}"
+
+
+def plan_agreement(version: str, count: int) -> str:
+    return f"plan/{version}/{count}"
+
+
+def devices(attempt: str, instance: str, local_rank: int) -> str:
+    """``attempt``: ``<version>/<count>``."""
+    return f"devices/{attempt}/{instance}/{local_rank}"
+
+
+def ready(transport: str, version: str, count: int, instance: str, local_rank: int) -> str:
+    return f"{transport}-ready/{version}/{count}/{instance}/{local_rank}"
+
+
+def descriptor(transport: str, instance: str, local_rank: int, generation: int) -> str:
+    return f"{transport}/{instance}/{local_rank}/{generation}"
+
+
+def outcome(version: str, count: int, instance: str, local_rank: int) -> str:
+    """A receiving rank's outcome of one attempt at a version (the writer's count names the attempt: a retry of a
+    failed version never meets the first attempt's records)."""
+    return f"outcome/{version}/{count}/{instance}:{local_rank}"
+
+
+def channel_outcome(version: str, count: int, instance: str, local_rank: int) -> str:
+    """The same outcome on the version channel."""
+    return f"outcome/{version}/{count}/{instance}/{local_rank}"
+
+
+def channel_manifest(version: str) -> str:
+    return f"manifest/{version}"
+
+
+def validation(version: str, instance: str, local_rank: int) -> str:
+    return f"validation/{version}/{instance}:{local_rank}"
+
+
+def received(version: str, instance: str, local_rank: int) -> str:
+    return f"received/{version}/{instance}:{local_rank}"
+
+
+def version_records(version: str) -> tuple[list[str], list[str]]:
+    """The MetaServer records one weight version leaves behind: exact names and prefixes (keys and agreements),
+    for ``MetaClient.forget`` once nobody needs them."""
+    return (
+        [manifest(version), applied(version)],
+        [
+            f"plan/{version}/",
+            *(f"{name}-ready/{version}/" for name in sorted(TRANSPORTS)),
+            f"validation/{version}/",
+            f"devices/{version}/",
+            f"received/{version}/",
+            f"outcome/{version}/",
+        ],
+    )

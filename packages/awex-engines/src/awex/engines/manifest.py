@@ -1,0 +1,104 @@
+"""The manifest of one weight version's sync: what the trainer's first rank publishes and every rank checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SyncManifest:
+    """What one weight version's sync involves. Published by the trainer at ``sync/<version>``."""
+
+    version: str
+    sources: tuple[str, ...]
+    destinations: tuple[str, ...]
+    host: str
+    port: int
+    wave_bytes: int = 256 << 20
+    timeout: float = 300.0
+    # "p2p": NCCL on CUDA, gloo on CPU; "ipc": CUDA engines on one host (sharing GPUs or not), receivers pull
+    # from the trainers' memory with their copy engines (fastest where no region goes to several instances);
+    # "shm": ranks on one host, CPU views; senders write each version once into shared memory, receivers copy
+    # out (awex.transport.shm); "auto": every rank publishes its device and all choose the same
+    # (awex.meta.transport_choice)
+    transport: str = "p2p"
+    allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
+    refresh_by_wave: bool = False  # the senders derive what they send wave by wave (FP8 on the fly): for "auto"
+    channel: str | None = None  # the version channel ("host:port", awex.engines.channel) and its key secret
+    channel_secret: str | None = None
+    seq: int = 0  # the writer's count of versions written (signals on the host board carry it)
+    board: str | None = None  # the host board (awex.engines.board) and the host it is on
+    board_host: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["sources"] = list(self.sources)
+        d["destinations"] = list(self.destinations)
+        d["allow_cast"] = list(self.allow_cast)
+        for name in ("channel", "channel_secret", "board", "board_host"):
+            if d[name] is None:
+                del d[name]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SyncManifest:
+        try:
+            return cls(
+                version=str(d["version"]),
+                sources=tuple(d["sources"]),
+                destinations=tuple(d["destinations"]),
+                host=str(d["host"]),
+                port=int(d["port"]),
+                wave_bytes=int(d["wave_bytes"]),
+                timeout=float(d["timeout"]),
+                transport=str(d.get("transport", "p2p")),
+                allow_cast=tuple(str(p) for p in d.get("allow_cast", ())),
+                refresh_by_wave=bool(d.get("refresh_by_wave", False)),
+                channel=_channel_address(d.get("channel")),
+                channel_secret=_channel_secret(d),
+                seq=_count(d.get("seq", 0)),
+                board=_optional_str(d.get("board")),
+                board_host=_optional_str(d.get("board_host")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed sync manifest: {e}") from None
+
+    def renamed(self, version: str, seq: int) -> SyncManifest:
+        """This manifest for another version of the same writer (its fields already checked, not again)."""
+        other = object.__new__(SyncManifest)
+        other.__dict__.update(self.__dict__, version=version, seq=seq)
+        return other
+
+    def rendezvous(self) -> tuple:
+        return (self.host, self.port, self.sources, self.destinations, self.transport)
+
+
+def _channel_address(value: Any) -> str | None:
+    if value is None:
+        return None
+    host, _, port = str(value).rpartition(":")
+    if not host or not 0 < int(port) < 65536:
+        raise ValueError(f"channel address {value!r} is not host:port")
+    return f"{host}:{int(port)}"
+
+
+def _channel_secret(d: dict) -> str | None:
+    secret = d.get("channel_secret")
+    if d.get("channel") is None:
+        return None
+    if not isinstance(secret, str) or not 16 <= len(secret) <= 128 or not secret.isalnum():
+        raise ValueError("a channel needs its secret (16 to 128 letters and digits)")
+    return secret
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 40:
+        raise ValueError(f"{value!r} is not a version count")
+    return value
+
+
+def _optional_str(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or len(value) > 1024):
+        raise ValueError(f"{str(value)[:80]!r} is not a short string")
+    return value

@@ -1,0 +1,113 @@
+"""Where a sync's ranks run: each rank publishes its device, the devices it reaches, its host and process through
+the MetaServer, per attempt at a version (an engine restarted elsewhere never leaves a stale answer), and reads
+everyone's. Plans for CUDA IPC take from the same GPU; ``auto`` chooses the transport from it; shared memory is
+refused across hosts; a receiver notices a sender on its host that exited."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from awex.engines import keys
+from awex.engines.board import host_identity
+from awex.meta import Layout
+from awex.meta.client import MetaClient
+from awex.transport.segments import SEGMENT_DIR, start_time
+
+
+@dataclass
+class Places:
+    """What the ranks of one attempt published."""
+
+    devices: list[tuple[str, int, str]] = field(default_factory=list)  # (instance, local rank, host/GPU-uuid)
+    reach: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # devices each CUDA rank reads
+    hosts: set[str] = field(default_factory=set)
+    processes: dict[tuple[str, int], tuple[str, int, int | None]] = field(default_factory=dict)  # host, pid, start
+    shm_ok: bool = False  # every rank a CPU rank copying in place, all on one host with a writable /dev/shm
+    signals: str = "meta"  # where per-version signals go: what every rank can use ("board", "channel", "meta")
+
+
+def physical_device(device: Any) -> str | None:
+    """A CUDA device as ``host/GPU-uuid``; ``None`` for other devices (or without a uuid: then plans just do not
+    prefer the same GPU)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"{socket.gethostname()}/GPU-{uuid}" if uuid is not None else None
+
+
+def reachable_devices(device: Any, mine: str | None) -> tuple[str, ...]:
+    """The devices (``host/GPU-uuid``) whose memory a rank on ``device`` (``mine``) can read over CUDA IPC: its own
+    and every GPU visible in this process with peer access from it. A process that sees one GPU
+    (``CUDA_VISIBLE_DEVICES``) reaches only its own."""
+    if not mine or getattr(device, "type", "cpu") != "cuda":
+        return (mine,) if mine else ()
+    import torch
+
+    host = mine.split("/", 1)[0]
+    out = [mine]
+    for i in range(torch.cuda.device_count()):
+        other = torch.device("cuda", i)
+        if other.index == device.index or not torch.cuda.can_device_access_peer(device, other):
+            continue
+        uuid = getattr(torch.cuda.get_device_properties(other), "uuid", None)
+        if uuid is not None:
+            out.append(f"{host}/GPU-{uuid}")
+    return tuple(out)
+
+
+def describe(device: Any, mine: str, reach: Sequence[str], in_place: bool, signals: Sequence[str]) -> dict:
+    """This rank's record: ``mine`` its device (empty where it cannot copy in place or is not on a GPU)."""
+    pid = os.getpid()
+    return {
+        "device": mine,
+        "reach": list(reach),
+        "host": host_identity(),
+        "pid": pid,
+        "started": start_time(pid),
+        "cpu": getattr(device, "type", "cpu") == "cpu",
+        "shm": SEGMENT_DIR.is_dir() and os.access(SEGMENT_DIR, os.W_OK),
+        "in_place": bool(in_place),
+        "signals": list(signals),
+    }
+
+
+def exchange(
+    client: MetaClient,
+    attempt: str,
+    me: tuple[str, int],
+    doc: dict,
+    names: Sequence[str],
+    layouts: dict[str, Layout],
+    deadline: float,
+) -> Places:
+    """Publish ``doc`` as rank ``me``'s record of ``attempt`` (``<version>/<count>``) and read every rank's of the
+    instances ``names`` (waiting until ``deadline``). Records are untrusted: fields of the wrong type are ignored."""
+    client.put(keys.devices(attempt, *me), doc)
+    found = Places()
+    common = {"board", "channel"}
+    cpu_in_place = True
+    for name in names:
+        for rank in range(layouts[name].world_size):
+            got = client.get(keys.devices(attempt, name, rank), timeout=max(0.1, deadline - time.monotonic()))
+            got = got if isinstance(got, dict) else {"device": got}
+            common &= set(got.get("signals", ()))
+            host = str(got.get("host", ""))
+            found.hosts.add(host)
+            pid, started = got.get("pid"), got.get("started")
+            if isinstance(pid, int) and (started is None or isinstance(started, int)):
+                found.processes[(name, rank)] = (host, pid, started)
+            cpu_in_place &= got.get("cpu") is True and got.get("in_place") is True and got.get("shm") is True
+            key = got.get("device")
+            if key:
+                found.devices.append((name, rank, str(key)))
+                found.reach[(name, rank)] = [str(d) for d in got.get("reach", ())]
+    found.shm_ok = cpu_in_place and len(found.hosts) == 1
+    found.signals = "board" if "board" in common else "channel" if "channel" in common else "meta"
+    return found
