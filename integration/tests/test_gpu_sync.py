@@ -92,7 +92,7 @@ def test_fault_cases_over_cuda_ipc(name):
     from awex_integration.fault_suite import cases, run_case
 
     case = next(c for c in cases() if c.name == name)
-    result = run_case(case, timeout=20.0, device="cuda")
+    result = run_case(case, timeout=20.0, device="cuda", transport="auto")
     assert result["passed"] and not result["hangs"] and not result["false_success"], result
     assert result["transports"] == ["ipc"], result["transports"]  # colocated on one GPU: CUDA IPC, as auto picks
 
