@@ -112,6 +112,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     timeout: float = 300.0  # per version
     wave_bytes: int = 256 << 20
     transport: str = "auto"
+    host: str = "127.0.0.1"  # where the trainer's sync group and version channel listen: an address every rank reaches
     receive: str = "in_place"  # the engines' receive mode: "in_place" or "staged" (atomic)
     version_prefix: str = "step-"  # send_weights() without a version names them step-1, step-2, ...
 
@@ -171,6 +172,7 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
             wave_bytes=init_info.wave_bytes,
             timeout=init_info.timeout,
             transport=init_info.transport,
+            host=init_info.host,
             refresh=source.refresh,
         )
         engine = cls(
