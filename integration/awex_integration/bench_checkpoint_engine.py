@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from awex_integration.bench_gpu import SCENARIOS, fill, layouts_of, mismatches, model_tensors, native_params
+from awex_integration.bench_common import SCENARIOS, fill, layouts_of, mismatches, model_tensors, native_params
 
 SCENARIO = next(s for s in SCENARIOS if s.name == "colocated_1gpu_ipc")
 

@@ -78,7 +78,7 @@ def scenario_spec(scenario, tensors, layouts, iters: int, workdir: str, port: in
 
 def run(upstream_dir: str, spec: dict, timeout: float = 300.0) -> dict:
     """Run one scenario's upstream baseline in fresh processes; returns its results (or ``error``)."""
-    from awex_integration.bench_gpu import launch_workers
+    from awex_integration.bench_common import launch_workers
 
     work = Path(spec["workdir"])
     spec_file = work / "upstream-awex-spec.json"
@@ -189,7 +189,7 @@ def worker(spec_file: str, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from awex_integration.bench_gpu import canonical_value
+    from awex_integration.bench_common import canonical_value
 
     spec = json.loads(Path(spec_file).read_text())
     up = _import_upstream(os.environ["AWEX_UPSTREAM_DIR"])

@@ -39,7 +39,7 @@ def sync_rank(
     from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
     from awex.meta.models import model_dims
     from awex.transport import LocalShards
-    from awex_integration.bench_gpu import MODELS, NamedParams, _bits, canonical_value, expected_value
+    from awex_integration.bench_common import MODELS, NamedParams, bits, canonical_value, expected_value
 
     torch.cuda.set_device(gpu)
     device = torch.device("cuda", gpu)
@@ -107,7 +107,7 @@ def sync_rank(
             full = expected_value(layout, name, v, device, quant)
             for box, view in reader.shards.pairs(name):
                 checked += 1
-                if not torch.equal(_bits(view), _bits(full[box.slices()])):
+                if not torch.equal(bits(view), bits(full[box.slices()])):
                     bad.append(f"v{v} {name} {box}")
     reader.close()
     client.put(f"closed/{instance}/{local_rank}", True)

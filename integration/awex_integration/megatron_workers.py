@@ -9,6 +9,7 @@ from awex.meta import canonical_tensors
 from awex.meta.layouts import MegatronParallel, megatron_layout
 from awex.meta.models import model_dims
 from awex.transport import LocalShards
+from awex.transport.shards import torch_dtype
 
 
 def megatron_rank(rank: int, world: int, port: int, parallel: MegatronParallel, config: dict):
@@ -17,7 +18,7 @@ def megatron_rank(rank: int, world: int, port: int, parallel: MegatronParallel, 
 
     init_distributed(rank, world, port, parallel)
     dims = model_dims(config)
-    model = build_gpt(dims, parallel, getattr(torch, dims.dtype))
+    model = build_gpt(dims, parallel, torch_dtype(dims.dtype))
     tp_rank, pp_rank = coordinates(parallel)
     layout = megatron_layout(canonical_tensors(dims), parallel, instance="trainer")
     where = MegatronNames(tp_rank, pp_rank, parallel, ep_rank=expert_rank())

@@ -49,6 +49,7 @@ import torch
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel
 from awex.meta.server import start_embedded
+from awex.transport.shards import torch_dtype
 from awex_integration.spawn import free_port
 from awex_integration.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model
 from awex_integration.trainer_main import canonical_delta, trainer_rank
@@ -318,7 +319,7 @@ class HfInstance:
         from awex.engines.reader import WeightsReader
 
         self.name = name
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).eval()
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         client = MetaClient(meta["meta_address"], job=meta["job"], token=meta["token"], timeout=meta["timeout"])
         self.reader = WeightsReader(
@@ -387,7 +388,7 @@ def fp8_checkpoint(weights: dict[str, torch.Tensor], quant) -> dict[str, torch.T
     out = {}
     for name, t in weights.items():
         if quant.quantises(name, tuple(t.shape)):
-            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t, quant.block, getattr(torch, quant.dtype))
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t, quant.block, torch_dtype(quant.dtype))
         else:
             out[name] = t
     return out
@@ -706,9 +707,7 @@ def reference_model(model_dir: Path, weights_dir: Path, dtype: str):
     from transformers import AutoModelForCausalLM
 
     shutil.copy(model_dir / "config.json", weights_dir / "config.json")
-    model, info = AutoModelForCausalLM.from_pretrained(
-        weights_dir, dtype=getattr(torch, dtype), output_loading_info=True
-    )
+    model, info = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch_dtype(dtype), output_loading_info=True)
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:
         raise RuntimeError(f"reference checkpoint does not fit the model: {info}")
     return model.eval()

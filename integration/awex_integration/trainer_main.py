@@ -64,6 +64,7 @@ def trainer_body(
     """
     from safetensors.torch import load_file
 
+    from awex.engines.source import TrainerSource
     from awex.engines.writer import WeightsWriter
 
     client = MetaClient(meta["address"], job=meta["job"], token=meta["token"], timeout=timeout)
@@ -74,44 +75,27 @@ def trainer_body(
         model, dims, layout, shards, _, _ = megatron_rank(rank, world, port, parallel, config)
         with torch.no_grad():
             load_hf_into(shards, hf)
-        from megatron.core import parallel_state
-
-        from awex.convert import MegatronNames, megatron_views
-
-        where = MegatronNames(
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_rank(),
-            parallel,
-            ep_rank=parallel_state.get_expert_model_parallel_rank(),
-        )
-        local_rank, view_of = rank, megatron_views(model, dims, where)
+        source = TrainerSource.megatron(model, config, parallel)  # reads this rank's place from parallel_state
     elif kind == "fsdp":
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
-        from awex.engines.fsdp import dtensor_local_rank, dtensor_model_layout, dtensor_views
-
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        dtype = getattr(torch, str(next(iter(hf.values())).dtype).removeprefix("torch."))
+        dtype = next(iter(hf.values())).dtype
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         for block in model.model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        layout = dtensor_model_layout(model, "trainer")
-        local_rank, view_of = dtensor_local_rank(model), dtensor_views(model)
+        source = TrainerSource.fsdp(model)
     else:
         from transformers import AutoModelForCausalLM
 
-        from awex.engines.hf import hf_model_layout, hf_views
-
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, str(next(iter(hf.values())).dtype).removeprefix("torch."))
-        ).eval()
-        layout = hf_model_layout(model, "trainer", "trainer")
-        local_rank, view_of = 0, hf_views(model)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(iter(hf.values())).dtype).eval()
+        source = TrainerSource.hf(model)
+    layout, local_rank, view_of = source.layout, source.local_rank, source.view_of
     options = {"wave_bytes": wave_bytes} if wave_bytes else {}
     options["transport"] = meta.get("transport", "auto")
     if meta.get("host"):
@@ -159,7 +143,7 @@ def trainer_body(
             **options,
         )
     else:
-        writer = WeightsWriter(client, layout, local_rank, view_of, timeout=timeout, **options)
+        writer = WeightsWriter.from_source(client, source, timeout=timeout, **options)
     shards = LocalShards.from_layout(layout, local_rank, view_of)  # the weights themselves (steps change them)
     specs = {t.spec.name: t.spec for t in layout.tensors}
     out = []

@@ -12,7 +12,7 @@ import zipfile
 import pytest
 
 from awex.transport.net import free_port
-from awex_integration import bench_gpu
+from awex_integration import bench_common
 from awex_integration.bench_upstream_awex import run, scenario_spec
 
 
@@ -35,9 +35,9 @@ def upstream_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["mcore_tp2_to_2x_vllm_tp1", "1gpu_to_3_instances"])
 def test_upstream_awex_transfer_core_delivers_every_box(upstream_dir, tmp_path, name):
-    scenario = next(s for s in bench_gpu.SCENARIOS if s.name == name)
-    _, tensors = bench_gpu.model_tensors("qwen2-tiny", None)
-    layouts = bench_gpu.layouts_of(scenario, tensors)
+    scenario = next(s for s in bench_common.SCENARIOS if s.name == name)
+    _, tensors = bench_common.model_tensors("qwen2-tiny", None)
+    layouts = bench_common.layouts_of(scenario, tensors)
     spec = scenario_spec(scenario, tensors, layouts, 2, str(tmp_path), free_port())
     # upstream numbers inference ranks first, then the trainer's
     assert [r["role"] for r in spec["ranks"]] == ["inference"] * (len(spec["ranks"]) - spec["trainer_ranks"]) + [

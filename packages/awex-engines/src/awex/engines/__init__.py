@@ -2,8 +2,10 @@
 engines.
 
 - :class:`WeightsWriter` (one per trainer rank) and :class:`WeightsReader` (one per receiving rank): a weight
-  version's sync through a MetaServer, over the transport the ranks choose (``p2p``, ``ipc``, ``shm``).
+  version's sync through a MetaServer, over the transport the ranks choose (``p2p``, ``ipc``, ``shm``, ``rdma``).
 - :class:`SyncFailedError`: a version not applied on every receiving rank, naming who failed and why.
+- :class:`TrainerSource`: one trainer rank's layout, rank and views, built alike for Megatron-core, FSDP2 and HF
+  (``TrainerSource.megatron / .fsdp / .hf``); ``WeightsWriter.from_source`` makes its writer.
 - Sources and receivers per engine: :mod:`awex.engines.megatron`, :mod:`awex.engines.fsdp`, :mod:`awex.engines.hf`;
   vLLM's ``awex`` weight-transfer backend (:mod:`awex.engines.vllm_backend`) and trainer engine
   (:mod:`awex.engines.vllm_trainer`). Engines themselves are optional extras: importing this package imports none.
@@ -11,8 +13,9 @@ engines.
 
 from awex.engines.errors import SyncFailedError
 from awex.engines.reader import WeightsReader
+from awex.engines.source import TrainerSource
 from awex.engines.writer import WeightsWriter
 
 __version__ = "0.1.0"
 
-__all__ = ["SyncFailedError", "WeightsReader", "WeightsWriter"]
+__all__ = ["SyncFailedError", "TrainerSource", "WeightsReader", "WeightsWriter"]

@@ -13,12 +13,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from awex.convert import MegatronNames, megatron_views
+from awex.engines.source import TrainerSource
 from awex.engines.writer import WeightsWriter
-from awex.meta import canonical_tensors
 from awex.meta.client import MetaClient
-from awex.meta.layouts import MegatronParallel, megatron_layout
-from awex.meta.models import model_dims
+from awex.meta.layouts import MegatronParallel
 
 
 def megatron_writer(
@@ -31,16 +29,7 @@ def megatron_writer(
     dtype: str | None = None,
     **writer_options: Any,
 ) -> WeightsWriter:
-    """A writer for this Megatron rank (``torch.distributed`` and ``parallel_state`` must be initialised)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dims = model_dims(config, dtype)
-    layout = megatron_layout(canonical_tensors(dims), parallel, instance=instance)
-    where = MegatronNames(
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel,
-        ep_rank=parallel_state.get_expert_model_parallel_rank() if parallel.ep > 1 else 0,
-    )
-    return WeightsWriter(client, layout, dist.get_rank(), megatron_views(model, dims, where), **writer_options)
+    """A writer for this Megatron rank (``torch.distributed`` and ``parallel_state`` must be initialised):
+    ``WeightsWriter.from_source(client, TrainerSource.megatron(...))``."""
+    source = TrainerSource.megatron(model, config, parallel, instance=instance, dtype=dtype)
+    return WeightsWriter.from_source(client, source, **writer_options)

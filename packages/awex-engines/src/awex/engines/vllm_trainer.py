@@ -36,6 +36,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
 from awex.engines import keys
+from awex.engines.source import TrainerSource
 from awex.engines.writer import WeightsWriter
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
@@ -65,23 +66,25 @@ class AwexSource(WeightSource):
         self.refresh = refresh
 
     @classmethod
+    def of(cls, source: TrainerSource) -> AwexSource:
+        """The same rank as a :class:`~awex.engines.source.TrainerSource` (``TrainerSource.megatron``, ``.fsdp``,
+        ``.hf``)."""
+        return cls(source.layout, source.local_rank, source.view_of, source.refresh)
+
+    @classmethod
     def hf(cls, model: torch.nn.Module, instance: str = "trainer") -> AwexSource:
         """An HF transformers model held whole by this rank."""
-        from awex.engines.hf import hf_model_layout, hf_views
-
-        return cls(hf_model_layout(model, "trainer", instance), 0, hf_views(model))
+        return cls.of(TrainerSource.hf(model, instance))
 
     @classmethod
     def fsdp(cls, model: torch.nn.Module, instance: str = "trainer") -> AwexSource:
         """An FSDP2 (``fully_shard``) model: each rank's local DTensor shards are its boxes."""
-        from awex.engines.fsdp import dtensor_local_rank, dtensor_model_layout, dtensor_views
-
-        return cls(dtensor_model_layout(model, instance), dtensor_local_rank(model), dtensor_views(model))
+        return cls.of(TrainerSource.fsdp(model, instance))
 
     @classmethod
     def megatron(cls, model, dims, names, rank: int, instance: str = "trainer") -> AwexSource:
-        """A Megatron-core ``GPTModel`` rank: ``names`` is its ``awex.convert.MegatronNames`` (TP/PP/EP position
-        and parallel sizes), ``rank`` its rank in the trainer's world."""
+        """A Megatron-core ``GPTModel`` rank from its ``awex.convert.MegatronNames`` (TP/PP/EP position and parallel
+        sizes) and its rank in the trainer's world (``TrainerSource.megatron`` reads both from ``parallel_state``)."""
         from awex.convert import megatron_views
         from awex.meta import canonical_tensors
         from awex.meta.layouts import megatron_layout

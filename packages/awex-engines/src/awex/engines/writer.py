@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 from functools import partial
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from awex.engines.errors import SyncFailedError, instance_verdicts
 from awex.engines.keys import version_records
 from awex.engines.manifest import SyncManifest
 from awex.engines.session import Region, SyncSession
+from awex.engines.source import TrainerSource
 from awex.meta import Box, Layout, Plan
 from awex.meta.client import MetaClient
 from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
@@ -67,6 +68,14 @@ class WeightsWriter:
     After each write, rank 0 drops the MetaServer records (manifest, agreements, validation reports) of versions
     older than the last ``keep_versions``, so a run of any length stays within the server's key limit.
     """
+
+    @classmethod
+    def from_source(cls, client: MetaClient, source: TrainerSource, **options: Any) -> WeightsWriter:
+        """A writer for a :class:`~awex.engines.source.TrainerSource` (Megatron-core, FSDP2 or HF, built alike);
+        ``options`` as for the constructor (its ``refresh``, where set, unless given)."""
+        if source.refresh is not None:
+            options.setdefault("refresh", source.refresh)
+        return cls(client, source.layout, source.local_rank, source.view_of, **options)
 
     def __init__(
         self,

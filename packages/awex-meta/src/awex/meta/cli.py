@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from awex.meta.server.app import ServerConfig
+    from awex.meta.server.config import ServerConfig
     from awex.meta.server.embedded import serve_forever
 
     token = args.token

@@ -7,7 +7,8 @@ Run it embedded (:class:`EmbeddedMetaServer`, one call, in-process on a free loo
 (``awex-meta serve``).
 """
 
-from awex.meta.server.app import ServerConfig, make_app
+from awex.meta.server.app import make_app
+from awex.meta.server.config import ServerConfig
 from awex.meta.server.embedded import EmbeddedMetaServer, start_embedded
 
 __all__ = ["EmbeddedMetaServer", "ServerConfig", "make_app", "start_embedded"]

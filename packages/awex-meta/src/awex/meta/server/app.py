@@ -39,12 +39,13 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
+from awex.meta.server.config import ServerConfig
+from awex.meta.server.errors import BadRequest, TooLarge, error, json_depth
 from awex.meta.server.state import Agreement, JobState, Participant, Topics
 
 log = logging.getLogger("awex.meta.server")
@@ -53,61 +54,6 @@ _NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 _KEY = re.compile(r"^[A-Za-z0-9_.:@/-]{1,512}$")
 SERVER_VERSION = "1"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Limits and security settings of a MetaServer."""
-
-    token: str | None = None
-    max_payload_bytes: int = 64 << 20  # one request body
-    max_wait_seconds: float = 60.0
-    max_keys_per_job: int = 100_000
-    max_jobs: int = 1_000
-    max_events_per_job: int = 10_000
-    recent_events: int = 20
-    max_job_bytes: int = 1 << 30  # keys, events, participants and agreement values of one job
-    max_total_bytes: int = 4 << 30  # the same over every job
-    max_small_bytes: int = 64 << 10  # one event's data, one agreement value, one participant's info
-    max_agreements_per_job: int = 100_000
-    max_participants_per_job: int = 100_000
-    max_agreement_size: int = 1 << 20  # participants one agreement may expect
-    max_depth: int = 64  # JSON nesting
-    max_connections: int = 4096
-    body_seconds: float = 30.0  # to read one request body
-    idle_seconds: float = 120.0  # a connection with no request in flight is closed after this long
-    remembered_replies: int = 8192  # answers kept for retried writes (by request id)
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": code, "message": message}, status=status)
-
-
-class _BadRequest(ValueError):
-    status = 400
-    code = "bad_request"
-
-
-class _TooLarge(_BadRequest):
-    status = 413
-    code = "too_large"
-
-
-def json_depth(doc: Any) -> int:
-    """How deeply ``doc`` nests (a scalar is 0), without recursion."""
-    deepest = 0
-    stack = [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 class MetaServerApp:
@@ -128,11 +74,11 @@ class MetaServerApp:
         """The request's job; created on writes, ``None`` for reads of a job that does not exist."""
         name = request.match_info["job"]
         if not _NAME.match(name):
-            raise _BadRequest(f"bad job name {name!r} (letters, digits, _.:@- ; at most 128)")
+            raise BadRequest(f"bad job name {name!r} (letters, digits, _.:@- ; at most 128)")
         job = self.jobs.get(name)
         if job is None and create:
             if len(self.jobs) >= self.config.max_jobs:
-                raise _BadRequest(f"too many jobs (limit {self.config.max_jobs})")
+                raise BadRequest(f"too many jobs (limit {self.config.max_jobs})")
             job = self.jobs[name] = JobState(name, self.config.max_events_per_job, self.config.max_keys_per_job)
             self.job_topics.fire(f"job:{name}")
         return job
@@ -152,31 +98,31 @@ class MetaServerApp:
     def key_of(request: web.Request, name: str = "key") -> str:
         key = request.match_info[name]
         if not _KEY.match(key) or ".." in key.split("/"):
-            raise _BadRequest(f"bad key {key!r} (letters, digits, _.:@/- ; at most 512)")
+            raise BadRequest(f"bad key {key!r} (letters, digits, _.:@/- ; at most 512)")
         return key
 
     def wait_of(self, request: web.Request) -> float:
         try:
             wait = float(request.query.get("wait", "0"))
         except ValueError:
-            raise _BadRequest("wait must be a number of seconds") from None
+            raise BadRequest("wait must be a number of seconds") from None
         if wait != wait or wait < 0:
-            raise _BadRequest("wait must be a non-negative number of seconds")
+            raise BadRequest("wait must be a non-negative number of seconds")
         return min(wait, self.config.max_wait_seconds)
 
     async def body_json(self, request: web.Request) -> tuple[bytes, Any]:
         try:
             raw = await asyncio.wait_for(request.read(), self.config.body_seconds)
         except asyncio.TimeoutError:
-            raise _BadRequest(f"the body did not arrive within {self.config.body_seconds:g} s") from None
+            raise BadRequest(f"the body did not arrive within {self.config.body_seconds:g} s") from None
         try:
             doc = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise _BadRequest(f"body is not valid JSON: {e}") from None
+            raise BadRequest(f"body is not valid JSON: {e}") from None
         except RecursionError:
-            raise _BadRequest(f"body nests deeper than {self.config.max_depth} levels") from None
+            raise BadRequest(f"body nests deeper than {self.config.max_depth} levels") from None
         if json_depth(doc) > self.config.max_depth:
-            raise _BadRequest(f"body nests deeper than {self.config.max_depth} levels")
+            raise BadRequest(f"body nests deeper than {self.config.max_depth} levels")
         return raw, doc
 
     def charge(self, job: JobState, grow: int) -> None:
@@ -184,32 +130,32 @@ class MetaServerApp:
         if grow <= 0:
             return
         if job.held_bytes() + grow > self.config.max_job_bytes:
-            raise _TooLarge(
+            raise TooLarge(
                 f"job {job.name!r} would hold more than {self.config.max_job_bytes} bytes "
                 "(forget finished versions' records, or raise --max-job-mb)"
             )
         if self.total_bytes() + grow > self.config.max_total_bytes:
-            raise _TooLarge(f"the server would hold more than {self.config.max_total_bytes} bytes in all")
+            raise TooLarge(f"the server would hold more than {self.config.max_total_bytes} bytes in all")
 
     def small(self, value: Any, what: str) -> int:
         size = len(json.dumps(value))
         if size > self.config.max_small_bytes:
-            raise _TooLarge(f"{what} is {size} bytes (limit {self.config.max_small_bytes})")
+            raise TooLarge(f"{what} is {size} bytes (limit {self.config.max_small_bytes})")
         return size
 
     @staticmethod
     def fields(doc: Any, spec: dict[str, type | tuple[type, ...]], optional: tuple[str, ...] = ()) -> dict[str, Any]:
         if not isinstance(doc, dict):
-            raise _BadRequest("body must be a JSON object")
+            raise BadRequest("body must be a JSON object")
         out = {}
         for name, typ in spec.items():
             if name not in doc:
                 if name in optional:
                     continue
-                raise _BadRequest(f"missing field {name!r}")
+                raise BadRequest(f"missing field {name!r}")
             value = doc[name]
             if isinstance(value, bool) and typ is int or not isinstance(value, typ):
-                raise _BadRequest(f"field {name!r} has the wrong type")
+                raise BadRequest(f"field {name!r} has the wrong type")
             out[name] = value
         return out
 
@@ -226,12 +172,12 @@ class MetaServerApp:
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""
             if not hmac.compare_digest(given.encode(), config.token.encode()):
-                return _error(401, "unauthorized", "missing or wrong token (Authorization: Bearer <token>)")
+                return error(401, "unauthorized", "missing or wrong token (Authorization: Bearer <token>)")
         rid = request.headers.get(REQUEST_ID_HEADER)
         remembered = None
         if rid is not None and request.method in ("PUT", "POST", "DELETE") and "/agree/" not in request.path:
             if not _REQUEST_ID.match(rid):
-                return _error(400, "bad_request", f"bad {REQUEST_ID_HEADER} (8 to 64 letters, digits, _ or -)")
+                return error(400, "bad_request", f"bad {REQUEST_ID_HEADER} (8 to 64 letters, digits, _ or -)")
             remembered = (request.path, rid)
             if remembered in self.replies:  # a retry of a write already done: the same answer, nothing applied
                 status, body = self.replies[remembered]
@@ -239,11 +185,11 @@ class MetaServerApp:
         try:
             response = await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            response = _error(413, "too_large", f"payload exceeds {config.max_payload_bytes} bytes")
+            response = error(413, "too_large", f"payload exceeds {config.max_payload_bytes} bytes")
         except web.HTTPException:
             raise
-        except _BadRequest as e:
-            response = _error(e.status, e.code, str(e))
+        except BadRequest as e:
+            response = error(e.status, e.code, str(e))
         if remembered is not None and response.status < 500 and isinstance(response, web.Response):
             self.replies[remembered] = (response.status, response.body)
             while len(self.replies) > config.remembered_replies:
@@ -279,9 +225,9 @@ class MetaServerApp:
         raw, _ = await self.body_json(request)
         job = self.job_of(request)
         if request.query.get("create") == "1" and key in job.kv:
-            return _error(409, "exists", f"key {key!r} already exists")
+            return error(409, "exists", f"key {key!r} already exists")
         if key not in job.kv and len(job.kv) >= job.max_keys:
-            raise _BadRequest(f"too many keys in job {job.name!r} (limit {job.max_keys})")
+            raise BadRequest(f"too many keys in job {job.name!r} (limit {job.max_keys})")
         self.charge(job, len(raw) - len(job.kv.get(key, b"")))
         job.kv_bytes += len(raw) - len(job.kv.get(key, b""))
         job.kv[key] = raw
@@ -295,7 +241,7 @@ class MetaServerApp:
             await job.topics.wait_until(f"kv:{key}", lambda: key in job.kv, wait)
         raw = job.kv.get(key) if job is not None else None
         if raw is None:
-            return _error(404, "not_found", f"no key {key!r} in job {request.match_info['job']!r}")
+            return error(404, "not_found", f"no key {key!r} in job {request.match_info['job']!r}")
         return web.Response(body=raw, content_type="application/json")
 
     async def delete_value(self, request: web.Request) -> web.Response:
@@ -312,7 +258,7 @@ class MetaServerApp:
         f = self.fields(doc, {"names": list, "prefixes": list}, optional=("names", "prefixes"))
         given = [*f.get("names", []), *f.get("prefixes", [])]
         if not all(isinstance(x, str) and x for x in given):
-            raise _BadRequest("names and prefixes must be non-empty strings")
+            raise BadRequest("names and prefixes must be non-empty strings")
         job = self.job_of(request, create=False)
         if job is None:
             return web.json_response({"ok": True, "keys": 0, "agreements": 0})
@@ -343,16 +289,16 @@ class MetaServerApp:
             optional=("world_size", "host", "info"),
         )
         if not _NAME.match(f["name"]):
-            raise _BadRequest(f"bad participant name {f['name']!r}")
+            raise BadRequest(f"bad participant name {f['name']!r}")
         if f["role"] not in ("trainer", "inference"):
-            raise _BadRequest("role must be 'trainer' or 'inference'")
+            raise BadRequest("role must be 'trainer' or 'inference'")
         if not _NAME.match(f["instance"]):
-            raise _BadRequest(f"bad instance name {f['instance']!r}")
+            raise BadRequest(f"bad instance name {f['instance']!r}")
         size = self.small(f.get("info", {}), "the participant's info")
         job = self.job_of(request)
         old = job.participants.get(f["name"])
         if old is None and len(job.participants) >= self.config.max_participants_per_job:
-            raise _BadRequest(
+            raise BadRequest(
                 f"too many participants in job {job.name!r} (limit {self.config.max_participants_per_job})"
             )
         self.charge(job, size)
@@ -377,11 +323,11 @@ class MetaServerApp:
         _, doc = await self.body_json(request)
         f = self.fields(doc, {"version": (str, type(None))})
         if f["version"] is not None and len(f["version"]) > 512:
-            raise _BadRequest("version names are at most 512 characters")
+            raise BadRequest("version names are at most 512 characters")
         job = self.job_of(request, create=False)
         p = job.participants.get(name) if job is not None else None
         if p is None:
-            return _error(
+            return error(
                 404, "not_found", f"participant {name!r} is not registered in job {request.match_info['job']!r}"
             )
         p.weight_version = f["version"]
@@ -397,9 +343,9 @@ class MetaServerApp:
             optional=("version", "data"),
         )
         if not _NAME.match(f["kind"]):
-            raise _BadRequest(f"bad event kind {f['kind']!r}")
+            raise BadRequest(f"bad event kind {f['kind']!r}")
         if len(f["source"]) > 256 or (f.get("version") is not None and len(f["version"]) > 512):
-            raise _BadRequest("event source (256) or version (512 characters) too long")
+            raise BadRequest("event source (256) or version (512 characters) too long")
         size = self.small(f.get("data"), "the event's data")
         job = self.job_of(request)
         self.charge(job, size)
@@ -412,7 +358,7 @@ class MetaServerApp:
         try:
             after = int(request.query.get("after", "0"))
         except ValueError:
-            raise _BadRequest("after must be an integer") from None
+            raise BadRequest("after must be an integer") from None
         kind = request.query.get("kind")
         job, wait = await self.job_waiting(request, self.wait_of(request))
         if job is None:
@@ -430,25 +376,25 @@ class MetaServerApp:
         _, doc = await self.body_json(request)
         f = self.fields(doc, {"participant": str, "expected": int, "value": object})
         if not 1 <= f["expected"] <= self.config.max_agreement_size:
-            raise _BadRequest(f"expected must be 1 to {self.config.max_agreement_size}")
+            raise BadRequest(f"expected must be 1 to {self.config.max_agreement_size}")
         if len(f["participant"]) > 256:
-            raise _BadRequest("participant names are at most 256 characters")
+            raise BadRequest("participant names are at most 256 characters")
         size = self.small(f["value"], "an agreement value")
         job = self.job_of(request)
         a = job.agreements.get(name)
         if a is None:
             if len(job.agreements) >= self.config.max_agreements_per_job:
-                raise _BadRequest(
+                raise BadRequest(
                     f"too many agreements in job {job.name!r} "
                     f"(limit {self.config.max_agreements_per_job}; writers forget old versions')"
                 )
             self.charge(job, size)
             a = job.agreements[name] = Agreement(f["expected"])
         if a.expected != f["expected"]:
-            return _error(409, "conflict", f"agreement {name!r} expects {a.expected} participants, not {f['expected']}")
+            return error(409, "conflict", f"agreement {name!r} expects {a.expected} participants, not {f['expected']}")
         if f["participant"] not in a.values:
             if len(a.values) >= a.expected:
-                return _error(
+                return error(
                     409,
                     "conflict",
                     f"agreement {name!r} already has its {a.expected} participants; "

@@ -9,7 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
-from awex.meta.server.app import ServerConfig, make_app
+from awex.meta.server.app import make_app
+from awex.meta.server.config import ServerConfig
 
 log = logging.getLogger("awex.meta.server")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from awex.meta import Box
+from awex.meta.dtypes import ITEMSIZE
 from awex.transport.shards import LocalShards
 
 log = logging.getLogger("awex.transport")
@@ -110,10 +111,10 @@ class IpcExport:
             if storage >= len(storages):
                 raise ValueError(f"view {name!r} names storage {storage} of {len(storages)}")
             dtype = _checked(dtype, str, "dtype")
-            if dtype not in _DTYPE_BYTES:
+            if dtype not in ITEMSIZE:
                 raise ValueError(f"view {name!r}: unknown dtype {dtype!r}")
             last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides)) if all(sizes) else offset
-            if all(sizes) and (last + 1) * _DTYPE_BYTES[dtype] > storages[storage][2]:
+            if all(sizes) and (last + 1) * ITEMSIZE[dtype] > storages[storage][2]:
                 raise ValueError(f"view {name!r} reaches beyond its storage ({storages[storage][2]} bytes)")
             views.append(ExportedView(name, Box(offsets, sizes), storage, offset, strides, dtype))
         return cls(tuple(storages), pointers, tuple(views))
@@ -128,20 +129,6 @@ _MAX_VIEWS = 1 << 22
 _MAX_DIMS = 8
 _MAX_HANDLE_BYTES = 4096
 _MAX_COUNT = 1 << 62
-_DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float64": 8,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "bool": 1,
-}
 
 
 def _checked(value, kind: type, what: str):

@@ -1,0 +1,38 @@
+"""How the MetaServer refuses a request: JSON error answers, and the checks that raise them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+
+def error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": code, "message": message}, status=status)
+
+
+class BadRequest(ValueError):
+    status = 400
+    code = "bad_request"
+
+
+class TooLarge(BadRequest):
+    status = 413
+    code = "too_large"
+
+
+def json_depth(doc: Any) -> int:
+    """How deeply ``doc`` nests (a scalar is 0), without recursion."""
+    deepest = 0
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
