@@ -74,3 +74,12 @@ def version_records(version: str) -> tuple[list[str], list[str]]:
             f"outcome/{version}/",
         ],
     )
+
+
+def withdrawn_records(version: str) -> tuple[list[str], list[str]]:
+    """The records of a failed attempt that its writer drops at once: those a retry (same version name, next count)
+    would meet (the manifest, reports keyed by version alone). The attempt's own records (keyed by its count: device
+    records, the plan agreement, ready signals, outcomes) stay until the next successful write drops them
+    (:func:`version_records`): ranks still in the failed attempt read them, and fail with their own error (the
+    planner's, say) instead of waiting for records that vanished."""
+    return [manifest(version), applied(version)], [f"validation/{version}/", f"received/{version}/"]

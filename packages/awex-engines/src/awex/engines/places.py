@@ -95,7 +95,10 @@ def exchange(
     cpu_in_place = True
     for name in names:
         for rank in range(layouts[name].world_size):
-            got = client.get(keys.devices(attempt, name, rank), timeout=max(0.1, deadline - time.monotonic()))
+            if (name, rank) == tuple(me):
+                got = doc  # this rank's own: never read back (nor lost if the attempt is withdrawn meanwhile)
+            else:
+                got = client.get(keys.devices(attempt, name, rank), timeout=max(0.1, deadline - time.monotonic()))
             got = got if isinstance(got, dict) else {"device": got}
             common &= set(got.get("signals", ()))
             host = str(got.get("host", ""))

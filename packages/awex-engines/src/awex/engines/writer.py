@@ -270,8 +270,8 @@ class WeightsWriter:
                 self._channel.delete([keys.channel_manifest(version)])
         except Exception as e:
             log.warning("could not withdraw %s from the version channel: %s", version, e)
-        names, prefixes = version_records(version)
-        self._pending_forget.append(version)
+        names, prefixes = keys.withdrawn_records(version)
+        self._pending_forget.append(version)  # the rest, with the next successful write
         try:
             self.client.forget(names, prefixes)
         except MetaServerError as e:
