@@ -10,14 +10,8 @@ import torch
 from awex.meta import Box
 from awex.transport import LocalShards
 from awex.transport.copies import copier, merge_copies, wide_views
-from awex.transport.ipc import (
-    ExportedView,
-    IpcExport,
-    export_shards,
-    interleave_sources,
-    paces_local,
-    ring_slots,
-)
+from awex.transport.ipc import ExportedView, IpcExport, export_shards
+from awex.transport.ipc.scheduling import interleave_sources, paces_local, ring_slots
 from awex.transport.ipc.spans import extent as _extent
 from awex.transport.ipc.spans import rows_within as _rows_within
 

@@ -14,7 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from awex.transport.ipc import IpcExport, cuda_malloc_handle, open_export
+from awex.transport.ipc import IpcExport, open_export
+from awex.transport.ipc.mapping import cuda_malloc_handle
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 

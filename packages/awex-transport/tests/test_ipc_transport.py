@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from test_shm import _world
+from staged_world import world
 
 import awex.transport.ipc.transport as ipc_transport
 from awex.transport.base import Setup, TransferStats
@@ -58,7 +58,7 @@ def test_a_receiver_reopens_an_export_only_when_it_changed(monkeypatch):
     monkeypatch.setattr(ipc_transport, "open_export", _Mapped)
     monkeypatch.setattr(ipc_transport, "IpcExport", _Export)
     monkeypatch.setattr(ipc_transport, "IpcExecutor", _Executor)
-    _, dests, plan = _world(train_tp=2, engines=((1,),))
+    _, dests, plan = world(train_tp=2, engines=((1,),))
     rank = plan.rank(dests[0].instance, 0).rank
     peers = sorted({s.peer for s in plan.schedule(rank)})
     transport = ipc_transport.IpcTransport()

@@ -13,8 +13,7 @@ import time
 
 import pytest
 import torch
-from test_shm import _views, _world
-from transport_workers import canonical_value
+from staged_world import assert_holds_step, rank_views, world
 
 from awex.transport.base import TransferError, TransferTimeout
 from awex.transport.rdma import BufferInfo, RdmaReceiver, RdmaSender, _Engine, read_ranges
@@ -38,7 +37,7 @@ def _engine() -> _Engine:
 
 
 def test_reads_cover_each_needed_region_once_and_merge_adjacent_ranges():
-    _, dests, plan = _world()
+    _, dests, plan = world()
     for layout in dests:
         for r in range(layout.world_size):
             rank = plan.rank(layout.instance, r).rank
@@ -64,10 +63,10 @@ def test_reads_cover_each_needed_region_once_and_merge_adjacent_ranges():
 
 def test_receivers_get_every_byte_through_the_transfer_engine():
     engine = _engine()
-    trainer, dests, plan = _world()
+    trainer, dests, plan = world()
     senders = {}
     for r in range(trainer.world_size):
-        shards, _ = _views(trainer, r, step=5)
+        shards, _ = rank_views(trainer, r, step=5)
         rank = plan.rank("trainer", r).rank
         senders[rank] = RdmaSender(plan, rank, shards, engine)
         senders[rank].fill()
@@ -75,16 +74,12 @@ def test_receivers_get_every_byte_through_the_transfer_engine():
     try:
         for layout in dests:
             for r in range(layout.world_size):
-                shards, held = _views(layout, r, step=None)
+                shards, held = rank_views(layout, r, step=None)
                 rank = plan.rank(layout.instance, r).rank
                 receiver = RdmaReceiver(plan, rank, shards, engine, infos)
                 stats = receiver.run(time.monotonic() + 30)
                 assert stats.bytes_received == sum(s.bucket.nbytes for s in plan.schedule(rank) if s.op == "recv")
-                spec = {t.spec.name: t.spec for t in layout.tensors}
-                for (name, offsets), view in held.items():
-                    full = canonical_value(name, spec[name].shape, "float32", 5)
-                    want = full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]
-                    assert torch.equal(view, want), (layout.instance, r, name)
+                assert_holds_step(layout, held, 5, where=f"rank {r}")
                 receiver.close()
     finally:
         for s in senders.values():
@@ -92,7 +87,7 @@ def test_receivers_get_every_byte_through_the_transfer_engine():
 
 
 def test_a_receiver_refuses_buffers_that_do_not_match_its_plan():
-    _, _, plan = _world()
+    _, _, plan = world()
     rank = plan.rank("trainer", 0).rank
     good = {
         "address": "127.0.0.1:15000",
@@ -207,10 +202,10 @@ def _gpudirect_unavailable() -> str | None:
 def test_gpu_views_read_over_rdma_nics():
     """CUDA buffers registered with the NICs (Mooncake's CUDA build): the same reads as over TCP, every byte."""
     engine = _Engine.get("127.0.0.1", "rdma")
-    trainer, dests, plan = _world()
+    trainer, dests, plan = world()
     senders = {}
     for r in range(trainer.world_size):
-        shards, _ = _views(trainer, r, step=6, device="cuda")
+        shards, _ = rank_views(trainer, r, step=6, device="cuda")
         rank = plan.rank("trainer", r).rank
         senders[rank] = RdmaSender(plan, rank, shards, engine)
         assert senders[rank].buffer.is_cuda
@@ -218,12 +213,9 @@ def test_gpu_views_read_over_rdma_nics():
     infos = {rank: BufferInfo.from_wire(s.info().to_wire(), plan, rank) for rank, s in senders.items()}
     try:
         layout = dests[0]
-        shards, held = _views(layout, 0, step=None, device="cuda")
+        shards, held = rank_views(layout, 0, step=None, device="cuda")
         RdmaReceiver(plan, plan.rank(layout.instance, 0).rank, shards, engine, infos).run(time.monotonic() + 30)
-        spec = {t.spec.name: t.spec for t in layout.tensors}
-        for (name, offsets), view in held.items():
-            full = canonical_value(name, spec[name].shape, "float32", 6)
-            assert torch.equal(view.cpu(), full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))])
+        assert_holds_step(layout, held, 6)
     finally:
         for s in senders.values():
             s.close()

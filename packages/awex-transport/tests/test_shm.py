@@ -3,7 +3,6 @@ receivers in place; what a receiver refuses before any byte moves; no segment ou
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,51 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from transport_workers import canonical_value
+from staged_world import assert_holds_step, rank_views, world
 
-from awex.meta import PlanOptions, canonical_tensors, plan_transfers
-from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
-from awex.transport import LocalShards
 from awex.transport.base import TransferTimeout
 from awex.transport.segments import SEGMENT_DIR, Segment, sweep_stale
 from awex.transport.shm import SegmentInfo, ShmReceiver, ShmSender
 from awex.transport.staged import segment_layout
 
-TINY = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
-
 pytestmark = pytest.mark.skipif(not SEGMENT_DIR.is_dir(), reason="no /dev/shm on this machine")
 
 
-def _world(train_tp=2, engines=((2,), (1,))):
-    tensors = canonical_tensors(TINY, dtype="float32")
-    trainer = megatron_layout(tensors, MegatronParallel(tp=train_tp), instance="trainer")
-    dests = [vllm_layout(tensors, VllmParallel(tp=tp), instance=f"vllm-{i}") for i, (tp,) in enumerate(engines)]
-    return trainer, dests, plan_transfers([trainer], dests, PlanOptions(relay=False))  # as the session plans shm
-
-
-def _views(layout, rank: int, step: int | None, device: str = "cpu"):
-    """Views of one rank: filled with the canonical values of ``step`` (a trainer), or -1 (a receiver)."""
-    held = {}
-
-    def view_of(name, box):
-        key = (name, box.offsets)
-        if key not in held:
-            spec = next(t.spec for t in layout.tensors if t.spec.name == name)
-            if step is None:
-                held[key] = torch.full(box.sizes, -1.0, dtype=torch.float32, device=device)
-            else:
-                full = canonical_value(name, spec.shape, "float32", step)
-                held[key] = full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].to(device).clone()
-        return held[key]
-
-    return LocalShards.from_layout(layout, rank, view_of), held
-
-
 def test_segments_hold_each_region_once_and_receivers_get_every_byte():
-    trainer, dests, plan = _world()
+    trainer, dests, plan = world()
     senders = {}
     for r in range(trainer.world_size):
-        shards, _ = _views(trainer, r, step=3)
+        shards, _ = rank_views(trainer, r, step=3)
         rank = plan.rank("trainer", r).rank
         senders[rank] = ShmSender(plan, rank, shards)
         offsets, total = segment_layout(plan, rank)
@@ -68,16 +37,12 @@ def test_segments_hold_each_region_once_and_receivers_get_every_byte():
     try:
         for layout in dests:
             for r in range(layout.world_size):
-                shards, held = _views(layout, r, step=None)
+                shards, held = rank_views(layout, r, step=None)
                 rank = plan.rank(layout.instance, r).rank
                 receiver = ShmReceiver(plan, rank, shards, infos)
                 stats = receiver.run()
                 assert stats.bytes_received == sum(s.bucket.nbytes for s in plan.schedule(rank) if s.op == "recv")
-                spec = {t.spec.name: t.spec for t in layout.tensors}
-                for (name, offsets), view in held.items():
-                    full = canonical_value(name, spec[name].shape, "float32", 3)
-                    want = full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]
-                    assert torch.equal(view, want), (layout.instance, r, name)
+                assert_holds_step(layout, held, 3, where=f"rank {r}")
                 receiver.close()
     finally:
         for s in senders.values():
@@ -86,8 +51,8 @@ def test_segments_hold_each_region_once_and_receivers_get_every_byte():
 
 
 def test_a_receiver_refuses_segments_that_do_not_match_its_plan():
-    trainer, dests, plan = _world()
-    shards, _ = _views(trainer, 0, step=1)
+    trainer, dests, plan = world()
+    shards, _ = rank_views(trainer, 0, step=1)
     rank = plan.rank("trainer", 0).rank
     sender = ShmSender(plan, rank, shards)
     try:
@@ -116,10 +81,10 @@ def test_a_receiver_refuses_segments_that_do_not_match_its_plan():
 def test_gpu_views_move_through_pinned_segments():
     """A GPU sender fills its page-locked segment with device-to-host copies; GPU receivers copy out host to
     device; every byte arrives."""
-    trainer, dests, plan = _world()
+    trainer, dests, plan = world()
     senders = {}
     for r in range(trainer.world_size):
-        shards, _ = _views(trainer, r, step=4, device="cuda")
+        shards, _ = rank_views(trainer, r, step=4, device="cuda")
         rank = plan.rank("trainer", r).rank
         senders[rank] = ShmSender(plan, rank, shards)
         assert senders[rank].segment._pinned
@@ -128,14 +93,10 @@ def test_gpu_views_move_through_pinned_segments():
     try:
         for layout in dests:
             for r in range(layout.world_size):
-                shards, held = _views(layout, r, step=None, device="cuda")
+                shards, held = rank_views(layout, r, step=None, device="cuda")
                 receiver = ShmReceiver(plan, plan.rank(layout.instance, r).rank, shards, infos)
                 receiver.run()
-                spec = {t.spec.name: t.spec for t in layout.tensors}
-                for (name, offsets), view in held.items():
-                    full = canonical_value(name, spec[name].shape, "float32", 4)
-                    want = full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]
-                    assert torch.equal(view.cpu(), want), (layout.instance, r, name)
+                assert_holds_step(layout, held, 4, where=f"rank {r}")
                 receiver.close()
     finally:
         for s in senders.values():
@@ -168,8 +129,8 @@ def test_receivers_copy_what_the_progress_word_says_is_there_and_never_an_older_
     import awex.transport.shm as shm
 
     monkeypatch.setattr(shm, "CHUNK_BYTES", 4096)  # many chunks
-    trainer, dests, plan = _world(train_tp=1, engines=((1,),))
-    shards, _ = _views(trainer, 0, step=2)
+    trainer, dests, plan = world(train_tp=1, engines=((1,),))
+    shards, _ = rank_views(trainer, 0, step=2)
     sender = ShmSender(plan, plan.rank("trainer", 0).rank, shards)
     assert len(sender.chunks) > 4
     info = {0: SegmentInfo.from_wire(sender.wire(), plan, 0)}
@@ -178,20 +139,19 @@ def test_receivers_copy_what_the_progress_word_says_is_there_and_never_an_older_
         sender.fill(count=7)  # the segment holds version 7
         half = sender.chunks[len(sender.chunks) // 2][1]
         sender.segment.set_progress(8, half)  # version 8: only the first half is there yet
-        recv, held = _views(layout, 0, step=None)
+        recv, held = rank_views(layout, 0, step=None)
         receiver = ShmReceiver(plan, plan.rank(layout.instance, 0).rank, recv, info)
         with pytest.raises(TransferTimeout, match="not filled with version 8"):
             receiver.run(count=8, deadline=time.monotonic() + 0.3)
         copied = [k for k, v in held.items() if not torch.equal(v, torch.full_like(v, -1.0))]
         assert 0 < len(copied) < len(held)  # what was there was copied, the rest waits
         with pytest.raises(TransferTimeout, match="not filled with version 9"):  # the segment holds 8, not 9
-            ShmReceiver(plan, 1, _views(layout, 0, step=None)[0], info).run(count=9, deadline=time.monotonic() + 0.2)
+            ShmReceiver(plan, 1, rank_views(layout, 0, step=None)[0], info).run(
+                count=9, deadline=time.monotonic() + 0.2
+            )
         sender.segment.set_progress(8, sender.segment.nbytes)
         receiver.run(count=8, deadline=time.monotonic() + 5)
-        spec = {t.spec.name: t.spec for t in layout.tensors}
-        for (name, offsets), view in held.items():
-            full = canonical_value(name, spec[name].shape, "float32", 2)
-            assert torch.equal(view, full[tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))]), name
+        assert_holds_step(layout, held, 2)
         receiver.close()
     finally:
         sender.close()

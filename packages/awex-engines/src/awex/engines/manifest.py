@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 
@@ -65,10 +65,9 @@ class SyncManifest:
             raise ValueError(f"malformed sync manifest: {e}") from None
 
     def renamed(self, version: str, seq: int) -> SyncManifest:
-        """This manifest for another version of the same writer (its fields already checked, not again)."""
-        other = object.__new__(SyncManifest)
-        other.__dict__.update(self.__dict__, version=version, seq=seq)
-        return other
+        """This manifest for another version of the same writer (fields are checked where a manifest is parsed,
+        :meth:`from_json`, not here)."""
+        return replace(self, version=version, seq=seq)
 
     def rendezvous(self) -> tuple:
         return (self.host, self.port, self.sources, self.destinations, self.transport)

@@ -170,9 +170,9 @@ class WeightsReader:
             )
         else:
             log.error("%s failed to receive %s (%s); still serving %s", where, version, cause, self.version)
-        if manifest is not None:
+        if manifest is not None:  # reported, and that attempt's manifest not taken again
             self._session.finish(manifest, ok=False, cause=cause, partial=partial)
-        self._session.note_failure(manifest)
+        self._session.reset()
         self._background.flush()  # earlier reports first
         try:
             if partial:

@@ -1,5 +1,11 @@
 """awex.transport: transports that execute one rank's share of an Awex transfer plan.
 
+- :mod:`awex.transport.base`: :class:`Transport`, the one interface every transport implements (prepare per
+  plan, run per version under a deadline, abort, close), the :class:`PeerLink` it talks to its peers through, and
+  :class:`TransferStats` / :class:`TransferError` / :class:`TransferTimeout`.
+- :mod:`awex.transport.registry`: transports by name (``p2p``, ``ipc``, ``shm``, ``rdma``),
+  :func:`make_transport`.
+
 - :mod:`awex.transport.shards`: :class:`LocalShards`, the views of a rank's own memory that hold its boxes of
   each canonical tensor (senders read from them, receivers write into them in place).
 - :mod:`awex.transport.group`: a process group created for the sync alone, on its own store (never the
@@ -12,32 +18,33 @@
   CUDA memory (IPC handles exported once) into its own views.
 - :mod:`awex.transport.shm`: CPU engines on one host: each sender writes a version once into a shared-memory
   segment laid out by the plan, receivers copy out in place; no segment outlives a killed creator.
+- :mod:`awex.transport.rdma`: one-sided reads of the senders' registered memory through Mooncake's transfer
+  engine (RDMA NICs, TCP where none exist).
+
+``__all__`` is the public API; anything else is reached through its module and may change between minor versions.
 """
 
+from awex.transport.base import PeerLink, TransferError, TransferStats, TransferTimeout, Transport
 from awex.transport.group import SyncGroup, create_sync_group
-from awex.transport.p2p import (
-    TransferError,
-    TransferStats,
-    TransferTimeout,
-    WaveExecutor,
-    bucket_messages,
-    message_offsets,
-    run_p2p,
-)
+from awex.transport.p2p import WaveExecutor, run_p2p
+from awex.transport.registry import TRANSPORTS, make_transport, transport_class
 from awex.transport.shards import LocalShards, ShardMismatchError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "TRANSPORTS",
     "LocalShards",
+    "PeerLink",
     "ShardMismatchError",
     "SyncGroup",
     "TransferError",
     "TransferStats",
     "TransferTimeout",
+    "Transport",
     "WaveExecutor",
-    "bucket_messages",
     "create_sync_group",
-    "message_offsets",
+    "make_transport",
     "run_p2p",
+    "transport_class",
 ]

@@ -132,6 +132,20 @@ class Transport(ABC):
     def close(self) -> None:
         """Release everything this rank holds (idempotent); never waits for peers."""
 
+    def _prepared(self, state: Any) -> Any:
+        """``state`` (what :meth:`prepare` left for :meth:`run`), or the error for a run before prepare."""
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__}.run before prepare")
+        return state
+
+    def _in_place(self, shards: LocalShards | Callable[[Plan], LocalShards]) -> LocalShards:
+        """``shards``, or the error for a transport that only copies into the engine's own views."""
+        if callable(shards):
+            raise ValueError(
+                f"transport {self.name!r} copies into the engine's own views (in place), not per-sync receive buffers"
+            )
+        return shards
+
 
 @contextmanager
 def timed(phases: MutableMapping[str, float], name: str) -> Iterator[None]:

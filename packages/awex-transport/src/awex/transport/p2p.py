@@ -403,8 +403,7 @@ class P2pTransport(Transport):
         phases: MutableMapping[str, float],
         refresh_by_wave: RefreshByWave | None = None,
     ) -> TransferStats:
-        if self.plan is None or self.group is None:
-            raise RuntimeError("P2pTransport.run before prepare")
+        self._prepared(self.plan if self.group is not None else None)
         if callable(shards):  # views that depend on the plan (receive buffers): built per sync
             with timed(phases, "executor"):
                 executor = WaveExecutor(self.plan, self.rank, shards(self.plan), self.group)

@@ -26,24 +26,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from awex.meta import Plan
-from awex.transport.base import (
-    PeerLink,
-    RefreshByWave,
-    Setup,
-    TransferError,
-    TransferStats,
-    TransferTimeout,
-    Transport,
-    timed,
-)
+from awex.transport.base import PeerLink, Setup, TransferError, TransferStats, TransferTimeout, timed
 from awex.transport.net import local_address
+from awex.transport.pull import PullTransport
 from awex.transport.shards import LocalShards
 from awex.transport.staged import ALIGN, RegionKey, empty_copies, fill_copies, segment_layout
 
@@ -194,6 +186,9 @@ class RdmaSender:
     def info(self) -> BufferInfo:
         return BufferInfo(self.engine.address, self.buffer.data_ptr(), self.buffer.numel(), self.plan.digest, self.rank)
 
+    def wire(self) -> dict[str, Any]:
+        return self.info().to_wire()
+
     def fill(self) -> TransferStats:
         started = time.monotonic()
         for copy in self.copies:
@@ -311,91 +306,43 @@ class RdmaReceiver:
         self.engine.unregister(self.buffer)
 
 
-class RdmaTransport(Transport):
+class RdmaTransport(PullTransport):
     """Senders publish their registered buffers once per plan and say ready per version; receivers read."""
 
     name = "rdma"
 
     def __init__(self) -> None:
-        self.sender: RdmaSender | None = None
-        self.receiver: RdmaReceiver | None = None
-        self.generation = 0  # of this rank's buffer: a new one per plan
-        self.plan: Plan | None = None  # what the sender's buffer or the receiver's reads were built for
-        self.opened: dict[int, int] = {}  # a receiver's peers -> generation read from
-        self._next: tuple[Plan, int] | None = None
-        self._peers: list[int] = []
+        super().__init__()
         self._engine: _Engine | None = None
-        self._setup: Setup | None = None
 
     def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
         if self._engine is None:
             with timed(phases, "engine"):
                 self._engine = _Engine.get(local_hostname(setup.host, setup.port), default_protocol())
-        self._next = (plan, rank)
-        self._peers = sorted({s.peer for s in plan.schedule(rank) if s.op == "recv"})
+        super().prepare(plan, rank, setup, phases)
 
-    def run(
-        self,
-        shards: LocalShards | Callable[[Plan], LocalShards],
-        link: PeerLink,
-        deadline: float,
-        phases: MutableMapping[str, float],
-        refresh_by_wave: RefreshByWave | None = None,
-    ) -> TransferStats:
-        if self._next is None or self._engine is None:
-            raise RuntimeError("RdmaTransport.run before prepare")
-        if callable(shards):
-            raise ValueError("transport 'rdma' copies into the engine's own views (in place), not receive buffers")
-        plan, rank = self._next
-        if plan.ranks[rank].role.value == "trainer":
-            if self.sender is None or self.plan is not plan:
-                with timed(phases, "executor"):
-                    self._release()
-                    self.sender, self.plan = RdmaSender(plan, rank, shards, self._engine), plan
-                    self.generation += 1
-                    link.publish(self.generation, self.sender.info().to_wire())
-            with timed(phases, "pack"):
-                stats = self.sender.fill()
-            with timed(phases, "ready"):
-                link.ready(self.generation)
-            return stats
-        with timed(phases, "open"):
-            peers = self._peers
-            generations = link.await_ready(peers, deadline)
-            if (
-                self.receiver is None
-                or self.plan is not plan
-                or any(self.opened.get(p) != g for p, g in zip(peers, generations))
-            ):
-                infos = {
-                    peer: BufferInfo.from_wire(link.descriptor(peer, generation, deadline), plan, peer)
-                    for peer, generation in zip(peers, generations)
-                }
-                self._release()
-                self.receiver, self.plan = RdmaReceiver(plan, rank, shards, self._engine, infos), plan
-                self.opened = dict(zip(peers, generations))
-        link.moving()
-        with timed(phases, "transfer"):
-            return self.receiver.run(deadline)
+    def _new_sender(self, plan: Plan, rank: int, shards: LocalShards) -> RdmaSender:
+        return RdmaSender(plan, rank, shards, self._engine)
+
+    def _send(self, link: PeerLink, deadline: float, phases: MutableMapping[str, float]) -> TransferStats:
+        with timed(phases, "pack"):
+            stats = self.sender.fill()
+        with timed(phases, "ready"):
+            link.ready(self.generation)
+        return stats
+
+    def _descriptor(self, wire: Any, plan: Plan, sender: int) -> BufferInfo:
+        return BufferInfo.from_wire(wire, plan, sender)
+
+    def _new_receiver(
+        self, plan: Plan, rank: int, shards: LocalShards, descriptors: Mapping[int, BufferInfo]
+    ) -> RdmaReceiver:
+        return RdmaReceiver(plan, rank, shards, self._engine, descriptors)
+
+    def _receive(self, link: PeerLink, deadline: float) -> TransferStats:
+        return self.receiver.run(deadline)
 
     @property
     def held_bytes(self) -> int:
         side = self.sender or self.receiver
         return side.buffer.numel() if side is not None else 0
-
-    def abort(self) -> None:
-        """A failed version: rebuild the reads next time (a sender may have restarted with a new buffer)."""
-        if self.receiver is not None:
-            self._release()
-        self._next = None
-
-    def close(self) -> None:
-        self._release()
-        self._next = None
-
-    def _release(self) -> None:
-        for side in (self.sender, self.receiver):
-            if side is not None:
-                side.close()
-        self.sender = self.receiver = self.plan = None
-        self.opened = {}

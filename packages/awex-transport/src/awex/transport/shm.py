@@ -32,9 +32,10 @@ from typing import Any
 import torch
 
 from awex.meta import Plan
-from awex.transport.base import PeerLink, RefreshByWave, Setup, TransferStats, TransferTimeout, Transport, timed
+from awex.transport.base import PeerLink, TransferStats, TransferTimeout, timed
 from awex.transport.copies import copier
 from awex.transport.deadline import wait_event
+from awex.transport.pull import PullTransport
 from awex.transport.segments import Segment, sweep_stale
 from awex.transport.shards import LocalShards
 from awex.transport.staged import empty_pairs, extent, fill_pairs, segment_layout
@@ -236,67 +237,31 @@ class ShmReceiver:
         self.segments = {}
 
 
-class ShmTransport(Transport):
+class ShmTransport(PullTransport):
     """Host shared memory: a sender fills its segment (a new one per plan, its name published as a descriptor)
     and says ready; receivers map the segments once per plan and copy out."""
 
     name = "shm"
 
-    def __init__(self) -> None:
-        self.sender: ShmSender | None = None
-        self.receiver: ShmReceiver | None = None
-        self.generation = 0  # of this rank's segment: a new segment per plan
-        self.plan: Plan | None = None  # what the segment or the mappings were built for
-        self.opened: dict[int, int] = {}  # a receiver's peers -> generation mapped
-        self._next: tuple[Plan, int] | None = None
-        self._peers: list[int] = []
+    def _new_sender(self, plan: Plan, rank: int, shards: LocalShards) -> ShmSender:
+        return ShmSender(plan, rank, shards)
 
-    def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
-        self._next = (plan, rank)
-        self._peers = sorted({s.peer for s in plan.schedule(rank) if s.op == "recv"})
-
-    def run(
-        self,
-        shards: LocalShards | Callable[[Plan], LocalShards],
-        link: PeerLink,
-        deadline: float,
-        phases: MutableMapping[str, float],
-        refresh_by_wave: RefreshByWave | None = None,
-    ) -> TransferStats:
-        if self._next is None:
-            raise RuntimeError("ShmTransport.run before prepare")
-        if callable(shards):
-            raise ValueError("transport 'shm' copies into the engine's own views (in place), not receive buffers")
-        plan, rank = self._next
-        if plan.ranks[rank].role.value == "trainer":
-            if self.sender is None or self.plan is not plan:
-                with timed(phases, "executor"):
-                    self._release()
-                    self.sender, self.plan = ShmSender(plan, rank, shards), plan
-                    self.generation += 1
-                    link.publish(self.generation, self.sender.wire())
-            with timed(phases, "ready"):  # receivers follow the progress word while the segment fills
-                link.ready(self.generation)
-            with timed(phases, "transfer"):
-                return self.sender.fill(link.count, deadline)
-        with timed(phases, "open"):
-            peers = self._peers
-            generations = link.await_ready(peers, deadline)
-            if (
-                self.receiver is None
-                or self.plan is not plan
-                or any(self.opened.get(p) != g for p, g in zip(peers, generations))
-            ):
-                infos = {
-                    peer: SegmentInfo.from_wire(link.descriptor(peer, generation, deadline), plan, peer)
-                    for peer, generation in zip(peers, generations)
-                }
-                self._release()
-                self.receiver, self.plan = ShmReceiver(plan, rank, shards, infos), plan
-                self.opened = dict(zip(peers, generations))
-        link.moving()
+    def _send(self, link: PeerLink, deadline: float, phases: MutableMapping[str, float]) -> TransferStats:
+        with timed(phases, "ready"):  # receivers follow the progress word while the segment fills
+            link.ready(self.generation)
         with timed(phases, "transfer"):
-            return self.receiver.run(link.count, deadline, link.check_senders)
+            return self.sender.fill(link.count, deadline)
+
+    def _descriptor(self, wire: Any, plan: Plan, sender: int) -> SegmentInfo:
+        return SegmentInfo.from_wire(wire, plan, sender)
+
+    def _new_receiver(
+        self, plan: Plan, rank: int, shards: LocalShards, descriptors: Mapping[int, SegmentInfo]
+    ) -> ShmReceiver:
+        return ShmReceiver(plan, rank, shards, descriptors)
+
+    def _receive(self, link: PeerLink, deadline: float) -> TransferStats:
+        return self.receiver.run(link.count, deadline, link.check_senders)
 
     def applied(self) -> None:
         """Every receiver mapped this plan's segment: its name can go (the mappings stay)."""
@@ -304,18 +269,9 @@ class ShmTransport(Transport):
             self.sender.segment.unlink()
 
     def abort(self) -> None:
-        if self.sender is not None or self.receiver is not None:
-            self._release()
-            sweep_stale()  # a sender killed before it removed its segment's name
-        self._next = None
-
-    def close(self) -> None:
+        """A failed version: both sides start over with a new segment (a receiver may hold a half-filled one)."""
+        held = self.sender is not None or self.receiver is not None
         self._release()
         self._next = None
-
-    def _release(self) -> None:
-        for side in (self.sender, self.receiver):
-            if side is not None:
-                side.close()
-        self.sender = self.receiver = self.plan = None
-        self.opened = {}
+        if held:
+            sweep_stale()  # a sender killed before it removed its segment's name

@@ -20,24 +20,18 @@ planning and pure rules), :mod:`.transport` (the
 """
 
 from awex.transport.ipc.executor import IpcExecutor
-from awex.transport.ipc.mapping import MappedShards, cuda_malloc_handle, open_export
+from awex.transport.ipc.mapping import MappedShards, open_export
 from awex.transport.ipc.options import IpcOptions
-from awex.transport.ipc.scheduling import COPY_OVER_LINK, interleave_sources, paces_local, ring_slots
 from awex.transport.ipc.transport import IpcTransport
 from awex.transport.ipc.wire import ExportedView, IpcExport, export_shards
 
 __all__ = [
-    "COPY_OVER_LINK",
     "ExportedView",
     "IpcExecutor",
     "IpcExport",
     "IpcOptions",
     "IpcTransport",
     "MappedShards",
-    "cuda_malloc_handle",
     "export_shards",
-    "interleave_sources",
     "open_export",
-    "paces_local",
-    "ring_slots",
 ]

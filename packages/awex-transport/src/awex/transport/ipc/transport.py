@@ -53,10 +53,8 @@ class IpcTransport(Transport):
         phases: MutableMapping[str, float],
         refresh_by_wave: RefreshByWave | None = None,
     ) -> TransferStats:
-        if self.plan is None:
-            raise RuntimeError("IpcTransport.run before prepare")
-        if callable(shards):
-            raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
+        self._prepared(self.plan)
+        shards = self._in_place(shards)
         if self.plan.ranks[self.rank].role.value == "trainer":
             self._ready(shards, link, deadline, phases)
             return TransferStats(bytes_sent=self.bytes_sent or 0)
