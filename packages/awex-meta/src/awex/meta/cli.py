@@ -19,8 +19,23 @@ from typing import Sequence
 from awex.meta.errors import MetaServerError
 
 
+def _versions() -> str:
+    """``awex-meta X`` and the other Awex packages installed beside it."""
+    from awex.meta import __version__
+
+    try:
+        from awex_doctor import installed
+
+        others = {k: v for k, v in installed().items() if k != "awex-meta"}
+    except ImportError:  # awex.meta from a source tree, without its installation check
+        others = {}
+    extra = f" ({', '.join(f'{k} {v}' for k, v in others.items())})" if others else ""
+    return f"awex-meta {__version__}{extra}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="awex-meta", description=__doc__.splitlines()[0].strip("`: "))
+    parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_serve = sub.add_parser("serve", help="run a standalone MetaServer")
