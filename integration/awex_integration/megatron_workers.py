@@ -46,6 +46,26 @@ def check_conversion(rank: int, world: int, port: int, parallel: MegatronParalle
     from awex_integration.megatron_cpu import expert_rank
 
     said = megatron_param_shapes(dims, MegatronNames(tp_rank, pp_rank, parallel, ep_rank=expert_rank()))
+    # the sizes read from the job (parallel_state and the model) are the ones it was built with; others refused
+    from dataclasses import replace
+
+    from awex.engines.megatron import ParallelMismatchError, megatron_parallel
+
+    read = megatron_parallel(model, config)  # the vocabulary padding read back may be another number, same rows
+    assert megatron_layout(canonical_tensors(dims), read) == layout, (read, parallel)
+    assert megatron_parallel(model, config, parallel) == parallel
+    rows = (model[0] if isinstance(model, list) else model).vocab_size
+    for wrong, message in (
+        (replace(parallel, tp=parallel.tp * 2), "the job has"),
+        (replace(parallel, pp=parallel.pp + 1), "the job has"),
+        (replace(parallel, vocab_pad=rows + 1), f"the model was built with {rows}"),
+    ):
+        try:
+            megatron_parallel(model, config, wrong)
+        except ParallelMismatchError as e:
+            assert message in str(e), e
+        else:
+            raise AssertionError(f"{wrong} was accepted for a job built with {parallel}")
     real = [{n: tuple(p.shape) for n, p in m.named_parameters()} for m in chunks]
     assert said == real, f"megatron_param_shapes differs from the real model: said {said}, real {real}"
     hf = load_file(f"{model_dir}/model.safetensors")

@@ -95,3 +95,32 @@ def test_plan_cli_errors_are_clear(tmp_path):
         text=True,
     )
     assert out.returncode == 2 and "not divisible by 3" in out.stderr
+
+
+def test_planning_progress_is_heard_and_changes_nothing():
+    import io
+
+    from awex.meta import canonical_tensors, load_config, plan_transfers
+    from awex.meta.cli import PlanProgress
+    from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
+
+    tensors = canonical_tensors(load_config(MODELS / "qwen3-8b.json"))
+    sources = [megatron_layout(tensors, MegatronParallel(tp=2, pp=2, dp=2))]
+    destinations = [vllm_layout(tensors, VllmParallel(tp=2), instance=f"vllm-{i}") for i in range(2)]
+    heard = []
+    plan = plan_transfers(sources, destinations, progress=lambda *a: heard.append(a))
+    assert plan.digest == plan_transfers(sources, destinations).digest
+    n = len(tensors)
+    assert heard[0] == ("tensors", 0, n) and ("tensors", n, n) in heard
+    assert [s for s, _, _ in heard[-2:]] == ["sources", "waves"]
+    assert all(0 <= done <= total for _, done, total in heard)
+
+    out = io.StringIO()
+    plan_transfers(sources, destinations, progress=PlanProgress("8 layouts", quiet_seconds=0, every=0, out=out))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "awex-meta plan: planning 8 layouts"
+    assert any(line.startswith(f"awex-meta plan: tensors {n:,}/{n:,} after") for line in lines), lines
+    assert lines[-1].startswith("awex-meta plan: waves done after"), lines
+    quiet = io.StringIO()  # plans that take less than a second say nothing
+    plan_transfers(sources, destinations, progress=PlanProgress("x", quiet_seconds=60, out=quiet))
+    assert quiet.getvalue() == ""

@@ -306,3 +306,26 @@ def test_the_route_table_in_the_docs_lists_every_route():
 
     documented = {(m, shape(p)) for m, p in re.findall(r"``(GET|PUT|POST|DELETE) (/v1/[^` \[?]+)", app.__doc__)}
     assert documented == {(m, shape(p)) for m, p, _ in app.ROUTES}
+
+
+def test_a_reported_version_carries_its_bytes_and_seconds_into_the_status():
+    with EmbeddedMetaServer() as s:
+        c = MetaClient(s.address, job="j", timeout=5)
+        c.register("vllm-0", role="inference", instance="vllm-0")
+        c.report_version("vllm-0", "v1", nbytes=1234, seconds=0.5)
+        c.register("vllm-0", role="inference", instance="vllm-0")  # registering again keeps it
+        (p,) = c.status()["jobs"]["j"]["participants"]
+        assert p["weight_version"] == "v1"
+        assert p["last_sync"]["version"] == "v1" and p["last_sync"]["bytes"] == 1234
+        assert p["last_sync"]["seconds"] == 0.5 and p["last_sync"]["at"] > 0
+        c.report_version("vllm-0", None)  # a failed version: no bytes claimed
+        (p,) = c.status()["jobs"]["j"]["participants"]
+        assert p["last_sync"] == {"version": None, "at": p["last_sync"]["at"]}
+        path = "/v1/jobs/j/participants/vllm-0/version"
+        for bad in (
+            {"version": "v2", "bytes": "12"},
+            {"version": "v2", "seconds": "1"},
+            {"version": "v2", "bytes": True},
+        ):
+            status, doc, _ = _raw(s.address, "POST", path, bad)
+            assert status == 400 and "wrong type" in doc["message"], (bad, doc)

@@ -1,10 +1,12 @@
 """Megatron-core trainer source: a :class:`~awex.engines.writer.WeightsWriter` for one rank of a GPTModel job.
 
-    writer = megatron_writer(client, model, config, MegatronParallel(tp=2, pp=2, dp=2))
+    writer = megatron_writer(client, model, config)     # sizes read from parallel_state and the model
     writer.write("step-3", destinations=["vllm-0"])      # on every Megatron rank
 
-Every rank sends only what it holds; data-parallel replicas share the load through the planner. The rank's
-coordinates come from Megatron's ``parallel_state``; its sync identity is ``(instance, global rank)``.
+Every rank sends only what it holds; data-parallel replicas share the load through the planner. The job's sizes
+(TP, PP, VPP, CP, EP, expert TP, DP), its uneven pipeline stages and its padded vocabulary are read from Megatron's
+``parallel_state`` and the model (:func:`megatron_parallel`); sizes given by hand are checked against them. The
+rank's coordinates come from ``parallel_state``; its sync identity is ``(instance, global rank)``.
 """
 
 from __future__ import annotations
@@ -19,17 +21,73 @@ from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel
 
 
+class ParallelMismatchError(ValueError):
+    """Sizes given by hand differ from the running Megatron job's."""
+
+
+def megatron_parallel(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    config: Mapping[str, Any],
+    given: MegatronParallel | None = None,
+) -> MegatronParallel:
+    """This Megatron job's :class:`MegatronParallel`, read from ``parallel_state`` (initialised) and the model
+    (its chunks under VPP): sizes, uneven first/last pipeline stages, the vocabulary padding. ``given`` (sizes
+    typed by hand) must agree: :class:`ParallelMismatchError` names every field that differs."""
+    from megatron.core import parallel_state as ps
+
+    from awex.meta.layouts.common import pad_to
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    module = getattr(chunks[0], "module", chunks[0])  # a DDP / Float16Module wrapper holds the GPTModel
+    tconfig = module.config
+    tp = ps.get_tensor_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or len(chunks)
+    job = {
+        "tp": tp,
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "vpp": vpp,
+        "first": getattr(tconfig, "num_layers_in_first_pipeline_stage", None) or 0,
+        "last": getattr(tconfig, "num_layers_in_last_pipeline_stage", None) or 0,
+    }
+    if getattr(tconfig, "num_moe_experts", None):  # expert sizes only mean something where experts exist
+        job.update(ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size())
+    else:
+        job.update(ep=given.ep if given else 1, etp=given.etp if given else 1)
+    vocab, padded = int(config["vocab_size"]), int(module.vocab_size)  # GPTModel.vocab_size: padded, as built
+    candidates = [given.vocab_pad] if given is not None else [128, padded // tp]
+    pad = next((c for c in candidates if pad_to(vocab, c * tp) == padded), None)
+    if pad is None:
+        got = pad_to(vocab, candidates[0] * tp)
+        raise ParallelMismatchError(
+            f"megatron: vocab_pad={candidates[0]} pads the vocabulary of {vocab} to {got} rows with tp={tp}; the "
+            f"model was built with {padded} (its --make-vocab-size-divisible-by)"
+        )
+    found = MegatronParallel(**job, vocab_pad=pad)
+    if given is not None:
+        wrong = [f"{k}={getattr(given, k)} (the job has {v})" for k, v in job.items() if getattr(given, k) != v]
+        if wrong:
+            raise ParallelMismatchError(
+                "megatron: the sizes given do not match this job's parallel_state and model: "
+                + ", ".join(wrong)
+                + "; leave them out to use the job's"
+            )
+    return found
+
+
 def megatron_writer(
     client: MetaClient,
     model: torch.nn.Module | Sequence[torch.nn.Module],
     config: Mapping[str, Any],
-    parallel: MegatronParallel,
+    parallel: MegatronParallel | None = None,
     *,
     instance: str = "trainer",
     dtype: str | None = None,
     **writer_options: Any,
 ) -> WeightsWriter:
     """A writer for this Megatron rank (``torch.distributed`` and ``parallel_state`` must be initialised):
-    ``WeightsWriter.from_source(client, TrainerSource.megatron(...))``."""
+    ``WeightsWriter.from_source(client, TrainerSource.megatron(...))``. ``parallel``: optional, checked against
+    the job (:func:`megatron_parallel`)."""
     source = TrainerSource.megatron(model, config, parallel, instance=instance, dtype=dtype)
     return WeightsWriter.from_source(client, source, **writer_options)

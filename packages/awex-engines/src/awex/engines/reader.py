@@ -137,14 +137,8 @@ class WeightsReader:
         self._session.finish(manifest, ok=True)
         self.version = version
         self._session.phases["total"] = time.monotonic() - started
-        log.info(
-            "%s:%d received %s: %d bytes in %.3f s",
-            self.layout.instance,
-            self.local_rank,
-            version,
-            stats.bytes_received,
-            stats.seconds,
-        )
+        stats.phases, stats.planned = dict(self._session.phases), self._session.planned
+        log.info("%s", self._session.describe_sync("received", version, stats.bytes_received, stats.seconds))
         return stats
 
     def _failed(self, version: str, manifest, error: BaseException, in_place: bool, applying: bool) -> None:

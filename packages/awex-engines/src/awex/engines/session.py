@@ -38,6 +38,11 @@ log = logging.getLogger("awex.engines")
 class Phases(dict):
     """Seconds spent in each named phase of one sync (``phases("plan")`` as a context manager adds to it)."""
 
+    def summary(self) -> str:
+        """``plan 0.012 s, agreement 0.101 s, ...`` (phases in the order they ran; ``total`` last)."""
+        items = [(k, v) for k, v in self.items() if k != "total"] + [(k, v) for k, v in self.items() if k == "total"]
+        return ", ".join(f"{k} {v:.3f} s" for k, v in items)
+
     @contextmanager
     def __call__(self, name: str):
         started = time.perf_counter()
@@ -60,6 +65,7 @@ class SyncSession:
     local_rank: int
     _key: tuple | None = None
     _plan: Plan | None = None
+    planned: bool = False  # the last sync planned anew (first sync, or after a change)
     device: object = None  # torch.device of this rank's views: cuda -> NCCL, cpu -> gloo
     _layouts: dict[str, Layout] = field(default_factory=dict)
     _transports: dict[str, Transport] = field(default_factory=dict)  # made once per name, kept while open
@@ -352,7 +358,7 @@ class SyncSession:
             raise RuntimeError(f"{self.instance}:{self.local_rank}: this reader or writer is closed")
         self.phases = phase = Phases()
         self.touched = False
-        plan, rank, _ = self.prepare(manifest, timeout, ipc_ok=not callable(shards))
+        plan, rank, self.planned = self.prepare(manifest, timeout, ipc_ok=not callable(shards))
         transport = self._transports[self.transport]
         if not transport.refreshes_by_wave:
             refresh_by_wave = None
@@ -379,6 +385,19 @@ class SyncSession:
     def await_outcomes(self, manifest: SyncManifest, deadline: float) -> dict[tuple[str, int], dict | None]:
         """A trainer rank: every receiving rank's outcome: :func:`awex.engines.outcomes.collect`."""
         return outcomes.collect(self, manifest, deadline)
+
+    def describe_sync(self, verb: str, version: str, nbytes: int, seconds: float) -> str:
+        """One log line for a sync this rank finished; a sync that planned anew also lists its phases and the
+        plan's size (where the first sync's time goes: planning, agreement, group set-up, export/open, transfer)."""
+        line = f"{self.instance}:{self.local_rank} {verb} {version}: {nbytes:,} bytes in {seconds:.3f} s"
+        if not self.planned or self._plan is None:
+            return line
+        plan, me = self._plan, self._plan.rank(self.instance, self.local_rank).rank
+        buckets = len(plan.schedule(me))
+        return (
+            f"{line} (new plan: {plan.world_size} ranks, {len(plan.tensors)} tensors, {buckets} buckets for this "
+            f"rank, over {self.transport}; {self.phases.summary()})"
+        )
 
     def reset(self) -> None:
         """After a failed sync: forget the plan, the sync group and the executors, so the next manifest (a fresh

@@ -2,7 +2,7 @@
 of its own parameters by canonical box, and (optionally) what to refresh before each write. Built the same way
 for Megatron-core, FSDP2 and HF models; :meth:`awex.engines.writer.WeightsWriter.from_source` makes the writer.
 
-    source = TrainerSource.megatron(model, config, MegatronParallel(tp=2, pp=2))   # or .fsdp(model), .hf(model)
+    source = TrainerSource.megatron(model, config)   # sizes from parallel_state; or .fsdp(model), .hf(model)
     writer = WeightsWriter.from_source(client, source, transport="auto")
 """
 
@@ -48,17 +48,21 @@ class TrainerSource:
         cls,
         model: torch.nn.Module | Sequence[torch.nn.Module],
         config: Mapping[str, Any],
-        parallel: MegatronParallel,
+        parallel: MegatronParallel | None = None,
         instance: str = "trainer",
         dtype: str | None = None,
     ) -> TrainerSource:
         """This rank of a Megatron-core ``GPTModel`` job (``torch.distributed`` and ``parallel_state`` initialised;
-        ``model``: its chunks under virtual pipeline parallelism). Its sync identity is its global rank."""
+        ``model``: its chunks under virtual pipeline parallelism). Its sizes are read from the job; ``parallel``,
+        if given, must agree (:func:`awex.engines.megatron.megatron_parallel`). Its sync identity is its global
+        rank."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
         from awex.convert import MegatronNames, megatron_views
+        from awex.engines.megatron import megatron_parallel
 
+        parallel = megatron_parallel(model, config, parallel)
         dims = model_dims(config, dtype)
         layout = megatron_layout(canonical_tensors(dims), parallel, instance=instance)
         where = MegatronNames(

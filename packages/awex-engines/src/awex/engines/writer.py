@@ -208,17 +208,13 @@ class WeightsWriter:
         self._applied.add(version)
         self._session.applied()
         self._session.phases.update(manifest=announced - started, total=time.monotonic() - started)
+        stats.phases, stats.planned = dict(self._session.phases), self._session.planned
         self.last_stats = stats
-        log.info(
-            "%s:%d sent %s: %d bytes in %.3f s",
-            self.layout.instance,
-            self.local_rank,
-            version,
-            stats.bytes_sent,
-            stats.seconds,
-        )
+        log.info("%s", self._session.describe_sync("sent", version, stats.bytes_sent, stats.seconds))
         if self.local_rank == 0:
-            later.append((f"reporting {version} applied", partial(self._report, version, instance_verdicts(outcomes))))
+            verdicts, total = instance_verdicts(outcomes), self._session.phases["total"]
+            plan = self._session._plan
+            later.append((f"reporting {version} applied", partial(self._report, version, verdicts, plan, total)))
             later.append(
                 (
                     f"dropping the records of versions before {version}",
@@ -277,22 +273,28 @@ class WeightsWriter:
         except MetaServerError as e:
             log.warning("could not drop the MetaServer records of the failed version %s: %s", version, e)
 
-    def _report(self, version: str, verdicts: dict[str, str]) -> None:
-        """Tell the MetaServer which version each destination instance serves now."""
+    def _report(self, version: str, verdicts: dict[str, str], plan=None, seconds: float | None = None) -> None:
+        """Tell the MetaServer which version each destination instance serves now, with the bytes its ranks
+        received and the sync's time (as this rank saw it)."""
         for instance, verdict in sorted(verdicts.items()):
             if verdict == "unchanged":
                 continue
             serves = version if verdict == "applied" else None
+            nbytes = None
+            if plan is not None and serves is not None:
+                ranks = [r.rank for r in plan.ranks if r.instance == instance]
+                nbytes = sum(s.bucket.nbytes for r in ranks for s in plan.schedule(r) if s.op == "recv")
+            moved = {"nbytes": nbytes, "seconds": seconds} if nbytes is not None else {}
             try:
                 try:
-                    self.client.report_version(instance, serves)
+                    self.client.report_version(instance, serves, **moved)
                 except MetaNotRegisteredError:
                     layout = self._session._layouts.get(instance)
                     if layout is None:
                         raise
                     # a MetaServer restarted while the instance had nothing to tell it: register it on its behalf
                     self.client.register(instance, role="inference", instance=instance, world_size=layout.world_size)
-                    self.client.report_version(instance, serves)
+                    self.client.report_version(instance, serves, **moved)
             except MetaServerError as e:  # reporting must not mask the sync's own outcome
                 log.warning("could not report version %s of %s to the MetaServer: %s", version, instance, e)
 

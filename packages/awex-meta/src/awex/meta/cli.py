@@ -171,12 +171,17 @@ def _status(args: argparse.Namespace) -> int:
     for name, job in doc["jobs"].items():
         print(f"\njob {name}: {len(job['participants'])} participant(s), {job['keys']} key(s)")
         if job["participants"]:
-            print(f"  {'name':<24} {'role':<10} {'instance':<16} {'ranks':>5}  {'weight version':<16} last seen")
+            head = f"{'name':<24} {'role':<10} {'instance':<16} {'ranks':>5}  {'weight version':<16} {'last sync':<24}"
+            print(f"  {head} last seen")
             for p in job["participants"]:
                 seen = f"{now - p['last_seen']:.0f} s ago"
+                last = p.get("last_sync") or {}
+                synced = "-"
+                if "bytes" in last and "seconds" in last:
+                    synced = f"{last['bytes'] / 1e6:,.1f} MB in {last['seconds']:.3f} s"
                 print(
                     f"  {p['name']:<24} {p['role']:<10} {p['instance']:<16} {p['world_size']:>5}  "
-                    f"{str(p['weight_version'] or '-'):<16} {seen}"
+                    f"{str(p['weight_version'] or '-'):<16} {synced:<24} {seen}"
                 )
         if job["recent_events"]:
             print("  recent events:")
@@ -185,6 +190,28 @@ def _status(args: argparse.Namespace) -> int:
                 version = f" version={e['version']}" if e.get("version") else ""
                 print(f"    #{e['seq']:<5} {stamp} {e['kind']:<12} from {e['source']}{version}")
     return 0
+
+
+class PlanProgress:
+    """Progress of a long plan on standard error: silent for the first second, then at most a line a second
+    (``awex-meta plan: tensors 512/1,024 after 2.1 s``), and the end of each stage."""
+
+    def __init__(self, what: str, quiet_seconds: float = 1.0, every: float = 1.0, out=None):
+        self.what, self.quiet, self.every = what, quiet_seconds, every
+        self.out = out or sys.stderr
+        self.started = time.perf_counter()
+        self.last = 0.0
+        self.spoke = False
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        now = time.perf_counter() - self.started
+        if now < self.quiet or (done < total and now - self.last < self.every):
+            return
+        if not self.spoke:
+            print(f"awex-meta plan: planning {self.what}", file=self.out, flush=True)
+        self.spoke, self.last = True, now
+        count = f" {done:,}/{total:,}" if total > 1 else (" done" if done else "")
+        print(f"awex-meta plan: {stage}{count} after {now:.1f} s", file=self.out, flush=True)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -209,7 +236,8 @@ def _plan(args: argparse.Namespace) -> int:
     options = PlanOptions(
         wave_bytes=int(args.wave_mb * (1 << 20)), split_bytes=int(args.split_mb * (1 << 20)), relay=not args.no_relay
     )
-    plan = plan_transfers(sources, destinations, options)
+    progress = PlanProgress(f"{len(sources) + len(destinations)} layouts, {len(tensors):,} tensors")
+    plan = plan_transfers(sources, destinations, options, progress=progress)
     summary = plan.summary()
     summary["model"] = dims.architecture
     summary["model_bytes"] = sum(t.spec.nbytes for t in tensors)
@@ -217,7 +245,9 @@ def _plan(args: argparse.Namespace) -> int:
         summary["coverage_ok"] = None
     else:
         started = time.perf_counter()
+        progress("verifying", 0, 1)
         report = verify_plan(plan, sources, destinations)
+        progress("verifying", 1, 1)
         summary["coverage_ok"] = report.ok
         summary["verify_seconds"] = round(time.perf_counter() - started, 3)
         if not report.ok:

@@ -285,14 +285,19 @@ class MetaClient:
             body["host"] = host
         self._request("POST", self._job_path("participants"), body, deadline=self._by(), own=f"participant:{name}")
 
-    def report_version(self, name: str, version: str | None) -> None:
-        """Record the weight version participant ``name`` now serves (``None``: no complete version). Raises
+    def report_version(
+        self, name: str, version: str | None, nbytes: int | None = None, seconds: float | None = None
+    ) -> None:
+        """Record the weight version participant ``name`` now serves (``None``: no complete version), and what
+        its sync moved into it (``nbytes``) in how long (``seconds``), shown by ``/v1/status``. Raises
         :class:`MetaServerError` when ``name`` is not registered (after a server restart, this client
         registers its participants again and reports once more)."""
         path = self._job_path("participants", name, "version")
         for _ in range(2):
             restarts = self.restarts
-            status, doc = self._request("POST", path, {"version": version}, deadline=self._by())
+            body = {"version": version, "bytes": nbytes, "seconds": seconds}
+            body = {k: v for k, v in body.items() if v is not None or k == "version"}
+            status, doc = self._request("POST", path, body, deadline=self._by())
             if status != 404:
                 return
             if self.restarts == restarts:

@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from awex.meta import Plan
@@ -43,6 +43,11 @@ class TransferStats:
     waves: int = 0
     staging_bytes: int = 0
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of the whole sync (filled by the writer and reader: ``layouts``, ``devices``, ``plan``,
+    ``agreement``, ``group``, ``export``/``open``, ``transfer``, ``done``, ``total``, ...)."""
+    planned: bool = False
+    """This sync planned (and agreed, and set up its transport) anew: the first sync, or one after a change."""
 
 
 class PeerLink(Protocol):

@@ -45,7 +45,7 @@ from aiohttp import web
 
 from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
 from awex.meta.server.config import ServerConfig
-from awex.meta.server.errors import BadRequest, TooLarge, error, json_depth
+from awex.meta.server.errors import BadRequest, TooLarge, error, fields, json_depth
 from awex.meta.server.state import Agreement, JobState, Participant, Topics
 
 log = logging.getLogger("awex.meta.server")
@@ -143,22 +143,6 @@ class MetaServerApp:
             raise TooLarge(f"{what} is {size} bytes (limit {self.config.max_small_bytes})")
         return size
 
-    @staticmethod
-    def fields(doc: Any, spec: dict[str, type | tuple[type, ...]], optional: tuple[str, ...] = ()) -> dict[str, Any]:
-        if not isinstance(doc, dict):
-            raise BadRequest("body must be a JSON object")
-        out = {}
-        for name, typ in spec.items():
-            if name not in doc:
-                if name in optional:
-                    continue
-                raise BadRequest(f"missing field {name!r}")
-            value = doc[name]
-            if isinstance(value, bool) and typ is int or not isinstance(value, typ):
-                raise BadRequest(f"field {name!r} has the wrong type")
-            out[name] = value
-        return out
-
     # -- middleware ----------------------------------------------------------------------------------------
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -255,7 +239,7 @@ class MetaServerApp:
     async def forget(self, request: web.Request) -> web.Response:
         """Drop keys and agreements by exact name or prefix (a finished weight version's records)."""
         _, doc = await self.body_json(request)
-        f = self.fields(doc, {"names": list, "prefixes": list}, optional=("names", "prefixes"))
+        f = fields(doc, {"names": list, "prefixes": list}, optional=("names", "prefixes"))
         given = [*f.get("names", []), *f.get("prefixes", [])]
         if not all(isinstance(x, str) and x for x in given):
             raise BadRequest("names and prefixes must be non-empty strings")
@@ -283,7 +267,7 @@ class MetaServerApp:
 
     async def register(self, request: web.Request) -> web.Response:
         _, doc = await self.body_json(request)
-        f = self.fields(
+        f = fields(
             doc,
             {"name": str, "role": str, "instance": str, "world_size": int, "host": str, "info": dict},
             optional=("world_size", "host", "info"),
@@ -312,6 +296,7 @@ class MetaServerApp:
             registered_at=old.registered_at if old else now,
             last_seen=now,
             weight_version=old.weight_version if old else None,
+            last_sync=old.last_sync if old else None,
             info=f.get("info", {}),
         )
         job.participant_bytes += size - (len(json.dumps(old.info)) if old else 0)
@@ -321,7 +306,7 @@ class MetaServerApp:
     async def report_version(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         _, doc = await self.body_json(request)
-        f = self.fields(doc, {"version": (str, type(None))})
+        f = fields(doc, {"version": (str, type(None)), "bytes": int, "seconds": (int, float)}, ("bytes", "seconds"))
         if f["version"] is not None and len(f["version"]) > 512:
             raise BadRequest("version names are at most 512 characters")
         job = self.job_of(request, create=False)
@@ -330,14 +315,14 @@ class MetaServerApp:
             return error(
                 404, "not_found", f"participant {name!r} is not registered in job {request.match_info['job']!r}"
             )
-        p.weight_version = f["version"]
-        p.last_seen = time.time()
+        p.weight_version, p.last_seen = f["version"], time.time()
+        p.last_sync = {"version": f["version"], "at": p.last_seen, **{k: f[k] for k in ("bytes", "seconds") if k in f}}
         event = job.add_event("version", name, f["version"], None)
         return web.json_response({"ok": True, "seq": event["seq"]})
 
     async def publish_event(self, request: web.Request) -> web.Response:
         _, doc = await self.body_json(request)
-        f = self.fields(
+        f = fields(
             doc,
             {"kind": str, "source": str, "version": (str, type(None)), "data": object},
             optional=("version", "data"),
@@ -374,7 +359,7 @@ class MetaServerApp:
     async def agree(self, request: web.Request) -> web.Response:
         name = self.key_of(request)
         _, doc = await self.body_json(request)
-        f = self.fields(doc, {"participant": str, "expected": int, "value": object})
+        f = fields(doc, {"participant": str, "expected": int, "value": object})
         if not 1 <= f["expected"] <= self.config.max_agreement_size:
             raise BadRequest(f"expected must be 1 to {self.config.max_agreement_size}")
         if len(f["participant"]) > 256:

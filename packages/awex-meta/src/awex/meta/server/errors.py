@@ -36,3 +36,21 @@ def json_depth(doc: Any) -> int:
         deepest = max(deepest, depth)
         stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def fields(doc: Any, spec: dict[str, type | tuple[type, ...]], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields of a request body ``doc`` named in ``spec``, each of its type (``bool`` is not an ``int``);
+    :class:`BadRequest` for anything else; fields in ``optional`` may be missing."""
+    if not isinstance(doc, dict):
+        raise BadRequest("body must be a JSON object")
+    out = {}
+    for name, typ in spec.items():
+        if name not in doc:
+            if name in optional:
+                continue
+            raise BadRequest(f"missing field {name!r}")
+        value = doc[name]
+        if isinstance(value, bool) and typ is int or not isinstance(value, typ):
+            raise BadRequest(f"field {name!r} has the wrong type")
+        out[name] = value
+    return out

@@ -25,6 +25,7 @@ class Participant:
     last_seen: float
     weight_version: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    last_sync: dict[str, Any] | None = None  # the last version reported: version, at (time), bytes, seconds
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -34,6 +35,7 @@ class Participant:
             "world_size": self.world_size,
             "host": self.host,
             "weight_version": self.weight_version,
+            "last_sync": self.last_sync,
             "registered_at": self.registered_at,
             "last_seen": self.last_seen,
             "info": self.info,
