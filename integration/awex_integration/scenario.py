@@ -139,7 +139,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--fail-rank", type=int, default=None, help="fault check: this trainer rank dies ...")
     p.add_argument("--fail-step", type=int, default=None, help="... at the start of this step's sync")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--log-level",
+        choices=["warning", "info", "debug"],
+        default="warning",
+        help="info: every rank logs each sync, and the phases of each new plan (planning, agreement, set-up, transfer)",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=["spawn", "ray"],
+        default="spawn",
+        help="ray: trainer ranks as Ray tasks and engines as Ray actors, placed by placement groups on a local "
+        "Ray cluster (with --hosts 2: a head node and a worker node in two network namespaces)",
+    )
+    args = p.parse_args(argv)
+    if args.launcher == "ray" and (args.control == "vllm-http" or args.check_in_place or args.inference == "layout"):
+        p.error("--launcher ray: vLLM (offline) or HF receivers, without --control vllm-http or --check-in-place")
+    return args
 
 
 class VllmInstance:
@@ -156,6 +172,7 @@ class VllmInstance:
         ep: bool = False,
         receive: str = "in_place",
         plain_weights: bool = True,
+        executor: str | None = None,
     ):
         from vllm import LLM, SamplingParams
         from vllm.config import WeightTransferConfig
@@ -177,6 +194,7 @@ class VllmInstance:
             kv_cache_memory_bytes=128 << 20,
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config=WeightTransferConfig(backend="awex"),
+            distributed_executor_backend=executor,
         )
         self.params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         self.llm.init_weight_transfer_engine({"init_info": {**meta, "instance": name, "receive": receive}})
@@ -411,9 +429,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
     config = load_json(args.model_config)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="awex-scenario-"))
     model_dir = make_tiny_model(work / "model", config, dtype=args.dtype)
@@ -439,8 +454,24 @@ def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
         enter(hosts.a)
         host = hosts.address_a
     server = start_embedded(token=token, host=host)
-    if hosts is not None:
+    cluster = None
+    if args.launcher == "ray":  # the driver joins Ray from the trainers' side, as it started the MetaServer there
+        from awex_integration.ray_launch import RayCluster
+
+        cluster = RayCluster.two_nodes(hosts) if hosts is not None else RayCluster.local()
+    elif hosts is not None:
         enter(hosts.b)
+    try:
+        return _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_dir, config, quant)
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_dir, config, quant) -> dict[str, Any]:
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
     meta = {"meta_address": server.address, "job": "scenario", "token": token, "timeout": args.timeout}
     client = MetaClient(server.address, job="scenario", token=token, timeout=args.timeout)
     names = [f"{args.inference}-{i}" for i in range(args.instances)]
@@ -455,6 +486,28 @@ def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
                     name, infer_dir, args.infer_tp, args.dtype, cpus, plain_weights=args.vllm_weights == "plain"
                 )
             )
+        elif cluster is not None:
+            from awex_integration.ray_launch import RemoteInstance
+
+            if args.inference == "vllm":  # vLLM's own TP workers by multiprocessing inside the engine's actor
+                instances.append(
+                    RemoteInstance(
+                        cluster,
+                        VllmInstance,
+                        name,
+                        infer_dir,
+                        args.infer_tp,
+                        args.dtype,
+                        meta,
+                        cpus,
+                        ep=args.infer_ep,
+                        receive=args.receive,
+                        plain_weights=args.vllm_weights == "plain",
+                        executor="mp",
+                    )
+                )
+            else:
+                instances.append(RemoteInstance(cluster, HfInstance, name, infer_dir, args.dtype, meta))
         elif args.inference == "vllm":
             instances.append(
                 VllmInstance(
@@ -488,6 +541,7 @@ def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
         "receive": args.receive,
         "transport": {"gloo": "p2p"}.get(args.transport, args.transport),
         "host": host,  # where the trainers' sync group and version channel listen
+        "log_level": args.log_level,
         "endpoints": {inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)},
     }
     wave_bytes = int(args.wave_mb * (1 << 20)) if args.wave_mb else None
@@ -498,15 +552,22 @@ def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
     def trainer_job(r: int) -> tuple:
         job = (args.trainer, r, world, port, parallel, config, str(model_dir), trainer_meta, names, args.steps)
         job = (*job, args.timeout, args.fp8, wave_bytes)
-        if hosts is not None:  # the trainers run on the first "host"
+        if hosts is not None and cluster is None:  # the trainers run on the first "host"
             from awex_integration.netns import in_namespace
 
             return (r, in_namespace, (hosts.a, trainer_rank, *job))
         return (r, trainer_rank, job)
 
+    if cluster is not None:
+        from awex_integration.ray_launch import run_tasks
+
+        def launch(jobs, timeout):
+            return run_tasks(cluster, jobs, timeout)
+    else:
+        launch = run_processes
     trainer_thread = threading.Thread(
         target=lambda: trainer_out.update(
-            run_processes([trainer_job(r) for r in range(world)], timeout=args.timeout * (args.steps + 2))
+            launch([trainer_job(r) for r in range(world)], timeout=args.timeout * (args.steps + 2))
         )
     )
     trainer_thread.start()
@@ -628,6 +689,11 @@ def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
     trainer_thread.join(args.timeout + 30)
     bad = {k: v for k, v in trainer_out.items() if v[0] != "ok"}
     used = sorted({s.get("transport") for v in trainer_out.values() if v[0] == "ok" for s in v[1]["steps"]} - {None})
+    if cluster is not None:  # where Ray placed each rank: node and network namespace
+        results["placement"] = {
+            "trainers": [v[1].get("ray") for _, v in sorted(trainer_out.items()) if v[0] == "ok"],
+            "engines": [inst.where for inst in instances],
+        }
     results["transport"] = {"p2p": "gloo"}.get(used[0], used[0]) if len(used) == 1 else used
     if bad:
         results["ok"] = False
@@ -757,8 +823,9 @@ def fresh_vllm_greedy(model_dir: Path, weights_dir: Path, dtype: str) -> list[li
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("awex").setLevel(args.log_level.upper())
     results = run(args)
     print(json.dumps(results, sort_keys=True), flush=True)
     return 0 if results["ok"] else 1

@@ -62,9 +62,14 @@ def trainer_body(
     ``fp8``: the receivers hold FP8 block-quantised weights; this rank quantises its own on the fly.
     ``wave_bytes``: the writer's wave size (default: the writer's).
     """
+    import logging
+
     from safetensors.torch import load_file
 
     from awex.engines.source import TrainerSource
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("awex").setLevel(meta.get("log_level", "warning").upper())
     from awex.engines.writer import WeightsWriter
 
     client = MetaClient(meta["address"], job=meta["job"], token=meta["token"], timeout=timeout)

@@ -132,7 +132,7 @@ CASES = [
 
 def run_scenario(args: list[str], timeout: float = 600) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    if "vllm" in args and "vllm-http" not in args:
+    if "vllm" in args and "vllm-http" not in args and "--launcher" not in args:
         args = [*args, "--check-in-place"]
     out = subprocess.run(
         [sys.executable, "-m", "awex_integration.scenario", "--steps", "2", "--timeout", "120", *args],
@@ -197,3 +197,27 @@ def check_receive_paths(result: dict, args: list[str]) -> None:
         assert all(not p["empty"] for p in probes), probes  # the harness patch took effect in every worker
         if "moe" not in " ".join(args):
             assert result["loader_bytes"] == 0 and all(not p["loaded"] for p in probes), result
+
+
+def test_each_rank_logs_the_phases_of_its_first_sync_as_the_demo_shows_them():
+    """With ``--log-level info`` (the demo's setting) every rank logs each sync, and the first sync of a plan with
+    its phases: where the first sync's time goes (planning, agreement, group set-up, transfer)."""
+    demo = (HERE.parent / "demo.py").read_text()
+    assert '"--log-level",\n        "info",' in demo
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    args = ["--trainer", "megatron", "--train-tp", "2", "--inference", "hf", "--steps", "2", "--log-level", "info"]
+    out = subprocess.run(
+        [sys.executable, "-m", "awex_integration.scenario", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    first = [line for line in lines if "step-1:" in line and "new plan:" in line]
+    assert {line.split(" INFO ")[1].split()[0] for line in first} == {"trainer:0", "trainer:1", "hf-0:0"}, first
+    for line in first:
+        assert all(f"{phase} " in line for phase in ("plan", "agreement", "group", "transfer", "total")), line
+    later = [line for line in lines if "step-2:" in line and " INFO " in line]
+    assert len(later) == 3 and not any("new plan" in line for line in later), later

@@ -4,10 +4,10 @@ that were run (CHANGELOG.md's "What is tested")."""
 from __future__ import annotations
 
 import importlib
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["meta", "convert", "transport", "engines"]
