@@ -10,6 +10,7 @@ from awex.meta.layouts import MegatronParallel, megatron_layout
 from awex.meta.models import model_dims
 from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
+from awex_integration.tiny_model import dtype_kwarg
 
 
 def megatron_rank(rank: int, world: int, port: int, parallel: MegatronParallel, config: dict):
@@ -99,7 +100,7 @@ def check_conversion(rank: int, world: int, port: int, parallel: MegatronParalle
     if parallel.pp == 1 and not dims.num_experts:  # MoE routing numerics differ between the two stacks
         from transformers import AutoModelForCausalLM
 
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(torch.float32)).eval()
         ids = torch.tensor([[1, 5, 9, 42, 7, 3, 99, 12]])
         with torch.no_grad():
             want = ref(ids).logits[0]

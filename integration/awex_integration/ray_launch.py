@@ -201,3 +201,66 @@ class RemoteInstance:
         finally:
             ray.kill(self._actor)
             ray.util.remove_placement_group(self._pg)
+
+
+class RayLlmInstance:
+    """vLLM's own ``LLM`` as a Ray actor with the ``awex`` weight-transfer backend (one bundle on the engines'
+    side), as Ray RL stacks hold their rollout engines: the trainer ranks drive its weight updates themselves
+    through vLLM's ``RayVLLMWeightSyncClient`` over :attr:`handle` (scenario ``--control vllm-ray``)."""
+
+    def __init__(self, cluster: RayCluster, name: str, model_dir, tp: int, dtype: str, cpu: str, plain_weights=True):
+        import ray
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        from awex_integration import vllm_cpu_plain_weights
+        from awex_integration.vllm_worker_probe import WORKER_EXTENSION
+
+        self.name = name
+        self._pg = cluster.group([cluster.bundle(ENGINE_SIDE)])
+        env = {"VLLM_CPU_OMP_THREADS_BIND": cpu, vllm_cpu_plain_weights.ENV: "1" if plain_weights else "0"}
+        integration = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [integration, os.environ.get("PYTHONPATH")]))
+        options = {**_placed(self._pg, 0), "runtime_env": {"env_vars": env}}
+        self.handle = (
+            ray.remote(max_restarts=0)(LLM)
+            .options(**options)
+            .remote(
+                model=str(model_dir),
+                tensor_parallel_size=tp,
+                dtype=dtype,
+                enforce_eager=True,
+                max_model_len=256,
+                seed=0,
+                kv_cache_memory_bytes=128 << 20,
+                worker_extension_cls=WORKER_EXTENSION,
+                weight_transfer_config=WeightTransferConfig(backend="awex"),
+                distributed_executor_backend="mp",  # vLLM's TP workers inside the actor, not Ray actors of their own
+            )
+        )
+        self.where = ray.get(self.handle.__ray_call__.remote(lambda _self: where()), timeout=600)
+
+    def greedy(self) -> list[list[int]]:
+        import ray
+        from vllm import SamplingParams
+
+        from awex_integration.tiny_model import PROMPTS
+
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        outputs = ray.get(self.handle.generate.remote(PROMPTS, params, use_tqdm=False))
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def weight_version(self) -> str | None:
+        """The version vLLM itself says it serves (set by the trainers' ``finish_weight_update``)."""
+        import ray
+
+        return ray.get(self.handle.get_weight_version.remote())
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.handle.__ray_call__.remote(lambda llm: llm.llm_engine.engine_core.shutdown()), timeout=60)
+        finally:
+            ray.kill(self.handle)
+            ray.util.remove_placement_group(self._pg)

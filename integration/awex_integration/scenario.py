@@ -51,7 +51,7 @@ from awex.meta.layouts import MegatronParallel
 from awex.meta.server import start_embedded
 from awex.transport.shards import torch_dtype
 from awex_integration.spawn import free_port
-from awex_integration.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model
+from awex_integration.tiny_model import PROMPTS, dtype_kwarg, hf_greedy, load_json, make_tiny_model
 from awex_integration.trainer_main import canonical_delta, trainer_rank
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "qwen2-tiny.json"
@@ -98,9 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--control",
-        choices=["awex", "vllm-http"],
+        choices=["awex", "vllm-http", "vllm-ray"],
         default="awex",
-        help="vllm-http: `vllm serve` engines driven by the trainers through vLLM's trainer API",
+        help="vllm-http: `vllm serve` engines driven by the trainers through vLLM's trainer API; vllm-ray (with "
+        "--launcher ray): vLLM's LLM as a Ray actor, driven by the trainers through vLLM's Ray client",
     )
     p.add_argument(
         "--receive",
@@ -155,6 +156,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.launcher == "ray" and (args.control == "vllm-http" or args.check_in_place or args.inference == "layout"):
         p.error("--launcher ray: vLLM (offline) or HF receivers, without --control vllm-http or --check-in-place")
+    if args.control == "vllm-ray" and (args.launcher != "ray" or args.inference != "vllm" or args.fp8):
+        p.error("--control vllm-ray: with --launcher ray and --inference vllm, without --fp8")
     return args
 
 
@@ -337,7 +340,7 @@ class HfInstance:
         from awex.engines.reader import WeightsReader
 
         self.name = name
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(torch_dtype(dtype))).eval()
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         client = MetaClient(meta["meta_address"], job=meta["job"], token=meta["token"], timeout=meta["timeout"])
         self.reader = WeightsReader(
@@ -486,6 +489,20 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
                     name, infer_dir, args.infer_tp, args.dtype, cpus, plain_weights=args.vllm_weights == "plain"
                 )
             )
+        elif args.control == "vllm-ray":
+            from awex_integration.ray_launch import RayLlmInstance
+
+            instances.append(
+                RayLlmInstance(
+                    cluster,
+                    name,
+                    infer_dir,
+                    args.infer_tp,
+                    args.dtype,
+                    cpus,
+                    plain_weights=args.vllm_weights == "plain",
+                )
+            )
         elif cluster is not None:
             from awex_integration.ray_launch import RemoteInstance
 
@@ -543,6 +560,7 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
         "host": host,  # where the trainers' sync group and version channel listen
         "log_level": args.log_level,
         "endpoints": {inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)},
+        "ray_engines": {inst.name: inst.handle for inst in instances if hasattr(inst, "handle")},  # vllm-ray
     }
     wave_bytes = int(args.wave_mb * (1 << 20)) if args.wave_mb else None
     from awex_integration.spawn import run_processes
@@ -618,7 +636,7 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
         )
         started = time.monotonic()
         errors: list = []
-        if args.control == "vllm-http":  # the trainers drive the engines; done when every rank says it sent
+        if args.control in ("vllm-http", "vllm-ray"):  # the trainers drive the engines; done when every rank sent
             _catching(errors, wait_trainers, client, "trainer_sent", version, world, seq, args.timeout + 60)()
         else:
             threads = [threading.Thread(target=_catching(errors, inst.sync, version, ref_dir)) for inst in instances]
@@ -705,7 +723,7 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
             not r["moved"] and not set(r["loaded"]) & set(r["in_place"]) and set(r["loaded"]) == set(r["loader"])
             for r in reports
         )
-    if args.control == "vllm-http":
+    if args.control in ("vllm-http", "vllm-ray"):
         results["engine_weight_versions"] = {inst.name: inst.weight_version() for inst in instances}
     for inst in instances:
         if hasattr(inst, "close"):
@@ -773,7 +791,9 @@ def reference_model(model_dir: Path, weights_dir: Path, dtype: str):
     from transformers import AutoModelForCausalLM
 
     shutil.copy(model_dir / "config.json", weights_dir / "config.json")
-    model, info = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch_dtype(dtype), output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        weights_dir, **dtype_kwarg(torch_dtype(dtype)), output_loading_info=True
+    )
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:
         raise RuntimeError(f"reference checkpoint does not fit the model: {info}")
     return model.eval()

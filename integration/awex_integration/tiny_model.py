@@ -16,6 +16,15 @@ WORDS = (
 PROMPTS = ["the quick brown fox", "reinforcement learning policy", "tensor parallel pipeline"]
 
 
+def dtype_kwarg(dtype: Any) -> dict[str, Any]:
+    """transformers' keyword for the dtype a model is built in: ``dtype`` since 4.56, ``torch_dtype`` before (the
+    ``floors`` session runs 4.51)."""
+    import transformers
+    from packaging.version import Version
+
+    return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
+
+
 def make_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -64,7 +73,7 @@ def make_tiny_model(out: str | Path, config: dict[str, Any], seed: int = 0, dtyp
     cfg.pop("architectures", None)
     hf_config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(hf_config, **dtype_kwarg(getattr(torch, dtype)))
     with torch.no_grad():  # HF initialises norms to 1: randomise them too, so a wrong norm shows
         for name, p in model.named_parameters():
             if p.dim() == 1:

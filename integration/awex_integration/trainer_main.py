@@ -10,6 +10,7 @@ import torch
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel
 from awex.transport import LocalShards
+from awex_integration.tiny_model import dtype_kwarg
 
 
 def canonical_delta(name: str, shape: tuple[int, ...], step: int, scale: float = 0.02) -> torch.Tensor:
@@ -89,7 +90,7 @@ def trainer_body(
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         dtype = next(iter(hf.values())).dtype
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(dtype))
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         for block in model.model.layers:
             fully_shard(block, mesh=mesh)
@@ -98,7 +99,7 @@ def trainer_body(
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(iter(hf.values())).dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(next(iter(hf.values())).dtype)).eval()
         source = TrainerSource.hf(model)
     layout, local_rank, view_of = source.layout, source.local_rank, source.view_of
     options = {"wave_bytes": wave_bytes} if wave_bytes else {}
@@ -106,9 +107,9 @@ def trainer_body(
     if meta.get("host"):
         options["host"] = meta["host"]
     engine = None
-    if meta.get("endpoints"):  # vLLM's trainer-side API drives the engines (scenario --control vllm-http)
+    if meta.get("endpoints") or meta.get("ray_engines"):  # vLLM's trainer-side API drives the engines
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 
         from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
 
@@ -124,8 +125,11 @@ def trainer_body(
         )
         engine = WeightTransferTrainerFactory.trainer_init(
             info,
-            client={
-                name: HTTPVLLMWeightSyncClient(url, timeout=timeout + 30) for name, url in meta["endpoints"].items()
+            client={  # over HTTP (scenario --control vllm-http) or Ray (vllm-ray: vLLM's LLM actors' handles)
+                **{
+                    name: HTTPVLLMWeightSyncClient(url, timeout=timeout + 30) for name, url in meta["endpoints"].items()
+                },
+                **{name: RayVLLMWeightSyncClient(handle) for name, handle in meta.get("ray_engines", {}).items()},
             },
             source=AwexSource(layout, local_rank, view_of),
         )

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from awex_integration.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model
+from awex_integration.tiny_model import PROMPTS, dtype_kwarg, hf_greedy, load_json, make_tiny_model
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 CHECKS = {
@@ -47,7 +47,7 @@ def run(check: str) -> dict:
     fixup, model_config, changes = CHECKS[check]
     root = Path(tempfile.mkdtemp(prefix="awex-upstream-"))
     first = make_tiny_model(root / "first", load_json(MODELS / model_config))
-    model = AutoModelForCausalLM.from_pretrained(first, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(first, **dtype_kwarg(torch.float32)).eval()
     tokenizer = AutoTokenizer.from_pretrained(first)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():

