@@ -69,6 +69,8 @@ def make_tiny_model(out: str | Path, config: dict[str, Any], seed: int = 0, dtyp
         "MistralForCausalLM": "mistral",
         "Qwen3MoeForCausalLM": "qwen3_moe",
         "Qwen2MoeForCausalLM": "qwen2_moe",
+        "DeepseekV3ForCausalLM": "deepseek_v3",
+        "Glm4MoeForCausalLM": "glm4_moe",
     }[cfg["architectures"][0]]
     cfg.pop("architectures", None)
     hf_config = AutoConfig.for_model(model_type, **cfg)
@@ -78,6 +80,10 @@ def make_tiny_model(out: str | Path, config: dict[str, Any], seed: int = 0, dtyp
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        for module in model.modules():  # DeepSeek-V3 / GLM-4.5 checkpoints hold the router's score bias in FP32
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                module.e_score_correction_bias = bias.float()
     model.save_pretrained(out, safe_serialization=True)
     return out
 

@@ -30,6 +30,14 @@ def apply_step(shards: LocalShards, specs: dict, step: int) -> None:
             shards.copy_in(name, box.offsets, box.sizes, (cur.float() + delta[box.slices()]).to(cur.dtype))
 
 
+def model_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype most of a checkpoint's tensors have (a few, such as a router's FP32 bias, may differ)."""
+    counts: dict[torch.dtype, int] = {}
+    for t in weights.values():
+        counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.get)
+
+
 def trainer_rank(*args) -> dict:
     """Run :func:`trainer_body`, announcing a failure on the MetaServer so the driver stops waiting at once."""
     meta = args[7]
@@ -89,7 +97,7 @@ def trainer_body(
         from transformers import AutoModelForCausalLM
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        dtype = next(iter(hf.values())).dtype
+        dtype = model_dtype(hf)
         model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(dtype))
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         for block in model.model.layers:
@@ -99,7 +107,7 @@ def trainer_body(
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(next(iter(hf.values())).dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(model_dtype(hf))).eval()
         source = TrainerSource.hf(model)
     layout, local_rank, view_of = source.layout, source.local_rank, source.view_of
     options = {"wave_bytes": wave_bytes} if wave_bytes else {}

@@ -48,7 +48,7 @@ def test_mlp_only_layers_and_sparse_step():
 
 
 def test_unknown_architecture_and_missing_fields(tmp_path):
-    with pytest.raises(UnknownModelError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+    with pytest.raises(UnknownModelError, match="GPT2LMHeadModel.*supported: .*LlamaForCausalLM"):
         canonical_tensors({"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="lacks 'vocab_size'"):
         model_dims(
@@ -72,3 +72,65 @@ def test_a_tensor_of_an_unknown_kind_is_refused():
 
     with pytest.raises(ValueError, match="unknown tensor kind 'colum'"):  # a typo in a model table
         CanonicalTensor(TensorSpec("w", (4, 4), "float32"), "colum")
+
+
+def _total(tensors) -> int:
+    from math import prod
+
+    return sum(prod(t.spec.shape) for t in tensors)
+
+
+def test_deepseek_v3_kimi_k2_and_glm_45_tables_add_up_to_their_published_sizes():
+    """DeepSeek-V3: 671B parameters in the main model (the published figure; its MTP layer is apart); Kimi-K2 (the
+    same architecture, 384 experts): about 1.03T; GLM-4.5: 355B with its MTP layer, about 353B without."""
+    ds = canonical_tensors(load_config(MODELS / "deepseek-v3.json"))
+    assert abs(_total(ds) - 671.0e9) < 0.002 * 671.0e9, _total(ds)
+    kimi = canonical_tensors(load_config(MODELS / "kimi-k2.json"))
+    assert 1.00e12 < _total(kimi) < 1.05e12, _total(kimi)
+    glm = canonical_tensors(load_config(MODELS / "glm-4.5.json"))
+    assert 348e9 < _total(glm) < 356e9, _total(glm)
+
+
+def test_deepseek_v3_latent_attention_dense_first_layers_experts_and_an_fp32_router_bias():
+    from awex.meta.models import unsynced_layers
+
+    config = load_config(MODELS / "deepseek-v3.json")
+    tensors = {t.name: t for t in canonical_tensors(config, dtype="bfloat16")}
+    layer = "model.layers.3."  # the first MoE layer (first_k_dense_replace = 3)
+    q_b = tensors[layer + "self_attn.q_b_proj.weight"]
+    assert q_b.spec.shape == (128 * (128 + 64), 1536) and q_b.kind == "column"
+    assert tensors[layer + "self_attn.kv_a_proj_with_mqa.weight"].spec.shape == (512 + 64, 7168)
+    assert tensors[layer + "self_attn.kv_b_proj.weight"].spec.shape == (128 * (128 + 128), 512)
+    assert tensors[layer + "self_attn.o_proj.weight"].spec.shape == (7168, 128 * 128)
+    assert tensors[layer + "self_attn.q_a_layernorm.weight"].kind == "replicated"
+    assert not any(n.startswith(layer + "self_attn.") and n.split(".")[-2] in ("q_proj", "k_proj") for n in tensors)
+    bias = tensors[layer + "mlp.gate.e_score_correction_bias"]
+    assert bias.spec.dtype == "float32" and bias.kind == "router" and bias.spec.shape == (256,)
+    assert tensors[layer + "mlp.gate.weight"].spec.dtype == "bfloat16"
+    assert tensors[layer + "mlp.experts.255.down_proj.weight"].spec.shape == (7168, 2048)
+    assert tensors[layer + "mlp.shared_experts.up_proj.weight"].spec.shape == (2048, 7168)
+    assert "model.layers.2.mlp.gate_proj.weight" in tensors and "model.layers.2.mlp.gate.weight" not in tensors
+    assert not any(n.startswith("model.layers.61.") for n in tensors)  # the MTP layer: not synced, named
+    assert unsynced_layers(config) == ["model.layers.61."]
+    assert unsynced_layers(load_config(MODELS / "kimi-k2.json")) == []
+
+
+def test_glm_45_has_qk_norms_biases_and_deepseek_style_experts():
+    tensors = {t.name: t for t in canonical_tensors(load_config(MODELS / "glm-4.5.json"))}
+    layer = "model.layers.3."
+    assert tensors[layer + "self_attn.k_proj.weight"].spec.shape == (8 * 128, 5120)
+    assert tensors[layer + "self_attn.q_proj.bias"].kind == "q" and layer + "self_attn.q_norm.weight" in tensors
+    assert tensors[layer + "mlp.gate.e_score_correction_bias"].spec.dtype == "float32"
+    assert tensors[layer + "mlp.shared_experts.down_proj.weight"].spec.shape == (5120, 1536)
+
+
+def test_engines_without_a_layout_for_latent_attention_or_deepseek_experts_refuse_it():
+    from awex.meta.layouts import MegatronParallel, VllmParallel, hf_layout, megatron_layout, vllm_layout
+
+    for name, what in (("deepseek-v3-tiny.json", "latent attention"), ("glm4-moe-tiny.json", "DeepSeek-style MoE")):
+        tensors = canonical_tensors(load_config(MODELS / name))
+        with pytest.raises(ValueError, match=f"megatron: .*{what}"):
+            megatron_layout(tensors, MegatronParallel(tp=2))
+        with pytest.raises(ValueError, match=f"vllm: .*{what}"):
+            vllm_layout(tensors, VllmParallel(tp=2))
+        assert hf_layout(tensors, "inference", "hf").world_size == 1

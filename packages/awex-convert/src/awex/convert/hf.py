@@ -18,8 +18,11 @@ def hf_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
     MoE experts are canonical per expert (``mlp.experts.E.gate_proj.weight``, as checkpoints store them);
     transformers 5 holds them fused per layer (``mlp.experts.gate_up_proj`` of shape [E, 2I, H], gate rows
     first, and ``mlp.experts.down_proj`` of shape [E, H, I]): those come as views of the fused parameters.
+    Canonical tensors that HF holds as buffers (DeepSeek-V3's ``mlp.gate.e_score_correction_bias``) are views of
+    those buffers.
     """
-    params = {name: p.data for name, p in model.named_parameters()}
+    params = {name: b for name, b in model.named_buffers()}
+    params.update((name, p.data) for name, p in model.named_parameters())
 
     def view_of(name: str, box: Box) -> torch.Tensor:
         p = params.get(name)

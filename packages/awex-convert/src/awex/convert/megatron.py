@@ -39,7 +39,7 @@ import torch
 from awex.meta import Box
 from awex.meta.layouts import MegatronParallel
 from awex.meta.layouts.megatron import pipeline_stages
-from awex.meta.models import ARCHITECTURES, ModelDims
+from awex.meta.models import ModelDims
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -191,7 +191,7 @@ def megatron_param_shapes(dims: ModelDims, where: MegatronNames) -> list[dict[st
             if dims.attention_bias:
                 shapes[pre + "self_attention.linear_qkv.bias"] = (qkv_rows,)
             shapes[pre + "self_attention.linear_proj.weight"] = (dims.hidden, dims.heads * dims.head_dim // tp)
-            if ARCHITECTURES[dims.architecture].qk_norm:
+            if dims.qk_norm:
                 shapes[pre + "self_attention.q_layernorm.weight"] = (dims.head_dim,)
                 shapes[pre + "self_attention.k_layernorm.weight"] = (dims.head_dim,)
             shapes[pre + "pre_mlp_layernorm.weight"] = (dims.hidden,)

@@ -43,7 +43,7 @@ import torch
 from awex.meta import Box
 from awex.meta.layouts import VllmParallel
 from awex.meta.layouts.vllm import expert_owner, pp_layer_ranges
-from awex.meta.models import ARCHITECTURES, ModelDims
+from awex.meta.models import ModelDims
 from awex.meta.quant import SCALE_SUFFIX, Fp8BlockQuant
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -113,7 +113,7 @@ def vllm_param_shapes(
         if dims.attention_bias:
             shapes[pre + "self_attn.qkv_proj.bias"] = (qkv_rows,)
         shapes[pre + "self_attn.o_proj.weight"] = (dims.hidden, q_rows)
-        if ARCHITECTURES[dims.architecture].qk_norm:
+        if dims.qk_norm:
             shapes[pre + "self_attn.q_norm.weight"] = (hd,)
             shapes[pre + "self_attn.k_norm.weight"] = (hd,)
         if layer in dims.sparse_layers:

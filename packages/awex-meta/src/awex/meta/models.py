@@ -3,6 +3,13 @@
 Each canonical tensor carries a *kind* that engine layouts map to placements (how Megatron or vLLM split it),
 its decoder layer (for pipeline stages) and, for experts, its expert index. Adding an architecture means adding
 an :class:`Architecture` row to :data:`ARCHITECTURES`, not writing a module.
+
+DeepSeek-V3 (also R1 and Kimi-K2, which share its architecture) and GLM-4.5: multi-head latent attention
+(DeepSeek: low-rank ``q_a``/``kv_a`` projections and their norms, per-head ``q_b``/``kv_b`` up-projections), the
+first ``first_k_dense_replace`` layers dense, then routed experts beside ``n_shared_experts`` shared ones, a router
+whose ``e_score_correction_bias`` stays FP32 whatever the model's dtype. Their multi-token-prediction layers
+(``num_nextn_predict_layers``, stored as ``model.layers.<num_hidden_layers + i>``) are not synced: RL trains the
+main model, and an engine that drafts with them keeps the ones it loaded (:func:`unsynced_layers`).
 """
 
 from __future__ import annotations
@@ -67,6 +74,14 @@ class ModelDims:
     sparse_layers: frozenset[int] = frozenset()
     shared_expert_intermediate: int = 0
     dtype: str = "bfloat16"
+    # multi-head latent attention (DeepSeek-V3): low ranks of the query and key/value projections, per-head dims
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    mtp_layers: int = 0  # multi-token-prediction layers after the main ones: not synced
+    qk_norm: bool = False  # per-head RMS norms of queries and keys
 
 
 @dataclass(frozen=True)
@@ -74,12 +89,16 @@ class Architecture:
     """What distinguishes one decoder-only family from another, as data.
 
     ``attention_bias``: "always", "never" or "config" (read ``attention_bias`` from the config).
-    ``moe``: "" for dense, "qwen3" (experts only), "qwen2" (experts plus a gated shared expert).
+    ``qk_norm``: True, False or "config" (read ``use_qk_norm``).
+    ``moe``: "" for dense, "qwen3" (experts only), "qwen2" (experts plus a gated shared expert), "deepseek"
+    (dense first layers, routed experts plus ``n_shared_experts`` shared ones, a router with an FP32 score bias).
+    ``attention``: "gqa" (q/k/v/o projections) or "mla" (multi-head latent attention).
     """
 
     attention_bias: str = "config"
-    qk_norm: bool = False
+    qk_norm: bool | str = False
     moe: str = ""
+    attention: str = "gqa"
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -89,6 +108,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(attention_bias="config", qk_norm=True),
     "Qwen2MoeForCausalLM": Architecture(attention_bias="always", moe="qwen2"),
     "Qwen3MoeForCausalLM": Architecture(attention_bias="config", qk_norm=True, moe="qwen3"),
+    "DeepseekV3ForCausalLM": Architecture(attention_bias="never", moe="deepseek", attention="mla"),
+    "Glm4MoeForCausalLM": Architecture(attention_bias="config", qk_norm="config", moe="deepseek"),
 }
 
 
@@ -148,6 +169,22 @@ def model_dims(config: Mapping[str, Any], dtype: str | None = None) -> ModelDims
             sparse = frozenset(i for i in range(layers) if i not in only_mlp and (i + 1) % step == 0)
         if arch.moe == "qwen2":
             shared = int(config.get("shared_expert_intermediate_size") or 0)
+        if arch.moe == "deepseek":
+            num_experts = int(config.get("n_routed_experts") or 0)
+            first_dense = int(config.get("first_k_dense_replace") or 0)
+            freq = int(config.get("moe_layer_freq") or 1)
+            sparse = frozenset(i for i in range(layers) if i >= first_dense and (i - first_dense) % freq == 0)
+            shared = moe_inter * int(config.get("n_shared_experts") or 0)
+    mla = {}
+    if arch.attention == "mla":
+        mla = dict(
+            q_lora_rank=int(config.get("q_lora_rank") or 0),  # 0: a plain q_proj (DeepSeek-V2-Lite)
+            kv_lora_rank=need("kv_lora_rank"),
+            qk_nope_dim=need("qk_nope_head_dim"),
+            qk_rope_dim=need("qk_rope_head_dim"),
+            v_head_dim=need("v_head_dim"),
+        )
+        head_dim = mla["qk_nope_dim"] + mla["qk_rope_dim"]
     cfg_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     return ModelDims(
         architecture=arch_name,
@@ -166,6 +203,9 @@ def model_dims(config: Mapping[str, Any], dtype: str | None = None) -> ModelDims
         sparse_layers=sparse,
         shared_expert_intermediate=shared,
         dtype=normalize_dtype(dtype or str(cfg_dtype)),
+        mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
+        qk_norm=arch.qk_norm if isinstance(arch.qk_norm, bool) else bool(config.get("use_qk_norm", False)),
+        **mla,
     )
 
 
@@ -205,6 +245,23 @@ _EXPERT: list[Entry] = [
     ("up_proj.weight", "expert_column", lambda d: (d.moe_intermediate, d.hidden)),
     ("down_proj.weight", "expert_row", lambda d: (d.hidden, d.moe_intermediate)),
 ]
+_MLA: list[Entry] = [  # DeepSeek-V3's multi-head latent attention (with a low-rank query projection)
+    ("self_attn.q_a_proj.weight", "replicated", lambda d: (d.q_lora_rank, d.hidden)),
+    ("self_attn.q_a_layernorm.weight", "replicated", lambda d: (d.q_lora_rank,)),
+    ("self_attn.q_b_proj.weight", "column", lambda d: (d.heads * (d.qk_nope_dim + d.qk_rope_dim), d.q_lora_rank)),
+    ("self_attn.kv_a_proj_with_mqa.weight", "replicated", lambda d: (d.kv_lora_rank + d.qk_rope_dim, d.hidden)),
+    ("self_attn.kv_a_layernorm.weight", "replicated", lambda d: (d.kv_lora_rank,)),
+    ("self_attn.kv_b_proj.weight", "column", lambda d: (d.heads * (d.qk_nope_dim + d.v_head_dim), d.kv_lora_rank)),
+    ("self_attn.o_proj.weight", "row", lambda d: (d.hidden, d.heads * d.v_head_dim)),
+]
+_MLA_PLAIN_Q: list[Entry] = [  # no low-rank query projection (q_lora_rank unset, as DeepSeek-V2-Lite)
+    ("self_attn.q_proj.weight", "column", lambda d: (d.heads * (d.qk_nope_dim + d.qk_rope_dim), d.hidden)),
+]
+_DEEPSEEK_SHARED: list[Entry] = [  # n_shared_experts shared experts, held as one MLP of their summed width
+    ("mlp.shared_experts.gate_proj.weight", "column", lambda d: (d.shared_expert_intermediate, d.hidden)),
+    ("mlp.shared_experts.up_proj.weight", "column", lambda d: (d.shared_expert_intermediate, d.hidden)),
+    ("mlp.shared_experts.down_proj.weight", "row", lambda d: (d.hidden, d.shared_expert_intermediate)),
+]
 _SHARED_EXPERT: list[Entry] = [
     ("mlp.shared_expert.gate_proj.weight", "column", lambda d: (d.shared_expert_intermediate, d.hidden)),
     ("mlp.shared_expert.up_proj.weight", "column", lambda d: (d.shared_expert_intermediate, d.hidden)),
@@ -227,9 +284,11 @@ def canonical_tensors(config: Mapping[str, Any] | ModelDims, dtype: str | None =
     arch = ARCHITECTURES[d.architecture]
     out: list[CanonicalTensor] = []
 
-    def add(name: str, kind: str, shape: tuple[int, ...], layer: int | None = None, expert: int | None = None) -> None:
+    def add(
+        name: str, kind: str, shape: tuple[int, ...], layer: int | None = None, expert: int | None = None, dtype=None
+    ) -> None:
         heads = d.heads if kind == "q" else d.kv_heads if kind == "kv" else None
-        out.append(CanonicalTensor(TensorSpec(name, shape, d.dtype), kind, layer, expert, heads))
+        out.append(CanonicalTensor(TensorSpec(name, shape, dtype or d.dtype), kind, layer, expert, heads))
 
     add("model.embed_tokens.weight", "vocab", (d.vocab, d.hidden))
     add("model.norm.weight", "replicated", (d.hidden,))
@@ -237,18 +296,27 @@ def canonical_tensors(config: Mapping[str, Any] | ModelDims, dtype: str | None =
         add("lm_head.weight", "vocab", (d.vocab, d.hidden))
     for layer in range(d.layers):
         prefix = f"model.layers.{layer}."
-        entries = list(_ATTENTION) + list(_NORMS)
+        if arch.attention == "mla":
+            entries = list(_MLA if d.q_lora_rank else [e for e in _MLA if "q_a_" not in e[0] and "q_b_" not in e[0]])
+            entries += [] if d.q_lora_rank else _MLA_PLAIN_Q
+            entries += _NORMS
+        else:
+            entries = list(_ATTENTION) + list(_NORMS)
         if d.attention_bias:
             entries += _ATTENTION_BIAS
-        if arch.qk_norm:
+        if d.qk_norm:
             entries += _QK_NORM
         if layer in d.sparse_layers:
             add(prefix + "mlp.gate.weight", "router", (d.num_experts, d.hidden), layer)
+            if arch.moe == "deepseek":  # the router's score bias, kept in FP32 whatever the model's dtype
+                add(prefix + "mlp.gate.e_score_correction_bias", "router", (d.num_experts,), layer, dtype="float32")
             for e in range(d.num_experts):
                 for suffix, kind, shape in _EXPERT:
                     add(f"{prefix}mlp.experts.{e}.{suffix}", kind, shape(d), layer, e)
             if arch.moe == "qwen2" and d.shared_expert_intermediate:
                 entries += _SHARED_EXPERT
+            if arch.moe == "deepseek" and d.shared_expert_intermediate:
+                entries += _DEEPSEEK_SHARED
         else:
             entries += _DENSE_MLP
             if d.mlp_bias:
@@ -257,3 +325,10 @@ def canonical_tensors(config: Mapping[str, Any] | ModelDims, dtype: str | None =
             add(prefix + suffix, kind, shape(d), layer)
     out.sort(key=lambda t: t.name)
     return out
+
+
+def unsynced_layers(config: Mapping[str, Any] | ModelDims) -> list[str]:
+    """Name prefixes of a model's layers that are not canonical tensors and never synced: the multi-token-prediction
+    layers (``model.layers.<num_hidden_layers + i>.``) of DeepSeek-V3 / GLM-4.5 checkpoints."""
+    d = config if isinstance(config, ModelDims) else model_dims(config)
+    return [f"model.layers.{d.layers + i}." for i in range(d.mtp_layers)]

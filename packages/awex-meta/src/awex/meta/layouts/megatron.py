@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
-from awex.meta.layouts.common import check_divides, pad_to
+from awex.meta.layouts.common import check_divides, pad_to, refuse_unplaced
 from awex.meta.models import CanonicalTensor
 from awex.meta.spec import Role
 
@@ -57,6 +57,7 @@ def megatron_layout(
     tensors: Sequence[CanonicalTensor], parallel: MegatronParallel, instance: str = "trainer"
 ) -> Layout:
     """The layout of a Megatron-core GPT model trained with ``parallel``."""
+    refuse_unplaced(tensors, "megatron")
     p = parallel
     for name in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "vocab_pad"):
         if getattr(p, name) < 1:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
-from awex.meta.layouts.common import check_divides, pad_to
+from awex.meta.layouts.common import check_divides, pad_to, refuse_unplaced
 from awex.meta.models import CanonicalTensor, canonical_tensors
 from awex.meta.quant import Fp8BlockQuant, quantize_layout
 from awex.meta.spec import Role
@@ -67,6 +67,7 @@ def expert_owner(expert: int, experts: int, ep: int) -> int:
 
 def vllm_layout(tensors: Sequence[CanonicalTensor], parallel: VllmParallel, instance: str = "vllm") -> Layout:
     """The layout of one vLLM engine serving the model with ``parallel``."""
+    refuse_unplaced(tensors, "vllm")
     p = parallel
     for name in ("tp", "pp", "dp", "vocab_pad"):
         if getattr(p, name) < 1:
