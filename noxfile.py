@@ -21,6 +21,7 @@ import subprocess
 
 import nox
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 nox.options.error_on_missing_interpreters = True
@@ -215,8 +216,9 @@ def plan(session: nox.Session) -> None:
     session.run("awex-meta", "plan", *session.posargs)
 
 
-BENCH_PATH = os.pathsep.join(
-    [
+BENCH_PATH = os.pathsep.join(  # absolute: device tests spawn workers in other directories
+    os.path.join(HERE, path)
+    for path in [
         "packages/awex-meta/src",
         "packages/awex-convert/src",
         "packages/awex-transport/src",
@@ -235,6 +237,76 @@ def bench_cpu(session: nox.Session) -> None:
     session.install(*PACKAGES)
     args = list(session.posargs) or ["--out", "integration/bench-results-cpu.json"]
     session.run("python", "-m", "awex_integration.bench_cpu", *args, env={"PYTHONPATH": "integration"})
+
+
+import sys  # noqa: E402  (the matrix's cases are plain data in the integration harness)
+
+sys.path.insert(0, os.path.join(HERE, "integration"))
+from awex_integration.matrix_cases import CASES  # noqa: E402
+
+GPU_TESTS = [  # the device test modules: CUDA IPC, NCCL, pinned shared memory, FP8 kernels, GPU fault cases
+    "integration/tests/test_gpu_sync.py",
+    "packages/awex-transport/tests/test_ipc_kernel_reads.py",
+    "packages/awex-transport/tests/test_ipc_transport.py",
+    "packages/awex-transport/tests/test_shm.py",
+    "packages/awex-transport/tests/test_batched_copy.py",
+    "packages/awex-convert/tests/test_fp8.py",
+]
+DEVICE_ENV = {
+    "PYTHONPATH": BENCH_PATH,
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@nox.session
+@nox.parametrize("case", [c[0] for c in CASES], ids=[c[0] for c in CASES])
+def matrix(session: nox.Session, case: str) -> None:
+    """One case of the CPU integration matrix (``nox -l`` lists them; ``tests`` runs them all): real engines,
+    tensors bit-exact and greedy output equal to an HF reference."""
+    _install_engines(session)
+    _debian(session, DEBIAN)
+    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU)
+    _pytest(session, f"integration/tests/test_matrix.py::test_scenario[{case}]")
+
+
+def _devices(session: nox.Session, probe: str, what: str) -> int:
+    """How many devices the machine's own python sees (``probe`` prints it); skips the session, saying why, at 0."""
+    out = subprocess.run(["python3", "-c", probe], capture_output=True, text=True)
+    count = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+    if count == 0:
+        why = out.stderr.strip().splitlines()[-1] if out.returncode else f"no {what} device"
+        session.skip(f"{what}: nothing to run here ({why})")
+    session.log(f"{what}: {count} device(s)")
+    return count
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("suite", ["tests", "bench"])
+def gpu(session: nox.Session, suite: str) -> None:
+    """CUDA: the device test modules (``suite=tests``; arguments after ``--`` go to pytest) or the GPU benchmark
+    (``suite=bench``; arguments after ``--`` go to ``awex_integration.bench_gpu``, e.g. ``--scenarios
+    1gpu_to_1gpu,colocated --model qwen3-8b``). Runs the machine's own python and torch (GPU machines often reach
+    no registry: nothing is installed); skipped, saying so, where no CUDA device is present."""
+    _devices(session, "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)", "CUDA")
+    if suite == "tests":
+        session.run(
+            "python3",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rs",
+            *GPU_TESTS,
+            *session.posargs,
+            env=DEVICE_ENV,
+            external=True,
+        )
+    else:
+        args = list(session.posargs) or ["--out", "integration/bench-results.json"]
+        session.run("python3", "-m", "awex_integration.bench_gpu", *args, env=DEVICE_ENV, external=True)
 
 
 @nox.session(venv_backend="none")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import MODELS
-from test_matrix import run_scenario
+from scenario_run import run_scenario
 
 pytest.importorskip("transformers", reason="transformers is not installed in this environment")
 

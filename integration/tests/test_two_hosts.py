@@ -6,7 +6,7 @@ memory is refused before any byte moves."""
 from __future__ import annotations
 
 import pytest
-from test_matrix import run_scenario
+from scenario_run import run_scenario
 
 from awex_integration import netns
 
