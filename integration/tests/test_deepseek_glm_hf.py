@@ -15,6 +15,17 @@ pytest.importorskip("transformers", reason="transformers is not installed in thi
 TINY = ["deepseek-v3-tiny.json", "glm4-moe-tiny.json"]
 
 
+def _needs_architecture(model: str) -> None:
+    """Skip where this transformers has no class for the model (GLM-4.5 came in 4.55; older floors lack it)."""
+    import json
+
+    import transformers
+
+    arch = json.loads((MODELS / model).read_text())["architectures"][0]
+    if not hasattr(transformers, arch):
+        pytest.skip(f"transformers {transformers.__version__} has no {arch}")
+
+
 @pytest.mark.parametrize("model", TINY)
 def test_the_table_names_exactly_what_transformers_saves(model, tmp_path):
     from safetensors.torch import load_file
@@ -22,6 +33,7 @@ def test_the_table_names_exactly_what_transformers_saves(model, tmp_path):
     from awex.meta import canonical_tensors
     from awex_integration.tiny_model import load_json, make_tiny_model
 
+    _needs_architecture(model)
     config = load_json(MODELS / model)
     saved = load_file(str(make_tiny_model(tmp_path / "m", config, dtype="bfloat16") / "model.safetensors"))
     tensors = {t.name: t for t in canonical_tensors(config, dtype="bfloat16")}
@@ -34,6 +46,15 @@ def test_the_table_names_exactly_what_transformers_saves(model, tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model", TINY)
 def test_hf_trainer_to_hf_engine_is_bit_exact(model, dtype):
+    _needs_architecture(model)
+    import transformers
+    from packaging.version import Version
+
+    if dtype == "bfloat16" and Version(transformers.__version__) < Version("4.56"):
+        pytest.skip(
+            f"transformers {transformers.__version__} loads the FP32 router score bias in bfloat16: the sync moves it "
+            "as bfloat16 (both sides hold that), but the check's FP32 reference checkpoint then differs by the rounding"
+        )
     result = run_scenario(
         ["--trainer", "hf", "--inference", "hf", "--model-config", str(MODELS / model), "--dtype", dtype]
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from awex.convert.hf import hf_views
@@ -11,21 +13,28 @@ from awex.meta.spec import Role
 
 
 def hf_model_layout(model: torch.nn.Module, role: Role | str, instance: str, dtype: str | None = None) -> Layout:
-    """The single-rank layout of an HF model, from its config; checks the model has exactly those tensors."""
+    """The single-rank layout of an HF model, from its config; checks the model has exactly those tensors. A tensor
+    the model holds in another dtype than the table's (a router's FP32 score bias that an older transformers loads
+    in the model's dtype) is described as held: the plan's dtype policy then decides what may move into it."""
     config = model.config.to_dict()
     tensors = canonical_tensors(config, dtype=dtype or str(next(model.parameters()).dtype).removeprefix("torch."))
     view_of = hf_views(model)
     missing = []
+    held = []
     for t in tensors:
         try:
             view = view_of(t.name, Box(tuple(0 for _ in t.spec.shape), tuple(t.spec.shape)))
             if tuple(view.shape) != tuple(t.spec.shape):
                 missing.append(f"{t.name} (shape {tuple(view.shape)}, expected {tuple(t.spec.shape)})")
+            native = str(view.dtype).removeprefix("torch.")
+            if dtype is None and native != t.spec.dtype and view.is_floating_point():
+                t = replace(t, spec=replace(t.spec, dtype=native))
         except KeyError:
             missing.append(t.name)
+        held.append(t)
     if missing:
         raise ValueError(f"{type(model).__name__} lacks canonical tensors {missing[:10]}")
-    return hf_layout(tensors, role, instance)
+    return hf_layout(held, role, instance)
 
 
 __all__ = ["hf_model_layout", "hf_views"]
