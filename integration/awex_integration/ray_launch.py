@@ -211,10 +211,9 @@ class RayLlmInstance:
     def __init__(self, cluster: RayCluster, name: str, model_dir, tp: int, dtype: str, cpu: str, plain_weights=True):
         import ray
         from vllm import LLM
-        from vllm.config import WeightTransferConfig
 
         from awex_integration import vllm_cpu_plain_weights
-        from awex_integration.vllm_worker_probe import WORKER_EXTENSION
+        from awex_integration.scenario import llm_options
 
         self.name = name
         self._pg = cluster.group([cluster.bundle(ENGINE_SIDE)])
@@ -222,22 +221,9 @@ class RayLlmInstance:
         integration = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [integration, os.environ.get("PYTHONPATH")]))
         options = {**_placed(self._pg, 0), "runtime_env": {"env_vars": env}}
-        self.handle = (
-            ray.remote(max_restarts=0)(LLM)
-            .options(**options)
-            .remote(
-                model=str(model_dir),
-                tensor_parallel_size=tp,
-                dtype=dtype,
-                enforce_eager=True,
-                max_model_len=256,
-                seed=0,
-                kv_cache_memory_bytes=128 << 20,
-                worker_extension_cls=WORKER_EXTENSION,
-                weight_transfer_config=WeightTransferConfig(backend="awex"),
-                distributed_executor_backend="mp",  # vLLM's TP workers inside the actor, not Ray actors of their own
-            )
-        )
+        # vLLM's TP workers by multiprocessing inside the actor, not Ray actors of their own
+        engine = llm_options(model_dir, tp, dtype, executor="mp")
+        self.handle = ray.remote(max_restarts=0)(LLM).options(**options).remote(**engine)
         self.where = ray.get(self.handle.__ray_call__.remote(lambda _self: where()), timeout=600)
 
     def greedy(self) -> list[list[int]]:

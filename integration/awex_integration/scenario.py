@@ -161,6 +161,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def llm_options(model_dir: Path, tp: int, dtype: str, ep: bool = False, executor: str | None = None) -> dict:
+    """vLLM ``LLM`` arguments of the scenario's engines (CPU build, small KV cache, the ``awex`` backend and the
+    in-place probe), alike wherever the engine runs (this process or a Ray actor)."""
+    from vllm.config import WeightTransferConfig
+
+    from awex_integration.vllm_worker_probe import WORKER_EXTENSION
+
+    return dict(
+        model=str(model_dir),
+        tensor_parallel_size=tp,
+        dtype=dtype,
+        enforce_eager=True,
+        enable_expert_parallel=ep,
+        max_model_len=256,
+        seed=0,
+        kv_cache_memory_bytes=128 << 20,
+        worker_extension_cls=WORKER_EXTENSION,
+        weight_transfer_config=WeightTransferConfig(backend="awex"),
+        distributed_executor_backend=executor,
+    )
+
+
 class VllmInstance:
     """A vLLM engine (CPU build) with the awex backend, driven offline."""
 
@@ -178,27 +200,13 @@ class VllmInstance:
         executor: str | None = None,
     ):
         from vllm import LLM, SamplingParams
-        from vllm.config import WeightTransferConfig
 
         from awex_integration import vllm_cpu_plain_weights
-        from awex_integration.vllm_worker_probe import WORKER_EXTENSION
 
         self.name = name
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu
         os.environ[vllm_cpu_plain_weights.ENV] = "1" if plain_weights else "0"  # read by the workers at start
-        self.llm = LLM(
-            model=str(model_dir),
-            tensor_parallel_size=tp,
-            dtype=dtype,
-            enforce_eager=True,
-            enable_expert_parallel=ep,
-            max_model_len=256,
-            seed=0,
-            kv_cache_memory_bytes=128 << 20,
-            worker_extension_cls=WORKER_EXTENSION,
-            weight_transfer_config=WeightTransferConfig(backend="awex"),
-            distributed_executor_backend=executor,
-        )
+        self.llm = LLM(**llm_options(model_dir, tp, dtype, ep=ep, executor=executor))
         self.params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         self.llm.init_weight_transfer_engine({"init_info": {**meta, "instance": name, "receive": receive}})
 
@@ -503,46 +511,23 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
                     plain_weights=args.vllm_weights == "plain",
                 )
             )
-        elif cluster is not None:
-            from awex_integration.ray_launch import RemoteInstance
-
-            if args.inference == "vllm":  # vLLM's own TP workers by multiprocessing inside the engine's actor
-                instances.append(
-                    RemoteInstance(
-                        cluster,
-                        VllmInstance,
-                        name,
-                        infer_dir,
-                        args.infer_tp,
-                        args.dtype,
-                        meta,
-                        cpus,
-                        ep=args.infer_ep,
-                        receive=args.receive,
-                        plain_weights=args.vllm_weights == "plain",
-                        executor="mp",
-                    )
-                )
-            else:
-                instances.append(RemoteInstance(cluster, HfInstance, name, infer_dir, args.dtype, meta))
         elif args.inference == "vllm":
-            instances.append(
-                VllmInstance(
-                    name,
-                    infer_dir,
-                    args.infer_tp,
-                    args.dtype,
-                    meta,
-                    cpus,
-                    ep=args.infer_ep,
-                    receive=args.receive,
-                    plain_weights=args.vllm_weights == "plain",
-                )
-            )
+            engine = (name, infer_dir, args.infer_tp, args.dtype, meta, cpus)
+            options = dict(ep=args.infer_ep, receive=args.receive, plain_weights=args.vllm_weights == "plain")
+            if cluster is not None:  # vLLM's own TP workers by multiprocessing inside the engine's actor
+                from awex_integration.ray_launch import RemoteInstance
+
+                instances.append(RemoteInstance(cluster, VllmInstance, *engine, **options, executor="mp"))
+            else:
+                instances.append(VllmInstance(*engine, **options))
         elif args.inference == "layout":
             instances.append(
                 LayoutInstance(name, load_json(infer_dir / "config.json"), args.infer_tp, args.dtype, meta, quant)
             )
+        elif cluster is not None:
+            from awex_integration.ray_launch import RemoteInstance
+
+            instances.append(RemoteInstance(cluster, HfInstance, name, infer_dir, args.dtype, meta))
         else:
             instances.append(HfInstance(name, infer_dir, args.dtype, meta))
 
