@@ -230,3 +230,20 @@ def test_qwen2_moe_shared_expert_fuses_gate_up_like_a_dense_mlp(tp):
             if name in ("model.embed_tokens.weight", "lm_head.weight"):
                 p = p[: max(0, min(p.shape[0], dims.vocab - rank * p.shape[0]))]
             assert not torch.isnan(p).any(), name
+
+
+def test_views_refuse_models_whose_engine_parameters_are_not_mapped_yet():
+    """DeepSeek-V3's latent attention and GLM-4.5's DeepSeek-style experts: the planner places them, but vLLM's
+    and Megatron's views refuse them, naming the feature, before any view is made."""
+    from awex.convert import MegatronNames, megatron_param_shapes
+    from awex.meta.layouts import MegatronParallel
+
+    models = Path(__file__).resolve().parents[3] / "integration" / "models"
+    for name, what in (("deepseek-v3-tiny.json", "latent attention"), ("glm4-moe-tiny.json", "DeepSeek-style MoE")):
+        dims = model_dims(json.loads((models / name).read_text()))
+        with pytest.raises(ValueError, match=f"vllm: .*{what}"):
+            vllm_views({}, dims, VllmParallel(tp=2))
+        with pytest.raises(ValueError, match=f"vllm: .*{what}"):
+            vllm_param_shapes(dims, VllmParallel(tp=2))
+        with pytest.raises(ValueError, match=f"megatron: .*{what}"):
+            megatron_param_shapes(dims, MegatronNames(0, 0, MegatronParallel(tp=2)))

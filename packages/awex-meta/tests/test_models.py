@@ -98,7 +98,7 @@ def test_deepseek_v3_latent_attention_dense_first_layers_experts_and_an_fp32_rou
     tensors = {t.name: t for t in canonical_tensors(config, dtype="bfloat16")}
     layer = "model.layers.3."  # the first MoE layer (first_k_dense_replace = 3)
     q_b = tensors[layer + "self_attn.q_b_proj.weight"]
-    assert q_b.spec.shape == (128 * (128 + 64), 1536) and q_b.kind == "column"
+    assert q_b.spec.shape == (128 * (128 + 64), 1536) and q_b.kind == "q" and q_b.heads == 128
     assert tensors[layer + "self_attn.kv_a_proj_with_mqa.weight"].spec.shape == (512 + 64, 7168)
     assert tensors[layer + "self_attn.kv_b_proj.weight"].spec.shape == (128 * (128 + 128), 512)
     assert tensors[layer + "self_attn.o_proj.weight"].spec.shape == (7168, 128 * 128)
@@ -124,13 +124,34 @@ def test_glm_45_has_qk_norms_biases_and_deepseek_style_experts():
     assert tensors[layer + "mlp.shared_experts.down_proj.weight"].spec.shape == (5120, 1536)
 
 
-def test_engines_without_a_layout_for_latent_attention_or_deepseek_experts_refuse_it():
-    from awex.meta.layouts import MegatronParallel, VllmParallel, hf_layout, megatron_layout, vllm_layout
+def test_megatron_and_vllm_layouts_place_latent_attention_and_deepseek_experts():
+    """The planner's layouts place DeepSeek-V3's MLA by heads (up-projections), duplicate its down-projections and
+    norms, split shared experts like a dense MLP and keep the FP32 score bias whole on every rank."""
+    from awex.meta.box import Box
+    from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 
-    for name, what in (("deepseek-v3-tiny.json", "latent attention"), ("glm4-moe-tiny.json", "DeepSeek-style MoE")):
-        tensors = canonical_tensors(load_config(MODELS / name))
-        with pytest.raises(ValueError, match=f"megatron: .*{what}"):
-            megatron_layout(tensors, MegatronParallel(tp=2))
-        with pytest.raises(ValueError, match=f"vllm: .*{what}"):
-            vllm_layout(tensors, VllmParallel(tp=2))
-        assert hf_layout(tensors, "inference", "hf").world_size == 1
+    tensors = canonical_tensors(load_config(MODELS / "deepseek-v3-tiny.json"))
+    by_name = {t.name: t for t in tensors}
+    layer = next(t.layer for t in tensors if t.name.endswith("e_score_correction_bias"))
+    pre = f"model.layers.{layer}."
+    for layout in (megatron_layout(tensors, MegatronParallel(tp=2, ep=2)), vllm_layout(tensors, VllmParallel(tp=2))):
+
+        def boxes(name, rank):
+            return [box for box, ranks in layout.holdings(name) if rank in ranks]
+
+        up = pre + "self_attn.kv_b_proj.weight"
+        rows = by_name[up].spec.shape[0]
+        assert boxes(up, 1) == [Box((rows // 2, 0), (rows // 2, by_name[up].spec.shape[1]))]
+        for whole in (
+            "self_attn.kv_a_proj_with_mqa.weight",
+            "self_attn.kv_a_layernorm.weight",
+            "mlp.gate.e_score_correction_bias",
+        ):
+            shape = by_name[pre + whole].spec.shape
+            assert boxes(pre + whole, 0) == boxes(pre + whole, 1) == [Box((0,) * len(shape), shape)]
+        shared = pre + "mlp.shared_experts.down_proj.weight"
+        h, w = by_name[shared].spec.shape
+        assert boxes(shared, 1) == [Box((0, w // 2), (h, w // 2))]
+    heads = by_name[pre + "self_attn.kv_b_proj.weight"].heads
+    with pytest.raises(ValueError, match="heads must divide by tp"):
+        megatron_layout(tensors, MegatronParallel(tp=heads * 2, dp=1, ep=1))

@@ -35,8 +35,10 @@ def worker(
     direct_bytes: int | None = 4 << 20,
     receiver_pieces: int = 2,
     broadcast: bool = False,
+    topology: str = "",
 ) -> None:
     from awex.meta.serialize import layout_from_wire
+    from awex.meta.topology import Topology
 
     try:
         layouts = [layout_from_wire(d) for d in layout_docs]
@@ -46,7 +48,11 @@ def worker(
             sources,
             dests,
             PlanOptions(
-                wave_bytes=wave_bytes, allow_cast=tuple(allow_cast), direct_bytes=direct_bytes, broadcast=broadcast
+                wave_bytes=wave_bytes,
+                allow_cast=tuple(allow_cast),
+                direct_bytes=direct_bytes,
+                broadcast=broadcast,
+                topology=Topology.parse(topology) if topology else None,
             ),
         )
         me = plan.rank(instance, local_rank)

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import MegatronParallel
 from awex.meta.layouts.megatron import pipeline_stages
@@ -76,6 +77,7 @@ def megatron_views(
     model: torch.nn.Module | Sequence[torch.nn.Module], dims: ModelDims, where: MegatronNames
 ) -> Callable[[str, Box], torch.Tensor | list[tuple[Box, torch.Tensor]]]:
     """``view_of(name, box)`` for one Megatron rank; ``model`` is the GPTModel or its list of VPP chunks."""
+    refuse_unconverted(dims, "megatron")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     p = where.parallel
     params = [{n: t.data for n, t in m.named_parameters()} for m in chunks]
@@ -173,6 +175,7 @@ def megatron_param_shapes(dims: ModelDims, where: MegatronNames) -> list[dict[st
     What the real model has for dense models (checked against Megatron-core on CPU); lets tools and benchmarks
     hold parameters in Megatron's exact layout without building the model.
     """
+    refuse_unconverted(dims, "megatron")
     p = where.parallel
     tp = p.tp
     multiple = p.vocab_pad * tp  # --make-vocab-size-divisible-by times TP, as Megatron pads

@@ -40,6 +40,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import VllmParallel
 from awex.meta.layouts.vllm import expert_owner, pp_layer_ranges
@@ -98,6 +99,7 @@ def vllm_param_shapes(
     dp_rank: int = 0,
 ) -> dict[str, tuple[int, ...]]:
     """Names and shapes of one vLLM rank's parameters (with ``quant``, FP8 weights' scales too)."""
+    refuse_unconverted(dims, "vllm")
     tp = parallel.tp
     padded = -(-dims.vocab // parallel.vocab_pad) * parallel.vocab_pad
     hd = dims.head_dim
@@ -211,6 +213,7 @@ def vllm_views(
     FP8 scales (``X.weight_scale_inv``) are found in the fused ``weight_scale_inv`` parameters, in
     ``fp8_block`` tiles. With expert parallelism, ``tp_rank`` and ``dp_rank`` say which experts are local.
     """
+    refuse_unconverted(dims, "vllm")
     first_expert = _local_experts(dims, parallel, tp_rank, dp_rank).start if dims.num_experts else 0
     tp = parallel.tp
     hd = dims.head_dim

@@ -30,6 +30,7 @@ from awex.meta.planner import PlanError, PlanOptions, plan_transfers
 from awex.meta.quant import Fp8BlockQuant, quantize_layout
 from awex.meta.serialize import SCHEMA_VERSION, SchemaError, dumps_json, from_wire, loads_json, to_wire
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
+from awex.meta.topology import Estimate, Topology, estimate_seconds
 from awex.meta.verify import CoverageReport, verify_plan
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "Bucket",
     "CanonicalTensor",
     "CoverageReport",
+    "Estimate",
     "ExplicitSharding",
     "Fp8BlockQuant",
     "Layout",
@@ -59,10 +61,12 @@ __all__ = [
     "Step",
     "TensorLayout",
     "TensorSpec",
+    "Topology",
     "Transfer",
     "UnknownModelError",
     "canonical_tensors",
     "dumps_json",
+    "estimate_seconds",
     "from_wire",
     "load_config",
     "loads_json",

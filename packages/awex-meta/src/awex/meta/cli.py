@@ -82,6 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p_plan.add_argument("--dtype", default=None, help="override the config's dtype for every tensor")
     p_plan.add_argument(
+        "--fp8",
+        action="store_true",
+        help="engines hold FP8 block-quantised weights as the config's quantization_config says; trainers "
+        "quantise while sending (FP8 bytes and scales cross the links)",
+    )
+    p_plan.add_argument(
         "--wave-mb",
         type=float,
         default=256.0,
@@ -93,6 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p_plan.add_argument(
         "--link-gbps", type=float, default=None, help="per-rank link bandwidth in GB/s: estimate the sync time"
+    )
+    p_plan.add_argument(
+        "--topology",
+        default=None,
+        metavar="SPEC",
+        help="plan for nodes of GPUs and estimate the sync: gpus-per-node=8,nic-gbps=400,nvlink-gbps=3600,"
+        "placement=apart|shared (rates in gigabits/s per GPU and direction; see docs/topology.md)",
     )
     p_plan.add_argument("--no-verify", action="store_true", help="skip the independent coverage check")
     p_plan.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
@@ -218,6 +231,7 @@ def _plan(args: argparse.Namespace) -> int:
     from awex.meta.layouts import layouts_for, parse_engine_spec
     from awex.meta.models import canonical_tensors, load_config, model_dims
     from awex.meta.planner import PlanOptions, plan_transfers
+    from awex.meta.topology import Topology, estimate_seconds
     from awex.meta.verify import verify_plan
 
     config = load_config(args.model)
@@ -233,8 +247,20 @@ def _plan(args: argparse.Namespace) -> int:
         spec = parse_engine_spec(text)
         prefix = spec.engine if len(args.inference) == 1 else f"{spec.engine}{i}"
         destinations += layouts_for(spec, tensors, "inference", prefix=prefix)
+    topology = Topology.parse(args.topology) if args.topology else None
+    if args.fp8:
+        from awex.meta.quant import Fp8BlockQuant, quantize_layout
+
+        quant = Fp8BlockQuant.from_hf_config(config)
+        if quant is None:
+            raise ValueError("--fp8: the config declares no quantization_config (FP8 block quantisation)")
+        sources = [quantize_layout(x, quant, sender=True) for x in sources]
+        destinations = [quantize_layout(x, quant, sender=False) for x in destinations]
     options = PlanOptions(
-        wave_bytes=int(args.wave_mb * (1 << 20)), split_bytes=int(args.split_mb * (1 << 20)), relay=not args.no_relay
+        wave_bytes=int(args.wave_mb * (1 << 20)),
+        split_bytes=int(args.split_mb * (1 << 20)),
+        relay=not args.no_relay,
+        topology=topology,
     )
     progress = PlanProgress(f"{len(sources) + len(destinations)} layouts, {len(tensors):,} tensors")
     plan = plan_transfers(sources, destinations, options, progress=progress)
@@ -257,6 +283,8 @@ def _plan(args: argparse.Namespace) -> int:
     hot_recv = max(range(len(recv)), key=lambda r: (recv[r], -r))
     summary["hot_sender"] = _rank_name(plan, hot_send)
     summary["hot_receiver"] = _rank_name(plan, hot_recv)
+    if args.link_gbps and args.topology:
+        raise ValueError("--link-gbps and --topology both estimate the sync: give one")
     if args.link_gbps:
         bw = args.link_gbps * 1e9
         summary["link_gbps"] = args.link_gbps
@@ -265,6 +293,9 @@ def _plan(args: argparse.Namespace) -> int:
             max(summary["max_rank_send_bytes"], summary["max_rank_recv_bytes"]) / bw, 4
         )
         summary["estimated_seconds"] = round(_wave_schedule_seconds(plan, bw), 4)
+    if topology:
+        summary["topology"] = {k: v for k, v in vars(topology).items()}
+        summary.update(estimate_seconds(plan, topology).as_dict())
     _print_human(summary, args, dims)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
@@ -322,10 +353,18 @@ def _print_human(s: dict, args: argparse.Namespace, dims) -> None:
         )
     else:
         lines.append("coverage   FAILED: " + "; ".join(s["coverage_problems"][:5]))
-    if "estimated_seconds" in s:
+    if "link_gbps" in s:
         lines.append(
             f"estimate   at {s['link_gbps']:g} GB/s per rank: {s['lower_bound_seconds']:.3f} s lower bound, "
             f"{s['estimated_seconds']:.3f} s for this plan's wave schedule"
+        )
+    if "topology" in s:
+        t = s["topology"]
+        lines.append(
+            f"topology   {t['gpus_per_node']} GPUs per node, {t['placement']}; NIC {t['nic_gbps']:g} Gb/s, NVLink "
+            f"{t['nvlink_gbps']:g} Gb/s per GPU: estimated {s['estimated_seconds']:.3f} s (NIC bound "
+            f"{s['nic_lower_bound_seconds']:.3f} s), busiest NIC {_gb(s['busiest_nic_bytes'])} "
+            f"({s['busiest_nic_over_bound']:.3f}x its bound), {s['useful_gbps_per_receiver']:.1f} GB/s per receiver"
         )
     print("\n".join(lines), flush=True)
 

@@ -24,7 +24,7 @@ from awex.meta.spec import TensorSpec
 
 KINDS = (
     "vocab",  # embedding / lm_head rows are the vocabulary (padded and split by engines)
-    "q",  # query projection weight or bias: `heads` heads along dim 0
+    "q",  # rows per attention head along dim 0 (`heads` of them): query projections, MLA's up-projections
     "kv",  # key or value projection weight or bias: `heads` (KV) heads along dim 0
     "column",  # column-parallel linear: dim 0 split under tensor parallelism
     "row",  # row-parallel linear: dim 1 split under tensor parallelism
@@ -248,14 +248,14 @@ _EXPERT: list[Entry] = [
 _MLA: list[Entry] = [  # DeepSeek-V3's multi-head latent attention (with a low-rank query projection)
     ("self_attn.q_a_proj.weight", "replicated", lambda d: (d.q_lora_rank, d.hidden)),
     ("self_attn.q_a_layernorm.weight", "replicated", lambda d: (d.q_lora_rank,)),
-    ("self_attn.q_b_proj.weight", "column", lambda d: (d.heads * (d.qk_nope_dim + d.qk_rope_dim), d.q_lora_rank)),
+    ("self_attn.q_b_proj.weight", "q", lambda d: (d.heads * (d.qk_nope_dim + d.qk_rope_dim), d.q_lora_rank)),
     ("self_attn.kv_a_proj_with_mqa.weight", "replicated", lambda d: (d.kv_lora_rank + d.qk_rope_dim, d.hidden)),
     ("self_attn.kv_a_layernorm.weight", "replicated", lambda d: (d.kv_lora_rank,)),
-    ("self_attn.kv_b_proj.weight", "column", lambda d: (d.heads * (d.qk_nope_dim + d.v_head_dim), d.kv_lora_rank)),
+    ("self_attn.kv_b_proj.weight", "q", lambda d: (d.heads * (d.qk_nope_dim + d.v_head_dim), d.kv_lora_rank)),
     ("self_attn.o_proj.weight", "row", lambda d: (d.hidden, d.heads * d.v_head_dim)),
 ]
 _MLA_PLAIN_Q: list[Entry] = [  # no low-rank query projection (q_lora_rank unset, as DeepSeek-V2-Lite)
-    ("self_attn.q_proj.weight", "column", lambda d: (d.heads * (d.qk_nope_dim + d.qk_rope_dim), d.hidden)),
+    ("self_attn.q_proj.weight", "q", lambda d: (d.heads * (d.qk_nope_dim + d.qk_rope_dim), d.hidden)),
 ]
 _DEEPSEEK_SHARED: list[Entry] = [  # n_shared_experts shared experts, held as one MLP of their summed width
     ("mlp.shared_experts.gate_proj.weight", "column", lambda d: (d.shared_expert_intermediate, d.hidden)),

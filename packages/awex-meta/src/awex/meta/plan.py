@@ -83,6 +83,7 @@ class PlanStats:
     redundant_bytes: int
     plan_seconds: float
     relayed_bytes: int = 0
+    nic_bound_bytes: int = 0  # with PlanOptions.topology: the least the busiest NIC must move (else 0)
 
     @property
     def lower_bound_bytes(self) -> int:
@@ -153,6 +154,7 @@ class Plan:
             "buckets": s.buckets,
             "waves": s.waves,
             "relayed_bytes": s.relayed_bytes,
+            **({"nic_bound_bytes": s.nic_bound_bytes} if s.nic_bound_bytes else {}),
             "ranks": self.world_size,
             "trainer_ranks": len(self.ranks_of(Role.TRAINER)),
             "inference_ranks": len(self.ranks_of(Role.INFERENCE)),

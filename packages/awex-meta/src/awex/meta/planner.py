@@ -24,11 +24,13 @@ from typing import Callable, Sequence
 from awex.meta.balance import PairTransfers, Piece, assign_sources
 from awex.meta.box import Box, intersect
 from awex.meta.dtypes import is_exact_cast
+from awex.meta.fanout import NodeFanout, take_local
 from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats, Transfer
 from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, scale_name
 from awex.meta.schedule import assign_waves, plan_relays, split_broadcasts
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
+from awex.meta.topology import Placement, Topology
 
 log = logging.getLogger("awex.meta")
 
@@ -64,6 +66,12 @@ class PlanOptions:
     identical buckets for each destination (:func:`awex.meta.schedule.split_broadcasts`; a pair may then meet
     in two buckets of one wave, its own and a shared one), counted once in the source's load; part of the
     digest. Not the default: not yet measured on GPUs against relays.
+
+    ``topology``: where ranks run (:class:`~awex.meta.topology.Topology`: nodes of GPUs, a NIC per GPU, NVLink
+    inside a node). A destination takes a piece from a holder on its own node where there is one; the rest enters
+    each node that needs it once, through the NIC of the destination that has received least, which forwards it
+    to the node's other destinations (relays, :mod:`awex.meta.fanout`); sources are balanced on what then crosses
+    NICs. Replaces the hot-source relays of ``relay``; not with ``broadcast``.
     """
 
     wave_bytes: int = 256 << 20
@@ -73,10 +81,13 @@ class PlanOptions:
     devices: tuple[tuple[str, int, str], ...] = ()
     direct_bytes: int | None = 64 << 20
     broadcast: bool = False
+    topology: Topology | None = None
 
     def __post_init__(self) -> None:
         if self.broadcast:
             object.__setattr__(self, "relay", False)
+            if self.topology is not None:
+                raise ValueError("broadcast and topology do not combine: a topology fans out by node relays")
         if self.wave_bytes <= 0 or self.split_bytes <= 0:
             raise ValueError("wave_bytes and split_bytes must be positive")
         if self.direct_bytes is not None and self.direct_bytes <= 0:
@@ -140,6 +151,7 @@ def plan_transfers(
     device_of = [known.get((rank.instance, rank.local_rank)) for rank in ranks]
     same_device: PairTransfers = {}  # pieces a destination takes from a source on its own device
     same_device_load = [0] * len(ranks)
+    fanout = NodeFanout(Placement.of(options.topology, ranks), len(ranks)) if options.topology else None
     piece_cache: dict[tuple, list] = {}
     src_cache: dict[tuple, list[tuple[Box, tuple[int, ...]]]] = {}
     problems: list[str] = []
@@ -175,10 +187,12 @@ def plan_transfers(
                 dsts = tuple(base + local for base in bases for local in dst_locals)
                 for g in dsts:
                     recv[g] += nbytes
-                if known:
-                    dsts = _take_same_device(
-                        dsts, cands, device_of, same_device, same_device_load, Transfer(tidx, p_off, p_size, nbytes)
-                    )
+                if known or fanout:
+                    transfer = Transfer(tidx, p_off, p_size, nbytes)
+                    if known:
+                        dsts = take_local(dsts, cands, device_of, same_device, same_device_load, transfer)
+                    if fanout and dsts:
+                        dsts = fanout.route(transfer, cands, dsts)
                     if not dsts:
                         continue
                 group.append((-nbytes, tidx, p_off, p_size, dsts))
@@ -189,9 +203,12 @@ def plan_transfers(
     per_pair, lower_send = assign_sources(groups, len(ranks), options.split_bytes)
     tell("sources", 1, 1)
     del groups
-    for pair, transfers in same_device.items():
-        per_pair.setdefault(pair, []).extend(transfers)
-    relays = plan_relays(per_pair, len(ranks)) if options.relay else {}
+    relays = fanout.relays(per_pair) if fanout else {}
+    for local in (same_device, fanout.local if fanout else {}):
+        for pair, transfers in local.items():
+            per_pair.setdefault(pair, []).extend(transfers)
+    if options.relay and not fanout:
+        relays = plan_relays(per_pair, len(ranks))
     broadcasts = None
     if options.broadcast:
         per_pair, broadcasts = split_broadcasts(per_pair)
@@ -224,31 +241,9 @@ def plan_transfers(
         redundant_bytes=sum(got) - sum(recv),
         plan_seconds=time.perf_counter() - started,
         relayed_bytes=relayed,
+        nic_bound_bytes=max(fanout.recv_bound(), lower_send) if fanout else 0,
     )
     return Plan(tuple(ranks), tuple(tensors), tuple(ordered), stats, options, casts=tuple(casts))
-
-
-def _take_same_device(
-    dsts: tuple[int, ...],
-    cands: tuple[int, ...],
-    device_of: list[str | None],
-    out: PairTransfers,
-    load: list[int],
-    transfer: Transfer,
-) -> tuple[int, ...]:
-    """Give each destination with a candidate source on its own device the piece from there (the least loaded
-    such source); returns the destinations left for the load-balanced assignment."""
-    rest = []
-    for g in dsts:
-        here = device_of[g]
-        local = [c for c in cands if here is not None and device_of[c] == here]
-        if not local:
-            rest.append(g)
-            continue
-        src = min(local, key=lambda c: (load[c], c))
-        load[src] += transfer.nbytes
-        out.setdefault((src, g), []).append(transfer)
-    return tuple(rest)
 
 
 def _group_identical(layouts: Sequence[Layout], offsets: dict[str, int]) -> list[tuple[Layout, list[int]]]:

@@ -97,8 +97,8 @@ def assign_waves(
 
     Every pair's transfers, sorted by tensor and offset, are laid end to end and cut (along the outermost
     dimension) into equal consecutive chunks, one per wave, so every wave carries the same share of every
-    pair; a pair whose share would fall below ``min_piece_bytes`` gets fewer chunks of whole pieces, spread
-    evenly over the waves (a rank with many peers sends few large messages rather than tiny ones in every
+    pair; a pair whose share would fall below ``min_piece_bytes`` gets fewer, equal chunks, spread evenly over
+    the waves (a rank with many peers sends few large messages rather than tiny ones in every
     wave, and the plan stays small).
     Relayed transfers follow their first hop :data:`RELAY_LAG` waves later. ``broadcasts`` (from
     :func:`split_broadcasts`) are cut the same way, once per source and destination set, into identical
@@ -126,12 +126,14 @@ def assign_waves(
     relayed: dict[tuple[int, int], dict[int, list[Transfer]]] = {}
     for pair in sorted(per_pair):
         src, dst = pair
+        shift = _shift(src, dst, waves)
 
         def forward(piece: Transfer, item: Transfer, wave: int, src=src, dst=dst) -> None:
             for other in relays.get((src, dst, item), ()):
                 relayed.setdefault((dst, other), {}).setdefault(wave + RELAY_LAG, []).append(piece)
 
-        _emit(buckets, src, dst, _spread(sorted(per_pair[pair]), waves, floor, itemsizes, forward if relays else None))
+        chunks = _spread(sorted(per_pair[pair]), waves, floor, itemsizes, forward if relays else None, shift)
+        _emit(buckets, src, dst, chunks)
     for (src, dst), by_wave in sorted(relayed.items()):
         _emit(buckets, src, dst, by_wave)
     for src, dsts in sorted(broadcasts):
@@ -160,18 +162,27 @@ def split_broadcasts(per_pair: PairTransfers) -> tuple[PairTransfers, Broadcasts
     return rest, groups
 
 
+def _shift(src: int, dst: int, waves: int) -> int:
+    """Where a pair with fewer chunks than waves starts: spread low-discrepancy over the waves both among one
+    source's destinations and among one destination's sources (golden-ratio sequences), so that no port gets
+    the chunks of many of its pairs in the same wave."""
+    return int((src * 0.6180339887498949 + dst * 0.7548776662466927) % 1.0 * waves) % waves
+
+
 def _spread(
     items: list[Transfer],
     waves: int,
     floor: int,
     itemsizes: list[int],
     forward: Callable[[Transfer, Transfer, int], None] | None,
+    shift: int = 0,
 ) -> dict[int, list[Transfer]]:
     """One pair's transfers (sorted) cut into its chunks of the ``waves`` (see :func:`assign_waves`);
-    ``forward(piece, item, wave)`` is told where each piece of each item went (relays)."""
+    ``forward(piece, item, wave)`` is told where each piece of each item went (relays). Fewer chunks than waves
+    go to every ``waves / chunks``-th wave from ``shift`` on (wrapping around), so pairs that differ in ``shift``
+    do not all load the same waves."""
     total = sum(t.nbytes for t in items)
     chunks = min(waves, max(1, total // floor))  # a pair's share per wave is never below `floor`
-    exact = chunks == waves  # a share in every wave: cut pieces at the boundaries; else whole pieces
     by_wave: dict[int, list[Transfer]] = {}
     k = 0
     done = 0
@@ -181,7 +192,7 @@ def _spread(
         while todo:
             piece = todo.pop()
             room = (k + 1) * total // chunks - done
-            if exact and piece.nbytes > room and k < chunks - 1:
+            if piece.nbytes > room and k < chunks - 1:
                 head, tail = _cut(piece, room, itemsizes[piece.tensor])
                 if head is None and used:  # not even one row fits: close this chunk, retry in the next
                     k += 1
@@ -191,7 +202,7 @@ def _spread(
                 if head is not None:
                     todo.append(tail)
                     piece = head
-            wave = k * waves // chunks
+            wave = k if chunks == waves else (k * waves // chunks + shift) % waves
             by_wave.setdefault(wave, []).append(piece)
             if forward is not None:
                 forward(piece, item, wave)

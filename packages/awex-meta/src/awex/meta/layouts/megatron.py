@@ -16,6 +16,11 @@ Ranks follow Megatron's default order ``tp-cp-ep-dp-pp`` (tensor parallel fastes
   norm and output layer on the last. With tied
   embeddings the last stage keeps a copy of the embedding as its output layer.
 - Experts: expert ``e`` lives on EP rank ``e // (experts / ep)``, split over expert-TP (``etp``) like a dense MLP.
+- Multi-head latent attention (DeepSeek-V3, Kimi-K2) as Megatron-core's Transformer Engine spec builds it: the
+  down-projections (``linear_q_down_proj``, ``linear_kv_down_proj``) and their norms duplicated on every TP rank,
+  the up-projections (``linear_q_up_proj``, ``linear_kv_up_proj``) split by heads, ``linear_proj`` by rows.
+  Shared experts are one TP-split MLP; the router's score bias (``expert_bias``) is held whole by every rank.
+  (The local, non-TE spec splits the down-projections instead; the converter says which it found.)
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
-from awex.meta.layouts.common import check_divides, pad_to, refuse_unplaced
+from awex.meta.layouts.common import check_divides, pad_to
 from awex.meta.models import CanonicalTensor
 from awex.meta.spec import Role
 
@@ -57,7 +62,6 @@ def megatron_layout(
     tensors: Sequence[CanonicalTensor], parallel: MegatronParallel, instance: str = "trainer"
 ) -> Layout:
     """The layout of a Megatron-core GPT model trained with ``parallel``."""
-    refuse_unplaced(tensors, "megatron")
     p = parallel
     for name in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "vocab_pad"):
         if getattr(p, name) < 1:

@@ -12,6 +12,9 @@ backends number them (``dp_rank * tp * pp + rank``).
 - Experts: without expert parallelism every TP rank holds a TP slice of every expert; with it
   (``enable_expert_parallel``) expert ``e`` lives whole on one of the ``dp * tp`` EP ranks (linear placement;
   the first ``experts % ep`` ranks take one extra).
+- Multi-head latent attention (``DeepseekV2Attention``/MLA): ``q_a_proj`` and ``kv_a_proj_with_mqa`` (fused as
+  ``fused_qkv_a_proj``) and their norms replicated, ``q_b_proj``/``kv_b_proj`` split by heads, ``o_proj`` by rows;
+  DeepSeek's shared experts are a TP-split MLP, ``e_score_correction_bias`` replicated in FP32.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
-from awex.meta.layouts.common import check_divides, pad_to, refuse_unplaced
+from awex.meta.layouts.common import check_divides, pad_to
 from awex.meta.models import CanonicalTensor, canonical_tensors
 from awex.meta.quant import Fp8BlockQuant, quantize_layout
 from awex.meta.spec import Role
@@ -67,7 +70,6 @@ def expert_owner(expert: int, experts: int, ep: int) -> int:
 
 def vllm_layout(tensors: Sequence[CanonicalTensor], parallel: VllmParallel, instance: str = "vllm") -> Layout:
     """The layout of one vLLM engine serving the model with ``parallel``."""
-    refuse_unplaced(tensors, "vllm")
     p = parallel
     for name in ("tp", "pp", "dp", "vocab_pad"):
         if getattr(p, name) < 1:
