@@ -52,6 +52,7 @@ from awex_integration.bench_common import (
     native_params,
     scenario_devices,
 )
+from awex_integration.estimate_check import predict
 
 
 def sources_ranks(plan):
@@ -988,6 +989,10 @@ def main(argv: list[str] | None = None) -> int:
             )[:5],
             "wall_seconds": round(time.monotonic() - started, 1),
         }
+        # the topology cost model's prediction from this run's measured rates (awex_integration.estimate_check)
+        predicted = predict({"limits": cal}, entry, layouts=layouts)
+        entry["predicted_seconds"] = predicted["predicted_seconds"]
+        entry["measured_over_predicted"] = predicted["measured_over_predicted"]
         if args.upstream and args.upstream_awex and sc.transport == "nccl" and buffer == buffers[0] and not args.fp8:
             from awex_integration.bench_upstream_awex import run as run_upstream_awex
             from awex_integration.bench_upstream_awex import scenario_spec
@@ -1012,7 +1017,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{sc.name} ({buffer} trainer buffer): {steady * 1e3:.1f} ms steady "
             f"(first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
-            f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, correct={entry['correct']}; {base}",
+            f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, cost model {entry['predicted_seconds'] * 1e3:.1f} ms "
+            f"({entry['measured_over_predicted']}), correct={entry['correct']}; {base}",
             flush=True,
         )
         print(f"  each rank's own time (median): {entry['rank_seconds']}", flush=True)

@@ -28,10 +28,15 @@ def limits_of(doc: dict, row: dict) -> dict:
     return limits
 
 
-def predict(doc: dict, row: dict) -> dict:
+def predict(doc: dict, row: dict, tensors=None, layouts=None) -> dict:
+    """``row`` priced with the limits in ``doc``; ``tensors``: the row's canonical tensors (default: the full model
+    its ``model`` names), ``layouts``: the row's layouts (default: its scenario's over ``tensors``; give them where
+    the run quantised them)."""
     sc = next(s for s in SCENARIOS if s.name == row["name"])
-    _, tensors = model_tensors(row["model"].split(" ")[0], None)
-    layouts = layouts_of(sc, tensors)
+    if layouts is None:
+        if tensors is None:
+            _, tensors = model_tensors(row["model"].split(" ")[0], None)
+        layouts = layouts_of(sc, tensors)
     src = [x for x in layouts if x.role == Role.TRAINER]
     dst = [x for x in layouts if x.role == Role.INFERENCE]
     ipc = sc.transport in ("ipc", "shm")
@@ -40,6 +45,8 @@ def predict(doc: dict, row: dict) -> dict:
     )
     limits = limits_of(doc, row)
     link = {"nccl": "pair_bps", "ipc": "dma_bps", "shm": "d2h_while_h2d_bps"}[sc.transport]
+    if link not in limits and sc.gpus == 1 and sc.transport != "shm":
+        link = "copy_bps"  # one GPU: no link between GPUs was measured, and none is used
     gpu = {r.rank: next(e for e in sc.engines if e.instance == r.instance).gpus[r.local_rank] for r in plan.ranks}
     topology = Topology(
         gpus_per_node=sc.gpus, nvlink_gbps=limits[link] * 8 / 1e9, copy_gbps=limits["copy_bps"] * 8 / 1e9
@@ -53,7 +60,7 @@ def predict(doc: dict, row: dict) -> dict:
         "name": row["name"],
         "transport": sc.transport,
         "path": row.get("path", "").split(":")[0],
-        "link_rate_bytes_per_s": round(limits[link]),
+        "link_rate_bytes_per_s": round(limits[link]),  # for the row's link between GPUs (or the copy on one)
         "predicted_seconds": round(estimate.seconds, 6),
         "measured_seconds": row["seconds"],
         "measured_over_predicted": round(row["seconds"] / estimate.seconds, 3),

@@ -581,6 +581,7 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     results = {
         "ok": True,
         "steps": args.steps,
+        "model_bytes": sum(v.numel() * v.element_size() for v in reference.values()),
         "bytes": [],
         "sync_seconds": [],
         "tensors_checked": 0,

@@ -5,7 +5,8 @@ ranks through Ray. Tensors bit-exact and greedy output equal to HF's after every
 - one node: Megatron-core TP=2 -> vLLM TP=2 (vLLM's CPU build; its TP workers by multiprocessing in the actor),
   driven by the runner's calls on the engine actor, or by the trainer ranks through vLLM's Ray client;
 - two nodes: a Ray head in one network namespace, a Ray worker node in another (two hosts on one machine): the
-  trainer ranks on the first, an HF engine on the second, syncing across the veth pair.
+  trainer ranks on the first, two HF engines on the second, syncing across the veth pair; the bytes both engines
+  need cross into their node once and one engine forwards them to the other (the plan knows the ranks' hosts).
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ WHY = netns.unavailable()
 @pytest.mark.skipif(WHY is not None, reason=f"two network namespaces cannot be made here: {WHY}")
 def test_trainer_node_to_engine_node_across_a_two_node_ray_cluster():
     args = ["--launcher", "ray", "--hosts", "2", "--trainer", "megatron", "--train-tp", "2", "--inference", "hf"]
-    result = run_scenario(args)
+    result = run_scenario([*args, "--instances", "2"])
     _assert_synced(result)
     trainers, engines = result["placement"]["trainers"], result["placement"]["engines"]
     assert len({(t["node"], t["netns"]) for t in trainers}) == 1  # both trainer ranks on the first node
-    (engine,) = engines
+    assert len(engines) == 2 and len({(e["node"], e["netns"]) for e in engines}) == 1
+    engine = engines[0]
     assert engine["node"] != trainers[0]["node"] and engine["netns"] != trainers[0]["netns"]
     assert result["transport"] == "gloo"  # auto across hosts
+    # into the engines' host once, not once per engine (the norms both trainer ranks hold may go twice)
+    assert all(result["model_bytes"] <= sent < 1.05 * result["model_bytes"] for sent in result["bytes"])

@@ -143,3 +143,19 @@ def test_cli_reports_the_estimate_and_refuses_two_estimates(tmp_path):
     assert done.returncode == 0  # an empty topology is no topology
     done = subprocess.run([*cmd, "--topology", "gpus-per-node=4", "--link-gbps", "50"], capture_output=True, text=True)
     assert done.returncode == 2 and "give one" in done.stderr
+
+
+def test_hosts_the_ranks_report_decide_their_nodes():
+    """How the writer and reader plan across hosts: nodes from the hosts ranks report, not from a placement rule."""
+    src, dst = layouts(trainer_tp=2, engines=3)
+    hosts = [("trainer", 0, "a"), ("trainer", 1, "a"), ("vllm-0", 0, "b"), ("vllm-1", 0, "b"), ("vllm-2", 0, "c")]
+    options = PlanOptions(wave_bytes=MODEL // 4, topology=Topology(), hosts=hosts)
+    plan = plan_transfers(src, dst, options)
+    place = Placement.of(Topology(), plan.ranks, options.hosts)
+    assert place.node == (0, 0, 1, 1, 2) and place.gpu == (0, 1, 0, 1, 0)
+    assert verify_plan(plan, src, dst).ok
+    assert nic_bytes_into(plan, place, 1) == MODEL and nic_bytes_into(plan, place, 2) == MODEL
+    assert plan.stats.relayed_bytes == MODEL  # host b's second engine gets everything from its first
+    unknown = Placement.of(Topology(), plan.ranks, hosts[:4])  # a rank without a host: a node of its own
+    assert unknown.node[4] not in unknown.node[:4]
+    assert PlanOptions(hosts=hosts[::-1]) == PlanOptions(hosts=hosts)  # order-free, like devices

@@ -23,7 +23,7 @@ from awex.engines.board import HostBoard, host_identity
 from awex.engines.channel import ChannelError, VersionChannel
 from awex.engines.manifest import SyncManifest, _count
 from awex.engines.peer_link import PeerLinkOfSession
-from awex.meta import Layout, Plan, PlanOptions, plan_transfers
+from awex.meta import Layout, Plan, PlanOptions, Topology, plan_transfers
 from awex.meta.client import MetaClient
 from awex.meta.transport_choice import TransportError, choose_transport, unreachable
 from awex.transport import LocalShards
@@ -275,7 +275,11 @@ class SyncSession:
         devices, reach, hosts = tuple(where.devices), where.reach, where.hosts
         self._processes = where.processes
 
+        host_of = tuple((name, rank, host) for (name, rank), (host, _, _) in sorted(where.processes.items()))
+        across_hosts = len({h for _, _, h in host_of}) > 1
+
         def plan_for(transport: str) -> Plan:
+            nodes = transport == "p2p" and across_hosts  # what a host needs enters it once and is forwarded there
             return plan_transfers(
                 [layouts[n] for n in manifest.sources],
                 [layouts[n] for n in manifest.destinations],
@@ -284,6 +288,8 @@ class SyncSession:
                     relay=transport == "p2p",
                     allow_cast=manifest.allow_cast,
                     devices=devices if transport == "ipc" else (),
+                    topology=Topology() if nodes else None,
+                    hosts=host_of if nodes else (),
                 ),
             )
 

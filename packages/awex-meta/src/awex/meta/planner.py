@@ -71,7 +71,9 @@ class PlanOptions:
     inside a node). A destination takes a piece from a holder on its own node where there is one; the rest enters
     each node that needs it once, through the NIC of the destination that has received least, which forwards it
     to the node's other destinations (relays, :mod:`awex.meta.fanout`); sources are balanced on what then crosses
-    NICs. Replaces the hot-source relays of ``relay``; not with ``broadcast``.
+    NICs. Replaces the hot-source relays of ``relay``; not with ``broadcast``. ``hosts`` names the host of ranks,
+    as ``(instance, local_rank, host)``: with a topology, ranks on one host share a node whatever its placement
+    rule says (how the writer and reader plan a sync across hosts).
     """
 
     wave_bytes: int = 256 << 20
@@ -82,6 +84,7 @@ class PlanOptions:
     direct_bytes: int | None = 64 << 20
     broadcast: bool = False
     topology: Topology | None = None
+    hosts: tuple[tuple[str, int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.broadcast:
@@ -95,6 +98,7 @@ class PlanOptions:
         if isinstance(self.allow_cast, str):
             object.__setattr__(self, "allow_cast", (self.allow_cast,))
         object.__setattr__(self, "devices", tuple(sorted((str(i), int(r), str(d)) for i, r, d in self.devices)))
+        object.__setattr__(self, "hosts", tuple(sorted((str(i), int(r), str(h)) for i, r, h in self.hosts)))
 
 
 class PlanError(ValueError):
@@ -151,7 +155,9 @@ def plan_transfers(
     device_of = [known.get((rank.instance, rank.local_rank)) for rank in ranks]
     same_device: PairTransfers = {}  # pieces a destination takes from a source on its own device
     same_device_load = [0] * len(ranks)
-    fanout = NodeFanout(Placement.of(options.topology, ranks), len(ranks)) if options.topology else None
+    fanout = None
+    if options.topology:
+        fanout = NodeFanout(Placement.of(options.topology, ranks, options.hosts), len(ranks))
     piece_cache: dict[tuple, list] = {}
     src_cache: dict[tuple, list[tuple[Box, tuple[int, ...]]]] = {}
     problems: list[str] = []

@@ -91,9 +91,27 @@ class Placement:
     gpu: tuple[int, ...]
 
     @classmethod
-    def of(cls, topology: Topology, ranks: Sequence[RankDescriptor]) -> Placement:
+    def of(
+        cls, topology: Topology, ranks: Sequence[RankDescriptor], hosts: Sequence[tuple[str, int, str]] = ()
+    ) -> Placement:
         """Every rank on a GPU of its own, on the node :meth:`Topology.nodes` gives it; ``shared`` placement puts
-        inference rank ``i`` on the GPU of trainer rank ``i``."""
+        inference rank ``i`` on the GPU of trainer rank ``i``.
+
+        ``hosts`` (``(instance, local_rank, host)``, as the ranks of a job report them) overrides that: ranks on one
+        host share a node, numbered in the order of their hosts' names; a rank whose host is not given has a node
+        of its own; GPUs are numbered per host in sync-world order."""
+        if hosts:
+            known = {(i, r): h for i, r, h in hosts}
+            names = sorted(set(known.values()))
+            node_of = {h: n for n, h in enumerate(names)}
+            node, gpu, count = [], [], {}
+            for rank in ranks:
+                host = known.get((rank.instance, rank.local_rank))
+                n = node_of[host] if host is not None else len(names) + rank.rank
+                node.append(n)
+                gpu.append(count.get(n, 0))
+                count[n] = count.get(n, 0) + 1
+            return cls(tuple(node), tuple(gpu))
         node = topology.nodes(ranks)
         trainer = [r.rank for r in ranks if r.role == Role.TRAINER]
         gpu = [0] * len(ranks)
