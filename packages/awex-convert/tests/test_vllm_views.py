@@ -233,17 +233,58 @@ def test_qwen2_moe_shared_expert_fuses_gate_up_like_a_dense_mlp(tp):
 
 
 def test_views_refuse_models_whose_engine_parameters_are_not_mapped_yet():
-    """DeepSeek-V3's latent attention and GLM-4.5's DeepSeek-style experts: the planner places them, but vLLM's
-    and Megatron's views refuse them, naming the feature, before any view is made."""
+    """GLM-4.5's DeepSeek-style experts in vLLM, and DeepSeek-V3 / GLM-4.5 in Megatron-core: the planner places them,
+    but the views refuse them, naming the feature, before any view is made. vLLM's DeepSeek-V3 is mapped."""
     from awex.convert import MegatronNames, megatron_param_shapes
     from awex.meta.layouts import MegatronParallel
 
     models = Path(__file__).resolve().parents[3] / "integration" / "models"
+    glm = model_dims(json.loads((models / "glm4-moe-tiny.json").read_text()))
+    with pytest.raises(ValueError, match="vllm: .*DeepSeek-style MoE"):
+        vllm_views({}, glm, VllmParallel(tp=2))
+    with pytest.raises(ValueError, match="vllm: .*DeepSeek-style MoE"):
+        vllm_param_shapes(glm, VllmParallel(tp=2))
     for name, what in (("deepseek-v3-tiny.json", "latent attention"), ("glm4-moe-tiny.json", "DeepSeek-style MoE")):
         dims = model_dims(json.loads((models / name).read_text()))
-        with pytest.raises(ValueError, match=f"vllm: .*{what}"):
-            vllm_views({}, dims, VllmParallel(tp=2))
-        with pytest.raises(ValueError, match=f"vllm: .*{what}"):
-            vllm_param_shapes(dims, VllmParallel(tp=2))
         with pytest.raises(ValueError, match=f"megatron: .*{what}"):
             megatron_param_shapes(dims, MegatronNames(0, 0, MegatronParallel(tp=2)))
+
+
+def test_deepseek_v3_views_cover_every_box_of_every_tp_rank():
+    """vLLM's DeepSeek-V3 parameters (fused_qkv_a_proj, heads-split q_b/kv_b_proj, shared_experts, FP32 score
+    bias) tile exactly the boxes the vLLM layout gives each TP rank, and a canonical tensor written through the
+    views reads back whole (the live engine's names and shapes are checked when the awex backend starts, in
+    integration/tests/test_deepseek_vllm.py)."""
+    models = Path(__file__).resolve().parents[3] / "integration" / "models"
+    dims = model_dims(json.loads((models / "deepseek-v3-tiny.json").read_text()), "float32")
+    tensors = canonical_tensors(dims)
+    tp = 2
+    layout = vllm_layout(tensors, VllmParallel(tp=tp), "v")
+    g = torch.Generator().manual_seed(0)
+    full = {t.name: torch.randn(t.spec.shape, generator=g).to(getattr(torch, t.spec.dtype)) for t in tensors}
+    for rank in range(tp):
+        shapes = vllm_param_shapes(dims, VllmParallel(tp=tp), tp_rank=rank)
+        dtypes = vllm_param_dtypes(shapes, "float32")
+        params = {n: torch.full(s, float("nan"), dtype=dtypes[n]) for n, s in shapes.items()}
+        assert params["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+        shards = LocalShards.from_layout(layout, rank, vllm_views(params, dims, VllmParallel(tp=tp), tp_rank=rank))
+        for name in shards.names():
+            for box, view in shards.pairs(name):
+                view.copy_(full[name][box.slices()])
+        pre = "model.layers.1."
+        a = pre + "self_attn."
+        want = torch.cat([full[a + "q_a_proj.weight"], full[a + "kv_a_proj_with_mqa.weight"]])
+        assert torch.equal(params[a + "fused_qkv_a_proj.weight"], want)  # vLLM's [q_a; kv_a], whole on every rank
+        rows = dims.heads // tp * (dims.qk_nope_dim + dims.v_head_dim)
+        assert torch.equal(
+            params[a + "kv_b_proj.weight"], full[a + "kv_b_proj.weight"][rank * rows : (rank + 1) * rows]
+        )
+        half = dims.shared_expert_intermediate // tp
+        gate, up = (
+            full[pre + f"mlp.shared_experts.{p}_proj.weight"][rank * half : (rank + 1) * half] for p in ("gate", "up")
+        )
+        assert torch.equal(params[pre + "mlp.shared_experts.gate_up_proj.weight"], torch.cat([gate, up]))
+        bias = pre + "mlp.gate.e_score_correction_bias"
+        assert torch.equal(params[bias], full[bias])
+        nan = [n for n, p in params.items() if p.is_floating_point() and torch.isnan(p).any()]
+        assert set(nan) <= {"model.embed_tokens.weight", "lm_head.weight"}, nan  # only the vocabulary padding

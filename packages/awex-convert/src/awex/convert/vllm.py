@@ -1,4 +1,4 @@
-"""vLLM's own parameters (dense decoder models: Llama, Mistral, Qwen2, Qwen3) as canonical boxes.
+"""vLLM's own parameters (Llama, Mistral, Qwen2/3 and their MoE, DeepSeek-V3) as canonical boxes.
 
 For the in-place path on engines whose parameters are plain tensors (GPU vLLM): maps each box the vLLM layout
 (:func:`awex.meta.layouts.vllm_layout`) gives a rank to a view of that rank's native parameter:
@@ -21,6 +21,11 @@ layers.L.mlp.experts.E.down_proj  ...mlp.experts.routed_experts.w2_weight[e] (co
                                   parallelism each rank holds its own experts whole (linear placement)
 layers.L.mlp.shared_expert.*      ...mlp.shared_expert.gate_up_proj / down_proj (Qwen2-MoE), split like a
                                   dense MLP; ...mlp.shared_expert_gate.weight replicated
+layers.L.self_attn.q_a_proj,      ...self_attn.fused_qkv_a_proj.weight = [q_a_proj; kv_a_proj_with_mqa],
+  kv_a_proj_with_mqa              replicated (DeepSeek-V3 multi-head latent attention)
+layers.L.self_attn.{q_b,kv_b,o}   same names: q_b_proj / kv_b_proj rows split by heads, o_proj columns
+layers.L.mlp.shared_experts.*     ...mlp.shared_experts.gate_up_proj / down_proj (DeepSeek), like a dense MLP
+layers.L.mlp.gate.e_score_...     same name, float32, replicated
 ================================  ===============================================================
 
 :func:`vllm_param_name` says which native parameter holds a canonical tensor.
@@ -44,20 +49,23 @@ from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import VllmParallel
 from awex.meta.layouts.vllm import expert_owner, pp_layer_ranges
-from awex.meta.models import ModelDims
+from awex.meta.models import ARCHITECTURES, ModelDims
 from awex.meta.quant import SCALE_SUFFIX, Fp8BlockQuant
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(?:_scale_inv)?$")
-_GATE_UP = re.compile(r"^(mlp|mlp\.shared_expert)\.(gate|up)_proj\.(.+)$")  # dense MLP or Qwen2-MoE shared expert
+_GATE_UP = re.compile(r"^(mlp|mlp\.shared_experts?)\.(gate|up)_proj\.(.+)$")  # dense MLP or a shared expert MLP
+_QKV_A = re.compile(r"^self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$")  # DeepSeek's fused_qkv_a_proj
+MAPPED = ("DeepseekV3ForCausalLM",)  # architectures with latent attention / DeepSeek MoE these views map
 _QKV = re.compile(r"^self_attn\.([qkv])_proj\.(.+)$")
 
 
-def vllm_param_name(name: str, tie_embeddings: bool = False) -> str:
+def vllm_param_name(name: str, tie_embeddings: bool = False, latent_q: bool = True) -> str:
     """The vLLM parameter that holds canonical tensor ``name`` (or part of it): ``q_proj`` / ``k_proj`` /
     ``v_proj`` live in ``qkv_proj``, ``gate_proj`` / ``up_proj`` in ``gate_up_proj``, expert ``E``'s
     projections in ``experts.routed_experts.w13_weight`` / ``w2_weight`` (vLLM 0.32's names), a tied ``lm_head`` in
-    ``embed_tokens``;
+    ``embed_tokens``, DeepSeek's ``q_a_proj`` / ``kv_a_proj_with_mqa`` in ``fused_qkv_a_proj`` (``latent_q``: the
+    model has a low-rank query projection; without one ``kv_a_proj_with_mqa`` keeps its name);
     FP8 scales follow their weights. Every other name is the same in vLLM."""
     if name == "lm_head.weight" and tie_embeddings:
         return "model.embed_tokens.weight"
@@ -68,6 +76,8 @@ def vllm_param_name(name: str, tie_embeddings: bool = False) -> str:
     suffix = SCALE_SUFFIX if rest.endswith(SCALE_SUFFIX) else ""
     if q := _QKV.match(rest):
         return pre + "self_attn.qkv_proj." + q.group(2)
+    if _QKV_A.match(rest) and latent_q:
+        return pre + "self_attn.fused_qkv_a_proj.weight"
     if e := _EXPERT.match(rest):
         return pre + "mlp.experts.routed_experts." + ("w2_weight" if e.group(2) == "down" else "w13_weight") + suffix
     if g := _GATE_UP.match(rest):
@@ -99,7 +109,10 @@ def vllm_param_shapes(
     dp_rank: int = 0,
 ) -> dict[str, tuple[int, ...]]:
     """Names and shapes of one vLLM rank's parameters (with ``quant``, FP8 weights' scales too)."""
-    refuse_unconverted(dims, "vllm")
+    refuse_unconverted(dims, "vllm", MAPPED)
+    arch = ARCHITECTURES[dims.architecture]
+    if quant is not None and arch.attention == "mla":
+        raise ValueError("vllm: FP8 engines of multi-head latent attention models are not mapped yet")
     tp = parallel.tp
     padded = -(-dims.vocab // parallel.vocab_pad) * parallel.vocab_pad
     hd = dims.head_dim
@@ -111,10 +124,13 @@ def vllm_param_shapes(
         shapes["model.embed_tokens.weight"] = (padded // tp, dims.hidden)
     for layer in range(start, stop):
         pre = f"model.layers.{layer}."
-        shapes[pre + "self_attn.qkv_proj.weight"] = (qkv_rows, dims.hidden)
+        if arch.attention == "mla":
+            shapes.update(_latent_attention_shapes(pre, dims, tp))
+        else:
+            shapes[pre + "self_attn.qkv_proj.weight"] = (qkv_rows, dims.hidden)
+            shapes[pre + "self_attn.o_proj.weight"] = (dims.hidden, q_rows)
         if dims.attention_bias:
             shapes[pre + "self_attn.qkv_proj.bias"] = (qkv_rows,)
-        shapes[pre + "self_attn.o_proj.weight"] = (dims.hidden, q_rows)
         if dims.qk_norm:
             shapes[pre + "self_attn.q_norm.weight"] = (hd,)
             shapes[pre + "self_attn.k_norm.weight"] = (hd,)
@@ -122,9 +138,15 @@ def vllm_param_shapes(
             local = len(_local_experts(dims, parallel, tp_rank, dp_rank))
             inter = dims.moe_intermediate if parallel.ep else dims.moe_intermediate // tp
             shapes[pre + "mlp.gate.weight"] = (dims.num_experts, dims.hidden)
+            if arch.moe == "deepseek":
+                shapes[pre + "mlp.gate.e_score_correction_bias"] = (dims.num_experts,)
             shapes[pre + "mlp.experts.routed_experts.w13_weight"] = (local, 2 * inter, dims.hidden)
             shapes[pre + "mlp.experts.routed_experts.w2_weight"] = (local, dims.hidden, inter)
-            if dims.shared_expert_intermediate:
+            if dims.shared_expert_intermediate and arch.moe == "deepseek":
+                shared = dims.shared_expert_intermediate // tp
+                shapes[pre + "mlp.shared_experts.gate_up_proj.weight"] = (2 * shared, dims.hidden)
+                shapes[pre + "mlp.shared_experts.down_proj.weight"] = (dims.hidden, shared)
+            elif dims.shared_expert_intermediate:
                 shared = dims.shared_expert_intermediate // tp
                 shapes[pre + "mlp.shared_expert.gate_up_proj.weight"] = (2 * shared, dims.hidden)
                 shapes[pre + "mlp.shared_expert.down_proj.weight"] = (dims.hidden, shared)
@@ -151,16 +173,36 @@ def vllm_param_shapes(
     return shapes
 
 
+def _latent_attention_shapes(pre: str, dims: ModelDims, tp: int) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's attention on one TP rank (``DeepseekV2MLAAttention``)."""
+    heads = dims.heads // tp
+    a = pre + "self_attn."
+    kv_a = dims.kv_lora_rank + dims.qk_rope_dim
+    out: dict[str, tuple[int, ...]] = {}
+    if dims.q_lora_rank:
+        out[a + "fused_qkv_a_proj.weight"] = (dims.q_lora_rank + kv_a, dims.hidden)
+        out[a + "q_a_layernorm.weight"] = (dims.q_lora_rank,)
+        out[a + "q_b_proj.weight"] = (heads * (dims.qk_nope_dim + dims.qk_rope_dim), dims.q_lora_rank)
+    else:
+        out[a + "q_proj.weight"] = (heads * (dims.qk_nope_dim + dims.qk_rope_dim), dims.hidden)
+        out[a + "kv_a_proj_with_mqa.weight"] = (kv_a, dims.hidden)
+    out[a + "kv_a_layernorm.weight"] = (dims.kv_lora_rank,)
+    out[a + "kv_b_proj.weight"] = (heads * (dims.qk_nope_dim + dims.v_head_dim), dims.kv_lora_rank)
+    out[a + "o_proj.weight"] = (dims.hidden, heads * dims.v_head_dim)
+    return out
+
+
 def vllm_param_dtypes(
     shapes: Mapping[str, tuple[int, ...]], dtype: str, quant: Fp8BlockQuant | None = None
 ) -> dict[str, torch.dtype]:
     """The dtype of each parameter :func:`vllm_param_shapes` names: the quantised dtype for weights that have a
-    scale, float32 for the scales, ``dtype`` (the model's, e.g. ``"bfloat16"``) for everything else."""
+    scale, float32 for the scales and DeepSeek's router score bias, ``dtype`` (the model's, e.g. ``"bfloat16"``)
+    for everything else."""
     plain = getattr(torch, dtype)
     fp8 = getattr(torch, quant.dtype) if quant is not None else None
     out = {}
     for name in shapes:
-        if name.endswith(SCALE_SUFFIX):
+        if name.endswith(SCALE_SUFFIX) or name.endswith(FP32_SUFFIXES):
             out[name] = torch.float32
         elif fp8 is not None and name + SCALE_SUFFIX in shapes:
             out[name] = fp8
@@ -170,6 +212,7 @@ def vllm_param_dtypes(
 
 
 _EXPERT_WEIGHTS = ("experts.w13_weight", "experts.w2_weight")
+FP32_SUFFIXES = ("e_score_correction_bias",)  # held in float32 whatever the model's dtype
 
 
 _FUSED_LINEARS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
@@ -213,7 +256,8 @@ def vllm_views(
     FP8 scales (``X.weight_scale_inv``) are found in the fused ``weight_scale_inv`` parameters, in
     ``fp8_block`` tiles. With expert parallelism, ``tp_rank`` and ``dp_rank`` say which experts are local.
     """
-    refuse_unconverted(dims, "vllm")
+    refuse_unconverted(dims, "vllm", MAPPED)
+    latent_q = bool(dims.q_lora_rank)
     first_expert = _local_experts(dims, parallel, tp_rank, dp_rank).start if dims.num_experts else 0
     tp = parallel.tp
     hd = dims.head_dim
@@ -227,7 +271,7 @@ def vllm_views(
         return t.data if isinstance(t, torch.nn.Parameter) else t
 
     def view_of(name: str, box: Box) -> torch.Tensor:
-        native = find(vllm_param_name(name, dims.tie_embeddings))
+        native = find(vllm_param_name(name, dims.tie_embeddings, latent_q))
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return native[: box.sizes[0]]  # real rows first, padding after
         m = _LAYER.match(name)
@@ -244,6 +288,8 @@ def vllm_views(
                     "v": -(-q_rows // fp8_block[0]) + -(-kv_rows // fp8_block[0]),
                 }[q.group(1)]
             return native[start : start + box.sizes[0]]
+        if (a := _QKV_A.match(rest)) and latent_q:  # fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa]
+            return native[: dims.q_lora_rank] if a.group(1) == "q_a_proj" else native[dims.q_lora_rank :]
         if e := _EXPERT.match(rest):
             native = native[int(e.group(1)) - first_expert]
             if e.group(2) == "down":

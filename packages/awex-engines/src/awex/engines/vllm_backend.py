@@ -48,11 +48,16 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from awex.convert.vllm import vllm_param_dtypes, vllm_param_name, vllm_param_shapes, vllm_views
+from awex.convert.vllm import vllm_param_dtypes, vllm_param_shapes, vllm_views
 from awex.engines import keys
 from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
-from awex.engines.vllm_fixups import check_cpu_moe_reloadable, refresh_cpu_moe_experts, refresh_tied_lm_head
+from awex.engines.vllm_fixups import (
+    check_cpu_moe_reloadable,
+    check_mla_reloadable,
+    refresh_cpu_moe_experts,
+    refresh_tied_lm_head,
+)
 from awex.engines.vllm_params import Destinations, route
 from awex.meta import Box, Fp8BlockQuant
 from awex.meta.client import MetaClient
@@ -163,8 +168,9 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             vllm_param_dtypes(shapes, dtype, quant),
             in_place=init_info.receive == "in_place",
         )
+        check_mla_reloadable(self.model)  # refuse now what could not be reloaded later
         if self.destinations.loader:
-            check_cpu_moe_reloadable(self.model)  # refuse now what could not be reloaded later
+            check_cpu_moe_reloadable(self.model)
         live = vllm_views(
             dict(self.model.named_parameters()),
             dims,
@@ -256,7 +262,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         layout = self.reader.layout
         by_module: dict[str, list[str]] = {}
         for name in self.destinations.loader:
-            by_module.setdefault(vllm_param_name(name, self._tied).rpartition(".")[0], []).append(name)
+            by_module.setdefault(self.destinations.unit[name], []).append(name)
         modules = dict(self.model.named_modules())
         for module_name, names in by_module.items():
             module = modules[module_name]

