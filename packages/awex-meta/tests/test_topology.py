@@ -137,6 +137,12 @@ def test_cli_reports_the_estimate_and_refuses_two_estimates(tmp_path):
     assert summary["total_bytes"] < 0.6 * 4 * summary["model_bytes"]  # FP8 to the engines, entering their node once
     done = subprocess.run([*cmd[:5], str(MODELS / "qwen3-moe-tiny.json"), *cmd[6:]], capture_output=True, text=True)
     assert done.returncode == 2 and "declares no quantization_config" in done.stderr
+    one = [*cmd[: cmd.index("--inference")], "--inference", "vllm:tp=2", "--fp8", "--json"]  # on the trainer's GPUs
+    shared = subprocess.run([*one, "--topology", "gpus-per-node=2,placement=shared"], capture_output=True, text=True)
+    assert shared.returncode == 0, shared.stderr  # nothing crosses a NIC: said so, no bound to divide by
+    summary = json.loads(shared.stdout.strip().splitlines()[-1])
+    assert summary["link_bytes"]["nic"] == 0 and summary["nic_bound_bytes"] is None
+    assert "no byte crosses a NIC" in shared.stdout
     done = subprocess.run([*cmd, "--topology", "gpus=8"], capture_output=True, text=True)
     assert done.returncode == 2 and "expected one of gpus-per-node" in done.stderr
     done = subprocess.run([*cmd, "--topology", "", "--link-gbps", "50"], capture_output=True, text=True)

@@ -360,11 +360,16 @@ def _print_human(s: dict, args: argparse.Namespace, dims) -> None:
         )
     if "topology" in s:
         t = s["topology"]
+        nic = (
+            f"NIC bound {s['nic_lower_bound_seconds']:.3f} s, busiest NIC {_gb(s['busiest_nic_bytes'])} "
+            f"({s['busiest_nic_over_bound']:.3f}x its bound)"
+            if s["nic_bound_bytes"]
+            else "no byte crosses a NIC"
+        )
         lines.append(
             f"topology   {t['gpus_per_node']} GPUs per node, {t['placement']}; NIC {t['nic_gbps']:g} Gb/s, NVLink "
-            f"{t['nvlink_gbps']:g} Gb/s per GPU: estimated {s['estimated_seconds']:.3f} s (NIC bound "
-            f"{s['nic_lower_bound_seconds']:.3f} s), busiest NIC {_gb(s['busiest_nic_bytes'])} "
-            f"({s['busiest_nic_over_bound']:.3f}x its bound), {s['useful_gbps_per_receiver']:.1f} GB/s per receiver"
+            f"{t['nvlink_gbps']:g} Gb/s per GPU: estimated {s['estimated_seconds']:.3f} s ({nic}), "
+            f"{s['useful_gbps_per_receiver']:.1f} GB/s per receiver"
         )
     print("\n".join(lines), flush=True)
 
