@@ -9,7 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from awex.meta.layouts import MegatronParallel
-from awex.meta.models import ModelDims
+from awex.meta.models import ARCHITECTURES, ModelDims
+
+
+def _latent_core_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LatentCoreAttention(DotProductAttention):
+        """Megatron's local core attention, taking MLA's ``k_channels`` / ``v_channels`` (test harness: building
+        the model for its parameters; not used for logits)."""
+
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return LatentCoreAttention
 
 
 def init_distributed(rank: int, world: int, port: int, parallel: MegatronParallel) -> None:
@@ -56,12 +69,34 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
             kwargs.update(
                 moe_shared_expert_intermediate_size=dims.shared_expert_intermediate, moe_shared_expert_gate=True
             )
+    arch = ARCHITECTURES[dims.architecture]
+    if arch.moe == "deepseek" and dims.num_experts:  # sigmoid router with an FP32 score bias, shared experts
+        kwargs.update(
+            moe_shared_expert_intermediate_size=dims.shared_expert_intermediate or None,
+            moe_shared_expert_gate=False,
+            moe_router_enable_expert_bias=True,
+            moe_router_score_function="sigmoid",
+        )
     if parallel.first or parallel.last:
         kwargs.update(
             num_layers_in_first_pipeline_stage=parallel.first or None,
             num_layers_in_last_pipeline_stage=parallel.last or None,
         )
-    config = TransformerConfig(
+    if dims.kv_lora_rank:  # DeepSeek-V3's multi-head latent attention
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        kwargs.update(
+            q_lora_rank=dims.q_lora_rank or None,
+            kv_lora_rank=dims.kv_lora_rank,
+            qk_head_dim=dims.qk_nope_dim,
+            qk_pos_emb_head_dim=dims.qk_rope_dim,
+            v_head_dim=dims.v_head_dim,
+            rope_type="rope",
+        )
+    else:
+        config_class = TransformerConfig
+    config = config_class(
         num_layers=dims.layers,
         hidden_size=dims.hidden,
         ffn_hidden_size=dims.intermediate,
@@ -80,7 +115,7 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=dims.attention_bias,
-        qk_layernorm=dims.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        qk_layernorm=dims.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or bool(dims.kv_lora_rank),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
@@ -95,7 +130,22 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
         qk_layernorm=config.qk_layernorm,
         num_experts=dims.num_experts or None,
         moe_grouped_gemm=False,
+        multi_latent_attention=bool(dims.kv_lora_rank),
     )
+    mixed = bool(dims.num_experts) and len(dims.sparse_layers) < dims.layers  # dense first layers (DeepSeek)
+
+    def layer_spec(vp_stage=None):
+        if not mixed:
+            chosen = spec
+        else:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            chosen = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+        if dims.kv_lora_rank:  # Megatron's local DotProductAttention does not take MLA's per-part head sizes
+            for one_spec in getattr(chosen, "layer_specs", [chosen]):
+                one_spec.submodules.self_attention.submodules.core_attention = _latent_core_attention()
+        return chosen
+
     vocab = pad_to(dims.vocab, parallel.vocab_pad * parallel.tp)
 
     def one(vp_stage=None):
@@ -103,7 +153,7 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         return GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(vp_stage),
             vocab_size=vocab,
             max_sequence_length=512,
             pre_process=pre,
@@ -116,9 +166,12 @@ def build_gpt(dims: ModelDims, parallel: MegatronParallel, dtype: torch.dtype = 
 
     # Without Transformer Engine or Apex, Megatron's torch norms keep fp32 weights; TE keeps every parameter
     # in params_dtype, which is what RL trainers run: match it.
-    if parallel.vpp > 1:
-        return [one(v).to(dtype) for v in range(parallel.vpp)]
-    return one().to(dtype)
+    chunks = [one(v).to(dtype) for v in range(parallel.vpp)] if parallel.vpp > 1 else [one().to(dtype)]
+    for chunk in chunks:  # as Megatron's router does before every forward: its score bias stays float32
+        for module in chunk.modules():
+            if hasattr(module, "_maintain_float32_expert_bias"):
+                module._maintain_float32_expert_bias()
+    return chunks if parallel.vpp > 1 else chunks[0]
 
 
 def expert_rank() -> int:

@@ -542,7 +542,14 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
             instances.append(HfInstance(name, infer_dir, args.dtype, meta))
 
     parallel = MegatronParallel(
-        tp=args.train_tp, pp=args.train_pp, dp=args.train_dp, vpp=args.train_vpp, ep=args.train_ep, vocab_pad=128
+        tp=args.train_tp,
+        pp=args.train_pp,
+        dp=args.train_dp,
+        vpp=args.train_vpp,
+        ep=args.train_ep,
+        vocab_pad=128,
+        # the harness builds Megatron's local spec, which splits latent attention's down-projections over TP
+        latent_down_split=args.train_tp > 1 and bool(load_json(args.model_config).get("q_lora_rank")),
     )
     world = {"megatron": parallel.world_size, "fsdp": args.train_dp}.get(args.trainer, 1)
     port = free_port()

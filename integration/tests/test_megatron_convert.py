@@ -1,5 +1,7 @@
 """awex.convert.megatron against real Megatron-core GPTModels on CPU (gloo): HF -> native -> HF bit-exact,
-every native parameter reached, logits equal to HF transformers'."""
+every native parameter reached, logits equal to HF transformers' (dense models; MoE routing numerics differ).
+DeepSeek-V3's latent attention is built with Megatron's local spec and a harness core attention that takes its
+per-part head sizes (``awex_integration.megatron_cpu``)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ def models(tmp_path_factory):
     q3_untied = {**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32, "num_hidden_layers": 4}
     moe = load_json(MODELS / "qwen3-moe-tiny.json")
     moe2 = load_json(MODELS / "qwen2-moe-tiny.json")
+    deepseek = load_json(MODELS / "deepseek-v3-tiny.json")
     return {
+        "deepseek-v3": (make_tiny_model(root / "deepseek-v3", deepseek), deepseek),
         "qwen3-moe": (make_tiny_model(root / "qwen3-moe", moe), moe),
         "qwen2-moe": (make_tiny_model(root / "qwen2-moe", moe2), moe2),
         "qwen2": (make_tiny_model(root / "qwen2", base), base),
@@ -59,6 +63,9 @@ def models(tmp_path_factory):
         ("qwen3-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
         # Qwen2-MoE: a TP-split shared expert with its sigmoid gate next to the routed experts
         ("qwen2-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
+        # DeepSeek-V3: latent attention (the local spec splits its down-projections over TP), a dense first layer,
+        # routed experts beside shared ones, the router's FP32 score bias (a buffer)
+        ("deepseek-v3", MegatronParallel(tp=2, ep=2, vocab_pad=128, latent_down_split=True)),
     ],
     ids=[
         "qwen2-tp1",
@@ -69,6 +76,7 @@ def models(tmp_path_factory):
         "qwen3-moe-dp2-ep2",
         "qwen3-moe-tp2-ep2",
         "qwen2-moe-tp2-ep2",
+        "deepseek-v3-tp2-ep2",
     ],
 )
 def test_megatron_views_round_trip(models, model, parallel):

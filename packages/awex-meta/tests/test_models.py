@@ -152,6 +152,10 @@ def test_megatron_and_vllm_layouts_place_latent_attention_and_deepseek_experts()
         shared = pre + "mlp.shared_experts.down_proj.weight"
         h, w = by_name[shared].spec.shape
         assert boxes(shared, 1) == [Box((0, w // 2), (h, w // 2))]
+    split = megatron_layout(tensors, MegatronParallel(tp=2, ep=2, latent_down_split=True))  # Megatron's local spec
+    down = pre + "self_attn.kv_a_proj_with_mqa.weight"
+    rows, cols = by_name[down].spec.shape
+    assert [b for b, r in split.holdings(down) if 1 in r] == [Box((rows // 2, 0), (rows // 2, cols))]
     heads = by_name[pre + "self_attn.kv_b_proj.weight"].heads
     with pytest.raises(ValueError, match="heads must divide by tp"):
         megatron_layout(tensors, MegatronParallel(tp=heads * 2, dp=1, ep=1))

@@ -22,10 +22,16 @@ layers.L.mlp.experts.E.down_proj  ...mlp.experts.local_experts.e.linear_fc2.weig
                                   (``e`` = E minus this EP rank's first expert; SequentialMLP | TEGroupedMLP)
 layers.L.input_layernorm          ...input_layernorm.weight | ...linear_qkv.layer_norm_weight
 layers.L.post_attention_layernorm ...pre_mlp_layernorm.weight | ...linear_fc1.layer_norm_weight
+layers.L.self_attn.q_a_proj,      ...self_attention.linear_q_down_proj / linear_kv_down_proj: whole on every
+  kv_a_proj_with_mqa              TP rank (TE spec) or split by rows over TP (local spec: latent_down_split)
+layers.L.self_attn.{q,kv}_b_proj  ...self_attention.linear_q_up_proj / linear_kv_up_proj (split by heads)
+layers.L.self_attn.{q,kv}_a_norm  ...self_attention.{q,kv}_layernorm | linear_{q,kv}_up_proj.layer_norm_weight
+layers.L.mlp.shared_experts.*     ...mlp.shared_experts.linear_fc1 = [gate; up] / linear_fc2 (DeepSeek)
+layers.L.mlp.gate.e_score_...     ...mlp.router.expert_bias (an FP32 buffer)
 ================================  ===============================================================
 
 ``l`` is the layer's index inside its (virtual) pipeline chunk. ``_extra_state`` entries are ignored. Only
-torch is needed (the model is addressed through ``named_parameters``).
+torch is needed (the model is addressed through ``named_parameters`` and ``named_buffers``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import MegatronParallel
 from awex.meta.layouts.megatron import pipeline_stages
-from awex.meta.models import ModelDims
+from awex.meta.models import ARCHITECTURES, ModelDims
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -55,6 +61,19 @@ class MegatronNames:
     parallel: MegatronParallel
     ep_rank: int = 0  # expert-parallel rank (MoE): which experts this rank holds
     etp_rank: int = 0  # expert-tensor-parallel rank (MoE)
+
+
+MAPPED = ("DeepseekV3ForCausalLM",)  # architectures with latent attention / DeepSeek MoE these views map
+
+_LATENT = {  # canonical -> Megatron (local spec name, Transformer Engine's fused layer-norm name)
+    "self_attn.q_a_proj.weight": ("linear_q_down_proj.weight",),
+    "self_attn.q_a_layernorm.weight": ("q_layernorm.weight", "linear_q_up_proj.layer_norm_weight"),
+    "self_attn.q_b_proj.weight": ("linear_q_up_proj.weight",),
+    "self_attn.q_proj.weight": ("linear_q_proj.weight",),  # without a low-rank query projection
+    "self_attn.kv_a_proj_with_mqa.weight": ("linear_kv_down_proj.weight",),
+    "self_attn.kv_a_layernorm.weight": ("kv_layernorm.weight", "linear_kv_up_proj.layer_norm_weight"),
+    "self_attn.kv_b_proj.weight": ("linear_kv_up_proj.weight",),
+}
 
 
 def _gate_or_up(fc1: torch.Tensor, gate: bool) -> torch.Tensor:
@@ -77,7 +96,7 @@ def megatron_views(
     model: torch.nn.Module | Sequence[torch.nn.Module], dims: ModelDims, where: MegatronNames
 ) -> Callable[[str, Box], torch.Tensor | list[tuple[Box, torch.Tensor]]]:
     """``view_of(name, box)`` for one Megatron rank; ``model`` is the GPTModel or its list of VPP chunks."""
-    refuse_unconverted(dims, "megatron")
+    refuse_unconverted(dims, "megatron", MAPPED)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     p = where.parallel
     params = [{n: t.data for n, t in m.named_parameters()} for m in chunks]
@@ -96,6 +115,13 @@ def megatron_views(
             if c in params[chunk]:
                 return params[chunk][c]
         raise KeyError(f"no Megatron parameter {' or '.join(candidates)}")
+
+    buffers = [{n: t for n, t in m.named_buffers()} for m in chunks]
+
+    def find_buffer(chunk: int, name: str) -> torch.Tensor:
+        if name not in buffers[chunk]:
+            raise KeyError(f"no Megatron buffer {name}")
+        return buffers[chunk][name]
 
     def rows_from_zero(native: torch.Tensor, box: Box) -> torch.Tensor:
         return native[: box.sizes[0]]  # vocabulary shards: real rows first, padding after
@@ -134,6 +160,17 @@ def megatron_views(
             return qkv_pieces(native, box, rest[10])
         if rest == "self_attn.o_proj.weight":
             return find(chunk, pre + "self_attention.linear_proj.weight")
+        latent = _LATENT.get(rest)  # DeepSeek-V3's latent attention: one native tensor per canonical one
+        if latent is not None:
+            return find(chunk, *(pre + "self_attention." + n for n in latent))
+        if rest == "mlp.gate.e_score_correction_bias":  # the router's score bias: an FP32 buffer
+            return find_buffer(chunk, pre + "mlp.router.expert_bias")
+        if rest in ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"):
+            return _gate_or_up(
+                find(chunk, pre + "mlp.shared_experts.linear_fc1.weight"), rest.startswith("mlp.shared_experts.gate")
+            )
+        if rest == "mlp.shared_experts.down_proj.weight":
+            return find(chunk, pre + "mlp.shared_experts.linear_fc2.weight")
         if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
             return find(chunk, pre + f"self_attention.{rest[10]}_layernorm.weight")
         if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
@@ -169,13 +206,33 @@ def megatron_views(
     return view_of
 
 
+def _latent_shapes(pre: str, dims: ModelDims, p: MegatronParallel) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's latent attention on one TP rank of the local spec (norms as their own modules)."""
+    tp = p.tp
+    split = tp if p.latent_down_split else 1
+    heads = dims.heads // tp
+    kv_a = dims.kv_lora_rank + dims.qk_rope_dim
+    out = {pre + "linear_proj.weight": (dims.hidden, heads * dims.v_head_dim)}
+    if dims.q_lora_rank:
+        out[pre + "linear_q_down_proj.weight"] = (dims.q_lora_rank // split, dims.hidden)
+        out[pre + "linear_q_up_proj.weight"] = (heads * (dims.qk_nope_dim + dims.qk_rope_dim), dims.q_lora_rank)
+    else:
+        out[pre + "linear_q_proj.weight"] = (heads * (dims.qk_nope_dim + dims.qk_rope_dim), dims.hidden)
+    out[pre + "linear_kv_down_proj.weight"] = (kv_a // split, dims.hidden)
+    out[pre + "linear_kv_up_proj.weight"] = (heads * (dims.qk_nope_dim + dims.v_head_dim), dims.kv_lora_rank)
+    if dims.q_lora_rank:
+        out[pre + "q_layernorm.weight"] = (dims.q_lora_rank,)
+    out[pre + "kv_layernorm.weight"] = (dims.kv_lora_rank,)
+    return out
+
+
 def megatron_param_shapes(dims: ModelDims, where: MegatronNames) -> list[dict[str, tuple[int, ...]]]:
     """Names and shapes of a Megatron-core ``GPTModel`` rank's parameters (local layer spec), per VPP chunk.
 
     What the real model has for dense models (checked against Megatron-core on CPU); lets tools and benchmarks
     hold parameters in Megatron's exact layout without building the model.
     """
-    refuse_unconverted(dims, "megatron")
+    refuse_unconverted(dims, "megatron", MAPPED)
     p = where.parallel
     tp = p.tp
     multiple = p.vocab_pad * tp  # --make-vocab-size-divisible-by times TP, as Megatron pads
@@ -190,10 +247,13 @@ def megatron_param_shapes(dims: ModelDims, where: MegatronNames) -> list[dict[st
         for local in range(len(layers)):
             pre = f"decoder.layers.{local}."
             shapes[pre + "input_layernorm.weight"] = (dims.hidden,)
-            shapes[pre + "self_attention.linear_qkv.weight"] = (qkv_rows, dims.hidden)
+            if dims.kv_lora_rank:
+                shapes.update(_latent_shapes(pre + "self_attention.", dims, p))
+            else:
+                shapes[pre + "self_attention.linear_qkv.weight"] = (qkv_rows, dims.hidden)
+                shapes[pre + "self_attention.linear_proj.weight"] = (dims.hidden, dims.heads * dims.head_dim // tp)
             if dims.attention_bias:
                 shapes[pre + "self_attention.linear_qkv.bias"] = (qkv_rows,)
-            shapes[pre + "self_attention.linear_proj.weight"] = (dims.hidden, dims.heads * dims.head_dim // tp)
             if dims.qk_norm:
                 shapes[pre + "self_attention.q_layernorm.weight"] = (dims.head_dim,)
                 shapes[pre + "self_attention.k_layernorm.weight"] = (dims.head_dim,)
@@ -208,7 +268,8 @@ def megatron_param_shapes(dims: ModelDims, where: MegatronNames) -> list[dict[st
                     shared = dims.shared_expert_intermediate // tp
                     shapes[pre + "mlp.shared_experts.linear_fc1.weight"] = (2 * shared, dims.hidden)
                     shapes[pre + "mlp.shared_experts.linear_fc2.weight"] = (dims.hidden, shared)
-                    shapes[pre + "mlp.shared_experts.gate_weight"] = (1, dims.hidden)
+                    if ARCHITECTURES[dims.architecture].moe == "qwen2":  # Qwen2-MoE's sigmoid gate
+                        shapes[pre + "mlp.shared_experts.gate_weight"] = (1, dims.hidden)
             else:
                 shapes[pre + "mlp.linear_fc1.weight"] = (2 * dims.intermediate // tp, dims.hidden)
                 shapes[pre + "mlp.linear_fc2.weight"] = (dims.hidden, dims.intermediate // tp)

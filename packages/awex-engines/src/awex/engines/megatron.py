@@ -51,6 +51,10 @@ def megatron_parallel(
         "first": getattr(tconfig, "num_layers_in_first_pipeline_stage", None) or 0,
         "last": getattr(tconfig, "num_layers_in_last_pipeline_stage", None) or 0,
     }
+    q_lora = getattr(tconfig, "q_lora_rank", None)
+    if q_lora and tp > 1:  # latent attention: the local spec splits the down-projections over TP, TE duplicates them
+        down = next((m for n, m in module.named_modules() if n.endswith("self_attention.linear_q_down_proj")), None)
+        job["latent_down_split"] = down is not None and down.weight.shape[0] < q_lora
     if getattr(tconfig, "num_moe_experts", None):  # expert sizes only mean something where experts exist
         job.update(ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size())
     else:

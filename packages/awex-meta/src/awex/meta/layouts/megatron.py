@@ -20,7 +20,8 @@ Ranks follow Megatron's default order ``tp-cp-ep-dp-pp`` (tensor parallel fastes
   down-projections (``linear_q_down_proj``, ``linear_kv_down_proj``) and their norms duplicated on every TP rank,
   the up-projections (``linear_q_up_proj``, ``linear_kv_up_proj``) split by heads, ``linear_proj`` by rows.
   Shared experts are one TP-split MLP; the router's score bias (``expert_bias``) is held whole by every rank.
-  (The local, non-TE spec splits the down-projections instead; the converter says which it found.)
+  The local (non-TE) spec splits the down-projections over TP instead (ColumnParallelLinear, an even row split):
+  ``latent_down_split``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class MegatronParallel:
     vocab_pad: int = 128
     first: int = 0  # layers on the first stage of an uneven pipeline (0: even split)
     last: int = 0  # layers on the last stage of an uneven pipeline (0: even split)
+    latent_down_split: bool = False  # MLA down-projections split over TP (local spec), not duplicated (TE spec)
 
     @property
     def world_size(self) -> int:
@@ -91,6 +93,8 @@ def megatron_layout(
                 pl.append(("pp", Pin((p.pp - 1,))))
             else:
                 pl.append(("pp", Pin((0, p.pp - 1) if tied else (0,))))
+        elif p.latent_down_split and t.name.endswith(_LATENT_DOWN):
+            pl.append(("tp", Shard(0)))
         elif t.kind in ("q", "kv"):
             if t.heads is not None:
                 check_divides(f"megatron: {t.name}: heads must divide by tp", p.tp, t.heads)
@@ -111,6 +115,9 @@ def megatron_layout(
         sharding = MeshSharding(mesh, tuple(_merge_pins(pl)))
         out.append(TensorLayout(t.spec, interned.setdefault(sharding, sharding)))
     return Layout(instance, Role.TRAINER, p.world_size, (dense, expert), tuple(out))
+
+
+_LATENT_DOWN = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
 
 
 def pipeline_stages(layers: int, p: MegatronParallel):
