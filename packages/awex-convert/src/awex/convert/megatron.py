@@ -63,6 +63,7 @@ class MegatronNames:
     etp_rank: int = 0  # expert-tensor-parallel rank (MoE)
 
 
+_SHARED = re.compile(r"^mlp\.shared_experts?\.(gate|up|down)_proj\.weight$")
 MAPPED = ("DeepseekV3ForCausalLM",)  # architectures with latent attention / DeepSeek MoE these views map
 
 _LATENT = {  # canonical -> Megatron (local spec name, Transformer Engine's fused layer-norm name)
@@ -165,24 +166,16 @@ def megatron_views(
             return find(chunk, *(pre + "self_attention." + n for n in latent))
         if rest == "mlp.gate.e_score_correction_bias":  # the router's score bias: an FP32 buffer
             return find_buffer(chunk, pre + "mlp.router.expert_bias")
-        if rest in ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"):
-            return _gate_or_up(
-                find(chunk, pre + "mlp.shared_experts.linear_fc1.weight"), rest.startswith("mlp.shared_experts.gate")
-            )
-        if rest == "mlp.shared_experts.down_proj.weight":
-            return find(chunk, pre + "mlp.shared_experts.linear_fc2.weight")
         if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
             return find(chunk, pre + f"self_attention.{rest[10]}_layernorm.weight")
         if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
             return _gate_or_up(find(chunk, pre + "mlp.linear_fc1.weight"), rest.startswith("mlp.gate"))
         if rest == "mlp.down_proj.weight":
             return find(chunk, pre + "mlp.linear_fc2.weight")
-        if rest in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
-            return _gate_or_up(
-                find(chunk, pre + "mlp.shared_experts.linear_fc1.weight"), rest.startswith("mlp.shared_expert.gate")
-            )
-        if rest == "mlp.shared_expert.down_proj.weight":
-            return find(chunk, pre + "mlp.shared_experts.linear_fc2.weight")
+        if shared := _SHARED.match(rest):  # Qwen2-MoE's shared_expert, DeepSeek's shared_experts: one native MLP
+            if shared.group(1) == "down":
+                return find(chunk, pre + "mlp.shared_experts.linear_fc2.weight")
+            return _gate_or_up(find(chunk, pre + "mlp.shared_experts.linear_fc1.weight"), shared.group(1) == "gate")
         if rest == "mlp.shared_expert_gate.weight":  # the shared expert's sigmoid gate, replicated
             return find(chunk, pre + "mlp.shared_experts.gate_weight")
         if rest == "mlp.gate.weight":  # the MoE router, replicated
