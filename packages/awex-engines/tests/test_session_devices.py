@@ -35,7 +35,7 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
         for layout in layouts:
             client.publish_layout(layout, "current")
         manifest = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", free_port(), transport=transport)
-        plans, errors, transports = {}, [], {}
+        plans, errors, transports, sessions = {}, [], {}, []
 
         def rank(instance: str, local_rank: int) -> None:
             try:
@@ -46,6 +46,7 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
                     device_key=gpus[(instance, local_rank)],
                     device_reach=None if reach is None else reach[(instance, local_rank)],
                 )
+                sessions.append(session)  # alive until every rank has joined: a dropped group closes its sockets
                 plans[(instance, local_rank)] = session.prepare(manifest, timeout=20)[0]
                 transports[(instance, local_rank)] = session.transport
             except Exception as e:  # asserted below
@@ -54,6 +55,7 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
         threads = [threading.Thread(target=rank, args=key) for key in gpus]
         [t.start() for t in threads]
         [t.join(60) for t in threads]
+        [s.close() for s in sessions]
         if fails:
             return {"errors": errors}
         assert not errors, errors
