@@ -380,21 +380,22 @@ class LayoutInstance:
     def __init__(self, name: str, config: dict, tp: int, dtype: str, meta: dict, quant=None):
         from awex.convert import vllm_param_dtypes, vllm_param_shapes, vllm_views
         from awex.engines.reader import WeightsReader
-        from awex.meta import canonical_tensors, quantize_layout
+        from awex.meta import quantize_layout
         from awex.meta.layouts import VllmParallel, vllm_layout
+        from awex.meta.layouts.vllm import vllm_tensors
         from awex.meta.models import model_dims
 
         self.name = name
         dims = model_dims(config, dtype)
         parallel = VllmParallel(tp=tp)
-        layout = vllm_layout(canonical_tensors(dims), parallel, instance=name)
+        layout = vllm_layout(vllm_tensors(config, dtype), parallel, instance=name)
         if quant is not None:
             layout = quantize_layout(layout, quant)
         self.readers = []
         self.params = []
         for rank in range(tp):
             shapes = vllm_param_shapes(dims, parallel, rank, quant=quant)
-            dtypes = vllm_param_dtypes(shapes, dtype, quant)
+            dtypes = vllm_param_dtypes(shapes, dtype, quant, dims.architecture)
             params = {n: torch.zeros(s, dtype=dtypes[n]) for n, s in shapes.items()}
             client = MetaClient(meta["meta_address"], job=meta["job"], token=meta["token"], timeout=meta["timeout"])
             self.readers.append(

@@ -2,7 +2,7 @@
 name exactly what transformers saves (multi-head latent attention, dense first layers, routed and shared experts,
 the router's FP32 score bias), and an HF trainer syncs into an HF engine bit-exact with greedy output equal to a
 reference with the same weights, in float32 and in bfloat16 (the score bias stays FP32). Megatron-core and vLLM
-layouts for these models are not written yet (their layouts refuse them; awex-meta's tests)."""
+for these models: test_megatron_convert.py and test_deepseek_glm_vllm.py."""
 
 from __future__ import annotations
 

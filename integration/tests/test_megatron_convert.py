@@ -26,7 +26,9 @@ def models(tmp_path_factory):
     moe = load_json(MODELS / "qwen3-moe-tiny.json")
     moe2 = load_json(MODELS / "qwen2-moe-tiny.json")
     deepseek = load_json(MODELS / "deepseek-v3-tiny.json")
+    glm = load_json(MODELS / "glm4-moe-tiny.json")
     return {
+        "glm-4.5": (make_tiny_model(root / "glm-4.5", glm), glm),
         "deepseek-v3": (make_tiny_model(root / "deepseek-v3", deepseek), deepseek),
         "qwen3-moe": (make_tiny_model(root / "qwen3-moe", moe), moe),
         "qwen2-moe": (make_tiny_model(root / "qwen2-moe", moe2), moe2),
@@ -66,6 +68,8 @@ def models(tmp_path_factory):
         # DeepSeek-V3: latent attention (the local spec splits its down-projections over TP), a dense first layer,
         # routed experts beside shared ones, the router's FP32 score bias (a buffer)
         ("deepseek-v3", MegatronParallel(tp=2, ep=2, vocab_pad=128, latent_down_split=True)),
+        # GLM-4.5: biased QKV and q/k norms, a dense first layer, routed and shared experts, the FP32 score bias
+        ("glm-4.5", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
     ],
     ids=[
         "qwen2-tp1",
@@ -77,6 +81,7 @@ def models(tmp_path_factory):
         "qwen3-moe-tp2-ep2",
         "qwen2-moe-tp2-ep2",
         "deepseek-v3-tp2-ep2",
+        "glm-4.5-tp2-ep2",
     ],
 )
 def test_megatron_views_round_trip(models, model, parallel):

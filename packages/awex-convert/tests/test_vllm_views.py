@@ -232,27 +232,78 @@ def test_qwen2_moe_shared_expert_fuses_gate_up_like_a_dense_mlp(tp):
             assert not torch.isnan(p).any(), name
 
 
-def test_views_refuse_models_whose_engine_parameters_are_not_mapped_yet():
-    """GLM-4.5's DeepSeek-style experts, in vLLM and Megatron-core: the planner places them, but the views refuse
-    them, naming the feature, before any view is made. DeepSeek-V3 is mapped in both."""
-    from awex.convert import MegatronNames, megatron_param_shapes
-    from awex.meta.layouts import MegatronParallel
+def test_models_whose_engine_parameters_are_not_mapped_are_refused_naming_the_feature():
+    """An architecture with latent attention or DeepSeek-style MoE that an engine's views do not list as mapped is
+    refused before any view is made, naming the feature (every such architecture Awex knows is mapped today:
+    DeepSeek-V3 and GLM-4.5, in vLLM and Megatron-core)."""
+    from awex.convert import megatron as megatron_convert
+    from awex.convert import vllm as vllm_convert
+    from awex.convert.unsupported import refuse_unconverted
 
     models = Path(__file__).resolve().parents[3] / "integration" / "models"
     glm = model_dims(json.loads((models / "glm4-moe-tiny.json").read_text()))
-    with pytest.raises(ValueError, match="vllm: .*DeepSeek-style MoE"):
-        vllm_views({}, glm, VllmParallel(tp=2))
-    with pytest.raises(ValueError, match="vllm: .*DeepSeek-style MoE"):
-        vllm_param_shapes(glm, VllmParallel(tp=2))
-    with pytest.raises(ValueError, match="megatron: .*DeepSeek-style MoE"):
-        megatron_param_shapes(glm, MegatronNames(0, 0, MegatronParallel(tp=2)))
+    deepseek = model_dims(json.loads((models / "deepseek-v3-tiny.json").read_text()))
+    with pytest.raises(ValueError, match="vllm: Glm4MoeForCausalLM: .*DeepSeek-style MoE"):
+        refuse_unconverted(glm, "vllm")
+    with pytest.raises(ValueError, match="megatron: .*multi-head latent attention"):
+        refuse_unconverted(deepseek, "megatron")
+    for mapped in (vllm_convert.MAPPED, megatron_convert.MAPPED):
+        refuse_unconverted(glm, "x", mapped)
+        refuse_unconverted(deepseek, "x", mapped)
+
+
+def test_glm_45_views_cover_every_box_of_every_tp_rank_with_the_router_in_float32():
+    """vLLM's GLM-4.5 parameters (qkv_proj with its bias, q/k norms, a dense first layer, routed experts beside
+    shared_experts, the router's score bias) tile exactly the boxes the vLLM engine layout gives each TP rank; vLLM
+    holds the router weight in float32 (its GateLinear), and so does the engine layout, so a bf16 trainer's router
+    widens exactly (the live engine: integration/tests/test_deepseek_glm_vllm.py)."""
+    from awex.meta.layouts.vllm import vllm_engine_layout
+
+    models = Path(__file__).resolve().parents[3] / "integration" / "models"
+    config = json.loads((models / "glm4-moe-tiny.json").read_text())
+    dims = model_dims(config, "bfloat16")
+    tp = 2
+    layout = vllm_engine_layout(config, "bfloat16", VllmParallel(tp=tp), "v")
+    router = layout.tensor("model.layers.1.mlp.gate.weight").spec
+    assert router.dtype == "float32"
+    assert layout.tensor("model.layers.1.self_attn.q_proj.weight").spec.dtype == "bfloat16"
+    g = torch.Generator().manual_seed(0)
+    full = {
+        t.spec.name: torch.randn(t.spec.shape, generator=g).to(getattr(torch, t.spec.dtype)) for t in layout.tensors
+    }
+    for rank in range(tp):
+        shapes = vllm_param_shapes(dims, VllmParallel(tp=tp), tp_rank=rank)
+        dtypes = vllm_param_dtypes(shapes, "bfloat16", architecture=dims.architecture)
+        assert dtypes["model.layers.1.mlp.gate.weight"] == torch.float32
+        assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == torch.float32
+        assert dtypes["model.layers.1.self_attn.qkv_proj.bias"] == torch.bfloat16
+        params = {n: torch.full(s, float("nan"), dtype=dtypes[n]) for n, s in shapes.items()}
+        shards = LocalShards.from_layout(layout, rank, vllm_views(params, dims, VllmParallel(tp=tp), tp_rank=rank))
+        for name in shards.names():
+            for box, view in shards.pairs(name):
+                view.copy_(full[name][box.slices()])
+        a = "model.layers.1.self_attn."
+        q, k = dims.heads // tp * dims.head_dim, dims.kv_heads // tp * dims.head_dim
+        want = torch.cat(
+            [
+                full[a + "q_proj.bias"][rank * q : (rank + 1) * q],
+                full[a + "k_proj.bias"][rank * k : (rank + 1) * k],
+                full[a + "v_proj.bias"][rank * k : (rank + 1) * k],
+            ]
+        )
+        assert torch.equal(params[a + "qkv_proj.bias"], want)
+        assert torch.equal(params[a + "q_norm.weight"], full[a + "q_norm.weight"])
+        gate = "model.layers.1.mlp.gate.weight"
+        assert torch.equal(params[gate], full[gate])
+        nan = [n for n, p in params.items() if p.is_floating_point() and torch.isnan(p).any()]
+        assert set(nan) <= {"model.embed_tokens.weight", "lm_head.weight"}, nan  # only the vocabulary padding
 
 
 def test_deepseek_v3_views_cover_every_box_of_every_tp_rank():
     """vLLM's DeepSeek-V3 parameters (fused_qkv_a_proj, heads-split q_b/kv_b_proj, shared_experts, FP32 score
     bias) tile exactly the boxes the vLLM layout gives each TP rank, and a canonical tensor written through the
     views reads back whole (the live engine's names and shapes are checked when the awex backend starts, in
-    integration/tests/test_deepseek_vllm.py)."""
+    integration/tests/test_deepseek_glm_vllm.py)."""
     models = Path(__file__).resolve().parents[3] / "integration" / "models"
     dims = model_dims(json.loads((models / "deepseek-v3-tiny.json").read_text()), "float32")
     tensors = canonical_tensors(dims)

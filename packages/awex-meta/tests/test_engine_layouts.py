@@ -126,3 +126,23 @@ def test_engine_spec_parsing_errors_are_clear():
         layouts_for(parse_engine_spec("vllm:tp=2,ep=4"), TINY, "inference")
     names = [lay.instance for lay in layouts_for(parse_engine_spec("vllm:tp=1,instances=12"), TINY, "inference")]
     assert names[0] == "vllm-00" and names[-1] == "vllm-11"
+
+
+def test_vllm_holds_glm_45_routers_in_float32_and_other_models_as_given():
+    """vLLM builds GLM-4.5's router (GateLinear) with float32 parameters: its engine layout says so (a bf16
+    trainer's router then widens exactly); DeepSeek-V3's router stays in the model's dtype (its score bias is
+    float32 in every engine)."""
+    from awex.meta.layouts.vllm import vllm_engine_layout, vllm_tensors
+
+    glm = load_config(MODELS / "glm4-moe-tiny.json")
+    dtypes = {t.name: t.spec.dtype for t in vllm_tensors(glm, "bfloat16")}
+    assert dtypes["model.layers.1.mlp.gate.weight"] == "float32"
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "float32"
+    assert dtypes["model.layers.1.self_attn.q_proj.weight"] == "bfloat16"
+    assert sum(d == "float32" for d in dtypes.values()) == 2  # one MoE layer: its router and score bias
+    layout = vllm_engine_layout(glm, "bfloat16", VllmParallel(tp=2))
+    assert layout.tensor("model.layers.1.mlp.gate.weight").spec.dtype == "float32"
+    deepseek = load_config(MODELS / "deepseek-v3-tiny.json")
+    assert {t.name: t.spec.dtype for t in vllm_tensors(deepseek, "bfloat16")} == {
+        t.name: t.spec.dtype for t in canonical_tensors(deepseek, dtype="bfloat16")
+    }

@@ -64,7 +64,7 @@ class MegatronNames:
 
 
 _SHARED = re.compile(r"^mlp\.shared_experts?\.(gate|up|down)_proj\.weight$")
-MAPPED = ("DeepseekV3ForCausalLM",)  # architectures with latent attention / DeepSeek MoE these views map
+MAPPED = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")  # architectures with latent attention / DeepSeek MoE mapped
 
 _LATENT = {  # canonical -> Megatron (local spec name, Transformer Engine's fused layer-norm name)
     "self_attn.q_a_proj.weight": ("linear_q_down_proj.weight",),

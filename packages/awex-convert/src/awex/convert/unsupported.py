@@ -1,9 +1,10 @@
-"""Model features whose engine-native parameters this package does not map yet, refused before any view is made.
+"""Model features whose engine-native parameters an engine's views do not map, refused before any view is made.
 
-The planner's layouts place multi-head latent attention and DeepSeek-style MoE for Megatron-core and vLLM
-(``awex-meta plan`` dry runs), but views of a live engine's parameters need the engine's own names and fusions
-(Megatron's ``linear_q_down_proj``/``linear_kv_up_proj``; vLLM's GLM-4.5 experts); until they are written and
-tested against the real engines, a sync refuses such a model. vLLM's DeepSeek-V3 (R1, Kimi-K2) is mapped.
+Latent attention and DeepSeek-style MoE need each engine's own names and fusions (Megatron's
+``linear_q_down_proj``, vLLM's ``fused_qkv_a_proj``, routers held in float32); an architecture with them is synced
+only once its views are written and tested against the real engine, and listed in that engine's ``MAPPED``
+(DeepSeek-V3 / R1 / Kimi-K2 and GLM-4.5 in vLLM and Megatron-core today). Any other such architecture is refused,
+naming the feature, while plans and dry runs still place it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""vLLM's own parameters (Llama, Mistral, Qwen2/3 and their MoE, DeepSeek-V3) as canonical boxes.
+"""vLLM's own parameters (Llama, Mistral, Qwen2/3 and their MoE, DeepSeek-V3, GLM-4.5) as canonical boxes.
 
 For the in-place path on engines whose parameters are plain tensors (GPU vLLM): maps each box the vLLM layout
 (:func:`awex.meta.layouts.vllm_layout`) gives a rank to a view of that rank's native parameter:
@@ -26,6 +26,7 @@ layers.L.self_attn.q_a_proj,      ...self_attn.fused_qkv_a_proj.weight = [q_a_pr
 layers.L.self_attn.{q_b,kv_b,o}   same names: q_b_proj / kv_b_proj rows split by heads, o_proj columns
 layers.L.mlp.shared_experts.*     ...mlp.shared_experts.gate_up_proj / down_proj (DeepSeek), like a dense MLP
 layers.L.mlp.gate.e_score_...     same name, float32, replicated
+layers.L.mlp.gate.weight (GLM)    same name, float32 whatever the model's dtype (vLLM's GateLinear)
 ================================  ===============================================================
 
 :func:`vllm_param_name` says which native parameter holds a canonical tensor.
@@ -48,7 +49,7 @@ import torch
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import VllmParallel
-from awex.meta.layouts.vllm import expert_owner, pp_layer_ranges
+from awex.meta.layouts.vllm import FP32_ROUTERS, expert_owner, pp_layer_ranges
 from awex.meta.models import ARCHITECTURES, ModelDims
 from awex.meta.quant import SCALE_SUFFIX, Fp8BlockQuant
 
@@ -56,7 +57,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(?:_scale_inv)?$")
 _GATE_UP = re.compile(r"^(mlp|mlp\.shared_experts?)\.(gate|up)_proj\.(.+)$")  # dense MLP or a shared expert MLP
 _QKV_A = re.compile(r"^self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$")  # DeepSeek's fused_qkv_a_proj
-MAPPED = ("DeepseekV3ForCausalLM",)  # architectures with latent attention / DeepSeek MoE these views map
+MAPPED = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")  # architectures with latent attention / DeepSeek MoE mapped
 _QKV = re.compile(r"^self_attn\.([qkv])_proj\.(.+)$")
 
 
@@ -193,16 +194,18 @@ def _latent_attention_shapes(pre: str, dims: ModelDims, tp: int) -> dict[str, tu
 
 
 def vllm_param_dtypes(
-    shapes: Mapping[str, tuple[int, ...]], dtype: str, quant: Fp8BlockQuant | None = None
+    shapes: Mapping[str, tuple[int, ...]], dtype: str, quant: Fp8BlockQuant | None = None, architecture: str = ""
 ) -> dict[str, torch.dtype]:
     """The dtype of each parameter :func:`vllm_param_shapes` names: the quantised dtype for weights that have a
-    scale, float32 for the scales and DeepSeek's router score bias, ``dtype`` (the model's, e.g. ``"bfloat16"``)
+    scale; float32 for the scales, DeepSeek's router score bias and the router weight where ``architecture`` is
+    one of :data:`~awex.meta.layouts.vllm.FP32_ROUTERS` (GLM-4.5); ``dtype`` (the model's, e.g. ``"bfloat16"``)
     for everything else."""
     plain = getattr(torch, dtype)
     fp8 = getattr(torch, quant.dtype) if quant is not None else None
+    fp32 = FP32_SUFFIXES + (("mlp.gate.weight",) if architecture in FP32_ROUTERS else ())
     out = {}
     for name in shapes:
-        if name.endswith(SCALE_SUFFIX) or name.endswith(FP32_SUFFIXES):
+        if name.endswith(SCALE_SUFFIX) or name.endswith(fp32):
             out[name] = torch.float32
         elif fp8 is not None and name + SCALE_SUFFIX in shapes:
             out[name] = fp8

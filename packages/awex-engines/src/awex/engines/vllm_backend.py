@@ -165,7 +165,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             names,
             dims.tie_embeddings,
             shapes,
-            vllm_param_dtypes(shapes, dtype, quant),
+            vllm_param_dtypes(shapes, dtype, quant, dims.architecture),
             in_place=init_info.receive == "in_place",
         )
         check_mla_reloadable(self.model)  # refuse now what could not be reloaded later

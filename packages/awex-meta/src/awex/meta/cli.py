@@ -229,6 +229,7 @@ class PlanProgress:
 
 def _plan(args: argparse.Namespace) -> int:
     from awex.meta.layouts import layouts_for, parse_engine_spec
+    from awex.meta.layouts.vllm import vllm_tensors
     from awex.meta.models import canonical_tensors, load_config, model_dims
     from awex.meta.planner import PlanOptions, plan_transfers
     from awex.meta.topology import Topology, estimate_seconds
@@ -246,7 +247,8 @@ def _plan(args: argparse.Namespace) -> int:
     for i, text in enumerate(args.inference):
         spec = parse_engine_spec(text)
         prefix = spec.engine if len(args.inference) == 1 else f"{spec.engine}{i}"
-        destinations += layouts_for(spec, tensors, "inference", prefix=prefix)
+        engine_tensors = vllm_tensors(config, args.dtype) if spec.engine == "vllm" else tensors  # its FP32 routers
+        destinations += layouts_for(spec, engine_tensors, "inference", prefix=prefix)
     topology = Topology.parse(args.topology) if args.topology else None
     if args.fp8:
         from awex.meta.quant import Fp8BlockQuant, quantize_layout

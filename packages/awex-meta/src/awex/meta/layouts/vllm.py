@@ -15,11 +15,13 @@ backends number them (``dp_rank * tp * pp + rank``).
 - Multi-head latent attention (``DeepseekV2Attention``/MLA): ``q_a_proj`` and ``kv_a_proj_with_mqa`` (fused as
   ``fused_qkv_a_proj``) and their norms replicated, ``q_b_proj``/``kv_b_proj`` split by heads, ``o_proj`` by rows;
   DeepSeek's shared experts are a TP-split MLP, ``e_score_correction_bias`` replicated in FP32.
+- GLM-4.5 (``Glm4MoeForCausalLM``): vLLM builds its router (``GateLinear``) with float32 parameters, so the
+  engine's ``mlp.gate.weight`` is float32 whatever the model's dtype (a bf16 trainer's router widens exactly).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
@@ -29,6 +31,7 @@ from awex.meta.quant import Fp8BlockQuant, quantize_layout
 from awex.meta.spec import Role
 
 VOCAB_PADDING = 64
+FP32_ROUTERS = ("Glm4MoeForCausalLM",)  # architectures whose router weight vLLM holds in float32
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,20 @@ def vllm_engine_layout(
     """The layout of a vLLM engine from its HF config: canonical tensors in ``dtype`` placed by
     :func:`vllm_layout`, in their FP8 form (weights + ``weight_scale_inv``) when the config declares FP8 block
     quantisation. Other quantisation methods raise ``ValueError`` (Awex does not move them)."""
-    layout = vllm_layout(canonical_tensors(hf_config, dtype=dtype), parallel, instance=instance)
+    layout = vllm_layout(vllm_tensors(hf_config, dtype), parallel, instance=instance)
     quant = Fp8BlockQuant.from_hf_config(hf_config)
     return quantize_layout(layout, quant, sender=False) if quant else layout
+
+
+def vllm_tensors(hf_config: Mapping[str, Any], dtype: str | None = None) -> list[CanonicalTensor]:
+    """The canonical tensors of a model in the dtypes a vLLM engine holds them: those of
+    :func:`~awex.meta.models.canonical_tensors`, with the router weights of :data:`FP32_ROUTERS` in float32."""
+    tensors = canonical_tensors(hf_config, dtype=dtype)
+    if not set(hf_config.get("architectures") or ()) & set(FP32_ROUTERS):
+        return tensors
+    return [
+        replace(t, spec=replace(t.spec, dtype="float32"))
+        if t.kind == "router" and t.name.endswith(".gate.weight")
+        else t
+        for t in tensors
+    ]

