@@ -186,13 +186,17 @@ def layouts_of(scenario: Scenario, tensors):
 
 
 class NamedParams:
-    """Just enough of a module for ``megatron_views``: named parameters over a dict."""
+    """Just enough of a module for ``megatron_views``: named parameters over a dict, and no buffers (the benchmark's
+    models have no MoE router score bias)."""
 
     def __init__(self, params):
         self._params = params
 
     def named_parameters(self):
         return iter(self._params.items())
+
+    def named_buffers(self):
+        return iter(())
 
 
 def native_params(engine: Engine, local_rank: int, dims, device, quant=None, flat: bool = False):

@@ -375,7 +375,11 @@ def _public_path(
     from awex.engines.writer import WeightsWriter
     from awex.meta.client import MetaClient
 
-    client = MetaClient(a.extra["meta"], job=f"{a.scenario}-{a.trainer_buffer}", timeout=a.extra.get("timeout", 300))
+    client = MetaClient(
+        a.extra["meta"],
+        job=f"{a.scenario}-{a.trainer_buffer}-{a.model}-{a.layers}",
+        timeout=a.extra.get("timeout", 300),
+    )
     transport = {"nccl": "p2p", "ipc": "ipc", "shm": "shm"}[scenario.transport]
     dests = [e.instance for e in scenario.engines if e.kind != "megatron"]
     if trainer:
@@ -703,6 +707,41 @@ def _phases(per_rank: list[dict], key: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def run_scenario_workers(
+    sc, ranks, gpu_of, args, model, layers, iters, baseline_iters, buffer, work, env, shared
+) -> tuple[list[dict], str | None]:
+    """One scenario's workers (one process per rank) on ``model``; their results in rank order, or a failure."""
+    from awex.transport.net import free_ports
+
+    ports = free_ports(2)
+    argv = []
+    for r in ranks:
+        wa = WorkerArgs(
+            sc.name,
+            model,
+            layers,
+            r.rank,
+            len(ranks),
+            r.instance,
+            r.local_rank,
+            gpu_of[r.rank],
+            ports,
+            work,
+            iters,
+            baseline_iters,
+            args.wave_mb,
+            args.fp8,
+            buffer,
+            dict(shared),
+        )
+        argv.append(["--worker", json.dumps(wa.__dict__)])
+    outs = launch_workers(argv, args.timeout, env)
+    failed = [o[-4000:] for rc, o in outs if rc != 0]
+    if failed:
+        return [], "\n".join(failed)
+    return [json.loads(Path(work, f"{sc.name}-{r.rank}.json").read_text()) for r in ranks], None
+
+
 def main(argv: list[str] | None = None) -> int:
     from awex.transport.net import free_ports  # here: upstream Awex's workers import this module before their awex
 
@@ -765,6 +804,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["public", "executor"],
         help="public (default): WeightsWriter / WeightsReader meeting at a MetaServer, as users run "
         "them; executor: the transport executors wired by hand (tuning runs)",
+    )
+    ap.add_argument(
+        "--per-sync-model",
+        default="qwen2-tiny",
+        help="public path: each scenario also runs with this model (a few MB; integration/models/NAME.json) and its "
+        "steady time, what a sync costs whatever its size, joins the cost model's prediction; 'none': left out",
     )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
@@ -849,6 +894,14 @@ def main(argv: list[str] | None = None) -> int:
     dims, tensors = model_tensors(args.model, args.layers)
     quant = Fp8BlockQuant() if args.fp8 else None
     model_bytes = sum(t.spec.nbytes for t in tensors)
+    shared = {
+        "ipc": ipc_options,
+        "direct_bytes": direct_bytes,
+        "fanout": args.fanout,
+        "path": args.path,
+        "meta": meta.address if meta else None,
+        "timeout": args.timeout,
+    }
     buffers = args.trainer_buffer.split(",")
     if not set(buffers) <= {"per-param", "flat"}:
         ap.error(f"--trainer-buffer: per-param and/or flat, got {args.trainer_buffer!r}")
@@ -882,45 +935,14 @@ def main(argv: list[str] | None = None) -> int:
                 "h2d_bytes": received,
                 "one_after_the_other_seconds": sent / cal["d2h_bps"] + received / cal["h2d_bps"],
             }
-        ports = free_ports(2)
-        argv = []
-        for r in ranks:
-            wa = WorkerArgs(
-                sc.name,
-                args.model,
-                args.layers,
-                r.rank,
-                len(ranks),
-                r.instance,
-                r.local_rank,
-                gpu_of[r.rank],
-                ports,
-                work,
-                args.iters,
-                args.baseline_iters,
-                args.wave_mb,
-                args.fp8,
-                buffer,
-                {
-                    "ipc": ipc_options,
-                    "direct_bytes": direct_bytes,
-                    "fanout": args.fanout,
-                    "path": args.path,
-                    "meta": meta.address if meta else None,
-                    "timeout": args.timeout,
-                },
-            )
-            argv.append(["--worker", json.dumps(wa.__dict__)])
         started = time.monotonic()
-        outs = launch_workers(argv, args.timeout, env)
-        failed = [(rc, o) for rc, o in outs if rc != 0]
-        if failed:
-            print(f"FAILED {sc.name}:\n" + "\n".join(o[-4000:] for _, o in failed), flush=True)
-            results.append(
-                {"name": sc.name, "what": sc.what, "device": device, "date": date, "error": failed[0][1][-2000:]}
-            )
+        per_rank, failure = run_scenario_workers(
+            sc, ranks, gpu_of, args, args.model, args.layers, args.iters, args.baseline_iters, buffer, work, env, shared
+        )
+        if failure is not None:
+            print(f"FAILED {sc.name}:\n{failure}", flush=True)
+            results.append({"name": sc.name, "what": sc.what, "device": device, "date": date, "error": failure[-2000:]})
             continue
-        per_rank = [json.loads(Path(work, f"{sc.name}-{r.rank}.json").read_text()) for r in ranks]
         rec = [p for p in per_rank if not p["trainer"]]
         bad = [f"{p['instance']}:{b}" for p in rec for b in p["bad_first"] + p["bad_second"]]
         steady = statistics.median(per_rank[0]["steady_seconds"])
@@ -989,8 +1011,20 @@ def main(argv: list[str] | None = None) -> int:
             )[:5],
             "wall_seconds": round(time.monotonic() - started, 1),
         }
-        # the topology cost model's prediction from this run's measured rates (awex_integration.estimate_check)
-        predicted = predict({"limits": cal}, entry, layouts=layouts)
+        # the topology cost model's prediction from this run's measured rates (awex_integration.estimate_check),
+        # plus, on the public path, what a sync costs whatever its size: the same scenario with a model of a few MB
+        per_sync = None
+        if args.path == "public" and args.per_sync_model != "none" and not args.fp8:
+            tiny_rank, failure = run_scenario_workers(
+                sc, ranks, gpu_of, args, args.per_sync_model, None, args.iters, 0, buffer, work, env, shared
+            )
+            if failure is None:
+                per_sync = statistics.median(tiny_rank[0]["steady_seconds"])
+            else:
+                print(f"per-sync measurement of {sc.name} failed (left out of the prediction):\n{failure}", flush=True)
+        predicted = predict({"limits": cal}, entry, layouts=layouts, per_sync_seconds=per_sync or 0.0)
+        entry["per_sync_seconds"] = None if per_sync is None else round(per_sync, 6)
+        entry["per_sync_model"] = args.per_sync_model if per_sync is not None else None
         entry["predicted_seconds"] = predicted["predicted_seconds"]
         entry["measured_over_predicted"] = predicted["measured_over_predicted"]
         if args.upstream and args.upstream_awex and sc.transport == "nccl" and buffer == buffers[0] and not args.fp8:

@@ -4,7 +4,9 @@ with the link rates that the same benchmark run measured, next to the time the r
 Per row: the plan the row ran (its scenario's layouts and the public path's options: relays for NCCL, pieces from
 the same GPU for CUDA IPC), ranks placed on the row's GPUs of one node; rates: NVLink at the run's NCCL pair rate
 (NCCL rows) or its copy-engine peer rate (CUDA IPC), copies on one GPU at its device copy rate, and for host
-shared memory each GPU's bytes through host memory at the "D2H while H2D" rate.
+shared memory each GPU's bytes through host memory at the "D2H while H2D" rate. Rows of the public path that
+measured it (``per_sync_seconds``: the same scenario with a model of a few MB, in the same run) add what a sync
+costs whatever its size: signals, the version's manifest, the engines' hooks.
 
     python -m awex_integration.estimate_check integration/bench-results-public-2xh200.json [--out FILE]
 """
@@ -28,10 +30,11 @@ def limits_of(doc: dict, row: dict) -> dict:
     return limits
 
 
-def predict(doc: dict, row: dict, tensors=None, layouts=None) -> dict:
+def predict(doc: dict, row: dict, tensors=None, layouts=None, per_sync_seconds: float | None = None) -> dict:
     """``row`` priced with the limits in ``doc``; ``tensors``: the row's canonical tensors (default: the full model
     its ``model`` names), ``layouts``: the row's layouts (default: its scenario's over ``tensors``; give them where
-    the run quantised them)."""
+    the run quantised them); ``per_sync_seconds``: what a sync on the row's path costs whatever its size, added
+    to the links' time (default: the row's own ``per_sync_seconds`` where the run measured it, else 0)."""
     sc = next(s for s in SCENARIOS if s.name == row["name"])
     if layouts is None:
         if tensors is None:
@@ -56,14 +59,19 @@ def predict(doc: dict, row: dict, tensors=None, layouts=None) -> dict:
         placement = Placement(tuple(range(plan.world_size)), (0,) * plan.world_size)
         topology = Topology(gpus_per_node=1, nic_gbps=limits[link] * 8 / 1e9)
     estimate = estimate_seconds(plan, topology, placement)
+    if per_sync_seconds is None:
+        per_sync_seconds = row.get("per_sync_seconds") or 0.0
+    seconds = estimate.seconds + per_sync_seconds
     return {
         "name": row["name"],
         "transport": sc.transport,
         "path": row.get("path", "").split(":")[0],
         "link_rate_bytes_per_s": round(limits[link]),  # for the row's link between GPUs (or the copy on one)
-        "predicted_seconds": round(estimate.seconds, 6),
+        "links_seconds": round(estimate.seconds, 6),
+        "per_sync_seconds": round(per_sync_seconds, 6),
+        "predicted_seconds": round(seconds, 6),
         "measured_seconds": row["seconds"],
-        "measured_over_predicted": round(row["seconds"] / estimate.seconds, 3),
+        "measured_over_predicted": round(row["seconds"] / seconds, 3),
     }
 
 
