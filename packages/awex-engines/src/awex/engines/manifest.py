@@ -30,6 +30,7 @@ class SyncManifest:
     seq: int = 0  # the writer's count of versions written (signals on the host board carry it)
     board: str | None = None  # the host board (awex.engines.board) and the host it is on
     board_host: str | None = None
+    delta: bool = False  # buckets travel as the words that changed since the last version (awex.transport.delta)
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -60,6 +61,7 @@ class SyncManifest:
                 seq=_count(d.get("seq", 0)),
                 board=_optional_str(d.get("board")),
                 board_host=_optional_str(d.get("board_host")),
+                delta=_flag(d.get("delta", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
@@ -71,6 +73,12 @@ class SyncManifest:
 
     def rendezvous(self) -> tuple:
         return (self.host, self.port, self.sources, self.destinations, self.transport)
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"a flag must be true or false, not {value!r}")
+    return value
 
 
 def _channel_address(value: Any) -> str | None:

@@ -78,6 +78,7 @@ class SyncSession:
     board: HostBoard | None = None  # the sync's host board, when this rank is on the writer's host
     signals: str = "meta"  # where this plan's per-version signals go: "board", "channel" or "meta"
     touched: bool = False  # a receiver: the last transfer began moving bytes into its views
+    delta_budget_bytes: int | None = None  # a sender of delta syncs: what it may keep of the last version
     _signals: str = "meta"  # what every rank can use, as the last device exchange found
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
     _outcomes_after: float = 0.0  # a trainer's last wait for the receivers' outcomes (seconds)
@@ -115,6 +116,7 @@ class SyncSession:
             self._plan is not None
             and self._key is not None
             and self._key[:3] == (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast)
+            and self._key[4] == manifest.delta
         )
 
     def fetch_manifest(self, version: str, timeout: float) -> SyncManifest:
@@ -263,11 +265,19 @@ class SyncSession:
                 layouts[name] = self._layouts.get(name) or self.client.fetch_layout(
                     name, "current", timeout=max(0.1, deadline - time.monotonic())
                 )
-        key = (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast, tuple(id(layouts[n]) for n in names))
+        key = (
+            manifest.rendezvous(),
+            manifest.wave_bytes,
+            manifest.allow_cast,
+            tuple(id(layouts[n]) for n in names),
+            manifest.delta,
+        )
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
         if manifest.transport not in (*TRANSPORTS, "auto"):
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
+        if manifest.delta and manifest.transport != "p2p":
+            raise ValueError(f"sync {manifest.version!r}: delta syncs run over p2p, not {manifest.transport!r}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
             where = self._devices(
                 f"{manifest.version}/{manifest.seq}", names, layouts, deadline, ipc_ok and manifest.transport != "p2p"
@@ -285,7 +295,7 @@ class SyncSession:
                 [layouts[n] for n in manifest.destinations],
                 PlanOptions(
                     wave_bytes=manifest.wave_bytes,
-                    relay=transport == "p2p",
+                    relay=transport == "p2p" and not manifest.delta,  # a delta bucket is checked by its receiver
                     allow_cast=manifest.allow_cast,
                     devices=devices if transport == "ipc" else (),
                     topology=Topology() if nodes else None,
@@ -333,7 +343,15 @@ class SyncSession:
             )
         if transport not in self._transports:
             self._transports[transport] = make_transport(transport)
-        setup = Setup(manifest.host, manifest.port, deadline, self.device, manifest.rendezvous())
+        setup = Setup(
+            manifest.host,
+            manifest.port,
+            deadline,
+            self.device,
+            manifest.rendezvous(),
+            delta=manifest.delta,
+            delta_budget_bytes=self.delta_budget_bytes,
+        )
         self._transports[transport].prepare(plan, me.rank, setup, phase)
         self._layouts = layouts
         self._key, self._plan, self.transport = key, plan, transport

@@ -65,6 +65,13 @@ class WeightsWriter:
     wave's part just before it is packed, overlapping the waves already on the wire; ``ipc`` always uses
     ``refresh``.
 
+    ``delta=True`` (``transport="p2p"``): after the first version each bucket travels as the 16-bit words that
+    changed since the last version where that is smaller (RL steps change few bf16 values), checked by checksums
+    at every receiver, sent whole where a receiver's words do not match (``awex.transport.delta``). This rank keeps
+    what it last sent, up to ``delta_budget_bytes`` (default: all of it, on the views' device); buckets beyond the
+    budget are always sent whole. Buckets run one after another without relays: it pays where bytes cost more
+    than the copies (across nodes). Write stats then carry ``bytes_dense``, what a dense sync would have moved.
+
     After each write, rank 0 drops the MetaServer records (manifest, agreements, validation reports) of versions
     older than the last ``keep_versions``, so a run of any length stays within the server's key limit.
     """
@@ -92,6 +99,8 @@ class WeightsWriter:
         refresh: Callable[[], None] | None = None,
         refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
         keep_versions: int = 2,
+        delta: bool = False,
+        delta_budget_bytes: int | None = None,
     ):
         if transport not in (*TRANSPORTS, "auto"):
             raise ValueError(
@@ -115,6 +124,16 @@ class WeightsWriter:
         self.refresh_by_wave = refresh_by_wave
         if keep_versions < 1:
             raise ValueError("keep_versions must be at least 1")
+        if delta and transport != "p2p":
+            raise ValueError(
+                f"delta=True runs over transport='p2p' (NCCL/gloo), not {transport!r}: "
+                "pass transport='p2p' (CUDA IPC and rdma delta syncs are not built yet)"
+            )
+        if delta and refresh_by_wave is not None:
+            raise ValueError("delta=True with FP8 on the fly (refresh_by_wave) is not built yet")
+        if delta_budget_bytes is not None and (not delta or delta_budget_bytes < 0):
+            raise ValueError("delta_budget_bytes: a non-negative byte count, with delta=True")
+        self.delta = delta
         self.keep_versions = keep_versions
         self._written: deque[tuple[str, int]] = deque()  # (version, attempt count) written, oldest first
         self.last_stats: TransferStats | None = None  # this rank's stats of the last write
@@ -124,6 +143,7 @@ class WeightsWriter:
                 f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}"
             )
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
+        self._session.delta_budget_bytes = delta_budget_bytes
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._port: int | None = None
         self._channel: VersionChannel | None = None  # rank 0 hosts the version channel (awex.engines.channel)
@@ -334,6 +354,7 @@ class WeightsWriter:
                 seq=self._seq,
                 board=self._board.path if self._board else None,
                 board_host=host_identity() if self._board else None,
+                delta=self.delta,
             )
             doc = last.to_json()
         if self._board is not None:  # ranks on this host read it here, the others on the channel

@@ -48,6 +48,10 @@ class TransferStats:
     ``agreement``, ``group``, ``export``/``open``, ``transfer``, ``done``, ``total``, ...)."""
     planned: bool = False
     """This sync planned (and agreed, and set up its transport) anew: the first sync, or one after a change."""
+    bytes_dense: int = 0
+    """Delta syncs: the bytes a dense sync would have moved for this rank's buckets (0 otherwise)."""
+    buckets_resent: int = 0
+    """Delta syncs: buckets sent again whole because the receiver's words did not check out."""
 
 
 class PeerLink(Protocol):
@@ -87,6 +91,8 @@ class Setup:
     deadline: float  # time.monotonic() by which the group must exist
     device: Any = None  # torch.device of this rank's views
     rendezvous: tuple = ()  # what identifies the meeting: a group is reused while it is the same
+    delta: bool = False  # p2p: buckets as the words changed since the last version (awex.transport.delta)
+    delta_budget_bytes: int | None = None  # a delta sender: what it may keep of the last version (None: all)
 
 
 class Transport(ABC):

@@ -374,6 +374,7 @@ class P2pTransport(Transport):
         self.rank = -1
         self._executor: WaveExecutor | None = None
         self._before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable)
+        self._delta: tuple[bool, int | None] = (False, None)  # delta syncs, and what a sender may keep
 
     def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
         rendezvous = (setup.host, setup.port, plan.world_size, rank, setup.rendezvous)
@@ -394,6 +395,7 @@ class P2pTransport(Transport):
             self._rendezvous = rendezvous
         self.plan, self.rank = plan, rank
         self._executor = self._before_pack = None
+        self._delta = (setup.delta, setup.delta_budget_bytes)
 
     def run(
         self,
@@ -404,6 +406,8 @@ class P2pTransport(Transport):
         refresh_by_wave: RefreshByWave | None = None,
     ) -> TransferStats:
         self._prepared(self.plan if self.group is not None else None)
+        if self._delta[0]:
+            return self._run_delta(shards, link, deadline, phases, refresh_by_wave)
         if callable(shards):  # views that depend on the plan (receive buffers): built per sync
             with timed(phases, "executor"):
                 executor = WaveExecutor(self.plan, self.rank, shards(self.plan), self.group)
@@ -421,6 +425,18 @@ class P2pTransport(Transport):
         link.moving()
         with timed(phases, "transfer"):
             return executor.run(timeout=max(0.1, deadline - time.monotonic()), before_pack=before_pack)
+
+    def _run_delta(self, shards, link: PeerLink, deadline: float, phases, refresh_by_wave) -> TransferStats:
+        from awex.transport.delta import DeltaExecutor
+
+        if callable(shards) or refresh_by_wave is not None:
+            raise ValueError("delta syncs need in-place views on both sides and no FP8 on the fly")
+        if self._executor is None:
+            with timed(phases, "executor"):
+                self._executor = DeltaExecutor(self.plan, self.rank, shards, self.group, self._delta[1])
+        link.moving()
+        with timed(phases, "transfer"):
+            return self._executor.run(timeout=max(0.1, deadline - time.monotonic()))
 
     @property
     def held_bytes(self) -> int:

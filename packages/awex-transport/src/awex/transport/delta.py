@@ -1,0 +1,253 @@
+"""Delta syncs: each bucket travels as the 16-bit words that changed since the last version, where that is smaller.
+
+RL steps change few bf16 values (most updates are below half a unit in the last place), so after the first sync
+a sender keeps what it last sent of each bucket and, per bucket, sends the smallest of: the positions and values of
+the words that changed (4 + 2 bytes each), a bit per word and the changed values (1/8 + 2 bytes per changed word),
+or the whole bucket. Receivers take the
+previous version from their own views (the engine's weights are the baseline: nothing extra is kept there),
+apply the changes and copy the bucket back in place.
+
+Exactness is checked, not assumed. Every bucket carries two checksums of the sender's words: of the version it
+assumes the receiver holds, and of the new one. A receiver whose words do not match the first (it missed a version,
+or something else wrote its weights) or whose result does not match the second asks for the bucket whole, and the
+sender sends it before going on; a bucket that arrives whole and still does not match fails the sync. A sender
+updates what it keeps of a bucket only when its receiver confirmed the new version, so a failed sync costs the
+next one a dense copy of what it did not confirm, never a wrong weight.
+
+Buckets run one after another in the plan's global order (each rank takes the subsequence it is part of, so no two
+ranks can wait on each other): a delta sync trades the overlap of the wave executor for fewer bytes, which pays
+where bytes are what costs (across nodes). Plans without relays only (a relay would forward words its own receiver
+has not checked yet). What a sender keeps is bounded by ``budget_bytes``: buckets beyond it are always sent whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from awex.meta import Plan, Role
+from awex.transport.base import TransferError, TransferStats, TransferTimeout
+from awex.transport.copies import copier, merge_copies
+from awex.transport.group import SyncGroup
+from awex.transport.p2p import _align, message_offsets
+from awex.transport.shards import LocalShards, torch_dtype
+
+log = logging.getLogger("awex.transport")
+
+DENSE, SPARSE, BITMAP = 0, 1, 2  # whole; positions (int32) and values; a bit per word and the changed values
+_BITS = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+OK, WHOLE = 0, 1  # a receiver's answer: applied and checked, or send the bucket whole
+_MOD = 8191  # position weights of the second checksum: a word moved within a bucket changes it
+
+
+def checksum(words: torch.Tensor) -> tuple[int, int]:
+    """Two sums over 16-bit words (as unsigned): plain, and weighted by position (1 .. 8191, repeating). Exact
+    integer arithmetic, the same on any device; no overflow below 2^31 words."""
+    w = words.to(torch.int64) & 0xFFFF
+    weights = torch.arange(w.numel(), device=w.device, dtype=torch.int64) % _MOD + 1
+    return int(w.sum()), int((w * weights).sum())
+
+
+class DeltaExecutor:
+    """One rank's share of a relay-free plan as delta buckets, built once; keeps the sender's last versions."""
+
+    def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, budget_bytes: int | None = None):
+        holders = {r.rank for r in plan.ranks_of(Role.TRAINER)}
+        relays = [b for b in plan.buckets if b.src not in holders]
+        if relays:
+            raise ValueError(
+                f"delta syncs need a plan without relays ({len(relays)} relayed bucket(s), first from rank "
+                f"{relays[0].src}); plan with PlanOptions(relay=False)"
+            )
+        self.plan, self.rank, self.group, self.device = plan, rank, group, shards.device
+        self.budget_bytes = budget_bytes
+        dtypes = [torch_dtype(t.dtype) for t in plan.tensors]
+        names = [t.name for t in plan.tensors]
+        mine = [(i, b) for i, b in enumerate(plan.buckets) if rank in (b.src, b.dst)]  # the plan's global order
+        largest = max((_align(message_offsets(b.transfers)[1]) for _, b in mine), default=0)
+        self.staging = torch.zeros(largest, dtype=torch.uint8, device=self.device)
+        # (bucket, op, peer, bytes, views -> staging, staging -> views)
+        self.steps: list[tuple[int, str, int, int, list[Callable[[], None]], list[Callable[[], None]]]] = []
+        for i, b in mine:
+            offsets, nbytes = message_offsets(b.transfers)
+            pairs = []  # (staging region, this rank's view)
+            for t, off in zip(b.transfers, offsets):
+                region = self.staging[off : off + t.nbytes].view(dtypes[t.tensor]).view(t.sizes)
+                for here, piece in shards.pieces(names[t.tensor], t.offsets, t.sizes):
+                    pairs.append((region[here] if here else region, piece))
+            gather = [copier(d, s) for d, s in merge_copies(pairs)]
+            scatter = [copier(d, s) for d, s in merge_copies([(v, r) for r, v in pairs])] if b.dst == rank else []
+            op, peer = ("send", b.dst) if b.src == rank else ("recv", b.src)
+            self.steps.append((i, op, peer, _align(nbytes), gather, scatter))
+        self.kept: dict[int, torch.Tensor] = {}  # bucket index -> the words its receiver confirmed (senders)
+        self.kept_bytes = 0
+        self.buckets = len(self.steps)
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging.numel() + self.kept_bytes
+
+    def run(self, timeout: float = 300.0) -> TransferStats:
+        """Send and receive this rank's buckets within ``timeout`` seconds; ``bytes_sent`` / ``bytes_received``
+        count what crossed the wire, ``bytes_dense`` what a dense sync would have moved."""
+        started = time.monotonic()
+        deadline = started + timeout
+        self._timeout = timeout
+        sent = received = dense = 0
+        whole = 0
+        for i, op, peer, size, gather, scatter in self.steps:
+            words = self.staging[:size].view(torch.int16)
+            dense += size
+            if op == "send":
+                n, again = self._send(i, peer, words, gather, deadline)
+                sent += n
+            else:
+                n, again = self._recv(i, peer, words, gather, scatter, deadline)
+                received += n
+            whole += again
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        stats = TransferStats(sent, received, self.buckets, 1, self.staging_bytes, time.monotonic() - started)
+        stats.bytes_dense, stats.buckets_resent = dense, whole
+        log.debug(
+            "rank %d: delta sync of %d buckets: sent %d B, received %d B of %d B dense, %d sent again whole",
+            self.rank,
+            self.buckets,
+            sent,
+            received,
+            dense,
+            whole,
+        )
+        return stats
+
+    def _send(self, i: int, peer: int, words: torch.Tensor, gather, deadline: float) -> tuple[int, int]:
+        self.staging[: words.numel() * 2].zero_()  # gaps between regions stay zero on both sides
+        for copy in gather:
+            copy()
+        new = checksum(words)
+        kept = self.kept.get(i)
+        if kept is not None:
+            changed = torch.nonzero(words != kept).view(-1)
+            base = checksum(kept)
+        else:
+            changed, base = None, (0, 0)
+        mode, count = DENSE, words.numel()
+        if changed is not None:
+            sizes = {SPARSE: changed.numel() * 6, BITMAP: words.numel() // 8 + changed.numel() * 2}
+            best = min(sizes, key=sizes.get)
+            if sizes[best] < words.numel() * 2:
+                mode, count = best, changed.numel()
+        header = torch.tensor([mode, count, *base, *new], dtype=torch.int64, device=self.device)
+        self._one("send", header, peer, i, deadline)
+        n = header.numel() * 8
+        if mode == SPARSE:
+            self._one("send", changed.to(torch.int32), peer, i, deadline)
+        elif mode == BITMAP:
+            bits = ((words != kept).view(-1, 8).to(torch.uint8) * _BITS.to(self.device)).sum(1, dtype=torch.uint8)
+            self._one("send", bits, peer, i, deadline)
+        if mode == DENSE:
+            self._one("send", words, peer, i, deadline)
+            n += words.numel() * 2
+        else:
+            self._one("send", words[changed].contiguous(), peer, i, deadline)
+            n += changed.numel() * 2 + (changed.numel() * 4 if mode == SPARSE else words.numel() // 8)
+        answer = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._one("recv", answer, peer, i, deadline)
+        again = 0
+        if int(answer) == WHOLE:
+            again = 1
+            self._one("send", words, peer, i, deadline)
+            n += words.numel() * 2
+            self._one("recv", answer, peer, i, deadline)
+        if int(answer) != OK:
+            self.kept.pop(i, None)
+            raise TransferError(f"rank {self.rank}: bucket {i} to rank {peer} did not check out at the receiver")
+        self._keep(i, words)
+        return n, again
+
+    def _recv(self, i: int, peer: int, words: torch.Tensor, gather, scatter, deadline: float) -> tuple[int, int]:
+        header = torch.zeros(6, dtype=torch.int64, device=self.device)
+        self._one("recv", header, peer, i, deadline)
+        mode, count, *sums = (int(x) for x in header.cpu())
+        base, new = tuple(sums[:2]), tuple(sums[2:])
+        if (
+            mode not in (DENSE, SPARSE, BITMAP)
+            or not 0 <= count <= words.numel()
+            or (mode == DENSE and count != words.numel())
+        ):
+            raise TransferError(f"rank {self.rank}: bucket {i} from rank {peer}: malformed header {header.tolist()}")
+        n = header.numel() * 8
+        answer = torch.tensor([OK], dtype=torch.int64, device=self.device)
+        again = 0
+        if mode != DENSE:
+            if mode == SPARSE:
+                where = torch.empty(count, dtype=torch.int32, device=self.device)
+                self._one("recv", where, peer, i, deadline)
+                n += count * 4
+            else:
+                bits = torch.empty(words.numel() // 8, dtype=torch.uint8, device=self.device)
+                self._one("recv", bits, peer, i, deadline)
+                n += bits.numel()
+                where = torch.nonzero((bits.unsqueeze(1) & _BITS.to(self.device)).view(-1)).view(-1)
+                if where.numel() != count:
+                    raise TransferError(
+                        f"rank {self.rank}: bucket {i} from rank {peer}: {where.numel()} bits set, {count} said"
+                    )
+            values = torch.empty(count, dtype=torch.int16, device=self.device)
+            self._one("recv", values, peer, i, deadline)
+            n += count * 2
+            self.staging[: words.numel() * 2].zero_()
+            for copy in gather:  # the receiver's own previous version: its views
+                copy()
+            ok = checksum(words) == base
+            if ok:
+                words[where.long()] = values
+                ok = checksum(words) == new
+            if not ok:
+                again = 1
+                answer.fill_(WHOLE)
+                self._one("send", answer, peer, i, deadline)
+                self._one("recv", words, peer, i, deadline)
+                n += words.numel() * 2
+                answer.fill_(OK)
+        else:
+            self._one("recv", words, peer, i, deadline)
+            n += words.numel() * 2
+        if checksum(words) != new:
+            raise TransferError(f"rank {self.rank}: bucket {i} from rank {peer} arrived whole and does not check out")
+        for copy in scatter:
+            copy()
+        self._one("send", answer, peer, i, deadline)
+        return n, again
+
+    def _keep(self, i: int, words: torch.Tensor) -> None:
+        kept = self.kept.get(i)
+        if kept is not None:
+            kept.copy_(words)
+            return
+        nbytes = words.numel() * 2
+        if self.budget_bytes is not None and self.kept_bytes + nbytes > self.budget_bytes:
+            return  # beyond the budget: this bucket is always sent whole
+        self.kept[i] = words.clone()
+        self.kept_bytes += nbytes
+
+    def _one(self, op: str, tensor: torch.Tensor, peer: int, bucket: int, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        what = f"rank {self.rank}: delta bucket {bucket}: {op} {'to' if op == 'send' else 'from'} rank {peer}"
+        if left <= 0:
+            raise TransferTimeout(f"{what}: the sync's {self._timeout:g} s deadline passed")
+        try:
+            works = self.group.exchange(
+                [(tensor, peer)] if op == "send" else [], [(tensor, peer)] if op == "recv" else []
+            )
+            for work in works:
+                work.wait(timedelta(seconds=left)) if self.device.type == "cpu" else work.wait()
+        except RuntimeError as e:
+            text = str(e).lower()
+            if time.monotonic() >= deadline or "timed out" in text or "timeout" in text:
+                raise TransferTimeout(f"{what}: not done within the sync's {self._timeout:g} s deadline: {e}") from e
+            raise TransferError(f"{what} failed: {e}") from e
