@@ -44,6 +44,14 @@ OK, WHOLE = 0, 1  # a receiver's answer: applied and checked, or send the bucket
 _MOD = 8191  # position weights of the second checksum: a word moved within a bucket changes it
 
 
+def encoding(words: int, changed: int) -> tuple[int, int]:
+    """How a bucket of ``words`` 16-bit words with ``changed`` of them changed travels: ``(mode, payload bytes)``,
+    the smallest of positions + values, a bit per word + values, and the whole bucket (``words`` a multiple of 8)."""
+    sizes = {SPARSE: changed * 6, BITMAP: words // 8 + changed * 2, DENSE: words * 2}
+    mode = min(sizes, key=lambda m: (sizes[m], m == DENSE))
+    return (mode, sizes[mode]) if sizes[mode] < words * 2 else (DENSE, words * 2)
+
+
 def checksum(words: torch.Tensor) -> tuple[int, int]:
     """Two sums over 16-bit words (as unsigned): plain, and weighted by position (1 .. 8191, repeating). Exact
     integer arithmetic, the same on any device; no overflow below 2^31 words."""
@@ -137,10 +145,8 @@ class DeltaExecutor:
             changed, base = None, (0, 0)
         mode, count = DENSE, words.numel()
         if changed is not None:
-            sizes = {SPARSE: changed.numel() * 6, BITMAP: words.numel() // 8 + changed.numel() * 2}
-            best = min(sizes, key=sizes.get)
-            if sizes[best] < words.numel() * 2:
-                mode, count = best, changed.numel()
+            mode = encoding(words.numel(), changed.numel())[0]
+            count = words.numel() if mode == DENSE else changed.numel()
         header = torch.tensor([mode, count, *base, *new], dtype=torch.int64, device=self.device)
         self._one("send", header, peer, i, deadline)
         n = header.numel() * 8
