@@ -86,6 +86,21 @@ def lower_bound(plan, gpu_of: dict[int, int], link_bps: float, copy_bps: float) 
     return worst, {"inbound": inbound, "outbound": outbound, "local": local}
 
 
+def fused_bound(plan, gpu_of: dict[int, int], copy_bps: float) -> float | None:
+    """Seconds the busiest GPU needs to quantise on the copy (``plan``: quantising on receive, every piece read on
+    its own GPU): each quantised weight's bytes read once and half of them (FP8) written, the rest copied, at the
+    device's memory rate (twice ``copy_bps``, which counts each byte copied once); ``None`` where a piece crosses
+    GPUs."""
+    quantised = {i for i, t in enumerate(plan.tensors) if t.name in {q[0] for q in plan.quantized}}
+    traffic: dict[int, float] = {}
+    for b in plan.buckets:
+        if gpu_of[b.src] != gpu_of[b.dst]:
+            return None
+        for t in b.transfers:
+            traffic[gpu_of[b.dst]] = traffic.get(gpu_of[b.dst], 0) + t.nbytes * (1.5 if t.tensor in quantised else 2)
+    return max(traffic.values(), default=0.0) / (2 * copy_bps)
+
+
 # ----------------------------------------------------------------------------------------------- worker
 
 
@@ -123,7 +138,12 @@ def worker(a: WorkerArgs) -> dict:
     dims, tensors = model_tensors(a.model, a.layers)
     base_layouts = layouts_of(scenario, tensors)
     quant = Fp8BlockQuant() if a.fp8 else None
-    layouts = [quantize_layout(lay, quant) for lay in base_layouts] if quant else base_layouts
+    on_receive = bool(a.extra.get("fp8_on_receive"))  # receivers quantise from the trainer's bf16 (CUDA IPC)
+    layouts = (
+        [quantize_layout(lay, quant) if lay.role == Role.INFERENCE or not on_receive else lay for lay in base_layouts]
+        if quant
+        else base_layouts
+    )
     sources = [lay for lay in layouts if lay.role == Role.TRAINER]
     dests = [lay for lay in layouts if lay.role == Role.INFERENCE]
     engine = next(e for e in scenario.engines if e.instance == a.instance)
@@ -178,7 +198,7 @@ def worker(a: WorkerArgs) -> dict:
     if trainer:
         weights = LocalShards.from_layout(base_layout, a.local_rank, view_of)  # the bf16 weights themselves
         fill(weights, base_layout, 1, device)
-        if quant:  # FP8 receivers: this rank quantises its weights into FP8 tiles before each sync (timed in it)
+        if quant and not on_receive:  # FP8 receivers: this rank quantises into FP8 tiles before each sync (timed)
             fp8_views = Fp8Views(layout, a.local_rank, view_of, quant)
             view_of, quantize = fp8_views.view_of, fp8_views.quantize
             quantize()
@@ -199,7 +219,7 @@ def worker(a: WorkerArgs) -> dict:
             weights if trainer else None,
             base_layout,
             quantize,
-            fp8_views if trainer and quant else None,
+            fp8_views if trainer and quant and not on_receive else None,
             result,
             barrier,
             span,
@@ -392,6 +412,7 @@ def _public_path(
             wave_bytes=int(a.wave_mb * (1 << 20)),
             refresh=quantize,
             refresh_by_wave=fp8_views.by_wave if fp8_views is not None else None,
+            quantize_on_receive=bool(a.extra.get("fp8_on_receive")),
         )
         step = lambda version: side.write(version, dests)  # noqa: E731
     else:
@@ -761,6 +782,12 @@ def main(argv: list[str] | None = None) -> int:
         "quantise their bf16 weights in every sync (timed as part of it)",
     )
     ap.add_argument(
+        "--fp8-on-receive",
+        action="store_true",
+        help="with --fp8, CUDA IPC scenarios, public path: the trainer publishes bf16 and receivers quantise from "
+        "its memory into their FP8 weights and scales (quantize_on_receive); bound: bf16 read + FP8 written",
+    )
+    ap.add_argument(
         "--trainer-buffer",
         default="per-param",
         help="per-param: trainer parameters each in their own allocation (as under FSDP2; default); "
@@ -894,7 +921,13 @@ def main(argv: list[str] | None = None) -> int:
     dims, tensors = model_tensors(args.model, args.layers)
     quant = Fp8BlockQuant() if args.fp8 else None
     model_bytes = sum(t.spec.nbytes for t in tensors)
+    if args.fp8_on_receive and (not args.fp8 or args.path != "public"):
+        ap.error("--fp8-on-receive needs --fp8 and the public path")
+    if args.fp8_on_receive and args.baseline_iters:
+        print("--fp8-on-receive: no baselines (they move the trainer's FP8 tiles, which it does not make here)")
+        args.baseline_iters = 0
     shared = {
+        "fp8_on_receive": args.fp8_on_receive,
         "ipc": ipc_options,
         "direct_bytes": direct_bytes,
         "fanout": args.fanout,
@@ -910,16 +943,39 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skip {sc.name}: needs {sc.gpus} GPUs, this machine has {gpus}")
             continue
         layouts = layouts_of(sc, tensors)
+        if args.fp8_on_receive and sc.transport != "ipc":
+            print(f"skip {sc.name}: FP8 on receive runs over CUDA IPC only")
+            continue
         if quant:
-            layouts = [quantize_layout(x, quant) for x in layouts]
+            layouts = [
+                quantize_layout(x, quant) if x.role == Role.INFERENCE or not args.fp8_on_receive else x for x in layouts
+            ]
         sources = [x for x in layouts if x.role == Role.TRAINER]
         dests = [x for x in layouts if x.role == Role.INFERENCE]
         direct = plan_transfers(
-            sources, dests, PlanOptions(relay=False, devices=scenario_devices(sc) if sc.transport == "ipc" else ())
+            sources,
+            dests,
+            PlanOptions(
+                relay=False,
+                devices=scenario_devices(sc) if sc.transport == "ipc" else (),
+                quantize_on_receive=args.fp8_on_receive,
+            ),
         )
         ranks = direct.ranks
         gpu_of = {r.rank: next(e for e in sc.engines if e.instance == r.instance).gpus[r.local_rank] for r in ranks}
         bound, per_gpu = lower_bound(direct, gpu_of, link_bps, copy_bps)
+        fused = None
+        if quant and sc.transport == "ipc":  # FP8 on the copy's bound: bf16 read once, FP8 written once
+            bf16 = [x for x in layouts_of(sc, tensors) if x.role == Role.TRAINER]
+            fused = fused_bound(
+                plan_transfers(
+                    bf16, dests, PlanOptions(relay=False, devices=scenario_devices(sc), quantize_on_receive=True)
+                ),
+                gpu_of,
+                copy_bps,
+            )
+            if args.fp8_on_receive:
+                bound = fused
         if sc.transport == "shm":  # every byte crosses to host memory and back: D2H by senders, H2D by receivers
             if args.path != "public":
                 print(f"skip {sc.name}: the shm transport runs through the public path only")
@@ -973,7 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
             **({"ipc_options": ipc_options} if ipc_options and sc.transport == "ipc" else {}),
             **({"direct_bytes": direct_bytes, "fanout": args.fanout} if sc.transport == "nccl" else {}),
-            "auto_transport": auto_transport(sc, sources, dests, fp8=args.fp8),  # the default's choice for these GPUs
+            # the default's choice for these GPUs (quantising on receive is chosen explicitly, over CUDA IPC)
+            "auto_transport": "ipc" if args.fp8_on_receive else auto_transport(sc, sources, dests, fp8=args.fp8),
             "bytes": received,
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
@@ -991,6 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "first_sync_seconds": round(per_rank[0]["first_sync_seconds"], 6),
             "lower_bound_seconds": round(bound, 6),
+            **({"fused_bound_seconds": round(fused, 6), "fp8_on_receive": args.fp8_on_receive} if fused else {}),
             "ratio": round(steady / bound, 3) if bound else None,
             "limits": {"link_bytes_per_s": round(link_bps), "copy_bytes_per_s": round(copy_bps)},
             "per_gpu_bytes": per_gpu,
@@ -1022,11 +1080,12 @@ def main(argv: list[str] | None = None) -> int:
                 per_sync = statistics.median(tiny_rank[0]["steady_seconds"])
             else:
                 print(f"per-sync measurement of {sc.name} failed (left out of the prediction):\n{failure}", flush=True)
-        predicted = predict({"limits": cal}, entry, layouts=layouts, per_sync_seconds=per_sync or 0.0)
         entry["per_sync_seconds"] = None if per_sync is None else round(per_sync, 6)
         entry["per_sync_model"] = args.per_sync_model if per_sync is not None else None
-        entry["predicted_seconds"] = predicted["predicted_seconds"]
-        entry["measured_over_predicted"] = predicted["measured_over_predicted"]
+        if not args.fp8_on_receive:  # the cost model prices copies, not quantising kernels
+            predicted = predict({"limits": cal}, entry, layouts=layouts, per_sync_seconds=per_sync or 0.0)
+            entry["predicted_seconds"] = predicted["predicted_seconds"]
+            entry["measured_over_predicted"] = predicted["measured_over_predicted"]
         if args.upstream and args.upstream_awex and sc.transport == "nccl" and buffer == buffers[0] and not args.fp8:
             from awex_integration.bench_upstream_awex import run as run_upstream_awex
             from awex_integration.bench_upstream_awex import scenario_spec
@@ -1051,8 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{sc.name} ({buffer} trainer buffer): {steady * 1e3:.1f} ms steady "
             f"(first {entry['first_sync_seconds'] * 1e3:.0f} ms), "
-            f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, cost model {entry['predicted_seconds'] * 1e3:.1f} ms "
-            f"({entry['measured_over_predicted']}), correct={entry['correct']}; {base}",
+            f"bound {bound * 1e3:.1f} ms, ratio {entry['ratio']}, cost model "
+            f"{(entry.get('predicted_seconds') or 0) * 1e3:.1f} ms ({entry.get('measured_over_predicted')}), "
+            f"fused bound {(entry.get('fused_bound_seconds') or 0) * 1e3:.1f} ms, correct={entry['correct']}; {base}",
             flush=True,
         )
         print(f"  each rank's own time (median): {entry['rank_seconds']}", flush=True)

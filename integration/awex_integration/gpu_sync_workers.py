@@ -17,10 +17,12 @@ def sync_rank(
     fp8: bool = False,
     model: str = "qwen3-8b",
     readers_per_instance: int = 1,
+    on_receive: bool = False,
 ) -> dict:
     """One rank: the trainer writes ``versions`` versions, engines receive and check each (FP8 receivers: the
     trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit), then close; the trainer
-    returns once every reader (``readers_per_instance`` ranks of each destination) has closed."""
+    returns once every reader (``readers_per_instance`` ranks of each destination) has closed. ``on_receive``: FP8
+    receivers quantise from the trainer's bf16 memory themselves (``quantize_on_receive``, CUDA IPC)."""
     import torch
 
     from awex.convert import (
@@ -56,7 +58,18 @@ def sync_rank(
         layout = megatron_layout(tensors, MegatronParallel(tp=tp), instance="trainer")
         view_of = megatron_views(NamedParams(params), dims, where)
         weights = LocalShards.from_layout(layout, local_rank, view_of)
-        if quant:
+        if quant and on_receive:
+            writer = WeightsWriter(
+                client,
+                layout,
+                local_rank,
+                view_of,
+                transport=transport,
+                timeout=120,
+                host="127.0.0.1",
+                quantize_on_receive=True,
+            )
+        elif quant:
             fp8_views = Fp8Views(quantize_layout(layout, quant), local_rank, view_of, quant)
             writer = WeightsWriter(
                 client,

@@ -28,6 +28,9 @@ from awex_integration.spawn import run_processes  # noqa: E402
         pytest.param(("auto", 1, [0], [(1, [1]), (1, [2]), (1, [3])]), id="auto-1-to-3-picks-nccl"),
         # FP8 receivers: the trainer quantises its bf16 weights, FP8 tiles + scales travel and land in place
         pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b"), id="fp8-colocated-1gpu-ipc"),
+        # FP8 on the copy: the trainer publishes bf16, the receiver quantises from its memory into tiles + scales
+        pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b", True), id="fp8-on-receive-colocated-1gpu-ipc"),
+        pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-8b", True), id="fp8-on-receive-tp2-ipc"),
         pytest.param(("p2p", 1, [0], [(1, [1])], True, "qwen3-8b"), id="fp8-nccl-1-to-1"),
         pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
         pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], True, "qwen3-30b-a3b"), id="fp8-moe-nccl-tp2-to-tp2"),
@@ -36,7 +39,7 @@ from awex_integration.spawn import run_processes  # noqa: E402
 )
 def test_writer_and_readers_on_gpus(case):
     transport, train_tp, train_gpus, engines, *extra = case
-    fp8, model = extra or (False, "qwen3-8b")
+    fp8, model, on_receive = {0: (False, "qwen3-8b", False), 2: (*extra, False), 3: tuple(extra)}[len(extra)]
     need = 1 + max([*train_gpus, *[g for _, gs in engines for g in gs]])
     if torch.cuda.device_count() < need:
         pytest.skip(f"needs {need} GPUs, this machine has {torch.cuda.device_count()}")
@@ -58,6 +61,7 @@ def test_writer_and_readers_on_gpus(case):
                     fp8,
                     model,
                     engines[0][0],
+                    on_receive,
                 ),
             )
             for r in range(train_tp)

@@ -16,6 +16,7 @@ from awex.meta import (
     verify_plan,
 )
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
+from awex.meta.quant import scale_name
 
 Q8B = canonical_tensors(load_config(MODELS / "qwen3-8b.json"))
 QUANT = Fp8BlockQuant()
@@ -182,6 +183,35 @@ def test_unquantised_sender_to_fp8_receiver_is_refused_with_a_hint():
         plan_transfers([src], [dst], PlanOptions(allow_cast=("*",)))
 
 
+@pytest.mark.parametrize(
+    "train,infer",
+    [
+        (MegatronParallel(tp=2, vocab_pad=1), VllmParallel(tp=1)),
+        (MegatronParallel(dp=2, ep=2, vocab_pad=1), VllmParallel(tp=2)),
+    ],
+)
+def test_receivers_can_quantise_what_an_unquantised_sender_holds(train, infer):
+    """PlanOptions(quantize_on_receive=True): quantised weights travel in the sender's dtype, their scales not at
+    all (the receivers compute them); every other tensor as before; the plan says which weights and scales."""
+    from awex.meta import PlanOptions
+
+    tensors = small_moe(experts=4)
+    src = megatron_layout(tensors, train)
+    dst = quantize_layout(vllm_layout(tensors, infer, instance="vllm"), QUANT)
+    plan = plan_transfers([src], [dst], PlanOptions(quantize_on_receive=True))
+    assert verify_plan(plan, [src], [dst]).ok
+    moved = {t.name: t.dtype for t in plan.tensors}
+    up = "model.layers.0.mlp.experts.2.up_proj.weight"
+    assert moved[up] == "bfloat16" and scale_name(up) not in moved
+    assert (up, "float8_e4m3fn", scale_name(up), (128, 128)) in plan.quantized
+    assert moved["model.layers.0.mlp.gate.weight"] == "bfloat16"
+    quantised = {q[0] for q in plan.quantized}
+    assert quantised == {n for n in dst.names if scale_name(n) in dst.names}
+    dense = plan_transfers([src], [vllm_layout(tensors, infer, instance="vllm")])
+    assert plan.stats.total_bytes == dense.stats.total_bytes  # what moves: the bf16 weights, nothing more
+    assert plan.digest != dense.digest  # both ends must agree on who quantises
+
+
 def test_vllm_engine_layout_reads_fp8_from_the_config():
     from awex.meta.layouts import vllm_engine_layout
 
@@ -197,3 +227,34 @@ def test_vllm_engine_layout_reads_fp8_from_the_config():
     assert "model.layers.3.mlp.down_proj.weight_scale_inv" not in plain
     with pytest.raises(ValueError, match="awq"):
         vllm_engine_layout({**cfg, "quantization_config": {"quant_method": "awq"}}, "bfloat16", VllmParallel())
+
+
+def test_tile_edges_are_found_from_sizes_and_tile_counts():
+    from awex.meta.quant import tile_block
+
+    assert tile_block(4096, 32) == 128
+    assert tile_block(4097, 33) == 128
+    assert tile_block(100, 1) == 128  # one tile: any edge of at least 100 alike; the smallest power of two
+    assert tile_block(300, 3) == 128
+    with pytest.raises(ValueError):
+        tile_block(300, 4)
+
+
+def test_weights_quantised_on_receive_are_cut_into_waves_on_tile_rows_only():
+    from awex.meta import PlanOptions
+
+    src = megatron_layout(Q8B, MegatronParallel(tp=2))
+    dst = quantize_layout(vllm_layout(Q8B, VllmParallel(tp=1), instance="vllm"), QUANT)
+    plan = plan_transfers([src], [dst], PlanOptions(quantize_on_receive=True, wave_bytes=64 << 20))
+    assert plan.stats.waves > 10  # small waves: most weights are cut
+    rows = {plan.tensors.index(next(t for t in plan.tensors if t.name == q[0])): q[3][0] for q in plan.quantized}
+    cut = 0
+    for b in plan.buckets:
+        for t in b.transfers:
+            if t.tensor in rows:
+                full = plan.tensors[t.tensor].shape[0]
+                assert t.offsets[0] % rows[t.tensor] == 0, (plan.tensors[t.tensor].name, t.region)
+                assert t.sizes[0] % rows[t.tensor] == 0 or t.offsets[0] + t.sizes[0] == full, t.region
+                cut += t.sizes[0] != full
+    assert cut > 0
+    assert verify_plan(plan, [src], [dst]).ok

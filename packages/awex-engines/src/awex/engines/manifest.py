@@ -31,6 +31,7 @@ class SyncManifest:
     board: str | None = None  # the host board (awex.engines.board) and the host it is on
     board_host: str | None = None
     delta: bool = False  # buckets travel as the words that changed since the last version (awex.transport.delta)
+    quantize_on_receive: bool = False  # FP8 receivers quantise from the trainer's memory (CUDA IPC, one GPU)
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -62,6 +63,7 @@ class SyncManifest:
                 board=_optional_str(d.get("board")),
                 board_host=_optional_str(d.get("board_host")),
                 delta=_flag(d.get("delta", False)),
+                quantize_on_receive=_flag(d.get("quantize_on_receive", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None

@@ -116,7 +116,7 @@ class SyncSession:
             self._plan is not None
             and self._key is not None
             and self._key[:3] == (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast)
-            and self._key[4] == manifest.delta
+            and self._key[4:] == (manifest.delta, manifest.quantize_on_receive)
         )
 
     def fetch_manifest(self, version: str, timeout: float) -> SyncManifest:
@@ -271,11 +271,16 @@ class SyncSession:
             manifest.allow_cast,
             tuple(id(layouts[n]) for n in names),
             manifest.delta,
+            manifest.quantize_on_receive,
         )
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
         if manifest.transport not in (*TRANSPORTS, "auto"):
             raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
+        if manifest.quantize_on_receive and manifest.transport != "ipc":
+            raise ValueError(
+                f"sync {manifest.version!r}: quantising on receive runs over ipc, not {manifest.transport!r}"
+            )
         if manifest.delta and manifest.transport != "p2p":
             raise ValueError(f"sync {manifest.version!r}: delta syncs run over p2p, not {manifest.transport!r}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
@@ -300,6 +305,7 @@ class SyncSession:
                     devices=devices if transport == "ipc" else (),
                     topology=Topology() if nodes else None,
                     hosts=host_of if nodes else (),
+                    quantize_on_receive=manifest.quantize_on_receive,
                 ),
             )
 
@@ -351,6 +357,7 @@ class SyncSession:
             manifest.rendezvous(),
             delta=manifest.delta,
             delta_budget_bytes=self.delta_budget_bytes,
+            quantize=_fp8_quantizer() if plan.quantized else None,
         )
         self._transports[transport].prepare(plan, me.rank, setup, phase)
         self._layouts = layouts
@@ -450,3 +457,14 @@ class SyncSession:
         transport = self._transports.get(self.transport) if self.transport else None
         if transport is not None:
             transport.applied()
+
+
+def _fp8_quantizer():
+    """The FP8 block quantiser for receivers that quantise on the copy (awex.convert's: one Triton kernel per
+    piece on CUDA, bit-identical to its portable path)."""
+    from awex.convert.fp8 import quantize_fp8_blocks
+
+    def quantize(source, out, scale_out, block):
+        quantize_fp8_blocks(source, block, out.dtype, out=out, scale_out=scale_out)
+
+    return quantize

@@ -72,6 +72,10 @@ class WeightsWriter:
     budget are always sent whole. Buckets run one after another without relays: it pays where bytes cost more
     than the copies (across nodes). Write stats then carry ``bytes_dense``, what a dense sync would have moved.
 
+    ``quantize_on_receive=True`` (``transport="ipc"``): this rank publishes its weights unquantised and the FP8
+    engines reading them on the same GPU quantise them straight into their FP8 weights and scales, one kernel per
+    piece (``awex.transport.ipc.fp8_on_copy``): the trainer neither quantises nor holds FP8 buffers.
+
     After each write, rank 0 drops the MetaServer records (manifest, agreements, validation reports) of versions
     older than the last ``keep_versions``, so a run of any length stays within the server's key limit.
     """
@@ -101,6 +105,7 @@ class WeightsWriter:
         keep_versions: int = 2,
         delta: bool = False,
         delta_budget_bytes: int | None = None,
+        quantize_on_receive: bool = False,
     ):
         if transport not in (*TRANSPORTS, "auto"):
             raise ValueError(
@@ -134,6 +139,12 @@ class WeightsWriter:
         if delta_budget_bytes is not None and (not delta or delta_budget_bytes < 0):
             raise ValueError("delta_budget_bytes: a non-negative byte count, with delta=True")
         self.delta = delta
+        if quantize_on_receive and transport != "ipc":
+            raise ValueError(
+                f"quantize_on_receive=True runs over transport='ipc' (receivers on the trainer's GPUs), not "
+                f"{transport!r}; elsewhere quantise on the sender (awex.convert.Fp8Views)"
+            )
+        self.quantize_on_receive = quantize_on_receive
         self.keep_versions = keep_versions
         self._written: deque[tuple[str, int]] = deque()  # (version, attempt count) written, oldest first
         self.last_stats: TransferStats | None = None  # this rank's stats of the last write
@@ -355,6 +366,7 @@ class WeightsWriter:
                 board=self._board.path if self._board else None,
                 board_host=host_identity() if self._board else None,
                 delta=self.delta,
+                quantize_on_receive=self.quantize_on_receive,
             )
             doc = last.to_json()
         if self._board is not None:  # ranks on this host read it here, the others on the channel

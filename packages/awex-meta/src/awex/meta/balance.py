@@ -31,19 +31,20 @@ PairTransfers = dict[tuple[int, int], list[Transfer]]
 
 
 def assign_sources(
-    groups: dict[tuple[int, ...], list[Piece]], world_size: int, split_bytes: int
+    groups: dict[tuple[int, ...], list[Piece]], world_size: int, split_bytes: int, whole: frozenset[int] = frozenset()
 ) -> tuple[PairTransfers, int]:
-    """Choose a source for every piece and destination (splitting large ones); deterministic.
+    """Choose a source for every piece and destination (splitting large ones, except pieces of the tensors in
+    ``whole``: weights quantised on receive, whose tiles a split could cut); deterministic.
 
     Returns the transfers per pair and the lower bound on the busiest sender's volume.
     """
     group_bytes = {h: -sum(p[0] * len(p[4]) for p in ps) for h, ps in groups.items()}
     bound = send_lower_bound(group_bytes)
-    out, loads = _greedy(groups, world_size, split_bytes)
+    out, loads = _greedy(groups, world_size, split_bytes, whole)
     if max(loads, default=0) <= bound * 1.001:
         return out, bound
     quotas, bound = _optimal_quotas(group_bytes, world_size, bound, max(loads))
-    by_quota, quota_loads = _deal_by_quota(groups, quotas, world_size, split_bytes)
+    by_quota, quota_loads = _deal_by_quota(groups, quotas, world_size, split_bytes, whole)
     if max(quota_loads) < max(loads):
         return by_quota, bound
     return out, bound
@@ -60,7 +61,7 @@ def _emitter(out: PairTransfers):
 
 
 def _greedy(
-    groups: dict[tuple[int, ...], list[Piece]], world_size: int, split_bytes: int
+    groups: dict[tuple[int, ...], list[Piece]], world_size: int, split_bytes: int, whole: frozenset[int]
 ) -> tuple[PairTransfers, list[int]]:
     loads = [0] * world_size
     out: PairTransfers = {}
@@ -81,7 +82,7 @@ def _greedy(
         threshold = -2 * split_bytes
         pop, push = heapq.heappop, heapq.heappush
         for neg, tensor, offsets, sizes, dsts in pieces:
-            if neg <= threshold and _splittable(sizes):
+            if neg <= threshold and _splittable(sizes) and tensor not in whole:
                 for dst in dsts:
                     parts = _water_fill(-neg, offsets, sizes, holders, loads, split_bytes)
                     for src, p_off, p_size, nbytes in parts:
@@ -155,6 +156,7 @@ def _deal_by_quota(
     quotas: dict[tuple[int, ...], dict[int, float]],
     world_size: int,
     split_bytes: int,
+    whole: frozenset[int],
 ) -> tuple[PairTransfers, list[int]]:
     """Give each group's pieces to its holders, largest piece to the holder with the most quota left."""
     loads = [0] * world_size
@@ -169,7 +171,7 @@ def _deal_by_quota(
         for neg, tensor, offsets, sizes, dsts in pieces:
             for dst in dsts:
                 q, src = heapq.heappop(heap)
-                if -q < -neg and -neg >= 2 * split_bytes and _splittable(sizes):
+                if -q < -neg and -neg >= 2 * split_bytes and _splittable(sizes) and tensor not in whole:
                     heapq.heappush(heap, (q, src))
                     # spread by remaining quota: holders with more quota left take more rows
                     remaining = {r: -qq for qq, r in heap}

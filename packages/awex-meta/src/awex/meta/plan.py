@@ -106,6 +106,9 @@ class Plan:
     stats: PlanStats
     options: object
     casts: tuple[tuple[str, str, str], ...] = ()  # (tensor, source dtype, destination dtype) converted on the way
+    # (weight, FP8 dtype, scale tensor, tile block) that receivers quantise from the source's dtype
+    # (PlanOptions.quantize_on_receive)
+    quantized: tuple[tuple[str, str, str, tuple[int, int]], ...] = ()
     _by_rank: dict[int, tuple[int, ...]] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
     _digest: str = field(default="", init=False, repr=False, compare=False)
 
@@ -168,6 +171,7 @@ class Plan:
             "plan_seconds": round(s.plan_seconds, 3),
             "digest": self.digest,
             "casts": [list(c) for c in self.casts],
+            **({"quantized_on_receive": len(self.quantized)} if self.quantized else {}),
         }
 
 
@@ -181,6 +185,8 @@ def plan_digest(plan: Plan) -> str:
         h.update(f"T{t.name},{t.shape},{t.dtype}\n".encode())
     for name, src, dst in plan.casts:
         h.update(f"C{name},{src},{dst}\n".encode())
+    for name, fp8, scale, block in plan.quantized:
+        h.update(f"Q{name},{fp8},{scale},{block}\n".encode())
     text: dict[int, str] = {}  # transfers are shared between destinations: format each once
     for b in plan.buckets:
         parts = [f"B{b.wave},{b.src},{b.dst},{b.seq},{b.nbytes}\n"]

@@ -27,7 +27,7 @@ from awex.meta.dtypes import is_exact_cast
 from awex.meta.fanout import NodeFanout, take_local
 from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats, Transfer
-from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, scale_name
+from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, scale_name, tile_block
 from awex.meta.schedule import assign_waves, plan_relays, split_broadcasts
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 from awex.meta.topology import Placement, Topology
@@ -74,6 +74,11 @@ class PlanOptions:
     NICs. Replaces the hot-source relays of ``relay``; not with ``broadcast``. ``hosts`` names the host of ranks,
     as ``(instance, local_rank, host)``: with a topology, ranks on one host share a node whatever its placement
     rule says (how the writer and reader plan a sync across hosts).
+
+    ``quantize_on_receive``: a destination's block-quantised FP8 weight (with its ``weight_scale_inv``) may come
+    from a source that holds it unquantised: the weight travels in the source's dtype and the receiver quantises it
+    into its FP8 weight and scales (the scales have no transfers). Listed in :attr:`Plan.quantized`; CUDA IPC
+    receivers fuse it with the copy (``awex.transport.ipc``). Receivers' boxes and sources' must be whole tiles.
     """
 
     wave_bytes: int = 256 << 20
@@ -85,6 +90,7 @@ class PlanOptions:
     broadcast: bool = False
     topology: Topology | None = None
     hosts: tuple[tuple[str, int, str], ...] = ()
+    quantize_on_receive: bool = False
 
     def __post_init__(self) -> None:
         if self.broadcast:
@@ -140,7 +146,9 @@ def plan_transfers(
             ranks.extend([RankDescriptor(first + i, layout.instance, role, i) for i in range(layout.world_size)])
 
     dst_groups = _group_identical(destinations, offsets)
-    tensors, casts = _check_tensors(_group_identical(sources, offsets), dst_groups, options.allow_cast)
+    tensors, casts, quantized = _check_tensors(
+        _group_identical(sources, offsets), dst_groups, options.allow_cast, options.quantize_on_receive
+    )
     if casts:
         log.info(
             "plan casts %d tensor(s) on the way (source -> destination dtype): %s",
@@ -206,7 +214,9 @@ def plan_transfers(
         raise PlanError(sorted(set(problems)))
 
     tell("tensors", len(tensors), len(tensors))
-    per_pair, lower_send = assign_sources(groups, len(ranks), options.split_bytes)
+    index = {t.name: i for i, t in enumerate(tensors)}
+    whole = frozenset(index[q[0]] for q in quantized)  # tiles quantised on receive: never cut through
+    per_pair, lower_send = assign_sources(groups, len(ranks), options.split_bytes, whole)
     tell("sources", 1, 1)
     del groups
     relays = fanout.relays(per_pair) if fanout else {}
@@ -218,8 +228,11 @@ def plan_transfers(
     broadcasts = None
     if options.broadcast:
         per_pair, broadcasts = split_broadcasts(per_pair)
+    row_multiples = [1] * len(tensors)
+    for q in quantized:
+        row_multiples[index[q[0]]] = q[3][0]
     ordered, waves = assign_waves(
-        per_pair, relays, itemsizes, options.wave_bytes, len(ranks), options.split_bytes, broadcasts
+        per_pair, relays, itemsizes, options.wave_bytes, len(ranks), options.split_bytes, broadcasts, row_multiples
     )
     tell("waves", 1, 1)
     role_of = [r.role for r in ranks]
@@ -249,7 +262,9 @@ def plan_transfers(
         relayed_bytes=relayed,
         nic_bound_bytes=max(fanout.recv_bound(), lower_send) if fanout else 0,
     )
-    return Plan(tuple(ranks), tuple(tensors), tuple(ordered), stats, options, casts=tuple(casts))
+    return Plan(
+        tuple(ranks), tuple(tensors), tuple(ordered), stats, options, casts=tuple(casts), quantized=tuple(quantized)
+    )
 
 
 def _group_identical(layouts: Sequence[Layout], offsets: dict[str, int]) -> list[tuple[Layout, list[int]]]:
@@ -273,11 +288,14 @@ def _check_tensors(
     sources: list[tuple[Layout, list[int]]],
     destinations: list[tuple[Layout, list[int]]],
     allow_cast: tuple[str, ...] = (),
-) -> tuple[list[TensorSpec], list[tuple[str, str, str]]]:
-    """Specs of every tensor some destination holds (in the destination's dtype) and the casts on the way,
-    after checking sources agree with them."""
+    quantize_on_receive: bool = False,
+) -> tuple[list[TensorSpec], list[tuple[str, str, str]], list[tuple]]:
+    """Specs of every tensor some destination holds (in the destination's dtype; a weight quantised on receive in
+    the source's), the casts on the way and the weights receivers quantise, after checking sources agree."""
     problems: list[str] = []
     casts: list[tuple[str, str, str]] = []
+    quantized: list[tuple] = []  # (weight, FP8 dtype, scale tensor, tile block)
+    wire: dict[str, TensorSpec] = {}
 
     def collect(groups: list[tuple[Layout, list[int]]], side: str) -> dict[str, TensorSpec]:
         specs: dict[str, TensorSpec] = {}
@@ -293,9 +311,31 @@ def _check_tensors(
 
     src = collect(sources, "source")
     dst = collect(destinations, "destination")
+    derived = set()  # scales of weights quantised on receive: computed by the receivers, never moved
+    if quantize_on_receive:
+        for name, d in dst.items():
+            s = src.get(name)
+            if (
+                s is not None
+                and d.dtype in FP8_DTYPES
+                and s.dtype not in FP8_DTYPES
+                and scale_name(name) in dst
+                and scale_name(name) not in src
+                and s.shape == d.shape
+            ):
+                try:
+                    block = tuple(tile_block(n, k) for n, k in zip(d.shape, dst[scale_name(name)].shape))
+                except ValueError as e:
+                    problems.append(f"{name}: its scales {tuple(dst[scale_name(name)].shape)} do not tile it: {e}")
+                    continue
+                quantized.append((name, d.dtype, scale_name(name), block))
+                wire[name] = s
+                derived.add(scale_name(name))
     for name in sorted(dst):
         d = dst[name]
         s = src.get(name)
+        if name in wire or name in derived:
+            continue
         if s is None:
             hint = (
                 " (the destination loads FP8 block-quantised weights: quantise on the sender, see awex.meta.quant)"
@@ -308,7 +348,8 @@ def _check_tensors(
         elif d.dtype in FP8_DTYPES and s.dtype not in FP8_DTYPES and scale_name(name) in dst:
             problems.append(
                 f"{name}: the destination holds it block-quantised ({d.dtype} with {scale_name(name)}); "
-                f"a cast from {s.dtype} cannot produce that: quantise on the sender (awex.meta.quant)"
+                f"a cast from {s.dtype} cannot produce that: quantise on the sender (awex.meta.quant), or on "
+                "the receiver (PlanOptions.quantize_on_receive, CUDA IPC)"
             )
         elif s.dtype != d.dtype:
             if is_exact_cast(s.dtype, d.dtype) or any(fnmatchcase(name, pat) for pat in allow_cast):
@@ -320,7 +361,7 @@ def _check_tensors(
                 )
     if problems:
         raise PlanError(problems)
-    return [dst[n] for n in sorted(dst)], casts
+    return [wire.get(n, dst[n]) for n in sorted(dst) if n not in derived], casts, sorted(quantized)
 
 
 def _merge_source_holdings(

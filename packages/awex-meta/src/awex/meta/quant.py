@@ -223,3 +223,14 @@ def _subtract(a: Box, b: Box) -> list[Box]:
             out.append(Box(tuple(lo), tuple(h - lo_ for h, lo_ in zip(hi, lo))))
             ends[d] = inter.ends[d]
     return [b for b in out if not b.is_empty()]
+
+
+def tile_block(size: int, tiles: int) -> int:
+    """The tile edge (a power of two) that cuts ``size`` elements into ``tiles`` tiles: the smallest such edge
+    (every edge of at least ``size`` makes one tile alike). ``ValueError`` where none does."""
+    edge = 1
+    while -(-size // edge) > tiles:
+        edge *= 2
+    if tiles < 1 or -(-size // edge) != tiles:
+        raise ValueError(f"{tiles} tiles cannot cover {size} elements with a power-of-two tile edge")
+    return edge

@@ -92,6 +92,7 @@ def assign_waves(
     world_size: int,
     min_piece_bytes: int,
     broadcasts: Broadcasts | None = None,
+    row_multiples: list[int] | None = None,
 ) -> tuple[list[Bucket], int]:
     """Buckets (one per pair and wave) and the number of waves.
 
@@ -103,7 +104,8 @@ def assign_waves(
     Relayed transfers follow their first hop :data:`RELAY_LAG` waves later. ``broadcasts`` (from
     :func:`split_broadcasts`) are cut the same way, once per source and destination set, into identical
     buckets for each destination (a bucket for the pair in that wave besides the pair's own); they count once
-    in their source's load.
+    in their source's load. ``row_multiples`` (per tensor, default 1): cuts of a tensor fall on multiples of this
+    many rows (whole FP8 tiles of weights quantised on receive).
     """
     broadcasts = broadcasts or {}
     load = [0] * world_size
@@ -132,12 +134,14 @@ def assign_waves(
             for other in relays.get((src, dst, item), ()):
                 relayed.setdefault((dst, other), {}).setdefault(wave + RELAY_LAG, []).append(piece)
 
-        chunks = _spread(sorted(per_pair[pair]), waves, floor, itemsizes, forward if relays else None, shift)
+        chunks = _spread(
+            sorted(per_pair[pair]), waves, floor, itemsizes, forward if relays else None, shift, row_multiples
+        )
         _emit(buckets, src, dst, chunks)
     for (src, dst), by_wave in sorted(relayed.items()):
         _emit(buckets, src, dst, by_wave)
     for src, dsts in sorted(broadcasts):
-        by_wave = _spread(sorted(broadcasts[(src, dsts)]), waves, floor, itemsizes, None)
+        by_wave = _spread(sorted(broadcasts[(src, dsts)]), waves, floor, itemsizes, None, 0, row_multiples)
         for dst in dsts:
             _emit(buckets, src, dst, by_wave)
     buckets.sort(key=lambda b: (b.wave, b.src, b.dst))
@@ -176,6 +180,7 @@ def _spread(
     itemsizes: list[int],
     forward: Callable[[Transfer, Transfer, int], None] | None,
     shift: int = 0,
+    row_multiples: list[int] | None = None,
 ) -> dict[int, list[Transfer]]:
     """One pair's transfers (sorted) cut into its chunks of the ``waves`` (see :func:`assign_waves`);
     ``forward(piece, item, wave)`` is told where each piece of each item went (relays). Fewer chunks than waves
@@ -193,7 +198,8 @@ def _spread(
             piece = todo.pop()
             room = (k + 1) * total // chunks - done
             if piece.nbytes > room and k < chunks - 1:
-                head, tail = _cut(piece, room, itemsizes[piece.tensor])
+                multiple = row_multiples[piece.tensor] if row_multiples else 1
+                head, tail = _cut(piece, room, itemsizes[piece.tensor], multiple)
                 if head is None and used:  # not even one row fits: close this chunk, retry in the next
                     k += 1
                     used = 0
@@ -214,13 +220,14 @@ def _spread(
     return by_wave
 
 
-def _cut(t: Transfer, nbytes: int, itemsize: int) -> tuple[Transfer | None, Transfer | None]:
-    """Split ``t`` along its outermost dimension into a head of at most ``nbytes`` and the rest."""
+def _cut(t: Transfer, nbytes: int, itemsize: int, multiple: int = 1) -> tuple[Transfer | None, Transfer | None]:
+    """Split ``t`` along its outermost dimension into a head of at most ``nbytes`` (a multiple of ``multiple``
+    rows) and the rest."""
     if not t.sizes or t.sizes[0] < 2:
         return None, None
     row = t.nbytes // t.sizes[0]
-    rows = nbytes // row
-    if rows < 1:
+    rows = nbytes // row // multiple * multiple
+    if rows < 1 or rows >= t.sizes[0]:
         return None, None
     rest = t.sizes[1:]
     head = Transfer(t.tensor, t.offsets, (rows, *rest), rows * row)

@@ -64,6 +64,11 @@ class DeltaExecutor:
     """One rank's share of a relay-free plan as delta buckets, built once; keeps the sender's last versions."""
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, budget_bytes: int | None = None):
+        if plan.quantized:
+            raise ValueError(
+                f"this plan has receivers quantise {len(plan.quantized)} weight(s) on the copy: CUDA IPC only "
+                "(quantise on the sender for point to point)"
+            )
         holders = {r.rank for r in plan.ranks_of(Role.TRAINER)}
         relays = [b for b in plan.buckets if b.src not in holders]
         if relays:

@@ -110,6 +110,11 @@ class WaveExecutor:
     """
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup):
+        if plan.quantized:
+            raise ValueError(
+                f"this plan has receivers quantise {len(plan.quantized)} weight(s) on the copy: CUDA IPC only "
+                "(quantise on the sender for point to point)"
+            )
         self.plan = plan
         self.rank = rank
         self.group = group

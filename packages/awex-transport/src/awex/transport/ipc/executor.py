@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -13,6 +14,7 @@ from awex.transport.base import TransferStats, TransferTimeout
 from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable, triton_available
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
+from awex.transport.ipc.fp8_on_copy import Quantize, quantize_ops
 from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
 from awex.transport.ipc.scheduling import interleave_sources, paces_local, ring_slots
@@ -61,6 +63,7 @@ class IpcExecutor:
         shards: LocalShards,
         sources: dict[int, LocalShards],
         options: IpcOptions | None = None,
+        quantize: Quantize | None = None,
     ):
         o = options or IpcOptions()
         cuda_graph, bounce_bytes, bounce_buffers, max_gap_bytes = (
@@ -80,6 +83,10 @@ class IpcExecutor:
         names = [t.name for t in plan.tensors]
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.bytes_received = 0
+        quantised = {q[0]: (q[2], q[3]) for q in plan.quantized}  # weight -> (scale tensor, tile block)
+        self._quantize: list[Callable[[], None]] = []  # FP8 on the copy: read the source, write tiles and scales
+        if quantised and quantize is None:
+            raise ValueError(f"rank {rank}: the plan quantises {len(quantised)} weight(s) on receive: give quantize=")
         for step in plan.schedule(rank):
             if step.op != "recv":
                 raise ValueError(f"rank {rank} would send over CUDA IPC (a relay): plan CUDA IPC syncs without relay")
@@ -88,6 +95,12 @@ class IpcExecutor:
                 raise KeyError(f"rank {rank}: no IPC export of source rank {step.peer}")
             for t in step.bucket.transfers:
                 whole = tuple(slice(0, n) for n in t.sizes)
+                if names[t.tensor] in quantised:
+                    self._quantize.extend(
+                        quantize_ops(plan.tensors[t.tensor], *quantised[names[t.tensor]], t, shards, src, quantize)
+                    )
+                    self.bytes_received += t.nbytes
+                    continue
                 dst_pieces = shards.pieces(names[t.tensor], t.offsets, t.sizes)
                 src_pieces = src.pieces(names[t.tensor], t.offsets, t.sizes)
                 for here_d, dview in dst_pieces:
@@ -131,7 +144,7 @@ class IpcExecutor:
         self.buckets = len(plan.schedule(rank))
         self._direct_lanes = balance(self._direct, min(direct_streams, len(self._direct)))
         if self.device.type == "cuda":
-            self._streams = {k: torch.cuda.Stream(self.device) for k in ("place", "local")}
+            self._streams = {k: torch.cuda.Stream(self.device) for k in ("place", "local", "quantize")}
             self._direct_streams = [torch.cuda.Stream(self.device) for _ in self._direct_lanes]
             self._dma_streams = [torch.cuda.Stream(self.device) for _ in range(dma_streams)]
             self._branches = [torch.cuda.Stream(self.device) for _ in range(min(local_branches, len(self._local)))]
@@ -206,6 +219,13 @@ class IpcExecutor:
             with torch.cuda.stream(stream):
                 for chunk in range(len(self._local_chunks)):
                     self._copy_local(chunk, stream)
+            used.append(stream)
+        if self._quantize:
+            stream = self._streams["quantize"]
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                for op in self._quantize:
+                    op()
             used.append(stream)
         return used
 

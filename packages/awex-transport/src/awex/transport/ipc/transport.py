@@ -36,9 +36,11 @@ class IpcTransport(Transport):
         self._recheck = False
         self.executor: IpcExecutor | None = None
         self.peers: list[int] = []
+        self.quantize = None  # a receiver's FP8 quantiser, for plans that quantise on receive
 
     def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
         self.plan, self.rank = plan, rank
+        self.quantize = setup.quantize
         self.executor = None
         self._recheck = True  # a new plan may mean a restarted trainer, whose generations start again at 1
         schedule = plan.schedule(rank)
@@ -84,7 +86,7 @@ class IpcTransport(Transport):
             self._recheck = False
         if changed:
             with timed(phases, "executor"):
-                self.executor = IpcExecutor(plan, self.rank, shards, sources)
+                self.executor = IpcExecutor(plan, self.rank, shards, sources, quantize=self.quantize)
         executor = self.executor
         link.moving()
         with timed(phases, "transfer"):
