@@ -89,6 +89,7 @@ def worker(
 
         shards = LocalShards.from_layout(layout, local_rank, view_of)
         group = create_sync_group(me.rank, plan.world_size, host, port, timeout=timeout)
+        group.process_group.barrier().wait()  # every rank has formed the group: a death below comes after it
         if behaviour == "die_before_send":
             os._exit(3)
         if behaviour == "stall":  # alive, connected, but never sends

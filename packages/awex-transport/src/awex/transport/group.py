@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from awex.transport.base import TransferError
 from awex.transport.net import local_address
 
 log = logging.getLogger("awex.transport")
@@ -168,7 +169,13 @@ def create_sync_group(
         ) from e
     store = dist.PrefixStore(prefix, store)
     if backend == "gloo":
-        pg = _gloo_process_group(store, rank, world_size, wait, host, port)
+        try:
+            pg = _gloo_process_group(store, rank, world_size, wait, host, port)
+        except RuntimeError as e:  # a peer that exits while the group forms closes its connections
+            raise TransferError(
+                f"rank {rank}: the gloo sync group at {host}:{port} did not form (a peer closed its connection or "
+                f"never came: it may have exited): {e}"
+            ) from e
     elif backend == "nccl":
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         pg = _nccl_process_group(store, rank, world_size, timeout + WATCHDOG_SLACK)
