@@ -165,3 +165,30 @@ def test_cuda_quantiser_is_bit_identical_to_the_portable_one(shape, block):
         cq, cs = quantize_fp8_blocks(source, block)
         assert torch.equal(cs.cpu(), s)
         assert torch.equal(cq.cpu().view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the one-pass Triton quantiser)")
+def test_cuda_quantiser_stays_bit_identical_near_fp8_rounding_boundaries_and_on_signed_zeros():
+    """The kernel divides by an FMA-corrected reciprocal and falls back to exact division where a unit in the last
+    place could change the FP8 value: weights built to land on and next to FP8 midpoints, signed zeros, subnormal
+    bf16 values and a wide range of magnitudes quantise exactly as the portable (torch division) path does."""
+    g = torch.Generator().manual_seed(11)
+    rows, cols = 2048, 2048
+    w = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 3, cols)
+    # per tile, values whose quotient by the tile's scale sits at an FP8 midpoint (and its bf16 neighbours)
+    grid = torch.tensor([1.0 + k / 16 for k in range(16)])  # e4m3 midpoints in [1, 2): odd multiples of 1/16
+    for tr in range(0, rows, 256):
+        for tc in range(0, cols, 256):
+            tile = w[tr : tr + 128, tc : tc + 128]
+            amax = float(tile.abs().max())
+            scale = amax / 448.0
+            mids = grid[torch.randint(0, 16, (64,), generator=g)] * 2.0 ** torch.randint(-6, 8, (64,), generator=g)
+            tile[1, :64] = (mids * scale).clamp(max=amax)
+    w = w.to(torch.bfloat16)
+    w[5, :300] = -0.0
+    w[6, :300] = 0.0
+    w[7, :50] = torch.tensor(1e-40).to(torch.bfloat16)  # subnormal in bf16
+    q, s = quantize_fp8_blocks(w, (128, 128))  # CPU: torch division
+    cq, cs = quantize_fp8_blocks(w.cuda(), (128, 128))
+    assert torch.equal(cs.cpu(), s)
+    assert torch.equal(cq.cpu().view(torch.uint8), q.view(torch.uint8))
