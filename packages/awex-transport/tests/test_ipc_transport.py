@@ -24,7 +24,7 @@ class _Mapped:
 class _Executor:
     capture_seconds = 0.0
 
-    def __init__(self, plan, rank, shards, sources):
+    def __init__(self, plan, rank, shards, sources, quantize=None):
         self.sources = sources
 
     def run(self, timeout):
