@@ -192,3 +192,21 @@ def test_cuda_quantiser_stays_bit_identical_near_fp8_rounding_boundaries_and_on_
     cq, cs = quantize_fp8_blocks(w.cuda(), (128, 128))
     assert torch.equal(cs.cpu(), s)
     assert torch.equal(cq.cpu().view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the one-pass Triton quantiser)")
+def test_cuda_quantiser_is_bit_identical_over_every_finite_bf16_value():
+    """Every finite bf16 bit pattern, shuffled into 128x128 tiles several ways (so each meets several scales), and
+    narrowed to a few magnitudes per tile: the kernel's quotients round to the same FP8 bits as torch's division."""
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every)]
+    g = torch.Generator().manual_seed(5)
+    for trial in range(4):
+        w = every[torch.randperm(every.numel(), generator=g)]
+        w = w[: (w.numel() // 16384) * 16384].view(-1, 128)
+        if trial % 2:  # tiles of small magnitudes only: scales far below the largest bf16
+            w = torch.where(w.float().abs() < 2.0 ** (4 - 20 * trial), w, torch.zeros_like(w))
+        q, s = quantize_fp8_blocks(w, (128, 128))
+        cq, cs = quantize_fp8_blocks(w.cuda(), (128, 128))
+        assert torch.equal(cs.cpu(), s)
+        assert torch.equal(cq.cpu().view(torch.uint8), q.view(torch.uint8)), trial
