@@ -18,11 +18,13 @@ def sync_rank(
     model: str = "qwen3-8b",
     readers_per_instance: int = 1,
     on_receive: bool = False,
+    delta: bool = False,
 ) -> dict:
     """One rank: the trainer writes ``versions`` versions, engines receive and check each (FP8 receivers: the
     trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit), then close; the trainer
     returns once every reader (``readers_per_instance`` ranks of each destination) has closed. ``on_receive``: FP8
-    receivers quantise from the trainer's bf16 memory themselves (``quantize_on_receive``, CUDA IPC)."""
+    receivers quantise from the trainer's bf16 memory themselves (``quantize_on_receive``, CUDA IPC).
+    ``delta``: the writer sends delta buckets (p2p)."""
     import torch
 
     from awex.convert import (
@@ -84,7 +86,7 @@ def sync_rank(
             )
         else:
             writer = WeightsWriter(
-                client, layout, local_rank, view_of, transport=transport, timeout=120, host="127.0.0.1"
+                client, layout, local_rank, view_of, transport=transport, timeout=120, host="127.0.0.1", delta=delta
             )
         for v in range(1, versions + 1):
             for name in weights.names():

@@ -35,11 +35,13 @@ from awex_integration.spawn import run_processes  # noqa: E402
         pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
         pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], True, "qwen3-30b-a3b"), id="fp8-moe-nccl-tp2-to-tp2"),
         pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], False, "qwen3-30b-a3b"), id="moe-nccl-tp2-to-tp2"),
+        # delta syncs over NCCL (every version changes every value here: whole buckets, the protocol exercised)
+        pytest.param(("p2p", 1, [0], [(1, [1])], False, "qwen3-8b", False, True), id="delta-nccl-1-to-1"),
     ],
 )
 def test_writer_and_readers_on_gpus(case):
     transport, train_tp, train_gpus, engines, *extra = case
-    fp8, model, on_receive = {0: (False, "qwen3-8b", False), 2: (*extra, False), 3: tuple(extra)}[len(extra)]
+    fp8, model, on_receive, delta = (*extra, *(False, "qwen3-8b", False, False)[len(extra) :])
     need = 1 + max([*train_gpus, *[g for _, gs in engines for g in gs]])
     if torch.cuda.device_count() < need:
         pytest.skip(f"needs {need} GPUs, this machine has {torch.cuda.device_count()}")
@@ -62,6 +64,7 @@ def test_writer_and_readers_on_gpus(case):
                     model,
                     engines[0][0],
                     on_receive,
+                    delta,
                 ),
             )
             for r in range(train_tp)
