@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,8 +141,15 @@ def run_case(case: Case, timeout: float, device: str = "cpu", transport: str | N
     """Run ``case``; on ``device="cuda"`` every rank's tensors live on GPU 0 (colocated ranks: CUDA IPC), on
     ``"cuda-per-rank"`` each rank has a GPU of its own (``fault_ranks.rank_device``); ``transport``: the
     writers' (default: the case's)."""
+    work = Path(tempfile.mkdtemp(prefix=f"awex-fault-{case.name}-"))  # the ranks' records: removed after
+    try:
+        return _run_case(case, timeout, device, transport, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_case(case: Case, timeout: float, device: str, transport: str | None, work: Path) -> dict:
     transport = transport or case.transport
-    work = Path(tempfile.mkdtemp(prefix=f"awex-fault-{case.name}-"))
     server = EmbeddedServer() if case.server == "embedded" else ProcessServer()
     job = case.name.replace("_", "-")
     ctx = mp.get_context("spawn")

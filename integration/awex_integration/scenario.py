@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 import threading
@@ -451,8 +452,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
+    if args.workdir:
+        return _run_in(args, hosts, Path(args.workdir))
+    work = Path(tempfile.mkdtemp(prefix="awex-scenario-"))  # checkpoints of every step: ~190 MB, removed after
+    try:
+        return _run_in(args, hosts, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_in(args: argparse.Namespace, hosts, work: Path) -> dict[str, Any]:
     config = load_json(args.model_config)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="awex-scenario-"))
     model_dir = make_tiny_model(work / "model", config, dtype=args.dtype)
     config = load_json(model_dir / "config.json")
     infer_dir = model_dir

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -41,11 +42,18 @@ def _apply_fixup(worker, fixup: str):
 
 
 def run(check: str) -> dict:
+    root = Path(tempfile.mkdtemp(prefix="awex-upstream-"))  # two tiny checkpoints: removed after
+    try:
+        return _run(check, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(check: str, root: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams
 
     fixup, model_config, changes = CHECKS[check]
-    root = Path(tempfile.mkdtemp(prefix="awex-upstream-"))
     first = make_tiny_model(root / "first", load_json(MODELS / model_config))
     model = AutoModelForCausalLM.from_pretrained(first, **dtype_kwarg(torch.float32)).eval()
     tokenizer = AutoTokenizer.from_pretrained(first)
