@@ -11,8 +11,8 @@ import sys
 from conftest import HERE
 
 
-def run_scenario(args: list[str], timeout: float = 600) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+def run_scenario(args: list[str], timeout: float = 600, env: dict | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), **(env or {})}
     if "vllm" in args and "vllm-http" not in args and "--launcher" not in args:
         args = [*args, "--check-in-place"]
     out = subprocess.run(
