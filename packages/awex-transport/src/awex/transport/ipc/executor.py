@@ -18,7 +18,16 @@ from awex.transport.ipc.fp8_on_copy import Quantize, quantize_ops
 from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
 from awex.transport.ipc.scheduling import interleave_sources, paces_local, ring_slots
-from awex.transport.ipc.spans import Span, balance, captured, extent, nbytes_of, overlap, placements, rows_within, shift
+from awex.transport.ipc.spans import (
+    Span,
+    balance,
+    captured,
+    extent,
+    nbytes_of,
+    paired_pieces,
+    placements,
+    rows_within,
+)
 from awex.transport.peer_dma import (
     enable_peer_access,
     pull,
@@ -94,25 +103,13 @@ class IpcExecutor:
             if src is None:
                 raise KeyError(f"rank {rank}: no IPC export of source rank {step.peer}")
             for t in step.bucket.transfers:
-                whole = tuple(slice(0, n) for n in t.sizes)
                 if names[t.tensor] in quantised:
                     self._quantize.extend(
                         quantize_ops(plan.tensors[t.tensor], *quantised[names[t.tensor]], t, shards, src, quantize)
                     )
                     self.bytes_received += t.nbytes
                     continue
-                dst_pieces = shards.pieces(names[t.tensor], t.offsets, t.sizes)
-                src_pieces = src.pieces(names[t.tensor], t.offsets, t.sizes)
-                for here_d, dview in dst_pieces:
-                    here_d = here_d or whole
-                    for here_s, sview in src_pieces:
-                        here_s = here_s or whole
-                        both = overlap(here_d, here_s)
-                        if both is None:
-                            continue
-                        d = dview[shift(both, here_d)] if both else dview
-                        s = sview[shift(both, here_s)] if both else sview
-                        self.copies.append((d, s))
+                self.copies.extend((d, s) for d, s, _ in paired_pieces(names[t.tensor], t, shards, src))
                 self.bytes_received += t.nbytes
         self.copies = merge_copies(self.copies)
         self._remote = [(d, s) for d, s in self.copies if s.device != d.device]  # from another GPU: peer DMAs

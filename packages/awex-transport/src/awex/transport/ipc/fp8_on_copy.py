@@ -18,7 +18,7 @@ import torch
 from awex.meta import Box
 from awex.meta.plan import Transfer
 from awex.meta.spec import TensorSpec
-from awex.transport.ipc.spans import overlap, shift
+from awex.transport.ipc.spans import paired_pieces
 from awex.transport.shards import LocalShards
 
 # quantize(source, fp8 out, scale_inv out, block): the FP8 block quantiser
@@ -36,38 +36,27 @@ def quantize_ops(
 ) -> list[Callable[[], None]]:
     """The kernels that quantise transfer ``t`` of weight ``spec`` from ``source``'s memory into this rank's FP8
     pieces and their scales (tensor ``scale``, one per ``block`` tile)."""
-    whole = tuple(slice(0, n) for n in t.sizes)
     ops = []
-    for here_d, dview in shards.pieces(spec.name, t.offsets, t.sizes):
-        here_d = here_d or whole
-        for here_s, sview in source.pieces(spec.name, t.offsets, t.sizes):
-            here_s = here_s or whole
-            both = overlap(here_d, here_s)
-            if both is None:
-                continue
-            d = dview[shift(both, here_d)] if both else dview
-            s = sview[shift(both, here_s)] if both else sview
-            if s.device != d.device:
-                raise ValueError(
-                    f"{spec.name}: quantising on receive reads the source on this GPU; it is on {s.device} "
-                    f"(quantise on the sender where engines read over NVLink)"
-                )
-            offsets = tuple(o + b.start for o, b in zip(t.offsets, both))
-            sizes = tuple(b.stop - b.start for b in both)
-            box = Box(offsets, sizes)
-            if any(o % b for o, b in zip(offsets, block)) or any(
-                n % b and o + n != full for o, n, b, full in zip(offsets, sizes, block, spec.shape)
-            ):
-                raise ValueError(
-                    f"{spec.name}: the piece {box} cuts through {block[0]}x{block[1]} tiles: a receiver "
-                    "quantises whole tiles only"
-                )
-            tiles = Box(tuple(o // b for o, b in zip(offsets, block)), tuple(-(-n // b) for n, b in zip(sizes, block)))
-            pieces = shards.pieces(scale, tiles.offsets, tiles.sizes)
-            if len(pieces) != 1 or (
-                pieces[0][0] and any(sl != slice(0, n) for sl, n in zip(pieces[0][0], tiles.sizes))
-            ):
-                raise ValueError(f"{scale}: this rank's scales of {box} are not one view")
-            scale_view = pieces[0][1]
-            ops.append(lambda s=s, d=d, sv=scale_view: quantize(s, d, sv, block))
+    for d, s, both in paired_pieces(spec.name, t, shards, source):
+        if s.device != d.device:
+            raise ValueError(
+                f"{spec.name}: quantising on receive reads the source on this GPU; it is on {s.device} "
+                f"(quantise on the sender where engines read over NVLink)"
+            )
+        offsets = tuple(o + b.start for o, b in zip(t.offsets, both))
+        sizes = tuple(b.stop - b.start for b in both)
+        box = Box(offsets, sizes)
+        if any(o % b for o, b in zip(offsets, block)) or any(
+            n % b and o + n != full for o, n, b, full in zip(offsets, sizes, block, spec.shape)
+        ):
+            raise ValueError(
+                f"{spec.name}: the piece {box} cuts through {block[0]}x{block[1]} tiles: a receiver "
+                "quantises whole tiles only"
+            )
+        tiles = Box(tuple(o // b for o, b in zip(offsets, block)), tuple(-(-n // b) for n, b in zip(sizes, block)))
+        pieces = shards.pieces(scale, tiles.offsets, tiles.sizes)
+        if len(pieces) != 1 or (pieces[0][0] and any(sl != slice(0, n) for sl, n in zip(pieces[0][0], tiles.sizes))):
+            raise ValueError(f"{scale}: this rank's scales of {box} are not one view")
+        scale_view = pieces[0][1]
+        ops.append(lambda s=s, d=d, sv=scale_view: quantize(s, d, sv, block))
     return ops

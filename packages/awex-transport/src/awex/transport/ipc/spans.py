@@ -3,6 +3,7 @@ ring, how copies are cut to fit it and dealt to streams, and how a sync is captu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,24 @@ def overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | N
 
 def shift(s: tuple[slice, ...], by: tuple[slice, ...]) -> tuple[slice, ...]:
     return tuple(slice(x.start - b.start, x.stop - b.start) for x, b in zip(s, by))
+
+
+def paired_pieces(name: str, t, mine, source) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple[slice, ...]]]:
+    """For transfer ``t`` of tensor ``name``: every overlap of this rank's pieces (``mine``) with the source's
+    (``source``, both :class:`~awex.transport.shards.LocalShards`), as ``(destination view, source view, region
+    within the transfer)``."""
+    whole = tuple(slice(0, n) for n in t.sizes)
+    src_pieces = source.pieces(name, t.offsets, t.sizes)
+    for here_d, dview in mine.pieces(name, t.offsets, t.sizes):
+        here_d = here_d or whole
+        for here_s, sview in src_pieces:
+            here_s = here_s or whole
+            both = overlap(here_d, here_s)
+            if both is None:
+                continue
+            d = dview[shift(both, here_d)] if both else dview
+            s = sview[shift(both, here_s)] if both else sview
+            yield d, s, both
 
 
 @dataclass
