@@ -24,3 +24,10 @@ def wait_event(
             raise timed_out()
         if not spin_from <= now <= spin_until:
             time.sleep(POLL_SECONDS)
+
+
+def timed_out(error: BaseException, deadline: float) -> bool:
+    """Whether a failed wait was the deadline: it has passed, or the backend says so (gloo's and NCCL's
+    "timed out" / "timeout")."""
+    text = str(error).lower()
+    return time.monotonic() >= deadline or "timed out" in text or "timeout" in text

@@ -32,6 +32,7 @@ import torch
 from awex.meta import Plan, Role
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.copies import copier, merge_copies
+from awex.transport.deadline import timed_out
 from awex.transport.group import SyncGroup
 from awex.transport.p2p import _align, message_offsets
 from awex.transport.shards import LocalShards, torch_dtype
@@ -258,7 +259,6 @@ class DeltaExecutor:
             for work in works:
                 work.wait(timedelta(seconds=left)) if self.device.type == "cpu" else work.wait()
         except RuntimeError as e:
-            text = str(e).lower()
-            if time.monotonic() >= deadline or "timed out" in text or "timeout" in text:
+            if timed_out(e, deadline):
                 raise TransferTimeout(f"{what}: not done within the sync's {self._timeout:g} s deadline: {e}") from e
             raise TransferError(f"{what} failed: {e}") from e

@@ -38,7 +38,7 @@ from awex.transport.base import (
     timed,
 )
 from awex.transport.copies import copier, merge_copies
-from awex.transport.deadline import wait_event
+from awex.transport.deadline import timed_out, wait_event
 from awex.transport.group import SyncGroup, create_sync_group
 from awex.transport.shards import LocalShards, torch_dtype
 
@@ -301,9 +301,7 @@ class WaveExecutor:
                         raise RuntimeError("timed out")
                     work.wait(timedelta(seconds=left))
                 except RuntimeError as e:
-                    text = str(e).lower()
-                    late = time.monotonic() >= deadline or "timed out" in text or "timeout" in text
-                    if late:
+                    if timed_out(e, deadline):
                         raise TransferTimeout(
                             f"{self._what(wave)}: {op} not done within the sync's {timeout:g} s deadline: {e}"
                         ) from e
