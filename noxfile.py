@@ -40,6 +40,29 @@ MEGATRON = "megatron-core==0.19.2"  # declares Python >= 3.12 but runs on 3.11 (
 RUFF = "ruff==0.17.6"
 RAY = "ray==2.60.0"  # the Ray tests: trainer ranks and engines placed by placement groups
 MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda==0.3.13.post1"  # Mooncake's transfer engine without CUDA
+SGLANG = "sglang==0.5.23"  # installed without its dependencies: the layout check imports its model classes only
+SGLANG_IMPORTS = [  # what importing SGLang's model classes needs on CPU (its CUDA kernels and server are not used)
+    "transformers==5.19.0",
+    "triton==3.9.0",
+    "aiohttp==3.14.5",
+    "apache-tvm-ffi==0.1.15.post2",
+    "compressed-tensors==0.20.0",
+    "dill==0.4.1",
+    "einops==0.8.2",
+    "gguf==0.19.0",
+    "ipython==9.18.1",
+    "msgspec==0.22.0",
+    "openai==3.57.0",
+    "orjson==3.13.0",
+    "partial-json-parser==0.2.1.1.post7",
+    "pillow==13.0.0",
+    "psutil==7.2.2",
+    "pybase64==1.5.1",
+    "pyzmq==27.3.0",
+    "requests==2.34.2",
+    "sentencepiece==0.2.3",
+    "starlette==1.10.0",
+]
 DEBIAN = ["libibverbs1", "libnuma1", "python3-pyverbs", "iproute2"]  # Mooncake; RDMA device listing; netns
 
 
@@ -147,6 +170,21 @@ def tests(session: nox.Session) -> None:
     _pytest(session, "integration/tests")
     for pkg in PACKAGES:
         _tox(session, pkg)
+    session.notify("sglang_layout")
+
+
+@nox.session
+def sglang_layout(session: nox.Session) -> None:
+    """Awex's SGLang layout against SGLang's own model classes and weight loaders, every rank of each case, on CPU
+    (``integration/awex_integration/sglang_layout_check.py``; ``tests`` runs it after its own run). SGLang is
+    installed without its dependencies; arguments after ``--`` go to the check (``--list``, ``--case NAME``)."""
+    session.install(*_torch(), *SGLANG_IMPORTS)
+    session.install("--no-deps", SGLANG)
+    session.install(META, CONVERT)
+    args = list(session.posargs) or ["--self-test"]
+    session.run(
+        "python", "-W", "ignore", "-m", "awex_integration.sglang_layout_check", *args, env={"PYTHONPATH": "integration"}
+    )
 
 
 @nox.session

@@ -41,11 +41,16 @@ rank; vLLM requires every partition to be whole tiles).
 
 from __future__ import annotations
 
-import re
 from typing import Callable, Mapping
 
 import torch
 
+from awex.convert.fused import EXPERT as _EXPERT
+from awex.convert.fused import GATE_UP as _GATE_UP
+from awex.convert.fused import LAYER as _LAYER
+from awex.convert.fused import QKV as _QKV
+from awex.convert.fused import QKV_A as _QKV_A
+from awex.convert.fused import kv_heads_per_rank
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import VllmParallel
@@ -53,12 +58,7 @@ from awex.meta.layouts.vllm import FP32_ROUTERS, expert_owner, pp_layer_ranges
 from awex.meta.models import ARCHITECTURES, ModelDims
 from awex.meta.quant import SCALE_SUFFIX, Fp8BlockQuant
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(?:_scale_inv)?$")
-_GATE_UP = re.compile(r"^(mlp|mlp\.shared_experts?)\.(gate|up)_proj\.(.+)$")  # dense MLP or a shared expert MLP
-_QKV_A = re.compile(r"^self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$")  # DeepSeek's fused_qkv_a_proj
 MAPPED = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")  # architectures with latent attention / DeepSeek MoE mapped
-_QKV = re.compile(r"^self_attn\.([qkv])_proj\.(.+)$")
 
 
 def vllm_param_name(name: str, tie_embeddings: bool = False, latent_q: bool = True) -> str:
@@ -87,7 +87,7 @@ def vllm_param_name(name: str, tie_embeddings: bool = False, latent_q: bool = Tr
 
 
 def _kv_local(dims: ModelDims, tp: int) -> int:
-    return max(1, dims.kv_heads // tp)
+    return kv_heads_per_rank(dims.kv_heads, tp)
 
 
 def _local_experts(dims: ModelDims, parallel: VllmParallel, tp_rank: int, dp_rank: int) -> range:

@@ -248,7 +248,7 @@ def _plan(args: argparse.Namespace) -> int:
         spec = parse_engine_spec(text)
         prefix = spec.engine if len(args.inference) == 1 else f"{spec.engine}{i}"
         engine_tensors = vllm_tensors(config, args.dtype) if spec.engine == "vllm" else tensors  # its FP32 routers
-        destinations += layouts_for(spec, engine_tensors, "inference", prefix=prefix)
+        destinations += layouts_for(spec, engine_tensors, "inference", prefix=prefix, architecture=dims.architecture)
     topology = Topology.parse(args.topology) if args.topology else None
     if args.fp8:
         from awex.meta.quant import Fp8BlockQuant, quantize_layout

@@ -9,6 +9,7 @@ from typing import Sequence
 from awex.meta.layout import Layout
 from awex.meta.layouts.hf import hf_layout
 from awex.meta.layouts.megatron import MegatronParallel, megatron_layout
+from awex.meta.layouts.sglang import SglangParallel, sglang_layout
 from awex.meta.layouts.vllm import VllmParallel, vllm_layout
 from awex.meta.models import CanonicalTensor
 from awex.meta.spec import Role
@@ -16,6 +17,7 @@ from awex.meta.spec import Role
 ENGINES = {
     "megatron": "trainer: tp, pp, dp, cp, ep, etp, vpp, vocab_pad (default 128)",
     "vllm": "inference: tp, pp, dp, ep (1 or dp*tp: expert parallel), instances, vocab_pad (default 64)",
+    "sglang": "inference: tp, pp, ep, attn_dp, moe_dp, dp_lm_head (0/1), instances, vocab_pad (default 64)",
     "hf": "trainer or inference, one rank per instance: instances",
 }
 
@@ -50,6 +52,7 @@ def parse_engine_spec(text: str) -> EngineSpec:
     allowed = {
         "megatron": {f.name for f in fields(MegatronParallel)},
         "vllm": {"tp", "pp", "dp", "ep", "vocab_pad"},
+        "sglang": {"tp", "pp", "ep", "attn_dp", "moe_dp", "dp_lm_head", "vocab_pad"},
         "hf": set(),
     }[engine]
     unknown = sorted(set(options) - allowed)
@@ -61,9 +64,14 @@ def parse_engine_spec(text: str) -> EngineSpec:
 
 
 def layouts_for(
-    spec: EngineSpec, tensors: Sequence[CanonicalTensor], role: Role | str, prefix: str | None = None
+    spec: EngineSpec,
+    tensors: Sequence[CanonicalTensor],
+    role: Role | str,
+    prefix: str | None = None,
+    architecture: str = "",
 ) -> list[Layout]:
-    """The layouts of every instance an engine description stands for."""
+    """The layouts of every instance an engine description stands for (``architecture``: the model's, as its HF
+    config names it; SGLang's layout depends on it)."""
     role = Role(role)
     prefix = prefix or spec.engine
     if spec.engine == "megatron":
@@ -80,6 +88,13 @@ def layouts_for(
             raise ValueError(f"vllm: ep={ep} must be 1 or dp*tp={tp * dp} (vLLM's expert parallelism spans dp*tp)")
         par = VllmParallel(ep=ep > 1, **opts)
         first = vllm_layout(tensors, par, instance=_name(prefix, 0, spec.instances))
+        return [first] + [_renamed(first, _name(prefix, i, spec.instances)) for i in range(1, spec.instances)]
+    if spec.engine == "sglang":
+        if role != Role.INFERENCE:
+            raise ValueError("sglang is an inference engine")
+        opts = dict(spec.options)
+        par = SglangParallel(dp_lm_head=bool(opts.pop("dp_lm_head", 0)), **opts)
+        first = sglang_layout(tensors, par, architecture, instance=_name(prefix, 0, spec.instances))
         return [first] + [_renamed(first, _name(prefix, i, spec.instances)) for i in range(1, spec.instances)]
     first = hf_layout(tensors, role, instance=_name(prefix, 0, spec.instances))
     return [first] + [_renamed(first, _name(prefix, i, spec.instances)) for i in range(1, spec.instances)]
