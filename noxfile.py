@@ -175,13 +175,14 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def sglang_layout(session: nox.Session) -> None:
-    """Awex's SGLang layout against SGLang's own model classes and weight loaders, every rank of each case, on CPU
+    """Awex's SGLang layout against SGLang's own model classes and weight loaders, every rank of each case, and syncs
+    from an HF trainer into SGLang's models through the binding's loader, on CPU
     (``integration/awex_integration/sglang_layout_check.py``; ``tests`` runs it after its own run). SGLang is
     installed without its dependencies; arguments after ``--`` go to the check (``--list``, ``--case NAME``)."""
     session.install(*_torch(), *SGLANG_IMPORTS)
     session.install("--no-deps", SGLANG)
-    session.install(META, CONVERT)
-    args = list(session.posargs) or ["--self-test"]
+    session.install(*PACKAGES)
+    args = list(session.posargs) or ["--self-test", "--sync"]
     session.run(
         "python", "-W", "ignore", "-m", "awex_integration.sglang_layout_check", *args, env={"PYTHONPATH": "integration"}
     )

@@ -10,6 +10,13 @@ For every case (a small model and an SGLang parallel configuration) and every ra
    rank through :func:`~awex.convert.sglang.sglang_views` into the second. Every parameter must be equal, element
    for element (so the views put each value where SGLang's loader does, and cover everything it writes).
 
+3. **A sync through the binding** (``--sync``, cases of :data:`SYNC_CASES`): an HF transformers trainer (random
+   weights) writes two versions through a ``WeightsWriter`` over gloo, and each rank's SGLang model (built by
+   SGLang's class, zeroed) receives them through :func:`awex.engines.sglang.receive_weights`, the function SGLang
+   calls as its custom weight loader. After each version every parameter must equal what SGLang's own
+   ``load_weights`` makes of the trainer's weights. (SGLang's forward pass needs its kernels: greedy output is not
+   compared here; the CUDA server test does.)
+
 Runs in an environment with the ``sglang`` package installed without its dependencies (no server, no GPU; the
 ``sglang_layout`` nox session builds it). Two modules are replaced, for this check only, by modules whose every
 function raises :class:`KernelCalled`, so building a model and loading weights provably call neither (if one did,
@@ -278,11 +285,89 @@ def check(case: Case, dtype: str = "bfloat16", views: Callable[..., Any] = sglan
     return problems
 
 
+SYNC_CASES = ["qwen3:tp=2", "qwen3-moe:tp=4,ep=4,attn_dp=2"]
+
+
+def sync_check(case: Case, dtype: str = "bfloat16", versions: int = 2) -> list[str]:
+    """Sync an HF trainer into every rank of ``case``'s SGLang engine through ``receive_weights``; the mismatches."""
+    import threading
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from awex.engines.sglang import AwexSglangInfo, SglangUpdateRequest, close_receivers, receive_weights
+    from awex.engines.source import TrainerSource
+    from awex.engines.writer import WeightsWriter
+    from awex.meta import Box
+    from awex.meta.client import MetaClient
+    from awex.meta.server.embedded import start_embedded
+
+    tdtype = getattr(torch, dtype)
+    spec = dict(MODELS[case.model])
+    torch.manual_seed(0)
+    trainer = AutoModelForCausalLM.from_config(AutoConfig.for_model(spec.pop("model_type"), **spec)).to(tdtype)
+    ranks = range(case.parallel.world_size)
+    engines = {r: build(case, r, "cpu", tdtype) for r in ranks}
+    for model in engines.values():
+        for p in model.parameters():
+            p.data.zero_()
+    server = start_embedded()
+    problems: list[str] = []
+    try:
+        info = AwexSglangInfo(server.address, instance="sglang", timeout=120.0)
+        writer = WeightsWriter.from_source(
+            MetaClient(server.address, timeout=120.0), TrainerSource.hf(trainer, dtype=dtype), timeout=120.0
+        )
+        for step in range(versions):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+            version = f"step-{step}"
+            named = SglangUpdateRequest(version, info).to_named_tensors()
+            errors: dict[int, BaseException] = {}
+
+            def engine_rank(rank: int) -> None:
+                try:
+                    receive_weights(engines[rank], named, runtime=lambda: (case.parallel, rank))
+                except BaseException as e:  # reported below
+                    errors[rank] = e
+
+            threads = [threading.Thread(target=engine_rank, args=(r,)) for r in ranks]
+            for t in threads:
+                t.start()
+            writer.write(version, ["sglang"])
+            for t in threads:
+                t.join(150)
+            problems += [f"{case.name} {version} rank {r}: {type(e).__name__}: {e}" for r, e in errors.items()]
+            # the trainer's canonical tensors (transformers may fuse experts in its own modules)
+            source = TrainerSource.hf(trainer, dtype=dtype)
+            state = [
+                (t.spec.name, source.view_of(t.spec.name, Box.full(t.spec.shape)).detach().clone())
+                for t in source.layout.tensors
+            ]
+            for rank, model in engines.items():
+                reference = build(case, rank, "cpu", tdtype)
+                for p in reference.parameters():
+                    p.data.zero_()
+                reference.load_weights(state)
+                ref = dict(reference.named_parameters())
+                bad = [n for n, t in model.named_parameters() if not torch.equal(t, ref[n])]
+                if bad:
+                    problems.append(f"{case.name} {version} rank {rank}: {len(bad)} parameters differ: {bad[:4]}")
+                else:
+                    print(f"sync {case.name} {version} rank {rank}: every parameter equals SGLang's load", flush=True)
+        writer.close()
+    finally:
+        close_receivers()
+        server.stop()
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", action="append", help="case name (repeatable; default: all)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--self-test", action="store_true", help="also check that views with K and V swapped are caught")
+    ap.add_argument("--sync", action="store_true", help="also sync an HF trainer into SGLang's models (SYNC_CASES)")
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join(c.name for c in CASES))
@@ -296,9 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     problems = []
     for case in chosen:
         problems += check(case)
+    if args.sync:
+        for name in SYNC_CASES:
+            problems += sync_check(next(c for c in CASES if c.name == name))
     for p in problems:
         print("MISMATCH", p)
-    print(f"{len(chosen)} case(s), {len(problems)} mismatch(es)")
+    print(f"{len(chosen)} case(s){' and syncs' if args.sync else ''}, {len(problems)} mismatch(es)")
     if args.self_test:
         caught = check(CASES[1], views=_k_v_swapped)
         print(f"self-test: views with K and V swapped: {len(caught)} mismatch(es) found (must be > 0)")

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -52,6 +52,7 @@ from awex.convert.vllm import vllm_param_dtypes, vllm_param_shapes, vllm_views
 from awex.engines import keys
 from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
+from awex.engines.receive_report import ReceiveReport
 from awex.engines.vllm_fixups import (
     check_cpu_moe_reloadable,
     check_mla_reloadable,
@@ -89,25 +90,6 @@ class AwexUpdateInfo(WeightTransferUpdateInfo):
     timeout: float | None = None
     validate: str | None = None  # HF safetensors checkpoint: compare every received tensor with it
     strict: bool = False  # with validate: a mismatch is an error and the version is not applied
-
-
-@dataclass(frozen=True)
-class ReceiveReport:
-    """What one worker received of one version, and what it cost in memory (published on the MetaServer)."""
-
-    version: str
-    instance: str
-    rank: int
-    in_place_tensors: int
-    in_place_bytes: int
-    loader_tensors: int
-    loader_bytes: int
-    seconds: float
-    peak_extra_bytes: int | None  # peak during the sync above what the process held before it
-    held_bytes: int  # sync buffers kept between versions (staging), not counted in peak_extra_bytes
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def _vllm_parallel(vllm_config) -> VllmParallel:
