@@ -1,4 +1,5 @@
-"""Ranks for the GPU writer/reader tests: a Megatron-layout trainer or a vLLM-layout engine on one GPU."""
+"""Ranks for the GPU (and NPU) writer/reader tests: a Megatron-layout trainer or a vLLM-layout engine on one device,
+and :func:`run_sync_case`, which starts a case's ranks and returns what each reported."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ def sync_rank(
     readers_per_instance: int = 1,
     on_receive: bool = False,
     delta: bool = False,
+    device_type: str = "cuda",
 ) -> dict:
     """One rank: the trainer writes ``versions`` versions, engines receive and check each (FP8 receivers: the
     trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit), then close; the trainer
     returns once every reader (``readers_per_instance`` ranks of each destination) has closed. ``on_receive``: FP8
     receivers quantise from the trainer's bf16 memory themselves (``quantize_on_receive``, CUDA IPC).
-    ``delta``: the writer sends delta buckets (p2p)."""
+    ``delta``: the writer sends delta buckets (p2p). ``device_type``: ``"cuda"`` or ``"npu"`` (Ascend, HCCL)."""
     import torch
 
     from awex.convert import (
@@ -43,10 +45,11 @@ def sync_rank(
     from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
     from awex.meta.models import model_dims
     from awex.transport import LocalShards
+    from awex.transport.accelerator import device_api
     from awex_integration.bench_common import MODELS, NamedParams, bits, canonical_value, expected_value
 
-    torch.cuda.set_device(gpu)
-    device = torch.device("cuda", gpu)
+    device = torch.device(device_type, gpu)
+    device_api(device).set_device(gpu)
     dims = dataclasses.replace(model_dims(load_config(MODELS / f"{model}.json"), "bfloat16"), layers=2)
     quant = Fp8BlockQuant() if fp8 else None
     tensors = canonical_tensors(dims)
@@ -127,3 +130,38 @@ def sync_rank(
     reader.close()
     client.put(f"closed/{instance}/{local_rank}", True)
     return {"checked": checked, "bad": bad[:10]}
+
+
+def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) -> dict:
+    """Run one case of ``test_gpu_sync`` / ``test_npu_sync``: ``(transport, trainer tp, trainer devices, [(engine
+    tp, engine devices), ...], fp8?, model?, on_receive?, delta?)``; ``{(instance, rank): (status, value)}``."""
+    from awex.meta.server import start_embedded
+    from awex_integration.spawn import run_processes
+
+    transport, train_tp, train_devices, engines, *extra = case
+    fp8, model, on_receive, delta = (*extra, *(False, "qwen3-8b", False, False)[len(extra) :])
+    server = start_embedded()
+    try:
+        destinations = [f"vllm-{i}" for i in range(len(engines))]
+        jobs = [
+            (
+                ("trainer", r),
+                sync_rank,
+                (server.address, transport, "trainer", r, train_tp, train_devices[r], destinations, 3, fp8, model)
+                + (engines[0][0], on_receive, delta, device_type),
+            )
+            for r in range(train_tp)
+        ]
+        for i, (tp, devices) in enumerate(engines):
+            jobs += [
+                (
+                    (f"vllm-{i}", r),
+                    sync_rank,
+                    (server.address, transport, f"vllm-{i}", r, tp, devices[r], [], 3, fp8, model)
+                    + (1, False, False, device_type),
+                )
+                for r in range(tp)
+            ]
+        return run_processes(jobs, timeout=timeout)
+    finally:
+        server.stop()

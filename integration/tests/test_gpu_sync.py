@@ -10,9 +10,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA GPUs (the CPU CI cannot run the NCCL and CUDA IPC paths)", allow_module_level=True)
 
-from awex.meta.server import start_embedded  # noqa: E402
-from awex_integration.gpu_sync_workers import sync_rank  # noqa: E402
-from awex_integration.spawn import run_processes  # noqa: E402
+from awex_integration.gpu_sync_workers import run_sync_case  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -40,47 +38,11 @@ from awex_integration.spawn import run_processes  # noqa: E402
     ],
 )
 def test_writer_and_readers_on_gpus(case):
-    transport, train_tp, train_gpus, engines, *extra = case
-    fp8, model, on_receive, delta = (*extra, *(False, "qwen3-8b", False, False)[len(extra) :])
+    transport, train_tp, train_gpus, engines, *_ = case
     need = 1 + max([*train_gpus, *[g for _, gs in engines for g in gs]])
     if torch.cuda.device_count() < need:
         pytest.skip(f"needs {need} GPUs, this machine has {torch.cuda.device_count()}")
-    server = start_embedded()
-    try:
-        jobs = [
-            (
-                ("trainer", r),
-                sync_rank,
-                (
-                    server.address,
-                    transport,
-                    "trainer",
-                    r,
-                    train_tp,
-                    train_gpus[r],
-                    [f"vllm-{i}" for i in range(len(engines))],
-                    3,
-                    fp8,
-                    model,
-                    engines[0][0],
-                    on_receive,
-                    delta,
-                ),
-            )
-            for r in range(train_tp)
-        ]
-        for i, (tp, gpus) in enumerate(engines):
-            jobs += [
-                (
-                    (f"vllm-{i}", r),
-                    sync_rank,
-                    (server.address, transport, f"vllm-{i}", r, tp, gpus[r], [], 3, fp8, model),
-                )
-                for r in range(tp)
-            ]
-        out = run_processes(jobs, timeout=240)
-    finally:
-        server.stop()
+    out = run_sync_case(case)
     failures = {k: v for k, (s, v) in out.items() if s != "ok"}
     assert not failures, failures
     if transport == "auto":

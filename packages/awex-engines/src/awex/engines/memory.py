@@ -1,13 +1,15 @@
 """The peak extra memory of this process during a piece of work, measured from the process itself.
 
-CUDA: PyTorch's allocator peak (``max_memory_allocated`` after ``reset_peak_memory_stats``) minus what was
-allocated before. CPU: the kernel's resident-set high-water mark (``VmHWM``, reset by writing ``5`` to
+CUDA and NPU: the device allocator's peak (``max_memory_allocated`` after ``reset_peak_memory_stats``) minus
+what was allocated before. CPU: the kernel's resident-set high-water mark (``VmHWM``, reset by writing ``5`` to
 ``/proc/self/clear_refs``) minus the resident set before. Linux only for CPU; elsewhere ``None``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from awex.transport.accelerator import device_api, is_accelerator
 
 
 def _status_kib(field_name: str) -> int | None:
@@ -30,10 +32,11 @@ class PeakMemory:
         self._before: int | None = None
 
     def __enter__(self) -> "PeakMemory":
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._before = torch.cuda.memory_allocated(self.device)
+        if is_accelerator(self.device):  # CUDA or NPU: the device allocator's own peak
+            api = device_api(self.device)
+            api.synchronize(self.device)
+            api.reset_peak_memory_stats(self.device)
+            self._before = api.memory_allocated(self.device)
             return self
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -47,9 +50,10 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         if self._before is None:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
+        if is_accelerator(self.device):
+            api = device_api(self.device)
+            api.synchronize(self.device)
+            peak = api.max_memory_allocated(self.device)
         else:
             hwm = _status_kib("VmHWM")
             if hwm is None:

@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 
 from awex.meta import Plan, Role
+from awex.transport.accelerator import device_api, is_accelerator
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import timed_out
@@ -123,8 +124,8 @@ class DeltaExecutor:
                 n, again = self._recv(i, peer, words, gather, scatter, deadline)
                 received += n
             whole += again
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        if is_accelerator(self.device):
+            device_api(self.device).current_stream(self.device).synchronize()
         stats = TransferStats(sent, received, self.buckets, 1, self.staging_bytes, time.monotonic() - started)
         stats.bytes_dense, stats.buckets_resent = dense, whole
         log.debug(

@@ -1,8 +1,9 @@
 """A process group for the weight sync alone.
 
-It has its own TCP store and is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), so it never
-touches ``torch.distributed``'s default group or the engines' own groups, and a trainer that already runs
-``init_process_group`` keeps its world untouched. Rank numbers are the plan's sync-world ranks.
+It has its own TCP store and is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` / torch-npu's
+``ProcessGroupHCCL``), so it never touches ``torch.distributed``'s default group or the engines' own groups, and a
+trainer that already runs ``init_process_group`` keeps its world untouched. Rank numbers are the plan's sync-world
+ranks.
 
 NCCL errors reach the caller as exceptions, never as a killed process: PyTorch's NCCL watchdog by default takes
 the whole process down when an operation fails or outlives its timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``).
@@ -25,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from awex.transport.accelerator import GROUPED, device_api
 from awex.transport.base import TransferError
 from awex.transport.net import local_address
 
@@ -54,7 +56,7 @@ class SyncGroup:
         """NCCL: operations posted from now on get a watchdog timeout of ``seconds`` (this sync's deadline) plus
         :data:`WATCHDOG_SLACK`, so a sync with a longer deadline than the first is never cut short by the
         watchdog, and a shorter one is not left to it. Cheap when unchanged (the steady state)."""
-        if self.backend != "nccl":
+        if self.backend not in GROUPED:
             return
         want = seconds + WATCHDOG_SLACK
         if abs(want - self._watchdog) < 0.5:
@@ -72,7 +74,7 @@ class SyncGroup:
         gets its own tag).
         """
         pg = self.process_group
-        if self.backend == "nccl":
+        if self.backend in GROUPED:  # NCCL and HCCL: one coalesced group
             pg._start_coalescing()  # the NCCL backend object (not the ProcessGroup wrapper) takes no device
             for tensor, peer in sends:
                 pg.send([tensor], peer, 0)
@@ -103,8 +105,9 @@ class SyncGroup:
         store = dist.PrefixStore("sub/" + ",".join(map(str, members)), self.store)
         wait = timedelta(seconds=self.timeout)
         me = members.index(self.rank)
-        if self.backend == "nccl":
-            pg = _nccl_process_group(store, me, len(members), self._watchdog or self.timeout + WATCHDOG_SLACK)
+        if self.backend in GROUPED:
+            make = _hccl_process_group if self.backend == "hccl" else _nccl_process_group
+            pg = make(store, me, len(members), self._watchdog or self.timeout + WATCHDOG_SLACK)
             _probe(
                 pg, self.device, len(members), time.monotonic() + self.timeout, f"rank {self.rank}: subgroup {members}"
             )
@@ -123,7 +126,7 @@ class SyncGroup:
         """NCCL: the communicator's error since it was built (``TIMEOUT``, ``COMM_ERROR``, ``REMOTE_ERROR``: the
         watchdog aborted it), else None. Checked after each sync: an aborted communicator ends its kernels early,
         so a sync whose waits all completed is not yet a sync that moved every byte."""
-        if self.backend != "nccl":
+        if self.backend not in GROUPED:
             return None
         for pg in (self.process_group, *self._subgroups.values()):
             get = getattr(pg, "get_error", None)
@@ -153,12 +156,17 @@ def create_sync_group(
 ) -> SyncGroup:
     """Join the sync world: rank 0 hosts the TCP store at ``host:port``, every rank connects within ``timeout``.
 
-    ``backend`` is ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors on ``device``, default the current
-    one). An NCCL group is initialised eagerly (one tiny all-reduce), so the first sync does not pay for it
-    and a rank that has nothing to move cannot leave the others waiting for the communicator.
+    ``backend`` is ``"gloo"`` (CPU tensors), ``"nccl"`` (CUDA tensors on ``device``, default the current
+    one) or ``"hccl"`` (Ascend NPU tensors, through torch-npu). An NCCL or HCCL group is initialised eagerly (one
+    tiny all-reduce), so the first sync does not pay for it and a rank that has nothing to move cannot leave the
+    others waiting for the communicator.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
+    if backend not in ("gloo", *GROUPED):
+        raise ValueError(f"unknown backend {backend!r}: use 'gloo', 'nccl' or 'hccl'")
+    if backend == "hccl":
+        device_api("npu")  # torch-npu is there, or an ImportError saying so, before the store is formed
     deadline = time.monotonic() + timeout
     wait = timedelta(seconds=timeout)
     try:
@@ -176,14 +184,14 @@ def create_sync_group(
                 f"rank {rank}: the gloo sync group at {host}:{port} did not form (a peer closed its connection or "
                 f"never came: it may have exited): {e}"
             ) from e
-    elif backend == "nccl":
-        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        pg = _nccl_process_group(store, rank, world_size, timeout + WATCHDOG_SLACK)
-        _probe(pg, dev, world_size, deadline, f"rank {rank}: the nccl sync group at {host}:{port}")
-        log.info("rank %d/%d joined the nccl sync group at %s:%d on %s", rank, world_size, host, port, dev)
+    elif backend in GROUPED:
+        kind = "cuda" if backend == "nccl" else "npu"
+        dev = torch.device(device) if device is not None else torch.device(kind, device_api(kind).current_device())
+        make = _hccl_process_group if backend == "hccl" else _nccl_process_group
+        pg = make(store, rank, world_size, timeout + WATCHDOG_SLACK)
+        _probe(pg, dev, world_size, deadline, f"rank {rank}: the {backend} sync group at {host}:{port}")
+        log.info("rank %d/%d joined the %s sync group at %s:%d on %s", rank, world_size, backend, host, port, dev)
         return SyncGroup(rank, world_size, backend, pg, store, dev, timeout, _watchdog=timeout + WATCHDOG_SLACK)
-    else:
-        raise ValueError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
     log.info("rank %d/%d joined the %s sync group at %s:%d", rank, world_size, backend, host, port)
     return SyncGroup(rank, world_size, backend, pg, store, torch.device("cpu"), timeout)
 
@@ -222,6 +230,16 @@ def _nccl_process_group(store: dist.Store, rank: int, size: int, watchdog: float
         return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
+def _hccl_process_group(store: dist.Store, rank: int, size: int, watchdog: float) -> dist.ProcessGroup:
+    """An HCCL group on the sync's own store (torch-npu's ``ProcessGroupHCCL``, like NCCL's above)."""
+    device_api("npu")  # torch-npu, or an ImportError that says so
+    from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+    options = ProcessGroupHCCL.Options()
+    options._timeout = timedelta(seconds=watchdog)
+    return ProcessGroupHCCL(store, rank, size, options)
+
+
 def _set_watchdog_timeout(pg, seconds: float) -> None:
     setter = getattr(pg, "_set_default_timeout", None) or getattr(pg, "set_timeout", None)
     if setter is None:
@@ -235,18 +253,19 @@ def _probe(pg, device: torch.device, size: int, deadline: float, what: str) -> N
     Waited for with a deadline (an event polled, never a blocking synchronize); on timeout the group is aborted."""
     from awex.transport.deadline import wait_event
 
+    api = device_api(device)
     probe = torch.ones(1, device=device)
-    with torch.cuda.device(device):
+    with api.device(device):
         work = pg.allreduce([probe])
         work.wait()  # the current stream waits for it; the host does not
-        done = torch.cuda.Event()
+        done = api.Event()
         done.record()
 
     def timed_out() -> TimeoutError:
         try:
             pg.abort()
         except Exception as e:  # noqa: BLE001 - the timeout is the error to report
-            log.warning("aborting the NCCL group failed: %s", e)
+            log.warning("aborting the %s group failed: %s", device.type, e)
         return TimeoutError(
             f"{what}: the first all-reduce did not finish before the deadline (a member is gone or never came)"
         )

@@ -27,6 +27,7 @@ import torch
 
 from awex.meta import Bucket, Plan
 from awex.meta.plan import RELAY_LAG, Step, Transfer
+from awex.transport.accelerator import GROUPED, device_api, is_accelerator, p2p_backend
 from awex.transport.base import (
     PeerLink,
     RefreshByWave,
@@ -151,7 +152,7 @@ class WaveExecutor:
             for w, steps in by_wave.items()
         }
         slot = max(sizes.values(), default=0)
-        self.slots = 2 if self.device.type == "cuda" and len(by_wave) > 1 else 1
+        self.slots = 2 if is_accelerator(self.device) and len(by_wave) > 1 else 1
         self.staging = torch.empty(slot * self.slots, dtype=torch.uint8, device=self.device)
         self.waves: list[_Wave] = []
         self.sent_regions: list[list[tuple[str, tuple[int, ...], tuple[int, ...]]]] = []
@@ -230,9 +231,9 @@ class WaveExecutor:
         """
         started = time.monotonic()
         deadline = started + timeout
-        if self.device.type == "cuda":
+        if is_accelerator(self.device):
             self.group.follow_deadline(timeout)
-            self._run_cuda(deadline, timeout, before_pack)
+            self._run_device(deadline, timeout, before_pack)
         else:
             self._run_blocking(deadline, timeout, before_pack)
         stats = TransferStats(
@@ -276,7 +277,7 @@ class WaveExecutor:
             works = self.group.exchange([(m, p) for p, m, _ in wave.sends], [(m, p) for p, m, _ in wave.recvs])
             labels = (
                 ["the grouped sends and receives"]
-                if self.group.backend == "nccl"
+                if self.group.backend in GROUPED
                 else [f"send to rank {p}" for p, _, _ in wave.sends] + [f"recv from rank {p}" for p, _, _ in wave.recvs]
             )
             out = list(zip(works, labels))
@@ -309,14 +310,16 @@ class WaveExecutor:
             for copy in wave.unpack:
                 copy()
 
-    def _run_cuda(self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None) -> None:
-        """CUDA tensors (NCCL): double-buffered waves on a pack and an unpack stream, host at most two waves ahead."""
-        compute = torch.cuda.current_stream(self.device)
-        pack_stream = torch.cuda.Stream(self.device)
-        unpack_stream = torch.cuda.Stream(self.device)
+    def _run_device(self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None) -> None:
+        """CUDA (NCCL) or NPU (HCCL) tensors: double-buffered waves on a pack and an unpack stream, host at most two
+        waves ahead."""
+        api = device_api(self.device)
+        compute = api.current_stream(self.device)
+        pack_stream = api.Stream(self.device)
+        unpack_stream = api.Stream(self.device)
         pack_stream.wait_stream(compute)  # the trainer's last writes land before we read
         unpack_stream.wait_stream(compute)
-        done: list[torch.cuda.Event] = []
+        done: list = []  # events of the device API
         relay_ready = 0  # number of this rank's waves at least RELAY_LAG global waves before the current one
         for i, wave in enumerate(self.waves):
             if i >= self.slots:
@@ -325,18 +328,18 @@ class WaveExecutor:
                 relay_ready += 1
             if relay_ready:  # what this wave relays was received in those waves: unpacked before we pack
                 pack_stream.wait_event(done[relay_ready - 1])
-            with torch.cuda.stream(pack_stream):
+            with api.stream(pack_stream):
                 if before_pack is not None:
                     before_pack(i)
                 for copy in wave.pack:
                     copy()
                 works = self._post(wave, deadline, timeout)
-            with torch.cuda.stream(unpack_stream):
+            with api.stream(unpack_stream):
                 for work, _ in works:
                     work.wait()  # the unpack stream waits for the wave on the device, the host goes on
                 for copy in wave.unpack:
                     copy()
-                event = torch.cuda.Event()
+                event = api.Event()
                 event.record(unpack_stream)
                 done.append(event)
         if done:
@@ -346,7 +349,7 @@ class WaveExecutor:
             raise TransferError(f"rank {self.rank}: the sync group reported {error} during the sync")
         compute.wait_stream(unpack_stream)
 
-    def _wait(self, event: torch.cuda.Event, wave: _Wave, deadline: float, timeout: float) -> None:
+    def _wait(self, event, wave: _Wave, deadline: float, timeout: float) -> None:
         def timed_out() -> TransferTimeout:
             self.group.abort()
             return TransferTimeout(
@@ -362,8 +365,8 @@ def run_p2p(plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, timeou
 
 
 class P2pTransport(Transport):
-    """Point to point over a process group of the sync's own: NCCL for CUDA views, gloo for CPU views (HCCL can
-    plug in as another backend of the same group). Relayed plans, waves through staging buffers."""
+    """Point to point over a process group of the sync's own: NCCL for CUDA views, HCCL for Ascend NPU views
+    (torch-npu), gloo for CPU views. Relayed plans, waves through staging buffers."""
 
     name = "p2p"
     in_place_only = False
@@ -382,7 +385,7 @@ class P2pTransport(Transport):
     def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
         rendezvous = (setup.host, setup.port, plan.world_size, rank, setup.rendezvous)
         if self.group is None or self._rendezvous != rendezvous:
-            cuda = getattr(setup.device, "type", "cpu") == "cuda"
+            backend = p2p_backend(setup.device)
             self._drop_group()
             with timed(phases, "group"):
                 self.group = create_sync_group(
@@ -390,10 +393,10 @@ class P2pTransport(Transport):
                     plan.world_size,
                     setup.host,
                     setup.port,
-                    backend="nccl" if cuda else "gloo",
+                    backend=backend,
                     timeout=max(1.0, setup.deadline - time.monotonic()),
                     prefix=f"awex/{setup.host}:{setup.port}",
-                    device=setup.device if cuda else None,
+                    device=setup.device if backend in GROUPED else None,
                 )
             self._rendezvous = rendezvous
         self.plan, self.rank = plan, rank
@@ -459,5 +462,5 @@ class P2pTransport(Transport):
 
     def _drop_group(self) -> None:
         group, self.group, self._rendezvous = self.group, None, None
-        if group is not None and group.backend == "nccl":
+        if group is not None and group.backend in GROUPED:
             group.abort()
