@@ -281,6 +281,7 @@ def bench_cpu(session: nox.Session) -> None:
 import sys  # noqa: E402  (the matrix's cases are plain data in the integration harness)
 
 sys.path.insert(0, os.path.join(HERE, "integration"))
+from awex_integration.bench_common import SCENARIOS  # noqa: E402
 from awex_integration.matrix_cases import CASES  # noqa: E402
 
 GPU_TESTS = [  # the device test modules: CUDA IPC, NCCL, pinned shared memory, FP8 kernels, GPU fault cases
@@ -321,31 +322,65 @@ def _devices(session: nox.Session, probe: str, what: str) -> int:
     return count
 
 
+GPU_MODELS = ["qwen3-8b", "qwen3-30b-a3b"]  # a dense and an MoE shape (integration/models)
+GPU_CASES = [(f"tests-{os.path.basename(m)[:-3]}", m, None, 1) for m in GPU_TESTS] + [
+    (f"bench-{sc.name}-{model}", sc.name, model, sc.gpus) for sc in SCENARIOS for model in GPU_MODELS
+]  # (id, test module or scenario, model, GPUs needed); a scenario names its transport (nccl, ipc, shm)
+NPU_TESTS = ["integration/tests/test_npu_sync.py", "packages/awex-transport/tests/test_accelerator.py"]
+CUDA_PROBE = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+NPU_PROBE = "import torch, torch_npu; print(torch.npu.device_count() if torch.npu.is_available() else 0)"
+
+
+def _device_pytest(session: nox.Session, *paths: str) -> None:
+    pytest = ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *paths, *session.posargs]
+    session.run(*pytest, env=DEVICE_ENV, external=True)
+
+
 @nox.session(venv_backend="none")
-@nox.parametrize("suite", ["tests", "bench"])
-def gpu(session: nox.Session, suite: str) -> None:
-    """CUDA: the device test modules (``suite=tests``; arguments after ``--`` go to pytest) or the GPU benchmark
-    (``suite=bench``; arguments after ``--`` go to ``awex_integration.bench_gpu``, e.g. ``--scenarios
-    1gpu_to_1gpu,colocated --model qwen3-8b``). Runs the machine's own python and torch (GPU machines often reach
-    no registry: nothing is installed); skipped, saying so, where no CUDA device is present."""
-    _devices(session, "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)", "CUDA")
-    if suite == "tests":
-        session.run(
-            "python3",
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-rs",
-            *GPU_TESTS,
-            *session.posargs,
-            env=DEVICE_ENV,
-            external=True,
-        )
-    else:
-        args = list(session.posargs) or ["--out", "integration/bench-results.json"]
-        session.run("python3", "-m", "awex_integration.bench_gpu", *args, env=DEVICE_ENV, external=True)
+@nox.parametrize("case", [c[0] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])
+def gpu(session: nox.Session, case: str) -> None:
+    """The CUDA matrix (``nox -l`` lists it): each device test module (``tests-*``; arguments after ``--`` go to
+    pytest), and each benchmark scenario x model (``bench-<scenario>-<model>``; the scenario names its transport;
+    arguments after ``--`` go to ``awex_integration.bench_gpu``, e.g. ``-- --fp8 --iters 3``; results to
+    ``integration/bench-results-<scenario>-<model>.json``). ``nox -s gpu -- --scenarios a,b [--models m]`` runs
+    only those benchmark cells. Runs the machine's own python and torch (GPU machines
+    often reach no registry: nothing is installed); skipped, saying so, where no CUDA device is present or the cell
+    needs more GPUs than the machine has."""
+    _, target, model, need = next(c for c in GPU_CASES if c[0] == case)
+    args, picked = _picked(list(session.posargs))
+    chosen = target in picked.get("scenarios", [target]) and model in picked.get("models", [model])
+    if picked and (model is None or not chosen):
+        session.skip(f"not a cell picked by {picked}")
+    have = _devices(session, CUDA_PROBE, "CUDA")
+    if have < need:
+        session.skip(f"{case} needs {need} GPUs, this machine has {have}")
+    if model is None:
+        _device_pytest(session, target)
+        return
+    out = f"integration/bench-results-{target}-{model}.json"
+    bench = ["python3", "-m", "awex_integration.bench_gpu", "--scenarios", target, "--model", model, "--out", out]
+    session.run(*bench, *args, env=DEVICE_ENV, external=True)
+
+
+def _picked(args: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """``--scenarios a,b`` / ``--models m`` taken out of ``args``: which benchmark cells of the matrix run."""
+    picked: dict[str, list[str]] = {}
+    for key in ("scenarios", "models"):
+        if f"--{key}" in args:
+            i = args.index(f"--{key}")
+            picked[key] = args[i + 1].split(",") if i + 1 < len(args) else []
+            del args[i : i + 2]
+    return args, picked
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("module", NPU_TESTS, ids=[os.path.basename(m)[:-3] for m in NPU_TESTS])
+def npu(session: nox.Session, module: str) -> None:
+    """The Ascend NPU matrix: the NPU test modules (HCCL point to point through the public path; arguments after
+    ``--`` go to pytest), with the machine's own torch and torch-npu (CANN). Skipped, saying so, where torch-npu
+    or an NPU is missing. Never run so far (no NPU machine); the benchmark is CUDA-only (``bench_gpu``)."""
+    _devices(session, NPU_PROBE, "NPU")
+    _device_pytest(session, module)
 
 
 @nox.session(venv_backend="none")
