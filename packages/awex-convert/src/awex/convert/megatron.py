@@ -19,7 +19,10 @@ layers.L.mlp.down_proj            ...mlp.linear_fc2.weight
 layers.L.mlp.gate (MoE router)    ...mlp.router.weight
 layers.L.mlp.experts.E.{gate,up}  ...mlp.experts.local_experts.e.linear_fc1.weight | ...experts.linear_fc1.weight<e>
 layers.L.mlp.experts.E.down_proj  ...mlp.experts.local_experts.e.linear_fc2.weight | ...experts.linear_fc2.weight<e>
-                                  (``e`` = E minus this EP rank's first expert; SequentialMLP | TEGroupedMLP)
+                                  (``e`` = E minus this EP rank's first expert; SequentialMLP | TEGroupedMLP);
+                                  GroupedMLP (Megatron-core 0.12, which MindSpeed patches, ``--moe-grouped-gemm``):
+                                  ``experts.weight1`` viewed ``[e, hidden, 2 * ffn]`` (transposed, [gate | up]
+                                  columns) and ``experts.weight2`` viewed ``[e, ffn, hidden]`` (transposed)
 layers.L.input_layernorm          ...input_layernorm.weight | ...linear_qkv.layer_norm_weight
 layers.L.post_attention_layernorm ...pre_mlp_layernorm.weight | ...linear_fc1.layer_norm_weight
 layers.L.self_attn.q_a_proj,      ...self_attention.linear_q_down_proj / linear_kv_down_proj: whole on every
@@ -186,6 +189,12 @@ def megatron_views(
             if not 0 <= local < dims.num_experts // p.ep:
                 raise KeyError(f"{name}: expert not on EP rank {where.ep_rank}")
             base = pre + "mlp.experts."
+            if base + "weight1" in params[chunk]:  # GroupedMLP: every local expert in one tensor, used as x @ w
+                per_rank = dims.num_experts // p.ep
+                if e.group(2) == "down":
+                    return find(chunk, base + "weight2").view(per_rank, -1, dims.hidden)[local].t()
+                fc1 = find(chunk, base + "weight1").view(per_rank, dims.hidden, -1)[local].t()
+                return _gate_or_up(fc1, e.group(2) == "gate")
             if e.group(2) == "down":
                 return find(chunk, f"{base}local_experts.{local}.linear_fc2.weight", f"{base}linear_fc2.weight{local}")
             fc1 = find(chunk, f"{base}local_experts.{local}.linear_fc1.weight", f"{base}linear_fc1.weight{local}")
