@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(?:_scale_inv)?$")
 GATE_UP = re.compile(r"^(mlp|mlp\.shared_experts?)\.(gate|up)_proj\.(.+)$")  # dense MLP or a shared expert MLP
@@ -20,3 +22,21 @@ QKV = re.compile(r"^self_attn\.([qkv])_proj\.(.+)$")
 def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     """KV heads one attention TP rank holds (one, replicated, when TP exceeds them)."""
     return max(1, kv_heads // tp)
+
+
+def gate_or_up(native: torch.Tensor, gate: bool) -> torch.Tensor:
+    """The gate (first) or up (second) half of a fused ``[gate; up]`` parameter (``gate_up_proj``, ``w13``)."""
+    half = native.shape[0] // 2
+    return native[:half] if gate else native[half:]
+
+
+def fused_mlp_view(native: torch.Tensor, rest: str, first_expert: int) -> torch.Tensor | None:
+    """A layer's MLP part ``rest`` (the canonical name after ``model.layers.L.``) in its fused native parameter:
+    expert ``E``'s slice of ``w13`` / ``w2`` (``first_expert``: the rank's first local expert) or the gate / up half
+    of ``gate_up_proj``; ``None`` for names that are neither."""
+    if e := EXPERT.match(rest):
+        native = native[int(e.group(1)) - first_expert]
+        return native if e.group(2) == "down" else gate_or_up(native, e.group(2) == "gate")
+    if g := GATE_UP.match(rest):
+        return gate_or_up(native, g.group(2) == "gate")
+    return None

@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from awex.convert.fused import gate_or_up
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import MegatronParallel
@@ -78,12 +79,6 @@ _LATENT = {  # canonical -> Megatron (local spec name, Transformer Engine's fuse
     "self_attn.kv_a_layernorm.weight": ("kv_layernorm.weight", "linear_kv_up_proj.layer_norm_weight"),
     "self_attn.kv_b_proj.weight": ("linear_kv_up_proj.weight",),
 }
-
-
-def _gate_or_up(fc1: torch.Tensor, gate: bool) -> torch.Tensor:
-    """The gate (first) or up (second) half of a rank's fused ``linear_fc1`` shard: ``[gate shard; up shard]``."""
-    half = fc1.shape[0] // 2
-    return fc1[:half] if gate else fc1[half:]
 
 
 def _chunk_layers(dims: ModelDims, p: MegatronParallel, pp_rank: int) -> list[list[int]]:
@@ -172,13 +167,13 @@ def megatron_views(
         if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
             return find(chunk, pre + f"self_attention.{rest[10]}_layernorm.weight")
         if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            return _gate_or_up(find(chunk, pre + "mlp.linear_fc1.weight"), rest.startswith("mlp.gate"))
+            return gate_or_up(find(chunk, pre + "mlp.linear_fc1.weight"), rest.startswith("mlp.gate"))
         if rest == "mlp.down_proj.weight":
             return find(chunk, pre + "mlp.linear_fc2.weight")
         if shared := _SHARED.match(rest):  # Qwen2-MoE's shared_expert, DeepSeek's shared_experts: one native MLP
             if shared.group(1) == "down":
                 return find(chunk, pre + "mlp.shared_experts.linear_fc2.weight")
-            return _gate_or_up(find(chunk, pre + "mlp.shared_experts.linear_fc1.weight"), shared.group(1) == "gate")
+            return gate_or_up(find(chunk, pre + "mlp.shared_experts.linear_fc1.weight"), shared.group(1) == "gate")
         if rest == "mlp.shared_expert_gate.weight":  # the shared expert's sigmoid gate, replicated
             return find(chunk, pre + "mlp.shared_experts.gate_weight")
         if rest == "mlp.gate.weight":  # the MoE router, replicated
@@ -194,11 +189,11 @@ def megatron_views(
                 if e.group(2) == "down":
                     return find(chunk, base + "weight2").view(per_rank, -1, dims.hidden)[local].t()
                 fc1 = find(chunk, base + "weight1").view(per_rank, dims.hidden, -1)[local].t()
-                return _gate_or_up(fc1, e.group(2) == "gate")
+                return gate_or_up(fc1, e.group(2) == "gate")
             if e.group(2) == "down":
                 return find(chunk, f"{base}local_experts.{local}.linear_fc2.weight", f"{base}linear_fc2.weight{local}")
             fc1 = find(chunk, f"{base}local_experts.{local}.linear_fc1.weight", f"{base}linear_fc1.weight{local}")
-            return _gate_or_up(fc1, e.group(2) == "gate")
+            return gate_or_up(fc1, e.group(2) == "gate")
         if rest == "input_layernorm.weight":
             return find(chunk, pre + "input_layernorm.weight", pre + "self_attention.linear_qkv.layer_norm_weight")
         if rest == "post_attention_layernorm.weight":

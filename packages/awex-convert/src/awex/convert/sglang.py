@@ -32,7 +32,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from awex.convert.fused import EXPERT, GATE_UP, LAYER, QKV, kv_heads_per_rank
+from awex.convert.fused import EXPERT, GATE_UP, LAYER, QKV, fused_mlp_view, kv_heads_per_rank
 from awex.meta import Box
 from awex.meta.layouts.sglang import SglangParallel, check_mapped, pp_layer_ranges
 from awex.meta.models import ModelDims
@@ -149,15 +149,7 @@ def sglang_views(
         if q := QKV.match(rest):
             start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[q.group(1)]
             return native[start : start + box.sizes[0]]
-        if e := EXPERT.match(rest):
-            native = native[int(e.group(1)) - first_expert]
-            if e.group(2) == "down":
-                return native
-            half = native.shape[0] // 2
-            return native[:half] if e.group(2) == "gate" else native[half:]
-        if g := GATE_UP.match(rest):
-            half = native.shape[0] // 2
-            return native[:half] if g.group(2) == "gate" else native[half:]
-        return native
+        mlp = fused_mlp_view(native, rest, first_expert)
+        return native if mlp is None else mlp
 
     return view_of

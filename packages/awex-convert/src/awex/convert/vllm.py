@@ -50,7 +50,7 @@ from awex.convert.fused import GATE_UP as _GATE_UP
 from awex.convert.fused import LAYER as _LAYER
 from awex.convert.fused import QKV as _QKV
 from awex.convert.fused import QKV_A as _QKV_A
-from awex.convert.fused import kv_heads_per_rank
+from awex.convert.fused import fused_mlp_view, kv_heads_per_rank
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import VllmParallel
@@ -293,15 +293,7 @@ def vllm_views(
             return native[start : start + box.sizes[0]]
         if (a := _QKV_A.match(rest)) and latent_q:  # fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa]
             return native[: dims.q_lora_rank] if a.group(1) == "q_a_proj" else native[dims.q_lora_rank :]
-        if e := _EXPERT.match(rest):
-            native = native[int(e.group(1)) - first_expert]
-            if e.group(2) == "down":
-                return native
-            half = native.shape[0] // 2
-            return native[:half] if e.group(2) == "gate" else native[half:]
-        if g := _GATE_UP.match(rest):
-            half = native.shape[0] // 2
-            return native[:half] if g.group(2) == "gate" else native[half:]
-        return native
+        mlp = fused_mlp_view(native, rest, first_expert)
+        return native if mlp is None else mlp
 
     return view_of
