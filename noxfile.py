@@ -293,6 +293,7 @@ GPU_TESTS = [  # the device test modules: CUDA IPC, NCCL, pinned shared memory, 
     "packages/awex-transport/tests/test_ipc_transport.py",
     "packages/awex-transport/tests/test_shm.py",
     "packages/awex-transport/tests/test_batched_copy.py",
+    "packages/awex-transport/tests/test_checksum_gpu.py",
     "packages/awex-convert/tests/test_fp8.py",
 ]
 DEVICE_ENV = {

@@ -32,6 +32,7 @@ import torch
 from awex.meta import Plan, Role
 from awex.transport.accelerator import device_api, is_accelerator
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
+from awex.transport.checksum import checksum
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import timed_out
 from awex.transport.group import SyncGroup
@@ -43,7 +44,6 @@ log = logging.getLogger("awex.transport")
 DENSE, SPARSE, BITMAP = 0, 1, 2  # whole; positions (int32) and values; a bit per word and the changed values
 _BITS = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
 OK, WHOLE = 0, 1  # a receiver's answer: applied and checked, or send the bucket whole
-_MOD = 8191  # position weights of the second checksum: a word moved within a bucket changes it
 
 
 def encoding(words: int, changed: int) -> tuple[int, int]:
@@ -52,14 +52,6 @@ def encoding(words: int, changed: int) -> tuple[int, int]:
     sizes = {SPARSE: changed * 6, BITMAP: words // 8 + changed * 2, DENSE: words * 2}
     mode = min(sizes, key=lambda m: (sizes[m], m == DENSE))
     return (mode, sizes[mode]) if sizes[mode] < words * 2 else (DENSE, words * 2)
-
-
-def checksum(words: torch.Tensor) -> tuple[int, int]:
-    """Two sums over 16-bit words (as unsigned): plain, and weighted by position (1 .. 8191, repeating). Exact
-    integer arithmetic, the same on any device; no overflow below 2^31 words."""
-    w = words.to(torch.int64) & 0xFFFF
-    weights = torch.arange(w.numel(), device=w.device, dtype=torch.int64) % _MOD + 1
-    return int(w.sum()), int((w * weights).sum())
 
 
 class DeltaExecutor:
