@@ -129,3 +129,29 @@ def test_auto_chooses_shared_memory_for_cpu_ranks_on_one_host():
     assert all(doc["cpu"] and doc["in_place"] and doc["device"] == "" for doc in got["published"])
     trainers = {r.rank for r in got["plan"].ranks if r.instance == "trainer"}
     assert all(b.src in trainers for b in got["plan"].buckets)  # no relays: receivers read the senders' segments
+
+
+def test_npu_ranks_publish_no_cuda_device_so_auto_chooses_point_to_point():
+    """An Ascend NPU rank (torch-npu's ``npu`` device) publishes no CUDA device and is not a CPU rank: ``auto``
+    then plans point to point (HCCL), never CUDA IPC or shared memory."""
+    from types import SimpleNamespace
+
+    from awex.engines.places import describe, physical_device, reachable_devices
+    from awex.meta import PlanOptions, plan_transfers
+    from awex.meta.transport_choice import choose_transport
+    from awex.transport.accelerator import p2p_backend
+
+    npu = SimpleNamespace(type="npu", index=0)  # torch.device("npu") needs torch-npu; the places read .type only
+    mine = physical_device(npu)
+    assert mine is None and reachable_devices(npu, mine) == ()
+    record = describe(npu, mine or "", (), True, ())
+    assert record["device"] == "" and record["cpu"] is False
+    tiny = canonical_tensors(TINY)
+    sources = [megatron_layout(tiny, MegatronParallel(), instance="trainer")]
+    dests = [vllm_layout(tiny, VllmParallel(), instance="vllm-0")]
+    devices = (("trainer", 0, record["device"]), ("vllm-0", 0, record["device"]))
+    ipc = plan_transfers(sources, dests, PlanOptions(relay=False))
+    p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
+    choice = choose_transport(ipc, p2p, devices, shm_ok=False)
+    assert choice.transport == "p2p", choice
+    assert p2p_backend("npu:0") == "hccl"
