@@ -124,3 +124,22 @@ def test_planning_progress_is_heard_and_changes_nothing():
     quiet = io.StringIO()  # plans that take less than a second say nothing
     plan_transfers(sources, destinations, progress=PlanProgress("x", quiet_seconds=60, out=quiet))
     assert quiet.getvalue() == ""
+
+
+def test_plan_cli_plans_for_sglang_engines_with_dp_attention(capsys):
+    """``sglang:...`` engine strings: expert and DP-attention layouts, every element received exactly once; an
+    architecture SGLang's layout does not map is refused naming it."""
+    code, out, doc = run_plan(
+        capsys,
+        "--model",
+        str(MODELS / "qwen3-30b-a3b.json"),
+        "--trainer",
+        "megatron:tp=2,ep=2",
+        "--inference",
+        "sglang:tp=4,ep=4,attn_dp=2,dp_lm_head=1",
+    )
+    assert code == 0 and doc["coverage_ok"] is True and doc["redundant_bytes"] == 0
+    cmd = [sys.executable, "-m", "awex.meta.cli", "plan", "--model", str(MODELS / "deepseek-v3.json")]
+    cmd += ["--trainer", "megatron:tp=8,ep=8", "--inference", "sglang:tp=8"]
+    refused = subprocess.run(cmd, capture_output=True, text=True)
+    assert refused.returncode != 0 and "not mapped for SGLang" in refused.stderr + refused.stdout
