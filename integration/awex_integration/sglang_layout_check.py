@@ -4,7 +4,8 @@ For every case (a small model and an SGLang parallel configuration) and every ra
 
 1. **Parameters**: SGLang's model class is built on the meta device with that rank's parallel state; its
    ``named_parameters()`` (names, shapes, dtypes) must equal :func:`awex.convert.sglang.sglang_param_shapes` /
-   ``sglang_param_dtypes``.
+   ``sglang_param_dtypes``, and the binding must read the case's parallel sizes and the rank back from SGLang's
+   published state (:func:`awex.engines.sglang.sglang_runtime_parallel`).
 2. **Where each element goes**: the same class is built on CPU twice with zeroed parameters. SGLang's own
    ``load_weights`` loads random canonical (HF) tensors into the first; Awex writes the boxes the layout gives the
    rank through :func:`~awex.convert.sglang.sglang_views` into the second. Every parameter must be equal, element
@@ -97,6 +98,7 @@ sys.meta_path.insert(0, _KernelModules(REPLACED_MODULES))
 import torch  # noqa: E402
 
 from awex.convert.sglang import sglang_param_dtypes, sglang_param_shapes, sglang_views  # noqa: E402
+from awex.engines.sglang import sglang_runtime_parallel  # noqa: E402
 from awex.meta.layouts.sglang import SglangParallel, sglang_engine_layout  # noqa: E402
 from awex.meta.models import model_dims  # noqa: E402
 
@@ -250,6 +252,9 @@ def check(case: Case, dtype: str = "bfloat16", views: Callable[..., Any] = sglan
     for rank in range(case.parallel.world_size):
         where = f"{case.name} rank {rank}"
         meta = {n: (tuple(p.shape), p.dtype) for n, p in build(case, rank, "meta", tdtype).named_parameters()}
+        seen = sglang_runtime_parallel()  # what the binding reads from SGLang's published state, as a worker would
+        if seen != (case.parallel, rank):
+            problems.append(f"{where}: the binding reads {seen} from SGLang's parallel state")
         shapes = sglang_param_shapes(dims, case.parallel, rank)
         dtypes = sglang_param_dtypes(shapes, dtype)
         want = {n: (s, dtypes[n]) for n, s in shapes.items()}
