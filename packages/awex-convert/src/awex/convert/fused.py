@@ -9,6 +9,7 @@ in where the experts live and how ranks are split, which their own modules (:mod
 from __future__ import annotations
 
 import re
+from typing import Callable, Mapping
 
 import torch
 
@@ -22,6 +23,26 @@ QKV = re.compile(r"^self_attn\.([qkv])_proj\.(.+)$")
 def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     """KV heads one attention TP rank holds (one, replicated, when TP exceeds them)."""
     return max(1, kv_heads // tp)
+
+
+def param_finder(params: Mapping[str, torch.Tensor], what: str, where: str = "") -> Callable[[str], torch.Tensor]:
+    """``find(name)``: the storage of one of an engine rank's live parameters (``KeyError`` "no ``what`` name
+    ``where``", e.g. "no vLLM parameter X", when it has none of that name)."""
+
+    def find(name: str) -> torch.Tensor:
+        t = params.get(name)
+        if t is None:
+            raise KeyError(f"no {what} {name}{where}")
+        return t.data if isinstance(t, torch.nn.Parameter) else t
+
+    return find
+
+
+def qkv_part(native: torch.Tensor, part: str, q_rows: int, kv_rows: int, rows: int) -> torch.Tensor:
+    """``rows`` rows of ``q``, ``k`` or ``v`` in a fused ``qkv_proj`` = [q rows | k rows | v rows] of the rank (rows of
+    the weight, or of its FP8 scale tiles when ``q_rows`` / ``kv_rows`` count tiles)."""
+    start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[part]
+    return native[start : start + rows]
 
 
 def gate_or_up(native: torch.Tensor, gate: bool) -> torch.Tensor:

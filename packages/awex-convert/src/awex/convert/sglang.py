@@ -32,7 +32,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from awex.convert.fused import EXPERT, GATE_UP, LAYER, QKV, fused_mlp_view, kv_heads_per_rank
+from awex.convert.fused import EXPERT, GATE_UP, LAYER, QKV, fused_mlp_view, kv_heads_per_rank, param_finder, qkv_part
 from awex.meta import Box
 from awex.meta.layouts.sglang import SglangParallel, check_mapped, pp_layer_ranges
 from awex.meta.models import ModelDims
@@ -132,11 +132,7 @@ def sglang_views(
     q_rows = dims.heads // p.attn_tp * hd
     kv_rows = kv_heads_per_rank(dims.kv_heads, p.attn_tp) * hd
 
-    def find(name: str) -> torch.Tensor:
-        t = params.get(name)
-        if t is None:
-            raise KeyError(f"no SGLang parameter {name} on rank {rank}")
-        return t.data if isinstance(t, torch.nn.Parameter) else t
+    find = param_finder(params, "SGLang parameter", f" on rank {rank}")
 
     def view_of(name: str, box: Box) -> torch.Tensor:
         native = find(sglang_param_name(name, dims.tie_embeddings, last_stage_only))
@@ -147,8 +143,7 @@ def sglang_views(
             return native
         rest = m.group(2)
         if q := QKV.match(rest):
-            start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[q.group(1)]
-            return native[start : start + box.sizes[0]]
+            return qkv_part(native, q.group(1), q_rows, kv_rows, box.sizes[0])
         mlp = fused_mlp_view(native, rest, first_expert)
         return native if mlp is None else mlp
 

@@ -50,7 +50,7 @@ from awex.convert.fused import GATE_UP as _GATE_UP
 from awex.convert.fused import LAYER as _LAYER
 from awex.convert.fused import QKV as _QKV
 from awex.convert.fused import QKV_A as _QKV_A
-from awex.convert.fused import fused_mlp_view, kv_heads_per_rank
+from awex.convert.fused import fused_mlp_view, kv_heads_per_rank, param_finder, qkv_part
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import VllmParallel
@@ -267,11 +267,7 @@ def vllm_views(
     q_rows = dims.heads // tp * hd
     kv_rows = _kv_local(dims, tp) * hd
 
-    def find(name: str) -> torch.Tensor:
-        t = params.get(name)
-        if t is None:
-            raise KeyError(f"no vLLM parameter {name}")
-        return t.data if isinstance(t, torch.nn.Parameter) else t
+    find = param_finder(params, "vLLM parameter")
 
     def view_of(name: str, box: Box) -> torch.Tensor:
         native = find(vllm_param_name(name, dims.tie_embeddings, latent_q))
@@ -283,14 +279,11 @@ def vllm_views(
         rest = m.group(2)
         scale = rest.endswith(SCALE_SUFFIX)
         if q := _QKV.match(rest):
-            start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[q.group(1)]
             if scale:  # tiles of each partition
-                start = {
-                    "q": 0,
-                    "k": -(-q_rows // fp8_block[0]),
-                    "v": -(-q_rows // fp8_block[0]) + -(-kv_rows // fp8_block[0]),
-                }[q.group(1)]
-            return native[start : start + box.sizes[0]]
+                return qkv_part(
+                    native, q.group(1), -(-q_rows // fp8_block[0]), -(-kv_rows // fp8_block[0]), box.sizes[0]
+                )
+            return qkv_part(native, q.group(1), q_rows, kv_rows, box.sizes[0])
         if (a := _QKV_A.match(rest)) and latent_q:  # fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa]
             return native[: dims.q_lora_rank] if a.group(1) == "q_a_proj" else native[dims.q_lora_rank :]
         mlp = fused_mlp_view(native, rest, first_expert)
