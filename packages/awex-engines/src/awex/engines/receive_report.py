@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
+
+from awex.engines import keys
+from awex.meta.client import MetaClient
 
 
 @dataclass(frozen=True)
@@ -22,3 +26,12 @@ class ReceiveReport:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def publish_report(client: MetaClient, report: ReceiveReport, log: logging.Logger) -> None:
+    """Put ``report`` at ``received/<version>/<instance>:<rank>``; a failure is logged, not raised (the version is
+    applied already: the report is for monitoring)."""
+    try:
+        client.put(keys.received(report.version, report.instance, report.rank), report.to_json())
+    except Exception as e:  # noqa: BLE001 - monitoring must not fail an applied version
+        log.warning("could not publish the receive report of %s: %s", report.version, e)

@@ -36,10 +36,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from awex.convert.sglang import sglang_param_dtypes, sglang_param_shapes, sglang_views
-from awex.engines import keys
 from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
-from awex.engines.receive_report import ReceiveReport
+from awex.engines.receive_report import ReceiveReport, publish_report
 from awex.meta.client import MetaClient
 from awex.meta.layouts import SglangParallel, sglang_engine_layout
 from awex.meta.models import model_dims
@@ -199,10 +198,7 @@ class SglangReceiver:
             report.in_place_bytes,
             report.seconds,
         )
-        try:
-            self.reader.client.put(keys.received(version, report.instance, report.rank), report.to_json())
-        except Exception as e:  # the version is applied; the report is for monitoring
-            log.warning("awex sglang: could not publish the receive report of %s: %s", version, e)
+        publish_report(self.reader.client, report, log)
         return report
 
     def close(self) -> None:

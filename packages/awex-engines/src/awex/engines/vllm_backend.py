@@ -49,10 +49,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from awex.convert.vllm import vllm_param_dtypes, vllm_param_shapes, vllm_views
-from awex.engines import keys
 from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
-from awex.engines.receive_report import ReceiveReport
+from awex.engines.receive_report import ReceiveReport, publish_report
 from awex.engines.vllm_fixups import (
     check_cpu_moe_reloadable,
     check_mla_reloadable,
@@ -231,10 +230,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             report.seconds,
             report.peak_extra_bytes,
         )
-        try:
-            self.reader.client.put(keys.received(report.version, report.instance, report.rank), report.to_json())
-        except Exception as e:  # the version is applied; the report is for monitoring
-            log.warning("awex backend: could not publish the receive report of %s: %s", report.version, e)
+        publish_report(self.reader.client, report, log)
 
     def _load_through_vllm(self, shards: LocalShards) -> None:
         """Load the tensors of transformed modules through vLLM's loaders, one module at a time (a layerwise
