@@ -398,10 +398,5 @@ def bench(session: nox.Session) -> None:
         "-m",
         "awex_integration.bench_gpu",
         *args,
-        env={
-            "PYTHONPATH": BENCH_PATH,
-            "NCCL_NVLS_ENABLE": "0",
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1",
-        },
+        env=DEVICE_ENV,
     )

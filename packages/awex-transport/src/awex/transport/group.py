@@ -106,8 +106,9 @@ class SyncGroup:
         wait = timedelta(seconds=self.timeout)
         me = members.index(self.rank)
         if self.backend in GROUPED:
-            make = _hccl_process_group if self.backend == "hccl" else _nccl_process_group
-            pg = make(store, me, len(members), self._watchdog or self.timeout + WATCHDOG_SLACK)
+            pg = _grouped_process_group(
+                self.backend, store, me, len(members), self._watchdog or self.timeout + WATCHDOG_SLACK
+            )
             _probe(
                 pg, self.device, len(members), time.monotonic() + self.timeout, f"rank {self.rank}: subgroup {members}"
             )
@@ -187,8 +188,7 @@ def create_sync_group(
     elif backend in GROUPED:
         kind = "cuda" if backend == "nccl" else "npu"
         dev = torch.device(device) if device is not None else torch.device(kind, device_api(kind).current_device())
-        make = _hccl_process_group if backend == "hccl" else _nccl_process_group
-        pg = make(store, rank, world_size, timeout + WATCHDOG_SLACK)
+        pg = _grouped_process_group(backend, store, rank, world_size, timeout + WATCHDOG_SLACK)
         _probe(pg, dev, world_size, deadline, f"rank {rank}: the {backend} sync group at {host}:{port}")
         log.info("rank %d/%d joined the %s sync group at %s:%d on %s", rank, world_size, backend, host, port, dev)
         return SyncGroup(rank, world_size, backend, pg, store, dev, timeout, _watchdog=timeout + WATCHDOG_SLACK)
@@ -228,6 +228,11 @@ def _nccl_process_group(store: dist.Store, rank: int, size: int, watchdog: float
     options._timeout = timedelta(seconds=watchdog)
     with _errors_abort_communicator_only():
         return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _grouped_process_group(backend: str, store: dist.Store, rank: int, size: int, watchdog: float):
+    """An NCCL or HCCL group (``backend``) on the sync's own store."""
+    return (_hccl_process_group if backend == "hccl" else _nccl_process_group)(store, rank, size, watchdog)
 
 
 def _hccl_process_group(store: dist.Store, rank: int, size: int, watchdog: float) -> dist.ProcessGroup:
