@@ -2,9 +2,9 @@
 
 ``checksum(words) = (sum of w, sum of w * (i % 8191 + 1))`` over the words ``w`` (as unsigned) at positions ``i``:
 the first changes when any word does, the second also when words move. On CUDA one Triton kernel reads each word
-once and adds each program's two sums into one int64 pair (no temporaries; 0.18 ms for a 256 MiB bucket on
-1x H100, where the chunked torch sums take 6.8 ms and 128 MiB); elsewhere (or without Triton) torch sums
-the bucket in chunks, so its temporaries stay bounded (16 B per word of a chunk) whatever the bucket's size.
+once and adds each program's two sums into one int64 pair (no temporaries; timings in docs/performance.md);
+elsewhere (or without Triton) torch sums the bucket in chunks, so its temporaries stay bounded (16 B per word of a
+chunk) whatever the bucket's size.
 """
 
 from __future__ import annotations
