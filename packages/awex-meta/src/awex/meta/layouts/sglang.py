@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
-from awex.meta.layouts.common import check_divides, pad_to
+from awex.meta.layouts.common import check_divides, kv_head_shard, pad_to
 from awex.meta.models import CanonicalTensor, canonical_tensors
 from awex.meta.quant import Fp8BlockQuant
 from awex.meta.spec import Role
@@ -181,15 +181,7 @@ def sglang_layout(
                 check_divides(f"sglang: {t.name}: attention heads must divide by the attention TP", p.attn_tp, t.heads)
                 pl[split] = Shard(0)
             elif t.kind == "kv":
-                kv = t.heads or p.attn_tp
-                if p.attn_tp <= kv:
-                    check_divides(f"sglang: {t.name}: KV heads must divide by the attention TP", p.attn_tp, kv)
-                    pl[split] = Shard(0)
-                else:
-                    check_divides(
-                        f"sglang: {t.name}: the attention TP must be a multiple of the KV heads", kv, p.attn_tp
-                    )
-                    pl[split] = Shard(0, parts=kv)
+                pl[split] = kv_head_shard(f"sglang: {t.name}", t.heads or p.attn_tp, p.attn_tp, "the attention TP")
             else:
                 pl[split] = Shard(1)
         elif t.kind == "column":

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
-from awex.meta.layouts.common import check_divides, pad_to
+from awex.meta.layouts.common import check_divides, kv_head_shard, pad_to
 from awex.meta.models import CanonicalTensor, canonical_tensors
 from awex.meta.quant import Fp8BlockQuant, quantize_layout
 from awex.meta.spec import Role
@@ -105,13 +105,7 @@ def vllm_layout(tensors: Sequence[CanonicalTensor], parallel: VllmParallel, inst
             check_divides(f"vllm: {t.name}: attention heads must divide by tp", p.tp, t.heads or p.tp)
             pl["tp"] = Shard(0)
         elif t.kind == "kv":
-            kv = t.heads or p.tp
-            if p.tp <= kv:
-                check_divides(f"vllm: {t.name}: KV heads must divide by tp", p.tp, kv)
-                pl["tp"] = Shard(0)
-            else:
-                check_divides(f"vllm: {t.name}: tp must be a multiple of the KV heads", kv, p.tp)
-                pl["tp"] = Shard(0, parts=kv)
+            pl["tp"] = kv_head_shard(f"vllm: {t.name}", t.heads or p.tp, p.tp)
         elif t.kind == "column":
             pl["tp"] = Shard(0)
         elif t.kind == "row":
