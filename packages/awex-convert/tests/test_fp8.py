@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from awex.convert import Fp8Views, dequantize_fp8_blocks, quantize_fp8_blocks
+from awex.convert import BatchedFp8Quantizer, Fp8Views, dequantize_fp8_blocks, quantize_fp8_blocks
 from awex.meta import (
     Box,
     Fp8BlockQuant,
@@ -210,3 +210,97 @@ def test_cuda_quantiser_is_bit_identical_over_every_finite_bf16_value():
         cq, cs = quantize_fp8_blocks(w.cuda(), (128, 128))
         assert torch.equal(cs.cpu(), s)
         assert torch.equal(cq.cpu().view(torch.uint8), q.view(torch.uint8)), trial
+
+
+def _pieces_of_a_fused_qkv(device, groups=4, q_rows=512, kv_rows=128, cols=384, dtype=torch.bfloat16):
+    """Megatron-like interleaved QKV source (per group: q rows, k rows, v rows) and vLLM-like FP8 destinations
+    (q, k, v each one tensor), cut into per-group pieces as a receiver quantising on the copy sees them."""
+    g = torch.Generator().manual_seed(7)
+    per = q_rows + 2 * kv_rows
+    fused = (torch.randn(groups * per, cols, generator=g) * torch.logspace(-3, 1, cols)).to(dtype).to(device)
+    outs = {
+        part: (
+            torch.zeros(groups * rows, cols, dtype=E4M3, device=device),
+            torch.zeros(groups * rows // 128, -(-cols // 128), device=device),
+        )
+        for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+    }
+    pieces = []
+    for grp in range(groups):
+        at = grp * per
+        for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+            out, scale = outs[part]
+            pieces.append(
+                (
+                    fused[at : at + rows],
+                    out[grp * rows : (grp + 1) * rows],
+                    scale[grp * rows // 128 : (grp + 1) * rows // 128],
+                )
+            )
+            at += rows
+    return fused, outs, pieces
+
+
+def test_batched_quantiser_off_cuda_quantises_each_piece_like_the_single_weight_function():
+    _, outs, pieces = _pieces_of_a_fused_qkv("cpu")
+    quantizer = BatchedFp8Quantizer(pieces)
+    assert quantizer.launches == len(pieces) and quantizer.tiles == 0  # no CUDA: one call per piece
+    quantizer()
+    for source, out, scale in pieces:
+        q, s = quantize_fp8_blocks(source)
+        assert torch.equal(out.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale, s)
+
+
+def test_batched_quantiser_refuses_mismatched_outputs_before_quantising_anything():
+    w = torch.randn(256, 256, dtype=torch.bfloat16)
+    q = torch.zeros(256, 256, dtype=E4M3)
+    with pytest.raises(ValueError, match="scale_out must be float32 of shape"):
+        BatchedFp8Quantizer([(w, q, torch.zeros(2, 2)), (w, q, torch.zeros(1, 2))])
+    with pytest.raises(ValueError, match="out must be an FP8 tensor"):
+        BatchedFp8Quantizer([(w, torch.zeros(256, 256, dtype=torch.bfloat16), torch.zeros(2, 2))])
+    with pytest.raises(ValueError, match="2-D weight"):
+        BatchedFp8Quantizer([(w.view(-1), q, torch.zeros(2, 2))])
+    assert int(q.view(torch.uint8).sum()) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the batched Triton quantiser)")
+def test_cuda_batched_quantiser_is_bit_identical_to_one_call_per_piece_in_one_launch_per_dtype():
+    """Per-group pieces of an interleaved QKV (row slices of one source into slices of q/k/v FP8 tensors and
+    their scales), plus fp32 sources, a short last tile row and column, and a column-major source: one launch
+    per source dtype for the pieces it can take, the column-major one apart; every tile and scale the same bits
+    as quantize_fp8_blocks gives each piece alone (the portable path on CPU)."""
+    _, outs, pieces = _pieces_of_a_fused_qkv("cuda")
+    g = torch.Generator().manual_seed(9)
+    ragged = (torch.randn(300, 272, generator=g) * 3).to(torch.bfloat16).cuda()  # short last tiles (272 = 17 x 16)
+    wide = torch.randn(256, 640, generator=g).cuda()  # fp32 source: its own launch
+    column_major = torch.randn(256, 256, generator=g).to(torch.bfloat16).cuda().t().contiguous().t()
+    extra = []
+    for w in (ragged, wide, column_major):
+        extra.append(
+            (
+                w,
+                torch.zeros(w.shape, dtype=E4M3, device="cuda"),
+                torch.zeros(-(-w.shape[0] // 128), -(-w.shape[1] // 128), device="cuda"),
+            )
+        )
+    quantizer = BatchedFp8Quantizer(pieces + extra)
+    assert quantizer.launches == 3  # bf16 pieces, fp32 piece, column-major piece apart
+    assert quantizer.tiles == sum(s.numel() for _, _, s in pieces + extra[:2])
+    quantizer()
+    torch.cuda.synchronize()
+    for source, out, scale in pieces + extra:
+        q, s = quantize_fp8_blocks(source.cpu())
+        assert torch.equal(scale.cpu(), s)
+        assert torch.equal(out.cpu().view(torch.uint8), q.view(torch.uint8))
+    # captured in a CUDA graph, replayed after the sources changed in place: the new values
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quantizer()
+    for source, _, _ in pieces + extra:
+        source.mul_(-2)
+    graph.replay()
+    torch.cuda.synchronize()
+    for source, out, scale in pieces + extra:
+        q, s = quantize_fp8_blocks(source.cpu())
+        assert torch.equal(scale.cpu(), s)
+        assert torch.equal(out.cpu().view(torch.uint8), q.view(torch.uint8))

@@ -7,8 +7,9 @@ these views and receivers write into them, so nothing is gathered and nothing is
 - :mod:`awex.convert.megatron`: Megatron-core ``GPTModel`` (fused QKV by query group, fused gate/up,
   TP/PP/VPP, padded vocabulary, tied embeddings, local and Transformer-Engine layer specs).
 - :mod:`awex.convert.hf`: HF models (identity).
-- :mod:`awex.convert.fp8`: block-quantised FP8 (128x128 tiles, ``weight_scale_inv``): quantise, dequantise,
-  and a sender's FP8 views of its own weights (quantised on the fly before each write).
+- :mod:`awex.convert.fp8`: block-quantised FP8 (128x128 tiles, ``weight_scale_inv``): quantise (one weight, or
+  many pieces in one launch), dequantise, and a sender's FP8 views of its own weights (quantised on the fly
+  before each write).
 - :mod:`awex.convert.vllm`: vLLM's fused ``qkv_proj`` / ``gate_up_proj``, experts, padded vocabulary, TP/PP:
   the in-place path into vLLM's live parameters (``awex.engines.vllm_backend``; parameters vLLM transforms
   after loading, such as vLLM-CPU's prepacked linears, go through vLLM's weight loaders instead).
@@ -16,7 +17,7 @@ these views and receivers write into them, so nothing is gathered and nothing is
 Which rank holds which box (the layout) is torch-free arithmetic in ``awex.meta.layouts``.
 """
 
-from awex.convert.fp8 import Fp8Views, dequantize_fp8_blocks, quantize_fp8_blocks
+from awex.convert.fp8 import BatchedFp8Quantizer, Fp8Views, dequantize_fp8_blocks, quantize_fp8_blocks
 from awex.convert.hf import hf_views
 from awex.convert.megatron import MegatronNames, megatron_param_shapes, megatron_views
 from awex.convert.vllm import vllm_param_dtypes, vllm_param_name, vllm_param_shapes, vllm_views
@@ -24,6 +25,7 @@ from awex.convert.vllm import vllm_param_dtypes, vllm_param_name, vllm_param_sha
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchedFp8Quantizer",
     "Fp8Views",
     "MegatronNames",
     "dequantize_fp8_blocks",

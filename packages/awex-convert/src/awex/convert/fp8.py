@@ -84,20 +84,74 @@ def quantize_fp8_blocks(
     return q, s
 
 
-_KERNEL: list = []
+_KERNELS: dict = {}
 
 
 def _triton_kernel():
-    """A Triton kernel quantising one tile per program (one read of the weight, one write of each output),
-    or ``None`` where Triton is not installed; built on first use."""
-    if _KERNEL:
-        return _KERNEL[0]
+    """The Triton kernel quantising one tile per program of one weight, or ``None`` where Triton is not
+    installed; built on first use."""
+    return _kernels().get("one")
+
+
+def _kernels() -> dict:
+    """``{"one": kernel over one weight, "batched": kernel over the tiles of many}`` (both through one tile
+    function, so their results are the same bits), or ``{}`` without Triton."""
+    if "built" in _KERNELS:
+        return _KERNELS["built"]
     try:
         import triton
         import triton.language as tl
     except ImportError:
-        _KERNEL.append(None)
-        return None
+        _KERNELS["built"] = {}
+        return {}
+
+    @triton.jit
+    def quantize_tile(
+        x,
+        q,
+        s,
+        tr,
+        tc,
+        rows,
+        cols,
+        sxr,
+        sxc,
+        sqr,
+        sqc,
+        fmax,
+        tiny,
+        BR: tl.constexpr,
+        BC: tl.constexpr,
+        SUB: tl.constexpr,
+    ):
+        # Two passes over the tile in SUB-row chunks: its largest magnitude, then the quotients (the second read
+        # hits the cache, which the first asks to keep the tile). A correctly rounded division per element costs
+        # more than the memory traffic (docs/performance.md), so each quotient is q0 = v * RN(1/scale), corrected
+        # once: RN(q0 + RN(v - q0 * scale) * RN(1/scale)) with FMAs. By Markstein's theorem (a reciprocal within
+        # half an ulp, a first quotient within one ulp, exact FMA remainders) that is the correctly rounded
+        # quotient, as torch's division gives, except below the normal range, where every quotient becomes an
+        # FP8 zero anyway. Signed zeros are kept as they are.
+        # Returns the tile's scale; ``s`` is where to store it.
+        c = tc * BC + tl.arange(0, BC)
+        amax = 0.0
+        for i in tl.static_range(BR // SUB):
+            r = tr * BR + i * SUB + tl.arange(0, SUB)
+            mask = (r[:, None] < rows) & (c[None, :] < cols)
+            ptrs = x + r[:, None] * sxr + c[None, :] * sxc
+            v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)  # kept for pass 2
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+        scale = tl.maximum(tl.math.div_rn(amax, fmax), tiny)  # as torch: correctly rounded
+        inv = tl.math.div_rn(1.0, scale)
+        for i in tl.static_range(BR // SUB):
+            r = tr * BR + i * SUB + tl.arange(0, SUB)
+            mask = (r[:, None] < rows) & (c[None, :] < cols)
+            ptrs = x + r[:, None] * sxr + c[None, :] * sxc
+            v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)  # read last
+            q0 = v * inv
+            out = tl.where(v == 0.0, v, tl.math.fma(tl.math.fma(-q0, scale, v), inv, q0))
+            out = tl.minimum(tl.maximum(out, -fmax), fmax)
+            tl.store(q + r[:, None] * sqr + c[None, :] * sqc, out.to(q.dtype.element_ty), mask=mask)
+        tl.store(s, scale)
 
     @triton.jit
     def quantize_tiles(
@@ -118,36 +172,50 @@ def _triton_kernel():
         BC: tl.constexpr,
         SUB: tl.constexpr,
     ):
-        # Two passes over the tile in SUB-row chunks (the second read hits the cache): its largest magnitude,
-        # then the quotients. A correctly rounded division per element costs more than the memory traffic
-        # (measured: 1.9x the read-once-write-once bound on H200, against 1.3x this way), so each quotient is
-        # q0 = v * RN(1/scale), corrected once: RN(q0 + RN(v - q0 * scale) * RN(1/scale)) with FMAs. By
-        # Markstein's theorem (a reciprocal within half an ulp, a first quotient within one ulp, exact FMA
-        # remainders) that is the correctly rounded quotient, as torch's division gives, except below the
-        # normal range, where every quotient becomes an FP8 zero anyway. Signed zeros are kept as they are.
         tr = tl.program_id(0)
         tc = tl.program_id(1)
-        c = tc * BC + tl.arange(0, BC)
-        amax = 0.0
-        for i in tl.static_range(BR // SUB):
-            r = tr * BR + i * SUB + tl.arange(0, SUB)
-            mask = (r[:, None] < rows) & (c[None, :] < cols)
-            v = tl.load(x + r[:, None] * sxr + c[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
-        scale = tl.maximum(tl.math.div_rn(amax, fmax), tiny)  # as torch: correctly rounded
-        inv = tl.math.div_rn(1.0, scale)
-        for i in tl.static_range(BR // SUB):
-            r = tr * BR + i * SUB + tl.arange(0, SUB)
-            mask = (r[:, None] < rows) & (c[None, :] < cols)
-            v = tl.load(x + r[:, None] * sxr + c[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
-            q0 = v * inv
-            out = tl.where(v == 0.0, v, tl.math.fma(tl.math.fma(-q0, scale, v), inv, q0))
-            out = tl.minimum(tl.maximum(out, -fmax), fmax)
-            tl.store(q + r[:, None] * sqr + c[None, :] * sqc, out.to(q.dtype.element_ty), mask=mask)
-        tl.store(s + tr * ssr + tc * ssc, scale)
+        quantize_tile(x, q, s + tr * ssr + tc * ssc, tr, tc, rows, cols, sxr, sxc, sqr, sqc, fmax, tiny, BR, BC, SUB)
 
-    _KERNEL.append(quantize_tiles)
-    return quantize_tiles
+    @triton.jit
+    def quantize_many_tiles(
+        x,
+        q,
+        s,
+        pieces,
+        tile_piece,
+        fmax,
+        tiny,
+        BR: tl.constexpr,
+        BC: tl.constexpr,
+        SUB: tl.constexpr,
+        XA: tl.constexpr,
+        QA: tl.constexpr,
+    ):
+        # One program per tile of any piece: ``tile_piece`` says whose, ``pieces`` (int64 rows of _PIECE_FIELDS)
+        # where it lies, as element offsets from the base pointers ``x``, ``q``, ``s``. Every piece is contiguous
+        # along columns, its offsets and row strides multiples of 16 bytes (XA, QA elements), its width a
+        # multiple of 16: loads and stores are vectorised as in the one-weight kernel.
+        i = tl.program_id(0)
+        p = tl.load(tile_piece + i).to(tl.int64) * 10
+        x_off = tl.multiple_of(tl.load(pieces + p), XA)
+        q_off = tl.multiple_of(tl.load(pieces + p + 1), QA)
+        s_off = tl.load(pieces + p + 2)
+        rows = tl.load(pieces + p + 3)
+        cols = tl.multiple_of(tl.load(pieces + p + 4), 16)
+        sxr = tl.multiple_of(tl.load(pieces + p + 5), XA)
+        sqr = tl.multiple_of(tl.load(pieces + p + 6), QA)
+        ssr = tl.load(pieces + p + 7)
+        first = tl.load(pieces + p + 8)
+        tile_cols = tl.load(pieces + p + 9)
+        local = i - first
+        tr = local // tile_cols
+        tc = local - tr * tile_cols
+        quantize_tile(
+            x + x_off, q + q_off, s + s_off + tr * ssr + tc, tr, tc, rows, cols, sxr, 1, sqr, 1, fmax, tiny, BR, BC, SUB
+        )
+
+    _KERNELS["built"] = {"one": quantize_tiles, "batched": quantize_many_tiles}
+    return _KERNELS["built"]
 
 
 def _quantize_cuda(weight, block, q, s, fmax: float, tiny: float) -> None:
@@ -174,6 +242,142 @@ def _quantize_cuda(weight, block, q, s, fmax: float, tiny: float) -> None:
         SUB=min(br, 128),
         num_warps=4,
     )
+
+
+Piece = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]  # (source, FP8 out, float32 scale_inv out)
+# the batched kernel's rows per load and warps per program (the fastest of 4-16 warps and 32-128 rows on H100 and
+# H200: docs/performance.md)
+_BATCHED_SUB_ROWS, _BATCHED_WARPS = 128, 8
+
+
+class BatchedFp8Quantizer:
+    """Many weights quantised by one call, each as :func:`quantize_fp8_blocks` would (the same bits): built once
+    over ``pieces`` (``(source, fp8 out, scale_inv out)``, 2-D, tiles of ``block`` from each source's
+    ``[0, 0]``), run by calling it on the current stream (capturable in a CUDA graph). The tensors must stay
+    where they are.
+
+    On CUDA with Triton, the pieces that are contiguous along columns and 16-byte aligned (rows and widths too)
+    go as one kernel launch per source dtype and FP8 dtype, one program per tile of any piece: a launch per piece
+    leaves most of the GPU idle on small pieces (one query group's K rows of a fused QKV are 32 tiles) and
+    between launches. The other pieces, and every piece off CUDA, go one :func:`quantize_fp8_blocks` call each.
+    """
+
+    def __init__(self, pieces: Sequence[Piece], block: tuple[int, int] = (128, 128)):
+        self.block = block
+        br, bc = block
+        kernels = _kernels()
+        groups: dict[tuple, list[Piece]] = {}
+        self._apart: list[Piece] = []
+        for source, out, scale_out in pieces:
+            _check_outputs(source, block, out, scale_out)
+            if _batchable(source, out, scale_out, block) and kernels:
+                groups.setdefault((source.dtype, out.dtype, source.device), []).append((source, out, scale_out))
+            else:
+                self._apart.append((source, out, scale_out))
+        self._launches = [_BatchedLaunch(group, block) for group in groups.values()]
+        self.tiles = sum(launch.tiles for launch in self._launches)
+        self.launches = len(self._launches) + len(self._apart)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for launch in self._launches:
+            launch()
+        for source, out, scale_out in self._apart:
+            quantize_fp8_blocks(source, self.block, out.dtype, out=out, scale_out=scale_out)
+
+
+def _check_outputs(source: torch.Tensor, block: tuple[int, int], out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    if source.dim() != 2:
+        raise ValueError(f"FP8 block quantisation needs a 2-D weight, got shape {tuple(source.shape)}")
+    rows, cols = source.shape
+    tiles = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(out.shape) != (rows, cols) or out.element_size() != 1 or not out.dtype.is_floating_point:
+        raise ValueError(f"out must be an FP8 tensor of shape {(rows, cols)}, got {out.dtype} {tuple(out.shape)}")
+    if tuple(scale_out.shape) != tiles or scale_out.dtype != torch.float32:
+        raise ValueError(f"scale_out must be float32 of shape {tiles}, got {scale_out.dtype} {tuple(scale_out.shape)}")
+    if not (source.device == out.device == scale_out.device):
+        raise ValueError(
+            f"source, out and scale_out on one device, got {source.device}, {out.device}, {scale_out.device}"
+        )
+
+
+def _batchable(source: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor, block: tuple[int, int]) -> bool:
+    rows, cols = source.shape
+    br, bc = block
+    return (
+        source.is_cuda
+        and rows > 0
+        and cols % 16 == 0
+        and not (br & (br - 1) or bc & (bc - 1))
+        and bc >= 16
+        and source.stride(1) == 1
+        and out.stride(1) == 1
+        and scale_out.stride(1) == 1
+        and all(t.data_ptr() % 16 == 0 for t in (source, out))
+        and (source.stride(0) * source.element_size()) % 16 == 0
+        and out.stride(0) % 16 == 0
+    )
+
+
+class _BatchedLaunch:
+    """One launch of the batched kernel over pieces of one source dtype, FP8 dtype and device."""
+
+    def __init__(self, pieces: Sequence[Piece], block: tuple[int, int]):
+        source, out, scale_out = pieces[0]
+        self._x, self._q, self._s = source, out, scale_out  # base pointers (kept alive)
+        self._keep = list(pieces)
+        br, bc = block
+        rows_of, first = [], 0
+        counts = []
+        for x, q, s in pieces:
+            rows, cols = x.shape
+            tiles_r, tiles_c = -(-rows // br), -(-cols // bc)
+            rows_of.append(
+                [
+                    (x.data_ptr() - source.data_ptr()) // x.element_size(),
+                    q.data_ptr() - out.data_ptr(),
+                    (s.data_ptr() - scale_out.data_ptr()) // 4,
+                    rows,
+                    cols,
+                    x.stride(0),
+                    q.stride(0),
+                    s.stride(0),
+                    first,
+                    tiles_c,
+                ]
+            )
+            counts.append(tiles_r * tiles_c)
+            first += tiles_r * tiles_c
+        device = source.device
+        self.tiles = first
+        self._pieces = torch.tensor(rows_of, dtype=torch.int64).view(-1).to(device)
+        self._tile_piece = torch.repeat_interleave(
+            torch.arange(len(pieces), dtype=torch.int32), torch.tensor(counts)
+        ).to(device)
+        self._config = dict(
+            BR=br,
+            BC=bc,
+            SUB=min(br, _BATCHED_SUB_ROWS),
+            XA=16 // source.element_size(),
+            QA=16,
+            num_warps=_BATCHED_WARPS,
+        )
+        self._fmax = fp8_max(out.dtype)
+        self._tiny = torch.finfo(torch.float32).tiny
+        self._compile()
+
+    def _args(self) -> tuple:
+        return self._x, self._q, self._s, self._pieces, self._tile_piece, self._fmax, self._tiny
+
+    def _compile(self) -> None:
+        """Compile the kernel now, without running it, so that a CUDA graph can capture the first call."""
+        try:
+            _kernels()["batched"].warmup(*self._args(), **self._config, grid=(self.tiles,))
+        except (AttributeError, TypeError) as e:  # a Triton without warmup(): it compiles on the first call
+            log.debug("Triton warmup unavailable (%s); the kernel compiles on first use", e)
+
+    def __call__(self) -> None:
+        _kernels()["batched"][(self.tiles,)](*self._args(), **self._config)
 
 
 def dequantize_fp8_blocks(

@@ -460,11 +460,8 @@ class SyncSession:
 
 
 def _fp8_quantizer():
-    """The FP8 block quantiser for receivers that quantise on the copy (awex.convert's: one Triton kernel per
-    piece on CUDA, bit-identical to its portable path)."""
-    from awex.convert.fp8 import quantize_fp8_blocks
+    """The FP8 block quantiser for receivers that quantise on the copy (awex.convert's: on CUDA one Triton kernel
+    launch over every tile of every piece, bit-identical to its portable path)."""
+    from awex.convert.fp8 import BatchedFp8Quantizer
 
-    def quantize(source, out, scale_out, block):
-        quantize_fp8_blocks(source, block, out.dtype, out=out, scale_out=scale_out)
-
-    return quantize
+    return BatchedFp8Quantizer

@@ -93,7 +93,7 @@ class Setup:
     rendezvous: tuple = ()  # what identifies the meeting: a group is reused while it is the same
     delta: bool = False  # p2p: buckets as the words changed since the last version (awex.transport.delta)
     delta_budget_bytes: int | None = None  # a delta sender: what it may keep of the last version (None: all)
-    # ipc receivers of plans that quantise on receive: quantize(source, fp8 out, scale_inv out, block)
+    # ipc receivers of plans that quantise on receive: quantize([(source, fp8 out, scale_inv out)], block) -> run()
     quantize: Any = None
 
 

@@ -14,7 +14,7 @@ from awex.transport.base import TransferStats, TransferTimeout
 from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable, triton_available
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
-from awex.transport.ipc.fp8_on_copy import Quantize, quantize_ops
+from awex.transport.ipc.fp8_on_copy import Piece, Quantize, quantize_pieces, quantizers
 from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
 from awex.transport.ipc.scheduling import interleave_sources, paces_local, ring_slots
@@ -93,7 +93,7 @@ class IpcExecutor:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.bytes_received = 0
         quantised = {q[0]: (q[2], q[3]) for q in plan.quantized}  # weight -> (scale tensor, tile block)
-        self._quantize: list[Callable[[], None]] = []  # FP8 on the copy: read the source, write tiles and scales
+        to_quantize: dict[tuple[int, int], list[Piece]] = {}  # FP8 on the copy, by tile block
         if quantised and quantize is None:
             raise ValueError(f"rank {rank}: the plan quantises {len(quantised)} weight(s) on receive: give quantize=")
         for step in plan.schedule(rank):
@@ -104,13 +104,16 @@ class IpcExecutor:
                 raise KeyError(f"rank {rank}: no IPC export of source rank {step.peer}")
             for t in step.bucket.transfers:
                 if names[t.tensor] in quantised:
-                    self._quantize.extend(
-                        quantize_ops(plan.tensors[t.tensor], *quantised[names[t.tensor]], t, shards, src, quantize)
+                    scale, block = quantised[names[t.tensor]]
+                    to_quantize.setdefault(block, []).extend(
+                        quantize_pieces(plan.tensors[t.tensor], scale, block, t, shards, src)
                     )
                     self.bytes_received += t.nbytes
                     continue
                 self.copies.extend((d, s) for d, s, _ in paired_pieces(names[t.tensor], t, shards, src))
                 self.bytes_received += t.nbytes
+        # read the source, write tiles and scales: one launch per tile block
+        self._quantize: list[Callable[[], None]] = quantizers(to_quantize, quantize) if to_quantize else []
         self.copies = merge_copies(self.copies)
         self._remote = [(d, s) for d, s in self.copies if s.device != d.device]  # from another GPU: peer DMAs
         self._local = [(d, s) for d, s in self.copies if s.device == d.device]

@@ -1,12 +1,12 @@
 """FP8 on the copy: a CUDA IPC receiver that holds block-quantised FP8 weights quantises them straight from the
-trainer's unquantised memory on its own GPU (``PlanOptions.quantize_on_receive``): one kernel per piece reads the
-source once and writes the FP8 tiles and their ``weight_scale_inv`` into the engine's parameters, instead of the
-trainer quantising into a buffer that the receiver then copies (which reads and writes the FP8 bytes once more).
+trainer's unquantised memory on its own GPU (``PlanOptions.quantize_on_receive``): the quantiser reads each piece
+of the source once and writes the FP8 tiles and their ``weight_scale_inv`` into the engine's parameters, instead of
+the trainer quantising into a buffer that the receiver then copies (which reads and writes the FP8 bytes once more).
 
-The quantiser itself is given by the caller (``awex.convert.fp8.quantize_fp8_blocks``: this package does not depend
-on the converters). Every piece must be whole tiles of the weight and its scales one view; a piece that is not, or
-a source on another GPU (there the trainer quantises and FP8 moves over NVLink: fewer bytes on the link), is refused
-when the executor is built, before any byte moves.
+The quantiser itself is given by the caller (``awex.convert.fp8.BatchedFp8Quantizer``: all pieces of a block size
+in one launch; this package does not depend on the converters). Every piece must be whole tiles of the weight and
+its scales one view; a piece that is not, or a source on another GPU (there the trainer quantises and FP8 moves
+over NVLink: fewer bytes on the link), is refused when the executor is built, before any byte moves.
 """
 
 from __future__ import annotations
@@ -21,22 +21,17 @@ from awex.meta.spec import TensorSpec
 from awex.transport.ipc.spans import paired_pieces
 from awex.transport.shards import LocalShards
 
-# quantize(source, fp8 out, scale_inv out, block): the FP8 block quantiser
-Quantize = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]], object]
+Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (source, FP8 out, float32 scale_inv out)
+# quantizer(pieces, block): built once, returns what quantises all the pieces when called (capturable)
+Quantize = Callable[[list[Piece], tuple[int, int]], Callable[[], None]]
 
 
-def quantize_ops(
-    spec: TensorSpec,
-    scale: str,
-    block: tuple[int, int],
-    t: Transfer,
-    shards: LocalShards,
-    source: LocalShards,
-    quantize: Quantize,
-) -> list[Callable[[], None]]:
-    """The kernels that quantise transfer ``t`` of weight ``spec`` from ``source``'s memory into this rank's FP8
-    pieces and their scales (tensor ``scale``, one per ``block`` tile)."""
-    ops = []
+def quantize_pieces(
+    spec: TensorSpec, scale: str, block: tuple[int, int], t: Transfer, shards: LocalShards, source: LocalShards
+) -> list[Piece]:
+    """What quantises transfer ``t`` of weight ``spec``: ``(source piece, this rank's FP8 piece, its scales)``
+    (tensor ``scale``, one per ``block`` tile), each piece whole tiles."""
+    out = []
     for d, s, both in paired_pieces(spec.name, t, shards, source):
         if s.device != d.device:
             raise ValueError(
@@ -58,5 +53,10 @@ def quantize_ops(
         if len(pieces) != 1 or (pieces[0][0] and any(sl != slice(0, n) for sl, n in zip(pieces[0][0], tiles.sizes))):
             raise ValueError(f"{scale}: this rank's scales of {box} are not one view")
         scale_view = pieces[0][1]
-        ops.append(lambda s=s, d=d, sv=scale_view: quantize(s, d, sv, block))
-    return ops
+        out.append((s, d, scale_view))
+    return out
+
+
+def quantizers(pieces: dict[tuple[int, int], list[Piece]], quantize: Quantize) -> list[Callable[[], None]]:
+    """One quantiser per tile block over all its pieces."""
+    return [quantize(group, block) for block, group in pieces.items()]
