@@ -246,6 +246,21 @@ def canonical_value(name: str, shape, step: int, device):
     return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
 
 
+def sparse_value(name: str, shape, step: int, device, fraction: float = 0.01):
+    """Like :func:`canonical_value` at step 1; each later step changes about ``fraction`` of the elements of the
+    step before (by about 1%, most of them by a few units in the last place): what an RL step looks like to a
+    delta sync."""
+    import torch
+
+    value = canonical_value(name, shape, 1, device)
+    for s in range(2, step + 1):
+        g = torch.Generator(device=device)
+        g.manual_seed(zlib.crc32(name.encode()) * 1000 + 500 + s)
+        mask = torch.rand(value.shape, generator=g, device=device) < fraction
+        value = torch.where(mask, (value.float() * 1.01 + 1e-3).to(torch.bfloat16), value)
+    return value
+
+
 def expected_value(layout, name: str, step: int, device, quant=None):
     """What a receiver must hold: the trainer's value, or for FP8 receivers that value quantised (weight or
     scale) by the same rule the trainer applies."""
@@ -261,9 +276,11 @@ def expected_value(layout, name: str, step: int, device, quant=None):
     return canonical_value(name, spec.shape, step, device)
 
 
-def fill(shards, layout, step, device):
+def fill(shards, layout, step, device, value=None):
+    """Each view of ``shards`` gets its box of ``value(name, shape, step, device)`` (:func:`canonical_value`)."""
+    value = value or canonical_value
     for name in shards.names():
-        full = canonical_value(name, layout.tensor(name).spec.shape, step, device)
+        full = value(name, layout.tensor(name).spec.shape, step, device)
         for box, view in shards.pairs(name):
             view.copy_(full[box.slices()])
 
@@ -274,12 +291,16 @@ def bits(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def mismatches(shards, layout, step, device, quant=None) -> list[str]:
+def mismatches(shards, layout, step, device, quant=None, value=None) -> list[str]:
+    """The boxes of ``shards`` that differ from what the trainer held at ``step`` (``value``: as :func:`fill`)."""
     import torch
 
     bad = []
     for name in shards.names():
-        full = expected_value(layout, name, step, device, quant)
+        if value is not None:
+            full = value(name, layout.tensor(name).spec.shape, step, device)
+        else:
+            full = expected_value(layout, name, step, device, quant)
         for box, view in shards.pairs(name):
             if not torch.equal(bits(view), bits(full[box.slices()])):
                 bad.append(f"{name} {box}")

@@ -37,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 from awex_integration.bench_common import (
@@ -51,6 +52,7 @@ from awex_integration.bench_common import (
     model_tensors,
     native_params,
     scenario_devices,
+    sparse_value,
 )
 from awex_integration.estimate_check import predict
 
@@ -350,7 +352,8 @@ def _executor_path(
         result["bytes_sent"] = stats.bytes_sent
         result["waves"] = stats.waves
     # the trainer did not change its weights during the steady syncs: the first version must be there
-    result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device, quant)
+    if "bad_first" not in result:
+        result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device, quant)
     if quantize:
         result["quantize_seconds"] = statistics.median(_cuda_seconds(quantize) for _ in range(3))
 
@@ -413,6 +416,7 @@ def _public_path(
             refresh=quantize,
             refresh_by_wave=fp8_views.by_wave if fp8_views is not None else None,
             quantize_on_receive=bool(a.extra.get("fp8_on_receive")),
+            delta=bool(a.extra.get("delta")),
         )
         step = lambda version: side.write(version, dests)  # noqa: E731
     else:
@@ -430,13 +434,26 @@ def _public_path(
     def sync_once():
         last[0] = step(f"v{next(versions)}")
 
+    fraction = a.extra.get("delta")
+    changed = partial(sparse_value, fraction=fraction) if fraction else None  # an RL-like step before each sync
+    peak = 0
+    if changed and not trainer:  # checked now: the steady syncs change the weights (the check's memory not counted)
+        peak = torch.cuda.max_memory_allocated(device)
+        result["bad_first"] = mismatches(side.shards, layout, 1, device)
+        torch.cuda.reset_peak_memory_stats(device)
     result["steady_seconds"] = []
-    for _ in range(a.iters):
+    for i in range(a.iters):
         side.flush()  # the requests a sync leaves for afterwards get the time a training step gives them (not timed)
+        if changed and trainer:
+            fill(weights, base_layout, i + 2, device, changed)  # not timed
+        torch.cuda.synchronize()
         result["steady_seconds"].append(timed(sync_once))
     result["steady_phases"] = side.last_phases
     stats = last[0]
-    result["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - result.pop("_base_alloc")
+    result["bytes_dense"] = stats.bytes_dense
+    result["peak_extra_bytes"] = max(peak, torch.cuda.max_memory_allocated(device)) - result.pop("_base_alloc")
+    if changed and not trainer:  # every changed word arrived
+        result["bad_steady"] = mismatches(side.shards, layout, a.iters + 1, device, value=changed)
     result["bytes_received"], result["bytes_sent"], result["waves"] = (
         stats.bytes_received,
         stats.bytes_sent,
@@ -444,7 +461,8 @@ def _public_path(
     )
     result["staging_bytes"] = side.held_bytes()
     shards = side.shards
-    result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device, quant)
+    if "bad_first" not in result:
+        result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device, quant)
     if quantize:
         result["quantize_seconds"] = statistics.median(_cuda_seconds(quantize) for _ in range(3))
     if trainer:  # second version: changed values must arrive too (in place)
@@ -838,6 +856,14 @@ def main(argv: list[str] | None = None) -> int:
         help="public path: each scenario also runs with this model (a few MB; integration/models/NAME.json) and its "
         "steady time, what a sync costs whatever its size, joins the cost model's prediction; 'none': left out",
     )
+    ap.add_argument(
+        "--delta",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="public path: delta syncs (WeightsWriter(delta=True)); before each timed sync the trainer changes about "
+        "this fraction of its elements (not timed), and receivers check the last version bit for bit",
+    )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     command = list(sys.argv[1:] if argv is None else argv)
@@ -926,7 +952,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.fp8_on_receive and args.baseline_iters:
         print("--fp8-on-receive: no baselines (they move the trainer's FP8 tiles, which it does not make here)")
         args.baseline_iters = 0
+    if args.delta is not None and (args.path != "public" or args.fp8 or not 0 < args.delta < 1):
+        ap.error("--delta: a fraction between 0 and 1, on the public path, without --fp8")
     shared = {
+        "delta": args.delta,
         "fp8_on_receive": args.fp8_on_receive,
         "ipc": ipc_options,
         "direct_bytes": direct_bytes,
@@ -1000,7 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"name": sc.name, "what": sc.what, "device": device, "date": date, "error": failure[-2000:]})
             continue
         rec = [p for p in per_rank if not p["trainer"]]
-        bad = [f"{p['instance']}:{b}" for p in rec for b in p["bad_first"] + p["bad_second"]]
+        bad = [f"{p['instance']}:{b}" for p in rec for b in p["bad_first"] + p.get("bad_steady", []) + p["bad_second"]]
         steady = statistics.median(per_rank[0]["steady_seconds"])
         received = sum(p.get("bytes_received", 0) for p in rec)
         entry = {
@@ -1032,6 +1061,11 @@ def main(argv: list[str] | None = None) -> int:
             # the default's choice for these GPUs (quantising on receive is chosen explicitly, over CUDA IPC)
             "auto_transport": "ipc" if args.fp8_on_receive else auto_transport(sc, sources, dests, fp8=args.fp8),
             "bytes": received,
+            **(
+                {"delta_fraction": args.delta, "bytes_dense": sum(p.get("bytes_dense", 0) for p in rec)}
+                if args.delta
+                else {}
+            ),
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
             # timed calls start on every rank at one instant; where a rank reached it late, by how much (seconds)

@@ -26,7 +26,10 @@ def sync_rank(
     trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit), then close; the trainer
     returns once every reader (``readers_per_instance`` ranks of each destination) has closed. ``on_receive``: FP8
     receivers quantise from the trainer's bf16 memory themselves (``quantize_on_receive``, CUDA IPC).
-    ``delta``: the writer sends delta buckets (p2p). ``device_type``: ``"cuda"`` or ``"npu"`` (Ascend, HCCL)."""
+    ``delta``: the writer sends delta buckets: each version after the first changes 1% of the elements, and
+    before version 3 the engine's rank 0 changes one of its tensors behind the writer's back (its buckets must come
+    whole and exact). ``device_type``: ``"cuda"`` or ``"npu"`` (Ascend, HCCL). Both sides return their transfer
+    stats per version."""
     import torch
 
     from awex.convert import (
@@ -46,7 +49,7 @@ def sync_rank(
     from awex.meta.models import model_dims
     from awex.transport import LocalShards
     from awex.transport.accelerator import device_api
-    from awex_integration.bench_common import MODELS, NamedParams, bits, canonical_value, expected_value
+    from awex_integration.bench_common import MODELS, NamedParams, bits, canonical_value, expected_value, sparse_value
 
     device = torch.device(device_type, gpu)
     device_api(device).set_device(gpu)
@@ -91,21 +94,24 @@ def sync_rank(
             writer = WeightsWriter(
                 client, layout, local_rank, view_of, transport=transport, timeout=120, host="127.0.0.1", delta=delta
             )
+        stats = []
+        value = sparse_value if delta else canonical_value
         for v in range(1, versions + 1):
             for name in weights.names():
-                full = canonical_value(name, layout.tensor(name).spec.shape, v, device)
+                full = value(name, layout.tensor(name).spec.shape, v, device)
                 for box, view in weights.pairs(name):
                     view.copy_(full[box.slices()])
             if v == 1 and local_rank == 0:
                 for d in destinations:  # the engines are up before the first version goes out
                     client.get(f"ready/{d}", timeout=120)
-            writer.write(f"v{v}", destinations)
+            written = writer.write(f"v{v}", destinations)
+            stats.append({"bytes_sent": written.bytes_sent, "bytes_dense": getattr(written, "bytes_dense", None)})
         transport_in_use = writer.transport_in_use
         for d in destinations:  # readers release this process's memory (CUDA IPC) before it exits
             for r in range(readers_per_instance):
                 client.get(f"closed/{d}/{r}", timeout=120)
         writer.close()
-        return {"versions": versions, "transport": transport_in_use}
+        return {"versions": versions, "transport": transport_in_use, "stats": stats}
     parallel = VllmParallel(tp=tp)
     shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
     dtypes = vllm_param_dtypes(shapes, "bfloat16", quant)
@@ -118,18 +124,29 @@ def sync_rank(
     )
     if local_rank == 0:
         client.put(f"ready/{instance}", True)
-    bad, checked = [], 0
+    bad, checked, stats = [], 0, []
     for v in range(1, versions + 1):
-        reader.receive(f"v{v}")
+        if delta and v == 3 and local_rank == 0:  # behind the writer's back: its baseline for this tensor is stale
+            name = sorted(n for n in reader.shards.names() if len(layout.tensor(n).spec.shape) == 2)[0]
+            reader.shards.pairs(name)[0][1][0, :7] = 3.0
+        got = reader.receive(f"v{v}")
+        stats.append(
+            {
+                "bytes_received": got.bytes_received,
+                "bytes_dense": getattr(got, "bytes_dense", None),
+                "buckets_resent": getattr(got, "buckets_resent", None),
+            }
+        )
         for name in reader.shards.names():
-            full = expected_value(layout, name, v, device, quant)
+            full = sparse_value(name, layout.tensor(name).spec.shape, v, device) if delta else None
+            full = full if full is not None else expected_value(layout, name, v, device, quant)
             for box, view in reader.shards.pairs(name):
                 checked += 1
                 if not torch.equal(bits(view), bits(full[box.slices()])):
                     bad.append(f"v{v} {name} {box}")
     reader.close()
     client.put(f"closed/{instance}/{local_rank}", True)
-    return {"checked": checked, "bad": bad[:10]}
+    return {"checked": checked, "bad": bad[:10], "stats": stats}
 
 
 def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) -> dict:
@@ -140,6 +157,7 @@ def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) 
 
     transport, train_tp, train_devices, engines, *extra = case
     fp8, model, on_receive, delta = (*extra, *(False, "qwen3-8b", False, False)[len(extra) :])
+    versions = 4 if delta else 3
     server = start_embedded()
     try:
         destinations = [f"vllm-{i}" for i in range(len(engines))]
@@ -147,7 +165,18 @@ def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) 
             (
                 ("trainer", r),
                 sync_rank,
-                (server.address, transport, "trainer", r, train_tp, train_devices[r], destinations, 3, fp8, model)
+                (
+                    server.address,
+                    transport,
+                    "trainer",
+                    r,
+                    train_tp,
+                    train_devices[r],
+                    destinations,
+                    versions,
+                    fp8,
+                    model,
+                )
                 + (engines[0][0], on_receive, delta, device_type),
             )
             for r in range(train_tp)
@@ -157,8 +186,8 @@ def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) 
                 (
                     (f"vllm-{i}", r),
                     sync_rank,
-                    (server.address, transport, f"vllm-{i}", r, tp, devices[r], [], 3, fp8, model)
-                    + (1, False, False, device_type),
+                    (server.address, transport, f"vllm-{i}", r, tp, devices[r], [], versions, fp8, model)
+                    + (1, False, delta, device_type),
                 )
                 for r in range(tp)
             ]

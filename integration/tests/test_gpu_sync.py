@@ -33,8 +33,11 @@ from awex_integration.gpu_sync_workers import run_sync_case  # noqa: E402
         pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
         pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], True, "qwen3-30b-a3b"), id="fp8-moe-nccl-tp2-to-tp2"),
         pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], False, "qwen3-30b-a3b"), id="moe-nccl-tp2-to-tp2"),
-        # delta syncs over NCCL (every version changes every value here: whole buckets, the protocol exercised)
+        # delta syncs: each version changes 1% of the values; the engine changes one tensor behind the writer's back
         pytest.param(("p2p", 1, [0], [(1, [1])], False, "qwen3-8b", False, True), id="delta-nccl-1-to-1"),
+        pytest.param(("ipc", 1, [0], [(1, [0])], False, "qwen3-8b", False, True), id="delta-colocated-1gpu-ipc"),
+        pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], False, "qwen3-8b", False, True), id="delta-tp2-ipc"),
+        pytest.param(("ipc", 1, [0], [(1, [1])], False, "qwen3-8b", False, True), id="delta-ipc-1-to-1"),
     ],
 )
 def test_writer_and_readers_on_gpus(case):
@@ -51,6 +54,17 @@ def test_writer_and_readers_on_gpus(case):
     for key, (_, value) in out.items():
         if key[0] != "trainer":
             assert value["checked"] > 0 and value["bad"] == [], (key, value)
+    if len(case) > 7 and case[7]:  # delta: whole first, then about 1% of the words, the stale buckets whole again
+        for key, (_, value) in out.items():
+            first, *later = value["stats"]
+            assert first["bytes_dense"] and all(s["bytes_dense"] == first["bytes_dense"] for s in later), (key, value)
+            moved = [s.get("bytes_sent", s.get("bytes_received")) for s in value["stats"]]
+            assert moved[0] >= first["bytes_dense"], (key, value)
+            assert all(m < first["bytes_dense"] / 5 for m in moved[1:2] + moved[3:]), (key, value)
+            if key[0] != "trainer":
+                resent = [s["buckets_resent"] for s in value["stats"]]
+                assert resent[1] == 0 and resent[3] == 0, (key, value)
+                assert (resent[2] >= 1) == (key[1] == 0), (key, value)  # rank 0 changed a tensor before v3
 
 
 @pytest.mark.parametrize("name", ["receiver_rank_dies_after_transfer", "receiver_raises_in_apply", "two_hundred_syncs"])

@@ -130,3 +130,5 @@ def test_delta_options_are_checked_before_anything_starts(server):
         WeightsWriter(client, layout, 0, views(params), transport="auto", delta=True)
     with pytest.raises(ValueError, match="delta_budget_bytes"):
         WeightsWriter(client, layout, 0, views(params), transport="p2p", delta_budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match="quantize_on_receive=True is not built"):
+        WeightsWriter(client, layout, 0, views(params), transport="ipc", delta=True, quantize_on_receive=True)

@@ -281,8 +281,8 @@ class SyncSession:
             raise ValueError(
                 f"sync {manifest.version!r}: quantising on receive runs over ipc, not {manifest.transport!r}"
             )
-        if manifest.delta and manifest.transport != "p2p":
-            raise ValueError(f"sync {manifest.version!r}: delta syncs run over p2p, not {manifest.transport!r}")
+        if manifest.delta and manifest.transport not in ("p2p", "ipc"):
+            raise ValueError(f"sync {manifest.version!r}: delta syncs run over p2p or ipc, not {manifest.transport!r}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
             where = self._devices(
                 f"{manifest.version}/{manifest.seq}", names, layouts, deadline, ipc_ok and manifest.transport != "p2p"

@@ -65,16 +65,18 @@ class WeightsWriter:
     wave's part just before it is packed, overlapping the waves already on the wire; ``ipc`` always uses
     ``refresh``.
 
-    ``delta=True`` (``transport="p2p"``): after the first version each bucket travels as the 16-bit words that
-    changed since the last version where that is smaller (RL steps change few bf16 values), checked by checksums
-    at every receiver, sent whole where a receiver's words do not match (``awex.transport.delta``). This rank keeps
-    what it last sent, up to ``delta_budget_bytes`` (default: all of it, on the views' device); buckets beyond the
-    budget are always sent whole. Buckets run one after another without relays: it pays where bytes cost more
-    than the copies (across nodes). Write stats then carry ``bytes_dense``, what a dense sync would have moved.
+    ``delta=True`` (``transport="p2p"`` or ``"ipc"``): after the first version each bucket travels as the 16-bit
+    words that changed since the last version where that is smaller (RL steps change few bf16 values), checked by
+    checksums at every receiver, taken whole where a receiver's words do not match (``awex.transport.delta``; over
+    CUDA IPC the receivers read the changes from a board this rank exports, ``awex.transport.ipc.delta``). This
+    rank keeps what its receivers confirmed last, up to ``delta_budget_bytes`` (default: all of it, on the views'
+    device); buckets beyond the budget always go whole. Buckets run one after another without relays: it pays
+    where bytes cost more than the copies (across nodes, or over NVLink). Write stats then carry ``bytes_dense``,
+    what a dense sync would have moved.
 
     ``quantize_on_receive=True`` (``transport="ipc"``): this rank publishes its weights unquantised and the FP8
-    engines reading them on the same GPU quantise them straight into their FP8 weights and scales, one kernel per
-    piece (``awex.transport.ipc.fp8_on_copy``): the trainer neither quantises nor holds FP8 buffers.
+    engines reading them on the same GPU quantise them straight into their FP8 weights and scales, all pieces in
+    one kernel launch (``awex.transport.ipc.fp8_on_copy``): the trainer neither quantises nor holds FP8 buffers.
 
     After each write, rank 0 drops the MetaServer records (manifest, agreements, validation reports) of versions
     older than the last ``keep_versions``, so a run of any length stays within the server's key limit.
@@ -129,11 +131,13 @@ class WeightsWriter:
         self.refresh_by_wave = refresh_by_wave
         if keep_versions < 1:
             raise ValueError("keep_versions must be at least 1")
-        if delta and transport != "p2p":
+        if delta and transport not in ("p2p", "ipc"):
             raise ValueError(
-                f"delta=True runs over transport='p2p' (NCCL/gloo), not {transport!r}: "
-                "pass transport='p2p' (CUDA IPC and rdma delta syncs are not built yet)"
+                f"delta=True runs over transport='p2p' (NCCL/gloo) or 'ipc' (CUDA IPC), not {transport!r}: "
+                "pass one of them (rdma and shared-memory delta syncs are not built yet)"
             )
+        if delta and quantize_on_receive:
+            raise ValueError("delta=True with quantize_on_receive=True is not built yet: pick one of the two")
         if delta and refresh_by_wave is not None:
             raise ValueError("delta=True with FP8 on the fly (refresh_by_wave) is not built yet")
         if delta_budget_bytes is not None and (not delta or delta_budget_bytes < 0):

@@ -54,6 +54,36 @@ def encoding(words: int, changed: int) -> tuple[int, int]:
     return (mode, sizes[mode]) if sizes[mode] < words * 2 else (DENSE, words * 2)
 
 
+def encode(words: torch.Tensor, kept: torch.Tensor) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """How ``words`` (int16) travel against ``kept``, what the receiver holds: ``(mode, index, values)``, where
+    ``index`` is the changed positions (int32, ``SPARSE``) or a bit per word (uint8, ``BITMAP``) and ``values`` the
+    changed words; ``(DENSE, None, None)`` where neither is smaller than the words themselves."""
+    differs = words != kept
+    changed = torch.nonzero(differs).view(-1)
+    mode = encoding(words.numel(), changed.numel())[0]
+    if mode == DENSE:
+        return DENSE, None, None
+    if mode == SPARSE:
+        index = changed.to(torch.int32)
+    else:
+        index = (differs.view(-1, 8).to(torch.uint8) * _BITS.to(words.device)).sum(1, dtype=torch.uint8)
+    return mode, index, words[changed].contiguous()
+
+
+def positions(mode: int, index: torch.Tensor, count: int, words: int, what: str) -> torch.Tensor:
+    """The changed positions an ``index`` of ``mode`` names (``SPARSE``: int32 positions, ``BITMAP``: a bit per
+    word), checked: ``count`` of them, each below ``words``; :class:`TransferError` naming ``what`` otherwise."""
+    if mode == SPARSE:
+        where = index.long()
+        if where.numel() != count or (count and not bool(((where >= 0) & (where < words)).all())):
+            raise TransferError(f"{what}: positions out of range or not {count}")
+        return where
+    where = torch.nonzero((index.unsqueeze(1) & _BITS.to(index.device)).view(-1)).view(-1)
+    if where.numel() != count:
+        raise TransferError(f"{what}: {where.numel()} bits set, {count} said")
+    return where
+
+
 class DeltaExecutor:
     """One rank's share of a relay-free plan as delta buckets, built once; keeps the sender's last versions."""
 
@@ -138,30 +168,19 @@ class DeltaExecutor:
             copy()
         new = checksum(words)
         kept = self.kept.get(i)
-        if kept is not None:
-            differs = words != kept
-            changed = torch.nonzero(differs).view(-1)
-            base = self.kept_sums[i]
-        else:
-            changed, base = None, (0, 0)
-        mode, count = DENSE, words.numel()
-        if changed is not None:
-            mode = encoding(words.numel(), changed.numel())[0]
-            count = words.numel() if mode == DENSE else changed.numel()
+        mode, index, values = encode(words, kept) if kept is not None else (DENSE, None, None)
+        base = self.kept_sums[i] if kept is not None else (0, 0)
+        count = words.numel() if values is None else values.numel()
         header = torch.tensor([mode, count, *base, *new], dtype=torch.int64, device=self.device)
         self._one("send", header, peer, i, deadline)
         n = header.numel() * 8
-        if mode == SPARSE:
-            self._one("send", changed.to(torch.int32), peer, i, deadline)
-        elif mode == BITMAP:
-            bits = (differs.view(-1, 8).to(torch.uint8) * _BITS.to(self.device)).sum(1, dtype=torch.uint8)
-            self._one("send", bits, peer, i, deadline)
         if mode == DENSE:
             self._one("send", words, peer, i, deadline)
             n += words.numel() * 2
         else:
-            self._one("send", words[changed].contiguous(), peer, i, deadline)
-            n += changed.numel() * 2 + (changed.numel() * 4 if mode == SPARSE else words.numel() // 8)
+            self._one("send", index, peer, i, deadline)
+            self._one("send", values, peer, i, deadline)
+            n += index.numel() * index.element_size() + values.numel() * 2
         answer = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._one("recv", answer, peer, i, deadline)
         again = 0
@@ -193,18 +212,12 @@ class DeltaExecutor:
         checked = False  # the words in hand were summed and match the new version
         if mode != DENSE:
             if mode == SPARSE:
-                where = torch.empty(count, dtype=torch.int32, device=self.device)
-                self._one("recv", where, peer, i, deadline)
-                n += count * 4
+                index = torch.empty(count, dtype=torch.int32, device=self.device)
             else:
-                bits = torch.empty(words.numel() // 8, dtype=torch.uint8, device=self.device)
-                self._one("recv", bits, peer, i, deadline)
-                n += bits.numel()
-                where = torch.nonzero((bits.unsqueeze(1) & _BITS.to(self.device)).view(-1)).view(-1)
-                if where.numel() != count:
-                    raise TransferError(
-                        f"rank {self.rank}: bucket {i} from rank {peer}: {where.numel()} bits set, {count} said"
-                    )
+                index = torch.empty(words.numel() // 8, dtype=torch.uint8, device=self.device)
+            self._one("recv", index, peer, i, deadline)
+            n += index.numel() * index.element_size()
+            where = positions(mode, index, count, words.numel(), f"rank {self.rank}: bucket {i} from rank {peer}")
             values = torch.empty(count, dtype=torch.int16, device=self.device)
             self._one("recv", values, peer, i, deadline)
             n += count * 2
@@ -213,7 +226,7 @@ class DeltaExecutor:
                 copy()
             ok = checksum(words) == base
             if ok:
-                words[where.long()] = values
+                words[where] = values
                 ok = checked = checksum(words) == new
             if not ok:
                 again = 1

@@ -11,6 +11,7 @@ import torch
 from awex.meta import Plan
 from awex.transport.base import PeerLink, RefreshByWave, Setup, TransferStats, TransferTimeout, Transport, timed
 from awex.transport.deadline import wait_event
+from awex.transport.ipc.delta import IpcDeltaReceiver, IpcDeltaSender
 from awex.transport.ipc.executor import IpcExecutor
 from awex.transport.ipc.mapping import MappedShards, open_export
 from awex.transport.ipc.wire import IpcExport, export_shards
@@ -34,14 +35,20 @@ class IpcTransport(Transport):
         # a receiver's opened exports per source rank (with the generation they came from) and its executor
         self.opened: dict[tuple[str, int], tuple[int, MappedShards, dict]] = {}  # generation, mapping, descriptor
         self._recheck = False
-        self.executor: IpcExecutor | None = None
+        self.executor: IpcExecutor | IpcDeltaReceiver | None = None
         self.peers: list[int] = []
         self.quantize = None  # a receiver's FP8 quantiser, for plans that quantise on receive
+        # delta syncs (awex.transport.ipc.delta): whether, a sender's budget, its encoder and what it exports
+        self.delta, self.delta_budget_bytes = False, None
+        self.sender: IpcDeltaSender | None = None
+        self._board_shards: tuple[object, LocalShards] | None = None  # (the shards it was made from, with board)
 
     def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
         self.plan, self.rank = plan, rank
         self.quantize = setup.quantize
         self.executor = None
+        self.sender, self._board_shards = None, None  # a new plan: its buckets differ, nothing kept applies
+        self.delta, self.delta_budget_bytes = setup.delta, setup.delta_budget_bytes
         self._recheck = True  # a new plan may mean a restarted trainer, whose generations start again at 1
         schedule = plan.schedule(rank)
         self.peers = sorted({s.peer for s in schedule})
@@ -59,6 +66,10 @@ class IpcTransport(Transport):
         shards = self._in_place(shards)
         if self.plan.ranks[self.rank].role.value == "trainer":
             self._ready(shards, link, deadline, phases)
+            if self.sender is not None:
+                stats = TransferStats(bytes_sent=self.sender.bytes_read)
+                stats.bytes_dense = self.sender.bytes_dense
+                return stats
             return TransferStats(bytes_sent=self.bytes_sent or 0)
         plan, changed = self.plan, self.executor is None
         with timed(phases, "open"):
@@ -86,7 +97,10 @@ class IpcTransport(Transport):
             self._recheck = False
         if changed:
             with timed(phases, "executor"):
-                self.executor = IpcExecutor(plan, self.rank, shards, sources, quantize=self.quantize)
+                if self.delta:
+                    self.executor = IpcDeltaReceiver(plan, self.rank, shards, sources)
+                else:
+                    self.executor = IpcExecutor(plan, self.rank, shards, sources, quantize=self.quantize)
         executor = self.executor
         link.moving()
         with timed(phases, "transfer"):
@@ -111,6 +125,15 @@ class IpcTransport(Transport):
                     "finish before the deadline"
                 ),
             )
+        if self.delta:
+            if self.sender is None:
+                self.sender = IpcDeltaSender(self.plan, self.rank, shards, self.delta_budget_bytes)
+            with timed(phases, "encode"):
+                self.sender.encode()
+                stream.synchronize()  # receivers in other processes read the board once this rank says ready
+            if self._board_shards is None or self._board_shards[0] is not shards:
+                self._board_shards = (shards, self.sender.board_shards(shards))
+            shards = self._board_shards[1]
         # the same views as last time alias the same storages: only other views need checking
         if self.export is None or (self.exported_from is not shards and not self.export.matches(shards)):
             with timed(phases, "export"):
@@ -121,9 +144,15 @@ class IpcTransport(Transport):
         with timed(phases, "ready"):
             link.ready(self.generation)
 
+    def applied(self) -> None:
+        """Every receiver applied this version: a delta sender's encoded words become its baseline."""
+        if self.sender is not None:
+            self.sender.confirm()
+
     @property
     def held_bytes(self) -> int:
-        return int(getattr(self.executor, "staging_bytes", 0) or 0) if self.executor is not None else 0
+        held = self.sender.held_bytes if self.sender is not None else 0
+        return held + (int(getattr(self.executor, "staging_bytes", 0) or 0) if self.executor is not None else 0)
 
     def abort(self) -> None:
         """Keep the export and the opened exports (still valid, and their generations tell peers what is new);
@@ -136,5 +165,6 @@ class IpcTransport(Transport):
         memory."""
         opened = [source for _, source, _ in self.opened.values()]
         self.opened, self.executor, self.plan, self.export, self.exported_from = {}, None, None, None, None
+        self.sender, self._board_shards = None, None
         for source in opened:
             source.close()
