@@ -15,8 +15,8 @@ an exported block alive while a receiver holds it.
 
 Modules: :mod:`.wire` (exports as plain data, checked on arrival), :mod:`.mapping` (opening them),
 :mod:`.executor` (the receiver's copies), :mod:`.fp8_on_copy` (FP8 receivers quantising from the trainer's
-memory), :mod:`.delta` (delta syncs: changed words through an exported board), :mod:`.options` (its knobs), :mod:`.spans` and :mod:`.scheduling` (its
-planning and pure rules), :mod:`.transport` (the
+memory), :mod:`.delta` (delta syncs: changed words through an exported board), :mod:`.options` (the executor's
+knobs), :mod:`.spans` and :mod:`.scheduling` (its planning and pure rules), :mod:`.transport` (the
 :class:`~awex.transport.base.Transport` the sync session drives).
 """
 
