@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from awex.transport.base import TransferError
 from awex.transport.checksum import checksum, checksum_torch
-from awex.transport.delta import BITMAP, DENSE, SPARSE, encoding
+from awex.transport.delta import BITMAP, DENSE, SPARSE, encode, encoding, positions
 
 
 def test_the_smallest_encoding_wins_and_dense_when_nothing_is_smaller():
@@ -47,3 +48,31 @@ def test_checksum_reads_any_16_bit_dtype_as_its_bits_and_refuses_others():
     assert checksum(bits.view(torch.bfloat16)) == checksum(bits) == checksum(bits.view(torch.float16))
     with pytest.raises(ValueError, match="16-bit"):
         checksum(torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.05, 0.3, 0.9])
+def test_encode_then_positions_rebuild_the_words(fraction):
+    """Few changes go as positions, more as a bitmap, most whole; what is sent, applied to the receiver's words,
+    gives the sender's."""
+    g = torch.Generator().manual_seed(int(fraction * 1000))
+    kept = torch.randint(-(1 << 15), 1 << 15, (8192 * 3,), generator=g, dtype=torch.int32).to(torch.int16)
+    words = kept.clone()
+    mask = torch.rand(words.shape, generator=g) < fraction
+    words[mask] = torch.randint(-(1 << 15), 1 << 15, (int(mask.sum()),), generator=g, dtype=torch.int32).to(torch.int16)
+    mode, index, values = encode(words, kept)
+    assert mode == encoding(words.numel(), int((words != kept).sum()))[0]
+    if mode == DENSE:
+        assert index is None and values is None and fraction == 0.9
+        return
+    assert mode == (SPARSE if fraction < 0.01 else BITMAP)
+    where = positions(mode, index, values.numel(), words.numel(), "bucket")
+    receiver = kept.clone()
+    receiver[where] = values
+    assert torch.equal(receiver, words) and checksum(receiver) == checksum(words)
+
+
+def test_positions_out_of_range_or_miscounted_are_refused():
+    with pytest.raises(TransferError, match="out of range"):
+        positions(SPARSE, torch.tensor([3, 99], dtype=torch.int32), 2, 16, "bucket 4")
+    with pytest.raises(TransferError, match="3 bits set, 2 said"):
+        positions(BITMAP, torch.tensor([0b1011, 0], dtype=torch.uint8), 2, 16, "bucket 4")

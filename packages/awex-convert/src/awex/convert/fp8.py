@@ -406,15 +406,18 @@ class Fp8Views:
     the wrapped ``view_of``); :meth:`quantize` refills the buffers from the current weights (call it before
     each write: ``WeightsWriter(..., refresh=fp8.quantize)`` does).
 
-    On CUDA the whole quantisation (one kernel per weight box, plus assembling boxes made of pieces, such as
-    Megatron's per-group QKV) is captured as one CUDA graph on the second call and replayed from then on: the
-    weights must stay where they are, as for every other view a sync uses. ``cuda_graph=False`` keeps it eager.
+    Every box, and every piece of a box the native layout splits (Megatron's per-group QKV) where the pieces are
+    whole tiles, is quantised where it lies by one :class:`BatchedFp8Quantizer` launch (other boxes are assembled
+    first). On CUDA the whole quantisation is captured as one CUDA graph on the second call and replayed from then
+    on: the weights must stay where they are, as for every other view a sync uses. ``cuda_graph=False`` keeps it
+    eager.
     """
 
     def __init__(self, layout: Layout, local_rank: int, view_of: ViewOf, quant: Fp8BlockQuant, cuda_graph: bool = True):
         self.quant = quant
         self.cuda_graph = cuda_graph
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._all: Callable[[], None] | None = None  # quantises every box (built on the first call)
         self._calls = 0
         self._source = view_of
         self._dtype = getattr(torch, quant.dtype)
@@ -470,9 +473,49 @@ class Fp8Views:
             self._quantize_eagerly()
 
     def _quantize_eagerly(self) -> None:
-        for key in self._weights:
-            self._quantize_box(key)
+        if self._all is None:
+            self._all = self._runner(list(self._weights))
+        self._all()
         log.debug("quantised %d FP8 boxes (%d bytes)", len(self._weights), self.quantized_bytes)
+
+    def _runner(self, keys: Sequence[tuple[str, Box]]) -> Callable[[], None]:
+        """What quantises the boxes ``keys``: one :class:`BatchedFp8Quantizer` over every piece of whole tiles (a
+        box's own view, or each piece of a box the native layout splits, such as Megatron's per-group QKV, straight
+        from where it lies), and, for a box whose pieces cut through tiles, its pieces assembled first."""
+        pieces: list[Piece] = []
+        apart: list[tuple[str, Box]] = []
+        for key in keys:
+            found = self._pieces_of(key)
+            if found is None:
+                apart.append(key)
+            else:
+                pieces.extend(found)
+        batched = BatchedFp8Quantizer(pieces, self.quant.block) if pieces else None
+
+        def run() -> None:
+            if batched is not None:
+                batched()
+            for key in apart:
+                self._quantize_box(key)
+
+        return run
+
+    def _pieces_of(self, key: tuple[str, Box]) -> list[Piece] | None:
+        """``(source piece, FP8 piece, scale tiles)`` for each piece of a box, or ``None`` where a piece is not
+        whole tiles of the box."""
+        name, box = key
+        answer = self._source(name, box)
+        out, scale = self._weights[key], self._scale_of[key]
+        if isinstance(answer, torch.Tensor):
+            return [(answer, out, scale)]
+        pieces = []
+        for sub, view in answer:
+            rel = sub.relative_to(box)
+            if view.dim() != 2 or not self.quant.whole_tiles(rel, box.sizes):
+                return None
+            tiles = self.quant.block_image(rel)
+            pieces.append((view, out[rel.slices()], scale[tiles.slices()]))
+        return pieces
 
     @torch.no_grad()
     def _capture_waves(self, per_wave: list[list[tuple[str, Box]]]) -> list | None:
@@ -483,20 +526,20 @@ class Fp8Views:
         """
         if not self.cuda_graph or not any(w.is_cuda for w in self._weights.values()):
             return None
-        for keys in per_wave:
-            for key in keys:
-                self._quantize_box(key)
+        runners = [self._runner(keys) if keys else None for keys in per_wave]
+        for run in runners:
+            if run is not None:
+                run()
         pool = torch.cuda.graph_pool_handle()
         graphs: list = []
         try:
-            for keys in per_wave:
-                if not keys:
+            for run in runners:
+                if run is None:
                     graphs.append(None)
                     continue
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    for key in keys:
-                        self._quantize_box(key)
+                    run()
                 graphs.append(graph)
         except RuntimeError as e:  # capture is an optimisation
             log.warning("CUDA graph capture of per-wave FP8 quantisation failed (%s); quantising eagerly", e)
@@ -534,14 +577,18 @@ class Fp8Views:
                 per_wave[first[key]].append(key)
         graphs = self._capture_waves(per_wave)
 
+        eager: dict[int, Callable[[], None]] = {}
+
         @torch.no_grad()
         def quantize_wave(i: int) -> None:
             if graphs is not None:
                 if graphs[i] is not None:
                     graphs[i].replay()
                 return
-            for key in per_wave[i]:
-                self._quantize_box(key)
+            if per_wave[i]:
+                if i not in eager:
+                    eager[i] = self._runner(per_wave[i])
+                eager[i]()
 
         return quantize_wave
 
