@@ -9,14 +9,15 @@ apply the changes and copy the bucket back in place.
 
 Exactness is checked, not assumed. Every bucket carries two checksums of the sender's words: of the version it
 assumes the receiver holds, and of the new one. A receiver whose words do not match the first (it missed a version,
-or something else wrote its weights) or whose result does not match the second asks for the bucket whole, and the
-sender sends it before going on; a bucket that arrives whole and still does not match fails the sync. A sender
-updates what it keeps of a bucket only when its receiver confirmed the new version, so a failed sync costs the
-next one a dense copy of what it did not confirm, never a wrong weight.
+or something else wrote its weights) or whose result does not match the second asks for the bucket whole; a
+bucket that arrives whole and still does not match fails the sync. A sender keeps a bucket's new words as it sends
+them and their checksums once its receiver confirmed them; a bucket not confirmed when a sync fails is forgotten,
+so a failed sync costs the next one a dense copy of what it did not confirm, never a wrong weight.
 
-Buckets run one after another in the plan's global order (each rank takes the subsequence it is part of, so no two
-ranks can wait on each other): a delta sync trades the overlap of the wave executor for fewer bytes, which pays
-where bytes are what costs (across nodes). Plans without relays only (a relay would forward words its own receiver
+Buckets run in the plan's global order (each rank takes the subsequence it is part of, so no two ranks can wait on
+each other), twice: first every bucket goes out (a sender encodes the next while its receiver applies the last),
+then each receiver answers per bucket and the buckets asked for go again whole. A delta sync trades the overlap of
+the wave executor for fewer bytes, which pays where bytes are what costs (across nodes). Plans without relays only (a relay would forward words its own receiver
 has not checked yet). What a sender keeps is bounded by ``budget_bytes``: buckets beyond it are always sent whole.
 """
 
@@ -131,22 +132,41 @@ class DeltaExecutor:
 
     def run(self, timeout: float = 300.0) -> TransferStats:
         """Send and receive this rank's buckets within ``timeout`` seconds; ``bytes_sent`` / ``bytes_received``
-        count what crossed the wire, ``bytes_dense`` what a dense sync would have moved."""
+        count what crossed the wire, ``bytes_dense`` what a dense sync would have moved.
+
+        Two passes over the buckets, each in the plan's order: every bucket goes out first, a sender encoding the
+        next while its receiver applies the last (nobody waits for an answer); then each receiver answers per
+        bucket (applied, or send it whole) and the buckets asked for go again whole. A sender keeps each bucket's
+        new words as it sends them; a bucket not confirmed when the sync fails is forgotten (whole next time)."""
         started = time.monotonic()
         deadline = started + timeout
         self._timeout = timeout
-        sent = received = dense = 0
-        whole = 0
-        for i, op, peer, size, gather, scatter in self.steps:
-            words = self.staging[:size].view(torch.int16)
-            dense += size
-            if op == "send":
-                n, again = self._send(i, peer, words, gather, deadline)
-                sent += n
-            else:
-                n, again = self._recv(i, peer, words, gather, scatter, deadline)
-                received += n
-            whole += again
+        sent = received = dense = whole = 0
+        pending: dict[int, tuple[int, int]] = {}  # sent buckets not confirmed yet -> their new checksums
+        answers: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}  # received buckets -> (answer, new checksums)
+        try:
+            for i, op, peer, size, gather, scatter in self.steps:
+                words = self.staging[:size].view(torch.int16)
+                dense += size
+                if op == "send":
+                    n, pending[i] = self._send(i, peer, words, gather, deadline)
+                    sent += n
+                else:
+                    n, answers[i] = self._recv(i, peer, words, gather, scatter, deadline)
+                    received += n
+            for i, op, peer, size, gather, scatter in self.steps:
+                words = self.staging[:size].view(torch.int16)
+                if op == "send":
+                    n = self._settle_send(i, peer, words, gather, pending.pop(i), deadline)
+                    sent += n
+                else:
+                    n = self._settle_recv(i, peer, words, scatter, *answers[i], deadline)
+                    received += n
+                whole += n > 0
+        except BaseException:
+            for i in pending:  # the words kept of it may be newer than what its receiver holds
+                self._forget(i)
+            raise
         if is_accelerator(self.device):
             device_api(self.device).current_stream(self.device).synchronize()
         stats = TransferStats(sent, received, self.buckets, 1, self.staging_bytes, time.monotonic() - started)
@@ -162,7 +182,9 @@ class DeltaExecutor:
         )
         return stats
 
-    def _send(self, i: int, peer: int, words: torch.Tensor, gather, deadline: float) -> tuple[int, int]:
+    def _send(self, i: int, peer: int, words: torch.Tensor, gather, deadline: float) -> tuple[int, tuple[int, int]]:
+        """Send bucket ``i`` as its changes against what this rank kept, or whole; keep its new words. Returns the
+        bytes sent and its new checksums."""
         self.staging[: words.numel() * 2].zero_()  # gaps between regions stay zero on both sides
         for copy in gather:
             copy()
@@ -181,21 +203,35 @@ class DeltaExecutor:
             self._one("send", index, peer, i, deadline)
             self._one("send", values, peer, i, deadline)
             n += index.numel() * index.element_size() + values.numel() * 2
+        self._keep(i, words)  # the sends above are ordered before anything later overwrites what they read
+        return n, new
+
+    def _settle_send(self, i: int, peer: int, words: torch.Tensor, gather, new: tuple[int, int], deadline) -> int:
+        """The receiver's answer for bucket ``i``; the bucket again whole if it asks. Returns the bytes resent."""
         answer = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._one("recv", answer, peer, i, deadline)
-        again = 0
+        n = 0
         if int(answer) == WHOLE:
-            again = 1
-            self._one("send", words, peer, i, deadline)
-            n += words.numel() * 2
+            kept = self.kept.get(i)
+            if kept is None:  # beyond the budget: the words again from the views
+                self.staging[: words.numel() * 2].zero_()
+                for copy in gather:
+                    copy()
+                kept = words
+            self._one("send", kept, peer, i, deadline)
+            n = words.numel() * 2
             self._one("recv", answer, peer, i, deadline)
         if int(answer) != OK:
-            self.kept.pop(i, None)
             raise TransferError(f"rank {self.rank}: bucket {i} to rank {peer} did not check out at the receiver")
-        self._keep(i, words, new)
-        return n, again
+        if i in self.kept:
+            self.kept_sums[i] = new
+        return n
 
-    def _recv(self, i: int, peer: int, words: torch.Tensor, gather, scatter, deadline: float) -> tuple[int, int]:
+    def _recv(
+        self, i: int, peer: int, words: torch.Tensor, gather, scatter, deadline: float
+    ) -> tuple[int, tuple[torch.Tensor, tuple[int, int]]]:
+        """Receive bucket ``i``; apply it where it checks out. Returns the bytes received and ``(answer, new
+        checksums)``: ``OK`` (applied) or ``WHOLE`` (to be sent whole)."""
         header = torch.zeros(6, dtype=torch.int64, device=self.device)
         self._one("recv", header, peer, i, deadline)
         mode, count, *sums = (int(x) for x in header.cpu())
@@ -207,10 +243,15 @@ class DeltaExecutor:
         ):
             raise TransferError(f"rank {self.rank}: bucket {i} from rank {peer}: malformed header {header.tolist()}")
         n = header.numel() * 8
-        answer = torch.tensor([OK], dtype=torch.int64, device=self.device)
-        again = 0
-        checked = False  # the words in hand were summed and match the new version
-        if mode != DENSE:
+        if mode == DENSE:
+            self._one("recv", words, peer, i, deadline)
+            n += words.numel() * 2
+            if checksum(words) != new:
+                raise TransferError(
+                    f"rank {self.rank}: bucket {i} from rank {peer} arrived whole and does not check out"
+                )
+            ok = True
+        else:
             if mode == SPARSE:
                 index = torch.empty(count, dtype=torch.int32, device=self.device)
             else:
@@ -227,36 +268,44 @@ class DeltaExecutor:
             ok = checksum(words) == base
             if ok:
                 words[where] = values
-                ok = checked = checksum(words) == new
-            if not ok:
-                again = 1
-                answer.fill_(WHOLE)
-                self._one("send", answer, peer, i, deadline)
-                self._one("recv", words, peer, i, deadline)
-                n += words.numel() * 2
-                answer.fill_(OK)
-        else:
-            self._one("recv", words, peer, i, deadline)
-            n += words.numel() * 2
-        if not checked and checksum(words) != new:
+                ok = checksum(words) == new
+        if ok:
+            for copy in scatter:
+                copy()
+        return n, (torch.tensor([OK if ok else WHOLE], dtype=torch.int64, device=self.device), new)
+
+    def _settle_recv(
+        self, i: int, peer: int, words: torch.Tensor, scatter, answer: torch.Tensor, new, deadline: float
+    ) -> int:
+        """Answer for bucket ``i``; take it whole if this rank asks. Returns the bytes received again."""
+        self._one("send", answer, peer, i, deadline)
+        if int(answer) == OK:
+            return 0
+        self._one("recv", words, peer, i, deadline)
+        if checksum(words) != new:
             raise TransferError(f"rank {self.rank}: bucket {i} from rank {peer} arrived whole and does not check out")
         for copy in scatter:
             copy()
-        self._one("send", answer, peer, i, deadline)
-        return n, again
+        self._one("send", answer.fill_(OK), peer, i, deadline)
+        return words.numel() * 2
 
-    def _keep(self, i: int, words: torch.Tensor, sums: tuple[int, int]) -> None:
+    def _keep(self, i: int, words: torch.Tensor) -> None:
+        """Keep bucket ``i``'s words as the next baseline (within the budget); its checksums once confirmed."""
         kept = self.kept.get(i)
         if kept is not None:
             kept.copy_(words)
-            self.kept_sums[i] = sums
             return
         nbytes = words.numel() * 2
         if self.budget_bytes is not None and self.kept_bytes + nbytes > self.budget_bytes:
             return  # beyond the budget: this bucket is always sent whole
         self.kept[i] = words.clone()
-        self.kept_sums[i] = sums
         self.kept_bytes += nbytes
+
+    def _forget(self, i: int) -> None:
+        kept = self.kept.pop(i, None)
+        self.kept_sums.pop(i, None)
+        if kept is not None:
+            self.kept_bytes -= kept.numel() * 2
 
     def _one(self, op: str, tensor: torch.Tensor, peer: int, bucket: int, deadline: float) -> None:
         left = deadline - time.monotonic()
