@@ -17,8 +17,9 @@ so a failed sync costs the next one a dense copy of what it did not confirm, nev
 Buckets run in the plan's global order (each rank takes the subsequence it is part of, so no two ranks can wait on
 each other), twice: first every bucket goes out (a sender encodes the next while its receiver applies the last),
 then each receiver answers per bucket and the buckets asked for go again whole. A delta sync trades the overlap of
-the wave executor for fewer bytes, which pays where bytes are what costs (across nodes). Plans without relays only (a relay would forward words its own receiver
-has not checked yet). What a sender keeps is bounded by ``budget_bytes``: buckets beyond it are always sent whole.
+the wave executor for fewer bytes, which pays where bytes are what costs (across nodes). Plans without relays only
+(a relay would forward words its own receiver has not checked yet). What a sender keeps is bounded by
+``budget_bytes``: buckets beyond it are always sent whole.
 """
 
 from __future__ import annotations
