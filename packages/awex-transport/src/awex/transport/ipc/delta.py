@@ -27,6 +27,7 @@ from awex.meta import Box, Plan
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.checksum import checksum
 from awex.transport.copies import copier, merge_copies
+from awex.transport.deadline import wait_event
 from awex.transport.delta import BITMAP, DENSE, SPARSE, encode, positions
 from awex.transport.p2p import _align, message_offsets
 from awex.transport.shards import LocalShards, torch_dtype
@@ -225,7 +226,12 @@ class IpcDeltaReceiver:
                     raise TransferError(f"{what}: the trainer's words do not match its checksum (changed mid-sync?)")
             for copy in self._scatter[k]:
                 copy()
-        torch.cuda.current_stream(self.device).synchronize() if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            wait_event(
+                done, deadline, lambda: TransferTimeout(f"rank {self.rank}: delta sync not done in {timeout:g} s")
+            )
         stats = TransferStats(0, received, len(self.buckets), 1, self.staging_bytes, time.monotonic() - started)
         stats.bytes_dense, stats.buckets_resent = dense, resent
         return stats

@@ -130,7 +130,13 @@ class IpcTransport(Transport):
                 self.sender = IpcDeltaSender(self.plan, self.rank, shards, self.delta_budget_bytes)
             with timed(phases, "encode"):
                 self.sender.encode()
-                stream.synchronize()  # receivers in other processes read the board once this rank says ready
+                encoded = torch.cuda.Event()  # receivers in other processes read the board once this rank is ready
+                encoded.record(stream)
+                wait_event(
+                    encoded,
+                    deadline,
+                    lambda: TransferTimeout(f"sync rank {self.rank}: delta encoding not done before the deadline"),
+                )
             if self._board_shards is None or self._board_shards[0] is not shards:
                 self._board_shards = (shards, self.sender.board_shards(shards))
             shards = self._board_shards[1]
