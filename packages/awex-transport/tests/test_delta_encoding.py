@@ -8,7 +8,7 @@ import torch
 
 from awex.transport.base import TransferError
 from awex.transport.checksum import checksum, checksum_torch
-from awex.transport.delta import BITMAP, DENSE, SPARSE, encode, encoding, positions
+from awex.transport.delta import BITMAP, DENSE, SPARSE, encode, encoding, pack_bits, positions
 
 
 def test_the_smallest_encoding_wins_and_dense_when_nothing_is_smaller():
@@ -76,3 +76,15 @@ def test_positions_out_of_range_or_miscounted_are_refused():
         positions(SPARSE, torch.tensor([3, 99], dtype=torch.int32), 2, 16, "bucket 4")
     with pytest.raises(TransferError, match="3 bits set, 2 said"):
         positions(BITMAP, torch.tensor([0b1011, 0], dtype=torch.uint8), 2, 16, "bucket 4")
+
+
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+def test_packed_bits_are_a_bit_per_flag_low_bit_first(density):
+    g = torch.Generator().manual_seed(int(density * 100))
+    flags = torch.rand(8 * 4099, generator=g) < density
+    bits = pack_bits(flags)
+    assert bits.dtype == torch.uint8 and bits.numel() == flags.numel() // 8
+    expected = (flags.view(-1, 8).to(torch.int64) << torch.arange(8)).sum(1)
+    assert torch.equal(bits.to(torch.int64), expected)
+    unpacked = ((bits.unsqueeze(1).to(torch.int64) >> torch.arange(8)) & 1).view(-1).bool()
+    assert torch.equal(unpacked, flags)

@@ -68,8 +68,19 @@ def encode(words: torch.Tensor, kept: torch.Tensor) -> tuple[int, torch.Tensor |
     if mode == SPARSE:
         index = changed.to(torch.int32)
     else:
-        index = (differs.view(-1, 8).to(torch.uint8) * _BITS.to(words.device)).sum(1, dtype=torch.uint8)
+        index = pack_bits(differs)
     return mode, index, words[changed].contiguous()
+
+
+_GATHER_BITS = 0x0102040810204080  # sum of 2**(56 - 7j): byte j's low bit lands on bit 56 + j, nothing else above 55
+
+
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """A bit per flag (a contiguous bool tensor of a multiple of 8 elements): flag ``8k + j`` is bit ``j`` of byte
+    ``k``. Eight flags are one int64 whose bytes are 0 or 1; one multiplication gathers their low bits into its top
+    byte (torch's reduction over rows of 8 took 6x longer)."""
+    eight = flags.reshape(-1).view(torch.uint8).view(torch.int64)
+    return ((eight * _GATHER_BITS) >> 56).to(torch.uint8)
 
 
 def positions(mode: int, index: torch.Tensor, count: int, words: int, what: str) -> torch.Tensor:
