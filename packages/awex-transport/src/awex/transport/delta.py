@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -81,6 +81,14 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     byte (torch's reduction over rows of 8 took 6x longer)."""
     eight = flags.reshape(-1).view(torch.uint8).view(torch.int64)
     return ((eight * _GATHER_BITS) >> 56).to(torch.uint8)
+
+
+def fill_words(staging: torch.Tensor, size: int, copies: Sequence[Callable[[], None]]) -> torch.Tensor:
+    """Run ``copies`` into a zeroed ``staging[:size]`` (gaps between regions stay zero on both sides); its words."""
+    staging[:size].zero_()
+    for copy in copies:
+        copy()
+    return staging[:size].view(torch.int16)
 
 
 def positions(mode: int, index: torch.Tensor, count: int, words: int, what: str) -> torch.Tensor:
@@ -197,9 +205,7 @@ class DeltaExecutor:
     def _send(self, i: int, peer: int, words: torch.Tensor, gather, deadline: float) -> tuple[int, tuple[int, int]]:
         """Send bucket ``i`` as its changes against what this rank kept, or whole; keep its new words. Returns the
         bytes sent and its new checksums."""
-        self.staging[: words.numel() * 2].zero_()  # gaps between regions stay zero on both sides
-        for copy in gather:
-            copy()
+        fill_words(self.staging, words.numel() * 2, gather)
         new = checksum(words)
         kept = self.kept.get(i)
         mode, index, values = encode(words, kept) if kept is not None else (DENSE, None, None)
@@ -226,10 +232,7 @@ class DeltaExecutor:
         if int(answer) == WHOLE:
             kept = self.kept.get(i)
             if kept is None:  # beyond the budget: the words again from the views
-                self.staging[: words.numel() * 2].zero_()
-                for copy in gather:
-                    copy()
-                kept = words
+                kept = fill_words(self.staging, words.numel() * 2, gather)
             self._one("send", kept, peer, i, deadline)
             n = words.numel() * 2
             self._one("recv", answer, peer, i, deadline)
@@ -274,9 +277,7 @@ class DeltaExecutor:
             values = torch.empty(count, dtype=torch.int16, device=self.device)
             self._one("recv", values, peer, i, deadline)
             n += count * 2
-            self.staging[: words.numel() * 2].zero_()
-            for copy in gather:  # the receiver's own previous version: its views
-                copy()
+            fill_words(self.staging, words.numel() * 2, gather)  # the receiver's own previous version: its views
             ok = checksum(words) == base
             if ok:
                 words[where] = values

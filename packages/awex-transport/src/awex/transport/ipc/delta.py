@@ -19,7 +19,6 @@ the encoding does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -28,7 +27,7 @@ from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.checksum import checksum
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
-from awex.transport.delta import BITMAP, DENSE, SPARSE, encode, positions
+from awex.transport.delta import BITMAP, DENSE, SPARSE, encode, fill_words, positions
 from awex.transport.p2p import _align, message_offsets
 from awex.transport.shards import LocalShards, torch_dtype
 
@@ -58,14 +57,6 @@ def _words_of(plan: Plan, shards: LocalShards, bucket: int, staging: torch.Tenso
 
 def _bucket_bytes(plan: Plan, bucket: int) -> int:
     return _align(message_offsets(plan.buckets[bucket].transfers)[1])
-
-
-def _fill(staging: torch.Tensor, size: int, copies: list[Callable[[], None]]) -> torch.Tensor:
-    """Run ``copies`` into a zeroed ``staging[:size]`` (gaps between regions stay zero on both sides); its words."""
-    staging[:size].zero_()
-    for copy in copies:
-        copy()
-    return staging[:size].view(torch.int16)
 
 
 class IpcDeltaSender:
@@ -105,7 +96,7 @@ class IpcDeltaSender:
         rows, at, sums = [], self._header, []
         read = dense = 0
         for k, size in enumerate(self.sizes):
-            words = _fill(self.staging, size, self._gather[k])
+            words = fill_words(self.staging, size, self._gather[k])
             new = checksum(words)
             sums.append(new)
             kept = self.kept.get(k)
@@ -140,7 +131,7 @@ class IpcDeltaSender:
             kept = self.kept.get(k)
             if kept is None and self.budget_bytes is not None and self.kept_bytes + size > self.budget_bytes:
                 continue  # beyond the budget: this bucket always goes whole
-            words = _fill(self.staging, size, self._gather[k])
+            words = fill_words(self.staging, size, self._gather[k])
             if kept is None:
                 self.kept[k] = words.clone()
                 self.kept_bytes += size
@@ -214,13 +205,13 @@ class IpcDeltaReceiver:
                 received += index_bytes + count * 2
                 index = index.view(torch.int32) if mode == SPARSE else index
                 where = positions(mode, index, count, words_count, what)
-                words = _fill(self.staging, size, self._own[k])
+                words = fill_words(self.staging, size, self._own[k])
                 if checksum(words) == base:
                     words[where] = values
                     checked = checksum(words) == new
             if not checked:  # whole, or not the version the trainer assumed: read the trainer's words
                 resent += mode != DENSE
-                words = _fill(self.staging, size, self._theirs[k])
+                words = fill_words(self.staging, size, self._theirs[k])
                 received += size
                 if checksum(words) != new:
                     raise TransferError(f"{what}: the trainer's words do not match its checksum (changed mid-sync?)")
