@@ -15,6 +15,9 @@ tensors_mismatched, greedy_match, and for vLLM receivers:
 - ``receiver_peak_extra_bytes``: the largest, over receiving ranks and steady-state versions (every version after
   the first), of the peak extra memory the sync took in that worker process (measured from the process) plus
   the sync buffers it keeps between versions;
+- ``stalls`` (with ``--control vllm-http`` / ``vllm-ray``): per version and engine, the pause mode and
+  ``pause_seconds`` (pause asked -> paused), ``sync_seconds`` (paused -> applied) and ``stall_seconds`` (paused ->
+  resumed), as the sending trainer rank measured them (``awex.engines.pause.VersionStall``);
 - ``engine_failed_before_sync``: the engine could not generate with its initial weights (nothing was synced);
 - ``in_place_check`` (with ``--check-in-place``): per worker, the parameters whose storage moved and the
   tensors handed to ``load_weights`` during the syncs; ``in_place_verified`` says none moved and exactly the
@@ -741,6 +744,14 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
         )
     if args.control in ("vllm-http", "vllm-ray"):
         results["engine_weight_versions"] = {inst.name: inst.weight_version() for inst in instances}
+        status, sent = trainer_out.get(0, ("missing", None))  # rank 0 drives the engines and measures the stall
+        results["stalls"] = [s for step in sent["steps"] for s in step["stalls"]] if status == "ok" else []
+        for s in results["stalls"]:  # what each version cost generation (pause -> paused -> resumed), per engine
+            print(
+                f"{s['version']} on {s['instance']} (pause {s['mode']}): pause {s['pause_seconds']:.3f} s, "
+                f"sync {s['sync_seconds']:.3f} s, stall {s['stall_seconds']} s",
+                flush=True,
+            )
     for inst in instances:
         if hasattr(inst, "close"):
             inst.close()

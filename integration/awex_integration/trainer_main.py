@@ -189,6 +189,7 @@ def trainer_body(
                 "bytes_sent": sent,
                 "seconds": time.monotonic() - started,
                 "transport": (engine.writer if engine is not None else writer).transport_in_use,
+                "stalls": [s.to_json() for s in engine.last_stalls.values()] if engine is not None else [],
             }
         )
         client.publish_event("trainer_sent", f"trainer:{rank}", version=f"step-{step}", data={"bytes": sent})

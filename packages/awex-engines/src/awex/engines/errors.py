@@ -8,12 +8,14 @@ from awex.transport.p2p import TransferError
 class SyncFailedError(TransferError):
     """Version ``version`` was not applied on every receiving rank. ``failed`` maps ``(instance, rank)`` to that
     rank's outcome (``{"ok": False, "cause": ..., "partial": ...}``), or to ``None`` for a rank that did not
-    report within the deadline (dead or stuck)."""
+    report within the deadline (dead or stuck). ``causes`` maps a party that is not one receiving rank (an engine
+    as a whole, a trainer rank, the pause) to what went wrong there."""
 
-    def __init__(self, version: str, failed: dict[tuple[str, int], dict | None]):
+    def __init__(self, version: str, failed: dict[tuple[str, int], dict | None], causes: dict[str, str] | None = None):
         self.version = version
         self.failed = dict(failed)
-        parts = []
+        self.causes = dict(causes or {})
+        parts = [f"{who}: {cause}" for who, cause in self.causes.items()]
         for (instance, rank), outcome in sorted(self.failed.items()):
             if outcome is None:
                 parts.append(f"{instance}:{rank} did not report (dead or stuck)")

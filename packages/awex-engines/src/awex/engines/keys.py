@@ -3,8 +3,9 @@
 A version's records live under its name: ``sync/<v>`` (the manifest), ``plan/<v>/<count>`` (the plan agreement),
 ``devices/<v>/<count>/<instance>/<rank>`` (where each rank runs), ``<transport>-ready/<v>/<count>/...`` (ready
 signals when neither the host board nor the version channel carries them), ``outcome/<v>/<count>/...``,
-``validation/<v>/...``, ``received/<v>/...``, ``applied/<v>``. A transport's descriptors are per rank and
-generation (``<transport>/<instance>/<rank>/<generation>``), replaced as they change, not per version.
+``validation/<v>/...``, ``received/<v>/...``, ``applied/<v>``, and vLLM's trainer engine's ``go/<v>/...`` and
+``verdict/<v>/...``. A transport's descriptors are per rank and generation
+(``<transport>/<instance>/<rank>/<generation>``), replaced as they change, not per version.
 """
 
 from __future__ import annotations
@@ -18,6 +19,18 @@ def manifest(version: str) -> str:
 
 def applied(version: str) -> str:
     return f"applied/{version}"
+
+
+def go(version: str, call: int) -> str:
+    """vLLM's trainer engine: the sender's word that its engines are paused (or why they are not), for the other
+    trainer ranks' ``call``-th ``send_weights``."""
+    return f"go/{version}/{call}"
+
+
+def verdict(version: str, call: int) -> str:
+    """vLLM's trainer engine: the sender's verdict of a version (applied or not, and its stall per engine) for the
+    other trainer ranks' ``call``-th ``send_weights``."""
+    return f"verdict/{version}/{call}"
 
 
 def plan_agreement(version: str, count: int) -> str:
@@ -72,6 +85,8 @@ def version_records(version: str) -> tuple[list[str], list[str]]:
             f"devices/{version}/",
             f"received/{version}/",
             f"outcome/{version}/",
+            f"go/{version}/",
+            f"verdict/{version}/",
         ],
     )
 

@@ -3,30 +3,37 @@ Awex by the backend name.
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
+    from awex.engines.vllm_trainer import AwexTrainerInitInfo
 
-    source = AwexSource.megatron(model, dims, where)          # or .fsdp(model) / .hf(model)
     engine = WeightTransferTrainerFactory.trainer_init(
-        AwexTrainerInitInfo(rank=rank, meta_address=server.address, instances=("vllm-0",)),
-        client=HTTPVLLMWeightSyncClient("http://vllm-0:8000"), source=source)
+        AwexTrainerInitInfo(rank=rank, meta_address=server.address, instances=("vllm-0",), pause="keep"),
+        client=HTTPVLLMWeightSyncClient("http://vllm-0:8000"), source=ModuleSource(model))
     for step in ...:
         train_step()
         engine.send_weights()                                  # on every trainer rank
 
-Every trainer rank sends its own shards (no gather, nothing through rank 0): each builds a ``WeightsWriter``
-over its views. Rank 0 (the sender) also drives each vLLM engine through vLLM's client, concurrently with the
-writers: ``start_weight_update``, ``update_weights`` (the backend receives while the writers send), then
-``finish_weight_update``. A version counts as applied only when every engine's update call succeeded *and* every
-receiving rank of every engine published its receive report (``received/<version>/<instance>:<rank>``); the
-sender then publishes the verdict at ``applied/<version>`` and every other trainer rank waits for it, so all
-trainer ranks return, or raise, alike.
+``source``: vLLM's ``ModuleSource``, any HF ``nn.Module`` (FSDP2-sharded ones too), or an :class:`AwexSource`
+(``AwexSource.of(TrainerSource.megatron(...))`` for Megatron-core ranks).
 
-Several engines: pass ``instances`` with one name each and ``client`` as ``{instance: client}``.
+Every trainer rank sends its own shards (no gather, nothing through rank 0): each builds a ``WeightsWriter``
+over its views. Rank 0 (the sender) also drives each vLLM engine through vLLM's client
+(``awex.engines.vllm_sender``): it pauses generation (``pause``: ``keep``, ``abort``, ``wait`` or ``none``; caches
+cleared), then runs ``start_weight_update`` and ``update_weights`` concurrently with the writers,
+``finish_weight_update`` and resumes. A version counts as applied only when every engine's update call succeeded
+*and* every receiving rank of every engine published its receive report (``received/<version>/<instance>:<rank>``);
+the sender then publishes the verdict and every other trainer rank waits for it, so all trainer ranks return, or
+raise :class:`~awex.engines.errors.SyncFailedError`, alike. :attr:`AwexTrainerEngine.last_stalls` says what the
+version cost each engine's generation (pause, sync and stall seconds).
+
+Several engines: pass ``instances`` with one name each and ``client`` as ``{instance: client}`` (or one
+``RayVLLMWeightSyncClient`` over as many actor handles as ``instances`` names).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -36,15 +43,16 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
 from awex.engines import keys
+from awex.engines.errors import SyncFailedError
+from awex.engines.pause import VersionStall, check_pause_mode, pauser_for
 from awex.engines.source import TrainerSource
+from awex.engines.vllm_sender import SLACK, Engine, VersionSender
 from awex.engines.writer import WeightsWriter
-from awex.meta import Box, Layout
+from awex.meta import Box, Layout, PlanOptions
 from awex.meta.client import MetaClient
 from awex.transport.shards import torch_dtype
 
 log = logging.getLogger("awex.engines.vllm")
-
-SLACK = 30.0  # seconds an engine's update call may outlive the sync's deadline (its own HTTP/RPC round trip)
 
 
 class AwexSource(WeightSource):
@@ -92,6 +100,26 @@ class AwexSource(WeightSource):
         layout = megatron_layout(canonical_tensors(dims), names.parallel, instance=instance)
         return cls(layout, rank, megatron_views(model, dims, names))
 
+    @classmethod
+    def from_any(cls, source: Any) -> AwexSource:
+        """The source of vLLM's trainer API as Awex sends it: an :class:`AwexSource` or
+        :class:`~awex.engines.source.TrainerSource` as it is; vLLM's ``ModuleSource``, or any module with
+        ``named_parameters``, as an HF model (held whole, or FSDP2-sharded: its DTensor shards are its boxes)."""
+        if isinstance(source, AwexSource):
+            return source
+        if isinstance(source, TrainerSource):
+            return cls.of(source)
+        module = getattr(source, "_module", None) if type(source).__name__ == "ModuleSource" else source
+        if isinstance(module, torch.nn.Module):
+            from torch.distributed.tensor import DTensor
+
+            sharded = any(isinstance(p, DTensor) for p in module.parameters())
+            return cls.fsdp(module) if sharded else cls.hf(module)
+        raise TypeError(
+            f"the awex trainer engine sends an nn.Module (vLLM's ModuleSource, an HF or FSDP2 model) or an "
+            f"AwexSource (AwexSource.of(TrainerSource.megatron(...)) for Megatron-core), not {type(source).__name__}"
+        )
+
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(t.spec.name, torch_dtype(t.spec.dtype), tuple(t.spec.shape)) for t in self.layout.tensors]
 
@@ -102,9 +130,16 @@ class AwexSource(WeightSource):
         raise TypeError("AwexSource is not iterated: the awex trainer engine sends each rank's own boxes in place")
 
 
+def _names(value: Any, what: str) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(v, str) and v for v in items):
+        raise ValueError(f"awex: {what} must be non-empty strings, got {value!r}")
+    return items
+
+
 @dataclass(kw_only=True)
 class AwexTrainerInitInfo(TrainerInitInfo):
-    """Where the MetaServer is and which vLLM engines this trainer updates."""
+    """Where the MetaServer is, which vLLM engines this trainer updates, and how (checked when made)."""
 
     backend: ClassVar[str] = "awex"
 
@@ -118,6 +153,62 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     host: str = "127.0.0.1"  # where the trainer's sync group and version channel listen: an address every rank reaches
     receive: str = "in_place"  # the engines' receive mode: "in_place" or "staged" (atomic)
     version_prefix: str = "step-"  # send_weights() without a version names them step-1, step-2, ...
+    pause: str = "keep"  # generation around each version: "keep", "abort", "wait" or "none" (awex.engines.pause)
+    allow_cast: tuple[str, ...] = ()  # globs of tensors that may narrow (("*",): fp32 trainer into a bf16 engine)
+    delta: bool = False  # only the words that changed (transport "p2p" or "ipc"; see WeightsWriter)
+    quantize_on_receive: bool = False  # FP8 engines on the trainer's GPUs quantise the copy (transport "ipc")
+
+    def __post_init__(self) -> None:
+        self.instances = _names(self.instances, "instances")
+        if len(set(self.instances)) != len(self.instances):
+            raise ValueError(f"awex: instances {list(self.instances)} name an engine twice")
+        self.allow_cast = () if not self.allow_cast else _names(self.allow_cast, "allow_cast patterns")
+        check_pause_mode(self.pause)
+        if self.receive not in ("in_place", "staged"):
+            raise ValueError(f"awex: receive={self.receive!r}; use 'in_place' or 'staged'")
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not math.isfinite(self.timeout)
+            or self.timeout <= 0
+        ):
+            raise ValueError(f"awex: timeout={self.timeout!r}; a finite number of seconds above 0")
+        if isinstance(self.wave_bytes, bool) or not isinstance(self.wave_bytes, int) or self.wave_bytes <= 0:
+            raise ValueError(f"awex: wave_bytes={self.wave_bytes!r}; a positive byte count")
+        for flag in ("delta", "quantize_on_receive"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"awex: {flag}={getattr(self, flag)!r}; True or False")
+        if not isinstance(self.version_prefix, str) or "/" in self.version_prefix:
+            raise ValueError(f"awex: version_prefix={self.version_prefix!r}; a string without '/'")
+
+
+def _split_clients(info: AwexTrainerInitInfo, client: Any) -> dict[str, Any]:
+    """``{instance: client}``: a mapping as given (one client per instance), one client for one instance, or one
+    Ray client over as many actor handles as instances (split, one handle each)."""
+    if isinstance(client, Mapping):
+        if set(client) != set(info.instances):
+            raise ValueError(
+                f"awex: one client per instance: instances {list(info.instances)}, clients for {sorted(client)}"
+            )
+        return dict(client)
+    handles = getattr(client, "handles", None) if type(client).__name__ == "RayVLLMWeightSyncClient" else None
+    if handles is not None and len(handles) > 1:
+        if len(handles) != len(info.instances):
+            raise ValueError(
+                f"awex: the Ray client drives {len(handles)} engines but instances names {len(info.instances)}: "
+                "each engine is an Awex instance of its own; pass one name per actor handle in instances"
+            )
+        return {name: type(client)(h) for name, h in zip(info.instances, handles)}
+    if len(info.instances) != 1:
+        raise ValueError(f"awex: {len(info.instances)} instances need a {{instance: client}} mapping")
+    return {info.instances[0]: client}
+
+
+def _numbered_after(meta: MetaClient, prefix: str) -> int:
+    """The highest N of a version ``<prefix>N`` this job applied before (a predecessor of this trainer), else 0."""
+    pattern = re.compile(re.escape(keys.applied(prefix)) + r"(\d+)$")
+    found = [int(m.group(1)) for k in meta.keys(keys.applied(prefix)) if (m := pattern.match(k))]
+    return max(found, default=0)
 
 
 class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
@@ -134,54 +225,53 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
         info: AwexTrainerInitInfo,
         writer: WeightsWriter,
         meta: MetaClient,
+        sender: VersionSender | None = None,
     ):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info
         self.writer = writer
         self.meta = meta
-        self.sent = 0
-
-    @staticmethod
-    def _clients(info: AwexTrainerInitInfo, client: Any) -> dict[str, Any]:
-        if isinstance(client, Mapping):
-            missing = sorted(set(info.instances) - set(client))
-            if missing or len(client) != len(info.instances):
-                raise ValueError(
-                    f"awex: one client per instance: instances {list(info.instances)}, clients for {sorted(client)}"
-                )
-            return dict(client)
-        if len(info.instances) != 1:
-            raise ValueError(f"awex: {len(info.instances)} instances need a {{instance: client}} mapping")
-        return {info.instances[0]: client}
+        self.sender = sender
+        self.sent = 0  # send_weights calls (alike on every rank)
+        self.numbered_after = _numbered_after(meta, info.version_prefix)
+        if self.numbered_after:
+            log.info(
+                "awex: versions of job %r continue after %s%d (applied before this trainer started)",
+                info.job,
+                info.version_prefix,
+                self.numbered_after,
+            )
+        self.last_stalls: dict[str, VersionStall] = {}  # per engine, of the last version (every trainer rank)
+        self._names: set[str] = set()
+        self._busy = threading.Lock()
 
     @classmethod
     def trainer_init(
         cls, init_info: AwexTrainerInitInfo, *, client: Any, source: WeightSource | None = None
     ) -> AwexTrainerEngine:
-        if not isinstance(source, AwexSource):
-            raise TypeError(
-                f"the awex trainer engine needs an AwexSource (layout and views of this rank's "
-                f"parameters), got {type(source).__name__}"
-            )
-        if init_info.receive not in ("in_place", "staged"):
-            raise ValueError(f"awex: receive={init_info.receive!r}; use 'in_place' or 'staged'")
-        clients = cls._clients(init_info, client)
+        awex_source = AwexSource.from_any(source)
+        clients = _split_clients(init_info, client)
+        sender = None
+        if init_info.is_sender:  # refuse an engine that cannot be paused before anything is set up
+            engines = [Engine(name, c, pauser_for(c, init_info.pause)) for name, c in clients.items()]
+            for e in engines:
+                e.pauser.check()
         meta = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token, timeout=init_info.timeout)
-        writer = WeightsWriter(
+        writer = WeightsWriter.from_source(
             meta,
-            source.layout,
-            source.local_rank,
-            source.view_of,
+            TrainerSource(awex_source.layout, awex_source.local_rank, awex_source.view_of, awex_source.refresh),
             wave_bytes=init_info.wave_bytes,
             timeout=init_info.timeout,
             transport=init_info.transport,
             host=init_info.host,
-            refresh=source.refresh,
+            allow_cast=init_info.allow_cast,
+            delta=init_info.delta,
+            quantize_on_receive=init_info.quantize_on_receive,
         )
-        engine = cls(
-            client=clients, source=source, is_sender=init_info.is_sender, info=init_info, writer=writer, meta=meta
-        )
-        if engine.is_sender:
+        if init_info.is_sender:
+            sender = VersionSender(
+                engines, meta, mode=init_info.pause, staged=init_info.receive == "staged", timeout=init_info.timeout
+            )
             for instance, c in clients.items():
                 c.init_weight_transfer_engine(
                     {
@@ -193,87 +283,112 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
                         "receive": init_info.receive,
                     }
                 )
+            options = PlanOptions(allow_cast=init_info.allow_cast, quantize_on_receive=init_info.quantize_on_receive)
+            sender.preflight(awex_source.layout, options)
+        engine = cls(
+            client=clients,
+            source=awex_source,
+            is_sender=init_info.is_sender,
+            info=init_info,
+            writer=writer,
+            meta=meta,
+            sender=sender,
+        )
         log.info(
-            "awex trainer engine ready: rank %d of %s, %d instance(s)%s",
-            source.local_rank,
-            source.layout.instance,
+            "awex trainer engine ready: rank %d of %s, %d instance(s), pause %r%s",
+            awex_source.local_rank,
+            awex_source.layout.instance,
             len(clients),
+            init_info.pause,
             " (sender)" if engine.is_sender else "",
         )
         return engine
 
-    def send_weights(self, version: str | None = None, validate: str | None = None) -> str:
-        """Send this rank's shards of a new version to every engine; returns the version's name once it is
-        applied on every receiving rank, raises otherwise (on every trainer rank alike). ``validate``: an HF
-        checkpoint the engines compare every received tensor with (reports at ``validation/<version>/``)."""
-        self.sent += 1
-        version = version or f"{self.info.version_prefix}{self.sent}"
-        started = time.monotonic()
-        if not self.is_sender:
-            self.writer.write(version, self.info.instances)
-            verdict = self.meta.get(keys.applied(version), timeout=self.info.timeout + SLACK)
-            if not verdict.get("ok"):
-                raise RuntimeError(f"version {version!r} was not applied: {verdict.get('error')}")
-            return version
-        errors: dict[str, BaseException] = {}
-        update = {"version": version, "timeout": self.info.timeout, "validate": validate}
-
-        def drive(instance: str, client: Any) -> None:
-            try:
-                client.start_weight_update()
-                client.update_weights(update)
-            except BaseException as e:  # reported below, with the instance named
-                errors[instance] = e
-
-        threads = [
-            threading.Thread(target=drive, args=item, name=f"awex-update-{item[0]}", daemon=True)
-            for item in self.client.items()
-        ]
-        for t in threads:
-            t.start()
+    def send_weights(
+        self, version: str | None = None, validate: str | None = None, instances: Sequence[str] | None = None
+    ) -> str:
+        """Send this rank's shards of a new version to every engine (or to ``instances``); returns the version's name
+        once it is applied on every receiving rank, raises :class:`SyncFailedError` otherwise (on every trainer rank
+        alike). ``validate``: an HF checkpoint the engines compare every received tensor with (reports at
+        ``validation/<version>/``). Call it on every trainer rank, one version at a time."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("awex: a version is already in flight on this trainer engine; send one at a time")
         try:
-            self.writer.write(version, self.info.instances)
-        except BaseException as e:
-            errors[self.source.layout.instance] = e
-        for t in threads:
-            t.join(max(0.0, started + self.info.timeout + SLACK - time.monotonic()))
-            if t.is_alive():
-                errors[t.name.removeprefix("awex-update-")] = TimeoutError(
-                    f"update_weights did not return within {self.info.timeout + SLACK:g} s"
-                )
-        if not errors:
-            missing = self._missing_reports(version, max(0.1, started + self.info.timeout - time.monotonic()))
-            if missing:
-                errors["receivers"] = RuntimeError(f"no receive report from {', '.join(missing[:8])}")
-        for instance, c in self.client.items():
-            try:
-                c.finish_weight_update(weight_version=None if errors else version)
-            except BaseException as e:
-                errors.setdefault(instance, e)
-        if errors:
-            error = "; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in errors.items())
-            self.meta.put(keys.applied(version), {"ok": False, "error": error[:4000]})
-            raise RuntimeError(f"version {version!r} was not applied: {error}")
-        self.meta.put(keys.applied(version), {"ok": True})
-        log.info(
-            "awex: %s applied on %s in %.3f s", version, ", ".join(self.info.instances), time.monotonic() - started
-        )
-        return version
+            targets = list(self.info.instances) if instances is None else list(_names(instances, "instances"))
+            unknown = sorted(set(targets) - set(self.info.instances))
+            if unknown:
+                raise ValueError(f"awex: unknown engine(s) {unknown}; this trainer updates {list(self.info.instances)}")
+            self.sent += 1
+            version = version or f"{self.info.version_prefix}{self.numbered_after + self.sent}"
+            if version in self._names:
+                raise ValueError(f"awex: version {version!r} was already sent by this trainer: name each version anew")
+            self._names.add(version)
+            started = time.monotonic()
+            if self.is_sender:
+                self.last_stalls = self._lead(version, targets, validate)
+            else:
+                self.last_stalls = self._follow(version, targets)
+            log.info(
+                "awex: %s applied on %s in %.3f s%s",
+                version,
+                ", ".join(targets),
+                time.monotonic() - started,
+                "".join(
+                    f"; {s.instance}: pause {s.pause_seconds:.3f} s, sync {s.sync_seconds:.3f} s, "
+                    f"stall {s.stall_seconds:.3f} s"
+                    for s in self.last_stalls.values()
+                    if s.stall_seconds is not None
+                ),
+            )
+            return version
+        finally:
+            self._busy.release()
 
-    def _missing_reports(self, version: str, timeout: float) -> list[str]:
-        """The receiving ranks whose report of ``version`` is not on the MetaServer (waiting up to ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        missing = []
-        for instance in self.info.instances:
-            world = self.meta.fetch_layout(
-                instance, "current", timeout=max(0.1, deadline - time.monotonic())
-            ).world_size
-            for rank in range(world):
-                try:
-                    self.meta.get(keys.received(version, instance, rank), timeout=max(0.1, deadline - time.monotonic()))
-                except Exception:
-                    missing.append(f"{instance}:{rank}")
-        return missing
+    def _lead(self, version: str, targets: list[str], validate: str | None) -> dict[str, VersionStall]:
+        def write() -> None:
+            self.writer.write(version, targets)
+
+        try:
+            stalls = self.sender.send(version, self.sent, targets, write, validate)
+        except SyncFailedError as e:
+            self.meta.put(keys.verdict(version, self.sent), {"ok": False, "error": str(e)[:4000]})
+            raise
+        self.meta.put(keys.verdict(version, self.sent), {"ok": True, "stalls": [s.to_json() for s in stalls.values()]})
+        self.meta.put(keys.applied(version), {"ok": True})
+        return stalls
+
+    def _follow(self, version: str, targets: list[str]) -> dict[str, VersionStall]:
+        wait = self.info.timeout + SLACK
+        go = self.meta.get(keys.go(version, self.sent), timeout=wait)
+        if not go.get("ok"):
+            raise SyncFailedError(version, {}, {"pause": str(go.get("error"))})
+        try:
+            self.writer.write(version, targets)
+        except SyncFailedError:
+            raise
+        except Exception as e:
+            raise SyncFailedError(version, {}, {f"trainer rank {self.source.local_rank}": f"{type(e).__name__}: {e}"})
+        verdict = self.meta.get(keys.verdict(version, self.sent), timeout=wait)
+        if not verdict.get("ok"):
+            raise SyncFailedError(version, {}, {"sender": str(verdict.get("error"))})
+        stalls = {}
+        for s in verdict.get("stalls", []):
+            stalls[s["instance"]] = VersionStall(
+                s["version"], s["instance"], s["mode"], s["pause_seconds"], s["sync_seconds"], s["stall_seconds"]
+            )
+        return stalls
+
+    def abort_weight_update(self, resume: bool = False) -> list[str]:
+        """Give up on a version that failed after changing an engine's weights in place (those engines stay paused,
+        naming ``awex-failed:<version>``): with ``resume=True`` they generate again on the weights they hold, a mix
+        of two versions; otherwise they stay paused until the next version applies. Returns the engines still
+        paused. A version in flight is not interrupted: its own deadline ends it. Sender only (others: ``[]``)."""
+        return self.sender.abort(resume) if self.sender is not None else []
+
+    @property
+    def paused_engines(self) -> list[str]:
+        """The engines a failed version left paused (sender; ``[]`` on the other ranks)."""
+        return sorted(self.sender.left_paused) if self.sender is not None else []
 
     def shutdown(self) -> None:
         self.writer.close()

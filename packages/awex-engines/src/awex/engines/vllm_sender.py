@@ -1,0 +1,236 @@
+"""One version on the sending trainer rank of vLLM's trainer engine (``awex.engines.vllm_trainer``): pause every
+engine, update it while the writers send, finish, resume, and say what it cost.
+
+The order, per version:
+
+1. Every engine is paused concurrently in the chosen mode (caches cleared; ``awex.engines.pause``). If one cannot
+   be paused, those that were are resumed (nothing changed), no byte moves, and the version fails.
+2. ``go/<version>/<call>`` tells the other trainer ranks to write; each engine's ``start_weight_update`` and
+   ``update_weights`` run concurrently with this rank's writer.
+3. The version counts as applied only when every engine's update returned, this rank's write returned, and every
+   receiving rank published its receive report. Then ``finish_weight_update(weight_version=version)`` and the
+   engines resume.
+4. On failure an engine is resumed only where its weights are known to be the previous version's: it received
+   ``staged``, or every one of its ranks reported failing before changing anything. Otherwise it stays paused,
+   its weight version reads ``awex-failed:<version>``, a ``engine_paused`` event names it on the MetaServer, and
+   it resumes when a later version applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from awex.engines import keys
+from awex.engines.errors import SyncFailedError
+from awex.engines.pause import FAILED_VERSION_PREFIX, Pauser, VersionStall, set_weight_version
+from awex.meta import Layout, PlanError, PlanOptions, plan_transfers
+from awex.meta.client import MetaClient
+
+log = logging.getLogger("awex.engines.vllm")
+
+SLACK = 30.0  # seconds an engine's call may outlive the sync's deadline (its own HTTP/RPC round trip)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One vLLM engine the trainer updates: its Awex instance name, vLLM's client for it, and its pauser."""
+
+    instance: str
+    client: Any
+    pauser: Pauser
+
+
+def _concurrently(
+    work: dict[str, Callable[[], None]], deadline: float, what: str
+) -> tuple[dict[str, float], dict[str, BaseException]]:
+    """Run each callable in a thread of its own; when each finished (monotonic) and what each raised. A thread
+    still running at ``deadline`` counts as a ``TimeoutError``."""
+    done: dict[str, float] = {}
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+            done[name] = time.monotonic()
+        except BaseException as e:  # reported by the caller, with the engine named
+            errors[name] = e
+
+    threads = {
+        name: threading.Thread(target=run, args=(name, fn), name=f"awex-{what}-{name}", daemon=True)
+        for name, fn in work.items()
+    }
+    for t in threads.values():
+        t.start()
+    for name, t in threads.items():
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            errors[name] = TimeoutError(f"{what} did not return within the deadline")
+    return done, errors
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+class VersionSender:
+    """The sending rank's side of each version (one per trainer engine): :meth:`send` pauses, updates, finishes
+    and resumes every engine around this rank's ``write``."""
+
+    def __init__(self, engines: list[Engine], meta: MetaClient, *, mode: str, staged: bool, timeout: float):
+        self.engines = {e.instance: e for e in engines}
+        self.meta = meta
+        self.mode = mode
+        self.staged = staged
+        self.timeout = timeout
+        self.left_paused: set[str] = set()  # engines a failed version left paused on changed weights
+        self._worlds: dict[str, int] = {}
+
+    def preflight(self, trainer: Layout, options: PlanOptions) -> None:
+        """Plan once against every engine's published layout (set up by ``init_weight_transfer_engine``), so that a
+        trainer an engine cannot receive from (another model, a narrowing cast not allowed) is refused at set-up,
+        before any engine is paused or any byte moves."""
+        engines = [self.meta.fetch_layout(name, "current", timeout=self.timeout) for name in sorted(self.engines)]
+        for layout in engines:
+            self._worlds[layout.instance] = layout.world_size
+        try:
+            plan_transfers([trainer], engines, options)
+        except PlanError as e:
+            raise ValueError(f"awex: the engines cannot receive this trainer's weights: {e}") from None
+
+    def send(
+        self, version: str, call: int, instances: list[str], write: Callable[[], None], validate: str | None
+    ) -> dict[str, VersionStall]:
+        """Version ``version`` to ``instances`` (this rank's write is ``write``); the stall per engine, or
+        :class:`SyncFailedError` naming every party that failed."""
+        started = time.monotonic()
+        engines = [self.engines[name] for name in instances]
+        paused_at, pause_errors = _concurrently(
+            {e.instance: (lambda e=e: e.pauser.pause(self.mode)) for e in engines}, started + self.timeout, "pause"
+        )
+        if pause_errors:
+            causes = {f"{name} (pause)": _describe(e) for name, e in pause_errors.items()}
+            self.meta.put(keys.go(version, call), {"ok": False, "error": str(causes)[:4000]})
+            self._resume([e for e in engines if e.instance in paused_at and e.instance not in self.left_paused])
+            raise SyncFailedError(version, {}, causes)
+        self.meta.put(keys.go(version, call), {"ok": True})
+        update = {"version": version, "timeout": self.timeout, "validate": validate}
+
+        def drive(engine: Engine) -> None:
+            engine.client.start_weight_update()
+            engine.client.update_weights(update)
+
+        work: dict[str, Callable[[], None]] = {e.instance: (lambda e=e: drive(e)) for e in engines}
+        work["(writer)"] = write  # this rank's own shards, in a thread like the rest: one deadline for all
+        _, errors = _concurrently(work, started + self.timeout + SLACK, "update")
+        failed: dict[tuple[str, int], dict | None] = {}
+        causes = {name: _describe(e) for name, e in errors.items() if not isinstance(e, SyncFailedError)}
+        for e in errors.values():
+            if isinstance(e, SyncFailedError):
+                failed.update(e.failed)
+                causes.update(e.causes)
+        if not errors:
+            missing = self._missing_reports(version, instances, max(0.1, started + self.timeout - time.monotonic()))
+            if missing:
+                causes["receivers"] = f"no receive report from {', '.join(missing[:8])}"
+        ok = not failed and not causes
+        intact = {e.instance for e in engines if ok or self._intact(e.instance, failed)}
+        for e in engines:  # an update that raised was ended by the engine itself: only its name changes
+            try:
+                if e.instance not in errors:
+                    e.client.finish_weight_update(weight_version=version if ok else None)
+                if not ok and e.instance not in intact:
+                    set_weight_version(e.client, f"{FAILED_VERSION_PREFIX}{version}")
+            except BaseException as err:
+                causes.setdefault(f"{e.instance} (finish)", _describe(err))
+                ok = False
+        synced = time.monotonic()
+        resume = [e for e in engines if e.instance in intact]
+        resumed_at, resume_errors = self._resume(resume)
+        for name, err in resume_errors.items():
+            causes.setdefault(f"{name} (resume)", _describe(err))
+        stalls = {
+            e.instance: VersionStall(
+                version,
+                e.instance,
+                self.mode,
+                paused_at[e.instance] - started,
+                synced - paused_at[e.instance],
+                resumed_at[e.instance] - paused_at[e.instance] if e.instance in resumed_at else None,
+            )
+            for e in engines
+        }
+        if ok and not causes:
+            return stalls
+        for e in engines:
+            if e.instance not in intact:
+                self._leave_paused(e.instance, version)
+        raise SyncFailedError(version, failed, causes)
+
+    def _resume(self, engines: list[Engine]) -> tuple[dict[str, float], dict[str, BaseException]]:
+        done, errors = _concurrently(
+            {e.instance: e.pauser.resume for e in engines}, time.monotonic() + self.timeout, "resume"
+        )
+        self.left_paused -= set(done)
+        return done, errors
+
+    def _intact(self, instance: str, failed: dict[tuple[str, int], dict | None]) -> bool:
+        """Whether ``instance`` still holds the previous version whole after a failed one: it received staged and
+        none of its ranks began loading, or every rank reported failing before changing anything."""
+        mine = {rank: o for (name, rank), o in failed.items() if name == instance}
+        if any(o is None or o.get("partial") for o in mine.values()):
+            return False
+        if self.staged:
+            return True
+        try:
+            world = self._worlds.get(instance) or self.meta.fetch_layout(instance, "current", timeout=10.0).world_size
+        except Exception:
+            return False
+        self._worlds[instance] = world
+        return len(mine) == world
+
+    def _leave_paused(self, instance: str, version: str) -> None:
+        self.left_paused.add(instance)
+        log.error(
+            "awex: %s failed on %s after its weights may have changed in place: generation stays paused (weight "
+            "version %s%s) until a later version applies",
+            version,
+            instance,
+            FAILED_VERSION_PREFIX,
+            version,
+        )
+        try:
+            self.meta.publish_event("engine_paused", instance, version=version, data="failed in place; paused")
+        except Exception as e:
+            log.warning("awex: could not publish that %s stays paused: %s", instance, e)
+
+    def _missing_reports(self, version: str, instances: list[str], timeout: float) -> list[str]:
+        """The receiving ranks whose report of ``version`` is not on the MetaServer (waiting up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        missing = []
+        for instance in instances:
+            world = self.meta.fetch_layout(instance, "current", timeout=max(0.1, deadline - time.monotonic()))
+            self._worlds[instance] = world.world_size
+            for rank in range(world.world_size):
+                try:
+                    self.meta.get(keys.received(version, instance, rank), timeout=max(0.1, deadline - time.monotonic()))
+                except Exception:
+                    missing.append(f"{instance}:{rank}")
+        return missing
+
+    def abort(self, resume: bool) -> list[str]:
+        """Give up on the failed version that left engines paused: with ``resume`` they generate again on the weights
+        they hold (a mix of two versions: for stacks that accept it), else they stay paused until a version
+        applies. Returns the engines still paused."""
+        if resume:
+            left = [self.engines[name] for name in sorted(self.left_paused)]
+            _, errors = self._resume(left)
+            for name, e in errors.items():
+                log.error("awex: could not resume %s: %s", name, e)
+            for e in left:
+                if e.instance not in self.left_paused:
+                    log.warning("awex: %s resumed on the weights it holds (not a whole version)", e.instance)
+        return sorted(self.left_paused)
