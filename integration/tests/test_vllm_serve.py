@@ -2,16 +2,22 @@
 VLLM_SERVER_DEV_MODE=1), and an HF trainer that drives it through vLLM's trainer-side API
 (``WeightTransferTrainerFactory.trainer_init`` + ``HTTPVLLMWeightSyncClient``, backend ``awex``).
 
-A version that fails on the engine is not applied: ``send_weights`` raises naming the engine, the engine keeps
-naming the previous version, and the next version goes through.
+Every version pauses generation (``pause="keep"``: requests running at the sync freeze, the caches are cleared, and
+they continue on the new version): each completion that was running is checked token for token to be the old
+version's greedy output up to one point and the new version's from there on (recomputed, nothing stale), and the
+stall (paused -> resumed) stays within the sync time plus 50 ms. A version that fails on the engine after bytes
+landed in place is not applied: ``send_weights`` raises ``SyncFailedError`` naming the engine, the engine stays
+paused and names the failed version, and the next version goes through and resumes it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -25,7 +31,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from awex.meta.server import start_embedded  # noqa: E402
 from awex_integration.spawn import free_port  # noqa: E402
-from awex_integration.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model, perturb_  # noqa: E402
+from awex_integration.tiny_model import (  # noqa: E402
+    PROMPTS,
+    hf_greedy,
+    load_json,
+    make_tiny_model,
+    perturb_,
+    version_boundary,
+)
+
+STALL_SLACK = 0.05  # seconds: the stall's goal is the sync time plus 50 ms
 
 
 def post(base: str, route: str, body: dict | None = None, timeout: float = 120) -> dict:
@@ -41,10 +56,43 @@ def get(base: str, route: str) -> dict:
         return json.loads(r.read())
 
 
+def stream(
+    base: str, model: str, prompt_ids: list[int], max_tokens: int, first: threading.Event
+) -> tuple[list[int], list[float]]:
+    """A streamed greedy completion's tokens and their logprobs; sets ``first`` once tokens arrive (running)."""
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "logprobs": 0,
+    }
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            tokens += choice.get("token_ids") or []
+            logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if tokens:
+                first.set()
+    return tokens, logprobs
+
+
 def test_trainer_drives_vllm_serve_through_vllms_trainer_api(tmp_path):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
+    from awex.engines import SyncFailedError
     from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
 
     model_dir = make_tiny_model(tmp_path / "qwen2", load_json(MODELS / "qwen2-tiny.json"))
@@ -119,19 +167,49 @@ def test_trainer_drives_vllm_serve_through_vllms_trainer_api(tmp_path):
         step1 = hf_greedy(trainer, tok)
         assert served() == step1
 
-        perturb_(trainer, 2)  # the engine fails this version: validating against a checkpoint that is not there
+        # requests in flight during the sync of step 2: paused (keep), resumed on the new version
+        old = copy.deepcopy(trainer)
+        perturb_(trainer, 2)
+        prompts = [tok(p).input_ids for p in PROMPTS]
+        started = [threading.Event() for _ in prompts]
+        done: dict[int, list[int]] = {}
+        threads = [
+            threading.Thread(
+                target=lambda i=i: done.update({i: stream(base, str(model_dir), prompts[i], 160, started[i])})
+            )
+            for i in range(len(prompts))
+        ]
+        for t in threads:
+            t.start()
+        assert all(e.wait(120) for e in started)
+        assert engine.send_weights() == "step-2"
+        for t in threads:
+            t.join(300)
+        stall = engine.last_stalls["vllm-http"]
+        assert (
+            stall.mode == "keep" and 0 < stall.sync_seconds <= stall.stall_seconds <= stall.sync_seconds + STALL_SLACK
+        )
+        for i, ids in enumerate(prompts):
+            tokens, logprobs = done[i]
+            assert len(tokens) == len(logprobs) == 160
+            k = version_boundary(old, trainer, ids, tokens, logprobs)
+            assert k is not None, f"request {i} mixed versions outside one switch point, or read stale cache"
+            assert 0 < k < len(tokens), f"request {i} did not run across the sync (switch at {k})"
+
+        perturb_(trainer, 3)  # the engine fails this version: validating against a checkpoint that is not there
         # the writer names the rank and the cause (in place: the bytes had arrived, so no consistent version)
         with pytest.raises(
-            RuntimeError,
-            match=r"'step-2' was not applied: .*vllm-http:0 failed part-way: "
-            r"FileNotFoundError",
+            SyncFailedError,
+            match=r"'step-3' was not applied.*vllm-http:0 failed part-way: FileNotFoundError",
         ):
             engine.send_weights(validate=str(tmp_path / "no-such-checkpoint"))
-        assert get(base, "/weight_info")["weight_version"] == "step-1"
+        assert get(base, "/weight_info")["weight_version"] == "awex-failed:step-3"
+        assert get(base, "/is_paused")["is_paused"] is True and engine.paused_engines == ["vllm-http"]
 
-        perturb_(trainer, 3)  # a failure does not poison the next version
-        assert engine.send_weights() == "step-3"
-        assert get(base, "/weight_info")["weight_version"] == "step-3"
+        perturb_(trainer, 4)  # a failure does not poison the next version, which resumes the engine
+        assert engine.send_weights() == "step-4"
+        assert get(base, "/weight_info")["weight_version"] == "step-4"
+        assert get(base, "/is_paused")["is_paused"] is False
         assert served() == hf_greedy(trainer, tok) != step1
     finally:
         if engine is not None:
