@@ -67,6 +67,9 @@ def check_receive_paths(result: dict, args: list[str]) -> None:
     if "vllm-http" in args:  # the trainers drove `vllm serve`; the engine names the version it serves
         assert set(result["engine_weight_versions"].values()) == {f"step-{result['steps']}"}, result
         assert result["loader_bytes"] == 0, result
+        stalls = result["stalls"]  # generation paused (keep) and resumed around every version, timed by rank 0
+        assert [s["version"] for s in stalls] == [f"step-{i}" for i in range(1, result["steps"] + 1)], stalls
+        assert all(s["mode"] == "keep" and s["stall_seconds"] >= s["sync_seconds"] > 0 for s in stalls), stalls
         return
     assert result["in_place_verified"], result["in_place_check"]  # no storage moved; loaded == routed to the loaders
     probes = result["in_place_check"]
