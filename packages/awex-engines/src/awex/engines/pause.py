@@ -102,10 +102,7 @@ class HttpPauser:
         self.timeout = timeout
 
     def _call(self, method: str, route: str, timeout: float | None = None) -> dict:
-        req = urllib.request.Request(self.base_url + route, data=b"" if method == "POST" else None, method=method)
-        with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-            body = r.read()
-        return json.loads(body) if body else {}
+        return _http(self.base_url, method, route, timeout=timeout or self.timeout)
 
     def check(self) -> None:
         try:
@@ -168,6 +165,16 @@ class RayPauser:
         )
 
 
+def _http(base_url: str, method: str, route: str, body: dict | None = None, timeout: float = 300.0) -> dict:
+    """One request to a vLLM server's route (a JSON body where given); its JSON answer, ``{}`` when empty."""
+    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    req = urllib.request.Request(base_url.rstrip("/") + route, data=data, method=method, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        answer = r.read()
+    return json.loads(answer) if answer else {}
+
+
 def _has(obj: Any, name: str) -> bool:
     try:
         return callable(getattr(obj, name))
@@ -181,15 +188,8 @@ def set_weight_version(client: Any, name: str) -> None:
     if callable(getattr(client, "update_weight_version", None)):
         client.update_weight_version(name)
     elif type(client).__name__ == "HTTPVLLMWeightSyncClient":
-        body = json.dumps({"new_version": name}).encode()
-        req = urllib.request.Request(
-            client.base_url.rstrip("/") + "/update_weight_version",
-            data=body,
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=float(getattr(client, "timeout", 300.0))) as r:
-            r.read()
+        timeout = float(getattr(client, "timeout", 300.0))
+        _http(client.base_url, "POST", "/update_weight_version", {"new_version": name}, timeout)
     elif type(client).__name__ == "RayVLLMWeightSyncClient":
         import ray
 
