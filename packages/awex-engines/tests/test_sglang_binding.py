@@ -5,7 +5,9 @@ integration/tests/test_sglang_server.py, on CUDA machines with SGLang.)"""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 
 import pytest
 import torch
@@ -69,7 +71,59 @@ def test_unmapped_parameters_are_refused_listing_the_differences():
         check_params(params, {"a": ((3, 2), torch.float32), "b": ((4,), torch.bfloat16)})
 
 
-def test_http_updater_checks_its_pause_mode():
-    with pytest.raises(ValueError, match="pause_mode"):
-        SglangHttpUpdater("http://x", AwexSglangInfo("a"), pause_mode="stop")
+@pytest.mark.parametrize(("pause", "error"), [("stop", "pause mode"), ("retract", "pause mode"), ("wait", "no SGLang")])
+def test_http_updater_takes_the_shared_pause_policy_names(pause, error):
+    with pytest.raises(ValueError, match=error):
+        SglangHttpUpdater("http://x", AwexSglangInfo("a"), pause=pause)
     assert LOADER == "awex.engines.sglang.receive_weights"
+
+
+class _Sglang(http.server.BaseHTTPRequestHandler):
+    """SGLang's RL routes as a stub: records each call; the update succeeds unless the version says ``bad``."""
+
+    calls: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.calls.append((self.path, body.get("mode", body.get("weight_version"))))
+        ok = "bad" not in str(body.get("weight_version"))
+        out = {"success": ok, "message": "" if ok else "loader raised"} if "update" in self.path else {}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def sglang_stub():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sglang)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Sglang.calls = []
+    yield f"http://127.0.0.1:{server.server_address[1]}", _Sglang.calls
+    server.shutdown()
+
+
+@pytest.mark.parametrize(("pause", "mode"), [("keep", "retract"), ("abort", "abort"), ("none", None)])
+def test_http_updater_pauses_in_sglangs_mode_and_stays_paused_after_a_failure(sglang_stub, pause, mode, monkeypatch):
+    url, calls = sglang_stub
+    monkeypatch.setattr(SglangHttpUpdater, "_serialize", staticmethod(lambda named: "payload"))
+    updater = SglangHttpUpdater(url, AwexSglangInfo("127.0.0.1:1", "sglang-0"), pause=pause)
+    updater.update("step-1")
+    paused = [("/pause_generation", mode)] if mode else []
+    resumed = [("/continue_generation", None)] if mode else []
+    assert calls == [*paused, ("/update_weights_from_tensor", "step-1"), *resumed]
+
+    calls.clear()  # a failed in-place update: paused it stays (not resumed on mixed weights), and says so
+    with pytest.raises(RuntimeError, match="stays paused" if mode else "did not apply bad-2"):
+        updater.update("bad-2")
+    assert calls == [*paused, ("/update_weights_from_tensor", "bad-2")]
+    assert updater.left_paused is bool(mode)
+
+    calls.clear()  # the next version that applies resumes it
+    updater.update("step-3")
+    assert calls[-1] == (resumed[0] if mode else ("/update_weights_from_tensor", "step-3"))
+    assert updater.left_paused is False

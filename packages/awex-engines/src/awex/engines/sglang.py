@@ -37,6 +37,7 @@ import torch
 
 from awex.convert.sglang import sglang_param_dtypes, sglang_param_shapes, sglang_views
 from awex.engines.memory import PeakMemory
+from awex.engines.pause import check_pause_mode
 from awex.engines.reader import WeightsReader
 from awex.engines.receive_report import ReceiveReport, publish_report
 from awex.meta.client import MetaClient
@@ -246,23 +247,29 @@ class SglangEngineUpdater:
         _check_result(out, version, self.info.instance)
 
 
+SGLANG_PAUSE = {"keep": "retract", "abort": "abort"}  # Awex's pause policy -> SGLang's /pause_generation mode
+
+
 class SglangHttpUpdater:
     """Drives an SGLang server through one version as SGLang documents it for RL: ``/pause_generation``,
-    ``/update_weights_from_tensor`` (Awex's loader, cache flushed, ``weight_version`` set), ``/continue_generation``
-    (also after a failure). Needs ``sglang`` importable here for its tensor serializer."""
+    ``/update_weights_from_tensor`` (Awex's loader, cache flushed, ``weight_version`` set), ``/continue_generation``.
+
+    ``pause`` takes the policy names of the vLLM path: ``"keep"`` (SGLang's ``retract``: running requests go back
+    to the queue, their caches freed, and continue on the new version), ``"abort"``, or ``"none"`` for stacks that
+    pause the server themselves; SGLang has no mode that lets running requests finish first, so ``"wait"`` is
+    refused. A failed update leaves the server paused (the version lands in place: its weights may mix two
+    versions) until a later version applies; :attr:`left_paused` says so. Needs ``sglang`` importable here for its
+    tensor serializer."""
 
     def __init__(
-        self,
-        url: str,
-        info: AwexSglangInfo,
-        tp_size: int = 1,
-        pause_mode: str = "retract",
-        api_key: str | None = None,
+        self, url: str, info: AwexSglangInfo, tp_size: int = 1, pause: str = "keep", api_key: str | None = None
     ):
-        if pause_mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause_mode {pause_mode!r}: one of abort, retract, in_place (SGLang's modes)")
+        check_pause_mode(pause)
+        if pause == "wait":
+            raise ValueError("sglang: pause='wait' has no SGLang mode; use 'keep' (SGLang's retract), 'abort', 'none'")
         self.url, self.info, self.tp_size = url.rstrip("/"), info, tp_size
-        self.pause_mode, self.api_key = pause_mode, api_key
+        self.pause, self.api_key = pause, api_key
+        self.left_paused = False
 
     def _post(self, path: str, body: dict, timeout: float) -> Any:
         import urllib.request
@@ -274,14 +281,16 @@ class SglangHttpUpdater:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read() or b"null")
 
-    def update(self, version: str, validate: str | None = None) -> None:
+    @staticmethod
+    def _serialize(named: list) -> str:
         from sglang.srt.utils import MultiprocessingSerializer
 
-        payload = MultiprocessingSerializer.serialize(
-            SglangUpdateRequest(version, self.info, validate).to_named_tensors(), output_str=True
-        )
-        deadline = self.info.timeout + 60.0
-        self._post("/pause_generation", {"mode": self.pause_mode}, 60.0)
+        return MultiprocessingSerializer.serialize(named, output_str=True)
+
+    def update(self, version: str, validate: str | None = None) -> None:
+        payload = self._serialize(SglangUpdateRequest(version, self.info, validate).to_named_tensors())
+        if self.pause != "none":
+            self._post("/pause_generation", {"mode": SGLANG_PAUSE[self.pause]}, 60.0)
         try:
             out = self._post(
                 "/update_weights_from_tensor",
@@ -291,11 +300,21 @@ class SglangHttpUpdater:
                     "flush_cache": True,
                     "weight_version": version,
                 },
-                deadline,
+                self.info.timeout + 60.0,
             )
-        finally:
+            _check_result(out, version, self.info.instance)
+        except Exception as e:
+            if self.pause != "none":
+                self.left_paused = True
+                log.error("sglang: %s left paused after %s failed in place: %s", self.info.instance, version, e)
+                raise RuntimeError(
+                    f"sglang: {self.info.instance} did not apply {version} and stays paused (its weights may mix "
+                    f"two versions) until a later version applies: {e}"
+                ) from e
+            raise
+        if self.pause != "none":
             self._post("/continue_generation", {}, 60.0)
-        _check_result(out, version, self.info.instance)
+        self.left_paused = False
 
 
 def _check_result(out: Any, version: str, instance: str) -> None:
