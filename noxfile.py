@@ -216,6 +216,15 @@ def integration(session: nox.Session) -> None:
 
 
 @nox.session
+def examples(session: nox.Session) -> None:
+    """The scripts in examples/ as a user runs them, on CPU (integration/tests/test_examples.py; CI runs them in
+    the tests session)."""
+    _install_engines(session)
+    session.install(*PACKAGES, *TEST_TOOLS, RAY)
+    _pytest(session, "integration/tests/test_examples.py")
+
+
+@nox.session
 def faults(session: nox.Session) -> None:
     """The fault suite: trainer and engine processes over gloo (and shared memory, rdma) and a MetaServer with ranks
     killed, raising, interrupted, the MetaServer restarted, killed and frozen, names reused, 200 syncs in a row,
