@@ -4,6 +4,23 @@ and :func:`run_sync_case`, which starts a case's ranks and returns what each rep
 from __future__ import annotations
 
 import dataclasses
+import time
+
+
+def module_of(params: dict):
+    """The parameters as an ``nn.Module`` tree named like the dict (what a trainer holds; its memory can move)."""
+    import torch
+
+    root = torch.nn.Module()
+    for name, t in params.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
 
 
 def sync_rank(
@@ -21,6 +38,8 @@ def sync_rank(
     on_receive: bool = False,
     delta: bool = False,
     device_type: str = "cuda",
+    move: bool = False,
+    layers: int = 2,
 ) -> dict:
     """One rank: the trainer writes ``versions`` versions, engines receive and check each (FP8 receivers: the
     trainer quantises on the fly, receivers check FP8 tiles and scales bit for bit), then close; the trainer
@@ -28,8 +47,10 @@ def sync_rank(
     receivers quantise from the trainer's bf16 memory themselves (``quantize_on_receive``, CUDA IPC).
     ``delta``: the writer sends delta buckets: each version after the first changes 1% of the elements, and
     before version 3 the engine's rank 0 changes one of its tensors behind the writer's back (its buckets must come
-    whole and exact). ``device_type``: ``"cuda"`` or ``"npu"`` (Ascend, HCCL). Both sides return their transfer
-    stats per version."""
+    whole and exact). ``device_type``: ``"cuda"`` or ``"npu"`` (Ascend, HCCL). ``move``: the trainer's parameters (an
+    ``nn.Module``) are offloaded to the host and loaded back into new device memory before every version after the
+    first (as colocated RL stacks do), so the writer re-binds. Both sides return their transfer stats (and phases)
+    per version."""
     import torch
 
     from awex.convert import (
@@ -53,7 +74,7 @@ def sync_rank(
 
     device = torch.device(device_type, gpu)
     device_api(device).set_device(gpu)
-    dims = dataclasses.replace(model_dims(load_config(MODELS / f"{model}.json"), "bfloat16"), layers=2)
+    dims = dataclasses.replace(model_dims(load_config(MODELS / f"{model}.json"), "bfloat16"), layers=layers)
     quant = Fp8BlockQuant() if fp8 else None
     tensors = canonical_tensors(dims)
     client = MetaClient(address, job="gpu")
@@ -64,7 +85,8 @@ def sync_rank(
             for n, s in megatron_param_shapes(dims, where)[0].items()
         }
         layout = megatron_layout(tensors, MegatronParallel(tp=tp), instance="trainer")
-        view_of = megatron_views(NamedParams(params), dims, where)
+        module = module_of(params) if move else None
+        view_of = megatron_views(module if move else NamedParams(params), dims, where)
         weights = LocalShards.from_layout(layout, local_rank, view_of)
         if quant and on_receive:
             writer = WeightsWriter(
@@ -97,6 +119,13 @@ def sync_rank(
         stats = []
         value = sparse_value if delta else canonical_value
         for v in range(1, versions + 1):
+            if move and v > 1:  # offloaded while the engine generates, loaded back into new memory
+                for p in module.parameters():
+                    p.data = p.data.to("cpu")
+                torch.cuda.empty_cache()
+                for p in module.parameters():
+                    p.data = p.data.to(device)
+                weights = LocalShards.from_layout(layout, local_rank, view_of)  # where the values go now
             for name in weights.names():
                 full = value(name, layout.tensor(name).spec.shape, v, device)
                 for box, view in weights.pairs(name):
@@ -104,8 +133,10 @@ def sync_rank(
             if v == 1 and local_rank == 0:
                 for d in destinations:  # the engines are up before the first version goes out
                     client.get(f"ready/{d}", timeout=120)
+            started = time.monotonic()
             written = writer.write(f"v{v}", destinations)
             stats.append({"bytes_sent": written.bytes_sent, "bytes_dense": getattr(written, "bytes_dense", None)})
+            stats[-1].update(seconds=time.monotonic() - started, phases=written.phases)
         transport_in_use = writer.transport_in_use
         for d in destinations:  # readers release this process's memory (CUDA IPC) before it exits
             for r in range(readers_per_instance):
@@ -135,6 +166,7 @@ def sync_rank(
                 "bytes_received": got.bytes_received,
                 "bytes_dense": getattr(got, "bytes_dense", None),
                 "buckets_resent": getattr(got, "buckets_resent", None),
+                "phases": got.phases,
             }
         )
         for name in reader.shards.names():
@@ -151,13 +183,14 @@ def sync_rank(
 
 def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) -> dict:
     """Run one case of ``test_gpu_sync`` / ``test_npu_sync``: ``(transport, trainer tp, trainer devices, [(engine
-    tp, engine devices), ...], fp8?, model?, on_receive?, delta?)``; ``{(instance, rank): (status, value)}``."""
+    tp, engine devices), ...], fp8?, model?, on_receive?, delta?, move?, layers?)``; ``{(instance, rank): (status,
+    value)}``."""
     from awex.meta.server import start_embedded
     from awex_integration.spawn import run_processes
 
     transport, train_tp, train_devices, engines, *extra = case
-    fp8, model, on_receive, delta = (*extra, *(False, "qwen3-8b", False, False)[len(extra) :])
-    versions = 4 if delta else 3
+    fp8, model, on_receive, delta, move, layers = (*extra, *(False, "qwen3-8b", False, False, False, 2)[len(extra) :])
+    versions = 4 if delta or move else 3
     server = start_embedded()
     try:
         destinations = [f"vllm-{i}" for i in range(len(engines))]
@@ -177,7 +210,7 @@ def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) 
                     fp8,
                     model,
                 )
-                + (engines[0][0], on_receive, delta, device_type),
+                + (engines[0][0], on_receive, delta, device_type, move, layers),
             )
             for r in range(train_tp)
         ]
@@ -187,7 +220,7 @@ def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) 
                     (f"vllm-{i}", r),
                     sync_rank,
                     (server.address, transport, f"vllm-{i}", r, tp, devices[r], [], versions, fp8, model)
-                    + (1, False, delta, device_type),
+                    + (1, False, delta, device_type, False, layers),
                 )
                 for r in range(tp)
             ]

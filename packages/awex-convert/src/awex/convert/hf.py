@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from awex.convert.live import LiveTensors
 from awex.meta import Box
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -21,8 +22,7 @@ def hf_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
     Canonical tensors that HF holds as buffers (DeepSeek-V3's ``mlp.gate.e_score_correction_bias``) are views of
     those buffers.
     """
-    params = {name: b for name, b in model.named_buffers()}
-    params.update((name, p.data) for name, p in model.named_parameters())
+    params = LiveTensors(model)  # where each parameter is at the call (it may have moved since)
 
     def view_of(name: str, box: Box) -> torch.Tensor:
         p = params.get(name)

@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 import torch
 
 from awex.convert.fused import gate_or_up
+from awex.convert.live import LiveTensors
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import MegatronParallel
@@ -98,7 +99,7 @@ def megatron_views(
     refuse_unconverted(dims, "megatron", MAPPED)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     p = where.parallel
-    params = [{n: t.data for n, t in m.named_parameters()} for m in chunks]
+    params = [LiveTensors(m, buffers=False) for m in chunks]  # where each parameter is at the call
     layer_home: dict[int, tuple[int, int]] = {}
     for v, layers in enumerate(_chunk_layers(dims, p, where.pp_rank)):
         for local, layer in enumerate(layers):
@@ -115,7 +116,7 @@ def megatron_views(
                 return params[chunk][c]
         raise KeyError(f"no Megatron parameter {' or '.join(candidates)}")
 
-    buffers = [{n: t for n, t in m.named_buffers()} for m in chunks]
+    buffers = [LiveTensors(m, parameters=False) for m in chunks]
 
     def find_buffer(chunk: int, name: str) -> torch.Tensor:
         if name not in buffers[chunk]:

@@ -19,7 +19,7 @@ another dimension than the experts', and parameters on different meshes.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -32,8 +32,11 @@ from awex.meta.spec import Role
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return dict(model.named_parameters())
+def _params(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
+    """The model's parameters (DTensors, as they are) where each is at the call: they may move between versions."""
+    from awex.convert.live import LiveTensors
+
+    return LiveTensors(model, buffers=False, data=False)
 
 
 def _fused_expert(params: dict[str, torch.Tensor], name: str):
@@ -70,7 +73,7 @@ def dtensor_local_rank(model: torch.nn.Module) -> int:
     return index
 
 
-def _mesh_of(params: dict[str, torch.Tensor]):
+def _mesh_of(params: Mapping[str, torch.Tensor]):
     meshes = {id(p.device_mesh): p.device_mesh for p in params.values() if isinstance(p, DTensor)}
     if len(meshes) > 1:
         raise ValueError(f"parameters live on {len(meshes)} different device meshes; one is supported")

@@ -26,13 +26,14 @@ from awex.engines.keys import version_records
 from awex.engines.manifest import SyncManifest
 from awex.engines.session import Region, SyncSession
 from awex.engines.source import TrainerSource
+from awex.engines.writer_options import check_options
 from awex.meta import Box, Layout, Plan
 from awex.meta.client import MetaClient
 from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
-from awex.transport import LocalShards
 from awex.transport.base import TransferStats
 from awex.transport.net import free_port
 from awex.transport.registry import TRANSPORTS
+from awex.transport.shards import LocalShards, rebound
 
 log = logging.getLogger("awex.engines")
 
@@ -109,16 +110,9 @@ class WeightsWriter:
         delta_budget_bytes: int | None = None,
         quantize_on_receive: bool = False,
     ):
-        if transport not in (*TRANSPORTS, "auto"):
-            raise ValueError(
-                f"unknown transport {transport!r}: use 'auto', 'p2p' (NCCL/gloo), 'ipc' (CUDA engines "
-                "on one host), 'shm' (CPU engines on one host) or 'rdma' (Mooncake's transfer engine)"
-            )
-        if refresh_by_wave is not None and refresh is None:
-            raise ValueError(
-                "refresh_by_wave needs refresh too: CUDA IPC receivers read whole buffers, refreshed "
-                "all at once (pass refresh=fp8.quantize, refresh_by_wave=fp8.by_wave)"
-            )
+        check_options(
+            transport, refresh, refresh_by_wave, keep_versions, delta, delta_budget_bytes, quantize_on_receive
+        )
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
@@ -129,29 +123,12 @@ class WeightsWriter:
         self.allow_cast = tuple(allow_cast)
         self.refresh = refresh
         self.refresh_by_wave = refresh_by_wave
-        if keep_versions < 1:
-            raise ValueError("keep_versions must be at least 1")
-        if delta and transport not in ("p2p", "ipc"):
-            raise ValueError(
-                f"delta=True runs over transport='p2p' (NCCL/gloo) or 'ipc' (CUDA IPC), not {transport!r}: "
-                "pass one of them (rdma and shared-memory delta syncs are not built yet)"
-            )
-        if delta and quantize_on_receive:
-            raise ValueError("delta=True with quantize_on_receive=True is not built yet: pick one of the two")
-        if delta and refresh_by_wave is not None:
-            raise ValueError("delta=True with FP8 on the fly (refresh_by_wave) is not built yet")
-        if delta_budget_bytes is not None and (not delta or delta_budget_bytes < 0):
-            raise ValueError("delta_budget_bytes: a non-negative byte count, with delta=True")
         self.delta = delta
-        if quantize_on_receive and transport != "ipc":
-            raise ValueError(
-                f"quantize_on_receive=True runs over transport='ipc' (receivers on the trainer's GPUs), not "
-                f"{transport!r}; elsewhere quantise on the sender (awex.convert.Fp8Views)"
-            )
         self.quantize_on_receive = quantize_on_receive
         self.keep_versions = keep_versions
         self._written: deque[tuple[str, int]] = deque()  # (version, attempt count) written, oldest first
         self.last_stats: TransferStats | None = None  # this rank's stats of the last write
+        self._view_of = view_of  # asked again before each write: memory that moved is re-bound, never read stale
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
         if transport == "ipc" and self._shards.device.type != "cuda":
             raise ValueError(
@@ -220,6 +197,12 @@ class WeightsWriter:
         deadline = started + self.timeout
         later: list[tuple[str, Callable[[], object]]] = []  # requests sent after the transfer (off its path)
         manifest = outcomes = None
+        # memory that moved (offloaded and reloaded, param.data replaced, resharded): new views, and the transports
+        # rebuild what they built from the old ones (CUDA IPC: a new export); bad views raise here, nothing begun
+        self._shards, moved = rebound(self.layout, self.local_rank, self._view_of, self._shards)
+        if moved:
+            log.info("%s:%d: %d tensor(s) moved (%s...): re-bound", self.layout.instance, self.local_rank,
+                     len(moved), moved[0])  # fmt: skip
         try:
             if self.local_rank == 0:
                 manifest = self._announce(version, destinations, later)

@@ -379,6 +379,7 @@ class P2pTransport(Transport):
         self.plan: Plan | None = None
         self.rank = -1
         self._executor: WaveExecutor | None = None
+        self._built_from: LocalShards | None = None  # the views the executor was built from
         self._before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable)
         self._delta: tuple[bool, int | None] = (False, None)  # delta syncs, and what a sender may keep
 
@@ -417,10 +418,10 @@ class P2pTransport(Transport):
         if callable(shards):  # views that depend on the plan (receive buffers): built per sync
             with timed(phases, "executor"):
                 executor = WaveExecutor(self.plan, self.rank, shards(self.plan), self.group)
-        else:
-            if self._executor is None:
+        else:  # built once per plan, and again for views of memory that moved (the writer re-bound them)
+            if self._executor is None or self._built_from is not shards:
                 with timed(phases, "executor"):
-                    self._executor = WaveExecutor(self.plan, self.rank, shards, self.group)
+                    self._executor, self._built_from = WaveExecutor(self.plan, self.rank, shards, self.group), shards
             executor = self._executor
         before_pack = None
         if refresh_by_wave is not None:
@@ -437,9 +438,10 @@ class P2pTransport(Transport):
 
         if callable(shards) or refresh_by_wave is not None:
             raise ValueError("delta syncs need in-place views on both sides and no FP8 on the fly")
-        if self._executor is None:
+        if self._executor is None or self._built_from is not shards:
             with timed(phases, "executor"):
                 self._executor = DeltaExecutor(self.plan, self.rank, shards, self.group, self._delta[1])
+                self._built_from = shards
         link.moving()
         with timed(phases, "transfer"):
             return self._executor.run(timeout=max(0.1, deadline - time.monotonic()))

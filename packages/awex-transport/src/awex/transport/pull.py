@@ -38,6 +38,7 @@ class PullTransport(Transport):
         self.receiver: Any = None
         self.generation = 0  # of this rank's staging area: a new one per plan
         self.plan: Plan | None = None  # what the staging area or the receiver was built for
+        self._built_from: LocalShards | None = None  # and from which views
         self.opened: dict[int, int] = {}  # a receiver's senders -> generation opened
         self._next: tuple[Plan, int] | None = None
         self._senders: list[int] = []
@@ -79,10 +80,12 @@ class PullTransport(Transport):
         plan, rank = self._prepared(self._next)
         shards = self._in_place(shards)
         if plan.ranks[rank].role.value == "trainer":
-            if self.sender is None or self.plan is not plan:
+            # a new staging area per plan, and for views of memory that moved (the writer re-bound them): its new
+            # generation makes every receiver open it afresh
+            if self.sender is None or self.plan is not plan or self._built_from is not shards:
                 with timed(phases, "executor"):
                     self._release()
-                    self.sender, self.plan = self._new_sender(plan, rank, shards), plan
+                    self.sender, self.plan, self._built_from = self._new_sender(plan, rank, shards), plan, shards
                     self.generation += 1
                     link.publish(self.generation, self.sender.wire())
             return self._send(link, deadline, phases)
@@ -92,6 +95,7 @@ class PullTransport(Transport):
             if (
                 self.receiver is None
                 or self.plan is not plan
+                or self._built_from is not shards
                 or any(self.opened.get(p) != g for p, g in zip(senders, generations))
             ):
                 descriptors = {
@@ -100,6 +104,7 @@ class PullTransport(Transport):
                 }
                 self._release()
                 self.receiver, self.plan = self._new_receiver(plan, rank, shards, descriptors), plan
+                self._built_from = shards
                 self.opened = dict(zip(senders, generations))
         link.moving()
         with timed(phases, "transfer"):

@@ -45,10 +45,17 @@ class LocalShards:
                     raise ShardMismatchError(
                         f"{name}: view of shape {tuple(view.shape)} for box {box} of shape {box.sizes}"
                     )
-        devices = {view.device for pairs in self._shards.values() for _, view in pairs}
+        devices: dict[torch.device, str] = {}  # each device, and a tensor there
+        for name, pairs in self._shards.items():
+            for _, view in pairs:
+                devices.setdefault(view.device, name)
         if len(devices) > 1:
-            raise ShardMismatchError(f"a rank's views must be on one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
+            where = ", ".join(f"{d} ({name}...)" for d, name in sorted(devices.items(), key=lambda x: str(x[0])))
+            raise ShardMismatchError(
+                f"a rank's views must be on one device, got {where}: weights offloaded must be loaded back before "
+                "they are sent"
+            )
+        self.device = next(iter(devices), torch.device("cpu"))
 
     @classmethod
     def from_layout(
@@ -135,3 +142,35 @@ class LocalShards:
         """Write ``src`` (region-shaped) into this rank's memory for region ``offsets``/``sizes`` of ``name``."""
         for here, piece in self.pieces(name, offsets, sizes):
             piece.copy_(src[here] if here else src)
+
+    def moved(self, before: LocalShards) -> list[str]:
+        """Tensors whose views here do not alias what ``before``'s did (address, shape, strides, dtype, device):
+        the trainer offloaded and reloaded them, replaced ``param.data``, or resharded."""
+
+        def where(pairs) -> list[tuple]:
+            return [(b, v.data_ptr(), tuple(v.stride()), v.dtype, v.device) for b, v in pairs]
+
+        names = set(self._shards) | set(before._shards)
+        return sorted(n for n in names if where(self.pairs(n)) != where(before.pairs(n)))
+
+
+def rebound(
+    layout: Layout,
+    local_rank: int,
+    view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
+    held: LocalShards,
+) -> tuple[LocalShards, list[str]]:
+    """The views ``view_of`` gives now, checked as :meth:`LocalShards.from_layout` checks them: ``(held, [])`` when
+    each aliases the memory it did, else ``(new views, the tensors that moved)``. Memory that moved to another kind
+    of device (a trainer that offloaded and did not load back) is refused, naming a tensor, before any byte moves."""
+    now = LocalShards.from_layout(layout, local_rank, view_of)
+    moved = now.moved(held)
+    if not moved:
+        return held, []
+    if now.device.type != held.device.type:
+        off = next(n for n in moved if any(v.device.type != held.device.type for _, v in now.pairs(n)))
+        raise ShardMismatchError(
+            f"{layout.instance} rank {local_rank}: {off} is on {now.device} now, it was on {held.device}: weights "
+            f"offloaded to another kind of device must be loaded back before they are sent"
+        )
+    return now, moved

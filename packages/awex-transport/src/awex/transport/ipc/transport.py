@@ -36,6 +36,7 @@ class IpcTransport(Transport):
         self.opened: dict[tuple[str, int], tuple[int, MappedShards, dict]] = {}  # generation, mapping, descriptor
         self._recheck = False
         self.executor: IpcExecutor | IpcDeltaReceiver | None = None
+        self._built_from: LocalShards | None = None  # the views the executor (or delta sender) was built from
         self.peers: list[int] = []
         self.quantize = None  # a receiver's FP8 quantiser, for plans that quantise on receive
         # delta syncs (awex.transport.ipc.delta): whether, a sender's budget, its encoder and what it exports
@@ -71,7 +72,7 @@ class IpcTransport(Transport):
                 stats.bytes_dense = self.sender.bytes_dense
                 return stats
             return TransferStats(bytes_sent=self.bytes_sent or 0)
-        plan, changed = self.plan, self.executor is None
+        plan, changed = self.plan, self.executor is None or self._built_from is not shards  # views re-bound
         with timed(phases, "open"):
             generations = link.await_ready(self.peers, deadline)
             sources = {}
@@ -101,6 +102,7 @@ class IpcTransport(Transport):
                     self.executor = IpcDeltaReceiver(plan, self.rank, shards, sources)
                 else:
                     self.executor = IpcExecutor(plan, self.rank, shards, sources, quantize=self.quantize)
+                self._built_from = shards
         executor = self.executor
         link.moving()
         with timed(phases, "transfer"):
@@ -126,8 +128,9 @@ class IpcTransport(Transport):
                 ),
             )
         if self.delta:
-            if self.sender is None:
+            if self.sender is None or self._built_from is not shards:  # views re-bound: encode from the new ones
                 self.sender = IpcDeltaSender(self.plan, self.rank, shards, self.delta_budget_bytes)
+                self._built_from = shards
             with timed(phases, "encode"):
                 self.sender.encode()
                 encoded = torch.cuda.Event()  # receivers in other processes read the board once this rank is ready

@@ -1,0 +1,50 @@
+"""A module's parameters and buffers where they are now: each lookup goes through the module that owns the tensor,
+so views made after an offload and reload, a ``param.data`` swap, a resharding or a replaced ``nn.Parameter``
+alias the current memory (a view made earlier keeps the old memory alive and would send stale bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+
+class LiveTensors(Mapping[str, torch.Tensor]):
+    """``{name: tensor}`` over ``module``'s parameters (as ``named_parameters`` names them; their ``.data``, or
+    the ``nn.Parameter`` itself with ``data=False``) and, with ``buffers=True``, its buffers (parameters win a
+    name both have). The names are fixed when made; the tensors are looked up at each access. An object that is
+    not an ``nn.Module`` but names its tensors alike (``named_parameters``, ``named_buffers``) is read once."""
+
+    def __init__(self, module: torch.nn.Module, *, parameters: bool = True, buffers: bool = True, data: bool = True):
+        named = (list(module.named_buffers()) if buffers else []) + (
+            list(module.named_parameters()) if parameters else []
+        )
+        self._owners: dict[str, tuple[object, str]] = {}
+        for name, t in named:
+            path, _, leaf = name.rpartition(".")
+            if isinstance(module, torch.nn.Module):
+                self._owners[name] = (module.get_submodule(path), leaf)
+            else:  # no owners to look through: the tensor as it is now
+                self._owners[name] = (_Held(t), "tensor")
+        self._data = data
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        owner, leaf = self._owners[name]
+        t = getattr(owner, leaf, None)
+        if not isinstance(t, torch.Tensor):
+            raise KeyError(f"{name} is no longer a tensor of its module")
+        return t.data if self._data and isinstance(t, torch.nn.Parameter) else t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._owners
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._owners)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor

@@ -1,0 +1,138 @@
+"""Trainer memory that moves between versions (offloaded and reloaded, ``param.data`` replaced, a new
+``nn.Parameter``): the writer's views are asked again before every write, and what moved is re-bound, so every
+version arrives bit-exact, never the old storage's bytes (which the old views would keep alive and send). Memory
+that moved to another kind of device is refused naming the tensor before any byte moves, and the next version,
+once it is back, goes through. WeightsWriter / WeightsReader over gloo and shared memory, one process, two
+threads; an HF-named module tree without transformers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_version_signals import CONFIG, views
+
+from awex.convert.hf import hf_views
+from awex.engines.reader import WeightsReader
+from awex.engines.writer import WeightsWriter
+from awex.meta import canonical_tensors
+from awex.meta.client import MetaClient
+from awex.meta.layouts import hf_layout
+from awex.meta.server import start_embedded
+from awex.transport.shards import ShardMismatchError
+
+TENSORS = canonical_tensors(CONFIG, dtype="float32")
+
+
+def module_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+def move(model: torch.nn.Module, how: str, step: int) -> None:
+    """A training step that also moves the weights, as colocated RL stacks do between versions."""
+    for name, p in list(model.named_parameters()):
+        new = p.data.clone() + step  # offloaded, changed, loaded back into new memory
+        if how == "data":
+            p.data = new
+        elif how == "parameter":
+            path, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(path), leaf, torch.nn.Parameter(new, requires_grad=False))
+        else:  # "in place": the memory stays (nothing to re-bind)
+            p.data.copy_(new)
+
+
+@pytest.fixture
+def server():
+    s = start_embedded()
+    yield s
+    s.stop()
+
+
+def _pair(server, job: str, transport: str, delta: bool = False):
+    g = torch.Generator().manual_seed(0)
+    model = module_of({t.name: torch.randn(t.spec.shape, generator=g) for t in TENSORS})
+    got = {t.name: torch.zeros(t.spec.shape) for t in TENSORS}
+    client = MetaClient(server.address, job=job, timeout=30)
+    writer = WeightsWriter(
+        client, hf_layout(TENSORS, "trainer", "trainer"), 0, hf_views(model), transport=transport, delta=delta
+    )
+    reader = WeightsReader(
+        MetaClient(server.address, job=job, timeout=30), hf_layout(TENSORS, "inference", "hf-in"), 0, views(got)
+    )
+    return model, writer, reader, got
+
+
+def _sync(writer, reader, version):
+    errors: list = []
+    t = threading.Thread(target=lambda: _receive(reader, version, errors))
+    t.start()
+    try:
+        writer.write(version, ["hf-in"])
+    finally:
+        t.join(60)
+    assert not errors, errors
+
+
+def _receive(reader, version, errors):
+    try:
+        reader.receive(version)
+    except Exception as e:  # asserted by the caller
+        errors.append(e)
+
+
+def _exact(model, got) -> list[str]:
+    return [n for n, p in model.named_parameters() if not torch.equal(p.data, got[n])]
+
+
+@pytest.mark.parametrize(
+    ("transport", "delta", "how"),
+    [
+        ("p2p", False, "data"),
+        ("p2p", False, "parameter"),
+        ("p2p", False, "in place"),
+        ("p2p", True, "data"),
+        ("shm", False, "data"),
+        ("shm", False, "parameter"),
+    ],
+)
+def test_every_version_arrives_exact_when_trainer_memory_moves(server, transport, delta, how):
+    model, writer, reader, got = _pair(server, f"moved-{transport}-{delta}-{how.replace(' ', '-')}", transport, delta)
+    try:
+        for step in range(1, 5):
+            move(model, how, step)
+            held = writer.shards
+            _sync(writer, reader, f"v{step}")
+            assert _exact(model, got) == [], f"v{step}: stale tensors arrived"
+            if step > 1:  # moved memory is re-bound; memory that stayed keeps its views (and transports theirs)
+                assert (writer.shards is held) is (how == "in place")
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_memory_on_another_kind_of_device_is_refused_then_the_next_version_goes(server):
+    model, writer, reader, got = _pair(server, "moved-device", "p2p")
+    try:
+        _sync(writer, reader, "v1")
+        name, p = next(iter(model.named_parameters()))
+        path, _, leaf = name.rpartition(".")
+        kept = p.data  # offloaded to another kind of device and not loaded back:
+        setattr(model.get_submodule(path), leaf, torch.nn.Parameter(torch.empty_like(kept, device="meta")))
+        with pytest.raises(ShardMismatchError, match=rf"meta \({name}\.\.\.\).*loaded back"):
+            writer.write("v2", ["hf-in"])
+        setattr(model.get_submodule(path), leaf, torch.nn.Parameter(kept + 1))  # back, with a step's change
+        _sync(writer, reader, "v3")
+        assert _exact(model, got) == []
+    finally:
+        writer.close()
+        reader.close()
