@@ -49,8 +49,8 @@ def sync_rank(
     before version 3 the engine's rank 0 changes one of its tensors behind the writer's back (its buckets must come
     whole and exact). ``device_type``: ``"cuda"`` or ``"npu"`` (Ascend, HCCL). ``move``: the trainer's parameters (an
     ``nn.Module``) are offloaded to the host and loaded back into new device memory before every version after the
-    first (as colocated RL stacks do), so the writer re-binds. Both sides return their transfer stats (and phases)
-    per version."""
+    first (as colocated RL stacks do), and so are the engine's: writer and reader re-bind. Both sides return their
+    transfer stats (and phases) per version."""
     import torch
 
     from awex.convert import (
@@ -62,6 +62,7 @@ def sync_rank(
         vllm_param_shapes,
         vllm_views,
     )
+    from awex.convert.live import LiveTensors
     from awex.engines.reader import WeightsReader
     from awex.engines.writer import WeightsWriter
     from awex.meta import Fp8BlockQuant, canonical_tensors, load_config, quantize_layout
@@ -150,8 +151,10 @@ def sync_rank(
     layout = vllm_layout(tensors, parallel, instance=instance)
     if quant:
         layout = quantize_layout(layout, quant)
+    engine = module_of(params) if move else None  # an engine that re-allocates its weights between versions
+    found = LiveTensors(engine, buffers=False) if move else params
     reader = WeightsReader(
-        client, layout, local_rank, vllm_views(params, dims, parallel, tp_rank=local_rank), timeout=120
+        client, layout, local_rank, vllm_views(found, dims, parallel, tp_rank=local_rank), timeout=120
     )
     if local_rank == 0:
         client.put(f"ready/{instance}", True)
@@ -160,6 +163,11 @@ def sync_rank(
         if delta and v == 3 and local_rank == 0:  # behind the writer's back: its baseline for this tensor is stale
             name = sorted(n for n in reader.shards.names() if len(layout.tensor(n).spec.shape) == 2)[0]
             reader.shards.pairs(name)[0][1][0, :7] = 3.0
+        if move and v > 1:  # offloaded (vLLM's sleep level 2, say) and allocated anew before the version lands
+            for p in engine.parameters():
+                p.data = p.data.to("cpu")
+            for p in engine.parameters():
+                p.data = p.data.to(device)
         got = reader.receive(f"v{v}")
         stats.append(
             {
@@ -183,8 +191,8 @@ def sync_rank(
 
 def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) -> dict:
     """Run one case of ``test_gpu_sync`` / ``test_npu_sync``: ``(transport, trainer tp, trainer devices, [(engine
-    tp, engine devices), ...], fp8?, model?, on_receive?, delta?, move?, layers?)``; ``{(instance, rank): (status,
-    value)}``."""
+    tp, engine devices), ...], fp8?, model?, on_receive?, delta?, move?, layers?)`` (``move``: True for trainer and
+    engines, ``"trainer"`` for the trainer alone); ``{(instance, rank): (status, value)}``."""
     from awex.meta.server import start_embedded
     from awex_integration.spawn import run_processes
 
@@ -220,7 +228,7 @@ def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) 
                     (f"vllm-{i}", r),
                     sync_rank,
                     (server.address, transport, f"vllm-{i}", r, tp, devices[r], [], versions, fp8, model)
-                    + (1, False, delta, device_type, False, layers),
+                    + (1, False, delta, device_type, move is True, layers),  # move="trainer": the trainer only
                 )
                 for r in range(tp)
             ]

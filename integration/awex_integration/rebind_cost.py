@@ -19,7 +19,8 @@ from awex_integration.gpu_sync_workers import run_sync_case
 
 
 def measure(layers: int, move: bool) -> dict:
-    out = run_sync_case(("ipc", 1, [0], [(1, [0])], False, "qwen3-8b", False, False, move, layers), timeout=900)
+    moving = "trainer" if move else False  # the trainer alone: both sides at once hold 4 copies at the peak
+    out = run_sync_case(("ipc", 1, [0], [(1, [0])], False, "qwen3-8b", False, False, moving, layers), timeout=900)
     failures = {str(k): v for k, (s, v) in out.items() if s != "ok" or (k[0] != "trainer" and v["bad"])}
     if failures:
         raise RuntimeError(f"a rank failed or received wrong bytes: {failures}")

@@ -7,6 +7,7 @@ threads; an HF-named module tree without transformers."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -133,6 +134,73 @@ def test_memory_on_another_kind_of_device_is_refused_then_the_next_version_goes(
         setattr(model.get_submodule(path), leaf, torch.nn.Parameter(kept + 1))  # back, with a step's change
         _sync(writer, reader, "v3")
         assert _exact(model, got) == []
+    finally:
+        writer.close()
+        reader.close()
+
+
+def _engine_pair(server, job: str, transport: str):
+    """A trainer whose memory stays, and an engine (HF-named module) that re-allocates its weights."""
+    g = torch.Generator().manual_seed(1)
+    sent = {t.name: torch.randn(t.spec.shape, generator=g) for t in TENSORS}
+    engine = module_of({t.name: torch.zeros(t.spec.shape) for t in TENSORS})
+    writer = WeightsWriter(
+        MetaClient(server.address, job=job, timeout=30),
+        hf_layout(TENSORS, "trainer", "trainer"),
+        0,
+        views(sent),
+        transport=transport,
+        timeout=30,
+    )
+    reader = WeightsReader(
+        MetaClient(server.address, job=job, timeout=30),
+        hf_layout(TENSORS, "inference", "hf-in"),
+        0,
+        hf_views(engine),
+        timeout=30,
+    )
+    return sent, engine, writer, reader
+
+
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_an_engine_that_reallocates_its_weights_receives_into_the_new_memory(server, transport):
+    sent, engine, writer, reader = _engine_pair(server, f"engine-moved-{transport}", transport)
+    try:
+        for step in range(1, 4):
+            for t in sent.values():
+                t.add_(1.0)
+            move(engine, "parameter" if step % 2 else "data", 0)  # re-allocated (values kept) before the version
+            _sync(writer, reader, f"v{step}")
+            assert [n for n, p in engine.named_parameters() if not torch.equal(p.data, sent[n])] == []
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_an_engine_whose_weights_left_its_device_fails_the_version_naming_them(server):
+    from awex.engines.errors import SyncFailedError
+    from awex.transport.base import TransferError
+
+    sent, engine, writer, reader = _engine_pair(server, "engine-meta", "p2p")
+    try:
+        _sync(writer, reader, "v1")
+        name, p = next(iter(engine.named_parameters()))
+        path, _, leaf = name.rpartition(".")
+        kept = p.data
+        setattr(engine.get_submodule(path), leaf, torch.nn.Parameter(torch.empty_like(kept, device="meta")))
+        errors: list = []
+        t = threading.Thread(target=lambda: _receive(reader, "v2", errors))
+        t.start()
+        with pytest.raises((SyncFailedError, TransferError)):  # the engine rank left the sync before it began
+            writer.write("v2", ["hf-in"])
+        t.join(60)
+        assert len(errors) == 1 and isinstance(errors[0], ShardMismatchError), errors
+        assert re.search(rf"meta \({re.escape(name)}\.\.\.\).*loaded back", str(errors[0])), errors
+        setattr(engine.get_submodule(path), leaf, torch.nn.Parameter(kept))  # back: the next version goes
+        for x in sent.values():
+            x.add_(1.0)
+        _sync(writer, reader, "v3")
+        assert [n for n, p in engine.named_parameters() if not torch.equal(p.data, sent[n])] == []
     finally:
         writer.close()
         reader.close()

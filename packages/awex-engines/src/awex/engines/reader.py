@@ -21,6 +21,7 @@ from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards
 from awex.transport.p2p import TransferStats
+from awex.transport.shards import rebound
 
 log = logging.getLogger("awex.engines")
 
@@ -44,6 +45,7 @@ class WeightsReader:
         self.timeout = timeout
         self.version: str | None = None
         self.last_validation = None
+        self._view_of = view_of  # asked again before each receive: weights the engine re-allocated are re-bound
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._background = Background(f"{layout.instance}-{local_rank}")  # version reports
@@ -113,6 +115,12 @@ class WeightsReader:
             if self.layout.instance not in manifest.destinations:
                 raise ValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
             fetched = time.monotonic()
+            # weights the engine re-allocated since the last version: new views (the transports rebuild from them);
+            # views that no longer fit fail this rank, reported, before any byte moves
+            self._shards, moved = rebound(self.layout, self.local_rank, self._view_of, self._shards)
+            if moved:
+                log.info("%s:%d: %d tensor(s) moved (%s...): re-bound", self.layout.instance, self.local_rank,
+                         len(moved), moved[0])  # fmt: skip
             stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
             self._session.phases.update(manifest=fetched - started, transferred=time.monotonic() - started)
             if validate:

@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from awex.convert.live import LiveTensors
 from awex.convert.vllm import vllm_param_dtypes, vllm_param_shapes, vllm_views
 from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
@@ -153,7 +154,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         if self.destinations.loader:
             check_cpu_moe_reloadable(self.model)
         live = vllm_views(
-            dict(self.model.named_parameters()),
+            LiveTensors(self.model, buffers=False),  # where each parameter is at each call (it may be re-allocated)
             dims,
             parallel,
             fp8_block=quant.block if quant else (128, 128),
@@ -166,9 +167,11 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         def view_of(name: str, box: Box) -> torch.Tensor:
             if name not in through_loader:
                 return live(name, box)
-            t = staging[(name, box)] = torch.empty(
-                box.sizes, dtype=torch_dtype(layout.tensor(name).spec.dtype), device=self.device
-            )
+            t = staging.get((name, box))  # kept between versions: asked again, the same buffer
+            if t is None:
+                t = staging[(name, box)] = torch.empty(
+                    box.sizes, dtype=torch_dtype(layout.tensor(name).spec.dtype), device=self.device
+                )
             return t
 
         client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token, timeout=init_info.timeout)

@@ -26,6 +26,9 @@ class StagingSender(Protocol):
 
 
 class StagingReceiver(Protocol):
+    """A receiver may also have ``rebind(shards)``: copy into new views out of the areas it has open (when the
+    engine re-allocated its weights); without it, the areas are opened again."""
+
     def close(self) -> None: ...
 
 
@@ -92,12 +95,15 @@ class PullTransport(Transport):
         with timed(phases, "open"):
             senders = self._senders
             generations = link.await_ready(senders, deadline)
-            if (
-                self.receiver is None
-                or self.plan is not plan
-                or self._built_from is not shards
-                or any(self.opened.get(p) != g for p, g in zip(senders, generations))
-            ):
+            reopen = self.receiver is None or self.plan is not plan
+            reopen = reopen or any(self.opened.get(p) != g for p, g in zip(senders, generations))
+            if not reopen and self._built_from is not shards:  # the engine re-allocated its weights
+                if callable(getattr(self.receiver, "rebind", None)):
+                    self.receiver.rebind(shards)  # the same senders' areas, copies into the new views
+                    self._built_from = shards
+                else:
+                    reopen = True
+            if reopen:
                 descriptors = {
                     peer: self._descriptor(link.descriptor(peer, generation, deadline), plan, peer)
                     for peer, generation in zip(senders, generations)

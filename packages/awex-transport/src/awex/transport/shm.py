@@ -178,12 +178,17 @@ class ShmReceiver:
         if self.device.type == "cuda":
             for segment in self.segments.values():
                 segment.pin()
-        where = {peer: (seg.tensor, segment_layout(plan, peer)[0]) for peer, seg in self.segments.items()}
+        self.rebind(shards)
+        self.bytes_received = sum(s.bucket.nbytes for s in steps)
+
+    def rebind(self, shards: LocalShards) -> None:
+        """The copies out of the mapped segments into ``shards`` (again when the engine re-allocated its weights:
+        the segments stay mapped; their names may be gone)."""
+        where = {peer: (seg.tensor, segment_layout(self.plan, peer)[0]) for peer, seg in self.segments.items()}
         per_peer: dict[int, list[tuple[int, Callable[[], None]]]] = {peer: [] for peer in self.segments}
-        for peer, (d, src) in empty_pairs(plan, rank, shards, where):
+        for peer, (d, src) in empty_pairs(self.plan, self.rank, shards, where):
             per_peer[peer].append((extent(src, self.segments[peer].tensor.data_ptr())[1], copier(d, src)))
         self.copies = {peer: sorted(c, key=lambda x: x[0]) for peer, c in per_peer.items()}  # by the bytes they need
-        self.bytes_received = sum(s.bucket.nbytes for s in steps)
 
     def run(
         self, count: int = 1, deadline: float | None = None, check: Callable[[list[int]], None] | None = None
