@@ -45,9 +45,9 @@ def test_all_is_exactly_what_the_package_binds(name):
 
 
 def _python_files():
-    for top in ("packages", "integration"):
+    for top in ("packages", "integration", "examples"):
         for path in (ROOT / top).rglob("*.py"):
-            if ".nox" not in path.parts and "build" not in path.parts:
+            if not {".nox", ".tox", "build"} & set(path.parts):  # virtualenvs and build outputs are not ours
                 yield path
 
 

@@ -130,6 +130,8 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
     def init_transfer_engine(self, init_info: AwexInitInfo) -> None:
         if init_info.receive not in ("in_place", "staged"):
             raise ValueError(f"awex backend: receive={init_info.receive!r}; use 'in_place' or 'staged'")
+        if self.reader is not None:  # set up again (a trainer reconnecting, another job): the old reader goes
+            self.shutdown()
         pc = self.parallel_config
         local_rank = pc.data_parallel_index * pc.world_size + pc.rank
         layout = engine_layout(self.vllm_config, init_info.instance)
