@@ -117,10 +117,7 @@ class WeightsReader:
             fetched = time.monotonic()
             # weights the engine re-allocated since the last version: new views (the transports rebuild from them);
             # views that no longer fit fail this rank, reported, before any byte moves
-            self._shards, moved = rebound(self.layout, self.local_rank, self._view_of, self._shards)
-            if moved:
-                log.info("%s:%d: %d tensor(s) moved (%s...): re-bound", self.layout.instance, self.local_rank,
-                         len(moved), moved[0])  # fmt: skip
+            self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
             stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
             self._session.phases.update(manifest=fetched - started, transferred=time.monotonic() - started)
             if validate:

@@ -199,10 +199,7 @@ class WeightsWriter:
         manifest = outcomes = None
         # memory that moved (offloaded and reloaded, param.data replaced, resharded): new views, and the transports
         # rebuild what they built from the old ones (CUDA IPC: a new export); bad views raise here, nothing begun
-        self._shards, moved = rebound(self.layout, self.local_rank, self._view_of, self._shards)
-        if moved:
-            log.info("%s:%d: %d tensor(s) moved (%s...): re-bound", self.layout.instance, self.local_rank,
-                     len(moved), moved[0])  # fmt: skip
+        self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
         try:
             if self.local_rank == 0:
                 manifest = self._announce(version, destinations, later)

@@ -8,6 +8,7 @@ parameters in place. Shapes and dtypes are checked against the layout before any
 
 from __future__ import annotations
 
+import logging
 from math import prod
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -15,6 +16,8 @@ import torch
 
 from awex.meta import Box, Layout
 from awex.meta.box import intersect
+
+log = logging.getLogger("awex.transport")
 
 
 class ShardMismatchError(ValueError):
@@ -162,7 +165,8 @@ def rebound(
 ) -> tuple[LocalShards, list[str]]:
     """The views ``view_of`` gives now, checked as :meth:`LocalShards.from_layout` checks them: ``(held, [])`` when
     each aliases the memory it did, else ``(new views, the tensors that moved)``. Memory that moved to another kind
-    of device (a trainer that offloaded and did not load back) is refused, naming a tensor, before any byte moves."""
+    of device (a trainer that offloaded and did not load back) is refused, naming a tensor, before any byte moves.
+    A re-bind is logged."""
     now = LocalShards.from_layout(layout, local_rank, view_of)
     moved = now.moved(held)
     if not moved:
@@ -173,4 +177,5 @@ def rebound(
             f"{layout.instance} rank {local_rank}: {off} is on {now.device} now, it was on {held.device}: weights "
             f"offloaded to another kind of device must be loaded back before they are sent"
         )
+    log.info("%s:%d: %d tensor(s) moved (%s...): re-bound", layout.instance, local_rank, len(moved), moved[0])
     return now, moved
