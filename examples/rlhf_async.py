@@ -81,8 +81,11 @@ class MyLLM(vllm.AsyncLLMEngine):
             prev_token_count = cur_token_count
         return output, pause_token_index
 
-    async def wait_for_threshold(self):
+    async def wait_for_threshold(self, timeout: float = 120.0):
+        deadline = asyncio.get_running_loop().time() + timeout
         while not self._request_pause_flag:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"no request reached {PAUSE_TOKEN_THRESHOLD} tokens within {timeout:g} s")
             await asyncio.sleep(0)
 
     async def resume_generation(self):
