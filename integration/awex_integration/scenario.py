@@ -55,7 +55,7 @@ from awex.meta.layouts import MegatronParallel
 from awex.meta.server import start_embedded
 from awex.transport.shards import torch_dtype
 from awex_integration.spawn import free_port
-from awex_integration.tiny_model import PROMPTS, dtype_kwarg, hf_greedy, load_json, make_tiny_model
+from awex_integration.tiny_model import PROMPTS, dtype_kwarg, hf_greedy, load_json, make_tiny_model, vllm_greedy
 from awex_integration.trainer_main import canonical_delta, trainer_rank
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "qwen2-tiny.json"
@@ -213,7 +213,7 @@ class VllmInstance:
         plain_weights: bool = True,
         executor: str | None = None,
     ):
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
         from awex_integration import vllm_cpu_plain_weights
 
@@ -221,7 +221,6 @@ class VllmInstance:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu
         os.environ[vllm_cpu_plain_weights.ENV] = "1" if plain_weights else "0"  # read by the workers at start
         self.llm = LLM(**llm_options(model_dir, tp, dtype, ep=ep, executor=executor))
-        self.params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         self.llm.init_weight_transfer_engine({"init_info": {**meta, "instance": name, "receive": receive}})
 
     def probe_start(self) -> None:
@@ -243,7 +242,7 @@ class VllmInstance:
         self.llm.finish_weight_update(weight_version=version)
 
     def greedy(self) -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) for o in self.llm.generate(PROMPTS, self.params, use_tqdm=False)]
+        return vllm_greedy(self.llm)
 
 
 class VllmServeInstance:
@@ -696,8 +695,11 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
         elif quant is not None or (args.inference == "vllm" and engine_attention(infer_dir)):
             # FP8 vLLM, or vLLM's latent attention (whose bf16 rounding differs from HF's: greedy output parts
             # from HF's after some tokens even on a fresh load): a fresh vLLM loaded with the same weights
-            want = fresh_vllm_greedy(infer_dir, ref_dir, args.dtype, args.infer_tp)
+            want, fresh_state = fresh_vllm_greedy(infer_dir, ref_dir, args.dtype, args.infer_tp)
             match = all(out == want for out in previous)
+            for inst in vllm_instances:  # every tensor the engine holds, derived ones included, as a fresh load's
+                stale = state_differences(inst.llm.collective_rpc("awex_probe_state"), fresh_state)
+                results.setdefault("state_differences", {})[f"{inst.name}/{version}"] = stale
         else:
             want = hf_greedy(reference_model(model_dir, ref_dir, args.dtype), tok)
             match = all(out == want for out in previous)
@@ -846,12 +848,24 @@ def write_fp8_model(model_dir: Path, out: Path, quant) -> Path:
     return out
 
 
-def fresh_vllm_greedy(model_dir: Path, weights_dir: Path, dtype: str, tp: int = 1) -> list[list[int]]:
+def state_differences(synced: list[dict[str, str]], fresh: list[dict[str, str]]) -> list[str]:
+    """Tensors (``worker:module.attribute``) whose digests differ between a synced engine and a fresh one."""
+    out = []
+    for worker, (a, b) in enumerate(zip(synced, fresh, strict=True)):
+        out += [f"{worker}:{name}" for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+    return out
+
+
+def fresh_vllm_greedy(
+    model_dir: Path, weights_dir: Path, dtype: str, tp: int = 1
+) -> tuple[list[list[int]], list[dict[str, str]]]:
     """Greedy output of a new vLLM engine (TP ``tp``, as the synced ones) loaded from ``weights_dir`` (with
-    ``model_dir``'s config and tokenizer)."""
+    ``model_dir``'s config and tokenizer), and the digests of every tensor it holds, per worker."""
     import shutil
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
+
+    from awex_integration.vllm_worker_probe import WORKER_EXTENSION
 
     for f in model_dir.iterdir():
         if f.suffix != ".safetensors":
@@ -864,12 +878,13 @@ def fresh_vllm_greedy(model_dir: Path, weights_dir: Path, dtype: str, tp: int = 
         max_model_len=256,
         seed=0,
         kv_cache_memory_bytes=128 << 20,
+        worker_extension_cls=WORKER_EXTENSION,
         **engine_attention(model_dir),
     )
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    out = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    out = vllm_greedy(llm)
+    state = llm.collective_rpc("awex_probe_state")
     del llm
-    return out
+    return out, state
 
 
 def main(argv=None) -> int:

@@ -110,6 +110,17 @@ def hf_greedy(model, tokenizer, prompts=PROMPTS, max_new_tokens: int = 16) -> li
     return out
 
 
+def vllm_greedy(llm, prompts=PROMPTS, max_tokens: int = 16) -> list[list[int]]:
+    """Greedy output of a vLLM ``LLM``, each prompt generated alone. vLLM's result depends on the batch a token is
+    computed in (bf16 on the CPU build: a tiny DeepSeek-V3 parts after 5 tokens between a batch of three prompts
+    and each alone), and which requests share a batch depends on when each reaches the engine core process, so a
+    batched comparison can flip under load; one request at a time it cannot."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+
+
 def load_json(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 

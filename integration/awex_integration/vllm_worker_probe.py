@@ -7,13 +7,18 @@
 ``awex_probe_start`` records every live parameter's storage pointer and counts the tensors the worker hands to
 ``model.load_weights`` from then on (an instance attribute wrapping the model's own method: harness only).
 ``awex_probe_report`` says which parameters moved to other storage, which tensors went through
-``load_weights``, and how the awex backend routed them. Importing this module in a worker also applies the
+``load_weights``, and how the awex backend routed them. ``awex_probe_state`` digests every tensor the model holds
+(parameters, buffers, and tensors a layer derived and keeps as a plain attribute, such as latent attention's decode
+matrices): a synced engine's and a fresh engine's must be equal. Importing this module in a worker also applies the
 harness patch ``awex_integration.vllm_cpu_plain_weights`` when its environment variable is set.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+
+import torch
 
 from awex_integration import vllm_cpu_plain_weights
 
@@ -53,3 +58,25 @@ class WorkerProbe:
             "in_place": list(dest.in_place),
             "loader": list(dest.loader),
         }
+
+    def awex_probe_state(self) -> dict[str, str]:
+        """A digest of every tensor the model holds, by ``module.attribute`` (a tensor held twice: once)."""
+        model = self.model_runner.model
+        out: dict[str, str] = {}
+        seen: set[tuple[int, int, tuple]] = set()
+        for prefix, module in model.named_modules():
+            for attr, value in vars(module).items():
+                if attr == "kv_cache":  # what the engine computed, not what it loaded
+                    continue
+                tensors = value.items() if attr in ("_parameters", "_buffers") else [(attr, value)]
+                for name, t in tensors:
+                    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                        continue
+                    key = (t.data_ptr(), t.numel(), tuple(t.shape))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                    digest = hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
+                    out[f"{prefix}.{name}" if prefix else name] = f"{t.dtype}:{tuple(t.shape)}:{digest}"
+        return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,5 +24,16 @@ def run_scenario(args: list[str], timeout: float = 600, env: dict | None = None)
         env=env,
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    assert lines, f"no result (exit {out.returncode}):\n{errors(out.stdout + out.stderr)}\n{out.stderr[-3000:]}"
     return json.loads(lines[-1])
+
+
+def errors(text: str, limit: int = 40) -> str:
+    """The error lines of a scenario's output (each rank's, the driver's traceback), without C++ stack frames:
+    a failure's tail is often one rank's frames and hides which rank failed first."""
+    keep = [
+        line[:500]
+        for line in text.splitlines()
+        if re.search(r"ERROR|Error|Traceback|^\s+File ", line) and "frame #" not in line
+    ]
+    return "\n".join(keep[-limit:])

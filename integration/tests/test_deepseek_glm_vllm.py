@@ -2,8 +2,9 @@
 
 DeepSeek-V3 (multi-head latent attention, routed and shared experts, the FP32 router score bias): an HF trainer,
 or Megatron-core with TP=2, syncs a tiny DeepSeek-V3 into vLLM in bf16; every tensor bit-exact after each version,
-vLLM's greedy output equal to a fresh vLLM engine loaded with the same weights (vLLM's latent attention and HF's
-differ in bf16 rounding: their greedy outputs part after some tokens even on a fresh load). vLLM-CPU's AMX MLA
+vLLM's greedy output and every tensor it holds (derived ones included) equal to a fresh vLLM engine loaded with the
+same weights (vLLM's latent attention and HF's differ in bf16 rounding: their greedy outputs part after some tokens
+even on a fresh load). vLLM-CPU's AMX MLA
 backend, which frees ``kv_b_proj`` after packing it, is refused before any byte moves.
 
 GLM-4.5 (biased QKV, q/k norms, a dense first layer, routed and shared experts, the FP32 score bias, and a router
@@ -43,10 +44,11 @@ def test_trainer_to_vllm_deepseek_v3_is_bit_exact_and_generates_as_a_fresh_engin
     result = run_scenario([*ARGS[2:], *trainer, "--dtype", "bfloat16"])
     assert result["ok"], result.get("error") or result.get("trainer_errors") or result
     assert result["tensors_checked"] > 0 and result["tensors_mismatched"] == 0
-    if "megatron" not in trainer:
-        # Megatron's perturbed weights put a bf16 near-tie in one greedy token: under load on 2 cores the synced
-        # engine and a fresh one have parted there once in four runs; every tensor is still checked bit-exact
-        assert result["greedy_match"] is True
+    # every tensor the engine holds (its latent attention's decode matrices, derived from kv_b_proj, included)
+    # equals a fresh engine's, and so does its greedy output (each prompt alone: vLLM's bf16 result depends on
+    # which requests share a batch, and that depends on timing; batched, this parted under load)
+    assert result["state_differences"] and not any(result["state_differences"].values()), result["state_differences"]
+    assert result["greedy_match"] is True
     assert result["in_place_verified"] is True, result.get("in_place_check")
     assert result["in_place_tensors"] > 0 and result["loader_tensors"] > 0
 
