@@ -10,7 +10,7 @@ import torch
 from awex.convert.live import LiveTensors
 from awex.meta import Box
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^((?:.*\.)?experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def hf_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
@@ -40,3 +40,33 @@ def hf_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
         return p[box.slices()]
 
     return view_of
+
+
+def hf_checkpoint_tensors(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The canonical tensors of an HF model without a table, as ``(name, shape, dtype)``: what its checkpoint
+    holds (``state_dict``: parameters and persistent buffers; global shapes for DTensors), a tensor held under two
+    names (a tied ``lm_head``) once, under its first name. Experts that transformers 5 holds fused per layer
+    (``experts.gate_up_proj`` [E, 2I, H], gate rows first, and ``experts.down_proj`` [E, H, I]) are named per
+    expert as checkpoints store them (``experts.E.gate_proj.weight``, as :func:`hf_views` reads them). Works on a
+    model built on the ``meta`` device."""
+    seen: set[int] = set()
+    out = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        shape = tuple(t.shape)
+        m = _FUSED_EXPERTS.match(name)
+        if m is None or len(shape) != 3:
+            out.append((name, shape, t.dtype))
+            continue
+        for e in range(shape[0]):
+            if m.group(2) == "down_proj":
+                out.append((f"{m.group(1)}.{e}.down_proj.weight", shape[1:], t.dtype))
+            else:
+                half = (shape[1] // 2, shape[2])
+                out += [(f"{m.group(1)}.{e}.{part}_proj.weight", half, t.dtype) for part in ("gate", "up")]
+    return out
+
+
+_FUSED_EXPERTS = re.compile(r"^((?:.*\.)?experts)\.(gate_up_proj|down_proj)$")
