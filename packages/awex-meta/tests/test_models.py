@@ -159,3 +159,13 @@ def test_megatron_and_vllm_layouts_place_latent_attention_and_deepseek_experts()
     heads = by_name[pre + "self_attn.kv_b_proj.weight"].heads
     with pytest.raises(ValueError, match="heads must divide by tp"):
         megatron_layout(tensors, MegatronParallel(tp=heads * 2, dp=1, ep=1))
+
+
+def test_a_config_without_architectures_is_read_by_its_model_type():
+    cfg = load_config(MODELS / "qwen2-tiny.json")
+    by_type = {k: v for k, v in cfg.items() if k != "architectures"}
+    assert [t.spec for t in canonical_tensors(by_type)] == [t.spec for t in canonical_tensors(cfg)]
+    with pytest.raises(UnknownModelError, match="'opt'"):
+        canonical_tensors({**by_type, "model_type": "opt"})
+    with pytest.raises(UnknownModelError, match="GPT2LMHeadModel"):  # named architectures are not second-guessed
+        canonical_tensors({**cfg, "architectures": ["GPT2LMHeadModel"]})

@@ -25,7 +25,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
-from awex.meta import Box, Layout, canonical_tensors
+from awex.engines.hf import model_tensors
+from awex.meta import Box, Layout
 from awex.meta.layout import Mesh, MeshSharding, Pin, Shard, TensorLayout
 from awex.meta.spec import Role
 
@@ -85,7 +86,7 @@ def dtensor_model_layout(model: torch.nn.Module, instance: str, dtype: str | Non
     params = _params(model)
     first = next(iter(params.values()))
     local_dtype = (first.to_local() if isinstance(first, DTensor) else first).dtype
-    tensors = canonical_tensors(model.config.to_dict(), dtype=dtype or str(local_dtype).removeprefix("torch."))
+    tensors = model_tensors(model, dtype or str(local_dtype).removeprefix("torch."))
     mesh = _mesh_of(params)
     dims = tuple(mesh.mesh_dim_names or [f"d{i}" for i in range(mesh.ndim)]) if mesh is not None else ("world",)
     shape = tuple(mesh.shape) if mesh is not None else (1,)

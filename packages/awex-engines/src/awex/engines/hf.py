@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import torch
 
-from awex.convert.hf import hf_views
-from awex.meta import Box, Layout, canonical_tensors
+from awex.convert.hf import hf_checkpoint_tensors, hf_views
+from awex.meta import Box, Layout, TensorSpec, canonical_tensors
 from awex.meta.layouts import hf_layout
+from awex.meta.models import CanonicalTensor, UnknownModelError
 from awex.meta.spec import Role
 
 
@@ -16,8 +17,7 @@ def hf_model_layout(model: torch.nn.Module, role: Role | str, instance: str, dty
     """The single-rank layout of an HF model, from its config; checks the model has exactly those tensors. A tensor
     the model holds in another dtype than the table's (a router's FP32 score bias that an older transformers loads
     in the model's dtype) is described as held: the plan's dtype policy then decides what may move into it."""
-    config = model.config.to_dict()
-    tensors = canonical_tensors(config, dtype=dtype or str(next(model.parameters()).dtype).removeprefix("torch."))
+    tensors = model_tensors(model, dtype or str(next(model.parameters()).dtype).removeprefix("torch."))
     view_of = hf_views(model)
     missing = []
     held = []
@@ -37,4 +37,24 @@ def hf_model_layout(model: torch.nn.Module, role: Role | str, instance: str, dty
     return hf_layout(held, role, instance)
 
 
-__all__ = ["hf_model_layout", "hf_views"]
+def model_tensors(model: torch.nn.Module, dtype: str) -> list[CanonicalTensor]:
+    """An HF model's canonical tensors: its architecture's table where Awex has one (the architecture named by the
+    config, else by the model's class), else what its checkpoint holds
+    (``awex.convert.hf.hf_checkpoint_tensors``; floating tensors in ``dtype``), each a whole tensor, which is what
+    a receiver that learns its layout from its engine's loaders names too."""
+    config = model.config.to_dict()
+    if not config.get("architectures"):  # a config made in code: the model's class names it (FSDP2 prefixes it)
+        config["architectures"] = [type(model).__name__.removeprefix("FSDP")]
+    try:
+        return canonical_tensors(config, dtype=dtype)
+    except UnknownModelError:
+        pass
+    return [
+        CanonicalTensor(
+            TensorSpec(name, shape, dtype if t.is_floating_point else str(t).removeprefix("torch.")), "replicated"
+        )
+        for name, shape, t in sorted(hf_checkpoint_tensors(model))
+    ]
+
+
+__all__ = ["hf_model_layout", "hf_views", "model_tensors"]

@@ -16,7 +16,7 @@ import torch
 
 from awex.meta import Box, Layout, canonical_tensors
 from awex.meta.layouts import MegatronParallel, megatron_layout
-from awex.meta.models import model_dims
+from awex.meta.models import UnknownModelError, model_dims
 
 ViewOf = Callable[[str, Box], "torch.Tensor | Sequence[tuple[Box, torch.Tensor]]"]
 
@@ -63,7 +63,14 @@ class TrainerSource:
         from awex.engines.megatron import megatron_parallel
 
         parallel = megatron_parallel(model, config, parallel)
-        dims = model_dims(config, dtype)
+        try:
+            dims = model_dims(config, dtype)
+        except UnknownModelError as e:
+            raise UnknownModelError(
+                f"{e}. A Megatron-core trainer needs Awex's table of its architecture (Megatron's fused and split "
+                "tensors have no other description here); HF and FSDP2 trainers sync any model, and vLLM receivers "
+                "learn their layout from vLLM's loaders"
+            ) from None
         layout = megatron_layout(canonical_tensors(dims), parallel, instance=instance)
         where = MegatronNames(
             parallel_state.get_tensor_model_parallel_rank(),

@@ -59,11 +59,12 @@ from awex.engines.vllm_fixups import (
     refresh_cpu_moe_experts,
     refresh_tied_lm_head,
 )
-from awex.engines.vllm_params import Destinations, route
+from awex.engines.vllm_learned import LearnedLayout, learn_vllm_layout, learned_views
+from awex.engines.vllm_params import Destinations, route, transformed_reason
 from awex.meta import Box, Fp8BlockQuant
 from awex.meta.client import MetaClient
 from awex.meta.layouts import VllmParallel, vllm_engine_layout
-from awex.meta.models import model_dims
+from awex.meta.models import ARCHITECTURES, model_dims
 from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
 
@@ -80,6 +81,7 @@ class AwexInitInfo(WeightTransferInitInfo):
     token: str | None = None
     timeout: float = 300.0
     receive: str = "in_place"  # or "staged": receive everything first, then load (atomic, a shard's memory more)
+    layout: str = "auto"  # "table", "learned" (from vLLM's loaders), or "auto": the table where there is one
 
 
 @dataclass
@@ -121,6 +123,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         self.reader: WeightsReader | None = None
         self.destinations: Destinations | None = None
         self.last_report: ReceiveReport | None = None
+        self.learned: LearnedLayout | None = None  # the layout learned from vLLM's loaders, where one was
         self.timeout = 300.0
         self._staging: dict[tuple[str, Box], torch.Tensor] = {}
         self._bytes = (0, 0)  # in place, through the loaders (per version)
@@ -132,37 +135,21 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             raise ValueError(f"awex backend: receive={init_info.receive!r}; use 'in_place' or 'staged'")
         if self.reader is not None:  # set up again (a trainer reconnecting, another job): the old reader goes
             self.shutdown()
+        if init_info.layout not in ("auto", "table", "learned"):
+            raise ValueError(f"awex backend: layout={init_info.layout!r}; use 'auto', 'table' or 'learned'")
         pc = self.parallel_config
         local_rank = pc.data_parallel_index * pc.world_size + pc.rank
-        layout = engine_layout(self.vllm_config, init_info.instance)
+        client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token, timeout=init_info.timeout)
         hf_config = self.model_config.hf_config.to_dict()
         dtype = str(self.model_config.dtype).removeprefix("torch.")
-        dims = model_dims(hf_config, dtype)
-        parallel = _vllm_parallel(self.vllm_config)
-        quant = Fp8BlockQuant.from_hf_config(hf_config)
-        tp_rank, pp_rank = pc.rank % parallel.tp, pc.rank // parallel.tp
-        dp_rank = pc.data_parallel_index
-        shapes = vllm_param_shapes(dims, parallel, tp_rank, pp_rank, quant=quant, dp_rank=dp_rank)
-        names = sorted(layout.rank_boxes(local_rank))
-        self.destinations = route(
-            self.model,
-            names,
-            dims.tie_embeddings,
-            shapes,
-            vllm_param_dtypes(shapes, dtype, quant, dims.architecture),
-            in_place=init_info.receive == "in_place",
-        )
+        has_table = any(a in ARCHITECTURES for a in hf_config.get("architectures") or ())
+        if init_info.layout == "learned" or (init_info.layout == "auto" and not has_table):
+            layout, live, tied = self._learn(client, init_info, local_rank, dtype)
+        else:
+            layout, live, tied = self._table(init_info, local_rank, hf_config, dtype)
         check_mla_reloadable(self.model)  # refuse now what could not be reloaded later
         if self.destinations.loader:
             check_cpu_moe_reloadable(self.model)
-        live = vllm_views(
-            LiveTensors(self.model, buffers=False),  # where each parameter is at each call (it may be re-allocated)
-            dims,
-            parallel,
-            fp8_block=quant.block if quant else (128, 128),
-            tp_rank=tp_rank,
-            dp_rank=dp_rank,
-        )
         through_loader = set(self.destinations.loader)
         staging = self._staging
 
@@ -176,7 +163,6 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
                 )
             return t
 
-        client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token, timeout=init_info.timeout)
         self.timeout = init_info.timeout
         self.reader = WeightsReader(client, layout, local_rank, view_of, timeout=init_info.timeout)
         shards = self.reader.shards
@@ -185,9 +171,64 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             sum(nbytes[n] for n in self.destinations.in_place),
             sum(nbytes[n] for n in self.destinations.loader),
         )
-        self._tied = dims.tie_embeddings
+        self._tied = tied
         self._staged_bytes = sum(t.nbytes for t in staging.values())
         log.info("awex backend ready: %s rank %d: %s", layout.instance, local_rank, self.destinations.summary())
+
+    def _table(self, init_info: AwexInitInfo, local_rank: int, hf_config: dict, dtype: str):
+        """The layout and views from Awex's table of the architecture (``UnknownModelError`` without one)."""
+        layout = engine_layout(self.vllm_config, init_info.instance)
+        dims = model_dims(hf_config, dtype)
+        parallel = _vllm_parallel(self.vllm_config)
+        quant = Fp8BlockQuant.from_hf_config(hf_config)
+        pc = self.parallel_config
+        tp_rank, pp_rank, dp_rank = pc.rank % parallel.tp, pc.rank // parallel.tp, pc.data_parallel_index
+        shapes = vllm_param_shapes(dims, parallel, tp_rank, pp_rank, quant=quant, dp_rank=dp_rank)
+        self.destinations = route(
+            self.model,
+            sorted(layout.rank_boxes(local_rank)),
+            dims.tie_embeddings,
+            shapes,
+            vllm_param_dtypes(shapes, dtype, quant, dims.architecture),
+            in_place=init_info.receive == "in_place",
+        )
+        live = vllm_views(
+            LiveTensors(self.model, buffers=False),  # where each parameter is at each call (it may be re-allocated)
+            dims,
+            parallel,
+            fp8_block=quant.block if quant else (128, 128),
+            tp_rank=tp_rank,
+            dp_rank=dp_rank,
+        )
+        return layout, live, dims.tie_embeddings
+
+    def _learn(self, client: MetaClient, init_info: AwexInitInfo, local_rank: int, dtype: str):
+        """The layout and views learned from vLLM's own loaders (``awex.engines.vllm_learned``)."""
+        hf_config = self.model_config.hf_config
+        self.learned = learn_vllm_layout(
+            self.model,
+            hf_config,
+            dtype,
+            client,
+            init_info.instance,
+            local_rank,
+            _vllm_parallel(self.vllm_config).world_size,
+            self.device,
+            init_info.timeout,
+            tolerate_loader_errors=any(transformed_reason(m) for m in self.model.modules()),
+            vllm_config=self.vllm_config,
+        )
+        layout = self.learned.layout
+        self.destinations = route(
+            self.model,
+            sorted(layout.rank_boxes(local_rank)),
+            False,
+            in_place=init_info.receive == "in_place",
+            native=self.learned.native,
+            forced=self.learned.loader,
+        )
+        live = learned_views(LiveTensors(self.model, buffers=False), self.learned)
+        return layout, live, bool(getattr(hf_config, "tie_word_embeddings", False))
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: in-place tensors land as they arrive, loader tensors are loaded after."""

@@ -17,6 +17,7 @@ dtype or strides) is refused when the backend starts, naming the parameter, befo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 
@@ -99,17 +100,21 @@ def route(
     expected: dict[str, tuple[int, ...]] | None = None,
     dtypes: dict[str, torch.dtype] | None = None,
     in_place: bool = True,
+    native: Mapping[str, str] | None = None,
+    forced: Mapping[str, str] | None = None,
 ) -> Destinations:
     """Route the canonical tensors ``names`` of one worker (``in_place=False``: all through the loaders).
 
     ``expected`` / ``dtypes``: the native parameters' shapes and dtypes Awex computes for this rank
     (``awex.convert.vllm_param_shapes`` / ``vllm_param_dtypes``); an in-place parameter that differs, or is
-    not contiguous, raises ``ValueError`` naming it.
+    not contiguous, raises ``ValueError`` naming it. ``native``: the parameter each name lands in, where a layout
+    learned from vLLM's loaders says so (default: the table's names); ``forced``: names whose loaders cannot be
+    replayed as views, with why (their modules take the loader path).
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     out = Destinations()
-    native = {name: vllm_param_name(name, tie_embeddings) for name in names}
+    native = {name: (native or {}).get(name) or vllm_param_name(name, tie_embeddings) for name in names}
     units = reload_units(model)
 
     def unit_of(module_name: str) -> str:
@@ -121,7 +126,9 @@ def route(
         reason = (
             "staged receive (atomic updates) asked for"
             if not in_place
-            else units.get(unit) or transformed_reason(modules.get(module_name))
+            else units.get(unit)
+            or transformed_reason(modules.get(module_name))
+            or ((forced or {}).get(name) and f"its loader {forced[name]}")
         )
         if reason is not None:
             out.loader_modules[unit] = out.loader_modules.get(unit) or reason

@@ -113,6 +113,19 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+# configs made in code may lack ``architectures``: their ``model_type`` names the family
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
+
+
 class UnknownModelError(ValueError):
     """The config names an architecture Awex has no table for."""
 
@@ -136,6 +149,8 @@ def model_dims(config: Mapping[str, Any], dtype: str | None = None) -> ModelDims
     """Read the dimensions of a supported architecture from an HF config mapping."""
     archs = config.get("architectures") or []
     arch_name = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch_name is None and not archs:  # a config made in code: its family by model_type
+        arch_name = MODEL_TYPES.get(str(config.get("model_type")))
     if arch_name is None:
         raise UnknownModelError(
             f"unknown model architecture {archs or config.get('model_type')!r}; "
