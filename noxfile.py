@@ -225,6 +225,16 @@ def examples(session: nox.Session) -> None:
 
 
 @nox.session
+def learned(session: nox.Session) -> None:
+    """Layouts learned from vLLM's loaders, the whole matrix (integration/tests/test_learned_layouts.py: models
+    without a table from HF and FSDP2 trainers, and learned == table for every architecture with one; CI runs
+    one case of each kind)."""
+    _install_engines(session)
+    session.install(*PACKAGES, *TEST_TOOLS)
+    _pytest(session, "integration/tests/test_learned_layouts.py", env={"AWEX_FULL_MATRIX": "1"})
+
+
+@nox.session
 def faults(session: nox.Session) -> None:
     """The fault suite: trainer and engine processes over gloo (and shared memory, rdma) and a MetaServer with ranks
     killed, raising, interrupted, the MetaServer restarted, killed and frozen, names reused, 200 syncs in a row,

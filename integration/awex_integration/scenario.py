@@ -687,6 +687,8 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
             report = client.get(key)
             checked += report["tensors_checked"]
             mismatched += report["tensors_mismatched"]
+            if report.get("mismatched"):  # which tensors, per receiving rank
+                results.setdefault("mismatched", {})[key] = report["mismatched"]
         received = [client.get(key) for key in client.keys(f"received/{version}/")]
         add_receive_reports(results, received, steady=step > 1 or args.steps == 1)
         previous = [inst.greedy() for inst in instances]

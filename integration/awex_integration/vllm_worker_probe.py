@@ -80,3 +80,72 @@ class WorkerProbe:
                     digest = hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
                     out[f"{prefix}.{name}" if prefix else name] = f"{t.dtype}:{tuple(t.shape)}:{digest}"
         return out
+
+    def awex_learned_vs_table(self) -> list[str]:
+        """With the awex backend set up on a layout learned from vLLM's loaders: how it differs from Awex's table of
+        the architecture (every rank's boxes, each tensor's shape and dtype, and for this rank the memory each box
+        lands in: the same storage, offset, shape and strides). Empty: equal."""
+        from awex.convert.live import LiveTensors
+        from awex.convert.vllm import vllm_views
+        from awex.engines.vllm_backend import _vllm_parallel, engine_layout
+        from awex.meta.models import model_dims
+
+        engine = self.weight_transfer_engine
+        learned = engine.learned.layout
+        table = engine_layout(self.vllm_config, learned.instance)
+        diffs = []
+        if sorted(learned.names) != sorted(table.names):
+            diffs.append(
+                f"names: only learned {sorted(set(learned.names) - set(table.names))[:5]}, only table "
+                f"{sorted(set(table.names) - set(learned.names))[:5]}"
+            )
+        for name in sorted(set(learned.names) & set(table.names)):
+            a, b = learned.tensor(name).spec, table.tensor(name).spec
+            if (tuple(a.shape), a.dtype) != (tuple(b.shape), b.dtype):
+                diffs.append(f"{name}: learned {a.shape} {a.dtype}, table {b.shape} {b.dtype}")
+            elif learned.holdings(name) != table.holdings(name):
+                diffs.append(f"{name}: learned holdings {learned.holdings(name)}, table {table.holdings(name)}")
+        hf_config = self.model_runner.model_config.hf_config.to_dict()
+        dims = model_dims(hf_config, str(self.model_runner.model_config.dtype).removeprefix("torch."))
+        pc = self.vllm_config.parallel_config
+        parallel = _vllm_parallel(self.vllm_config)
+        model = self.model_runner.model
+        want = vllm_views(
+            LiveTensors(model, buffers=False),
+            dims,
+            parallel,
+            tp_rank=pc.rank % parallel.tp,
+            dp_rank=pc.data_parallel_index,
+        )
+        got = engine.reader.shards
+        rank = pc.data_parallel_index * pc.world_size + pc.rank
+        for name, boxes in table.rank_boxes(rank).items():
+            if name in engine.destinations.loader:
+                continue
+            for box in boxes:
+                t = want(name, box)
+                views = [v for b, v in got.pairs(name) if b == box]
+                if len(views) != 1:
+                    diffs.append(f"{name} {box}: learned holds {[str(b) for b, _ in got.pairs(name)]}")
+                    continue
+                v = views[0]
+                if (v.data_ptr(), tuple(v.shape), _strides(v)) != (t.data_ptr(), tuple(t.shape), _strides(t)):
+                    diffs.append(
+                        f"{name} {box}: learned lands at {v.data_ptr() - t.data_ptr():+d} {v.stride()}, "
+                        f"table at {t.stride()}"
+                    )
+        return diffs
+
+    def awex_learned_cost(self) -> dict:
+        """What learning the layout took on this worker: seconds, and the resident memory it added (bytes)."""
+        learned = self.weight_transfer_engine.learned
+        return {"seconds": learned.seconds, "tensors": len(learned.landings) + len(learned.loader)}
+
+    def awex_learned_tensors(self) -> int:
+        """How many canonical tensors this worker's learned layout holds."""
+        return len(self.weight_transfer_engine.learned.layout.names)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides that matter (a dim of size 1 is never stepped)."""
+    return tuple(s for s, n in zip(t.stride(), t.shape) if n != 1)
