@@ -1,12 +1,13 @@
 """Where vLLM's reload path needs a nudge. Every workaround for vLLM lives here, each with a test
 (``integration/tests``) that fails when upstream behaviour changes.
 
-Tied LM head (vLLM 0.32, layerwise reload): with ``tie_word_embeddings`` the LM head shares its weight with
-``embed_tokens`` but is its own layer. A reload loads the embedding (new values land in the shared storage)
-and leaves the head "not loaded", so the head keeps what its quant method derived from the old weight at
+Tied LM head (vLLM 0.32, layerwise reload): with ``tie_word_embeddings`` the LM head shares its weight with the
+embedding (``embed_tokens``, wherever the model keeps it: ``model.embed_tokens``, OPT's
+``model.decoder.embed_tokens``) but is its own layer. A reload loads the embedding (new values land in the shared
+storage) and leaves the head "not loaded", so the head keeps what its quant method derived from the old weight at
 load time (on CPU: a prepacked GEMM copy) and the logits use stale weights: the limitation vLLM's docs give
 as "tied params only reflect processing from one parent". After a reload we re-run the head's
-``process_weights_after_loading`` when its weight shares storage with the embedding (a no-op for methods that
+``process_weights_after_loading`` when its weight shares storage with another module's (a no-op for methods that
 derive nothing, as on GPU).
 
 CPU MoE experts (vLLM-CPU 0.32): see ``refresh_cpu_moe_experts``.
@@ -31,12 +32,16 @@ log = logging.getLogger("awex.engines.vllm")
 def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
     """Rebuild the tied LM head's derived state after a reload; returns whether it was tied and refreshed."""
     head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head_w = getattr(head, "weight", None)
-    embed_w = getattr(embed, "weight", None)
-    if not isinstance(head_w, torch.Tensor) or not isinstance(embed_w, torch.Tensor) or head is embed:
+    if not isinstance(head_w, torch.Tensor) or head_w.numel() == 0:
         return False
-    if head_w.numel() == 0 or head_w.data_ptr() != embed_w.data_ptr():
+    # the embedding it is tied to, wherever the model keeps it (model.embed_tokens, model.decoder.embed_tokens, ...)
+    if not any(
+        m is not head
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and m.weight.data_ptr() == head_w.data_ptr()
+        for m in model.modules()
+    ):
         return False
     method = getattr(head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
