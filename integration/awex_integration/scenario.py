@@ -55,7 +55,15 @@ from awex.meta.layouts import MegatronParallel
 from awex.meta.server import start_embedded
 from awex.transport.shards import torch_dtype
 from awex_integration.spawn import free_port
-from awex_integration.tiny_model import PROMPTS, dtype_kwarg, hf_greedy, load_json, make_tiny_model, vllm_greedy
+from awex_integration.tiny_model import (
+    PROMPTS,
+    canonical_weights,
+    dtype_kwarg,
+    hf_greedy,
+    load_json,
+    make_tiny_model,
+    vllm_greedy,
+)
 from awex_integration.trainer_main import canonical_delta, trainer_rank
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "qwen2-tiny.json"
@@ -191,9 +199,12 @@ def llm_options(model_dir: Path, tp: int, dtype: str, ep: bool = False, executor
 def engine_attention(model_dir: Path) -> dict:
     """vLLM-CPU's attention backend for the model: for multi-head latent attention (DeepSeek-V3) the reference CPU
     backend, since the AMX one (chosen by itself on CPUs with AMX) frees ``kv_b_proj`` after packing it, so the
-    weights can no longer be updated (vLLM's own reload fails the same way; the awex backend refuses it)."""
+    weights can no longer be updated (vLLM's own reload fails the same way; the awex backend refuses it). For a VLM,
+    its language model only."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     backend = os.environ.get("AWEX_SCENARIO_MLA_BACKEND", "CPU_MLA")  # a test asks for AMX_MLA to see it refused
+    if "vision_config" in config:  # a VLM: its language model only (text prompts; the vision tower is not built)
+        return {"language_model_only": True}
     return {"attention_config": {"backend": backend}} if config.get("kv_lora_rank") else {}
 
 
@@ -503,7 +514,7 @@ def _run_in(args: argparse.Namespace, hosts, work: Path) -> dict[str, Any]:
 
 
 def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_dir, config, quant) -> dict[str, Any]:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     meta = {"meta_address": server.address, "job": "scenario", "token": token, "timeout": args.timeout}
@@ -606,7 +617,7 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     trainer_thread.start()
 
     wait_trainers(client, "trainer_ready", None, world, 0, args.timeout)  # time syncs, not trainer start-up
-    reference = {k: v.clone() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    reference = canonical_weights(model_dir, config)  # by the names the trainer sends
     tok = AutoTokenizer.from_pretrained(model_dir)
     results = {
         "ok": True,
@@ -695,8 +706,9 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
         if args.inference == "layout":  # no engine, nothing generates
             match = None
         elif quant is not None or (args.inference == "vllm" and engine_attention(infer_dir)):
-            # FP8 vLLM, or vLLM's latent attention (whose bf16 rounding differs from HF's: greedy output parts
-            # from HF's after some tokens even on a fresh load): a fresh vLLM loaded with the same weights
+            # FP8 vLLM, vLLM's latent attention (whose bf16 rounding differs from HF's: greedy output parts from
+            # HF's after some tokens even on a fresh load), or a VLM's language model: a fresh vLLM with the same
+            # weights
             want, fresh_state = fresh_vllm_greedy(infer_dir, ref_dir, args.dtype, args.infer_tp)
             match = all(out == want for out in previous)
             for inst in vllm_instances:  # every tensor the engine holds, derived ones included, as a fresh load's

@@ -54,7 +54,7 @@ def make_tokenizer(out: Path, vocab_size: int) -> None:
 def make_tiny_model(out: str | Path, config: dict[str, Any], seed: int = 0, dtype: str = "float32") -> Path:
     """Write ``config`` with random weights (seeded) and a matching tokenizer to ``out``; returns the path."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +77,7 @@ def make_tiny_model(out: str | Path, config: dict[str, Any], seed: int = 0, dtyp
     cfg.pop("architectures", None)
     hf_config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, **dtype_kwarg(getattr(torch, dtype)))
+    model = hf_auto_class(cfg | {"model_type": model_type}).from_config(hf_config, **dtype_kwarg(getattr(torch, dtype)))
     with torch.no_grad():  # HF initialises norms to 1: randomise them too, so a wrong norm shows
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -121,6 +121,54 @@ def vllm_greedy(llm, prompts=PROMPTS, max_tokens: int = 16) -> list[list[int]]:
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+
+
+def hf_auto_class(config: dict[str, Any]):
+    """transformers' auto class for a model: a causal LM, else an image-text-to-text model (a VLM)."""
+    import transformers
+
+    causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if config.get("model_type") in causal or "vision_config" not in config:
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModelForImageTextToText
+
+
+def is_vlm(config: dict[str, Any]) -> bool:
+    return "vision_config" in config
+
+
+def decoder_layers(model) -> list:
+    """The decoder layers of an HF model (the ``ModuleList`` named ``layers``, wherever it sits: ``model.layers``,
+    ``model.decoder.layers``, ``model.language_model.layers``)."""
+    import torch
+
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "layers" and isinstance(module, torch.nn.ModuleList):
+            return list(module)
+    raise ValueError(f"{type(model).__name__} has no decoder layers named 'layers'")
+
+
+def canonical_weights(model_dir: str | Path, config: dict[str, Any]) -> dict[str, Any]:
+    """A model's weights by canonical name, as a trainer of it names them. For an architecture Awex has a table
+    for, the checkpoint itself; otherwise what transformers loads (transformers 5 renames some tensors on load,
+    e.g. GPT-NeoX's ``embed_out`` to ``lm_head``, a VLM's ``language_model.model`` to ``model.language_model``),
+    named by ``awex.convert.hf.hf_checkpoint_tensors``."""
+    from safetensors.torch import load_file
+
+    from awex.meta.models import ARCHITECTURES, MODEL_TYPES
+
+    arch = (config.get("architectures") or [MODEL_TYPES.get(config.get("model_type"), "")])[0]
+    if arch in ARCHITECTURES:
+        return {k: v.clone() for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
+    from awex.convert.hf import hf_checkpoint_tensors, hf_views
+    from awex.meta import Box
+
+    model = hf_auto_class(config).from_pretrained(model_dir, **dtype_kwarg("auto"))  # the checkpoint's dtypes
+    view_of = hf_views(model)
+    return {
+        name: view_of(name, Box((0,) * len(shape), shape)).detach().clone()
+        for name, shape, _ in hf_checkpoint_tensors(model)
+    }
 
 
 def load_json(path: str | Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import torch
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel
 from awex.transport import LocalShards
-from awex_integration.tiny_model import dtype_kwarg
+from awex_integration.tiny_model import decoder_layers, dtype_kwarg, hf_auto_class
 
 
 def canonical_delta(name: str, shape: tuple[int, ...], step: int, scale: float = 0.02) -> torch.Tensor:
@@ -94,20 +94,17 @@ def trainer_body(
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         dtype = model_dtype(hf)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(dtype))
+        model = hf_auto_class(config).from_pretrained(model_dir, **dtype_kwarg(dtype))
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-        for block in model.model.layers:
+        for block in decoder_layers(model):  # each decoder layer its own FSDP unit, as trainers shard them
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         source = TrainerSource.fsdp(model)
     else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(model_dtype(hf))).eval()
+        model = hf_auto_class(config).from_pretrained(model_dir, **dtype_kwarg(model_dtype(hf))).eval()
         source = TrainerSource.hf(model)
     layout, local_rank, view_of = source.layout, source.local_rank, source.view_of
     options = {"wave_bytes": wave_bytes} if wave_bytes else {}
