@@ -93,3 +93,28 @@ def test_a_model_without_a_table_names_what_its_checkpoint_holds():
     assert tensors["experts.1.up_proj.weight"].shape == (3, 4)
     layout = hf_model_layout(_Tiny(), "trainer", "hf")
     assert layout.rank_boxes(0)["experts.1.down_proj.weight"] == (Box((0, 0), (4, 3)),)
+
+
+def test_a_megatron_trainer_of_a_model_without_a_table_is_refused_saying_why():
+    from awex.engines.source import TrainerSource
+    from awex.meta.models import UnknownModelError
+
+    with pytest.raises(UnknownModelError, match="Megatron-core trainer needs Awex's table.*HF and FSDP2 trainers"):
+        TrainerSource.megatron(torch.nn.Linear(2, 2), {"architectures": ["OPTForCausalLM"], "model_type": "opt"})
+
+
+def test_learned_views_refuse_a_parameter_that_changed_since_the_layout_was_learned():
+    from awex.convert.recorded import record_loads
+    from awex.engines.vllm_learned import LearnedLayout, learned_views
+
+    params = {"p": torch.zeros(4, 3)}
+    rec = record_loads(lambda n, w: params["p"][1:3].copy_(w), [TensorSpec("w", (2, 3), "float32")], params)
+    learned = LearnedLayout(assemble("v", 1, [TensorSpec("w", (2, 3), "float32")], {0: {}}), rec.landings, {}, {}, 0)
+    view_of = learned_views(params, learned)
+    view_of("w", Box((0, 0), (2, 3))).fill_(7)
+    assert params["p"][1:3].eq(7).all() and params["p"][0].eq(0).all()  # landed where the loader would write
+    params["p"] = torch.zeros(2, 3)  # re-allocated smaller
+    with pytest.raises(ValueError, match="p changed since its layout was learned"):
+        view_of("w", Box((0, 0), (2, 3)))
+    with pytest.raises(KeyError, match="not a box this rank's loaders fill"):
+        view_of("w", Box((0, 0), (1, 3)))

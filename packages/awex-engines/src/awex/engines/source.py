@@ -56,14 +56,7 @@ class TrainerSource:
         ``model``: its chunks under virtual pipeline parallelism). Its sizes are read from the job; ``parallel``,
         if given, must agree (:func:`awex.engines.megatron.megatron_parallel`). Its sync identity is its global
         rank."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        from awex.convert import MegatronNames, megatron_views
-        from awex.engines.megatron import megatron_parallel
-
-        parallel = megatron_parallel(model, config, parallel)
-        try:
+        try:  # before anything of the job is read: a model without a table is refused first
             dims = model_dims(config, dtype)
         except UnknownModelError as e:
             raise UnknownModelError(
@@ -71,6 +64,13 @@ class TrainerSource:
                 "tensors have no other description here); HF and FSDP2 trainers sync any model, and vLLM receivers "
                 "learn their layout from vLLM's loaders"
             ) from None
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from awex.convert import MegatronNames, megatron_views
+        from awex.engines.megatron import megatron_parallel
+
+        parallel = megatron_parallel(model, config, parallel)
         layout = megatron_layout(canonical_tensors(dims), parallel, instance=instance)
         where = MegatronNames(
             parallel_state.get_tensor_model_parallel_rank(),
