@@ -61,19 +61,17 @@ def make_tiny_model(out: str | Path, config: dict[str, Any], seed: int = 0, dtyp
     make_tokenizer(out, int(config["vocab_size"]))
     cfg = dict(config)
     cfg.update(torch_dtype=dtype, eos_token_id=0, bos_token_id=0, pad_token_id=0)
-    model_type = (
-        cfg.pop("model_type", None)
-        or {
-            "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3",
-            "LlamaForCausalLM": "llama",
-            "MistralForCausalLM": "mistral",
-            "Qwen3MoeForCausalLM": "qwen3_moe",
-            "Qwen2MoeForCausalLM": "qwen2_moe",
-            "DeepseekV3ForCausalLM": "deepseek_v3",
-            "Glm4MoeForCausalLM": "glm4_moe",
-        }[cfg["architectures"][0]]
-    )
+    given = cfg.pop("model_type", None)  # the architecture decides where Awex knows it (tests derive configs)
+    model_type = {
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
+        "Qwen2MoeForCausalLM": "qwen2_moe",
+        "DeepseekV3ForCausalLM": "deepseek_v3",
+        "Glm4MoeForCausalLM": "glm4_moe",
+    }.get(cfg["architectures"][0], given)
     cfg.pop("architectures", None)
     hf_config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
