@@ -32,11 +32,10 @@ def main() -> None:
     os.environ[vllm_cpu_plain_weights.ENV] = "1"
     vllm_cpu_plain_weights.apply()
     from vllm import LLM
-    from vllm.config import WeightTransferConfig
 
     from awex.meta.server.embedded import start_embedded
+    from awex_integration.scenario import llm_options
     from awex_integration.tiny_model import load_json, make_tokenizer
-    from awex_integration.vllm_worker_probe import WORKER_EXTENSION
 
     config = load_json(args.config)
     with tempfile.TemporaryDirectory(prefix="awex-learn-cost-") as work:
@@ -44,17 +43,7 @@ def main() -> None:
         (model / "config.json").write_text(json.dumps({**config, "torch_dtype": args.dtype}))
         make_tokenizer(model, int(config["vocab_size"]))
         server = start_embedded(token="cost")
-        llm = LLM(
-            model=str(model),
-            dtype=args.dtype,
-            tensor_parallel_size=args.tp,
-            load_format="dummy",
-            enforce_eager=True,
-            max_model_len=256,
-            kv_cache_memory_bytes=64 << 20,
-            worker_extension_cls=WORKER_EXTENSION,
-            weight_transfer_config=WeightTransferConfig(backend="awex"),
-        )
+        llm = LLM(**llm_options(model, args.tp, args.dtype), load_format="dummy")
         init = {"meta_address": server.address, "token": "cost", "instance": "vllm-0"}
         out = {}
         for layout in ("table", "learned"):

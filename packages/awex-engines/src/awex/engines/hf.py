@@ -49,12 +49,17 @@ def model_tensors(model: torch.nn.Module, dtype: str) -> list[CanonicalTensor]:
         return canonical_tensors(config, dtype=dtype)
     except UnknownModelError:
         pass
+    specs = sorted(checkpoint_specs(model, dtype), key=lambda spec: spec.name)
+    return [CanonicalTensor(spec, "replicated") for spec in specs]
+
+
+def checkpoint_specs(model: torch.nn.Module, dtype: str) -> list[TensorSpec]:
+    """What an HF model's checkpoint holds (``awex.convert.hf.hf_checkpoint_tensors``) as specs, floating tensors
+    in ``dtype`` (the model's, or an engine's), the others in their own dtype."""
     return [
-        CanonicalTensor(
-            TensorSpec(name, shape, dtype if t.is_floating_point else str(t).removeprefix("torch.")), "replicated"
-        )
-        for name, shape, t in sorted(hf_checkpoint_tensors(model))
+        TensorSpec(name, shape, dtype if t.is_floating_point else str(t).removeprefix("torch."))
+        for name, shape, t in hf_checkpoint_tensors(model)
     ]
 
 
-__all__ = ["hf_model_layout", "hf_views", "model_tensors"]
+__all__ = ["checkpoint_specs", "hf_model_layout", "hf_views", "model_tensors"]

@@ -64,7 +64,7 @@ from awex.engines.vllm_params import Destinations, route, transformed_reason
 from awex.meta import Box, Fp8BlockQuant
 from awex.meta.client import MetaClient
 from awex.meta.layouts import VllmParallel, vllm_engine_layout
-from awex.meta.models import ARCHITECTURES, model_dims
+from awex.meta.models import model_dims, table_architecture
 from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
 
@@ -142,8 +142,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token, timeout=init_info.timeout)
         hf_config = self.model_config.hf_config.to_dict()
         dtype = str(self.model_config.dtype).removeprefix("torch.")
-        has_table = any(a in ARCHITECTURES for a in hf_config.get("architectures") or ())
-        if init_info.layout == "learned" or (init_info.layout == "auto" and not has_table):
+        if init_info.layout == "learned" or (init_info.layout == "auto" and table_architecture(hf_config) is None):
             layout, live, tied = self._learn(client, init_info, local_rank, dtype)
         else:
             layout, live, tied = self._table(init_info, local_rank, hf_config, dtype)

@@ -25,8 +25,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from awex.convert.hf import hf_checkpoint_tensors
 from awex.convert.recorded import Landing, UnsupportedLoad, landing_view, record_loads
+from awex.engines.hf import checkpoint_specs
 from awex.meta import Box, TensorSpec
 from awex.meta.layout import ExplicitSharding, Layout, TensorLayout
 from awex.meta.spec import Role
@@ -68,10 +68,7 @@ def canonical_specs(hf_config, dtype: str) -> list[TensorSpec]:
         except (ValueError, KeyError, TypeError) as e:
             errors.append(f"{auto}: {e}")
             continue
-        return [
-            TensorSpec(name, shape, dtype if t.is_floating_point else str(t).removeprefix("torch."))
-            for name, shape, t in hf_checkpoint_tensors(model)
-        ]
+        return checkpoint_specs(model, dtype)
     raise UnlearnableLayoutError(
         f"transformers cannot build {getattr(hf_config, 'model_type', '?')!r} to name its tensors: {'; '.join(errors)}"
     )

@@ -145,12 +145,19 @@ def load_config(path: str | PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"{p} is not valid JSON: {e}") from None
 
 
+def table_architecture(config: Mapping[str, Any]) -> str | None:
+    """The architecture of :data:`ARCHITECTURES` an HF config names (by ``architectures``, else, for a config made
+    in code, by ``model_type``), or ``None``: Awex has no table for the model."""
+    archs = config.get("architectures") or []
+    if archs:
+        return next((a for a in archs if a in ARCHITECTURES), None)
+    return MODEL_TYPES.get(str(config.get("model_type")))
+
+
 def model_dims(config: Mapping[str, Any], dtype: str | None = None) -> ModelDims:
     """Read the dimensions of a supported architecture from an HF config mapping."""
     archs = config.get("architectures") or []
-    arch_name = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch_name is None and not archs:  # a config made in code: its family by model_type
-        arch_name = MODEL_TYPES.get(str(config.get("model_type")))
+    arch_name = table_architecture(config)
     if arch_name is None:
         raise UnknownModelError(
             f"unknown model architecture {archs or config.get('model_type')!r}; "
