@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from awex.transport.p2p import TransferError
+from awex.transport.base import TransferError
 
 
 class SyncFailedError(TransferError):

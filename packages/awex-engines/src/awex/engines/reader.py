@@ -20,7 +20,7 @@ from awex.engines.session import SyncSession
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards
-from awex.transport.p2p import TransferStats
+from awex.transport.base import TransferStats
 from awex.transport.shards import rebound
 
 log = logging.getLogger("awex.engines")

@@ -28,7 +28,7 @@ from awex.transport.checksum import checksum
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.delta import BITMAP, DENSE, SPARSE, encode, fill_words, positions
-from awex.transport.p2p import _align, message_offsets
+from awex.transport.messages import align, message_offsets
 from awex.transport.shards import LocalShards, torch_dtype
 
 BOARD = "awex.delta_board"  # the name the board is exported under (not a canonical tensor name)
@@ -42,7 +42,7 @@ def _buckets_from(plan: Plan, rank: int) -> list[int]:
 
 def _words_of(plan: Plan, shards: LocalShards, bucket: int, staging: torch.Tensor, into: bool):
     """The copies between ``shards`` and a bucket's words in ``staging`` (its transfers end to end, as
-    :func:`awex.transport.p2p.message_offsets` lays them out): from the views into the words, or back."""
+    :func:`awex.transport.messages.message_offsets` lays them out): from the views into the words, or back."""
     b = plan.buckets[bucket]
     offsets, _ = message_offsets(b.transfers)
     pairs = []
@@ -56,7 +56,7 @@ def _words_of(plan: Plan, shards: LocalShards, bucket: int, staging: torch.Tenso
 
 
 def _bucket_bytes(plan: Plan, bucket: int) -> int:
-    return _align(message_offsets(plan.buckets[bucket].transfers)[1])
+    return align(message_offsets(plan.buckets[bucket].transfers)[1])
 
 
 class IpcDeltaSender:
@@ -70,8 +70,8 @@ class IpcDeltaSender:
         self.sizes = [_bucket_bytes(plan, i) for i in self.buckets]
         self.staging = torch.zeros(max(self.sizes, default=0), dtype=torch.uint8, device=self.device)
         self._gather = [_words_of(plan, shards, i, self.staging, into=True) for i in self.buckets]
-        header = _align(len(self.buckets) * _ROW * 8)
-        self.board = torch.zeros(header + _align(sum(self.sizes) // 4), dtype=torch.uint8, device=self.device)
+        header = align(len(self.buckets) * _ROW * 8)
+        self.board = torch.zeros(header + align(sum(self.sizes) // 4), dtype=torch.uint8, device=self.device)
         self._header = header
         self.kept: dict[int, torch.Tensor] = {}  # position in self.buckets -> the words its receiver confirmed
         self.kept_sums: dict[int, tuple[int, int]] = {}
@@ -104,15 +104,15 @@ class IpcDeltaSender:
             count, offset, index_bytes = words.numel(), 0, 0
             if mode != DENSE:
                 index_bytes = index.numel() * index.element_size()
-                need = _align(index_bytes) + values.numel() * 2
+                need = align(index_bytes) + values.numel() * 2
                 if at + need > self.board.numel():
                     mode = DENSE
                 else:
                     self.board[at : at + index_bytes].copy_(index.view(torch.uint8))
-                    start = at + _align(index_bytes)
+                    start = at + align(index_bytes)
                     self.board[start : start + values.numel() * 2].copy_(values.view(torch.uint8))
                     count, offset = values.numel(), at
-                    at = _align(start + values.numel() * 2)
+                    at = align(start + values.numel() * 2)
             base = self.kept_sums[k] if mode != DENSE else (0, 0)
             rows.append([mode, count, offset, index_bytes, *base, *new])
             read += _ROW * 8 + (index_bytes + count * 2 if mode != DENSE else size)
@@ -194,13 +194,13 @@ class IpcDeltaReceiver:
                 mode not in (DENSE, SPARSE, BITMAP)
                 or not 0 <= count <= words_count
                 or (mode != DENSE and (index_bytes != index_need or offset < 0 or offset % 16))
-                or (mode != DENSE and offset + _align(index_bytes) + count * 2 > board.numel())
+                or (mode != DENSE and offset + align(index_bytes) + count * 2 > board.numel())
             ):
                 raise TransferError(f"{what}: malformed header {[mode, count, offset, index_bytes]}")
             checked = False
             if mode != DENSE:
                 index = board[offset : offset + index_bytes].to(self.device)
-                start = offset + _align(index_bytes)
+                start = offset + align(index_bytes)
                 values = board[start : start + count * 2].to(self.device).view(torch.int16)
                 received += index_bytes + count * 2
                 index = index.view(torch.int32) if mode == SPARSE else index

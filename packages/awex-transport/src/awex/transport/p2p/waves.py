@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,36 +27,15 @@ import torch
 
 from awex.meta import Bucket, Plan
 from awex.meta.plan import RELAY_LAG, Step, Transfer
-from awex.transport.accelerator import GROUPED, device_api, is_accelerator, p2p_backend
-from awex.transport.base import (
-    PeerLink,
-    RefreshByWave,
-    Setup,
-    TransferError,
-    TransferStats,
-    TransferTimeout,
-    Transport,
-    timed,
-)
+from awex.transport.accelerator import GROUPED, device_api, is_accelerator
+from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import timed_out, wait_event
-from awex.transport.group import SyncGroup, create_sync_group
+from awex.transport.group import SyncGroup
+from awex.transport.messages import align, message_offsets
 from awex.transport.shards import LocalShards, torch_dtype
 
 log = logging.getLogger("awex.transport")
-
-ALIGN = 16
-
-
-def message_offsets(transfers: Sequence[Transfer]) -> tuple[list[int], int]:
-    """Byte offset of each transfer inside one message, and the message size (offsets aligned to ``ALIGN``)."""
-    offsets = []
-    pos = 0
-    for t in transfers:
-        pos = -(-pos // ALIGN) * ALIGN
-        offsets.append(pos)
-        pos += t.nbytes
-    return offsets, pos
 
 
 def bucket_messages(bucket: Bucket, direct_bytes: int | None) -> list[tuple[Transfer, ...]]:
@@ -73,10 +52,6 @@ def bucket_messages(bucket: Bucket, direct_bytes: int | None) -> list[tuple[Tran
     small = tuple(t for t in bucket.transfers if t.nbytes < direct_bytes)
     large = [(t,) for t in bucket.transfers if t.nbytes >= direct_bytes]
     return ([small] if small else []) + large
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass
@@ -148,7 +123,7 @@ class WaveExecutor:
             ]
             by_wave.setdefault(b.wave, []).append((step, messages, members))
         sizes = {
-            w: sum(_align(message_offsets(m)[1]) for _, ms, _ in steps for m, direct in ms if direct is None)
+            w: sum(align(message_offsets(m)[1]) for _, ms, _ in steps for m, direct in ms if direct is None)
             for w, steps in by_wave.items()
         }
         slot = max(sizes.values(), default=0)
@@ -172,7 +147,7 @@ class WaveExecutor:
                     else:
                         offsets, nbytes = message_offsets(transfers)
                         message = self.staging[pos : pos + nbytes]
-                        pos += _align(nbytes)
+                        pos += align(nbytes)
                         for t, off in zip(transfers, offsets):
                             region = message[off : off + t.nbytes].view(dtypes[t.tensor]).view(t.sizes)
                             for here, piece in shards.pieces(names[t.tensor], t.offsets, t.sizes):
@@ -362,107 +337,3 @@ class WaveExecutor:
 def run_p2p(plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, timeout: float = 300.0) -> TransferStats:
     """Execute ``rank``'s sends and receives of ``plan`` over ``group`` within ``timeout`` seconds (one-off)."""
     return WaveExecutor(plan, rank, shards, group).run(timeout)
-
-
-class P2pTransport(Transport):
-    """Point to point over a process group of the sync's own: NCCL for CUDA views, HCCL for Ascend NPU views
-    (torch-npu), gloo for CPU views. Relayed plans, waves through staging buffers."""
-
-    name = "p2p"
-    in_place_only = False
-    signals_ready = False
-    refreshes_by_wave = True
-
-    def __init__(self) -> None:
-        self.group: SyncGroup | None = None
-        self._rendezvous: tuple | None = None
-        self.plan: Plan | None = None
-        self.rank = -1
-        self._executor: WaveExecutor | None = None
-        self._built_from: LocalShards | None = None  # the views the executor was built from
-        self._before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable)
-        self._delta: tuple[bool, int | None] = (False, None)  # delta syncs, and what a sender may keep
-
-    def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
-        rendezvous = (setup.host, setup.port, plan.world_size, rank, setup.rendezvous)
-        if self.group is None or self._rendezvous != rendezvous:
-            backend = p2p_backend(setup.device)
-            self._drop_group()
-            with timed(phases, "group"):
-                self.group = create_sync_group(
-                    rank,
-                    plan.world_size,
-                    setup.host,
-                    setup.port,
-                    backend=backend,
-                    timeout=max(1.0, setup.deadline - time.monotonic()),
-                    prefix=f"awex/{setup.host}:{setup.port}",
-                    device=setup.device if backend in GROUPED else None,
-                )
-            self._rendezvous = rendezvous
-        self.plan, self.rank = plan, rank
-        self._executor = self._before_pack = None
-        self._delta = (setup.delta, setup.delta_budget_bytes)
-
-    def run(
-        self,
-        shards: LocalShards | Callable[[Plan], LocalShards],
-        link: PeerLink,
-        deadline: float,
-        phases: MutableMapping[str, float],
-        refresh_by_wave: RefreshByWave | None = None,
-    ) -> TransferStats:
-        self._prepared(self.plan if self.group is not None else None)
-        if self._delta[0]:
-            return self._run_delta(shards, link, deadline, phases, refresh_by_wave)
-        if callable(shards):  # views that depend on the plan (receive buffers): built per sync
-            with timed(phases, "executor"):
-                executor = WaveExecutor(self.plan, self.rank, shards(self.plan), self.group)
-        else:  # built once per plan, and again for views of memory that moved (the writer re-bound them)
-            if self._executor is None or self._built_from is not shards:
-                with timed(phases, "executor"):
-                    self._executor, self._built_from = WaveExecutor(self.plan, self.rank, shards, self.group), shards
-            executor = self._executor
-        before_pack = None
-        if refresh_by_wave is not None:
-            cached = self._before_pack
-            if cached is None or cached[0] is not refresh_by_wave or cached[1] is not executor:
-                cached = self._before_pack = (refresh_by_wave, executor, refresh_by_wave(executor.sent_regions))
-            before_pack = cached[2]
-        link.moving()
-        with timed(phases, "transfer"):
-            return executor.run(timeout=max(0.1, deadline - time.monotonic()), before_pack=before_pack)
-
-    def _run_delta(self, shards, link: PeerLink, deadline: float, phases, refresh_by_wave) -> TransferStats:
-        from awex.transport.delta import DeltaExecutor
-
-        if callable(shards) or refresh_by_wave is not None:
-            raise ValueError("delta syncs need in-place views on both sides and no FP8 on the fly")
-        if self._executor is None or self._built_from is not shards:
-            with timed(phases, "executor"):
-                self._executor = DeltaExecutor(self.plan, self.rank, shards, self.group, self._delta[1])
-                self._built_from = shards
-        link.moving()
-        with timed(phases, "transfer"):
-            return self._executor.run(timeout=max(0.1, deadline - time.monotonic()))
-
-    @property
-    def held_bytes(self) -> int:
-        return self._executor.staging_bytes if self._executor is not None else 0
-
-    def abort(self) -> None:
-        """Abort an NCCL group (local: its kernels waiting on a dead peer end, its watchdog stops); the next
-        plan joins a new one."""
-        self._drop_group()
-        self.plan = self._executor = self._before_pack = None
-
-    def close(self) -> None:
-        """Drop the group without shutting it down: shutting NCCL communicators down gracefully is collective,
-        and a closing rank must not wait for peers that are not closing (released with the process)."""
-        self.group = self._rendezvous = None
-        self.plan = self._executor = self._before_pack = None
-
-    def _drop_group(self) -> None:
-        group, self.group, self._rendezvous = self.group, None, None
-        if group is not None and group.backend in GROUPED:
-            group.abort()
