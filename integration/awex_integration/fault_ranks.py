@@ -123,7 +123,9 @@ def trainer_rank(
         if fault == "die_after_agreement":  # every rank agreed on the plan and joined the group; no byte sent
             writer.refresh = lambda: os._exit(EXIT_CODE)
         if fault == "die_before_ready":  # its weights are out (an IPC export); not yet signalled
-            writer._session._ring_ready = lambda *args: os._exit(EXIT_CODE)
+            from awex.engines.peer_link import SyncPeerLink
+
+            SyncPeerLink.ready = lambda *args: os._exit(EXIT_CODE)
         if fault == "die_while_filling":  # shm: said ready, its segment part-filled (the receivers copy what is there)
             from awex.transport import shm
 

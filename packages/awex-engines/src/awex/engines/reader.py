@@ -109,7 +109,6 @@ class WeightsReader:
         started = time.monotonic()
         manifest = None
         applying = False  # the apply step began (it changes the engine's weights)
-        self._session.touched = False  # set once bytes start moving into the views
         try:
             manifest = self._session.fetch_manifest(version, self.timeout)
             if self.layout.instance not in manifest.destinations:

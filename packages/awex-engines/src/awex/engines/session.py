@@ -22,13 +22,15 @@ from awex.engines import keys, outcomes, places
 from awex.engines.board import HostBoard, host_identity
 from awex.engines.channel import ChannelError, VersionChannel
 from awex.engines.manifest import SyncManifest, _count
-from awex.engines.peer_link import PeerLinkOfSession
-from awex.meta import Layout, Plan, PlanOptions, Topology, plan_transfers
+from awex.engines.peer_link import SyncPeerLink
+from awex.engines.signals import Signals, signals_for
+from awex.engines.version_plan import PlanKey, plan_version
+from awex.engines.writer_options import combination_error
+from awex.meta import Layout, Plan
 from awex.meta.client import MetaClient
-from awex.meta.transport_choice import TransportError, choose_transport, unreachable
 from awex.transport import LocalShards
 from awex.transport.base import Setup, TransferStats, Transport
-from awex.transport.registry import TRANSPORTS, make_transport
+from awex.transport.registry import make_transport
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
 
@@ -63,7 +65,7 @@ class SyncSession:
     client: MetaClient
     instance: str
     local_rank: int
-    _key: tuple | None = None
+    _key: PlanKey | None = None
     _plan: Plan | None = None
     planned: bool = False  # the last sync planned anew (first sync, or after a change)
     device: object = None  # torch.device of this rank's views: cuda -> NCCL, cpu -> gloo
@@ -76,12 +78,11 @@ class SyncSession:
     phases: Phases = field(default_factory=Phases)  # seconds per phase of the last transfer
     channel: VersionChannel | None = None  # the sync's version channel (per-version signals), once known
     board: HostBoard | None = None  # the sync's host board, when this rank is on the writer's host
-    signals: str = "meta"  # where this plan's per-version signals go: "board", "channel" or "meta"
-    touched: bool = False  # a receiver: the last transfer began moving bytes into its views
+    signals: Signals | None = None  # where this plan's per-version signals go (awex.engines.signals)
     delta_budget_bytes: int | None = None  # a sender of delta syncs: what it may keep of the last version
     _signals: str = "meta"  # what every rank can use, as the last device exchange found
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
-    _outcomes_after: float = 0.0  # a trainer's last wait for the receivers' outcomes (seconds)
+    _link: SyncPeerLink | None = None  # the last transfer's link to its peers
     _last_attempt: tuple[str | None, str, int] | None = None  # (channel, version, count) this rank took part in
     _processes: dict[tuple[str, int], tuple[str, int, int | None]] = field(default_factory=dict)  # of the plan's ranks
 
@@ -112,18 +113,14 @@ class SyncSession:
 
     def steady_for(self, manifest: SyncManifest) -> bool:
         """Whether ``manifest`` needs nothing new: the same rendezvous, wave size and casts as the plan in use."""
-        return (
-            self._plan is not None
-            and self._key is not None
-            and self._key[:3] == (manifest.rendezvous(), manifest.wave_bytes, manifest.allow_cast)
-            and self._key[4:] == (manifest.delta, manifest.quantize_on_receive)
-        )
+        return self._plan is not None and self._key is not None and self._key.same_options(manifest)
 
     def fetch_manifest(self, version: str, timeout: float) -> SyncManifest:
         """Version ``version``'s manifest: from the host board or the version channel once one is known (checking
         the MetaServer every second, in case another writer took over), else from the MetaServer. Once this rank
         took part in an attempt at ``version`` (it succeeded or failed), only a later attempt's manifest is taken
         (the writer announces a retry with a higher count)."""
+        self._link = None  # a new version: nothing moved into this rank's views yet (touched)
         deadline = time.monotonic() + timeout
         asked = 0.0
         while True:
@@ -265,76 +262,22 @@ class SyncSession:
                 layouts[name] = self._layouts.get(name) or self.client.fetch_layout(
                     name, "current", timeout=max(0.1, deadline - time.monotonic())
                 )
-        key = (
-            manifest.rendezvous(),
-            manifest.wave_bytes,
-            manifest.allow_cast,
-            tuple(id(layouts[n]) for n in names),
-            manifest.delta,
-            manifest.quantize_on_receive,
-        )
+        key = PlanKey.of(manifest, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
-        if manifest.transport not in (*TRANSPORTS, "auto"):
-            raise ValueError(f"sync {manifest.version!r}: unknown transport {manifest.transport!r}")
-        if manifest.quantize_on_receive and manifest.transport != "ipc":
-            raise ValueError(
-                f"sync {manifest.version!r}: quantising on receive runs over ipc, not {manifest.transport!r}"
-            )
-        if manifest.delta and manifest.transport not in ("p2p", "ipc"):
-            raise ValueError(f"sync {manifest.version!r}: delta syncs run over p2p or ipc, not {manifest.transport!r}")
+        wrong = combination_error(manifest.transport, manifest.delta, manifest.quantize_on_receive)
+        if wrong:
+            raise ValueError(f"sync {manifest.version!r}: {wrong}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
             where = self._devices(
                 f"{manifest.version}/{manifest.seq}", names, layouts, deadline, ipc_ok and manifest.transport != "p2p"
             )
-        devices, reach, hosts = tuple(where.devices), where.reach, where.hosts
         self._processes = where.processes
 
-        host_of = tuple((name, rank, host) for (name, rank), (host, _, _) in sorted(where.processes.items()))
-        across_hosts = len({h for _, _, h in host_of}) > 1
-
-        def plan_for(transport: str) -> Plan:
-            nodes = transport == "p2p" and across_hosts  # what a host needs enters it once and is forwarded there
-            return plan_transfers(
-                [layouts[n] for n in manifest.sources],
-                [layouts[n] for n in manifest.destinations],
-                PlanOptions(
-                    wave_bytes=manifest.wave_bytes,
-                    relay=transport == "p2p" and not manifest.delta,  # a delta bucket is checked by its receiver
-                    allow_cast=manifest.allow_cast,
-                    devices=devices if transport == "ipc" else (),
-                    topology=Topology() if nodes else None,
-                    hosts=host_of if nodes else (),
-                    quantize_on_receive=manifest.quantize_on_receive,
-                ),
-            )
-
-        transport = manifest.transport
         plan_started = time.perf_counter()
-        if transport == "auto":
-            ipc_plan, p2p_plan = plan_for("ipc"), plan_for("p2p")
-            choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave, reach, shm_ok=where.shm_ok)
-            transport = choice.transport
-            plan = p2p_plan if transport == "p2p" else ipc_plan  # shm: the same plan as ipc (no relays)
-            log.info(
-                "%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version, transport, choice.reason
-            )
-        else:
-            plan = plan_for(transport)
-            blocked = unreachable(plan, devices, reach) if transport == "ipc" else []
-            if transport == "shm" and len(hosts) != 1:
-                names = [h.split("/")[0] for h in sorted(hosts)]
-                apart = "; separate network namespaces count as hosts" if len(set(names)) < len(names) else ""
-                raise TransportError(
-                    f"sync {manifest.version!r} over shared memory: its ranks run on "
-                    f"{len(hosts)} hosts ({', '.join(names[:4])}{apart}); use transport='p2p' or 'rdma'"
-                )
-            if blocked:
-                raise TransportError(
-                    f"sync {manifest.version!r} over CUDA IPC: "
-                    + "; ".join(blocked[:8])
-                    + " (make the GPUs visible to the reading processes, or use transport='p2p')"
-                )
+        plan, transport, reason = plan_version(manifest, layouts, where)
+        if reason:
+            log.info("%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version, transport, reason)
         phase["plan"] = time.perf_counter() - plan_started
         if transport == "ipc" and not ipc_ok:
             raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
@@ -362,7 +305,7 @@ class SyncSession:
         self._transports[transport].prepare(plan, me.rank, setup, phase)
         self._layouts = layouts
         self._key, self._plan, self.transport = key, plan, transport
-        self.signals = self._signals
+        self.signals = signals_for(self._signals, self.client, self.channel, self.board)
         log.info(
             "%s:%d planned %d buckets (digest %s), sync rank %d of %d",
             self.instance,
@@ -388,7 +331,7 @@ class SyncSession:
         if self.closed:
             raise RuntimeError(f"{self.instance}:{self.local_rank}: this reader or writer is closed")
         self.phases = phase = Phases()
-        self.touched = False
+        self._link = None
         plan, rank, self.planned = self.prepare(manifest, timeout, ipc_ok=not callable(shards))
         transport = self._transports[self.transport]
         if not transport.refreshes_by_wave:
@@ -401,21 +344,31 @@ class SyncSession:
                 f"transport {self.transport!r} copies into the engine's own views (in place), not per-sync "
                 "receive buffers"
             )
-        link = PeerLinkOfSession(self, manifest, plan, rank)
+        link = self._link = SyncPeerLink(
+            plan, rank, self.signals, self.client, manifest, self.transport, self._processes
+        )
         stats = transport.run(shards, link, started + timeout, phase, refresh_by_wave)
         if transport.signals_ready:
             stats.seconds = time.monotonic() - started
         return stats
 
+    @property
+    def touched(self) -> bool:
+        """A receiver: the last transfer began moving bytes into its views."""
+        return self._link is not None and self._link.touched
+
     # -- outcomes: a version counts as applied only when every receiving rank said so (awex.engines.outcomes) ---
     def finish(self, manifest: SyncManifest, ok: bool, cause: str | None = None, partial: bool = False) -> None:
         """A receiving rank's outcome of ``manifest``'s version: :func:`awex.engines.outcomes.report`."""
         self._last_attempt = (manifest.channel, manifest.version, manifest.seq)
-        outcomes.report(self, manifest, ok, cause, partial)
+        with self.phases("done"):
+            me = (self.instance, self.local_rank)
+            outcomes.report(self.client, self._plan, me, self.signals, manifest, ok, cause, partial)
 
-    def await_outcomes(self, manifest: SyncManifest, deadline: float) -> dict[tuple[str, int], dict | None]:
+    def await_outcomes(self, manifest: SyncManifest, deadline: float) -> outcomes.Outcomes:
         """A trainer rank: every receiving rank's outcome: :func:`awex.engines.outcomes.collect`."""
-        return outcomes.collect(self, manifest, deadline)
+        with self.phases("done"):
+            return outcomes.collect(self._plan, self.signals, manifest, deadline)
 
     def describe_sync(self, verb: str, version: str, nbytes: int, seconds: float) -> str:
         """One log line for a sync this rank finished; a sync that planned anew also lists its phases and the
@@ -439,17 +392,6 @@ class SyncSession:
         if transport is not None:
             transport.abort()
         self.transport = None
-
-    def _ring_ready(self, kind: str, manifest: SyncManifest, me, generation: int) -> None:
-        """A sender: this version's bytes are ready to be read (``generation``: of its export or segment)."""
-        if self.signals == "board":
-            self.board.ring(me.rank, manifest.seq, generation)
-            return
-        ready = keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank)
-        if self.signals == "channel":
-            self.channel.put(ready, generation)
-        else:
-            self.client.put(ready, generation)
 
     def applied(self) -> None:
         """A sender, once every receiver applied a version (over shared memory: each has mapped this plan's

@@ -54,7 +54,7 @@ class TrainerSource:
     ) -> TrainerSource:
         """This rank of a Megatron-core ``GPTModel`` job (``torch.distributed`` and ``parallel_state`` initialised;
         ``model``: its chunks under virtual pipeline parallelism). Its sizes are read from the job; ``parallel``,
-        if given, must agree (:func:`awex.engines.megatron.megatron_parallel`). Its sync identity is its global
+        if given, must agree (:func:`awex.engines.megatron_job.megatron_parallel`). Its sync identity is its global
         rank."""
         try:  # before anything of the job is read: a model without a table is refused first
             dims = model_dims(config, dtype)
@@ -68,7 +68,7 @@ class TrainerSource:
         from megatron.core import parallel_state
 
         from awex.convert import MegatronNames, megatron_views
-        from awex.engines.megatron import megatron_parallel
+        from awex.engines.megatron_job import megatron_parallel
 
         parallel = megatron_parallel(model, config, parallel)
         layout = megatron_layout(canonical_tensors(dims), parallel, instance=instance)

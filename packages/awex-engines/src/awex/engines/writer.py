@@ -357,7 +357,7 @@ class WeightsWriter:
             self._board.post(doc)
         manifest = last.renamed(version, self._seq)
         self._manifest, self._manifest_doc = manifest, doc
-        if not steady or self._session.signals != "board":  # not every rank maps the board
+        if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
             self._channel.put(keys.channel_manifest(version), doc)
         if steady:  # the MetaServer's copy is for observers and late joiners
             later.append(

@@ -1,0 +1,167 @@
+"""Per-version signals of one plan: a sender's "my bytes of this version are ready" and a receiver's outcome.
+
+One interface (:class:`Signals`), one implementation per medium, chosen once per plan by what every rank of the
+sync can use (:func:`awex.engines.places.exchange` finds it; :func:`signals_for` makes it):
+
+- :class:`BoardSignals`: the host board (``/dev/shm``), when every rank runs on the writer's host;
+- :class:`ChannelSignals`: the writer's version channel, when every rank reached it;
+- :class:`MetaSignals`: the MetaServer, always reachable.
+
+Nothing here reads a sync session: peer links and outcomes take ``(plan, rank, signals)``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol, Sequence
+
+from awex.engines import keys
+from awex.engines.board import HostBoard
+from awex.engines.channel import VersionChannel
+from awex.engines.manifest import SyncManifest
+from awex.meta import RankDescriptor
+from awex.meta.client import MetaClient
+
+log = logging.getLogger("awex.engines")
+
+OK_DETAIL, FAILED_DETAIL = 0, 1  # a receiver's outcome on the host board (its cause goes to the MetaServer)
+
+
+class Signals(Protocol):
+    """Where one plan's per-version signals go. ``kind`` is the transport's name (ready keys carry it)."""
+
+    medium: str  # "board", "channel" or "meta"
+
+    def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
+        """A sender: this version's bytes are ready to be read (``generation``: of its export or segment)."""
+
+    def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
+        """A receiver: each sender's generation once all said ready; ``TimeoutError`` after ``timeout`` seconds."""
+
+    def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
+        """A receiver's outcome ``doc`` (``{"ok", "cause", "partial"}``)."""
+
+    def outcomes(self, manifest: SyncManifest, receivers: Sequence[RankDescriptor], deadline: float) -> list[Any]:
+        """A trainer rank: each receiver's outcome document (``None`` where none came by ``deadline``)."""
+
+
+class MetaSignals:
+    """Every signal a key on the MetaServer (``awex.engines.keys.ready`` / ``outcome``)."""
+
+    medium = "meta"
+
+    def __init__(self, client: MetaClient):
+        self.client = client
+
+    def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
+        self.client.put(keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank), generation)
+
+    def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        return [
+            self.client.get(
+                keys.ready(kind, manifest.version, manifest.seq, s.instance, s.local_rank),
+                timeout=max(0.001, deadline - time.monotonic()),
+            )
+            for s in senders
+        ]
+
+    def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
+        self.client.put(keys.outcome(manifest.version, manifest.seq, me.instance, me.local_rank), doc)
+
+    def outcomes(self, manifest: SyncManifest, receivers: Sequence[RankDescriptor], deadline: float) -> list[Any]:
+        out = []
+        for r in receivers:
+            try:
+                key = keys.outcome(manifest.version, manifest.seq, r.instance, r.local_rank)
+                out.append(self.client.get(key, timeout=max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                out.append(None)
+        return out
+
+
+class ChannelSignals:
+    """Signals through the writer's version channel (a failure's cause goes to the MetaServer too: outcomes)."""
+
+    medium = "channel"
+
+    def __init__(self, channel: VersionChannel):
+        self.channel = channel
+
+    def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
+        self.channel.put(keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank), generation)
+
+    def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
+        names = [keys.ready(kind, manifest.version, manifest.seq, s.instance, s.local_rank) for s in senders]
+        return self.channel.wait(names, timeout)
+
+    def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
+        self.channel.put(keys.channel_outcome(manifest.version, manifest.seq, me.instance, me.local_rank), doc)
+
+    def outcomes(self, manifest: SyncManifest, receivers: Sequence[RankDescriptor], deadline: float) -> list[Any]:
+        names = [keys.channel_outcome(manifest.version, manifest.seq, r.instance, r.local_rank) for r in receivers]
+        try:
+            return self.channel.wait(names, max(0.001, deadline - time.monotonic()))
+        except TimeoutError:
+            return [self.channel.get(k) for k in names]
+
+
+class BoardSignals:
+    """Signals as numbers in the host board's slots, one per sync rank: a sender's export generation, a receiver's
+    :data:`OK_DETAIL` / :data:`FAILED_DETAIL` (whose cause a trainer then reads from the MetaServer)."""
+
+    medium = "board"
+
+    def __init__(self, board: HostBoard, client: MetaClient):
+        self.board, self.client = board, client
+        self._outcomes_after = 0.0  # how long the last wait for outcomes took (polling sleeps until about then)
+
+    def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
+        self.board.ring(me.rank, manifest.seq, generation)
+
+    def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
+        return self.board.wait([s.rank for s in senders], manifest.seq, timeout)
+
+    def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
+        self.board.ring(me.rank, manifest.seq, OK_DETAIL if doc.get("ok") else FAILED_DETAIL)
+
+    def outcomes(self, manifest: SyncManifest, receivers: Sequence[RankDescriptor], deadline: float) -> list[Any]:
+        slots = [r.rank for r in receivers]
+        waited = time.monotonic()
+        try:
+            details = self.board.wait(slots, manifest.seq, max(0.0, deadline - time.monotonic()), self._outcomes_after)
+            self._outcomes_after = time.monotonic() - waited  # about as long next time
+        except TimeoutError:
+            details = self.board.signalled(slots, manifest.seq)
+        return [
+            None if d is None else {"ok": True} if d == OK_DETAIL else self._cause(manifest, r)
+            for r, d in zip(receivers, details)
+        ]
+
+    def _cause(self, manifest: SyncManifest, rank: RankDescriptor) -> dict:
+        doc = None
+        try:
+            doc = self.client.get(
+                keys.outcome(manifest.version, manifest.seq, rank.instance, rank.local_rank), timeout=2.0
+            )
+        except Exception as e:  # the board said it failed; the cause is a detail
+            log.warning("cause of %s:%d's failure unknown: %s", rank.instance, rank.local_rank, e)
+        return doc if isinstance(doc, dict) and doc.get("ok") is False else {"ok": False, "cause": None}
+
+
+def signals_for(
+    medium: str, client: MetaClient, channel: VersionChannel | None, board: HostBoard | None
+) -> MetaSignals | ChannelSignals | BoardSignals:
+    """The signals of a plan whose ranks can all use ``medium`` (what the device exchange found: this rank said it
+    has the board or channel it names)."""
+    if medium == "board":
+        if board is None:
+            raise RuntimeError("per-version signals on the host board, but this rank has none")
+        return BoardSignals(board, client)
+    if medium == "channel":
+        if channel is None:
+            raise RuntimeError("per-version signals on the version channel, but this rank has none")
+        return ChannelSignals(channel)
+    if medium != "meta":
+        raise ValueError(f"unknown signal medium {medium!r}")
+    return MetaSignals(client)

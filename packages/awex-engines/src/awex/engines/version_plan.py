@@ -1,0 +1,91 @@
+"""What one version is planned from and how: the key a rank's plan is kept under between versions
+(:class:`PlanKey`), and the plan and transport for a manifest, the layouts and where every rank runs
+(:func:`plan_version`: pure, the same on every rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from awex.engines import places
+from awex.engines.manifest import SyncManifest
+from awex.meta import Layout, Plan, PlanOptions, Topology, plan_transfers
+from awex.meta.transport_choice import TransportError, choose_transport, unreachable
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a rank's plan was made from: a manifest with the same key (and the same layouts) reuses it."""
+
+    rendezvous: tuple
+    wave_bytes: int
+    allow_cast: tuple[str, ...]
+    delta: bool
+    quantize_on_receive: bool
+    layouts: tuple[int, ...] = ()  # identities of the layout objects planned from
+
+    @classmethod
+    def of(cls, manifest: SyncManifest, layouts: tuple[int, ...] = ()) -> PlanKey:
+        return cls(
+            manifest.rendezvous(),
+            manifest.wave_bytes,
+            tuple(manifest.allow_cast),
+            manifest.delta,
+            manifest.quantize_on_receive,
+            layouts,
+        )
+
+    def same_options(self, manifest: SyncManifest) -> bool:
+        """``manifest`` asks for what this plan was made for (whatever layouts it is used with)."""
+        return PlanKey.of(manifest, self.layouts) == self
+
+
+def plan_version(
+    manifest: SyncManifest, layouts: Mapping[str, Layout], where: places.Places
+) -> tuple[Plan, str, str | None]:
+    """The plan of ``manifest``'s version and the transport it runs on (with ``transport="auto"``, the choice and
+    why; else the manifest's, checked: shared memory needs one host, CUDA IPC every device reachable).
+    ``TransportError`` says what to use instead."""
+    devices, reach, hosts = tuple(where.devices), where.reach, where.hosts
+    host_of = tuple((name, rank, host) for (name, rank), (host, _, _) in sorted(where.processes.items()))
+    across_hosts = len({h for _, _, h in host_of}) > 1
+
+    def plan_for(transport: str) -> Plan:
+        nodes = transport == "p2p" and across_hosts  # what a host needs enters it once and is forwarded there
+        return plan_transfers(
+            [layouts[n] for n in manifest.sources],
+            [layouts[n] for n in manifest.destinations],
+            PlanOptions(
+                wave_bytes=manifest.wave_bytes,
+                relay=transport == "p2p" and not manifest.delta,  # a delta bucket is checked by its receiver
+                allow_cast=manifest.allow_cast,
+                devices=devices if transport == "ipc" else (),
+                topology=Topology() if nodes else None,
+                hosts=host_of if nodes else (),
+                quantize_on_receive=manifest.quantize_on_receive,
+            ),
+        )
+
+    transport = manifest.transport
+    if transport == "auto":
+        ipc_plan, p2p_plan = plan_for("ipc"), plan_for("p2p")
+        choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave, reach, shm_ok=where.shm_ok)
+        transport = choice.transport
+        plan = p2p_plan if transport == "p2p" else ipc_plan  # shm: the same plan as ipc (no relays)
+        return plan, transport, choice.reason
+    plan = plan_for(transport)
+    blocked = unreachable(plan, devices, reach) if transport == "ipc" else []
+    if transport == "shm" and len(hosts) != 1:
+        names = [h.split("/")[0] for h in sorted(hosts)]
+        apart = "; separate network namespaces count as hosts" if len(set(names)) < len(names) else ""
+        raise TransportError(
+            f"sync {manifest.version!r} over shared memory: its ranks run on "
+            f"{len(hosts)} hosts ({', '.join(names[:4])}{apart}); use transport='p2p' or 'rdma'"
+        )
+    if blocked:
+        raise TransportError(
+            f"sync {manifest.version!r} over CUDA IPC: "
+            + "; ".join(blocked[:8])
+            + " (make the GPUs visible to the reading processes, or use transport='p2p')"
+        )
+    return plan, transport, None
