@@ -34,7 +34,7 @@ def main() -> None:
     from vllm import LLM
 
     from awex.meta.server.embedded import start_embedded
-    from awex_integration.scenario import llm_options
+    from awex_integration.instances import llm_options
     from awex_integration.tiny_model import load_json, make_tokenizer
 
     config = load_json(args.config)

@@ -26,7 +26,7 @@ def main() -> None:
     from vllm import LLM
 
     from awex.meta.server.embedded import start_embedded
-    from awex_integration.scenario import llm_options
+    from awex_integration.instances import llm_options
     from awex_integration.tiny_model import load_json, make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="awex-learned-") as work:

@@ -213,7 +213,7 @@ class RayLlmInstance:
         from vllm import LLM
 
         from awex_integration import vllm_cpu_plain_weights
-        from awex_integration.scenario import llm_options
+        from awex_integration.instances import llm_options
 
         self.name = name
         self._pg = cluster.group([cluster.bundle(ENGINE_SIDE)])
