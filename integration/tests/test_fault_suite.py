@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from awex_integration.fault_suite import cases, rdma_cases, run_case, shm_cases
+from awex_integration.fault_cases import cases, rdma_cases, shm_cases
+from awex_integration.fault_suite import run_case
 
 CASES = {case.name: case for case in cases() + shm_cases() + rdma_cases()}
 
