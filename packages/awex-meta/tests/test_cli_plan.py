@@ -35,7 +35,7 @@ def test_plan_cli_reports_a_summary_and_one_json_object(capsys):
         "--inference",
         "vllm:tp=2,instances=2",
         "--link-gbps",
-        "366",
+        "2928",  # gigabits per second: 366 GB/s
     )
     assert code == 0
     assert FIELDS <= set(doc)
@@ -50,6 +50,7 @@ def test_plan_cli_reports_a_summary_and_one_json_object(capsys):
     assert doc["total_bytes"] == 2 * (16_381_470_720 + replicated)
     assert doc["max_rank_recv_bytes"] == doc["lower_bound_bytes"]  # a TP=2 engine rank needs half the model
     assert doc["lower_bound_seconds"] == round(doc["lower_bound_bytes"] / 366e9, 4)
+    assert any("at 2928 Gb/s per rank" in line for line in out)
     assert doc["estimated_seconds"] >= doc["lower_bound_seconds"]
     assert any(line.startswith("coverage   ok") for line in out)
 
@@ -143,3 +144,35 @@ def test_plan_cli_plans_for_sglang_engines_with_dp_attention(capsys):
     cmd += ["--trainer", "megatron:tp=8,ep=8", "--inference", "sglang:tp=8"]
     refused = subprocess.run(cmd, capture_output=True, text=True)
     assert refused.returncode != 0 and "not mapped for SGLang" in refused.stderr + refused.stdout
+
+
+def test_plan_cli_refuses_what_it_would_otherwise_guess(capsys):
+    """A key given twice, experts split on a dense model, a rate of zero: each refused, saying why, exit status 2."""
+    qwen3 = ["plan", "--model", str(MODELS / "qwen3-8b.json"), "--trainer", "megatron:tp=2"]
+    for inference, extra, said in [
+        ("vllm:tp=2,tp=4", [], "tp given twice"),
+        ("vllm:tp=2,ep=2", [], "ep=2 splits experts, and this model has none"),
+        ("vllm:tp=2", ["--link-gbps", "0"], "above zero"),
+    ]:
+        assert main([*qwen3, "--inference", inference, *extra]) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_cli_help_has_no_markup_and_bad_ports_are_refused_cleanly():
+    cli = [sys.executable, "-m", "awex.meta.cli"]
+    for args in (["--help"], ["plan", "--help"], ["serve", "--help"]):
+        out = subprocess.run([*cli, *args], capture_output=True, text=True)
+        assert out.returncode == 0 and "``" not in out.stdout and ":func:" not in out.stdout
+    out = subprocess.run([*cli, "serve", "--port", "99999"], capture_output=True, text=True)
+    assert out.returncode == 2 and "99999 is not a port (0-65535" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_cli_into_a_closed_pipe_ends_quietly():
+    """``awex-meta plan ... | head -1``: the reader leaves early; no traceback, exit status 0."""
+    cmd = [sys.executable, "-m", "awex.meta.cli", "plan", "--model", str(MODELS / "qwen2-tiny.json")]
+    cmd += ["--trainer", "hf", "--inference", "hf", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # nobody reads: the first print meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err

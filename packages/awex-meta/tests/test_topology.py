@@ -145,9 +145,9 @@ def test_cli_reports_the_estimate_and_refuses_two_estimates(tmp_path):
     assert "no byte crosses a NIC" in shared.stdout
     done = subprocess.run([*cmd, "--topology", "gpus=8"], capture_output=True, text=True)
     assert done.returncode == 2 and "expected one of gpus-per-node" in done.stderr
-    done = subprocess.run([*cmd, "--topology", "", "--link-gbps", "50"], capture_output=True, text=True)
+    done = subprocess.run([*cmd, "--topology", "", "--link-gbps", "400"], capture_output=True, text=True)
     assert done.returncode == 0  # an empty topology is no topology
-    done = subprocess.run([*cmd, "--topology", "gpus-per-node=4", "--link-gbps", "50"], capture_output=True, text=True)
+    done = subprocess.run([*cmd, "--topology", "gpus-per-node=4", "--link-gbps", "400"], capture_output=True, text=True)
     assert done.returncode == 2 and "give one" in done.stderr
 
 

@@ -3,7 +3,9 @@
     awex-meta serve --host 0.0.0.0 --port 8765 --token-env AWEX_META_TOKEN
     awex-meta status http://127.0.0.1:8765
     awex-meta plan --model config.json --trainer megatron:tp=4,pp=8,ep=8,dp=4,first=11,last=11 \\
-                   --inference vllm:tp=8,ep=8,instances=16 --link-gbps 50 --json
+                   --inference vllm:tp=8,ep=8,instances=16 --link-gbps 400 --json
+
+Rates are in gigabits per second everywhere (``--link-gbps``, and ``--topology``'s ``nic-gbps`` / ``nvlink-gbps``).
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ def _versions() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="awex-meta", description=__doc__.splitlines()[0].strip("`: "))
+    parser = argparse.ArgumentParser(
+        prog="awex-meta", description="awex-meta: the MetaServer (serve, status) and the planner dry run (plan)."
+    )
     parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_serve = sub.add_parser("serve", help="run a standalone MetaServer")
     p_serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p_serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    p_serve.add_argument("--port", type=_port, default=8765, help="port (default 8765; 0 picks a free one)")
     p_serve.add_argument("--token", default=None, help="require this bearer token (prefer --token-env)")
     p_serve.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
     p_serve.add_argument("--max-payload-mb", type=float, default=64.0, help="largest accepted body (default 64)")
@@ -98,7 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--split-mb", type=float, default=16.0, help="smallest part when a piece is spread over replicas (default 16)"
     )
     p_plan.add_argument(
-        "--link-gbps", type=float, default=None, help="per-rank link bandwidth in GB/s: estimate the sync time"
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="per-rank link bandwidth in gigabits per second (as --topology's rates): estimate the sync time",
     )
     p_plan.add_argument(
         "--topology",
@@ -111,6 +118,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_plan.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
 
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:  # the reader went away (`awex-meta plan ... | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
+
+
+def _port(text: str) -> int:
+    """A TCP port argument (0-65535; 0: any free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535; 0 picks a free one)")
+    return port
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "serve":
@@ -287,8 +313,10 @@ def _plan(args: argparse.Namespace) -> int:
     summary["hot_receiver"] = _rank_name(plan, hot_recv)
     if args.link_gbps and args.topology:
         raise ValueError("--link-gbps and --topology both estimate the sync: give one")
-    if args.link_gbps:
-        bw = args.link_gbps * 1e9
+    if args.link_gbps is not None:
+        if args.link_gbps <= 0:
+            raise ValueError(f"--link-gbps {args.link_gbps:g}: a rate in gigabits per second, above zero")
+        bw = args.link_gbps * 1e9 / 8  # bytes per second
         summary["link_gbps"] = args.link_gbps
         summary["lower_bound_seconds"] = round(summary["lower_bound_bytes"] / bw, 4)
         summary["busiest_rank_seconds"] = round(
@@ -342,7 +370,8 @@ def _print_human(s: dict, args: argparse.Namespace, dims) -> None:
         f"plan       {s['ops']:,} transfers in {s['buckets']:,} buckets, {s['waves']} waves, "
         f"planned in {s['plan_seconds']:.2f} s (digest {s['digest'][:12]})",
         f"traffic    {_gb(s['total_bytes'])} in all; busiest sender {s['hot_sender']} {_gb(s['max_rank_send_bytes'])} "
-        f"(lower bound {_gb(s['lower_bound_send_bytes'])}, {ratio:.3f}x)",
+        f"({ratio:.3f}x the least a sender must send without relays, {_gb(s['lower_bound_send_bytes'])}"
+        + ("; receivers forward the rest)" if ratio < 1 else ")"),
         f"           busiest receiver {s['hot_receiver']} {_gb(s['max_rank_recv_bytes'])} "
         f"(it needs exactly that); lower bound for the busiest rank {_gb(s['lower_bound_bytes'])}",
     ]
@@ -357,7 +386,7 @@ def _print_human(s: dict, args: argparse.Namespace, dims) -> None:
         lines.append("coverage   FAILED: " + "; ".join(s["coverage_problems"][:5]))
     if "link_gbps" in s:
         lines.append(
-            f"estimate   at {s['link_gbps']:g} GB/s per rank: {s['lower_bound_seconds']:.3f} s lower bound, "
+            f"estimate   at {s['link_gbps']:g} Gb/s per rank: {s['lower_bound_seconds']:.3f} s lower bound, "
             f"{s['estimated_seconds']:.3f} s for this plan's wave schedule"
         )
     if "topology" in s:

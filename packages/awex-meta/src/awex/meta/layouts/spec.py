@@ -42,6 +42,8 @@ def parse_engine_spec(text: str) -> EngineSpec:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"{text!r}: expected key=value, got {item!r}")
+        if key.strip() in options or (key.strip() == "instances" and "instances" in options):
+            raise ValueError(f"{text!r}: {key.strip()} given twice")
         try:
             options[key.strip()] = int(value)
         except ValueError:
@@ -74,6 +76,10 @@ def layouts_for(
     config names it; SGLang's layout depends on it)."""
     role = Role(role)
     prefix = prefix or spec.engine
+    parallel_experts = {k: v for k, v in spec.options.items() if k in ("ep", "etp", "moe_dp") and v > 1}
+    if parallel_experts and not any(t.expert is not None for t in tensors):
+        given = ", ".join(f"{k}={v}" for k, v in parallel_experts.items())
+        raise ValueError(f"{spec.engine}: {given} splits experts, and this model has none (a dense model)")
     if spec.engine == "megatron":
         if role != Role.TRAINER:
             raise ValueError("megatron is a trainer engine")
