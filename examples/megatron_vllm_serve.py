@@ -128,7 +128,7 @@ def trainer_rank(rank: int, port: int, meta_address: str, base: str, model_path:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from awex.engines.source import TrainerSource
-    from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
+    from awex.engines.vllm_trainer import AwexTrainerInitInfo
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=TP)
@@ -141,7 +141,7 @@ def trainer_rank(rank: int, port: int, meta_address: str, base: str, model_path:
     engine = WeightTransferTrainerFactory.trainer_init(
         AwexTrainerInitInfo(rank=rank, meta_address=meta_address, instances=("vllm-0",)),
         client=HTTPVLLMWeightSyncClient(base),  # rank 0 drives the server; the other ranks only send their shards
-        source=AwexSource.of(TrainerSource.megatron(model, hf)),
+        source=TrainerSource.megatron(model, hf),
     )
     for step in range(2):
         stand_in_training_step(model, step)

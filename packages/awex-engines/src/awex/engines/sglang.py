@@ -44,6 +44,17 @@ from awex.meta.client import MetaClient
 from awex.meta.layouts import SglangParallel, sglang_engine_layout
 from awex.meta.models import model_dims
 
+__all__ = [
+    "AwexSglangInfo",
+    "SglangEngineUpdater",
+    "SglangHttpUpdater",
+    "SglangReceiver",
+    "SglangUpdateRequest",
+    "close_receivers",
+    "receive_weights",
+    "sglang_runtime_parallel",
+]
+
 log = logging.getLogger("awex.engines.sglang")
 
 LOADER = "awex.engines.sglang.receive_weights"  # the value of SGLang's --custom-weight-loader and load_format

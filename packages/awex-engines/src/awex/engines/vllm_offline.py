@@ -25,6 +25,8 @@ from typing import Any
 
 from awex.engines.pause import FAILED_VERSION_PREFIX, VersionStall, check_pause_mode, pauser_for, set_weight_version
 
+__all__ = ["LLMClient", "apply_version"]
+
 log = logging.getLogger("awex.engines.vllm")
 
 

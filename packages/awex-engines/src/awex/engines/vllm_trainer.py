@@ -12,8 +12,8 @@ Awex by the backend name.
         train_step()
         engine.send_weights()                                  # on every trainer rank
 
-``source``: vLLM's ``ModuleSource``, any HF ``nn.Module`` (FSDP2-sharded ones too), or an :class:`AwexSource`
-(``AwexSource.of(TrainerSource.megatron(...))`` for Megatron-core ranks).
+``source``: vLLM's ``ModuleSource``, any HF ``nn.Module`` (FSDP2-sharded ones too), or a
+:class:`~awex.engines.source.TrainerSource` (``TrainerSource.megatron(...)`` for Megatron-core ranks).
 
 Every trainer rank sends its own shards (no gather, nothing through rank 0): each builds a ``WeightsWriter``
 over its views. Rank 0 (the sender) also drives each vLLM engine through vLLM's client
@@ -52,6 +52,8 @@ from awex.meta import Box, Layout, PlanOptions
 from awex.meta.client import MetaClient
 from awex.transport.shards import torch_dtype
 
+__all__ = ["AwexSource", "AwexTrainerEngine", "AwexTrainerInitInfo"]
+
 log = logging.getLogger("awex.engines.vllm")
 
 
@@ -80,25 +82,22 @@ class AwexSource(WeightSource):
         return cls(source.layout, source.local_rank, source.view_of, source.refresh)
 
     @classmethod
-    def hf(cls, model: torch.nn.Module, instance: str = "trainer") -> AwexSource:
-        """An HF transformers model held whole by this rank."""
-        return cls.of(TrainerSource.hf(model, instance))
+    def hf(cls, *args: Any, **kwargs: Any) -> AwexSource:
+        """An HF transformers model held whole by this rank: :meth:`TrainerSource.hf
+        <awex.engines.source.TrainerSource.hf>`'s arguments."""
+        return cls.of(TrainerSource.hf(*args, **kwargs))
 
     @classmethod
-    def fsdp(cls, model: torch.nn.Module, instance: str = "trainer") -> AwexSource:
-        """An FSDP2 (``fully_shard``) model: each rank's local DTensor shards are its boxes."""
-        return cls.of(TrainerSource.fsdp(model, instance))
+    def fsdp(cls, *args: Any, **kwargs: Any) -> AwexSource:
+        """An FSDP2 (``fully_shard``) model, each rank's local DTensor shards its boxes: :meth:`TrainerSource.fsdp
+        <awex.engines.source.TrainerSource.fsdp>`'s arguments."""
+        return cls.of(TrainerSource.fsdp(*args, **kwargs))
 
     @classmethod
-    def megatron(cls, model, dims, names, rank: int, instance: str = "trainer") -> AwexSource:
-        """A Megatron-core ``GPTModel`` rank from its ``awex.convert.MegatronNames`` (TP/PP/EP position and parallel
-        sizes) and its rank in the trainer's world (``TrainerSource.megatron`` reads both from ``parallel_state``)."""
-        from awex.convert import megatron_views
-        from awex.meta import canonical_tensors
-        from awex.meta.layouts import megatron_layout
-
-        layout = megatron_layout(canonical_tensors(dims), names.parallel, instance=instance)
-        return cls(layout, rank, megatron_views(model, dims, names))
+    def megatron(cls, *args: Any, **kwargs: Any) -> AwexSource:
+        """A Megatron-core ``GPTModel`` rank: the arguments of :meth:`TrainerSource.megatron
+        <awex.engines.source.TrainerSource.megatron>` (its sizes and position are read from ``parallel_state``)."""
+        return cls.of(TrainerSource.megatron(*args, **kwargs))
 
     @classmethod
     def from_any(cls, source: Any) -> AwexSource:
@@ -116,8 +115,8 @@ class AwexSource(WeightSource):
             sharded = any(isinstance(p, DTensor) for p in module.parameters())
             return cls.fsdp(module) if sharded else cls.hf(module)
         raise TypeError(
-            f"the awex trainer engine sends an nn.Module (vLLM's ModuleSource, an HF or FSDP2 model) or an "
-            f"AwexSource (AwexSource.of(TrainerSource.megatron(...)) for Megatron-core), not {type(source).__name__}"
+            f"the awex trainer engine sends an nn.Module (vLLM's ModuleSource, an HF or FSDP2 model) or a "
+            f"TrainerSource (TrainerSource.megatron(...) for Megatron-core), not {type(source).__name__}"
         )
 
     def metadata(self) -> list[ParamMeta]:

@@ -38,6 +38,8 @@ from awex.meta.layout import Layout
 from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
 from awex.meta.serialize import layout_from_wire, layout_to_wire
 
+__all__ = ["MetaClient"]
+
 log = logging.getLogger("awex.meta.client")
 
 DEFAULT_TIMEOUT = 60.0
