@@ -307,10 +307,10 @@ BENCH_PATH = os.pathsep.join(  # absolute: device tests spawn workers in other d
 def bench_cpu(session: nox.Session) -> None:
     """CPU transports through the public path (gloo and host shared memory) against this machine's memory copy
     rate; arguments after ``--`` go to ``awex_integration.bench_cpu`` (default: results to
-    integration/bench-results-cpu.json)."""
+    integration/results/bench-results-cpu.json)."""
     _install_engines(session)
     session.install(*PACKAGES)
-    args = list(session.posargs) or ["--out", "integration/bench-results-cpu.json"]
+    args = list(session.posargs) or ["--out", "integration/results/bench-results-cpu.json"]
     session.run("python", "-m", "awex_integration.bench_cpu", *args, env={"PYTHONPATH": "integration"})
 
 
@@ -379,7 +379,7 @@ def gpu(session: nox.Session, case: str) -> None:
     """The CUDA matrix (``nox -l`` lists it): each device test module (``tests-*``; arguments after ``--`` go to
     pytest), and each benchmark scenario x model (``bench-<scenario>-<model>``; the scenario names its transport;
     arguments after ``--`` go to ``awex_integration.bench_gpu``, e.g. ``-- --fp8 --iters 3``; results to
-    ``integration/bench-results-<scenario>-<model>.json``). ``nox -s gpu -- --scenarios a,b [--models m]`` runs
+    ``integration/results/bench-results-<scenario>-<model>.json``). ``nox -s gpu -- --scenarios a,b [--models m]`` runs
     only those benchmark cells. Runs the machine's own python and torch (GPU machines
     often reach no registry: nothing is installed); skipped, saying so, where no CUDA device is present or the cell
     needs more GPUs than the machine has."""
@@ -394,7 +394,7 @@ def gpu(session: nox.Session, case: str) -> None:
     if model is None:
         _device_pytest(session, target)
         return
-    out = f"integration/bench-results-{target}-{model}.json"
+    out = f"integration/results/bench-results-{target}-{model}.json"
     bench = ["python3", "-m", "awex_integration.bench_gpu", "--scenarios", target, "--model", model, "--out", out]
     session.run(*bench, *args, env=DEVICE_ENV, external=True)
 
@@ -424,8 +424,8 @@ def npu(session: nox.Session, module: str) -> None:
 def bench(session: nox.Session) -> None:
     """GPU benchmark (1 to 4 GPUs): Awex vs the link limit and the usual approaches, with the python that has
     CUDA torch (GPU machines often reach no package registry, so nothing is installed). Writes
-    integration/bench-results.json unless ``--out`` is given after ``--``."""
-    args = list(session.posargs) or ["--out", "integration/bench-results.json"]
+    integration/results/bench-results.json unless ``--out`` is given after ``--``."""
+    args = list(session.posargs) or ["--out", "integration/results/bench-results.json"]
     session.run(
         "python3",
         "-m",

@@ -19,7 +19,7 @@ the CPU tests check against the real engines). Per scenario:
 
 Run on a machine with 4 GPUs (scenarios needing fewer GPUs use the first ones):
 
-    python -m awex_integration.bench_gpu --out integration/bench-results.json
+    python -m awex_integration.bench_gpu --out integration/results/bench-results.json
 
 with ``PYTHONPATH`` holding ``packages/*/src`` and ``integration`` (``nox -s bench`` sets it). Workers talk
 through files and the sync groups only: nothing is pickled across processes.

@@ -2,7 +2,7 @@
 with its topology, and its numbers written to a results file: plan and verification time, the planner's peak
 memory, and the cost model's estimate (an estimate, not a measurement: see docs/topology.md).
 
-    python -m awex_integration.dry_runs --out integration/dry-run-results.json [--only kimi-k2-256-to-128x16]
+    python -m awex_integration.dry_runs --out integration/results/dry-run-results.json [--only kimi-k2-256-to-128x16]
 """
 
 from __future__ import annotations

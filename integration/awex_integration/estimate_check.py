@@ -8,7 +8,7 @@ shared memory each GPU's bytes through host memory at the "D2H while H2D" rate. 
 measured it (``per_sync_seconds``: the same scenario with a model of a few MB, in the same run) add what a sync
 costs whatever its size: signals, the version's manifest, the engines' hooks.
 
-    python -m awex_integration.estimate_check integration/bench-results-public-2xh200.json [--out FILE]
+    python -m awex_integration.estimate_check integration/results/bench-results-public-2xh200.json [--out FILE]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ export; the engine opens it and rebuilds its copy plan). Every received tensor i
 writes one JSON object: per version the writer's time and phases, the engine's phases; the ratio of a moved
 version's write to a steady one's.
 
-    python -m awex_integration.rebind_cost --out integration/rebind-results-1xh100.json
+    python -m awex_integration.rebind_cost --out integration/results/rebind-results-1xh100.json
 """
 
 from __future__ import annotations
