@@ -123,7 +123,7 @@ def trainer_rank(
         if fault == "die_after_agreement":  # every rank agreed on the plan and joined the group; no byte sent
             writer.refresh = lambda: os._exit(EXIT_CODE)
         if fault == "die_before_ready":  # its weights are out (an IPC export); not yet signalled
-            from awex.engines.peer_link import SyncPeerLink
+            from awex.engines.sync.peer_link import SyncPeerLink
 
             SyncPeerLink.ready = lambda *args: os._exit(EXIT_CODE)
         if fault == "die_while_filling":  # shm: said ready, its segment part-filled (the receivers copy what is there)

@@ -3,7 +3,7 @@
 import logging
 import threading
 
-from awex.engines.background import Background
+from awex.engines.sync.background import Background
 
 
 def test_calls_run_in_order_off_the_callers_thread_and_flush_waits_for_them():

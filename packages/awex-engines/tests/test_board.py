@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from awex.engines.board import BoardTimeout, HostBoard
+from awex.engines.sync.board import BoardTimeout, HostBoard
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/dev/shm") or not sys.platform.startswith("linux"), reason="the host board lives in /dev/shm"

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from awex.engines.channel import ChannelError, ChannelTimeout, VersionChannel
+from awex.engines.sync.channel import ChannelError, ChannelTimeout, VersionChannel
 
 
 def test_put_wait_and_secrets_separate_keys():

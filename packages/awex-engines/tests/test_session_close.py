@@ -6,8 +6,8 @@ import socket
 import pytest
 import torch
 
-from awex.engines.manifest import SyncManifest
-from awex.engines.session import SyncSession
+from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.session import SyncSession
 from awex.transport import create_sync_group
 from awex.transport.ipc import IpcTransport, MappedShards
 from awex.transport.p2p import P2pTransport

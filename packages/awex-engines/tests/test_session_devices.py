@@ -5,9 +5,9 @@ import json
 import threading
 from pathlib import Path
 
-from awex.engines.keys import version_records
-from awex.engines.manifest import SyncManifest
-from awex.engines.session import SyncSession
+from awex.engines.sync.keys import version_records
+from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.session import SyncSession
 from awex.meta import canonical_tensors
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
@@ -136,7 +136,7 @@ def test_npu_ranks_publish_no_cuda_device_so_auto_chooses_point_to_point():
     then plans point to point (HCCL), never CUDA IPC or shared memory."""
     from types import SimpleNamespace
 
-    from awex.engines.places import describe, physical_device, reachable_devices
+    from awex.engines.sync.places import describe, physical_device, reachable_devices
     from awex.meta import PlanOptions, plan_transfers
     from awex.meta.transport_choice import choose_transport
     from awex.transport.accelerator import p2p_backend

@@ -123,7 +123,7 @@ def test_a_new_writer_with_another_channel_is_found_through_the_metaserver(serve
     ],
 )
 def test_hostile_signal_fields_in_a_manifest_are_refused(bad):
-    from awex.engines.manifest import SyncManifest
+    from awex.engines.sync.manifest import SyncManifest
 
     doc = SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000).to_json()
     SyncManifest.from_json(doc)  # the plain one is fine
@@ -134,8 +134,8 @@ def test_hostile_signal_fields_in_a_manifest_are_refused(bad):
 def test_a_steady_writers_manifests_reuse_the_checked_fields_and_anything_else_is_checked_again():
     """Readers parse a steady writer's manifests (only version and count change) without checking every field
     again; a changed field, or a hostile count, is parsed (and refused) as usual."""
-    from awex.engines.manifest import SyncManifest
-    from awex.engines.session import SyncSession
+    from awex.engines.sync.manifest import SyncManifest
+    from awex.engines.sync.session import SyncSession
 
     session = SyncSession(client=None, instance="r", local_rank=0)
     doc = SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000, seq=1).to_json()

@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from awex.engines import keys
-from awex.engines.background import Background
-from awex.engines.session import SyncSession
+from awex.engines.sync import keys
+from awex.engines.sync.background import Background
+from awex.engines.sync.session import SyncSession
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-from awex.engines import keys
+from awex.engines.sync import keys
 from awex.meta.client import MetaClient
 
 

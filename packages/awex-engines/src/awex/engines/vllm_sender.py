@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from awex.engines import keys
 from awex.engines.errors import SyncFailedError
 from awex.engines.pause import FAILED_VERSION_PREFIX, Pauser, VersionStall, set_weight_version
+from awex.engines.sync import keys
 from awex.meta import Layout, PlanError, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
 

@@ -42,10 +42,10 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
-from awex.engines import keys
 from awex.engines.errors import SyncFailedError
 from awex.engines.pause import VersionStall, check_pause_mode, pauser_for
 from awex.engines.source import TrainerSource
+from awex.engines.sync import keys
 from awex.engines.vllm_sender import SLACK, Engine, VersionSender
 from awex.engines.writer import WeightsWriter
 from awex.meta import Box, Layout, PlanOptions

@@ -17,15 +17,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from awex.engines import keys
-from awex.engines.background import Background
-from awex.engines.board import HostBoard, host_identity
-from awex.engines.channel import VersionChannel
 from awex.engines.errors import SyncFailedError, instance_verdicts
-from awex.engines.keys import version_records
-from awex.engines.manifest import SyncManifest
-from awex.engines.session import Region, SyncSession
 from awex.engines.source import TrainerSource
+from awex.engines.sync import keys
+from awex.engines.sync.background import Background
+from awex.engines.sync.board import HostBoard, host_identity
+from awex.engines.sync.channel import VersionChannel
+from awex.engines.sync.keys import version_records
+from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.session import Region, SyncSession
 from awex.engines.writer_options import check_options
 from awex.meta import Box, Layout, Plan
 from awex.meta.client import MetaClient
@@ -138,9 +138,9 @@ class WeightsWriter:
         self._session.delta_budget_bytes = delta_budget_bytes
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._port: int | None = None
-        self._channel: VersionChannel | None = None  # rank 0 hosts the version channel (awex.engines.channel)
+        self._channel: VersionChannel | None = None  # rank 0 hosts the version channel (awex.engines.sync.channel)
         self._cleaner: VersionChannel | None = None  # the background thread's connection to it
-        self._board: HostBoard | None = None  # rank 0: the host board (awex.engines.board), where /dev/shm allows
+        self._board: HostBoard | None = None  # rank 0: the host board (awex.engines.sync.board), where /dev/shm allows
         self._seq = 0  # attempts announced (rank 0): the manifest's count
         self._applied: set[str] = set()  # versions this writer wrote (names are written once)
         self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write

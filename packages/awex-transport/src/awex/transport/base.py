@@ -1,6 +1,6 @@
 """The one interface every transport implements, and what a transport may ask of the ranks around it.
 
-A :class:`Transport` moves one rank's share of a plan. The sync session (``awex.engines.session``) picks one by
+A :class:`Transport` moves one rank's share of a plan. The sync session (``awex.engines.sync.session``) picks one by
 name (:func:`awex.transport.registry.make_transport`), calls :meth:`Transport.prepare` once per plan, then
 :meth:`Transport.run` once per version under that version's deadline, and :meth:`Transport.close` at the end.
 After a failed version it calls :meth:`Transport.abort` (the next version prepares again).

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from awex.engines import places
-from awex.engines.manifest import SyncManifest
+from awex.engines.sync import places
+from awex.engines.sync.manifest import SyncManifest
 from awex.meta import Layout, Plan, PlanOptions, Topology, plan_transfers
 from awex.meta.transport_choice import TransportError, choose_transport, unreachable
 

@@ -1,13 +1,14 @@
 """One sync between named engine instances: what a rank keeps between versions (the steady-state cache).
 
-Per weight version the trainer's first rank publishes a :class:`~awex.engines.manifest.SyncManifest` (which
+Per weight version the trainer's first rank publishes a :class:`~awex.engines.sync.manifest.SyncManifest` (which
 instances send and
 receive, where the sync group meets, wave size, deadline). Every rank of every instance then fetches the
 manifest and the layouts, computes the plan itself, and proves through the MetaServer that all ranks computed
 the same plan before any byte moves. Plans, process groups, staging buffers and every copy's views are built
 once and reused while the manifest's layouts and rendezvous do not change (steady state). The session picks a
-transport (``awex.transport.registry``) and drives it; where ranks run is in :mod:`awex.engines.places`, what a
-transport says to its peers in :mod:`awex.engines.peer_link`, every MetaServer key in :mod:`awex.engines.keys`.
+transport (``awex.transport.registry``) and drives it; where ranks run is in :mod:`awex.engines.sync.places`,
+what a transport says to its peers in :mod:`awex.engines.sync.peer_link`, every MetaServer key in
+:mod:`awex.engines.sync.keys`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from awex.engines import keys, outcomes, places
-from awex.engines.board import HostBoard, host_identity
-from awex.engines.channel import ChannelError, VersionChannel
-from awex.engines.manifest import SyncManifest, _count
-from awex.engines.peer_link import SyncPeerLink
-from awex.engines.signals import Signals, signals_for
-from awex.engines.version_plan import PlanKey, plan_version
+from awex.engines.sync import keys, outcomes, places
+from awex.engines.sync.board import HostBoard, host_identity
+from awex.engines.sync.channel import ChannelError, VersionChannel
+from awex.engines.sync.manifest import SyncManifest, _count
+from awex.engines.sync.peer_link import SyncPeerLink
+from awex.engines.sync.signals import Signals, signals_for
+from awex.engines.sync.version_plan import PlanKey, plan_version
 from awex.engines.writer_options import combination_error
 from awex.meta import Layout, Plan
 from awex.meta.client import MetaClient
@@ -78,7 +79,7 @@ class SyncSession:
     phases: Phases = field(default_factory=Phases)  # seconds per phase of the last transfer
     channel: VersionChannel | None = None  # the sync's version channel (per-version signals), once known
     board: HostBoard | None = None  # the sync's host board, when this rank is on the writer's host
-    signals: Signals | None = None  # where this plan's per-version signals go (awex.engines.signals)
+    signals: Signals | None = None  # where this plan's per-version signals go (awex.engines.sync.signals)
     delta_budget_bytes: int | None = None  # a sender of delta syncs: what it may keep of the last version
     _signals: str = "meta"  # what every rank can use, as the last device exchange found
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
@@ -232,7 +233,7 @@ class SyncSession:
     def _devices(
         self, attempt: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float, in_place: bool = True
     ) -> places.Places:
-        """Where every rank runs (:func:`awex.engines.places.exchange`); also where every rank can take
+        """Where every rank runs (:func:`awex.engines.sync.places.exchange`); also where every rank can take
         per-version signals."""
         mine = (self.physical_device() or "") if in_place else ""
         doc = places.describe(
@@ -357,16 +358,16 @@ class SyncSession:
         """A receiver: the last transfer began moving bytes into its views."""
         return self._link is not None and self._link.touched
 
-    # -- outcomes: a version counts as applied only when every receiving rank said so (awex.engines.outcomes) ---
+    # -- outcomes: a version counts as applied only when every receiving rank said so (awex.engines.sync.outcomes) ---
     def finish(self, manifest: SyncManifest, ok: bool, cause: str | None = None, partial: bool = False) -> None:
-        """A receiving rank's outcome of ``manifest``'s version: :func:`awex.engines.outcomes.report`."""
+        """A receiving rank's outcome of ``manifest``'s version: :func:`awex.engines.sync.outcomes.report`."""
         self._last_attempt = (manifest.channel, manifest.version, manifest.seq)
         with self.phases("done"):
             me = (self.instance, self.local_rank)
             outcomes.report(self.client, self._plan, me, self.signals, manifest, ok, cause, partial)
 
     def await_outcomes(self, manifest: SyncManifest, deadline: float) -> outcomes.Outcomes:
-        """A trainer rank: every receiving rank's outcome: :func:`awex.engines.outcomes.collect`."""
+        """A trainer rank: every receiving rank's outcome: :func:`awex.engines.sync.outcomes.collect`."""
         with self.phases("done"):
             return outcomes.collect(self._plan, self.signals, manifest, deadline)
 

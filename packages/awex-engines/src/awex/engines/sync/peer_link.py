@@ -1,6 +1,7 @@
-"""What a transport says to its peers in one version (:class:`awex.transport.base.PeerLink`): descriptors through the
-MetaServer (``awex.engines.keys.descriptor``), ready signals through the plan's :class:`~awex.engines.signals.Signals`.
-Built per version from ``(plan, rank, signals)``; nothing here reads a sync session."""
+"""What a transport says to its peers in one version (:class:`awex.transport.base.PeerLink`): descriptors through
+the MetaServer (``awex.engines.sync.keys.descriptor``), ready signals through the plan's
+:class:`~awex.engines.sync.signals.Signals`. Built per version from ``(plan, rank, signals)``; nothing here reads
+a sync session."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from awex.engines import keys
-from awex.engines.board import host_identity
-from awex.engines.manifest import SyncManifest
-from awex.engines.signals import Signals
+from awex.engines.sync import keys
+from awex.engines.sync.board import host_identity
+from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.signals import Signals
 from awex.meta import Plan
 from awex.meta.client import MetaClient
 from awex.transport.base import TransferError

@@ -1,5 +1,5 @@
 """Outcomes: a version counts as applied only when every receiving rank said so. A receiving rank reports through
-the plan's :class:`~awex.engines.signals.Signals` (a failure's cause, and the outcome of a rank outside any plan,
+the plan's :class:`~awex.engines.sync.signals.Signals` (a failure's cause, and the outcome of a rank outside any plan,
 always go to the MetaServer too); a trainer rank collects them until its deadline. Functions of
 ``(plan, rank, signals)``: nothing here reads a sync session."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import logging
 
-from awex.engines import keys
-from awex.engines.manifest import SyncManifest
-from awex.engines.signals import Signals
+from awex.engines.sync import keys
+from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.signals import Signals
 from awex.meta import Plan
 from awex.meta.client import MetaClient
 

@@ -1,7 +1,7 @@
 """Per-version signals of one plan: a sender's "my bytes of this version are ready" and a receiver's outcome.
 
 One interface (:class:`Signals`), one implementation per medium, chosen once per plan by what every rank of the
-sync can use (:func:`awex.engines.places.exchange` finds it; :func:`signals_for` makes it):
+sync can use (:func:`awex.engines.sync.places.exchange` finds it; :func:`signals_for` makes it):
 
 - :class:`BoardSignals`: the host board (``/dev/shm``), when every rank runs on the writer's host;
 - :class:`ChannelSignals`: the writer's version channel, when every rank reached it;
@@ -15,10 +15,10 @@ import logging
 import time
 from typing import Any, Protocol, Sequence
 
-from awex.engines import keys
-from awex.engines.board import HostBoard
-from awex.engines.channel import VersionChannel
-from awex.engines.manifest import SyncManifest
+from awex.engines.sync import keys
+from awex.engines.sync.board import HostBoard
+from awex.engines.sync.channel import VersionChannel
+from awex.engines.sync.manifest import SyncManifest
 from awex.meta import RankDescriptor
 from awex.meta.client import MetaClient
 
@@ -46,7 +46,7 @@ class Signals(Protocol):
 
 
 class MetaSignals:
-    """Every signal a key on the MetaServer (``awex.engines.keys.ready`` / ``outcome``)."""
+    """Every signal a key on the MetaServer (``awex.engines.sync.keys.ready`` / ``outcome``)."""
 
     medium = "meta"
 

@@ -1,6 +1,6 @@
 """The host board: a sync's per-version signals through shared memory, for the ranks on the writer's host.
 
-The version channel (``awex.engines.channel``) reaches every rank over TCP; on one host a TCP wake-up still
+The version channel (``awex.engines.sync.channel``) reaches every rank over TCP; on one host a TCP wake-up still
 costs tenths of a millisecond, several times per version (measured: docs/performance.md). The
 board carries the same signals through a file in ``/dev/shm`` that every process on the host maps:
 

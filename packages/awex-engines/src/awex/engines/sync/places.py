@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from awex.engines import keys
-from awex.engines.board import host_identity
+from awex.engines.sync import keys
+from awex.engines.sync.board import host_identity
 from awex.meta import Layout
 from awex.meta.client import MetaClient
 from awex.transport.segments import SEGMENT_DIR, start_time

@@ -25,10 +25,10 @@ class SyncManifest:
     transport: str = "p2p"
     allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
     refresh_by_wave: bool = False  # the senders derive what they send wave by wave (FP8 on the fly): for "auto"
-    channel: str | None = None  # the version channel ("host:port", awex.engines.channel) and its key secret
+    channel: str | None = None  # the version channel ("host:port", awex.engines.sync.channel) and its key secret
     channel_secret: str | None = None
     seq: int = 0  # the writer's count of versions written (signals on the host board carry it)
-    board: str | None = None  # the host board (awex.engines.board) and the host it is on
+    board: str | None = None  # the host board (awex.engines.sync.board) and the host it is on
     board_host: str | None = None
     delta: bool = False  # buckets travel as the words that changed since the last version (awex.transport.delta)
     quantize_on_receive: bool = False  # FP8 receivers quantise from the trainer's memory (CUDA IPC, one GPU)
