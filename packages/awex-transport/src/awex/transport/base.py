@@ -102,9 +102,6 @@ class Transport(ABC):
     shared memory), ``rdma`` (Mooncake's transfer engine)."""
 
     name: ClassVar[str]
-    in_place_only: ClassVar[bool] = True
-    """Receivers copy into the engine's own views; ``False``: also into per-sync receive buffers (a callable
-    that builds the views from the plan)."""
     signals_ready: ClassVar[bool] = True
     """Senders say per version that their bytes are ready (receivers read): the session must give it a link."""
 
@@ -115,13 +112,14 @@ class Transport(ABC):
     @abstractmethod
     def run(
         self,
-        shards: LocalShards | Callable[[Plan], LocalShards],
+        shards: LocalShards,
         link: PeerLink,
         deadline: float,
         phases: MutableMapping[str, float],
         refresh_by_wave: RefreshByWave | None = None,
     ) -> TransferStats:
-        """Move this rank's share of one version before ``deadline`` (``time.monotonic()``); seconds per phase
+        """Move this rank's share of one version between ``shards`` (the engine's own views, in place) and its
+        peers before ``deadline`` (``time.monotonic()``); seconds per phase
         go to ``phases`` (``open``, ``executor``, ``transfer``, ...). ``refresh_by_wave`` only where
         :attr:`refreshes_by_wave`."""
 
@@ -150,14 +148,6 @@ class Transport(ABC):
         if state is None:
             raise RuntimeError(f"{type(self).__name__}.run before prepare")
         return state
-
-    def _in_place(self, shards: LocalShards | Callable[[Plan], LocalShards]) -> LocalShards:
-        """``shards``, or the error for a transport that only copies into the engine's own views."""
-        if callable(shards):
-            raise ValueError(
-                f"transport {self.name!r} copies into the engine's own views (in place), not per-sync receive buffers"
-            )
-        return shards
 
 
 @contextmanager

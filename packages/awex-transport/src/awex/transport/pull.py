@@ -10,7 +10,7 @@ Subclasses (``shm``, ``rdma``) say how a sender and a receiver are built and how
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Protocol
 
 from awex.meta import Plan
@@ -74,14 +74,13 @@ class PullTransport(Transport):
 
     def run(
         self,
-        shards: LocalShards | Callable[[Plan], LocalShards],
+        shards: LocalShards,
         link: PeerLink,
         deadline: float,
         phases: MutableMapping[str, float],
         refresh_by_wave: RefreshByWave | None = None,
     ) -> TransferStats:
         plan, rank = self._prepared(self._next)
-        shards = self._in_place(shards)
         if plan.ranks[rank].role.value == "trainer":
             # a new staging area per plan, and for views of memory that moved (the writer re-bound them): its new
             # generation makes every receiver open it afresh

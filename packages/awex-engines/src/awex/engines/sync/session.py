@@ -247,11 +247,11 @@ class SyncSession:
         self._signals = found.signals
         return found
 
-    def prepare(self, manifest: SyncManifest, timeout: float, ipc_ok: bool = True) -> tuple[Plan, int, bool]:
+    def prepare(self, manifest: SyncManifest, timeout: float) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
 
         With ``transport="auto"`` the ranks also choose, all alike, between CUDA IPC and point to point
-        (:attr:`transport` says which); ``ipc_ok=False``: this rank cannot take part in CUDA IPC.
+        (:attr:`transport` says which).
         Returns the plan, this rank's sync rank, and whether anything was (re)built.
         """
         deadline = time.monotonic() + timeout
@@ -271,7 +271,7 @@ class SyncSession:
             raise ValueError(f"sync {manifest.version!r}: {wrong}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
             where = self._devices(
-                f"{manifest.version}/{manifest.seq}", names, layouts, deadline, ipc_ok and manifest.transport != "p2p"
+                f"{manifest.version}/{manifest.seq}", names, layouts, deadline, manifest.transport != "p2p"
             )
         self._processes = where.processes
 
@@ -280,8 +280,6 @@ class SyncSession:
         if reason:
             log.info("%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version, transport, reason)
         phase["plan"] = time.perf_counter() - plan_started
-        if transport == "ipc" and not ipc_ok:
-            raise ValueError("CUDA IPC needs the engine's own views (in place), not per-sync receive buffers")
         me = plan.rank(self.instance, self.local_rank)
         with phase("agreement"):
             self.client.agree(
@@ -321,7 +319,7 @@ class SyncSession:
     def transfer(
         self,
         manifest: SyncManifest,
-        shards: LocalShards | Callable[[Plan], LocalShards],
+        shards: LocalShards,
         timeout: float,
         refresh: Callable[[], None] | None = None,
         refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
@@ -333,18 +331,13 @@ class SyncSession:
             raise RuntimeError(f"{self.instance}:{self.local_rank}: this reader or writer is closed")
         self.phases = phase = Phases()
         self._link = None
-        plan, rank, self.planned = self.prepare(manifest, timeout, ipc_ok=not callable(shards))
+        plan, rank, self.planned = self.prepare(manifest, timeout)
         transport = self._transports[self.transport]
         if not transport.refreshes_by_wave:
             refresh_by_wave = None
         if refresh is not None and refresh_by_wave is None:
             with phase("refresh"):
                 refresh()
-        if callable(shards) and transport.in_place_only:
-            raise ValueError(
-                f"transport {self.transport!r} copies into the engine's own views (in place), not per-sync "
-                "receive buffers"
-            )
         link = self._link = SyncPeerLink(
             plan, rank, self.signals, self.client, manifest, self.transport, self._processes
         )

@@ -4,7 +4,7 @@ receivers copy straight from it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 
 import torch
 
@@ -57,14 +57,13 @@ class IpcTransport(Transport):
 
     def run(
         self,
-        shards: LocalShards | Callable[[Plan], LocalShards],
+        shards: LocalShards,
         link: PeerLink,
         deadline: float,
         phases: MutableMapping[str, float],
         refresh_by_wave: RefreshByWave | None = None,
     ) -> TransferStats:
         self._prepared(self.plan)
-        shards = self._in_place(shards)
         if self.plan.ranks[self.rank].role.value == "trainer":
             self._ready(shards, link, deadline, phases)
             if self.sender is not None:

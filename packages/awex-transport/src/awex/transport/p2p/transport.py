@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 
 from awex.meta import Plan
 from awex.transport.accelerator import GROUPED, p2p_backend
@@ -21,7 +21,6 @@ class P2pTransport(Transport):
     (torch-npu), gloo for CPU views. Relayed plans, waves through staging buffers."""
 
     name = "p2p"
-    in_place_only = False
     signals_ready = False
     refreshes_by_wave = True
 
@@ -58,7 +57,7 @@ class P2pTransport(Transport):
 
     def run(
         self,
-        shards: LocalShards | Callable[[Plan], LocalShards],
+        shards: LocalShards,
         link: PeerLink,
         deadline: float,
         phases: MutableMapping[str, float],
@@ -67,14 +66,10 @@ class P2pTransport(Transport):
         self._prepared(self.plan if self.group is not None else None)
         if self._delta[0]:
             return self._run_delta(shards, link, deadline, phases, refresh_by_wave)
-        if callable(shards):  # views that depend on the plan (receive buffers): built per sync
-            with timed(phases, "executor"):
-                executor = WaveExecutor(self.plan, self.rank, shards(self.plan), self.group)
-        else:  # built once per plan, and again for views of memory that moved (the writer re-bound them)
-            if self._executor is None or self._built_from is not shards:
-                with timed(phases, "executor"):
-                    self._executor, self._built_from = WaveExecutor(self.plan, self.rank, shards, self.group), shards
-            executor = self._executor
+        if self._executor is None or self._built_from is not shards:  # built once per plan, and again for views
+            with timed(phases, "executor"):  # of memory that moved (the writer or reader re-bound them)
+                self._executor, self._built_from = WaveExecutor(self.plan, self.rank, shards, self.group), shards
+        executor = self._executor
         before_pack = None
         if refresh_by_wave is not None:
             cached = self._before_pack
@@ -86,8 +81,8 @@ class P2pTransport(Transport):
             return executor.run(timeout=max(0.1, deadline - time.monotonic()), before_pack=before_pack)
 
     def _run_delta(self, shards, link: PeerLink, deadline: float, phases, refresh_by_wave) -> TransferStats:
-        if callable(shards) or refresh_by_wave is not None:
-            raise ValueError("delta syncs need in-place views on both sides and no FP8 on the fly")
+        if refresh_by_wave is not None:
+            raise ValueError("delta syncs need no FP8 on the fly")
         if self._executor is None or self._built_from is not shards:
             with timed(phases, "executor"):
                 self._executor = DeltaExecutor(self.plan, self.rank, shards, self.group, self._delta[1])
