@@ -105,6 +105,16 @@ def _install_engines(session: nox.Session) -> None:
     session.install("--no-deps", "--ignore-requires-python", MEGATRON)
 
 
+def _stack(session: nox.Session, *extra: str, debian: bool = False) -> None:
+    """The one install recipe of the sessions that run Awex with engines: torch's CPU build, vLLM's CPU build,
+    Megatron-core and HF transformers (:func:`_install_engines`), Debian's libraries where asked, then the four
+    packages and ``extra``."""
+    _install_engines(session)
+    if debian:
+        _debian(session, DEBIAN)
+    session.install(*PACKAGES, *extra)
+
+
 def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs, env=env)
 
@@ -177,9 +187,7 @@ def tests(session: nox.Session) -> None:
     session.install(RUFF)
     _lint(session)
     session.notify("house")
-    _install_engines(session)
-    _debian(session, DEBIAN)
-    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU, RAY, "tox>=4")
+    _stack(session, *TEST_TOOLS, MOONCAKE_CPU, RAY, "tox>=4", debian=True)
     megatron_012 = os.path.join(session.virtualenv.location, "megatron-core-0.12")
     session.install("--no-deps", "--ignore-requires-python", "--upgrade", "--target", megatron_012, MEGATRON_012)
     for pkg in PACKAGES:  # one pytest run per package: each package's tests are self-contained
@@ -223,9 +231,7 @@ def floors(session: nox.Session) -> None:
 @nox.session
 def integration(session: nox.Session) -> None:
     """Only the CPU integration tests (real vLLM, Megatron-core, HF)."""
-    _install_engines(session)
-    _debian(session, DEBIAN)
-    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU, RAY)
+    _stack(session, *TEST_TOOLS, MOONCAKE_CPU, RAY, debian=True)
     _pytest(session, "integration/tests")
 
 
@@ -233,8 +239,7 @@ def integration(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """The scripts in examples/ as a user runs them, on CPU (integration/tests/test_examples.py; CI runs them in
     the tests session)."""
-    _install_engines(session)
-    session.install(*PACKAGES, *TEST_TOOLS, RAY)
+    _stack(session, *TEST_TOOLS, RAY)
     _pytest(session, "integration/tests/test_examples.py")
 
 
@@ -243,8 +248,7 @@ def learned(session: nox.Session) -> None:
     """Layouts learned from vLLM's loaders, the whole matrix (integration/tests/test_learned_layouts.py: models
     without a table from HF and FSDP2 trainers, and learned == table for every architecture with one; CI runs
     one case of each kind)."""
-    _install_engines(session)
-    session.install(*PACKAGES, *TEST_TOOLS)
+    _stack(session, *TEST_TOOLS)
     _pytest(session, "integration/tests/test_learned_layouts.py", env={"AWEX_FULL_MATRIX": "1"})
 
 
@@ -254,8 +258,7 @@ def faults(session: nox.Session) -> None:
     killed, raising, interrupted, the MetaServer restarted, killed and frozen, names reused, 200 syncs in a row,
     no /dev/shm leak; then the vLLM fault cases. Its last line (before pytest's) is the suite's JSON summary; ``--
     --cases a,b`` picks cases."""
-    _install_engines(session)
-    session.install(*PACKAGES, *TEST_TOOLS)
+    _stack(session, *TEST_TOOLS, MOONCAKE_CPU, debian=True)  # the rdma cases need Mooncake
     session.run("python", "-m", "awex_integration.fault_suite", *session.posargs, env={"PYTHONPATH": "integration"})
     if not session.posargs:
         _pytest(session, "integration/tests/test_faults.py")
@@ -264,16 +267,14 @@ def faults(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: Megatron TP=2 -> vLLM TP=1 on CPU, three synced RL-like steps."""
-    _install_engines(session)
-    session.install(*PACKAGES)
+    _stack(session)
     session.run("python", "integration/demo.py", *session.posargs, env={"PYTHONPATH": "integration"})
 
 
 @nox.session
 def scenario(session: nox.Session) -> None:
     """The scenario runner with the arguments after ``--`` (see integration/awex_integration/scenario.py)."""
-    _install_engines(session)
-    session.install(*PACKAGES, RAY)
+    _stack(session, RAY)
     session.run("python", "-m", "awex_integration.scenario", *session.posargs, env={"PYTHONPATH": "integration"})
 
 
@@ -308,8 +309,7 @@ def bench_cpu(session: nox.Session) -> None:
     """CPU transports through the public path (gloo and host shared memory) against this machine's memory copy
     rate; arguments after ``--`` go to ``awex_integration.bench_cpu`` (default: results to
     integration/results/bench-results-cpu.json)."""
-    _install_engines(session)
-    session.install(*PACKAGES)
+    _stack(session, MOONCAKE_CPU, debian=True)  # its rdma row
     args = list(session.posargs) or ["--out", "integration/results/bench-results-cpu.json"]
     session.run("python", "-m", "awex_integration.bench_cpu", *args, env={"PYTHONPATH": "integration"})
 
@@ -342,9 +342,7 @@ DEVICE_ENV = {
 def matrix(session: nox.Session, case: str) -> None:
     """One case of the CPU integration matrix (``nox -l`` lists them; ``tests`` runs them all): real engines,
     tensors bit-exact and greedy output equal to an HF reference."""
-    _install_engines(session)
-    _debian(session, DEBIAN)
-    session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU)
+    _stack(session, *TEST_TOOLS, MOONCAKE_CPU, debian=True)
     _pytest(session, f"integration/tests/test_matrix.py::test_scenario[{case}]")
 
 
