@@ -111,6 +111,39 @@ def test_a_receiver_changed_behind_the_writers_back_gets_its_buckets_whole(serve
     reader.close()
 
 
+def _second_difference(t: torch.Tensor) -> None:
+    """+1/-2/+1 on three neighbouring 16-bit words: linear position-weighted sums do not see it."""
+    t.view(-1).view(torch.int16)[40:43] += torch.tensor([1, -2, 1], dtype=torch.int16)
+
+
+def _plus_minus_8191_apart(t: torch.Tensor) -> None:
+    """+1 and -1 on two words 8191 apart: nor does this."""
+    words = t.view(-1).view(torch.int16)
+    words[100] += 1
+    words[100 + 8191] -= 1
+
+
+@pytest.mark.parametrize(
+    "change", [_second_difference, _plus_minus_8191_apart], ids=["second-difference", "8191-apart"]
+)
+def test_a_receiver_changed_structurally_behind_the_writers_back_is_caught(server, change):
+    """Changes that cancel in linear checksums by construction are caught: the bucket goes whole, and the receiver
+    ends bit-exact (with the linear sums this version was reported applied with weights unlike the trainer's)."""
+    writer, reader, sent, got = _pair(server)
+    _sync(writer, reader, "v1")
+    name = max(got, key=lambda n: got[n].numel())
+    assert got[name].numel() > 8192 + 100, "the test needs a tensor of more than 8,292 words"
+    before = got[name].clone()
+    change(got[name])
+    assert not torch.equal(before, got[name])
+    _step(sent, 0.01, 2)
+    w, _ = _sync(writer, reader, "v2")
+    assert w.buckets_resent >= 1
+    assert all(torch.equal(sent[n], got[n]) for n in sent)
+    writer.close()
+    reader.close()
+
+
 def test_a_zero_budget_keeps_nothing_and_sends_every_bucket_whole(server):
     writer, reader, sent, got = _pair(server, budget=0)
     model_bytes = sum(t.spec.nbytes for t in TENSORS)

@@ -27,4 +27,5 @@ def test_kernel_equals_the_definition(n):
 def test_strided_and_extreme_words():
     full = torch.full((1000, 64), -1, dtype=torch.int16, device="cuda")  # 0xFFFF everywhere: the largest words
     column = full[:, 3]  # strided
-    assert checksum_kernel(column) == checksum_torch(column.cpu()) == (1000 * 0xFFFF, 0xFFFF * sum(range(1, 1001)))
+    assert checksum_kernel(column) == checksum_torch(column.cpu())
+    assert checksum(full) == checksum(full.cpu())
