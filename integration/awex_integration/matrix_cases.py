@@ -1,5 +1,10 @@
 """The CPU integration matrix's cases: (id, scenario arguments). Plain data, shared by
-``integration/tests/test_matrix.py`` and the ``matrix`` nox session (``nox -l`` lists one session per case)."""
+``integration/tests/test_matrix.py`` and the ``matrix`` nox session (``nox -l`` lists one session per case).
+
+CI runs the cases outside :data:`FULL_ONLY`; ``AWEX_FULL_MATRIX=1`` (``./noxw -s integration``) runs them all. The
+cases left to the full run repeat what CI's cases cover together: the Megatron TP x PP -> vLLM TP grid keeps the
+cell with everything at once (TP=2, PP=2 -> TP=2), TP 2 -> 1 and TP 1 -> 2; the loader and staged paths, shm, rdma,
+vLLM's HTTP API, tied and odd vocabularies run Megatron TP=2 (or PP=2) -> vLLM in CI as their own cases."""
 
 from __future__ import annotations
 
@@ -108,3 +113,12 @@ CASES = [
         ["--trainer", "megatron", "--train-pp", "2", "--inference", "vllm", "--receive", "staged"],
     ),
 ]
+
+FULL_ONLY = {  # run with AWEX_FULL_MATRIX=1 (./noxw -s integration); each repeats what CI's cases cover together
+    "megatron-tp1-pp1->vllm-tp1",
+    "megatron-tp1-pp2->vllm-tp1",  # staged:megatron-tp1-pp2->vllm-tp1 runs this layout pair in CI
+    "megatron-tp1-pp2->vllm-tp2",
+    "megatron-tp2-pp1->vllm-tp2",  # the shm, rdma, prepacked, vllm-http and tied cases run this layout pair in CI
+    "megatron-tp2-pp2->vllm-tp1",
+    "megatron-tp2->hf",  # test_matrix's log test runs Megatron TP=2 -> HF in CI, bit-exact
+}

@@ -31,12 +31,17 @@ GLM = ["--inference", "vllm", "--model-config", str(MODELS / "glm4-moe-tiny.json
 @pytest.mark.parametrize(
     "trainer",
     [
-        ["--trainer", "hf"],
+        pytest.param(  # HF's DeepSeek names are checked into HF engines in CI (test_deepseek_glm_hf)
+            ["--trainer", "hf"],
+            id="hf",
+            marks=()
+            if os.environ.get("AWEX_FULL_MATRIX") == "1"
+            else pytest.mark.skip(reason="the full matrix: AWEX_FULL_MATRIX=1 (./noxw -s integration)"),
+        ),
         # Megatron-core's local spec: latent attention with its down-projections split over TP, a dense first
         # layer, routed and shared experts, the router's FP32 score bias (a buffer)
         pytest.param(["--trainer", "megatron", "--train-tp", "2"], id="megatron-tp2"),
     ],
-    ids=lambda t: t[1] if isinstance(t, list) else None,
 )
 def test_trainer_to_vllm_deepseek_v3_is_bit_exact_and_generates_as_a_fresh_engine(trainer):
     if "megatron" in trainer:

@@ -1,5 +1,6 @@
 """Balance over replicas, measured against the lower bound, for random Megatron -> vLLM shapes."""
 
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -61,6 +62,7 @@ def test_busiest_sender_within_5_percent_of_lower_bound(cfg, data):
     )
 
 
+@pytest.mark.heavy  # minutes on 2 cores: once per CI run, not again under tox
 def test_qwen3_235b_on_1000_ranks_is_balanced_and_covered():
     """The scale the planner CLI is for: a Qwen3-235B-shaped MoE model, 512 trainer + 488 inference ranks."""
     from conftest import MODELS

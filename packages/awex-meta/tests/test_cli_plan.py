@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import MODELS
 
 from awex.meta.cli import main
@@ -55,6 +56,7 @@ def test_plan_cli_reports_a_summary_and_one_json_object(capsys):
     assert any(line.startswith("coverage   ok") for line in out)
 
 
+@pytest.mark.heavy  # minutes on 2 cores: once per CI run, not again under tox
 def test_plan_cli_moe_example_from_the_readme(capsys):
     code, out, doc = run_plan(
         capsys,

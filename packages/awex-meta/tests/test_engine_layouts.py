@@ -122,8 +122,15 @@ def test_engine_spec_parsing_errors_are_clear():
     ]:
         with pytest.raises(ValueError, match=msg):
             parse_engine_spec(bad)
+    moe = canonical_tensors(load_config(MODELS / "qwen3-moe-tiny.json"))
     with pytest.raises(ValueError, match="must be 1 or dp\\*tp"):
-        layouts_for(parse_engine_spec("vllm:tp=2,ep=4"), TINY, "inference")
+        layouts_for(parse_engine_spec("vllm:tp=2,ep=4"), moe, "inference")
+    with pytest.raises(ValueError, match="ep=2 splits experts, and this model has none"):
+        layouts_for(parse_engine_spec("vllm:tp=2,ep=2"), TINY, "inference")
+    with pytest.raises(ValueError, match="etp=2 splits experts"):
+        layouts_for(parse_engine_spec("megatron:tp=2,etp=2"), TINY, "trainer")
+    with pytest.raises(ValueError, match="tp given twice"):
+        parse_engine_spec("vllm:tp=2,tp=4")
     names = [lay.instance for lay in layouts_for(parse_engine_spec("vllm:tp=1,instances=12"), TINY, "inference")]
     assert names[0] == "vllm-00" and names[-1] == "vllm-11"
 

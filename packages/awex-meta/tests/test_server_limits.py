@@ -115,6 +115,7 @@ def test_waits_against_a_frozen_server_raise_within_their_deadline(call):
         frozen.close()
 
 
+@pytest.mark.heavy  # minutes on 2 cores: once per CI run, not again under tox
 def test_a_wait_outlives_a_server_outage_longer_than_one_long_poll(monkeypatch):
     monkeypatch.setattr(client_module, "_POLL_SLICE", 0.5)
     first = start_embedded()
