@@ -127,7 +127,7 @@ def trainer_rank(
 
             SyncPeerLink.ready = lambda *args: os._exit(EXIT_CODE)
         if fault == "die_while_filling":  # shm: said ready, its segment part-filled (the receivers copy what is there)
-            from awex.transport import shm
+            from awex.transport.pull import shm
 
             def fill_half(sender, count=1, deadline=None):
                 sender.segment.set_progress(count, sender.segment.nbytes // 2)  # (the bytes are not written)

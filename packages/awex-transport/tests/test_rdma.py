@@ -1,4 +1,4 @@
-"""The rdma transport (``awex.transport.rdma``) on Mooncake's transfer engine over TCP (this machine has no RDMA
+"""The rdma transport (``awex.transport.pull.rdma``) on Mooncake's transfer engine over TCP (this machine has no RDMA
 NIC): receivers read exactly their ranges of the senders' registered buffers; what a receiver refuses before any
 byte moves; a killed sender fails the read at once, a frozen one at the deadline."""
 
@@ -16,8 +16,8 @@ import torch
 from staged_world import assert_holds_step, rank_views, world
 
 from awex.transport.base import TransferError, TransferTimeout
-from awex.transport.rdma import BufferInfo, RdmaReceiver, RdmaSender, _Engine, read_ranges
-from awex.transport.staged import segment_layout
+from awex.transport.pull.rdma import BufferInfo, RdmaReceiver, RdmaSender, _Engine, read_ranges
+from awex.transport.pull.staging import segment_layout
 
 try:
     import mooncake.engine  # noqa: F401
@@ -115,7 +115,7 @@ def test_a_receiver_refuses_buffers_that_do_not_match_its_plan():
 
 _SENDER = """
 import json, sys, time, torch
-from awex.transport.rdma import _Engine
+from awex.transport.pull.rdma import _Engine
 engine = _Engine.get("127.0.0.1", "tcp")
 buf = torch.arange({n}, dtype=torch.int64).view(torch.uint8)
 engine.register(buf)
@@ -180,7 +180,7 @@ def test_the_transport_module_imports_and_explains_a_missing_engine():
     code = (
         "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.engine'] = None\n"
         "from awex.transport.registry import make_transport\n"
-        "from awex.transport.rdma import RdmaUnavailable, _Engine\n"
+        "from awex.transport.pull.rdma import RdmaUnavailable, _Engine\n"
         "make_transport('rdma')\n"
         "try:\n    _Engine('127.0.0.1', 'tcp')\nexcept RdmaUnavailable as e:\n    print(e)\n"
     )

@@ -1,5 +1,5 @@
-"""The shared-memory transport (``awex.transport.shm``): segments laid out by the plan, filled by senders and read by
-receivers in place; what a receiver refuses before any byte moves; no segment outlives a killed creator."""
+"""The shared-memory transport (``awex.transport.pull.shm``): segments laid out by the plan, filled by senders and
+read by receivers in place; what a receiver refuses before any byte moves; no segment outlives a killed creator."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from staged_world import assert_holds_step, rank_views, world
 
 from awex.transport.base import TransferTimeout
-from awex.transport.segments import SEGMENT_DIR, Segment, sweep_stale
-from awex.transport.shm import SegmentInfo, ShmReceiver, ShmSender
-from awex.transport.staged import segment_layout
+from awex.transport.pull.segments import SEGMENT_DIR, Segment, sweep_stale
+from awex.transport.pull.shm import SegmentInfo, ShmReceiver, ShmSender
+from awex.transport.pull.staging import segment_layout
 
 pytestmark = pytest.mark.skipif(not SEGMENT_DIR.is_dir(), reason="no /dev/shm on this machine")
 
@@ -105,7 +105,7 @@ def test_gpu_views_move_through_pinned_segments():
 
 def test_segments_of_a_killed_creator_are_swept_and_live_ones_kept():
     code = (
-        "import os, sys, time; from awex.transport.segments import Segment; s = Segment.create(4096); "
+        "import os, sys, time; from awex.transport.pull.segments import Segment; s = Segment.create(4096); "
         "print(s.path, flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -126,7 +126,7 @@ def test_segments_of_a_killed_creator_are_swept_and_live_ones_kept():
 
 
 def test_receivers_copy_what_the_progress_word_says_is_there_and_never_an_older_version(monkeypatch):
-    import awex.transport.shm as shm
+    import awex.transport.pull.shm as shm
 
     monkeypatch.setattr(shm, "CHUNK_BYTES", 4096)  # many chunks
     trainer, dests, plan = world(train_tp=1, engines=((1,),))

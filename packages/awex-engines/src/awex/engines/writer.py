@@ -49,9 +49,9 @@ class WeightsWriter:
     handles exported once, reused while the parameters do not move); :meth:`write` returns once every
     receiver has finished reading. ``transport="shm"`` is for CPU engines on the trainer's host that share its
     ``/dev/shm``: this rank writes each version once into a shared-memory segment laid out by the plan, and the
-    receivers copy out of it (``awex.transport.shm``). ``transport="rdma"`` works across hosts: receivers read
+    receivers copy out of it (``awex.transport.pull.shm``). ``transport="rdma"`` works across hosts: receivers read
     this rank's registered buffer one-sided through Mooncake's transfer engine (RDMA NICs where the host has
-    them, TCP elsewhere; ``awex.transport.rdma``). ``transport="auto"`` (the default) lets the ranks choose when
+    them, TCP elsewhere; ``awex.transport.pull.rdma``). ``transport="auto"`` (the default) lets the ranks choose when
     they first plan: CUDA IPC when every rank is a CUDA rank on one host and no GPU would move more than with relayed
     point to point (fan-out), and, with ``refresh_by_wave``, only where engines share GPUs (only p2p overlaps the
     quantising with the transfer); else p2p (``awex.meta.transport_choice``; the choice is logged and kept in

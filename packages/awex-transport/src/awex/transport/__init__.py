@@ -16,9 +16,9 @@
   double-buffered on CUDA, unpacked in place, with a deadline on every wait.
 - :mod:`awex.transport.ipc`: engines on one host: the receiver copies straight from the trainer's
   CUDA memory (IPC handles exported once) into its own views.
-- :mod:`awex.transport.shm`: CPU engines on one host: each sender writes a version once into a shared-memory
+- :mod:`awex.transport.pull.shm`: CPU engines on one host: each sender writes a version once into a shared-memory
   segment laid out by the plan, receivers copy out in place; no segment outlives a killed creator.
-- :mod:`awex.transport.rdma`: one-sided reads of the senders' registered memory through Mooncake's transfer
+- :mod:`awex.transport.pull.rdma`: one-sided reads of the senders' registered memory through Mooncake's transfer
   engine (RDMA NICs, TCP where none exist).
 
 ``__all__`` is the public API; anything else is reached through its module and may change between minor versions.

@@ -10,8 +10,8 @@ from awex.transport.base import Transport
 TRANSPORTS: dict[str, str] = {
     "p2p": "awex.transport.p2p:P2pTransport",
     "ipc": "awex.transport.ipc.transport:IpcTransport",
-    "shm": "awex.transport.shm:ShmTransport",
-    "rdma": "awex.transport.rdma:RdmaTransport",
+    "shm": "awex.transport.pull.shm:ShmTransport",
+    "rdma": "awex.transport.pull.rdma:RdmaTransport",
 }
 """Name -> ``module:class``, imported when first made (rdma's module imports Mooncake only when used)."""
 

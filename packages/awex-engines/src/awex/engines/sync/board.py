@@ -12,7 +12,7 @@ board carries the same signals through a file in ``/dev/shm`` that every process
 Waiting is polling (without sleeping for the first 0.3 ms, then with 20 us sleeps), bounded by the caller's
 deadline. The trainer's
 first rank creates the board (mode 0600, a name with its pid and a random part) and removes it when it closes or
-exits; a board whose writer was killed is removed by the next sweep (``awex.transport.shm.sweep_stale``).
+exits; a board whose writer was killed is removed by the next sweep (``awex.transport.pull.shm.sweep_stale``).
 A rank that cannot open it (another host, another ``/dev/shm``) uses the channel; signals always go to both.
 """
 
@@ -29,7 +29,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from awex.transport.segments import owned_name, sweep_stale
+from awex.transport.pull.segments import owned_name, sweep_stale
 
 MAGIC = 0x41574558424F4152  # "AWEXBOAR"
 SLOTS = 4096  # sync ranks on one host

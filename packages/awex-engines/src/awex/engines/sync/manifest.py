@@ -20,7 +20,7 @@ class SyncManifest:
     # "p2p": NCCL on CUDA, gloo on CPU; "ipc": CUDA engines on one host (sharing GPUs or not), receivers pull
     # from the trainers' memory with their copy engines (fastest where no region goes to several instances);
     # "shm": ranks on one host, CPU views; senders write each version once into shared memory, receivers copy
-    # out (awex.transport.shm); "auto": every rank publishes its device and all choose the same
+    # out (awex.transport.pull.shm); "auto": every rank publishes its device and all choose the same
     # (awex.meta.transport_choice)
     transport: str = "p2p"
     allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype

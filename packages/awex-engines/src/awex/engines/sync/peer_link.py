@@ -17,7 +17,7 @@ from awex.engines.sync.signals import Signals
 from awex.meta import Plan
 from awex.meta.client import MetaClient
 from awex.transport.base import TransferError
-from awex.transport.segments import alive
+from awex.transport.pull.segments import alive
 
 LIVENESS_SECONDS = 1.0  # a receiver waiting for senders checks this often that those on its host still run
 

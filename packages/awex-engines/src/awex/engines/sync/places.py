@@ -16,7 +16,7 @@ from awex.engines.sync import keys
 from awex.engines.sync.board import host_identity
 from awex.meta import Layout
 from awex.meta.client import MetaClient
-from awex.transport.segments import SEGMENT_DIR, start_time
+from awex.transport.pull.segments import SEGMENT_DIR, start_time
 
 
 @dataclass

@@ -3,7 +3,7 @@ receiver on the host copies what it needs out of it, in place.
 
 For engines on one host that cannot use CUDA IPC or a process group between them: CPU engines, separate containers
 sharing ``/dev/shm``, GPUs without peer access. A sender's segment holds each distinct region it sends once, however
-many receivers read it (:func:`~awex.transport.staged.segment_layout`, a pure function of the plan: every rank
+many receivers read it (:func:`~awex.transport.pull.staging.segment_layout`, a pure function of the plan: every rank
 computes where each region lies). Per version the sender says "ready", then fills its segment chunk by chunk; a
 progress word in the segment's header says how many bytes of which version (the writer's count) the data holds, and
 receivers copy each region out as soon as it is there, overlapping the filling. Receivers report their outcome;
@@ -35,10 +35,10 @@ from awex.meta import Plan
 from awex.transport.base import PeerLink, TransferStats, TransferTimeout, timed
 from awex.transport.copies import copier
 from awex.transport.deadline import wait_event
-from awex.transport.pull import PullTransport
-from awex.transport.segments import Segment, sweep_stale
+from awex.transport.pull.base import PullTransport
+from awex.transport.pull.segments import Segment, sweep_stale
+from awex.transport.pull.staging import empty_pairs, extent, fill_pairs, segment_layout
 from awex.transport.shards import LocalShards
-from awex.transport.staged import empty_pairs, extent, fill_pairs, segment_layout
 
 log = logging.getLogger("awex.transport")
 

@@ -1,7 +1,7 @@
 """One-sided reads over registered memory, on Mooncake's transfer engine: RDMA where the host has RDMA NICs, TCP
 where it has none (the same code, end to end).
 
-Each sender packs a version's bytes once into a buffer laid out by the plan (:mod:`awex.transport.staged`),
+Each sender packs a version's bytes once into a buffer laid out by the plan (:mod:`awex.transport.pull.staging`),
 registered with the transfer engine once per plan; its descriptor (engine address, buffer address and size, plan
 digest) goes out through the MetaServer. Per version the sender fills the buffer and says ready; each receiver
 reads exactly the byte ranges it needs from every sender at once (one batch per sender, adjacent ranges merged)
@@ -35,9 +35,9 @@ import torch
 from awex.meta import Plan
 from awex.transport.base import PeerLink, Setup, TransferError, TransferStats, TransferTimeout, timed
 from awex.transport.net import local_address
-from awex.transport.pull import PullTransport
+from awex.transport.pull.base import PullTransport
+from awex.transport.pull.staging import ALIGN, RegionKey, empty_copies, fill_copies, segment_layout
 from awex.transport.shards import LocalShards
-from awex.transport.staged import ALIGN, RegionKey, empty_copies, fill_copies, segment_layout
 
 log = logging.getLogger("awex.transport")
 
