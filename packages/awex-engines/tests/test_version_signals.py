@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from awex.engines import writer as writer_module
 from awex.engines.reader import WeightsReader
+from awex.engines.sync.board import HostBoard
 from awex.engines.writer import WeightsWriter
 from awex.meta import canonical_tensors
 from awex.meta.client import MetaClient
@@ -71,7 +71,7 @@ def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, boar
         def no_board():
             raise OSError("no /dev/shm here")
 
-        monkeypatch.setattr(writer_module.HostBoard, "create", staticmethod(no_board))
+        monkeypatch.setattr(HostBoard, "create", staticmethod(no_board))
     sent, got = tensors(0.0), tensors(-1.0)
     writer = make_writer(server, sent)
     reader = WeightsReader(

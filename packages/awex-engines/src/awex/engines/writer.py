@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -19,20 +18,14 @@ import torch
 
 from awex.engines.errors import SyncFailedError, instance_verdicts
 from awex.engines.source import TrainerSource
-from awex.engines.sync import keys
+from awex.engines.sync.announcer import Announcer, VersionOptions
 from awex.engines.sync.background import Background
-from awex.engines.sync.board import HostBoard, host_identity
-from awex.engines.sync.channel import VersionChannel
-from awex.engines.sync.keys import version_records
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.session import Region, SyncSession
 from awex.engines.writer_options import check_options
-from awex.meta import Box, Layout, Plan
+from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
-from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
 from awex.transport.base import TransferStats
-from awex.transport.net import free_port
-from awex.transport.registry import TRANSPORTS
 from awex.transport.shards import LocalShards, rebound
 
 log = logging.getLogger("awex.engines")
@@ -126,7 +119,6 @@ class WeightsWriter:
         self.delta = delta
         self.quantize_on_receive = quantize_on_receive
         self.keep_versions = keep_versions
-        self._written: deque[tuple[str, int]] = deque()  # (version, attempt count) written, oldest first
         self.last_stats: TransferStats | None = None  # this rank's stats of the last write
         self._view_of = view_of  # asked again before each write: memory that moved is re-bound, never read stale
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
@@ -137,15 +129,9 @@ class WeightsWriter:
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._session.delta_budget_bytes = delta_budget_bytes
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
-        self._port: int | None = None
-        self._channel: VersionChannel | None = None  # rank 0 hosts the version channel (awex.engines.sync.channel)
-        self._cleaner: VersionChannel | None = None  # the background thread's connection to it
-        self._board: HostBoard | None = None  # rank 0: the host board (awex.engines.sync.board), where /dev/shm allows
-        self._seq = 0  # attempts announced (rank 0): the manifest's count
         self._applied: set[str] = set()  # versions this writer wrote (names are written once)
-        self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write
-        self._manifest: SyncManifest | None = None  # rank 0: the last manifest, and as JSON
-        self._manifest_doc: dict | None = None
+        # rank 0 alone announces versions, reports them and drops old records (awex.engines.sync.announcer)
+        self._announcer = Announcer(client, self._session, layout.instance, keep_versions) if local_rank == 0 else None
         if local_rank == 0:
             client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
             client.publish_layout(layout, "current")
@@ -155,10 +141,8 @@ class WeightsWriter:
         CUDA IPC, keep this process alive until every reader has closed (see ``WeightsReader.close``)."""
         self._background.flush()
         self._session.close()
-        self._channel = self._cleaner = None  # stops the version channel once the session dropped it too
-        if self._board is not None:
-            self._board.close()  # removes it
-            self._board = None
+        if self._announcer is not None:
+            self._announcer.close()
 
     def __enter__(self) -> "WeightsWriter":
         return self
@@ -201,8 +185,8 @@ class WeightsWriter:
         # rebuild what they built from the old ones (CUDA IPC: a new export); bad views raise here, nothing begun
         self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
         try:
-            if self.local_rank == 0:
-                manifest = self._announce(version, destinations, later)
+            if self._announcer is not None:
+                manifest = self._announcer.announce(version, destinations, later, self._version_options())
             else:
                 manifest = self._session.fetch_manifest(version, self.timeout)
             announced = time.monotonic()
@@ -226,14 +210,14 @@ class WeightsWriter:
         stats.phases, stats.planned = dict(self._session.phases), self._session.planned
         self.last_stats = stats
         log.info("%s", self._session.describe_sync("sent", version, stats.bytes_sent, stats.seconds))
-        if self.local_rank == 0:
-            verdicts, total = instance_verdicts(outcomes), self._session.phases["total"]
-            plan = self._session._plan
-            later.append((f"reporting {version} applied", partial(self._report, version, verdicts, plan, total)))
+        if self._announcer is not None:
+            verdicts, total, plan = instance_verdicts(outcomes), self._session.phases["total"], self._session.plan
+            announcer = self._announcer
+            later.append((f"reporting {version} applied", partial(announcer.report, version, verdicts, plan, total)))
             later.append(
                 (
                     f"dropping the records of versions before {version}",
-                    partial(self._forget_old, version, manifest.seq, self._session._plan),
+                    partial(announcer.forget_old, version, manifest.seq, plan),
                 )
             )
         if later:  # one hand-over: one wake-up of the background thread
@@ -248,8 +232,8 @@ class WeightsWriter:
         and drop the attempt's records and signals; on every rank, forget plan and group (fresh next time)."""
         where = f"{self.layout.instance}:{self.local_rank}"
         log.error("%s failed to write %s: %s", where, version, error)
-        if self.local_rank == 0 and manifest is not None:
-            if outcomes is None and self._session._plan is not None and isinstance(error, Exception):
+        if self._announcer is not None and manifest is not None:
+            if outcomes is None and self._session.plan is not None and isinstance(error, Exception):
                 try:  # the receivers report within moments what they did (a dead one does not)
                     outcomes = self._session.await_outcomes(
                         manifest, min(deadline, time.monotonic() + OUTCOME_GRACE_SECONDS)
@@ -258,126 +242,28 @@ class WeightsWriter:
                     log.warning("%s: receivers' outcomes of %s unknown: %s", where, version, e)
             self._background.flush()
             if outcomes:
-                self._report(version, instance_verdicts(outcomes))
+                self._announcer.report(version, instance_verdicts(outcomes))
             try:
                 self.client.publish_event(
                     "sync_failed", where, version=version, data=f"{type(error).__name__}: {error}"[:2000]
                 )
             except Exception as e:
                 log.warning("%s could not publish the failure of %s: %s", where, version, e)
-            self._withdraw(manifest)
+            self._announcer.withdraw(manifest)
         self._session.note_failure(manifest)
 
-    def _withdraw(self, manifest: SyncManifest) -> None:
-        """Rank 0: take a failed attempt's manifest back (board, channel, MetaServer records), so that a retry
-        announces afresh, on a new rendezvous."""
-        version = manifest.version
-        self._manifest = self._manifest_doc = None
-        self._port = None
-        if self._board is not None:
-            self._board.post({"version": None, "withdrawn": version, "seq": manifest.seq})
-        try:
-            if self._channel is not None:
-                self._channel.delete([keys.channel_manifest(version)])
-        except Exception as e:
-            log.warning("could not withdraw %s from the version channel: %s", version, e)
-        names, prefixes = keys.withdrawn_records(version)
-        self._pending_forget.append(version)  # the rest, with the next successful write
-        try:
-            self.client.forget(names, prefixes)
-        except MetaServerError as e:
-            log.warning("could not drop the MetaServer records of the failed version %s: %s", version, e)
-
-    def _report(self, version: str, verdicts: dict[str, str], plan=None, seconds: float | None = None) -> None:
-        """Tell the MetaServer which version each destination instance serves now, with the bytes its ranks
-        received and the sync's time (as this rank saw it)."""
-        for instance, verdict in sorted(verdicts.items()):
-            if verdict == "unchanged":
-                continue
-            serves = version if verdict == "applied" else None
-            nbytes = None
-            if plan is not None and serves is not None:
-                ranks = [r.rank for r in plan.ranks if r.instance == instance]
-                nbytes = sum(s.bucket.nbytes for r in ranks for s in plan.schedule(r) if s.op == "recv")
-            moved = {"nbytes": nbytes, "seconds": seconds} if nbytes is not None else {}
-            try:
-                try:
-                    self.client.report_version(instance, serves, **moved)
-                except MetaNotRegisteredError:
-                    layout = self._session._layouts.get(instance)
-                    if layout is None:
-                        raise
-                    # a MetaServer restarted while the instance had nothing to tell it: register it on its behalf
-                    self.client.register(instance, role="inference", instance=instance, world_size=layout.world_size)
-                    self.client.report_version(instance, serves, **moved)
-            except MetaServerError as e:  # reporting must not mask the sync's own outcome
-                log.warning("could not report version %s of %s to the MetaServer: %s", version, instance, e)
-
-    def _announce(self, version: str, destinations: Sequence[str], later: list) -> SyncManifest:
-        """Rank 0: publish version ``version``'s manifest (host board, version channel, MetaServer); appends what
-        can wait until after the transfer to ``later``. On the host board the manifest goes out first: receivers
-        read it and check their plan while this rank makes sure its weights are in memory and signals "ready"."""
-        if self._port is None:
-            self._port = free_port(self.host)
-        if self._channel is None:
-            self._channel = self._session.channel = VersionChannel.host(self.host, self.timeout)
-            try:
-                self._board = self._session.board = HostBoard.create()
-            except OSError as e:  # no /dev/shm here: the channel carries every signal
-                log.info("no host board (%s); per-version signals go over the version channel", e)
-        self._seq += 1
-        last = self._manifest
-        steady = (
-            last is not None and last.destinations == tuple(sorted(destinations)) and self._session.steady_for(last)
-        )  # every rank of this plan already saw a manifest of ours
-        if steady:
-            doc = dict(self._manifest_doc, version=version, seq=self._seq)
-        else:
-            last = SyncManifest(
-                version,
-                (self.layout.instance,),
-                tuple(sorted(destinations)),
-                self.host,
-                self._port,
-                self.wave_bytes,
-                self.timeout,
-                self.transport,
-                self.allow_cast,
-                refresh_by_wave=self.refresh_by_wave is not None,
-                channel=self._channel.address,
-                channel_secret=self._channel.secret,
-                seq=self._seq,
-                board=self._board.path if self._board else None,
-                board_host=host_identity() if self._board else None,
-                delta=self.delta,
-                quantize_on_receive=self.quantize_on_receive,
-            )
-            doc = last.to_json()
-        if self._board is not None:  # ranks on this host read it here, the others on the channel
-            self._board.post(doc)
-        manifest = last.renamed(version, self._seq)
-        self._manifest, self._manifest_doc = manifest, doc
-        if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
-            self._channel.put(keys.channel_manifest(version), doc)
-        if steady:  # the MetaServer's copy is for observers and late joiners
-            later.append(
-                (f"manifest of {version}", partial(self.client.put, keys.manifest(version), doc, create_only=True))
-            )
-        else:  # ranks that do not know the channel yet (first write, new destinations) look there
-            try:
-                self.client.put(keys.manifest(version), doc, create_only=True)
-            except MetaConflictError:
-                raise ValueError(
-                    f"version {version!r} was already announced on the MetaServer (by another writer, "
-                    "or an earlier run of this job): version names are written once"
-                ) from None
-        later.append(
-            (
-                f"event weights_ready {version}",
-                partial(self.client.publish_event, "weights_ready", self.layout.instance, version=version),
-            )
+    def _version_options(self) -> VersionOptions:
+        """What this write asks for, from the writer's attributes as they are now."""
+        return VersionOptions(
+            self.host,
+            self.wave_bytes,
+            self.timeout,
+            self.transport,
+            self.allow_cast,
+            self.refresh_by_wave is not None,
+            self.delta,
+            self.quantize_on_receive,
         )
-        return manifest
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the requests a write leaves for afterwards (the MetaServer's copy of the manifest, events,
@@ -392,43 +278,3 @@ class WeightsWriter:
     def last_phases(self) -> dict[str, float]:
         """Seconds of each phase of this rank's last write (plan, agreement, group, export, transfer, ...)."""
         return dict(self._session.phases)
-
-    def _forget_old(self, version: str, seq: int, plan: Plan | None = None) -> None:
-        """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes
-        thousands; the server's key store is bounded). This version's bytes reached every receiver (p2p) or every
-        receiver said it is done (ipc), and a receiver finishes a version, validation report included, before it
-        receives the next: the older versions' records are final and nobody waits on them (assuming, as training
-        does, that this instance's ranks write versions in step, never ``keep_versions`` apart)."""
-        self._written.append((version, seq))
-        ranks = [(r.instance, r.local_rank) for r in plan.ranks] if plan is not None else []
-        while self._pending_forget:  # failed attempts: records their ranks may have left after the first drop
-            failed = self._pending_forget.pop()
-            if failed != version:
-                names, prefixes = version_records(failed)
-                try:
-                    self.client.forget(names, prefixes)
-                except MetaServerError as e:
-                    log.warning("could not drop the MetaServer records of the failed version %s: %s", failed, e)
-        while len(self._written) > self.keep_versions:
-            old, old_seq = self._written.popleft()
-            self._forget_signals(old, old_seq, ranks)
-            names, prefixes = version_records(old)
-            try:
-                gone = self.client.forget(names, prefixes)
-                log.debug("forgot version %s: %s", old, gone)
-            except MetaServerError as e:  # the write itself succeeded; the records only cost server memory
-                log.warning("could not drop the MetaServer records of version %s: %s", old, e)
-
-    def _forget_signals(self, version: str, seq: int, ranks: Sequence[tuple[str, int]]) -> None:
-        """Drop version ``version``'s keys from the version channel (from the background thread, on a connection
-        of its own)."""
-        channel = self._channel
-        if channel is None:
-            return
-        if self._cleaner is None or self._cleaner.address != channel.address:
-            self._cleaner = channel.clone()
-        names = [keys.channel_manifest(version)]
-        for instance, rank in ranks:
-            names += [keys.ready(t, version, seq, instance, rank) for t in sorted(TRANSPORTS)]
-            names.append(keys.channel_outcome(version, seq, instance, rank))
-        self._cleaner.delete(names)

@@ -347,6 +347,15 @@ class SyncSession:
         return stats
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan in use (``None`` before the first version or after a failure)."""
+        return self._plan
+
+    def layout_of(self, instance: str) -> Layout | None:
+        """The layout of ``instance`` this session planned with, if it did."""
+        return self._layouts.get(instance)
+
+    @property
     def touched(self) -> bool:
         """A receiver: the last transfer began moving bytes into its views."""
         return self._link is not None and self._link.touched

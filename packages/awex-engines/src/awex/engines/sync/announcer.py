@@ -1,0 +1,215 @@
+"""Rank 0 of a writer: what it alone does around a version, off the other ranks' route. It announces each version
+(:meth:`Announcer.announce`: the manifest on the host board, the version channel and the MetaServer; hosting both),
+takes a failed attempt back (:meth:`Announcer.withdraw`), reports which version each destination serves
+(:meth:`Announcer.report`) and drops the records of versions older than the last ``keep_versions``
+(:meth:`Announcer.forget_old`, from the writer's background thread)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+from awex.engines.sync import keys
+from awex.engines.sync.board import HostBoard, host_identity
+from awex.engines.sync.channel import VersionChannel
+from awex.engines.sync.keys import version_records
+from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.session import SyncSession
+from awex.meta import Plan
+from awex.meta.client import MetaClient
+from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
+from awex.transport.net import free_port
+from awex.transport.registry import TRANSPORTS
+
+log = logging.getLogger("awex.engines")
+
+
+@dataclass(frozen=True)
+class VersionOptions:
+    """What a writer asks of one version (read from the writer when it writes: its attributes may change between
+    versions)."""
+
+    host: str
+    wave_bytes: int
+    timeout: float
+    transport: str
+    allow_cast: tuple[str, ...]
+    refresh_by_wave: bool
+    delta: bool
+    quantize_on_receive: bool
+
+
+class Announcer:
+    """Rank 0's side of a writer (see the module)."""
+
+    def __init__(self, client: MetaClient, session: SyncSession, instance: str, keep_versions: int):
+        self.client, self._session, self.instance, self.keep_versions = client, session, instance, keep_versions
+        self._port: int | None = None
+        self._channel: VersionChannel | None = None  # hosted here (awex.engines.sync.channel)
+        self._cleaner: VersionChannel | None = None  # the background thread's connection to it
+        self._board: HostBoard | None = None  # the host board (awex.engines.sync.board), where /dev/shm allows
+        self._seq = 0  # attempts announced: the manifest's count
+        self._written: deque[tuple[str, int]] = deque()  # (version, attempt count) written, oldest first
+        self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write
+        self._manifest: SyncManifest | None = None  # the last manifest, and as JSON
+        self._manifest_doc: dict | None = None
+
+    def close(self) -> None:
+        self._channel = self._cleaner = None  # stops the version channel once the session dropped it too
+        if self._board is not None:
+            self._board.close()  # removes it
+            self._board = None
+
+    def withdraw(self, manifest: SyncManifest) -> None:
+        """Rank 0: take a failed attempt's manifest back (board, channel, MetaServer records), so that a retry
+        announces afresh, on a new rendezvous."""
+        version = manifest.version
+        self._manifest = self._manifest_doc = None
+        self._port = None
+        if self._board is not None:
+            self._board.post({"version": None, "withdrawn": version, "seq": manifest.seq})
+        try:
+            if self._channel is not None:
+                self._channel.delete([keys.channel_manifest(version)])
+        except Exception as e:
+            log.warning("could not withdraw %s from the version channel: %s", version, e)
+        names, prefixes = keys.withdrawn_records(version)
+        self._pending_forget.append(version)  # the rest, with the next successful write
+        try:
+            self.client.forget(names, prefixes)
+        except MetaServerError as e:
+            log.warning("could not drop the MetaServer records of the failed version %s: %s", version, e)
+
+    def report(self, version: str, verdicts: dict[str, str], plan=None, seconds: float | None = None) -> None:
+        """Tell the MetaServer which version each destination instance serves now, with the bytes its ranks
+        received and the sync's time (as this rank saw it)."""
+        for instance, verdict in sorted(verdicts.items()):
+            if verdict == "unchanged":
+                continue
+            serves = version if verdict == "applied" else None
+            nbytes = None
+            if plan is not None and serves is not None:
+                ranks = [r.rank for r in plan.ranks if r.instance == instance]
+                nbytes = sum(s.bucket.nbytes for r in ranks for s in plan.schedule(r) if s.op == "recv")
+            moved = {"nbytes": nbytes, "seconds": seconds} if nbytes is not None else {}
+            try:
+                try:
+                    self.client.report_version(instance, serves, **moved)
+                except MetaNotRegisteredError:
+                    layout = self._session.layout_of(instance)
+                    if layout is None:
+                        raise
+                    # a MetaServer restarted while the instance had nothing to tell it: register it on its behalf
+                    self.client.register(instance, role="inference", instance=instance, world_size=layout.world_size)
+                    self.client.report_version(instance, serves, **moved)
+            except MetaServerError as e:  # reporting must not mask the sync's own outcome
+                log.warning("could not report version %s of %s to the MetaServer: %s", version, instance, e)
+
+    def announce(self, version: str, destinations: Sequence[str], later: list, options: VersionOptions) -> SyncManifest:
+        """Rank 0: publish version ``version``'s manifest (host board, version channel, MetaServer); appends what
+        can wait until after the transfer to ``later``. On the host board the manifest goes out first: receivers
+        read it and check their plan while this rank makes sure its weights are in memory and signals "ready"."""
+        if self._port is None:
+            self._port = free_port(options.host)
+        if self._channel is None:
+            self._channel = self._session.channel = VersionChannel.host(options.host, options.timeout)
+            try:
+                self._board = self._session.board = HostBoard.create()
+            except OSError as e:  # no /dev/shm here: the channel carries every signal
+                log.info("no host board (%s); per-version signals go over the version channel", e)
+        self._seq += 1
+        last = self._manifest
+        steady = (
+            last is not None and last.destinations == tuple(sorted(destinations)) and self._session.steady_for(last)
+        )  # every rank of this plan already saw a manifest of ours
+        if steady:
+            doc = dict(self._manifest_doc, version=version, seq=self._seq)
+        else:
+            last = SyncManifest(
+                version,
+                (self.instance,),
+                tuple(sorted(destinations)),
+                options.host,
+                self._port,
+                options.wave_bytes,
+                options.timeout,
+                options.transport,
+                options.allow_cast,
+                refresh_by_wave=options.refresh_by_wave,
+                channel=self._channel.address,
+                channel_secret=self._channel.secret,
+                seq=self._seq,
+                board=self._board.path if self._board else None,
+                board_host=host_identity() if self._board else None,
+                delta=options.delta,
+                quantize_on_receive=options.quantize_on_receive,
+            )
+            doc = last.to_json()
+        if self._board is not None:  # ranks on this host read it here, the others on the channel
+            self._board.post(doc)
+        manifest = last.renamed(version, self._seq)
+        self._manifest, self._manifest_doc = manifest, doc
+        if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
+            self._channel.put(keys.channel_manifest(version), doc)
+        if steady:  # the MetaServer's copy is for observers and late joiners
+            later.append(
+                (f"manifest of {version}", partial(self.client.put, keys.manifest(version), doc, create_only=True))
+            )
+        else:  # ranks that do not know the channel yet (first write, new destinations) look there
+            try:
+                self.client.put(keys.manifest(version), doc, create_only=True)
+            except MetaConflictError:
+                raise ValueError(
+                    f"version {version!r} was already announced on the MetaServer (by another writer, "
+                    "or an earlier run of this job): version names are written once"
+                ) from None
+        later.append(
+            (
+                f"event weights_ready {version}",
+                partial(self.client.publish_event, "weights_ready", self.instance, version=version),
+            )
+        )
+        return manifest
+
+    def forget_old(self, version: str, seq: int, plan: Plan | None = None) -> None:
+        """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes
+        thousands; the server's key store is bounded). This version's bytes reached every receiver (p2p) or every
+        receiver said it is done (ipc), and a receiver finishes a version, validation report included, before it
+        receives the next: the older versions' records are final and nobody waits on them (assuming, as training
+        does, that this instance's ranks write versions in step, never ``keep_versions`` apart)."""
+        self._written.append((version, seq))
+        ranks = [(r.instance, r.local_rank) for r in plan.ranks] if plan is not None else []
+        while self._pending_forget:  # failed attempts: records their ranks may have left after the first drop
+            failed = self._pending_forget.pop()
+            if failed != version:
+                names, prefixes = version_records(failed)
+                try:
+                    self.client.forget(names, prefixes)
+                except MetaServerError as e:
+                    log.warning("could not drop the MetaServer records of the failed version %s: %s", failed, e)
+        while len(self._written) > self.keep_versions:
+            old, old_seq = self._written.popleft()
+            self._forget_signals(old, old_seq, ranks)
+            names, prefixes = version_records(old)
+            try:
+                gone = self.client.forget(names, prefixes)
+                log.debug("forgot version %s: %s", old, gone)
+            except MetaServerError as e:  # the write itself succeeded; the records only cost server memory
+                log.warning("could not drop the MetaServer records of version %s: %s", old, e)
+
+    def _forget_signals(self, version: str, seq: int, ranks: Sequence[tuple[str, int]]) -> None:
+        """Drop version ``version``'s keys from the version channel (from the background thread, on a connection
+        of its own)."""
+        channel = self._channel
+        if channel is None:
+            return
+        if self._cleaner is None or self._cleaner.address != channel.address:
+            self._cleaner = channel.clone()
+        names = [keys.channel_manifest(version)]
+        for instance, rank in ranks:
+            names += [keys.ready(t, version, seq, instance, rank) for t in sorted(TRANSPORTS)]
+            names.append(keys.channel_outcome(version, seq, instance, rank))
+        self._cleaner.delete(names)
