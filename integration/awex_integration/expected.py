@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from awex.transport.shards import torch_dtype
-from awex_integration.instances import engine_attention
+from awex_integration.instances import llm_options
 from awex_integration.tiny_model import (
     dtype_kwarg,
     load_json,
@@ -82,22 +82,10 @@ def fresh_vllm_greedy(
 
     from vllm import LLM
 
-    from awex_integration.vllm_worker_probe import WORKER_EXTENSION
-
     for f in model_dir.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, weights_dir / f.name)
-    llm = LLM(
-        model=str(weights_dir),
-        dtype=dtype,
-        tensor_parallel_size=tp,
-        enforce_eager=True,
-        max_model_len=256,
-        seed=0,
-        kv_cache_memory_bytes=128 << 20,
-        worker_extension_cls=WORKER_EXTENSION,
-        **engine_attention(model_dir),
-    )
+    llm = LLM(**llm_options(weights_dir, tp, dtype, awex=False))
     out = vllm_greedy(llm)
     state = llm.collective_rpc("awex_probe_state")
     del llm

@@ -25,14 +25,17 @@ from awex_integration.tiny_model import (
 )
 
 
-def llm_options(model_dir: Path, tp: int, dtype: str, ep: bool = False, executor: str | None = None) -> dict:
+def llm_options(
+    model_dir: Path, tp: int, dtype: str, ep: bool = False, executor: str | None = None, awex: bool = True
+) -> dict:
     """vLLM ``LLM`` arguments of the scenario's engines (CPU build, small KV cache, the ``awex`` backend and the
-    in-place probe), alike wherever the engine runs (this process or a Ray actor)."""
+    in-place probe), alike wherever the engine runs (this process or a Ray actor). ``awex=False``: a reference engine
+    with the same settings and no weight-transfer backend (it loads its weights from ``model_dir``)."""
     from vllm.config import WeightTransferConfig
 
     from awex_integration.vllm_worker_probe import WORKER_EXTENSION
 
-    return dict(
+    options = dict(
         model=str(model_dir),
         tensor_parallel_size=tp,
         dtype=dtype,
@@ -42,10 +45,12 @@ def llm_options(model_dir: Path, tp: int, dtype: str, ep: bool = False, executor
         seed=0,
         kv_cache_memory_bytes=128 << 20,
         worker_extension_cls=WORKER_EXTENSION,
-        weight_transfer_config=WeightTransferConfig(backend="awex"),
         distributed_executor_backend=executor,
         **engine_attention(model_dir),
     )
+    if awex:
+        options["weight_transfer_config"] = WeightTransferConfig(backend="awex")
+    return options
 
 
 def engine_attention(model_dir: Path) -> dict:
