@@ -32,7 +32,6 @@ Several engines: pass ``instances`` with one name each and ``client`` as ``{inst
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 import time
@@ -46,6 +45,7 @@ from awex.engines.errors import SyncFailedError
 from awex.engines.pause import VersionStall, check_pause_mode, pauser_for
 from awex.engines.source import TrainerSource
 from awex.engines.sync import keys
+from awex.engines.sync.options import SyncOptions
 from awex.engines.vllm_sender import SLACK, Engine, VersionSender
 from awex.engines.writer import WeightsWriter
 from awex.meta import Box, Layout, PlanOptions
@@ -165,20 +165,24 @@ class AwexTrainerInitInfo(TrainerInitInfo):
         check_pause_mode(self.pause)
         if self.receive not in ("in_place", "staged"):
             raise ValueError(f"awex: receive={self.receive!r}; use 'in_place' or 'staged'")
-        if (
-            isinstance(self.timeout, bool)
-            or not isinstance(self.timeout, (int, float))
-            or not math.isfinite(self.timeout)
-            or self.timeout <= 0
-        ):
-            raise ValueError(f"awex: timeout={self.timeout!r}; a finite number of seconds above 0")
-        if isinstance(self.wave_bytes, bool) or not isinstance(self.wave_bytes, int) or self.wave_bytes <= 0:
-            raise ValueError(f"awex: wave_bytes={self.wave_bytes!r}; a positive byte count")
-        for flag in ("delta", "quantize_on_receive"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"awex: {flag}={getattr(self, flag)!r}; True or False")
+        try:  # the writer's own rules (awex.engines.sync.options), before any engine is touched
+            self.sync_options().check()
+        except ValueError as e:
+            raise ValueError(f"awex: {e}") from None
         if not isinstance(self.version_prefix, str) or "/" in self.version_prefix:
             raise ValueError(f"awex: version_prefix={self.version_prefix!r}; a string without '/'")
+
+    def sync_options(self) -> SyncOptions:
+        """The writer options this carries (unchecked)."""
+        return SyncOptions(
+            host=self.host,
+            wave_bytes=self.wave_bytes,
+            timeout=self.timeout,
+            transport=self.transport,
+            allow_cast=self.allow_cast,
+            delta=self.delta,
+            quantize_on_receive=self.quantize_on_receive,
+        )
 
 
 def _split_clients(info: AwexTrainerInitInfo, client: Any) -> dict[str, Any]:

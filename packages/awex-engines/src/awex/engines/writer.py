@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -18,19 +19,34 @@ import torch
 
 from awex.engines.errors import SyncFailedError, instance_verdicts
 from awex.engines.source import TrainerSource
-from awex.engines.sync.announcer import Announcer, VersionOptions
+from awex.engines.sync.announcer import Announcer
 from awex.engines.sync.background import Background
 from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.options import SyncOptions
 from awex.engines.sync.session import Region, SyncSession
-from awex.engines.writer_options import check_options
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport.base import TransferStats
+from awex.transport.registry import transport_class
 from awex.transport.shards import LocalShards, rebound
 
 log = logging.getLogger("awex.engines")
 
 OUTCOME_GRACE_SECONDS = 10.0  # after a failed write, how long the first rank waits for the receivers' outcomes
+
+
+class _Option:
+    """A writer attribute kept in its :class:`SyncOptions` (``writer.timeout = 30`` replaces the record, checked:
+    a change applies from the next :meth:`WeightsWriter.write`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, writer: Any, owner: type | None = None) -> Any:
+        return self if writer is None else getattr(writer.options, self.name)
+
+    def __set__(self, writer: Any, value: Any) -> None:
+        writer.options = replace(writer.options, **{self.name: value}).check()
 
 
 class WeightsWriter:
@@ -76,6 +92,20 @@ class WeightsWriter:
     older than the last ``keep_versions``, so a run of any length stays within the server's key limit.
     """
 
+    options: SyncOptions
+    """What this writer asks of every version (frozen, checked; the attributes named after its fields read it)."""
+    host = _Option()
+    wave_bytes = _Option()
+    timeout = _Option()
+    transport = _Option()
+    allow_cast = _Option()
+    refresh = _Option()
+    refresh_by_wave = _Option()
+    keep_versions = _Option()
+    delta = _Option()
+    delta_budget_bytes = _Option()
+    quantize_on_receive = _Option()
+
     @classmethod
     def from_source(cls, client: MetaClient, source: TrainerSource, **options: Any) -> WeightsWriter:
         """A writer for a :class:`~awex.engines.source.TrainerSource` (Megatron-core, FSDP2 or HF, built alike);
@@ -103,31 +133,31 @@ class WeightsWriter:
         delta_budget_bytes: int | None = None,
         quantize_on_receive: bool = False,
     ):
-        check_options(
-            transport, refresh, refresh_by_wave, keep_versions, delta, delta_budget_bytes, quantize_on_receive
-        )
+        self.options = SyncOptions(
+            host=host,
+            wave_bytes=wave_bytes,
+            timeout=timeout,
+            transport=transport,
+            allow_cast=allow_cast,
+            refresh=refresh,
+            refresh_by_wave=refresh_by_wave,
+            keep_versions=keep_versions,
+            delta=delta,
+            delta_budget_bytes=delta_budget_bytes,
+            quantize_on_receive=quantize_on_receive,
+        ).check()
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
-        self.host = host
-        self.wave_bytes = wave_bytes
-        self.timeout = timeout
-        self.transport = transport
-        self.allow_cast = tuple(allow_cast)
-        self.refresh = refresh
-        self.refresh_by_wave = refresh_by_wave
-        self.delta = delta
-        self.quantize_on_receive = quantize_on_receive
-        self.keep_versions = keep_versions
         self.last_stats: TransferStats | None = None  # this rank's stats of the last write
         self._view_of = view_of  # asked again before each write: memory that moved is re-bound, never read stale
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
-        if transport == "ipc" and self._shards.device.type != "cuda":
+        if transport != "auto" and transport_class(transport).needs_cuda and self._shards.device.type != "cuda":
             raise ValueError(
-                f"transport='ipc' needs CUDA views; {layout.instance} holds its weights on {self._shards.device}"
+                f"transport={transport!r} needs CUDA views; {layout.instance} holds its weights on "
+                f"{self._shards.device}"
             )
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
-        self._session.delta_budget_bytes = delta_budget_bytes
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._applied: set[str] = set()  # versions this writer wrote (names are written once)
         # rank 0 alone announces versions, reports them and drops old records (awex.engines.sync.announcer)
@@ -179,6 +209,7 @@ class WeightsWriter:
             )
         started = time.monotonic()
         deadline = started + self.timeout
+        self._session.delta_budget_bytes = self.options.delta_budget_bytes
         later: list[tuple[str, Callable[[], object]]] = []  # requests sent after the transfer (off its path)
         manifest = outcomes = None
         # memory that moved (offloaded and reloaded, param.data replaced, resharded): new views, and the transports
@@ -186,7 +217,7 @@ class WeightsWriter:
         self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
         try:
             if self._announcer is not None:
-                manifest = self._announcer.announce(version, destinations, later, self._version_options())
+                manifest = self._announcer.announce(version, destinations, later, self.options)
             else:
                 manifest = self._session.fetch_manifest(version, self.timeout)
             announced = time.monotonic()
@@ -251,19 +282,6 @@ class WeightsWriter:
                 log.warning("%s could not publish the failure of %s: %s", where, version, e)
             self._announcer.withdraw(manifest)
         self._session.note_failure(manifest)
-
-    def _version_options(self) -> VersionOptions:
-        """What this write asks for, from the writer's attributes as they are now."""
-        return VersionOptions(
-            self.host,
-            self.wave_bytes,
-            self.timeout,
-            self.transport,
-            self.allow_cast,
-            self.refresh_by_wave is not None,
-            self.delta,
-            self.quantize_on_receive,
-        )
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the requests a write leaves for afterwards (the MetaServer's copy of the manifest, events,

@@ -125,6 +125,12 @@ class Transport(ABC):
 
     refreshes_by_wave: ClassVar[bool] = False
     """A sender may derive each wave's bytes just before it is sent (FP8 quantised on the fly)."""
+    carries_delta: ClassVar[bool] = False
+    """Buckets may travel as the 16-bit words that changed since the last version (``Setup.delta``)."""
+    quantizes_on_receive: ClassVar[bool] = False
+    """Receivers may quantise to FP8 as they copy (``Setup.quantize``)."""
+    needs_cuda: ClassVar[bool] = False
+    """Every rank's views are CUDA memory."""
 
     def applied(self) -> None:
         """A sender, once every receiver applied a version (release what only the first version needed)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
@@ -17,6 +16,7 @@ from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import VersionChannel
 from awex.engines.sync.keys import version_records
 from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.options import SyncOptions
 from awex.engines.sync.session import SyncSession
 from awex.meta import Plan
 from awex.meta.client import MetaClient
@@ -25,21 +25,6 @@ from awex.transport.net import free_port
 from awex.transport.registry import TRANSPORTS
 
 log = logging.getLogger("awex.engines")
-
-
-@dataclass(frozen=True)
-class VersionOptions:
-    """What a writer asks of one version (read from the writer when it writes: its attributes may change between
-    versions)."""
-
-    host: str
-    wave_bytes: int
-    timeout: float
-    transport: str
-    allow_cast: tuple[str, ...]
-    refresh_by_wave: bool
-    delta: bool
-    quantize_on_receive: bool
 
 
 class Announcer:
@@ -108,10 +93,11 @@ class Announcer:
             except MetaServerError as e:  # reporting must not mask the sync's own outcome
                 log.warning("could not report version %s of %s to the MetaServer: %s", version, instance, e)
 
-    def announce(self, version: str, destinations: Sequence[str], later: list, options: VersionOptions) -> SyncManifest:
+    def announce(self, version: str, destinations: Sequence[str], later: list, options: SyncOptions) -> SyncManifest:
         """Rank 0: publish version ``version``'s manifest (host board, version channel, MetaServer); appends what
         can wait until after the transfer to ``later``. On the host board the manifest goes out first: receivers
         read it and check their plan while this rank makes sure its weights are in memory and signals "ready"."""
+        self.keep_versions = options.keep_versions  # as the writer says now (it may change between versions)
         if self._port is None:
             self._port = free_port(options.host)
         if self._channel is None:
@@ -138,7 +124,7 @@ class Announcer:
                 options.timeout,
                 options.transport,
                 options.allow_cast,
-                refresh_by_wave=options.refresh_by_wave,
+                refresh_by_wave=options.refresh_by_wave is not None,
                 channel=self._channel.address,
                 channel_secret=self._channel.secret,
                 seq=self._seq,

@@ -7,6 +7,25 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """One attempt at a version: the writer's version channel, the version and the writer's count (a retry of a
+    failed version is announced with a higher count; a restarted writer brings a channel of its own)."""
+
+    channel: str | None
+    version: str
+    seq: int
+
+    @property
+    def name(self) -> str:
+        """``<version>/<count>``: what the attempt's own records are keyed by."""
+        return f"{self.version}/{self.seq}"
+
+    def follows(self, last: Attempt | None) -> bool:
+        """Whether this attempt is a new one after ``last`` (the one a rank took part in, if any)."""
+        return last is None or (self.channel, self.version) != (last.channel, last.version) or self.seq > last.seq
+
+
+@dataclass(frozen=True)
 class SyncManifest:
     """What one weight version's sync involves. Published by the trainer at ``sync/<version>``."""
 
@@ -67,6 +86,10 @@ class SyncManifest:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed sync manifest: {e}") from None
+
+    @property
+    def attempt(self) -> Attempt:
+        return Attempt(self.channel, self.version, self.seq)
 
     def renamed(self, version: str, seq: int) -> SyncManifest:
         """This manifest for another version of the same writer (fields are checked where a manifest is parsed,

@@ -22,11 +22,11 @@ from typing import Any, Callable, Sequence
 from awex.engines.sync import keys, outcomes, places
 from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import ChannelError, VersionChannel
-from awex.engines.sync.manifest import SyncManifest, _count
+from awex.engines.sync.manifest import Attempt, SyncManifest, _count
+from awex.engines.sync.options import combination_error
 from awex.engines.sync.peer_link import SyncPeerLink
 from awex.engines.sync.signals import Signals, signals_for
 from awex.engines.sync.version_plan import PlanKey, plan_version
-from awex.engines.writer_options import combination_error
 from awex.meta import Layout, Plan
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards
@@ -84,7 +84,7 @@ class SyncSession:
     _signals: str = "meta"  # what every rank can use, as the last device exchange found
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
     _link: SyncPeerLink | None = None  # the last transfer's link to its peers
-    _last_attempt: tuple[str | None, str, int] | None = None  # (channel, version, count) this rank took part in
+    _last_attempt: Attempt | None = None  # the last attempt this rank took part in
     _processes: dict[tuple[str, int], tuple[str, int, int | None]] = field(default_factory=dict)  # of the plan's ranks
 
     def close(self) -> None:
@@ -138,20 +138,19 @@ class SyncSession:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"no new attempt at version {version!r} within {timeout:g} s (this rank took "
-                    f"part in attempt {self._last_attempt[2]} already)"
+                    f"part in attempt {self._last_attempt.seq} already)"
                 )
             time.sleep(0.002)
 
     def _new_attempt(self, manifest: SyncManifest) -> bool:
-        last = self._last_attempt
-        return last is None or (manifest.channel, manifest.version) != last[:2] or manifest.seq > last[2]
+        return manifest.attempt.follows(self._last_attempt)
 
     def note_failure(self, manifest: SyncManifest | None) -> None:
         """This rank failed ``manifest``'s attempt: forget the plan and group (:meth:`reset`), and do not take that
         attempt's manifest again."""
         self.reset()
         if manifest is not None:
-            self._last_attempt = (manifest.channel, manifest.version, manifest.seq)
+            self._last_attempt = manifest.attempt
 
     def _fetch_manifest_once(self, version: str, deadline: float) -> SyncManifest:
         while True:
@@ -270,9 +269,7 @@ class SyncSession:
         if wrong:
             raise ValueError(f"sync {manifest.version!r}: {wrong}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
-            where = self._devices(
-                f"{manifest.version}/{manifest.seq}", names, layouts, deadline, manifest.transport != "p2p"
-            )
+            where = self._devices(manifest.attempt.name, names, layouts, deadline, manifest.transport != "p2p")
         self._processes = where.processes
 
         plan_started = time.perf_counter()
@@ -363,7 +360,7 @@ class SyncSession:
     # -- outcomes: a version counts as applied only when every receiving rank said so (awex.engines.sync.outcomes) ---
     def finish(self, manifest: SyncManifest, ok: bool, cause: str | None = None, partial: bool = False) -> None:
         """A receiving rank's outcome of ``manifest``'s version: :func:`awex.engines.sync.outcomes.report`."""
-        self._last_attempt = (manifest.channel, manifest.version, manifest.seq)
+        self._last_attempt = manifest.attempt
         with self.phases("done"):
             me = (self.instance, self.local_rank)
             outcomes.report(self.client, self._plan, me, self.signals, manifest, ok, cause, partial)

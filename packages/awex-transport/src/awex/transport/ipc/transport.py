@@ -23,6 +23,9 @@ class IpcTransport(Transport):
     wait for it (the writer does), so trainers do not change their weights while they are read."""
 
     name = "ipc"
+    carries_delta = True
+    quantizes_on_receive = True
+    needs_cuda = True
 
     def __init__(self) -> None:
         self.plan: Plan | None = None

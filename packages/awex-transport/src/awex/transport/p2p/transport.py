@@ -23,6 +23,7 @@ class P2pTransport(Transport):
     name = "p2p"
     signals_ready = False
     refreshes_by_wave = True
+    carries_delta = True
 
     def __init__(self) -> None:
         self.group: SyncGroup | None = None

@@ -1,0 +1,100 @@
+"""What a writer asks of every version, as one frozen record (:class:`SyncOptions`) whose :meth:`~SyncOptions.check`
+holds every rule about the options alone and together, before any byte moves. What a transport can do is read from
+its class (``carries_delta``, ``quantizes_on_receive``, ``refreshes_by_wave`` on
+:class:`~awex.transport.base.Transport`), never from a list of names here; every rank checks a manifest it reads
+by the same rules (:func:`combination_error`) before it plans."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from awex.transport.registry import TRANSPORTS, transport_class
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """A :class:`~awex.engines.writer.WeightsWriter`'s options (see it for what each does)."""
+
+    host: str = "127.0.0.1"  # where this writer's sync group and version channel listen
+    wave_bytes: int = 256 << 20  # p2p: bytes per rank per wave
+    timeout: float = 300.0  # seconds per version
+    transport: str = "auto"  # a name in awex.transport.registry.TRANSPORTS, or "auto"
+    allow_cast: tuple[str, ...] = ()  # globs of tensors that may narrow (fp32 -> bf16)
+    refresh: Callable[[], None] | None = None  # before any byte moves: recompute derived views
+    refresh_by_wave: Any = None  # p2p: the same wave by wave (awex.convert.Fp8Views.by_wave)
+    keep_versions: int = 2  # versions whose MetaServer records rank 0 keeps
+    delta: bool = False  # only the 16-bit words that changed since the last version
+    delta_budget_bytes: int | None = None  # a delta sender: what it may keep of the last version (None: all)
+    quantize_on_receive: bool = False  # FP8 engines on the trainer's GPUs quantise the copy
+
+    def __post_init__(self) -> None:
+        if isinstance(self.allow_cast, (list, set, frozenset)):  # the one coercion: a list of globs is a tuple
+            object.__setattr__(self, "allow_cast", tuple(self.allow_cast))
+
+    def check(self) -> SyncOptions:
+        """These options, or ``ValueError`` saying what to pass instead: each option alone, then together."""
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host={self.host!r}: an address every rank reaches")
+        if not _whole(self.wave_bytes) or self.wave_bytes <= 0:
+            raise ValueError(f"wave_bytes={self.wave_bytes!r}: a positive byte count")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+            raise ValueError(f"timeout={self.timeout!r}: a finite number of seconds above 0")
+        if not math.isfinite(self.timeout) or self.timeout <= 0:
+            raise ValueError(f"timeout={self.timeout!r}: a finite number of seconds above 0")
+        if not isinstance(self.allow_cast, tuple) or any(not isinstance(p, str) or not p for p in self.allow_cast):
+            raise ValueError(f"allow_cast={list(self.allow_cast)!r}: glob patterns (non-empty strings)")
+        if not _whole(self.keep_versions) or self.keep_versions < 1:
+            raise ValueError("keep_versions must be at least 1")
+        for flag in ("delta", "quantize_on_receive"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}={getattr(self, flag)!r}: True or False")
+        wrong = combination_error(self.transport, self.delta, self.quantize_on_receive)
+        if wrong:
+            raise ValueError(wrong)
+        if self.refresh_by_wave is not None and self.refresh is None:
+            raise ValueError(
+                "refresh_by_wave needs refresh too: CUDA IPC receivers read whole buffers, refreshed "
+                "all at once (pass refresh=fp8.quantize, refresh_by_wave=fp8.by_wave)"
+            )
+        if self.delta and self.refresh_by_wave is not None:
+            raise ValueError("delta=True with FP8 on the fly (refresh_by_wave) is not built yet")
+        budget = self.delta_budget_bytes
+        if budget is not None and (not self.delta or not _whole(budget) or budget < 0):
+            raise ValueError("delta_budget_bytes: a non-negative byte count, with delta=True")
+        return self
+
+
+def combination_error(transport: str, delta: bool, quantize_on_receive: bool) -> str | None:
+    """What is wrong with a transport and the options that depend on it (writers and manifests alike), or None.
+    ``auto`` chooses among every transport, so options that only some carry name one of those instead."""
+    if transport not in (*TRANSPORTS, "auto"):
+        return (
+            f"unknown transport {transport!r}: use 'auto', 'p2p' (NCCL/gloo), 'ipc' (CUDA engines "
+            "on one host), 'shm' (CPU engines on one host) or 'rdma' (Mooncake's transfer engine)"
+        )
+    cls = transport_class(transport) if transport != "auto" else None
+    if delta and not (cls is not None and cls.carries_delta):
+        return (
+            f"delta=True runs over transport={_names('carries_delta')}, not {transport!r}: pass one of them "
+            f"(delta syncs over {_names('carries_delta', False)} are not built yet)"
+        )
+    if delta and quantize_on_receive:
+        return "delta=True with quantize_on_receive=True is not built yet: pick one of the two"
+    if quantize_on_receive and not (cls is not None and cls.quantizes_on_receive):
+        return (
+            f"quantize_on_receive=True runs over transport={_names('quantizes_on_receive')} (receivers on the "
+            f"trainer's GPUs), not {transport!r}; elsewhere quantise on the sender (awex.convert.Fp8Views)"
+        )
+    return None
+
+
+def _names(capability: str, has: bool = True) -> str:
+    """The transports whose class has (or lacks) ``capability``, quoted, in registry order: ``'p2p' or 'ipc'``."""
+    names = [f"{n!r}" for n in TRANSPORTS if bool(getattr(transport_class(n), capability)) == has]
+    return " or ".join(names) if has else ", ".join(names)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
