@@ -14,6 +14,7 @@ import json
 import os
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "qwen2-tiny.json"
@@ -78,19 +79,34 @@ def step_number(version: str) -> int:
     return int(version.rsplit("-", 1)[1])
 
 
-def trainer_rank(
-    address: str,
-    job: str,
-    rank: int,
-    tp: int,
-    infer_tp: int,
-    script: list[dict],
-    timeout: float,
-    destinations: list[str],
-    workdir: str,
-    device: str = "cpu",
-    transport: str = "auto",
-) -> list[dict]:
+@dataclass(frozen=True)
+class RankJob:
+    """What one rank of a fault case runs (a trainer rank: :func:`trainer_rank`; an engine rank:
+    :func:`receiver_rank`); picklable, spawned processes take it as it is."""
+
+    address: str  # the MetaServer
+    job: str
+    rank: int
+    train_tp: int
+    infer_tp: int
+    script: list[dict]  # per version: its name and the fault to play, if any
+    timeout: float
+    workdir: str  # where the ranks leave records and meet ("at-..." and "go" files)
+    device: str = "cpu"  # "cpu", "cuda" (every rank on GPU 0) or "cuda-per-rank"
+    transport: str = "auto"  # a trainer's writer's
+    instance: str = "eng"  # the engine's Awex instance (a trainer's one destination)
+
+
+def trainer_rank(job: RankJob) -> list[dict]:
+    address, rank, tp, infer_tp, script, timeout = (
+        job.address,
+        job.rank,
+        job.train_tp,
+        job.infer_tp,
+        job.script,
+        job.timeout,
+    )
+    workdir, device, transport, destinations = job.workdir, job.device, job.transport, [job.instance]
     import torch
 
     from awex.engines.writer import WeightsWriter
@@ -99,7 +115,7 @@ def trainer_rank(
     layout, _ = layouts(tp, infer_tp)
     held, view_of = plain_views(layout, rank, rank_device(device, "trainer", rank, tp))
     writer = WeightsWriter(
-        MetaClient(address, job=job, timeout=timeout),
+        MetaClient(address, job=job.job, timeout=timeout),
         layout,
         rank,
         view_of,
@@ -217,24 +233,22 @@ def _exit_soon(delay: float) -> None:
     threading.Timer(delay, lambda: os._exit(EXIT_CODE)).start()
 
 
-def receiver_rank(
-    address: str,
-    job: str,
-    instance: str,
-    rank: int,
-    train_tp: int,
-    tp: int,
-    script: list[dict],
-    timeout: float,
-    workdir: str,
-    device: str = "cpu",
-) -> list[dict]:
+def receiver_rank(job: RankJob) -> list[dict]:
+    address, instance, rank, train_tp, tp, script = (
+        job.address,
+        job.instance,
+        job.rank,
+        job.train_tp,
+        job.infer_tp,
+        job.script,
+    )
+    timeout, workdir, device = job.timeout, job.workdir, job.device
     from awex.engines.reader import WeightsReader
     from awex.meta.client import MetaClient
 
     _, layout = layouts(train_tp, tp, instance)
     held, view_of = plain_views(layout, rank, rank_device(device, "engine", rank, train_tp))
-    reader = WeightsReader(MetaClient(address, job=job, timeout=timeout), layout, rank, view_of, timeout=timeout)
+    reader = WeightsReader(MetaClient(address, job=job.job, timeout=timeout), layout, rank, view_of, timeout=timeout)
     out = Records(workdir)
     for step in script:
         version, fault = step["version"], step.get("fault")

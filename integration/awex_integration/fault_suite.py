@@ -120,46 +120,27 @@ def run_case(case: Case, timeout: float, device: str = "cpu", transport: str | N
 def _run_case(case: Case, timeout: float, device: str, transport: str | None, work: Path) -> dict:
     transport = transport or case.transport
     server = EmbeddedServer() if case.server == "embedded" else ProcessServer()
-    job = case.name.replace("_", "-")
+    job_name = case.name.replace("_", "-")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs: dict[tuple[str, int, int], Any] = {}  # (role, rank, life) -> process
 
     def start(role: str, rank: int, script: list[dict], life: int) -> None:
-        if role in ("trainer", "zombie"):
-            fn, args = (
-                fault_ranks.trainer_rank,
-                (
-                    server.address,
-                    job,
-                    rank,
-                    case.train_tp,
-                    case.infer_tp,
-                    script,
-                    timeout,
-                    ["eng"],
-                    str(work),
-                    device,
-                    transport,
-                ),
-            )
-        else:
-            # an engine waits for the trainer (as vLLM's update call does): its deadline covers the trainer's
-            fn, args = (
-                fault_ranks.receiver_rank,
-                (
-                    server.address,
-                    job,
-                    "eng",
-                    rank,
-                    case.train_tp,
-                    case.infer_tp,
-                    script,
-                    RECEIVER_DEADLINES * timeout,
-                    str(work),
-                    device,
-                ),
-            )
+        # an engine waits for the trainer (as vLLM's update call does): its deadline covers the trainer's
+        trainer = role in ("trainer", "zombie")
+        job = fault_ranks.RankJob(
+            server.address,
+            job_name,
+            rank,
+            case.train_tp,
+            case.infer_tp,
+            script,
+            timeout if trainer else RECEIVER_DEADLINES * timeout,
+            str(work),
+            device,
+            transport,
+        )
+        fn, args = (fault_ranks.trainer_rank if trainer else fault_ranks.receiver_rank), (job,)
         p = ctx.Process(target=_run_rank, args=(fn, (role, rank, life), args, results), daemon=False)
         p.start()
         procs[(role, rank, life)] = p

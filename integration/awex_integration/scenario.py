@@ -46,7 +46,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from awex.meta.client import MetaClient
 from awex.meta.layouts import MegatronParallel
@@ -60,7 +59,7 @@ from awex_integration.expected import (
 )
 from awex_integration.instances import HfInstance, LayoutInstance, VllmInstance, VllmServeInstance, engine_attention
 from awex_integration.scenario_args import parse_args
-from awex_integration.scenario_results import add_receive_reports, catching, wait_trainers
+from awex_integration.scenario_results import ScenarioResult, StepResult, catching, wait_trainers
 from awex_integration.spawn import free_port
 from awex_integration.tiny_model import (
     canonical_weights,
@@ -68,12 +67,12 @@ from awex_integration.tiny_model import (
     load_json,
     make_tiny_model,
 )
-from awex_integration.trainer_main import canonical_delta, trainer_rank
+from awex_integration.trainer_main import TrainerJob, canonical_delta, trainer_rank
 
 log = logging.getLogger("awex.scenario")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> ScenarioResult:
     """One scenario; with ``--hosts 2`` in two network namespaces, removed afterwards."""
     if args.hosts == 1:
         return _run(args, None)
@@ -89,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hosts.close()
 
 
-def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
+def _run(args: argparse.Namespace, hosts) -> ScenarioResult:
     if args.workdir:
         return _run_in(args, hosts, Path(args.workdir))
     work = Path(tempfile.mkdtemp(prefix="awex-scenario-"))  # checkpoints of every step: ~190 MB, removed after
@@ -99,7 +98,7 @@ def _run(args: argparse.Namespace, hosts) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_in(args: argparse.Namespace, hosts, work: Path) -> dict[str, Any]:
+def _run_in(args: argparse.Namespace, hosts, work: Path) -> ScenarioResult:
     config = load_json(args.model_config)
     model_dir = make_tiny_model(work / "model", config, dtype=args.dtype)
     config = load_json(model_dir / "config.json")
@@ -138,7 +137,7 @@ def _run_in(args: argparse.Namespace, hosts, work: Path) -> dict[str, Any]:
             cluster.close()
 
 
-def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_dir, config, quant) -> dict[str, Any]:
+def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_dir, config, quant) -> ScenarioResult:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -202,30 +201,40 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     )
     world = {"megatron": parallel.world_size, "fsdp": args.train_dp}.get(args.trainer, 1)
     port = free_port()
-    trainer_meta = {
-        "address": server.address,
-        "job": "scenario",
-        "token": token,
-        "receive": args.receive,
-        "transport": {"gloo": "p2p"}.get(args.transport, args.transport),
-        "host": host,  # where the trainers' sync group and version channel listen
-        "log_level": args.log_level,
-        "endpoints": {inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)},
-        "ray_engines": {inst.name: inst.handle for inst in instances if hasattr(inst, "handle")},  # vllm-ray
-    }
     wave_bytes = int(args.wave_mb * (1 << 20)) if args.wave_mb else None
     from awex_integration.spawn import run_processes
 
     trainer_out: dict = {}
 
     def trainer_job(r: int) -> tuple:
-        job = (args.trainer, r, world, port, parallel, config, str(model_dir), trainer_meta, names, args.steps)
-        job = (*job, args.timeout, args.fp8, wave_bytes)
+        job = TrainerJob(
+            args.trainer,
+            r,
+            world,
+            port,
+            parallel,
+            config,
+            str(model_dir),
+            server.address,
+            "scenario",
+            token,
+            tuple(names),
+            args.steps,
+            args.timeout,
+            receive=args.receive,
+            transport={"gloo": "p2p"}.get(args.transport, args.transport),
+            host=host,  # where the trainers' sync group and version channel listen
+            log_level=args.log_level,
+            endpoints={inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)},
+            ray_engines={inst.name: inst.handle for inst in instances if hasattr(inst, "handle")},  # vllm-ray
+            fp8=args.fp8,
+            wave_bytes=wave_bytes,
+        )
         if hosts is not None and cluster is None:  # the trainers run on the first "host"
             from awex_integration.netns import in_namespace
 
-            return (r, in_namespace, (hosts.a, trainer_rank, *job))
-        return (r, trainer_rank, job)
+            return (r, in_namespace, (hosts.a, trainer_rank, job))
+        return (r, trainer_rank, (job,))
 
     if cluster is not None:
         from awex_integration.ray_launch import run_tasks
@@ -244,29 +253,19 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     wait_trainers(client, "trainer_ready", None, world, 0, args.timeout)  # time syncs, not trainer start-up
     reference = canonical_weights(model_dir, config)  # by the names the trainer sends
     tok = AutoTokenizer.from_pretrained(model_dir)
-    results = {
-        "ok": True,
-        "steps": args.steps,
-        "model_bytes": sum(v.numel() * v.element_size() for v in reference.values()),
-        "bytes": [],
-        "sync_seconds": [],
-        "tensors_checked": 0,
-        "tensors_mismatched": 0,
-        "greedy_match": True,
-        "per_step": [],
-    }
+    ran_with = {k: v for k, v in vars(args).items() if k != "workdir"}
+    results = ScenarioResult(
+        steps=args.steps, model_bytes=sum(v.numel() * v.element_size() for v in reference.values()), scenario=ran_with
+    )
     try:
         previous = [inst.greedy() for inst in instances]
     except Exception as e:  # the engine itself cannot generate here, before any sync: nothing of Awex ran yet
         client.publish_event("step", "scenario", data={"die": -1, "abort": True})
         trainer_thread.join(args.timeout + 30)
         server.stop()
-        return {
-            "ok": False,
-            "engine_failed_before_sync": True,
-            "error": f"{type(e).__name__}: {e}"[:2000],
-            "scenario": {k: v for k, v in vars(args).items() if k != "workdir"},
-        }
+        return ScenarioResult(
+            ok=False, engine_failed_before_sync=True, error=f"{type(e).__name__}: {e}"[:2000], scenario=ran_with
+        )
     vllm_instances = [inst for inst in instances if isinstance(inst, VllmInstance)]
     if args.check_in_place:
         for inst in vllm_instances:
@@ -296,21 +295,16 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
             [t.join(args.timeout + 30) for t in threads]
         seconds = time.monotonic() - started
         if errors:
-            results.update(
-                ok=False,
-                error=f"{version}: {errors[0]}",
-                failed_step=step,
-                error_seconds=round(seconds, 3),
-                errors=errors,
-            )
+            results.ok, results.error, results.failed_step = False, f"{version}: {errors[0]}", step
+            results.error_seconds, results.errors = round(seconds, 3), errors
             # the receivers must keep serving the previous version, and say so
-            results["kept_previous_output"] = all(inst.greedy() == prev for inst, prev in zip(instances, previous))
-            results["reported_versions"] = {
+            results.kept_previous_output = all(inst.greedy() == prev for inst, prev in zip(instances, previous))
+            results.reported_versions = {
                 p["name"]: p["weight_version"]
                 for p in client.status()["jobs"]["scenario"]["participants"]
                 if p["role"] == "inference"
             }
-            results["failure_events"] = [
+            results.failure_events = [
                 f"{e['source']}: {e.get('data')}" for e in client.events(0, timeout=0) if e["kind"] == "sync_failed"
             ]
             if fault:
@@ -324,9 +318,9 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
             checked += report["tensors_checked"]
             mismatched += report["tensors_mismatched"]
             if report.get("mismatched"):  # which tensors, per receiving rank
-                results.setdefault("mismatched", {})[key] = report["mismatched"]
+                results.mismatched = {**(results.mismatched or {}), key: report["mismatched"]}
         received = [client.get(key) for key in client.keys(f"received/{version}/")]
-        add_receive_reports(results, received, steady=step > 1 or args.steps == 1)
+        results.add_receive_reports(received, steady=step > 1 or args.steps == 1)
         previous = [inst.greedy() for inst in instances]
         if args.inference == "layout":  # no engine, nothing generates
             match = None
@@ -338,56 +332,42 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
             match = all(out == want for out in previous)
             for inst in vllm_instances:  # every tensor the engine holds, derived ones included, as a fresh load's
                 stale = state_differences(inst.llm.collective_rpc("awex_probe_state"), fresh_state)
-                results.setdefault("state_differences", {})[f"{inst.name}/{version}"] = stale
+                results.state_differences = {**(results.state_differences or {}), f"{inst.name}/{version}": stale}
         else:
             want = hf_greedy(reference_model(model_dir, ref_dir, args.dtype), tok)
             match = all(out == want for out in previous)
-        results["bytes"].append(nbytes)
-        results["sync_seconds"].append(round(seconds, 4))
-        results["tensors_checked"] += checked
-        results["tensors_mismatched"] += mismatched
-        results["greedy_match"] = None if match is None else (results["greedy_match"] and match)
-        results["per_step"].append(
-            {
-                "version": version,
-                "bytes": nbytes,
-                "sync_seconds": round(seconds, 4),
-                "tensors_checked": checked,
-                "tensors_mismatched": mismatched,
-                "greedy_match": match,
-            }
-        )
+        results.add_step(StepResult(version, nbytes, round(seconds, 4), checked, mismatched, match))
         print(
             f"{version}: {nbytes:,} bytes to {len(instances)} instance(s) in {seconds:.3f} s; tensors checked "
             f"{checked}, mismatched {mismatched}; greedy output == reference: {match}",
             flush=True,
         )
-    if "failed_step" in results:
+    if results.failed_step is not None:
         client.publish_event("step", "scenario", data={"die": -1, "abort": True})
     trainer_thread.join(args.timeout + 30)
     bad = {k: v for k, v in trainer_out.items() if v[0] != "ok"}
     used = sorted({s.get("transport") for v in trainer_out.values() if v[0] == "ok" for s in v[1]["steps"]} - {None})
     if cluster is not None:  # where Ray placed each rank: node and network namespace
-        results["placement"] = {
+        results.placement = {
             "trainers": [v[1].get("ray") for _, v in sorted(trainer_out.items()) if v[0] == "ok"],
             "engines": [inst.where for inst in instances],
         }
-    results["transport"] = {"p2p": "gloo"}.get(used[0], used[0]) if len(used) == 1 else used
+    results.transport = {"p2p": "gloo"}.get(used[0], used[0]) if len(used) == 1 else used
     if bad:
-        results["ok"] = False
-        results["trainer_errors"] = {str(k): str(v[1])[-2000:] for k, v in bad.items()}
-    if args.check_in_place and "failed_step" not in results:
+        results.ok = False
+        results.trainer_errors = {str(k): str(v[1])[-2000:] for k, v in bad.items()}
+    if args.check_in_place and results.failed_step is None:
         reports = [dict(r, instance=inst.name) for inst in vllm_instances for r in inst.probe_report()]
-        results["in_place_check"] = reports
-        results["in_place_verified"] = all(
+        results.in_place_check = reports
+        results.in_place_verified = all(
             not r["moved"] and not set(r["loaded"]) & set(r["in_place"]) and set(r["loaded"]) == set(r["loader"])
             for r in reports
         )
     if args.control in ("vllm-http", "vllm-ray"):
-        results["engine_weight_versions"] = {inst.name: inst.weight_version() for inst in instances}
+        results.engine_weight_versions = {inst.name: inst.weight_version() for inst in instances}
         status, sent = trainer_out.get(0, ("missing", None))  # rank 0 drives the engines and measures the stall
-        results["stalls"] = [s for step in sent["steps"] for s in step["stalls"]] if status == "ok" else []
-        for s in results["stalls"]:  # what each version cost generation (pause -> paused -> resumed), per engine
+        results.stalls = [s for step in sent["steps"] for s in step["stalls"]] if status == "ok" else []
+        for s in results.stalls:  # what each version cost generation (pause -> paused -> resumed), per engine
             print(
                 f"{s['version']} on {s['instance']} (pause {s['mode']}): pause {s['pause_seconds']:.3f} s, "
                 f"sync {s['sync_seconds']:.3f} s, stall {s['stall_seconds']} s",
@@ -396,17 +376,15 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     for inst in instances:
         if hasattr(inst, "close"):
             inst.close()
-    if "failed_step" in results:
+    if results.failed_step is not None:
         server.stop()
-        results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
         return results
-    results["ok"] = bool(
-        results["ok"]
-        and results["tensors_mismatched"] == 0
-        and results["tensors_checked"] > 0
-        and (results["greedy_match"] is not False or args.dtype != "float32")
+    results.ok = bool(
+        results.ok
+        and results.tensors_mismatched == 0
+        and results.tensors_checked > 0
+        and (results.greedy_match is not False or args.dtype != "float32")
     )
-    results["scenario"] = {k: v for k, v in vars(args).items() if k not in ("workdir",)}
     server.stop()
     return results
 
@@ -416,8 +394,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("awex").setLevel(args.log_level.upper())
     results = run(args)
-    print(json.dumps(results, sort_keys=True), flush=True)
-    return 0 if results["ok"] else 1
+    print(json.dumps(results.to_json(), sort_keys=True), flush=True)
+    return 0 if results.ok else 1
 
 
 if __name__ == "__main__":

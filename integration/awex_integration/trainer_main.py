@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 import zlib
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,39 +40,49 @@ def model_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
     return max(counts, key=counts.get)
 
 
-def trainer_rank(*args) -> dict:
+@dataclass(frozen=True)
+class TrainerJob:
+    """What one trainer rank of a scenario runs (picklable: spawned processes and Ray tasks take it as it is)."""
+
+    kind: str  # "megatron", "fsdp" or "hf"
+    rank: int
+    world: int
+    port: int  # where the trainer's own process group meets (Megatron, FSDP2)
+    parallel: MegatronParallel | None
+    config: dict
+    model_dir: str
+    address: str  # the MetaServer
+    job: str
+    token: str | None
+    destinations: tuple[str, ...]
+    steps: int
+    timeout: float
+    receive: str = "in_place"
+    transport: str = "auto"
+    host: str | None = None  # where the trainers' sync group and version channel listen
+    log_level: str = "warning"
+    endpoints: dict[str, str] = field(default_factory=dict)  # vLLM servers driven over HTTP (vLLM's trainer API)
+    ray_engines: dict[str, Any] = field(default_factory=dict)  # vLLM LLM actors' handles (vLLM's trainer API)
+    fp8: bool = False  # the receivers hold FP8 block-quantised weights; this rank quantises its own on the fly
+    wave_bytes: int | None = None  # the writer's wave size (None: the writer's default)
+
+
+def trainer_rank(job: TrainerJob) -> dict:
     """Run :func:`trainer_body`, announcing a failure on the MetaServer so the driver stops waiting at once."""
-    meta = args[7]
     try:
-        return trainer_body(*args)
+        return trainer_body(job)
     except BaseException as e:
         try:
-            client = MetaClient(meta["address"], job=meta["job"], token=meta["token"], timeout=10)
-            client.publish_event("trainer_failed", f"trainer:{args[1]}", data=f"{type(e).__name__}: {e}"[:2000])
+            client = MetaClient(job.address, job=job.job, token=job.token, timeout=10)
+            client.publish_event("trainer_failed", f"trainer:{job.rank}", data=f"{type(e).__name__}: {e}"[:2000])
         finally:
             raise
 
 
-def trainer_body(
-    kind: str,
-    rank: int,
-    world: int,
-    port: int,
-    parallel: MegatronParallel | None,
-    config: dict,
-    model_dir: str,
-    meta: dict,
-    destinations: list[str],
-    steps: int,
-    timeout: float,
-    fp8: bool = False,
-    wave_bytes: int | None = None,
-) -> dict:
-    """Run one trainer rank for ``steps`` steps; returns per-step bytes sent and seconds.
-
-    ``fp8``: the receivers hold FP8 block-quantised weights; this rank quantises its own on the fly.
-    ``wave_bytes``: the writer's wave size (default: the writer's).
-    """
+def trainer_body(job: TrainerJob) -> dict:
+    """Run one trainer rank for ``job.steps`` steps; returns per-step bytes sent and seconds."""
+    kind, rank, world, port, parallel, config = job.kind, job.rank, job.world, job.port, job.parallel, job.config
+    model_dir, destinations, steps, timeout = job.model_dir, list(job.destinations), job.steps, job.timeout
     import logging
 
     from safetensors.torch import load_file
@@ -78,10 +90,10 @@ def trainer_body(
     from awex.engines.source import TrainerSource
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("awex").setLevel(meta.get("log_level", "warning").upper())
+    logging.getLogger("awex").setLevel(job.log_level.upper())
     from awex.engines.writer import WeightsWriter
 
-    client = MetaClient(meta["address"], job=meta["job"], token=meta["token"], timeout=timeout)
+    client = MetaClient(job.address, job=job.job, token=job.token, timeout=timeout)
     hf = load_file(f"{model_dir}/model.safetensors")
     if kind == "megatron":
         from awex_integration.megatron_workers import load_hf_into, megatron_rank
@@ -107,12 +119,12 @@ def trainer_body(
         model = hf_auto_class(config).from_pretrained(model_dir, **dtype_kwarg(model_dtype(hf))).eval()
         source = TrainerSource.hf(model)
     layout, local_rank, view_of = source.layout, source.local_rank, source.view_of
-    options = {"wave_bytes": wave_bytes} if wave_bytes else {}
-    options["transport"] = meta.get("transport", "auto")
-    if meta.get("host"):
-        options["host"] = meta["host"]
+    options = {"wave_bytes": job.wave_bytes} if job.wave_bytes else {}
+    options["transport"] = job.transport
+    if job.host:
+        options["host"] = job.host
     engine = None
-    if meta.get("endpoints") or meta.get("ray_engines"):  # vLLM's trainer-side API drives the engines
+    if job.endpoints or job.ray_engines:  # vLLM's trainer-side API drives the engines
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 
@@ -120,26 +132,24 @@ def trainer_body(
 
         info = AwexTrainerInitInfo(
             rank=rank,
-            meta_address=meta["address"],
-            job=meta["job"],
-            token=meta["token"],
+            meta_address=job.address,
+            job=job.job,
+            token=job.token,
             instances=tuple(destinations),
             timeout=timeout,
-            receive=meta["receive"],
+            receive=job.receive,
             **options,
         )
         engine = WeightTransferTrainerFactory.trainer_init(
             info,
             client={  # over HTTP (scenario --control vllm-http) or Ray (vllm-ray: vLLM's LLM actors' handles)
-                **{
-                    name: HTTPVLLMWeightSyncClient(url, timeout=timeout + 30) for name, url in meta["endpoints"].items()
-                },
-                **{name: RayVLLMWeightSyncClient(handle) for name, handle in meta.get("ray_engines", {}).items()},
+                **{name: HTTPVLLMWeightSyncClient(url, timeout=timeout + 30) for name, url in job.endpoints.items()},
+                **{name: RayVLLMWeightSyncClient(handle) for name, handle in job.ray_engines.items()},
             },
             source=AwexSource(layout, local_rank, view_of),
         )
         writer = engine.writer
-    elif fp8:
+    elif job.fp8:
         from awex.convert import Fp8Views
         from awex.meta import Fp8BlockQuant, quantize_layout
 

@@ -11,6 +11,8 @@ import sys
 
 from conftest import HERE
 
+from awex_integration.scenario_results import ScenarioResult
+
 
 def run_scenario(args: list[str], timeout: float = 600, env: dict | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), **(env or {})}
@@ -25,7 +27,9 @@ def run_scenario(args: list[str], timeout: float = 600, env: dict | None = None)
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no result (exit {out.returncode}):\n{errors(out.stdout + out.stderr)}\n{out.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    result = json.loads(lines[-1])
+    ScenarioResult.from_json(result)  # one schema: a field the record does not name fails here
+    return result
 
 
 def errors(text: str, limit: int = 40) -> str:
