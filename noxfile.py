@@ -202,14 +202,20 @@ def tests(session: nox.Session) -> None:
 def sglang_layout(session: nox.Session) -> None:
     """Awex's SGLang layout against SGLang's own model classes and weight loaders, every rank of each case, and syncs
     from an HF trainer into SGLang's models through the binding's loader, on CPU
-    (``integration/awex_integration/sglang_layout_check.py``; ``tests`` runs it after its own run). SGLang is
+    (``integration/awex_integration/checks/sglang_layout_check.py``; ``tests`` runs it after its own run). SGLang is
     installed without its dependencies; arguments after ``--`` go to the check (``--list``, ``--case NAME``)."""
     session.install(*_torch(), *SGLANG_IMPORTS)
     session.install("--no-deps", SGLANG)
     session.install(*PACKAGES)
     args = list(session.posargs) or ["--self-test", "--sync"]
     session.run(
-        "python", "-W", "ignore", "-m", "awex_integration.sglang_layout_check", *args, env={"PYTHONPATH": "integration"}
+        "python",
+        "-W",
+        "ignore",
+        "-m",
+        "awex_integration.checks.sglang_layout_check",
+        *args,
+        env={"PYTHONPATH": "integration"},
     )
 
 
@@ -260,7 +266,9 @@ def faults(session: nox.Session) -> None:
     no /dev/shm leak; then the vLLM fault cases. Its last line (before pytest's) is the suite's JSON summary; ``--
     --cases a,b`` picks cases."""
     _stack(session, *TEST_TOOLS, MOONCAKE_CPU, debian=True)  # the rdma cases need Mooncake
-    session.run("python", "-m", "awex_integration.fault_suite", *session.posargs, env={"PYTHONPATH": "integration"})
+    session.run(
+        "python", "-m", "awex_integration.faults.fault_suite", *session.posargs, env={"PYTHONPATH": "integration"}
+    )
     if not session.posargs:
         _pytest(session, "integration/tests/test_faults.py")
 
@@ -274,9 +282,11 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def scenario(session: nox.Session) -> None:
-    """The scenario runner with the arguments after ``--`` (see integration/awex_integration/scenario.py)."""
+    """The scenario runner with the arguments after ``--`` (see integration/awex_integration/scenarios/scenario.py)."""
     _stack(session, RAY)
-    session.run("python", "-m", "awex_integration.scenario", *session.posargs, env={"PYTHONPATH": "integration"})
+    session.run(
+        "python", "-m", "awex_integration.scenarios.scenario", *session.posargs, env={"PYTHONPATH": "integration"}
+    )
 
 
 @nox.session
@@ -308,18 +318,18 @@ BENCH_PATH = os.pathsep.join(  # absolute: device tests spawn workers in other d
 @nox.session
 def bench_cpu(session: nox.Session) -> None:
     """CPU transports through the public path (gloo and host shared memory) against this machine's memory copy
-    rate; arguments after ``--`` go to ``awex_integration.bench_cpu`` (default: results to
+    rate; arguments after ``--`` go to ``awex_integration.benchmarks.bench_cpu`` (default: results to
     integration/results/bench-results-cpu.json)."""
     _stack(session, MOONCAKE_CPU, debian=True)  # its rdma row
     args = list(session.posargs) or ["--out", "integration/results/bench-results-cpu.json"]
-    session.run("python", "-m", "awex_integration.bench_cpu", *args, env={"PYTHONPATH": "integration"})
+    session.run("python", "-m", "awex_integration.benchmarks.bench_cpu", *args, env={"PYTHONPATH": "integration"})
 
 
 import sys  # noqa: E402  (the matrix's cases are plain data in the integration harness)
 
 sys.path.insert(0, os.path.join(HERE, "integration"))
-from awex_integration.bench_common import SCENARIOS  # noqa: E402
-from awex_integration.matrix_cases import CASES  # noqa: E402
+from awex_integration.benchmarks.bench_common import SCENARIOS  # noqa: E402
+from awex_integration.scenarios.matrix_cases import CASES  # noqa: E402
 
 GPU_TESTS = [  # the device test modules: CUDA IPC, NCCL, pinned shared memory, FP8 kernels, GPU fault cases
     "integration/tests/test_gpu_sync.py",
@@ -377,7 +387,7 @@ def _device_pytest(session: nox.Session, *paths: str) -> None:
 def gpu(session: nox.Session, case: str) -> None:
     """The CUDA matrix (``nox -l`` lists it): each device test module (``tests-*``; arguments after ``--`` go to
     pytest), and each benchmark scenario x model (``bench-<scenario>-<model>``; the scenario names its transport;
-    arguments after ``--`` go to ``awex_integration.bench_gpu``, e.g. ``-- --fp8 --iters 3``; results to
+    arguments after ``--`` go to ``awex_integration.benchmarks.bench_gpu``, e.g. ``-- --fp8 --iters 3``; results to
     ``integration/results/bench-results-<scenario>-<model>.json``). ``nox -s gpu -- --scenarios a,b [--models m]`` runs
     only those benchmark cells. Runs the machine's own python and torch (GPU machines
     often reach no registry: nothing is installed); skipped, saying so, where no CUDA device is present or the cell
@@ -394,7 +404,17 @@ def gpu(session: nox.Session, case: str) -> None:
         _device_pytest(session, target)
         return
     out = f"integration/results/bench-results-{target}-{model}.json"
-    bench = ["python3", "-m", "awex_integration.bench_gpu", "--scenarios", target, "--model", model, "--out", out]
+    bench = [
+        "python3",
+        "-m",
+        "awex_integration.benchmarks.bench_gpu",
+        "--scenarios",
+        target,
+        "--model",
+        model,
+        "--out",
+        out,
+    ]
     session.run(*bench, *args, env=DEVICE_ENV, external=True)
 
 
@@ -428,7 +448,7 @@ def bench(session: nox.Session) -> None:
     session.run(
         "python3",
         "-m",
-        "awex_integration.bench_gpu",
+        "awex_integration.benchmarks.bench_gpu",
         *args,
         env=DEVICE_ENV,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from awex_integration.scenario import main
+from awex_integration.scenarios.scenario import main
 
 if __name__ == "__main__":
     args = [

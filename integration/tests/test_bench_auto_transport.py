@@ -5,7 +5,7 @@ one trainer GPU, where relayed NCCL keeps the trainer's egress at one copy."""
 import pytest
 
 from awex.meta import Role
-from awex_integration.bench_common import SCENARIOS, auto_transport, layouts_of, model_tensors
+from awex_integration.benchmarks.bench_common import SCENARIOS, auto_transport, layouts_of, model_tensors
 
 EXPECTED = {
     "1gpu_to_1gpu": "ipc",
@@ -33,7 +33,7 @@ def test_auto_transport_of_each_benchmark_scenario(scenario):
 
 def test_colocated_replicas_are_read_on_their_own_gpus():
     from awex.meta import PlanOptions, plan_transfers
-    from awex_integration.bench_common import scenario_devices
+    from awex_integration.benchmarks.bench_common import scenario_devices
 
     scenario = next(s for s in SCENARIOS if s.name == "colocated_dp2_to_2x_tp1")
     _, tensors = model_tensors("qwen3-8b", 2)

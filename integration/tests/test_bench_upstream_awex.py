@@ -12,8 +12,8 @@ import zipfile
 import pytest
 
 from awex.transport.net import free_port
-from awex_integration import bench_common
-from awex_integration.bench_upstream_awex import run, scenario_spec
+from awex_integration.benchmarks import bench_common
+from awex_integration.benchmarks.bench_upstream_awex import run, scenario_spec
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def test_the_table_names_exactly_what_transformers_saves(model, tmp_path):
     from safetensors.torch import load_file
 
     from awex.meta import canonical_tensors
-    from awex_integration.tiny_model import load_json, make_tiny_model
+    from awex_integration.engines.tiny_model import load_json, make_tiny_model
 
     _needs_architecture(model)
     config = load_json(MODELS / model)

@@ -82,7 +82,7 @@ def test_vllm_amx_latent_attention_is_refused_before_any_byte_moves():
         [
             sys.executable,
             "-m",
-            "awex_integration.scenario",
+            "awex_integration.scenarios.scenario",
             "--steps",
             "1",
             "--timeout",

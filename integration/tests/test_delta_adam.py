@@ -14,7 +14,7 @@ pytest.importorskip("transformers", reason="transformers is not installed in thi
 
 
 def test_adam_steps_sync_as_deltas_bit_exact_with_at_least_5x_fewer_bytes():
-    from awex_integration.delta_steps import train_and_sync
+    from awex_integration.benchmarks.delta_steps import train_and_sync
 
     config = json.loads((MODELS / "qwen2-tiny.json").read_text())
     run = train_and_sync(config, steps=3, lr=1e-6)

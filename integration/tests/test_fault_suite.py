@@ -1,13 +1,13 @@
-"""The fault suite's cases (``awex_integration.fault_suite``), one test each: real trainer and engine processes over
-gloo and a MetaServer, faults injected, every party's claims checked against what happened. ``./noxw -s faults``
+"""The fault suite's cases (``awex_integration.faults.fault_suite``), one test each: real trainer and engine processes
+over gloo and a MetaServer, faults injected, every party's claims checked against what happened. ``./noxw -s faults``
 runs the same cases and prints the suite's JSON summary."""
 
 from __future__ import annotations
 
 import pytest
 
-from awex_integration.fault_cases import cases, rdma_cases, shm_cases
-from awex_integration.fault_suite import run_case
+from awex_integration.faults.fault_cases import cases, rdma_cases, shm_cases
+from awex_integration.faults.fault_suite import run_case
 
 CASES = {case.name: case for case in cases() + shm_cases() + rdma_cases()}
 

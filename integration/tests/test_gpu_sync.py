@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA GPUs (the CPU CI cannot run the NCCL and CUDA IPC paths)", allow_module_level=True)
 
-from awex_integration.gpu_sync_workers import run_sync_case  # noqa: E402
+from awex_integration.benchmarks.gpu_sync_workers import run_sync_case  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -81,8 +81,8 @@ def test_fault_cases_over_cuda_ipc(name):
     """Fault-suite cases with every rank's weights on GPU 0 (colocated, CUDA IPC): a receiver process that dies
     after its copy fails the trainer's write within its deadline, the instance reports no consistent version, the
     restarted rank and the retry succeed; 200 versions keep CUDA memory, host memory, threads and descriptors flat."""
-    from awex_integration.fault_cases import cases
-    from awex_integration.fault_suite import run_case
+    from awex_integration.faults.fault_cases import cases
+    from awex_integration.faults.fault_suite import run_case
 
     case = next(c for c in cases() if c.name == name)
     result = run_case(case, timeout=20.0, device="cuda", transport="auto")
@@ -104,8 +104,8 @@ def test_fault_cases_over_nccl(name):
     joining the group fails the survivor's call within its deadline (the group aborted, the process alive: PyTorch's
     watchdog must not take it down), the restarted peer and the retry succeed; a sync whose deadline is longer than
     the first's (the watchdog's initial timeout) is not cut short; 200 versions keep every resource flat."""
-    from awex_integration.fault_cases import nccl_cases
-    from awex_integration.fault_suite import run_case
+    from awex_integration.faults.fault_cases import nccl_cases
+    from awex_integration.faults.fault_suite import run_case
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")

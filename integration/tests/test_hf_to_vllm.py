@@ -21,7 +21,7 @@ from awex.engines import TrainerSource  # noqa: E402
 from awex.engines.writer import WeightsWriter  # noqa: E402
 from awex.meta.client import MetaClient  # noqa: E402
 from awex.meta.server import start_embedded  # noqa: E402
-from awex_integration.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model, perturb_  # noqa: E402
+from awex_integration.engines.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model, perturb_  # noqa: E402
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 

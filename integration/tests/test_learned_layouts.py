@@ -87,7 +87,7 @@ def test_a_model_without_a_table_whose_weights_vllm_prepacked_goes_through_vllms
 )
 def test_the_layout_learned_from_vllms_loaders_equals_the_table(model):
     out = subprocess.run(
-        [sys.executable, "-m", "awex_integration.learned_check", str(MODELS / f"{model}.json"), "--tp", "2"],
+        [sys.executable, "-m", "awex_integration.checks.learned_check", str(MODELS / f"{model}.json"), "--tp", "2"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -105,7 +105,7 @@ def test_an_hf_model_built_from_a_config_without_architectures_is_read_by_its_cl
 
     from awex.engines.hf import hf_model_layout
     from awex.meta import canonical_tensors
-    from awex_integration.tiny_model import load_json
+    from awex_integration.engines.tiny_model import load_json
 
     cfg = load_json(MODELS / "qwen2-tiny.json")
     config = transformers.Qwen2Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})

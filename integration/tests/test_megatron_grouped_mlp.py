@@ -1,6 +1,6 @@
 """Megatron-core 0.12's GroupedMLP experts (MindSpeed's ``--moe-grouped-gemm`` on Ascend) through Awex's Megatron
 views: Megatron's own forward with Awex-written weights equals every canonical expert, and swapped gate/up
-weights are caught (``awex_integration.grouped_mlp_check``, in a process with megatron-core 0.12.1 first on the
+weights are caught (``awex_integration.checks.grouped_mlp_check``, in a process with megatron-core 0.12.1 first on the
 path; the ``tests`` nox session installs it into its own folder and says where with ``AWEX_MEGATRON_012``)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("self_test", [False, True], ids=["awex-views", "swapped-gate-up-is-caught"])
 def test_grouped_mlp_forward_matches_canonical_experts(self_test):
-    cmd = [sys.executable, "-m", "awex_integration.grouped_mlp_check", "--megatron", MEGATRON_012]
+    cmd = [sys.executable, "-m", "awex_integration.checks.grouped_mlp_check", "--megatron", MEGATRON_012]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(cmd + (["--self-test"] if self_test else []), capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

@@ -15,7 +15,7 @@ pytest.importorskip("torch_npu", reason="needs torch-npu with Ascend's CANN tool
 if not torch.npu.is_available():
     pytest.skip("needs Ascend NPUs (torch-npu is installed, no NPU is visible)", allow_module_level=True)
 
-from awex_integration.gpu_sync_workers import run_sync_case  # noqa: E402
+from awex_integration.benchmarks.gpu_sync_workers import run_sync_case  # noqa: E402
 
 
 @pytest.mark.parametrize(

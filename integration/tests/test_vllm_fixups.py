@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 def test_fixup_still_needed_and_effective(check):
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     out = subprocess.run(
-        [sys.executable, "-m", "awex_integration.vllm_upstream_checks", check],
+        [sys.executable, "-m", "awex_integration.checks.vllm_upstream_checks", check],
         capture_output=True,
         text=True,
         timeout=600,

@@ -20,7 +20,7 @@ from conftest import MODELS  # noqa: E402
 from awex.engines import SyncFailedError  # noqa: E402
 from awex.meta.client import MetaClient  # noqa: E402
 from awex.meta.server import start_embedded  # noqa: E402
-from awex_integration.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model, perturb_  # noqa: E402
+from awex_integration.engines.tiny_model import PROMPTS, hf_greedy, load_json, make_tiny_model, perturb_  # noqa: E402
 
 STALL_SLACK = 0.05  # seconds: the goal, stall within the sync time plus 50 ms
 

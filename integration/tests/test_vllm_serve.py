@@ -22,8 +22,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from awex.meta.server import start_embedded  # noqa: E402
-from awex_integration.tiny_model import PROMPTS, hf_greedy, perturb_, version_boundary  # noqa: E402
-from awex_integration.vllm_http import InFlight, get  # noqa: E402
+from awex_integration.engines.tiny_model import PROMPTS, hf_greedy, perturb_, version_boundary  # noqa: E402
+from awex_integration.engines.vllm_http import InFlight, get  # noqa: E402
 
 STALL_SLACK = 0.05  # seconds: the stall's goal is the sync time plus 50 ms
 

