@@ -39,6 +39,7 @@ def test_engine_floors_are_versions_that_were_run():
                 dist, floor = req.split(">=")
                 floors[dist.strip()] = floor.split(",")[0].strip()
     names = {"torch": "torch", "vllm": "vLLM", "megatron-core": "Megatron-core", "transformers": "transformers"}
+    names["ray"] = "Ray"
     for dist, label in names.items():
         floor = floors[dist]
         assert f"{label} {floor}" in tested, f"{dist}>={floor} is declared but CHANGELOG.md says no run of it"
