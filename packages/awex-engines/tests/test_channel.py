@@ -1,21 +1,37 @@
 """The version channel: values put by one connection are awaited by another; waits end at their deadline;
-a channel whose host is gone fails fast; keys of one secret are invisible under another."""
+a channel whose host is gone fails fast; every value carries a MAC under a secret that is in no key and on no
+value, so a process that reaches the port without the secret cannot put a value anyone takes; the store listens
+on the address it was given only."""
 
+import json
+import logging
+import socket
+import threading
 import time
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from awex.engines.sync.channel import ChannelError, ChannelTimeout, VersionChannel
+from awex.transport.net import local_address
 
 
-def test_put_wait_and_secrets_separate_keys():
+def _raw(address: str) -> dist.TCPStore:
+    """A connection to the channel's store as any process that reaches its port has one: no secret."""
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+
+
+def test_put_wait_and_a_wrong_secret_takes_nothing():
     host = VersionChannel.host()
     other = VersionChannel.connect(host.address, host.secret)
     other.put("manifest/v1", {"version": "v1"})
     assert host.wait(["manifest/v1"], timeout=5) == [{"version": "v1"}]
-    stranger = VersionChannel.connect(host.address, "0" * 32)  # the right address, the wrong secret
-    with pytest.raises(ChannelTimeout, match="manifest/v1 did not arrive"):
+    stranger = VersionChannel.connect(host.address, "0" * 64)  # the right address, the wrong secret
+    with pytest.raises(ChannelTimeout, match="manifest/v1 arrived .* only as values that fail their check"):
         stranger.wait(["manifest/v1"], timeout=0.2)
+    assert stranger.get("manifest/v1") is None
     host.delete(["manifest/v1"])
     with pytest.raises(ChannelTimeout):
         other.wait(["manifest/v1"], timeout=0.2)
@@ -30,3 +46,50 @@ def test_a_gone_host_fails_fast():
     with pytest.raises((ChannelError, ChannelTimeout)):
         client.wait(["manifest/v2"], timeout=5)
     assert time.monotonic() - started < 5.5
+
+
+@pytest.mark.parametrize("forgery", ["plain JSON", "a MAC under another secret", "a real value moved to another key"])
+def test_a_forged_value_is_dropped_and_logged_and_the_real_one_taken(forgery, caplog):
+    host = VersionChannel.host()
+    raw = _raw(host.address)
+    key = "outcome/v2/2/eng/0"
+    if forgery == "plain JSON":
+        raw.set(key, json.dumps({"ok": True}).encode())
+    elif forgery == "a MAC under another secret":
+        raw.set(key, VersionChannel(None, host.address, "f" * 64, hosting=False)._seal(key, {"ok": True}))
+    else:  # a value the writer did sign, for another rank's key
+        host.put("outcome/v2/2/eng/1", {"ok": True})
+        raw.set(key, raw.get("outcome/v2/2/eng/1"))
+    receiver = VersionChannel.connect(host.address, host.secret)
+    later = threading.Timer(0.3, receiver.put, (key, {"ok": False, "cause": "load step failed"}))
+    later.start()
+    with caplog.at_level(logging.WARNING, logger="awex.engines"):
+        assert host.wait([key], timeout=5) == [{"ok": False, "cause": "load step failed"}]
+    later.join()
+    assert "fails its check" in caplog.text
+    raw.set(key, json.dumps({"ok": True}).encode())  # after the real one: what is left is nothing anyone takes
+    assert host.get(key) is None
+    with pytest.raises(ChannelTimeout, match="fail their check"):
+        host.wait([key], timeout=0.1)
+
+
+def test_the_secret_is_in_no_key_and_on_no_value():
+    host = VersionChannel.host()
+    host.put("manifest/v1", {"version": "v1", "port": 5000})
+    raw = _raw(host.address)
+    assert host.secret.encode() not in raw.get("manifest/v1")
+    assert raw.check(["manifest/v1"])  # the key is its name alone
+    if hasattr(raw, "list_keys"):
+        assert not any(host.secret in k for k in raw.list_keys())
+
+
+def test_the_channel_listens_on_the_address_it_was_given_only():
+    other = local_address("192.0.2.1")  # this host's address on a route out, if it has one
+    if other.startswith("127."):
+        pytest.skip("this host has no address but loopback")
+    host = VersionChannel.host("127.0.0.1")
+    port = int(host.address.rpartition(":")[2])
+    with socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    with pytest.raises(OSError):
+        socket.create_connection((other, port), timeout=2).close()

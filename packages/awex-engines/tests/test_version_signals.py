@@ -107,6 +107,51 @@ def test_a_new_writer_with_another_channel_is_found_through_the_metaserver(serve
     reader.close()
 
 
+def test_an_outcome_forged_on_the_channel_never_turns_a_failed_version_into_success(server, monkeypatch):
+    """A process that reaches the channel's port (no token, no MetaServer, no secret) writes "ok" for the
+    receiver before the receiver's load step fails: the writer drops it and reports the real failure."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from awex.engines.errors import SyncFailedError
+    from awex.engines.sync import keys
+
+    monkeypatch.setattr(HostBoard, "create", staticmethod(lambda: (_ for _ in ()).throw(OSError("no /dev/shm"))))
+    sent, got = tensors(1.0), tensors(-1.0)
+    writer = make_writer(server, sent, timeout=20.0)
+    reader = WeightsReader(
+        MetaClient(server.address, job="signals", timeout=20), hf_layout(TENSORS, "inference", "hf-in"), 0, views(got)
+    )
+    sync(writer, reader, "v1")
+    assert reader._session.signals.medium == "channel"
+    host, _, port = writer._session.channel.address.rpartition(":")
+    forger = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+    forged = json.dumps({"ok": True, "cause": None, "partial": False}).encode()
+    forger.set(keys.channel_outcome("v2", 2, "hf-in", 0), forged)  # the next attempt's outcome, ahead of time
+    failed: list = []
+
+    def load_step_fails(shards):
+        raise RuntimeError("the engine's load step failed")
+
+    def receive():
+        try:
+            reader.receive("v2", apply=load_step_fails)
+        except Exception as e:
+            failed.append(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    with pytest.raises(SyncFailedError, match="load step failed"):
+        writer.write("v2", ["hf-in"])
+    t.join(30)
+    assert failed and "load step failed" in str(failed[0])
+    versions = {p["name"]: p["weight_version"] for p in writer.client.status()["jobs"]["signals"]["participants"]}
+    assert versions.get("hf-in") != "v2"
+    writer.close()
+    reader.close()
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -171,8 +172,11 @@ def create_sync_group(
     deadline = time.monotonic() + timeout
     wait = timedelta(seconds=timeout)
     try:
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=wait)
-    except (RuntimeError, TimeoutError) as e:  # torch raises DistStoreError (a RuntimeError) on timeouts
+        if rank == 0:
+            store = bound_store(host, port, wait, world_size=world_size, wait_for_workers=True)
+        else:
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=wait)
+    except (RuntimeError, TimeoutError, OSError) as e:  # torch raises DistStoreError (a RuntimeError) on timeouts
         raise TimeoutError(
             f"rank {rank}: could not join the sync store at {host}:{port} within {timeout:g} s: {e}"
         ) from e
@@ -194,6 +198,32 @@ def create_sync_group(
         return SyncGroup(rank, world_size, backend, pg, store, dev, timeout, _watchdog=timeout + WATCHDOG_SLACK)
     log.info("rank %d/%d joined the %s sync group at %s:%d", rank, world_size, backend, host, port)
     return SyncGroup(rank, world_size, backend, pg, store, torch.device("cpu"), timeout)
+
+
+def bound_store(
+    host: str, port: int, timeout: timedelta, world_size: int | None = None, wait_for_workers: bool = False
+) -> dist.TCPStore:
+    """A ``TCPStore`` hosted in this process that listens on ``host`` alone (port ``0``: a free one, read back
+    from ``store.port``). Given only a host name, ``TCPStore`` listens on every interface of the machine; here the
+    socket is bound first and handed over (the store owns it from then on and closes it when it goes)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(
+            host, port, world_size, True, timeout, wait_for_workers=wait_for_workers, master_listen_fd=fd
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _gloo_process_group(store, rank: int, world_size: int, wait: timedelta, host: str, port: int):

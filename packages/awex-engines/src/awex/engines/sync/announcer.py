@@ -139,7 +139,7 @@ class Announcer:
         manifest = last.renamed(version, self._seq)
         self._manifest, self._manifest_doc = manifest, doc
         if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
-            self._channel.put(keys.channel_manifest(version), doc)
+            self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
         if steady:  # the MetaServer's copy is for observers and late joiners
             later.append(
                 (f"manifest of {version}", partial(self.client.put, keys.manifest(version), doc, create_only=True))

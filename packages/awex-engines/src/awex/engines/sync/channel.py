@@ -6,9 +6,14 @@ V are ready" (CUDA IPC), each receiver's outcome of V (applied, or failed and wh
 an HTTP round trip and a long-poll wake-up: milliseconds per version (measured: docs/performance.md). The channel
 carries
 them over a ``torch.distributed.TCPStore`` that the trainer's first rank hosts (a C++ key-value server, tens of
-microseconds per operation). Its address travels in the manifest on the MetaServer; every key carries a random
-secret, also only in the manifest, so a process that cannot read the (token-protected) MetaServer cannot forge
-signals. Values are JSON, parsed and checked by the caller.
+microseconds per operation), listening on the address the writer was given and no other.
+
+The store itself has no authentication: anyone who reaches its port can read and write any key. So every value
+carries a MAC (HMAC-SHA256 over the key and the JSON value) keyed by a random secret that travels only in the
+manifest on the token-protected MetaServer and the host board, never in a key name and never on the channel in
+clear. A value that fails its check is dropped and logged, as if it were not there: a process without the secret
+can delay a version (which then fails at its deadline), never turn a failure into success. Values are JSON, parsed
+and checked by the caller.
 
 A channel fails fast when its host is gone (a closed writer, a dead process): the reader then falls back to the
 MetaServer for the next manifest.
@@ -16,12 +21,21 @@ MetaServer for the next manifest.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
 import secrets
+import time
 from datetime import timedelta
 from typing import Any, Sequence
 
 import torch.distributed as dist
+
+from awex.transport.group import bound_store
+
+log = logging.getLogger("awex.engines")
+MAC_BYTES = 64  # hex digits of an HMAC-SHA256, ahead of the JSON value
 
 
 class ChannelError(RuntimeError):
@@ -30,6 +44,10 @@ class ChannelError(RuntimeError):
 
 class ChannelTimeout(TimeoutError):
     """What was awaited on the channel did not arrive within the deadline."""
+
+
+class Forged(ValueError):
+    """A value on the channel that fails its check (written without the secret, or altered)."""
 
 
 class VersionChannel:
@@ -44,8 +62,8 @@ class VersionChannel:
     @classmethod
     def host(cls, host: str = "127.0.0.1", timeout: float = 300.0) -> VersionChannel:
         """Start a channel in this process, on a free port of ``host``."""
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
-        return cls(store, f"{host}:{store.port}", secrets.token_hex(16), hosting=True)
+        store = bound_store(host, 0, timedelta(seconds=timeout))
+        return cls(store, f"{host}:{store.port}", secrets.token_hex(32), hosting=True)
 
     @classmethod
     def connect(cls, address: str, secret: str, timeout: float = 10.0) -> VersionChannel:
@@ -61,8 +79,26 @@ class VersionChannel:
         """Another connection to the same channel (for another thread)."""
         return VersionChannel.connect(self.address, self.secret, timeout)
 
-    def _key(self, key: str) -> str:
-        return f"{self.secret}/{key}"
+    def _mac(self, key: str, payload: bytes) -> bytes:
+        return hmac.new(self.secret.encode(), key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
+
+    def _seal(self, key: str, value: Any) -> bytes:
+        payload = json.dumps(value).encode()
+        return self._mac(key, payload) + payload
+
+    def _open(self, key: str, raw: bytes) -> Any:
+        """The value of ``raw`` under ``key``; :class:`Forged` where its MAC does not match, ``ChannelError`` where
+        it is not JSON (a writer of ours always writes JSON)."""
+        mac, payload = raw[:MAC_BYTES], raw[MAC_BYTES:]
+        if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, payload)):
+            raise Forged(f"a value under {key!r} on the version channel at {self.address} fails its check")
+        try:
+            return json.loads(payload)
+        except ValueError as e:
+            raise ChannelError(f"version channel at {self.address}: malformed value: {e}") from None
+
+    def _dropped(self, error: Forged) -> None:
+        log.warning("%s: dropped", error)
 
     @property
     def store(self) -> dist.TCPStore:
@@ -72,47 +108,65 @@ class VersionChannel:
 
     def put(self, key: str, value: Any) -> None:
         try:
-            self.store.set(self._key(key), json.dumps(value).encode())
+            self.store.set(key, self._seal(key, value))
         except RuntimeError as e:
             raise ChannelError(f"version channel at {self.address}: {e}") from None
 
     def wait(self, keys: Sequence[str], timeout: float) -> list[Any]:
-        """The values under ``keys``, waiting up to ``timeout`` seconds for all of them."""
-        full = [self._key(k) for k in keys]
-        try:
-            self.store.wait(full, timedelta(seconds=max(0.001, timeout)))
-            raw = self.store.multi_get(full)
-        except dist.DistStoreError as e:  # the wait timed out
-            missing = [k for k in keys if not self._check(k)]
-            raise ChannelTimeout(
-                f"{', '.join(missing[:4]) or ', '.join(keys[:4])} did not arrive on the version "
-                f"channel within {timeout:g} s"
-            ) from e
-        except RuntimeError as e:  # DistNetworkError: the host is gone
-            raise ChannelError(f"version channel at {self.address}: {e}") from None
-        try:
-            return [json.loads(v) for v in raw]
-        except ValueError as e:
-            raise ChannelError(f"version channel at {self.address}: malformed value: {e}") from None
+        """The values under ``keys``, waiting up to ``timeout`` seconds for all of them. A value that fails its
+        check is dropped (logged) and waited for again: the real one overwrites it."""
+        deadline = time.monotonic() + timeout
+        found: dict[str, Any] = {}
+        while True:
+            waiting = [k for k in keys if k not in found]
+            try:
+                self.store.wait([k for k in waiting], timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                raw = self.store.multi_get([k for k in waiting])
+            except dist.DistStoreError as e:  # the wait timed out
+                missing = [k for k in waiting if not self._check(k)]
+                raise ChannelTimeout(
+                    f"{', '.join(missing[:4]) or ', '.join(waiting[:4])} did not arrive on the version "
+                    f"channel within {timeout:g} s"
+                ) from e
+            except RuntimeError as e:  # DistNetworkError: the host is gone
+                raise ChannelError(f"version channel at {self.address}: {e}") from None
+            forged = False
+            for k, v in zip(waiting, raw):
+                try:
+                    found[k] = self._open(k, v)
+                except Forged as e:
+                    self._dropped(e)
+                    forged = True
+            if not forged:
+                return [found[k] for k in keys]
+            if time.monotonic() >= deadline:
+                raise ChannelTimeout(
+                    f"{', '.join(k for k in keys if k not in found)} arrived on the version channel only as values "
+                    f"that fail their check within {timeout:g} s"
+                )
+            time.sleep(0.005)  # the real values overwrite the forged ones
 
     def get(self, key: str) -> Any | None:
-        """The value under ``key`` now, or ``None`` if it is not there (no waiting)."""
+        """The value under ``key`` now, or ``None`` if it is not there or fails its check (no waiting)."""
         if not self._check(key):
             return None
         try:
-            return json.loads(self.store.get(self._key(key)))
+            return self._open(key, self.store.get(key))
+        except Forged as e:
+            self._dropped(e)
+            return None
         except (RuntimeError, ValueError):
             return None
 
     def _check(self, key: str) -> bool:
         try:
-            return bool(self.store.check([self._key(key)]))
+            return bool(self.store.check([key]))
         except RuntimeError:
             return False
 
     def delete(self, keys: Sequence[str]) -> None:
         for k in keys:
-            self.store.delete_key(self._key(k))
+            self.store.delete_key(k)
 
     def close(self) -> None:
         """Drop this connection (a hosting channel stops serving once no reference to it is left)."""

@@ -158,10 +158,11 @@ class SyncSession:
             try:
                 if self.board is not None:
                     return self._adopt(self._parse(self.board.manifest(version, min(1.0, left))))
-                if self.channel is not None:
-                    return self._adopt(
-                        self._parse(self.channel.wait([keys.channel_manifest(version)], min(1.0, left))[0])
-                    )
+                if self.channel is not None:  # its secret is never on the channel: it checked the value with it
+                    doc = self.channel.wait([keys.channel_manifest(version)], min(1.0, left))[0]
+                    if isinstance(doc, dict):
+                        doc = dict(doc, channel_secret=self.channel.secret)
+                    return self._adopt(self._parse(doc))
             except ChannelError as e:  # its host is gone: the MetaServer has the manifest too
                 log.info("%s:%d: version channel gone (%s); asking the MetaServer", self.instance, self.local_rank, e)
                 self.channel = None
