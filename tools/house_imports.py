@@ -12,8 +12,9 @@ from __future__ import annotations
 import ast
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["awex-meta", "awex-convert", "awex-transport", "awex-engines"]
