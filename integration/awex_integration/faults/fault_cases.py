@@ -69,6 +69,21 @@ def _failed_fast(version: str, within: float, then=None):
     return check
 
 
+def _written_at_once(version: str, within: float, then=None):
+    """Every trainer rank's first write of ``version`` succeeded within ``within`` seconds; ``then``: a further
+    check."""
+
+    def check(run: dict) -> list[str]:
+        late = [
+            f"{party}'s write of {version}: ok={rec['ok']} after {rec['seconds']:.1f} s (want ok within {within:g} s)"
+            for party, rec in run["records"].get(version, [])
+            if party.startswith("trainer") and not (rec["ok"] and rec["seconds"] <= within)
+        ]
+        return late + (then(run) if then else [])
+
+    return check
+
+
 def cases() -> list[Case]:
     return [
         Case(
@@ -115,6 +130,17 @@ def cases() -> list[Case]:
             ],
             expect_failed={"v-2"},
             check=_unchanged_then("v-1", "v-3"),
+        ),
+        Case(
+            "receivers_time_out_before_the_version",
+            "every receiver rank gives up waiting for a version its trainer has not written yet (a long training "
+            "step); asked again, they take the trainer's steady write of it at once, not at its deadline",
+            trainer=[[{"version": "v-1"}, {"version": "v-2", "delay": 3.0}, {"version": "v-3"}]],
+            engine=[
+                _steps("v-1", "v-2", "v-2", "v-3", v_2="time_out_waiting"),
+                _steps("v-1", "v-2", "v-2", "v-3", v_2="time_out_waiting"),
+            ],
+            check=_written_at_once("v-2", within=3.0 + 4.0, then=_reported("v-3")),
         ),
         Case(
             "trainer_rank_dies",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "qwen2-tiny.json"
 EXIT_CODE = 17  # a rank killed by its script exits with this
+WAIT_TOO_SHORT = 1.0  # seconds an engine rank with fault "time_out_waiting" waits for a version
 
 
 def _tensors():
@@ -129,6 +130,8 @@ def trainer_rank(job: RankJob) -> list[dict]:
         writer.timeout = step.get("timeout", timeout)
         if step.get("pause"):
             pause(workdir, "trainer", rank)
+        if step.get("delay"):  # a long training step: the engines ask for the version before it is written
+            time.sleep(step["delay"])
         with torch.no_grad():
             for (name, _), t in held.items():
                 t.fill_(value(name, step_number(version)))
@@ -268,6 +271,7 @@ def receiver_rank(job: RankJob) -> list[dict]:
             reader._session.transfer = _raise(RuntimeError("engine refused to start receiving"))
         elif fault == "die_after_agreement":  # agreed on the plan and joined the group, then gone
             reader._session.transfer = _die_after_prepare(reader._session)
+        reader.timeout = WAIT_TOO_SHORT if fault == "time_out_waiting" else timeout  # gives up before it is written
         if step.get("delay"):  # a slow engine: reaches its update call late
             time.sleep(step["delay"])
         started = time.monotonic()

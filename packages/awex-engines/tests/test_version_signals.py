@@ -195,3 +195,19 @@ def test_a_steady_writers_manifests_reuse_the_checked_fields_and_anything_else_i
             session._parse({**doc, "port": 5001, "version": "v4", **bad})
     with pytest.raises(ValueError, match="malformed sync manifest"):
         session._parse({**doc, "port": 5001, "channel": "127.0.0.1:5000"})  # a channel without its secret
+
+
+def test_a_failure_before_any_manifest_keeps_the_plan_and_group_the_other_side_keeps():
+    """A rank whose attempt never began (no manifest read: a timeout waiting for it, a refused name) keeps its plan
+    and group; a failed attempt drops them and is not taken again."""
+    from awex.engines.sync.manifest import Attempt, SyncManifest
+    from awex.engines.sync.session import SyncSession
+
+    session = SyncSession(None, "trainer", 0)
+    plan, key = object(), object()
+    session._plan, session._key = plan, key
+    session.note_failure(None)
+    assert (session._plan, session._key, session._last_attempt) == (plan, key, None)
+    manifest = SyncManifest("v2", ("trainer",), ("eng",), "127.0.0.1", 5000, channel="127.0.0.1:1", seq=4)
+    session.note_failure(manifest)
+    assert session._plan is None and session._last_attempt == Attempt("127.0.0.1:1", "v2", 4)

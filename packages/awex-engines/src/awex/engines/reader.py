@@ -168,9 +168,11 @@ class WeightsReader:
             )
         else:
             log.error("%s failed to receive %s (%s); still serving %s", where, version, cause, self.version)
-        if manifest is not None:  # reported, and that attempt's manifest not taken again
+        if manifest is not None:  # reported, that attempt's manifest not taken again, and plan and group dropped
             self._session.finish(manifest, ok=False, cause=cause, partial=partial)
-        self._session.reset()
+            self._session.reset()
+        # no manifest read: no attempt began, and the plan and group still match the writer's (a steady writer
+        # keeps its own; dropping them here would leave the two waiting for each other until the deadline)
         self._background.flush()  # earlier reports first
         try:
             if partial:

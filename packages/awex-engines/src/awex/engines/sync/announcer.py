@@ -134,6 +134,14 @@ class Announcer:
                 quantize_on_receive=options.quantize_on_receive,
             )
             doc = last.to_json()
+        if not steady:  # the name is claimed before any rank can read the manifest: a refused one starts nothing
+            try:  # (ranks that do not know the channel yet, first write or new destinations, read it here)
+                self.client.put(keys.manifest(version), doc, create_only=True)
+            except MetaConflictError:
+                raise ValueError(
+                    f"version {version!r} was already announced on the MetaServer (by another writer, "
+                    "or an earlier run of this job): version names are written once"
+                ) from None
         if self._board is not None:  # ranks on this host read it here, the others on the channel
             self._board.post(doc)
         manifest = last.renamed(version, self._seq)
@@ -144,14 +152,6 @@ class Announcer:
             later.append(
                 (f"manifest of {version}", partial(self.client.put, keys.manifest(version), doc, create_only=True))
             )
-        else:  # ranks that do not know the channel yet (first write, new destinations) look there
-            try:
-                self.client.put(keys.manifest(version), doc, create_only=True)
-            except MetaConflictError:
-                raise ValueError(
-                    f"version {version!r} was already announced on the MetaServer (by another writer, "
-                    "or an earlier run of this job): version names are written once"
-                ) from None
         later.append(
             (
                 f"event weights_ready {version}",

@@ -147,9 +147,10 @@ class SyncSession:
 
     def note_failure(self, manifest: SyncManifest | None) -> None:
         """This rank failed ``manifest``'s attempt: forget the plan and group (:meth:`reset`), and do not take that
-        attempt's manifest again."""
-        self.reset()
+        attempt's manifest again. Without a manifest no attempt began on this rank: plan and group stay, as the
+        other side keeps them (dropping one side's alone leaves both waiting for each other until the deadline)."""
         if manifest is not None:
+            self.reset()
             self._last_attempt = manifest.attempt
 
     def _fetch_manifest_once(self, version: str, deadline: float) -> SyncManifest:
