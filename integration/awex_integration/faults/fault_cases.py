@@ -216,14 +216,16 @@ def cases() -> list[Case]:
             check=_reported("v-2"),
         ),
         Case(
-            "zombie_writer",
-            "a second writer process of the same trainer rank announces a version the first already wrote: refused "
-            "before any byte moves; the first writer goes on",
-            trainer=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]],
+            "stale_writer_fenced",
+            "the trainer's writer freezes after v-2; a replacement of the same trainer rank starts and writes v-3; "
+            "the frozen writer resumes and is refused (fenced) before any byte moves: it deletes, reports and "
+            "announces nothing",
+            trainer=[_steps("v-1", "v-2") + [{"version": "v-4", "pause": True, "until_writers": 2}]],
             engine=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]] * 2,
-            zombie=_steps("v-2"),
+            zombie=_steps("v-3"),
             between=lambda server, work: None,
-            check=_zombie_refused,
+            recovers=False,
+            check=_stale_writer_fenced,
         ),
         Case(
             "version_name_reused",
@@ -388,11 +390,15 @@ def _unchanged_then(before: str, after: str):
     return check
 
 
-def _zombie_refused(run: dict) -> list[str]:
-    recs = [rec for party, rec in run["records"].get("v-2", []) if party.startswith("zombie")]
-    if len(recs) != 1 or recs[0]["ok"] or "already announced" not in recs[0].get("error", ""):
-        return [f"the zombie's write of v-2 was not refused: {recs}"]
-    return _reported("v-3")(run)
+def _stale_writer_fenced(run: dict) -> list[str]:
+    problems = []
+    stale = [rec for party, rec in run["records"].get("v-4", []) if party.startswith("trainer")]
+    if len(stale) != 1 or stale[0]["ok"] or "replaced by a newer one" not in stale[0].get("error", ""):
+        problems.append(f"the frozen writer's v-4 was not refused as fenced: {stale}")
+    got = {party: rec["ok"] and rec.get("holds", True) for party, rec in run["records"].get("v-3", [])}
+    if len(got) != 3 or not all(got.values()):  # the replacement and both engine ranks
+        problems.append(f"the replacement's v-3 did not reach every engine rank: {got}")
+    return problems + _reported("v-3")(run)
 
 
 def _reuse_refused(run: dict) -> list[str]:

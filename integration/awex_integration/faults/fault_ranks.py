@@ -124,12 +124,15 @@ def trainer_rank(job: RankJob) -> list[dict]:
         wave_bytes=64 << 10,
         transport=transport,
     )
+    Path(workdir, f"writer-{os.getpid()}").touch()  # this writer took its epoch (a step may wait for a newer one)
     out = Records(workdir)
     for step in script:
         version, fault = step["version"], step.get("fault")
         writer.timeout = step.get("timeout", timeout)
         if step.get("pause"):
             pause(workdir, "trainer", rank)
+        if step.get("until_writers"):  # until that many writers of this rank were made (a replacement took over)
+            _until(lambda: len(list(Path(workdir).glob("writer-*"))) >= step["until_writers"], 120.0)
         if step.get("delay"):  # a long training step: the engines ask for the version before it is written
             time.sleep(step["delay"])
         with torch.no_grad():
@@ -208,6 +211,14 @@ def pause(workdir: str, role: str, rank: int, timeout: float = 120.0) -> None:
     while not Path(workdir, "go").exists():
         if time.monotonic() > deadline:
             raise TimeoutError("the harness never said go")
+        time.sleep(0.05)
+
+
+def _until(done, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the harness's condition did not hold within {timeout:g} s")
         time.sleep(0.05)
 
 

@@ -160,11 +160,17 @@ class WeightsWriter:
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._applied: set[str] = set()  # versions this writer wrote (names are written once)
-        # rank 0 alone announces versions, reports them and drops old records (awex.engines.sync.announcer)
-        self._announcer = Announcer(client, self._session, layout.instance, keep_versions) if local_rank == 0 else None
+        # rank 0 alone announces versions, reports them and drops old records (awex.engines.sync.announcer), through
+        # a client fenced with this writer's epoch: once a newer writer of this instance starts, every write of this
+        # one is refused (MetaFencedError) and changes nothing, however long it was frozen
+        self._announcer = None
+        self._meta = client
         if local_rank == 0:
-            client.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
-            client.publish_layout(layout, "current")
+            epoch = client.take_fence(layout.instance)
+            self._meta = client.fenced(layout.instance, epoch)
+            self._meta.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
+            self._meta.publish_layout(layout, "current")
+            self._announcer = Announcer(self._meta, self._session, layout.instance, keep_versions, epoch)
 
     def close(self) -> None:
         """Release what syncing holds on this rank: plan and staging buffers (idempotent; no further syncs). Over
@@ -173,6 +179,8 @@ class WeightsWriter:
         self._session.close()
         if self._announcer is not None:
             self._announcer.close()
+        if self._meta is not self.client:
+            self._meta.close()
 
     def __enter__(self) -> "WeightsWriter":
         return self
@@ -275,7 +283,7 @@ class WeightsWriter:
             if outcomes:
                 self._announcer.report(version, instance_verdicts(outcomes))
             try:
-                self.client.publish_event(
+                self._meta.publish_event(
                     "sync_failed", where, version=version, data=f"{type(error).__name__}: {error}"[:2000]
                 )
             except Exception as e:

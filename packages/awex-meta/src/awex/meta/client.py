@@ -28,6 +28,7 @@ from awex.meta.errors import (
     MetaAuthError,
     MetaConflictError,
     MetaConnectionError,
+    MetaFencedError,
     MetaNotRegisteredError,
     MetaPayloadError,
     MetaRestartError,
@@ -35,7 +36,7 @@ from awex.meta.errors import (
     MetaTimeoutError,
 )
 from awex.meta.layout import Layout
-from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
+from awex.meta.protocol import EPOCH_HEADER, FENCE_HEADER, REQUEST_ID_HEADER
 from awex.meta.serialize import layout_from_wire, layout_to_wire
 
 __all__ = ["MetaClient"]
@@ -67,6 +68,7 @@ class MetaClient:
         self._epoch: str | None = None  # the server's epoch as last seen
         self._owned: dict[str, tuple[str, str, bytes | None]] = {}  # published again after a server restart
         self.restarts = 0  # server restarts this client noticed
+        self.fence: str | None = None  # "<epoch>:<identity>" on every write (see fenced())
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -112,6 +114,8 @@ class MetaClient:
             headers["Authorization"] = f"Bearer {self.token}"
         if method != "GET" and "/agree/" not in path:  # agreements are idempotent by participant
             headers[REQUEST_ID_HEADER] = secrets.token_hex(12)
+        if method != "GET" and self.fence is not None:
+            headers[FENCE_HEADER] = self.fence
         delay = 0.05
         while True:
             conn = getattr(self._local, "conn", None)
@@ -170,6 +174,8 @@ class MetaClient:
         if status in (400, 413):
             raise MetaPayloadError(f"MetaServer rejected {method} {path}: {_message(doc)}")
         if status == 409:
+            if isinstance(doc, dict) and doc.get("error") == "fenced":
+                raise MetaFencedError(_message(doc))
             raise MetaConflictError(_message(doc))
         if status >= 500:
             raise MetaServerError(f"MetaServer error on {method} {path}: {status} {_message(doc)}")
@@ -268,6 +274,19 @@ class MetaClient:
 
     def keys(self, prefix: str = "") -> list[str]:
         return self._request("GET", self._job_path("keys"), deadline=self._by(), query={"prefix": prefix})[1]["keys"]
+
+    # -- writer fences --------------------------------------------------------------------------------
+    def take_fence(self, identity: str) -> int:
+        """A new epoch for writer ``identity`` (a trainer instance): from now on the server refuses the writes of
+        every client fenced with an older one (:meth:`fenced`)."""
+        return int(self._request("POST", self._job_path("fences", identity), {}, deadline=self._by())[1]["epoch"])
+
+    def fenced(self, identity: str, epoch: int) -> MetaClient:
+        """A client of the same server and job whose every write carries writer ``identity``'s ``epoch``: once a
+        newer writer of ``identity`` took an epoch, each raises :class:`MetaFencedError` and changes nothing."""
+        other = MetaClient(self.address, job=self.job, token=self.token, timeout=self.timeout)
+        other.fence = f"{int(epoch)}:{identity}"
+        return other
 
     # -- participants, versions, events ----------------------------------------------------------------
     def register(

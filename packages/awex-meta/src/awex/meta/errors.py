@@ -23,6 +23,11 @@ class MetaConflictError(MetaServerError):
     """A write conflicted with the server's state (HTTP 409), e.g. a create-only key that already exists."""
 
 
+class MetaFencedError(MetaConflictError):
+    """A newer writer of the same identity took over (HTTP 409 ``fenced``): this writer's writes are refused; it
+    must stop."""
+
+
 class MetaNotRegisteredError(MetaServerError):
     """A participant named in a request is not registered in the job (HTTP 404), e.g. after a server restart
     before its owner registered it again."""

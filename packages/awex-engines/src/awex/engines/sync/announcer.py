@@ -20,7 +20,7 @@ from awex.engines.sync.options import SyncOptions
 from awex.engines.sync.session import SyncSession
 from awex.meta import Plan
 from awex.meta.client import MetaClient
-from awex.meta.errors import MetaConflictError, MetaNotRegisteredError, MetaServerError
+from awex.meta.errors import MetaConflictError, MetaFencedError, MetaNotRegisteredError, MetaServerError
 from awex.transport.net import free_port
 from awex.transport.registry import TRANSPORTS
 
@@ -30,8 +30,9 @@ log = logging.getLogger("awex.engines")
 class Announcer:
     """Rank 0's side of a writer (see the module)."""
 
-    def __init__(self, client: MetaClient, session: SyncSession, instance: str, keep_versions: int):
+    def __init__(self, client: MetaClient, session: SyncSession, instance: str, keep_versions: int, epoch: int = 0):
         self.client, self._session, self.instance, self.keep_versions = client, session, instance, keep_versions
+        self.epoch = epoch  # this writer's fence (the client carries it on every write)
         self._port: int | None = None
         self._channel: VersionChannel | None = None  # hosted here (awex.engines.sync.channel)
         self._cleaner: VersionChannel | None = None  # the background thread's connection to it
@@ -94,9 +95,10 @@ class Announcer:
                 log.warning("could not report version %s of %s to the MetaServer: %s", version, instance, e)
 
     def announce(self, version: str, destinations: Sequence[str], later: list, options: SyncOptions) -> SyncManifest:
-        """Rank 0: publish version ``version``'s manifest (host board, version channel, MetaServer); appends what
-        can wait until after the transfer to ``later``. On the host board the manifest goes out first: receivers
-        read it and check their plan while this rank makes sure its weights are in memory and signals "ready"."""
+        """Rank 0: claim version ``version`` on the MetaServer (its manifest, created once: a name another writer
+        announced, or a writer replaced by a newer one of this instance, is refused here, before any rank can start),
+        then publish the manifest on the host board and the version channel; appends what can wait until after the
+        transfer to ``later``."""
         self.keep_versions = options.keep_versions  # as the writer says now (it may change between versions)
         if self._port is None:
             self._port = free_port(options.host)
@@ -132,26 +134,29 @@ class Announcer:
                 board_host=host_identity() if self._board else None,
                 delta=options.delta,
                 quantize_on_receive=options.quantize_on_receive,
+                epoch=self.epoch,
             )
             doc = last.to_json()
-        if not steady:  # the name is claimed before any rank can read the manifest: a refused one starts nothing
-            try:  # (ranks that do not know the channel yet, first write or new destinations, read it here)
-                self.client.put(keys.manifest(version), doc, create_only=True)
-            except MetaConflictError:
+        # the name is claimed before any rank can read the manifest (in steady state too): a name another writer
+        # announced, or any write of a writer a newer one of this instance replaced (fenced), starts nothing
+        try:
+            self.client.put(keys.manifest(version), doc, create_only=True)
+        except MetaFencedError:
+            raise
+        except MetaConflictError:
+            if not self._may_take_over(version):
                 raise ValueError(
                     f"version {version!r} was already announced on the MetaServer (by another writer, "
                     "or an earlier run of this job): version names are written once"
                 ) from None
+            self.client.put(keys.manifest(version), doc)  # fenced: refused if a newer writer took over meanwhile
+            log.warning("%s took over version %s from the writer it replaced", self.instance, version)
         if self._board is not None:  # ranks on this host read it here, the others on the channel
             self._board.post(doc)
         manifest = last.renamed(version, self._seq)
         self._manifest, self._manifest_doc = manifest, doc
         if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
             self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
-        if steady:  # the MetaServer's copy is for observers and late joiners
-            later.append(
-                (f"manifest of {version}", partial(self.client.put, keys.manifest(version), doc, create_only=True))
-            )
         later.append(
             (
                 f"event weights_ready {version}",
@@ -159,6 +164,23 @@ class Announcer:
             )
         )
         return manifest
+
+    def _may_take_over(self, version: str) -> bool:
+        """Whether ``version``'s claim is an unfinished one of a writer this one replaced: announced by this
+        instance alone at an older epoch, and served by none of its destinations (a version that was applied is
+        never written again, by any writer)."""
+        try:
+            claim = self.client.try_get(keys.manifest(version))
+            if not isinstance(claim, dict) or claim.get("sources") != [self.instance]:
+                return False
+            epoch = claim.get("epoch", 0)
+            if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < self.epoch:
+                return False
+            job = self.client.status()["jobs"].get(self.client.job, {})
+            serving = {p.get("name"): p.get("weight_version") for p in job.get("participants", [])}
+            return all(serving.get(d) != version for d in claim.get("destinations", []))
+        except (MetaServerError, TypeError, AttributeError):
+            return False
 
     def forget_old(self, version: str, seq: int, plan: Plan | None = None) -> None:
         """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes

@@ -20,13 +20,15 @@ route                                                    what it does
 ``POST /v1/jobs/{job}/events``                           publish an event (kind, source, version, data)
 ``GET /v1/jobs/{job}/events?after=N[&wait=S][&kind=K]``  events after sequence number N
 ``POST /v1/jobs/{job}/agree/{name}``                     contribute a value; wait until all arrived
+``POST /v1/jobs/{job}/fences/{identity}``                take a writer's new epoch (``fences``)
 =======================================================  ==================================================
 
 Every answer carries ``X-Awex-Epoch``, a random name of this server process: a client that sees it change
 knows the server restarted (its state, event numbers included, is gone). A write carrying
 ``X-Awex-Request-Id`` is answered once: a retry with the same id (the reply was lost) gets the first answer
-again instead of being applied twice. Limits (bytes per job and in all, keys, events, agreements, participants,
-JSON nesting, body-read time) answer 4xx with a message naming the limit.
+again instead of being applied twice; one carrying ``X-Awex-Fence`` is refused (409) once a newer writer of that
+identity took over (``awex.meta.server.fences``). Limits (bytes per job and in all, keys, events, agreements,
+participants, JSON nesting, body-read time) answer 4xx with a message naming the limit.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from typing import Any
 
 from aiohttp import web
 
-from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
+from awex.meta.protocol import EPOCH_HEADER, FENCE_HEADER, REQUEST_ID_HEADER
+from awex.meta.server import fences
 from awex.meta.server.config import ServerConfig
 from awex.meta.server.errors import BadRequest, TooLarge, error, fields, json_depth
 from awex.meta.server.state import Agreement, JobState, Participant, Topics
@@ -157,6 +160,11 @@ class MetaServerApp:
             given = header[7:] if header.startswith("Bearer ") else ""
             if not hmac.compare_digest(given.encode(), config.token.encode()):
                 return error(401, "unauthorized", "missing or wrong token (Authorization: Bearer <token>)")
+        fence = request.headers.get(FENCE_HEADER)
+        if fence is not None and request.method != "GET" and "job" in request.match_info:
+            refused = fences.refusal(self.jobs.get(request.match_info["job"]), fence)
+            if refused is not None:
+                return refused
         rid = request.headers.get(REQUEST_ID_HEADER)
         remembered = None
         if rid is not None and request.method in ("PUT", "POST", "DELETE") and "/agree/" not in request.path:
@@ -339,6 +347,10 @@ class MetaServerApp:
         event = job.add_event(f["kind"], f["source"], f.get("version"), f.get("data"), size)
         return web.json_response({"ok": True, "seq": event["seq"]})
 
+    async def take_fence(self, request: web.Request) -> web.Response:
+        epoch = fences.take(self.job_of(request), request.match_info["identity"])
+        return web.json_response({"ok": True, "epoch": epoch})
+
     async def get_events(self, request: web.Request) -> web.Response:
         try:
             after = int(request.query.get("after", "0"))
@@ -422,6 +434,7 @@ ROUTES = (  # (method, path, handler): the table in this module's docstring list
     ("POST", "/v1/jobs/{job}/events", "publish_event"),
     ("GET", "/v1/jobs/{job}/events", "get_events"),
     ("POST", "/v1/jobs/{job}/agree/{key:.+}", "agree"),
+    ("POST", "/v1/jobs/{job}/fences/{identity}", "take_fence"),
 )
 
 

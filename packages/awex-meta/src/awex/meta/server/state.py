@@ -101,6 +101,7 @@ class JobState:
         self.next_seq = 1
         self.agreements: dict[str, Agreement] = {}
         self.topics = Topics()
+        self.fences: dict[str, int] = {}  # writer identity -> its current epoch (awex.meta.server.fences)
 
     def held_bytes(self) -> int:
         """What this job holds, counted as the JSON bytes that arrived."""
