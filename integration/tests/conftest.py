@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,13 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # awex_integration
 MODELS = HERE.parent / "models"
+FULL = os.environ.get("AWEX_FULL_MATRIX") == "1"  # ./noxw -s integration: every case, also those CI leaves out
+
+
+def full_only(covered_by: str):
+    """Marks for a case run only with ``AWEX_FULL_MATRIX=1``: CI covers it by ``covered_by``."""
+    reason = f"the full matrix: AWEX_FULL_MATRIX=1 (./noxw -s integration); CI covers it by {covered_by}"
+    return () if FULL else pytest.mark.skip(reason=reason)
 
 
 @pytest.fixture(scope="session")

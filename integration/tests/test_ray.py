@@ -12,6 +12,7 @@ ranks through Ray. Tensors bit-exact and greedy output equal to HF's after every
 from __future__ import annotations
 
 import pytest
+from conftest import full_only
 from scenario_run import run_scenario
 
 from awex_integration.scenarios import netns
@@ -27,7 +28,16 @@ def _assert_synced(result: dict) -> None:
     assert len(result["bytes"]) == 2 and all(b > 0 for b in result["bytes"])
 
 
-@pytest.mark.parametrize("control", ["awex", "vllm-ray"])
+@pytest.mark.parametrize(
+    "control",
+    [
+        "awex",
+        pytest.param(
+            "vllm-ray",
+            marks=full_only("examples/fsdp2_ray_llm_actors.py (vLLM's Ray client over LLM actors, checked greedy)"),
+        ),
+    ],
+)
 def test_megatron_tp2_to_vllm_tp2_as_ray_actors(control):
     """``awex``: the runner calls the engine actor's weight-update methods while the trainer ranks write;
     ``vllm-ray``: the actor is vLLM's ``LLM`` and the trainer ranks drive it through vLLM's Ray client."""

@@ -76,6 +76,7 @@ from awex_integration.scenarios.spawn import free_port
 from awex_integration.scenarios.trainer_main import TrainerJob, canonical_delta, trainer_rank
 
 log = logging.getLogger("awex.scenario")
+STARTUP_SECONDS = 300.0  # how long the trainer ranks may take to start (a failure before that is reported at once)
 
 
 def run(args: argparse.Namespace) -> ScenarioResult:
@@ -256,7 +257,9 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     )
     trainer_thread.start()
 
-    wait_trainers(client, "trainer_ready", None, world, 0, args.timeout)  # time syncs, not trainer start-up
+    # time syncs, not trainer start-up: starting the ranks (imports, a Megatron or FSDP2 model) is not what --timeout
+    # bounds, and on a loaded 2-core machine it took longer than a 20 s sync deadline
+    wait_trainers(client, "trainer_ready", None, world, 0, max(args.timeout, STARTUP_SECONDS))
     reference = canonical_weights(model_dir, config)  # by the names the trainer sends
     tok = AutoTokenizer.from_pretrained(model_dir)
     ran_with = {k: v for k, v in vars(args).items() if k != "workdir"}

@@ -204,3 +204,35 @@ def test_an_engine_whose_weights_left_its_device_fails_the_version_naming_them(s
     finally:
         writer.close()
         reader.close()
+
+
+def test_views_are_asked_again_only_when_their_tensors_fingerprint_changed():
+    """rebound() skips deriving a fingerprinted view_of's views while none of its tensors moved, and re-binds
+    what moved once one did (param.data replaced, a new nn.Parameter, an in-place resize)."""
+    from awex.transport import LocalShards
+    from awex.transport.shards import rebound
+
+    model = module_of({t.name: torch.zeros(t.spec.shape) for t in TENSORS})
+    layout = hf_layout(TENSORS, "trainer", "hf-out")
+    derive = hf_views(model)
+    calls = []
+
+    def view_of(name, box):
+        calls.append(name)
+        return derive(name, box)
+
+    view_of.fingerprint = derive.fingerprint
+    held, moved = rebound(layout, 0, view_of, LocalShards.from_layout(layout, 0, view_of))
+    calls.clear()
+    for _ in range(3):
+        same, moved = rebound(layout, 0, view_of, held)
+        assert same is held and moved == [] and calls == []  # nothing derived: nothing moved
+    name = TENSORS[3].name
+    owner, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+    getattr(owner, leaf).data = getattr(owner, leaf).data.clone()  # offloaded and loaded back, say
+    now, moved = rebound(layout, 0, view_of, held)
+    assert moved == [name] and calls and now.pairs(name)[0][1].data_ptr() == getattr(owner, leaf).data_ptr()
+    calls.clear()
+    assert rebound(layout, 0, view_of, now) == (now, []) and calls == []
+    setattr(owner, leaf, torch.nn.Parameter(torch.zeros(getattr(owner, leaf).shape), requires_grad=False))
+    assert rebound(layout, 0, view_of, now)[1] == [name]

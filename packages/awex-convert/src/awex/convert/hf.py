@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from awex.convert.live import LiveTensors
+from awex.convert.live import LiveTensors, fingerprinted
 from awex.meta import Box
 
 _EXPERT = re.compile(r"^((?:.*\.)?experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -39,7 +39,7 @@ def hf_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
                 p = fused[:half] if part == "gate" else fused[half:]
         return p[box.slices()]
 
-    return view_of
+    return fingerprinted(view_of, params)
 
 
 def hf_checkpoint_tensors(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -4,7 +4,7 @@ alias the current memory (a view made earlier keeps the old memory alive and wou
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -48,3 +48,17 @@ class LiveTensors(Mapping[str, torch.Tensor]):
 class _Held:
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
+
+
+def fingerprint(*tensors: Mapping[str, torch.Tensor]) -> tuple:
+    """Where every tensor of ``tensors`` is now (address, shape, strides, dtype, device), in order: equal to an
+    earlier fingerprint exactly when none of them moved, was replaced or resharded. Views derived from the tensors
+    by a fixed rule (``view_of``) are then the views they were; cheaper than deriving the views again."""
+    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for m in tensors for t in m.values())
+
+
+def fingerprinted(view_of: Callable, *tensors: Mapping[str, torch.Tensor]) -> Callable:
+    """``view_of`` with a ``fingerprint()`` over the mappings its views are taken from (read by
+    ``awex.transport.shards.rebound``, which then asks for the views again only when it changed)."""
+    view_of.fingerprint = lambda: fingerprint(*tensors)
+    return view_of

@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 import torch
 
 from awex.convert.fused import gate_or_up
-from awex.convert.live import LiveTensors
+from awex.convert.live import LiveTensors, fingerprinted
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import MegatronParallel
@@ -201,7 +201,7 @@ def megatron_views(
             return find(chunk, pre + "pre_mlp_layernorm.weight", pre + "mlp.linear_fc1.layer_norm_weight")
         raise KeyError(f"{name}: no Megatron mapping")
 
-    return view_of
+    return fingerprinted(view_of, *params, *buffers)
 
 
 def _latent_shapes(pre: str, dims: ModelDims, p: MegatronParallel) -> dict[str, tuple[int, ...]]:

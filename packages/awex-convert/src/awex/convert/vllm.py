@@ -51,6 +51,7 @@ from awex.convert.fused import LAYER as _LAYER
 from awex.convert.fused import QKV as _QKV
 from awex.convert.fused import QKV_A as _QKV_A
 from awex.convert.fused import fused_mlp_view, kv_heads_per_rank, param_finder, qkv_part
+from awex.convert.live import fingerprinted
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
 from awex.meta.layouts import VllmParallel
@@ -289,4 +290,4 @@ def vllm_views(
         mlp = fused_mlp_view(native, rest, first_expert)
         return native if mlp is None else mlp
 
-    return view_of
+    return fingerprinted(view_of, params)

