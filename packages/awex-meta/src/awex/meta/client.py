@@ -16,6 +16,8 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
+import re
 import secrets
 import socket
 import threading
@@ -42,6 +44,18 @@ from awex.meta.serialize import layout_from_wire, layout_to_wire
 __all__ = ["MetaClient"]
 
 log = logging.getLogger("awex.meta.client")
+_JOB = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")  # as the server accepts them
+
+
+def seconds(value: Any, what: str = "timeout", positive: bool = False) -> float:
+    """``value`` as a number of seconds: finite and not negative (above 0 with ``positive``), else ``ValueError``
+    naming ``what`` (a NaN deadline never passes and an infinite one overflows the clock)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what}={value!r}: a finite number of seconds, not negative")
+    if positive and value == 0:
+        raise ValueError(f"{what}={value!r}: a number of seconds above 0")
+    return float(value)
+
 
 DEFAULT_TIMEOUT = 60.0
 SLACK = 1.0  # seconds a call may take beyond its deadline (the server's answer on its way)
@@ -60,9 +74,11 @@ class MetaClient:
         self.address = f"http://{parsed.netloc}"
         self._host = parsed.hostname
         self._port = parsed.port
+        if not isinstance(job, str) or not _JOB.fullmatch(job):
+            raise ValueError(f"job name {job!r}: 1 to 128 letters, digits, _ . : @ -")
         self.job = job
         self.token = token
-        self.timeout = timeout
+        self.timeout = seconds(timeout, "timeout", positive=True)
         self._local = threading.local()  # this thread's open connection
         self._lock = threading.Lock()
         self._epoch: str | None = None  # the server's epoch as last seen
@@ -220,7 +236,7 @@ class MetaClient:
         )
 
     def _by(self, timeout: float | None = None) -> float:
-        return time.monotonic() + (self.timeout if timeout is None else timeout)
+        return time.monotonic() + (self.timeout if timeout is None else seconds(timeout))
 
     # -- service ---------------------------------------------------------------------------------------
     def health(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -246,7 +262,7 @@ class MetaClient:
     def get(self, key: str, timeout: float | None = None) -> Any:
         """The value under ``key``, waiting for it up to ``timeout`` seconds (long-poll); raises within the
         timeout plus ``SLACK`` seconds."""
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else seconds(timeout)
         deadline = time.monotonic() + timeout
         while True:
             wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
@@ -334,7 +350,7 @@ class MetaClient:
         """Events with sequence number > ``after``; waits up to ``timeout`` seconds for at least one. Raises
         :class:`MetaRestartError` if the server restarted since this client last saw it (event numbers began
         again: events after ``after`` may have been lost)."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + seconds(timeout)
         epoch = self._epoch
         while True:
             wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
@@ -354,7 +370,7 @@ class MetaClient:
         self, kind: str, after: int = 0, timeout: float | None = None, version: str | None = None
     ) -> dict[str, Any]:
         """The first event of ``kind`` (and ``version``, if given) after ``after``; MetaTimeoutError if none."""
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else seconds(timeout)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -372,7 +388,7 @@ class MetaClient:
 
         Ranks use it to prove they computed the same plan (``value`` = plan digest) before any byte moves.
         """
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else seconds(timeout)
         deadline = time.monotonic() + timeout
         body = {"participant": participant, "expected": expected, "value": value}
         while True:

@@ -53,10 +53,10 @@ from awex.meta.server.state import Agreement, JobState, Participant, Topics
 
 log = logging.getLogger("awex.meta.server")
 
-_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
-_KEY = re.compile(r"^[A-Za-z0-9_.:@/-]{1,512}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}\Z")
+_KEY = re.compile(r"^[A-Za-z0-9_.:@/-]{1,512}\Z")
 SERVER_VERSION = "1"
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}\Z")
 
 
 class MetaServerApp:

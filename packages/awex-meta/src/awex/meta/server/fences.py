@@ -16,7 +16,7 @@ from awex.meta.protocol import FENCE_HEADER
 from awex.meta.server.errors import BadRequest, error
 from awex.meta.server.state import JobState
 
-_IDENTITY = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+_IDENTITY = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}\Z")
 MAX_EPOCH = 1 << 53
 
 
