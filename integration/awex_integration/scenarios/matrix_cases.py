@@ -121,4 +121,5 @@ FULL_ONLY = {  # run with AWEX_FULL_MATRIX=1 (./noxw -s integration); each repea
     "megatron-tp2-pp1->vllm-tp2",  # the shm, rdma, prepacked, vllm-http and tied cases run this layout pair in CI
     "megatron-tp2-pp2->vllm-tp1",
     "megatron-tp2->hf",  # test_matrix's log test runs Megatron TP=2 -> HF in CI, bit-exact
+    "bf16:megatron-tp2->vllm-tp1",  # CI: this layout pair in float32, and bf16 from FSDP2 (bf16:fsdp2-dp2->vllm-tp1)
 }
