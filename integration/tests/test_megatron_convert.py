@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed in this environment")
 pytest.importorskip("transformers", reason="transformers is not installed in this environment")
 
-from conftest import MODELS  # noqa: E402
+from conftest import MODELS, full_only  # noqa: E402
 
 from awex.meta.layouts import MegatronParallel  # noqa: E402
 from awex_integration.engines.megatron_workers import check_conversion  # noqa: E402
@@ -55,14 +55,20 @@ def models(tmp_path_factory):
     "model, parallel",
     [
         ("qwen2", MegatronParallel(tp=1, vocab_pad=1)),
-        ("qwen2", MegatronParallel(tp=2, vocab_pad=128)),
+        pytest.param(
+            "qwen2", MegatronParallel(tp=2, vocab_pad=128), marks=full_only("qwen3-tied-tp2 (TP=2, a padded vocab)")
+        ),
         ("qwen2", MegatronParallel(tp=2, pp=2)),
         ("qwen3-tied", MegatronParallel(tp=2, vocab_pad=128)),
         # tied embeddings with pp > 1 make Megatron call .cuda() while building: not runnable on a CPU machine
         ("qwen3", MegatronParallel(pp=2, vpp=2)),
         # MoE (SequentialMLP experts): expert parallel over data-parallel ranks, and over tensor-parallel ones
         ("qwen3-moe", MegatronParallel(dp=2, ep=2, vocab_pad=128)),
-        ("qwen3-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
+        pytest.param(
+            "qwen3-moe",
+            MegatronParallel(tp=2, ep=2, vocab_pad=128),
+            marks=full_only("qwen2-moe-tp2-ep2 (experts over tensor-parallel ranks)"),
+        ),
         # Qwen2-MoE: a TP-split shared expert with its sigmoid gate next to the routed experts
         ("qwen2-moe", MegatronParallel(tp=2, ep=2, vocab_pad=128)),
         # DeepSeek-V3: latent attention (the local spec splits its down-projections over TP), a dense first layer,

@@ -116,10 +116,13 @@ CASES = [
 
 FULL_ONLY = {  # run with AWEX_FULL_MATRIX=1 (./noxw -s integration); each repeats what CI's cases cover together
     "megatron-tp1-pp1->vllm-tp1",
-    "megatron-tp1-pp2->vllm-tp1",  # staged:megatron-tp1-pp2->vllm-tp1 runs this layout pair in CI
+    "megatron-tp1-pp2->vllm-tp1",  # PP=2 runs in CI as megatron-tp2-pp2->vllm-tp2
     "megatron-tp1-pp2->vllm-tp2",
     "megatron-tp2-pp1->vllm-tp2",  # the shm, rdma, prepacked, vllm-http and tied cases run this layout pair in CI
     "megatron-tp2-pp2->vllm-tp1",
     "megatron-tp2->hf",  # test_matrix's log test runs Megatron TP=2 -> HF in CI, bit-exact
     "bf16:megatron-tp2->vllm-tp1",  # CI: this layout pair in float32, and bf16 from FSDP2 (bf16:fsdp2-dp2->vllm-tp1)
+    # staged receive in CI: test_receive_memory (applied, bit-exact, greedy) and test_faults (a failure keeps the
+    # previous version)
+    "staged:megatron-tp1-pp2->vllm-tp1",
 }
