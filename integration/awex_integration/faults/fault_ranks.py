@@ -207,18 +207,14 @@ def died_records(workdir: str, pid: int) -> list[dict]:
 def pause(workdir: str, role: str, rank: int, timeout: float = 120.0) -> None:
     """Say this rank reached a pause, and wait for the harness's "go" (it restarts or freezes things meanwhile)."""
     Path(workdir, f"at-{role}-{rank}").write_text("")
-    deadline = time.monotonic() + timeout
-    while not Path(workdir, "go").exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the harness never said go")
-        time.sleep(0.05)
+    _until(Path(workdir, "go").exists, timeout, "the harness never said go")
 
 
-def _until(done, timeout: float) -> None:
+def _until(done, timeout: float, what: str = "the harness's condition did not hold") -> None:
     deadline = time.monotonic() + timeout
     while not done():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the harness's condition did not hold within {timeout:g} s")
+            raise TimeoutError(f"{what} within {timeout:g} s")
         time.sleep(0.05)
 
 

@@ -6,10 +6,10 @@ by the same rules (:func:`combination_error`) before it plans."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from awex.meta.client import seconds
 from awex.transport.registry import TRANSPORTS, transport_class
 
 
@@ -39,10 +39,7 @@ class SyncOptions:
             raise ValueError(f"host={self.host!r}: an address every rank reaches")
         if not _whole(self.wave_bytes) or self.wave_bytes <= 0:
             raise ValueError(f"wave_bytes={self.wave_bytes!r}: a positive byte count")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
-            raise ValueError(f"timeout={self.timeout!r}: a finite number of seconds above 0")
-        if not math.isfinite(self.timeout) or self.timeout <= 0:
-            raise ValueError(f"timeout={self.timeout!r}: a finite number of seconds above 0")
+        seconds(self.timeout, "timeout", positive=True)
         if not isinstance(self.allow_cast, tuple) or any(not isinstance(p, str) or not p for p in self.allow_cast):
             raise ValueError(f"allow_cast={list(self.allow_cast)!r}: glob patterns (non-empty strings)")
         if not _whole(self.keep_versions) or self.keep_versions < 1:
