@@ -53,3 +53,20 @@ def test_boxes_of_3d_tensors_in_narrow_dtypes_are_read_exactly(tmp_path, monkeyp
     assert validation.validate_shards(LocalShards({"w": [(box, got)]}), ckpt).tensors_mismatched == 0
     got[1, 2, 3] = torch.tensor(7.0).to(dtype)
     assert validation.validate_shards(LocalShards({"w": [(box, got)]}), ckpt).tensors_mismatched == 1
+
+
+@pytest.mark.parametrize(
+    "box, got, reason",
+    [
+        # (4, 8) sorts below the reference's (10, 6) but its columns lie outside it: compared by dimension
+        (Box((0, 0), (4, 8)), torch.zeros(4, 8), "does not lie inside"),
+        (Box((0,), (6,)), torch.zeros(6), "does not lie inside"),  # another rank
+    ],
+)
+def test_a_box_that_does_not_fit_the_reference_is_a_mismatch_not_an_error(checkpoint, box, got, reason):
+    path, _ = checkpoint
+    shards = LocalShards({"a": [(box, got)]})
+    report = validation.validate_shards(shards, validation.load_checkpoint(path))
+    assert report.tensors_mismatched == 1 and reason in report.per_tensor["a"]["reason"]
+    with pytest.raises(validation.ValidationError, match="differ"):
+        validation.validate_shards(shards, validation.load_checkpoint(path), strict=True)

@@ -56,11 +56,18 @@ def test_a_restart_is_noticed_and_what_the_client_owns_is_published_again():
         status = c.status()["jobs"]["rl"]
         assert [(p["name"], p["weight_version"]) for p in status["participants"]] == [("vllm-0", "v2")]
         assert c.try_get("layouts/current/vllm-0") == {"layout": 1} and c.try_get("scratch") is None
-        # event numbers began again: a waiter for events after the old number is told, not left waiting
-        other = MetaClient(second.address, job="rl", timeout=5)
-        other._epoch = epoch  # a waiter that last saw the first server
-        with pytest.raises(MetaRestartError, match="restarted"):
-            other.events(after=after, timeout=1.0)
+        # event numbers began again: a waiter for events after the old number is told, not left waiting, even
+        # through the client that already noticed the restart (c) and one that never saw the first server
+        for waiter in (c, MetaClient(second.address, job="rl", timeout=5)):
+            with pytest.raises(MetaRestartError, match="restarted"):
+                waiter.events(after=after, timeout=1.0)
+            with pytest.raises(MetaRestartError, match="restarted"):
+                waiter.wait_event("weights_ready", after=after, timeout=1.0)
+        # a cursor of the new server is fine; one of another job is not this job's
+        now = c.publish_event("weights_ready", "trainer", version="v2")
+        assert [e["version"] for e in c.events(after=now - 1)] == ["v2"] and c.events(after=now) == []
+        with pytest.raises(MetaRestartError):
+            MetaClient(second.address, job="other", timeout=5).events(after=now, timeout=0.5)
     finally:
         second.stop()
 

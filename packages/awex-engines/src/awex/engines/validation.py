@@ -156,17 +156,29 @@ def _compare(view: torch.Tensor, ref, box) -> tuple[bool, float]:
     return exact, worst
 
 
+def _misfit(ref, box, view) -> str | None:
+    """Why ``box`` (received as ``view``) cannot be compared with the reference tensor ``ref``; ``None`` if it can."""
+    if ref is None:
+        return "not in the reference"
+    shape = tuple(ref.shape)
+    if len(shape) != len(box.ends) or any(end > n for end, n in zip(box.ends, shape)):
+        return f"box {box.offsets}+{box.sizes} does not lie inside the reference's shape {shape}"
+    if tuple(view.shape) != tuple(box.sizes):
+        return f"received shape {tuple(view.shape)} for a box of {tuple(box.sizes)}"
+    return None
+
+
 def validate_shards(shards: LocalShards, reference: Mapping, strict: bool = False) -> ValidationReport:
-    """Compare every received box with the reference; raise :class:`ValidationError` on mismatch if ``strict``."""
+    """Compare every received box with the reference; raise :class:`ValidationError` on mismatch if ``strict``
+    (otherwise a box that cannot be compared, a shape that does not fit, is a mismatch with its reason)."""
     report = ValidationReport()
     for name in sorted(shards.names()):
         ref = reference.get(name)
-        worst = 0.0
-        exact = ref is not None
+        worst, exact, reason = 0.0, True, None
         for box, view in shards.pairs(name):
-            if ref is None or tuple(ref.shape) < box.ends:
-                exact = False
-                worst = float("inf")
+            reason = _misfit(ref, box, view)
+            if reason is not None:
+                exact, worst = False, float("inf")
                 break
             same, diff = _compare(view, ref, box)
             exact = exact and same
@@ -174,6 +186,8 @@ def validate_shards(shards: LocalShards, reference: Mapping, strict: bool = Fals
         report.tensors_checked += 1
         report.tensors_mismatched += 0 if exact else 1
         report.per_tensor[name] = {"max_abs_diff": worst, "bit_exact": exact}
+        if reason is not None:
+            report.per_tensor[name]["reason"] = reason
     if strict and report.tensors_mismatched:
         bad = [n for n, r in report.per_tensor.items() if not r["bit_exact"]]
         raise ValidationError(

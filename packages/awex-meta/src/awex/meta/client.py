@@ -189,6 +189,8 @@ class MetaClient:
             raise MetaAuthError(f"MetaServer at {self.address} rejected the token: {_message(doc)}")
         if status in (400, 413):
             raise MetaPayloadError(f"MetaServer rejected {method} {path}: {_message(doc)}")
+        if status == 410 and isinstance(doc, dict) and doc.get("error") == "restarted":
+            raise MetaRestartError(f"the MetaServer at {self.address} restarted: {_message(doc)}")
         if status == 409:
             if isinstance(doc, dict) and doc.get("error") == "fenced":
                 raise MetaFencedError(_message(doc))
@@ -348,21 +350,15 @@ class MetaClient:
 
     def events(self, after: int = 0, kind: str | None = None, timeout: float = 0.0) -> list[dict[str, Any]]:
         """Events with sequence number > ``after``; waits up to ``timeout`` seconds for at least one. Raises
-        :class:`MetaRestartError` if the server restarted since this client last saw it (event numbers began
-        again: events after ``after`` may have been lost)."""
+        :class:`MetaRestartError` if ``after`` is not an event number of the server now answering (it restarted
+        since ``after`` was read, whoever noticed first: events after ``after`` may have been lost)."""
         deadline = time.monotonic() + seconds(timeout)
-        epoch = self._epoch
         while True:
             wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
             query: dict[str, Any] = {"after": after, "wait": f"{wait:.3f}"}
             if kind:
                 query["kind"] = kind
             found = self._request("GET", self._job_path("events"), deadline=deadline, query=query)[1]["events"]
-            if epoch is not None and self._epoch != epoch:
-                raise MetaRestartError(
-                    f"the MetaServer at {self.address} restarted: its events begin again at 1, "
-                    f"events after {after} may be lost"
-                )
             if found or time.monotonic() >= deadline:
                 return found
 

@@ -18,13 +18,14 @@ route                                                    what it does
 ``POST /v1/jobs/{job}/participants``                     register a participant (name, role, instance...)
 ``POST /v1/jobs/{job}/participants/{name}/version``      report the weight version a participant serves
 ``POST /v1/jobs/{job}/events``                           publish an event (kind, source, version, data)
-``GET /v1/jobs/{job}/events?after=N[&wait=S][&kind=K]``  events after sequence number N
+``GET /v1/jobs/{job}/events?after=N[&wait=S][&kind=K]``  events after number N (410 if N is not this server's)
 ``POST /v1/jobs/{job}/agree/{name}``                     contribute a value; wait until all arrived
 ``POST /v1/jobs/{job}/fences/{identity}``                take a writer's new epoch (``fences``)
 =======================================================  ==================================================
 
 Every answer carries ``X-Awex-Epoch``, a random name of this server process: a client that sees it change
-knows the server restarted (its state, event numbers included, is gone). A write carrying
+knows the server restarted (its state, event numbers included, is gone). A job's event numbers begin at a random
+point, so an event cursor from an earlier server process is refused per request (410 ``restarted``). A write carrying
 ``X-Awex-Request-Id`` is answered once: a retry with the same id (the reply was lost) gets the first answer
 again instead of being applied twice; one carrying ``X-Awex-Fence`` is refused (409) once a newer writer of that
 identity took over (``awex.meta.server.fences``). Limits (bytes per job and in all, keys, events, agreements,
@@ -356,17 +357,19 @@ class MetaServerApp:
             after = int(request.query.get("after", "0"))
         except ValueError:
             raise BadRequest("after must be an integer") from None
+        if after < 0:
+            raise BadRequest("after must not be negative")
         kind = request.query.get("kind")
         job, wait = await self.job_waiting(request, self.wait_of(request))
+        if after and (job is None or not job.cursor_ok(after)):
+            return error(
+                410, "restarted", f"event {after} is not one of this server's (it restarted, or another job's)"
+            )
         if job is None:
             return web.json_response({"events": [], "last": 0})
-
-        def matching() -> list[dict[str, Any]]:
-            return [e for e in job.events if e["seq"] > after and (kind is None or e["kind"] == kind)]
-
-        if wait > 0 and not matching():
-            await job.topics.wait_until("events", lambda: bool(matching()), wait)
-        return web.json_response({"events": matching(), "last": job.next_seq - 1})
+        if wait > 0 and not job.after(after, kind):
+            await job.topics.wait_until("events", lambda: bool(job.after(after, kind)), wait)
+        return web.json_response({"events": job.after(after, kind), "last": job.next_seq - 1})
 
     async def agree(self, request: web.Request) -> web.Response:
         name = self.key_of(request)

@@ -8,6 +8,7 @@ requests that wait for it, not every request parked on the server.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -86,6 +87,9 @@ class Topics:
         return True
 
 
+_SEQ_BASE = 1 << 40  # event numbers stay below 2**53 (exact in every JSON reader)
+
+
 class JobState:
     """One job's state. All methods run on the server's event loop."""
 
@@ -98,10 +102,23 @@ class JobState:
         self.participant_bytes = 0
         self.events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self.event_bytes: deque[int] = deque(maxlen=max_events)
-        self.next_seq = 1
+        # event numbers of this job on this server begin at a random point, so a cursor (``after``) from an
+        # earlier server process or another job is told apart per request (``cursor_ok``), whoever saw what
+        self.base = _SEQ_BASE + secrets.randbelow(_SEQ_BASE)
+        self.next_seq = self.base + 1
         self.agreements: dict[str, Agreement] = {}
         self.topics = Topics()
         self.fences: dict[str, int] = {}  # writer identity -> its current epoch (awex.meta.server.fences)
+
+    def cursor_ok(self, after: int) -> bool:
+        """Whether ``after`` (0: from the start) names an event number of this job on this server."""
+        return after == 0 or self.base <= after < self.next_seq
+
+    def after(self, after: int, kind: str | None) -> list[dict[str, Any]]:
+        """The events numbered above ``after`` (of ``kind``, if given), reading only those (not the whole log)."""
+        newer = min(len(self.events), self.next_seq - 1 - max(after, self.base))
+        tail = [self.events[i] for i in range(len(self.events) - newer, len(self.events))] if newer > 0 else []
+        return [e for e in tail if kind is None or e["kind"] == kind]
 
     def held_bytes(self) -> int:
         """What this job holds, counted as the JSON bytes that arrived."""
