@@ -54,17 +54,19 @@ def _reported(version: str | None):
     return check
 
 
-def _failed_fast(version: str, within: float, then=None):
-    """Every engine rank's failed attempt at ``version`` ended within ``within`` seconds (not at its deadline);
-    ``then``: a further check."""
+def _failed_fast(version: str, within: float, then=None, side: str = "engine"):
+    """Every failed attempt at ``version`` of a rank on ``side`` ended within ``within`` seconds (not at its
+    deadline), and there was one; ``then``: a further check."""
 
     def check(run: dict) -> list[str]:
+        failed = [(p, rec) for p, rec in run["records"].get(version, []) if p.startswith(side) and not rec["ok"]]
         slow = [
             f"{party} failed {version} after {rec['seconds']:.1f} s (not within {within:g} s)"
-            for party, rec in run["records"].get(version, [])
-            if party.startswith("engine") and not rec["ok"] and rec["seconds"] > within
+            for party, rec in failed
+            if rec["seconds"] > within
         ]
-        return slow + (then(run) if then else [])
+        none = [] if failed else [f"no {side} rank's attempt at {version} failed"]
+        return none + slow + (then(run) if then else [])
 
     return check
 
@@ -313,6 +315,19 @@ def shm_cases() -> list[Case]:
             restart_delay=3.0,
             expect_failed={"v-1"},
             check=_failed_fast("v-1", 5.0, then=_reported("v-2")),
+            transport="shm",
+        ),
+        Case(
+            "shm_receiver_dies_before_reading",
+            "an engine rank on the trainer's host dies after the plan agreement, before it reads the segment: the "
+            "trainer's write fails within seconds (that process is gone), not at its deadline; the restarted rank "
+            "and the retry succeed",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", v_2="die_after_agreement")],
+            restart={("engine", 1): _steps("v-2", "v-3")},
+            restart_delay=2.0,
+            expect_failed={"v-2"},
+            check=_failed_fast("v-2", 5.0, then=_reported("v-3"), side="trainer"),
             transport="shm",
         ),
         *[

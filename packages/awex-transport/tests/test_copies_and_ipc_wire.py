@@ -80,6 +80,16 @@ def _hostile(edit):
         (lambda w: w.__setitem__("pointers", []), "0 pointers for 1 storages"),
         (lambda w: w.__setitem__("views", {"a": 1}), "views"),
         (lambda w: w["storages"][0].__setitem__(0, "gpu0"), "storage field"),
+        # what PyTorch returns, exactly: eight fields of their kinds, within bounds
+        (lambda w: w["storages"][0].pop(), "list of 8 fields"),
+        (lambda w: w["storages"][0].extend([1, 2, 3, 4]), "list of 8 fields"),
+        (lambda w: w["storages"][0].__setitem__(0, True), "storage field device: bool"),
+        (lambda w: w["storages"][0].__setitem__(7, 1), "storage field event_sync: int"),
+        (lambda w: w["storages"][0].__setitem__(4, 8), "storage field ref_handle: int"),
+        (lambda w: w["storages"][0].__setitem__(3, 1 << 61), "out of range"),
+        (lambda w: w["storages"][0].__setitem__(0, 1 << 20), "out of range"),
+        # an empty view's offset lies inside its storage too
+        (lambda w: w["views"][0].__setitem__(2, [0, 8]) or w["views"][0].__setitem__(4, 1 << 61), "beyond its storage"),
     ],
 )
 def test_hostile_ipc_exports_are_refused_before_anything_is_opened(edit, why):

@@ -6,9 +6,12 @@ always go to the MetaServer too); a trainer rank collects them until its deadlin
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Mapping
 
 from awex.engines.sync import keys
 from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
 from awex.engines.sync.signals import Signals
 from awex.meta import Plan
 from awex.meta.client import MetaClient
@@ -51,9 +54,33 @@ def report(
         log.warning("%s:%d could not report its failure of %s: %s", *who, manifest.version, e)
 
 
-def collect(plan: Plan, signals: Signals, manifest: SyncManifest, deadline: float) -> Outcomes:
+def collect(
+    plan: Plan,
+    signals: Signals,
+    manifest: SyncManifest,
+    deadline: float,
+    processes: Mapping[tuple[str, int], Process] | None = None,
+) -> Outcomes:
     """A trainer rank: every receiving rank's outcome of ``manifest``'s version, waiting until ``deadline``
-    (``time.monotonic()``); ``None`` for a rank that did not report by then (dead or stuck)."""
+    (``time.monotonic()``); ``None`` for a rank that did not report by then (stuck, or dead on another host). With
+    ``processes`` (where each rank runs), every :data:`LIVENESS_SECONDS` it checks the silent receivers on this
+    host: one that exited has failed (its cause says so) and is not waited for."""
     receivers = [r for r in plan.ranks if r.role.value != "trainer"]
-    docs = signals.outcomes(manifest, receivers, deadline) if receivers else []
-    return {(r.instance, r.local_rank): d if isinstance(d, dict) else None for r, d in zip(receivers, docs)}
+    got: Outcomes = {}
+    while True:
+        left = [r for r in receivers if (r.instance, r.local_rank) not in got]
+        if not left:
+            break
+        until = min(deadline, time.monotonic() + LIVENESS_SECONDS) if processes else deadline
+        for r, doc in zip(left, signals.outcomes(manifest, left, until)):
+            if isinstance(doc, dict):
+                got[(r.instance, r.local_rank)] = doc
+        if time.monotonic() >= deadline:
+            break
+        for r in left:
+            pid = exited_here(processes or {}, r.instance, r.local_rank)
+            if pid is not None and (r.instance, r.local_rank) not in got:
+                cause = f"{r.instance}:{r.local_rank} (pid {pid}, the trainer's host) exited before it reported"
+                log.warning("%s; version %r failed", cause, manifest.version)
+                got[(r.instance, r.local_rank)] = {"ok": False, "cause": cause, "partial": True}
+    return {(r.instance, r.local_rank): got.get((r.instance, r.local_rank)) for r in receivers}

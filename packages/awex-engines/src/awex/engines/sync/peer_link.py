@@ -24,6 +24,15 @@ LIVENESS_SECONDS = 1.0  # a receiver waiting for senders checks this often that 
 Process = tuple[str, int, "int | None"]  # (host, pid, start time) of a rank, as the device exchange found it
 
 
+def exited_here(processes: Mapping[tuple[str, int], Process], instance: str, local_rank: int) -> int | None:
+    """The pid of rank ``instance:local_rank`` if it ran on this host and has exited (its pid gone, or reused by a
+    process that started later); ``None`` while it runs, or where this host cannot tell (another host)."""
+    host, pid, started = processes.get((instance, local_rank), (None, 0, None))
+    if host == host_identity() and started is not None and not alive(pid, started):
+        return pid
+    return None
+
+
 @dataclass
 class SyncPeerLink:
     """One rank's link to its peers for one version of one plan over transport ``kind``."""
@@ -85,11 +94,11 @@ class SyncPeerLink:
 
     def check_senders(self, peers: Sequence[int]) -> None:
         """Raise if a sender in ``peers`` that runs on this host has exited."""
-        here, me = host_identity(), self.plan.ranks[self.rank]
+        me = self.plan.ranks[self.rank]
         for peer in peers:
             src = self.plan.ranks[peer]
-            host, pid, started = self.processes.get((src.instance, src.local_rank), (None, 0, None))
-            if host == here and started is not None and not alive(pid, started):
+            pid = exited_here(self.processes, src.instance, src.local_rank)
+            if pid is not None:
                 raise TransferError(
                     f"{me.instance}:{me.local_rank}: sender {src.instance}:{src.local_rank} (pid {pid}, this host) "
                     f"exited before its part of version {self.manifest.version!r} arrived"

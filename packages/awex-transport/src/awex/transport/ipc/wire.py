@@ -84,11 +84,18 @@ class IpcExport:
                 raise ValueError(f"{what}: a list of at most {limit}")
         storages = []
         for s in raw_storages:
-            if not isinstance(s, list) or not 4 <= len(s) <= 12:
-                raise ValueError("a storage is a list of 4 to 12 fields")
+            if not isinstance(s, list) or len(s) != len(_STORAGE_FIELDS):
+                raise ValueError(f"a storage is a list of {len(_STORAGE_FIELDS)} fields: {', '.join(_STORAGE_FIELDS)}")
             fields_ = tuple(dec(x) for x in s)
-            if not isinstance(fields_[0], int) or not isinstance(fields_[1], bytes) or not isinstance(fields_[2], int):
-                raise ValueError("a storage starts with its device, handle and size")
+            for what, value, kind in zip(_STORAGE_FIELDS, fields_, _STORAGE_KINDS):
+                if type(value) is not kind:  # bool is not an int here: device True is refused
+                    raise ValueError(f"storage field {what}: {type(value).__name__} where a {kind.__name__} belongs")
+            device, _, size, offset, _, ref_offset, _, _ = fields_
+            if device >= _MAX_DEVICES or max(size, offset, ref_offset) >= _MAX_BYTES:
+                raise ValueError(
+                    f"storage fields out of range: device {device} (< {_MAX_DEVICES}), size, offset and "
+                    f"reference-counter offset {size}, {offset}, {ref_offset} (< 2**{_MAX_BYTES.bit_length() - 1})"
+                )
             storages.append(fields_)
         pointers = tuple(_count(p, "pointer") for p in raw_pointers)
         if len(pointers) != len(storages):
@@ -114,7 +121,7 @@ class IpcExport:
             if dtype not in ITEMSIZE:
                 raise ValueError(f"view {name!r}: unknown dtype {dtype!r}")
             last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides)) if all(sizes) else offset
-            if all(sizes) and (last + 1) * ITEMSIZE[dtype] > storages[storage][2]:
+            if (last + (1 if all(sizes) else 0)) * ITEMSIZE[dtype] > storages[storage][2]:
                 raise ValueError(f"view {name!r} reaches beyond its storage ({storages[storage][2]} bytes)")
             views.append(ExportedView(name, Box(offsets, sizes), storage, offset, strides, dtype))
         return cls(tuple(storages), pointers, tuple(views))
@@ -124,6 +131,11 @@ class IpcExport:
         return self.pointers == _storage_pointers(shards)[0]
 
 
+# what PyTorch's UntypedStorage._share_cuda_() returns, in order, and what ``_new_shared_cuda`` takes back
+_STORAGE_FIELDS = ("device", "handle", "size", "offset", "ref_handle", "ref_offset", "event_handle", "event_sync")
+_STORAGE_KINDS = (int, bytes, int, int, bytes, int, bytes, bool)
+_MAX_DEVICES = 1 << 10
+_MAX_BYTES = 1 << 48  # no GPU's memory reaches 256 TiB
 _MAX_STORAGES = 1 << 16
 _MAX_VIEWS = 1 << 22
 _MAX_DIMS = 8
