@@ -5,9 +5,11 @@ runs the same cases and prints the suite's JSON summary."""
 from __future__ import annotations
 
 import pytest
+from conftest import full_only
 
 from awex_integration.faults.fault_cases import cases, rdma_cases, shm_cases
-from awex_integration.faults.fault_suite import run_case
+from awex_integration.faults.fault_suite import run_case, run_on_server
+from awex_integration.faults.server_load import load_cases
 
 CASES = {case.name: case for case in cases() + shm_cases() + rdma_cases()}
 
@@ -21,3 +23,20 @@ def test_fault_case(name):
     assert result["recovered"] == CASES[name].recovers
     # CPU ranks: gloo, or the transport the case asks for
     assert result["transports"] in ([], [CASES[name].transport])
+
+
+LOAD = {case.name: case for case in load_cases()}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=full_only("the 5,000-participant agreement (the same code, within the caps)"))
+        if LOAD[n].clients > 5000
+        else n
+        for n in LOAD
+    ],
+)
+def test_metaserver_load_case(name):
+    result = run_on_server(LOAD[name])
+    assert result["passed"], result["problems"]

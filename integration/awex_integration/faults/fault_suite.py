@@ -26,12 +26,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from awex_integration.faults import fault_ranks
 from awex_integration.faults.fault_cases import RECEIVER_DEADLINES, Case, cases, rdma_cases, shm_cases
+from awex_integration.faults.server_load import LoadCase, load_cases, run_load_case
 from awex_integration.scenarios.spawn import free_port
 
 SLACK = 5.0  # seconds a step may take beyond its deadline before it counts as a hang (process start-up included)
@@ -70,9 +72,15 @@ class ProcessServer:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        line = proc.stdout.readline()
-        if "serving on" not in line:
-            raise RuntimeError(f"awex-meta serve did not start: {line}{proc.stdout.read()[:2000]}")
+        seen = []
+        for line in proc.stdout:  # its log lines come first (limits), then "serving on"
+            seen.append(line)
+            if "serving on" in line or len(seen) > 50:
+                break
+        if not seen or "serving on" not in seen[-1]:
+            raise RuntimeError(f"awex-meta serve did not start: {''.join(seen)[-2000:]}")
+        # what it logs from now on is read (and dropped) so that a full pipe never blocks the server
+        threading.Thread(target=lambda out=proc.stdout: [None for _ in out], daemon=True).start()
         return proc
 
     def kill(self) -> None:
@@ -96,6 +104,19 @@ class ProcessServer:
     def stop(self) -> None:
         self.thaw()
         self.kill()
+
+
+def run_on_server(case: LoadCase) -> dict:
+    """A load case against a standalone server of its own."""
+    server = ProcessServer()
+    try:
+        result = run_load_case(case, server.address)
+    finally:
+        server.stop()
+    for line in result["problems"]:
+        print(f"    {case.name}: {line}", flush=True)
+    print(f"    {case.name}: {json.dumps(result['measured'])}", flush=True)
+    return result
 
 
 # -- running one case ---------------------------------------------------------------------------------------
@@ -334,12 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--timeout", type=float, default=8.0, help="every write and receive's deadline (seconds)")
     args = ap.parse_args(argv)
-    every = cases() + shm_cases() + rdma_cases()
+    every = cases() + shm_cases() + rdma_cases() + load_cases()
     chosen = [c for c in every if not args.cases or c.name in args.cases.split(",")]
     started = time.monotonic()
     results = []
     for case in chosen:
-        result = run_case(case, args.timeout)
+        result = run_case(case, args.timeout) if isinstance(case, Case) else run_on_server(case)
         results.append(result)
         mark = "PASS" if result["passed"] else "FAIL"
         print(f"{mark} {case.name} ({result['seconds']} s): {case.what}", flush=True)

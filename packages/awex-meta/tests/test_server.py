@@ -256,11 +256,11 @@ def test_client_keeps_one_connection_per_thread_and_reconnects_after_the_server_
     port = int(first.address.rsplit(":", 1)[1])
     c = MetaClient(first.address, job="keepalive", timeout=10)
     c.put("a", 1)
-    conn = c._local.conn
+    conn = c._http._local.conn
     assert conn is not None and conn.sock is not None  # kept open
-    assert c.get("a") == 1 and c._local.conn is conn  # and reused
+    assert c.get("a") == 1 and c._http._local.conn is conn  # and reused
     other: list = []
-    t = threading.Thread(target=lambda: other.append((c.get("a"), c._local.conn)))
+    t = threading.Thread(target=lambda: other.append((c.get("a"), c._http._local.conn)))
     t.start()
     t.join(10)
     assert other[0][0] == 1 and other[0][1] is not conn  # each thread its own connection
@@ -268,7 +268,7 @@ def test_client_keeps_one_connection_per_thread_and_reconnects_after_the_server_
     second = start_embedded(port=port)
     try:
         c.put("b", 2)  # no error: reconnected
-        assert c.get("b") == 2 and c._local.conn is not conn
+        assert c.get("b") == 2 and c._http._local.conn is not conn
     finally:
         c.close()
         second.stop()

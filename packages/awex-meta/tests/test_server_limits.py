@@ -233,26 +233,40 @@ def test_a_write_wakes_only_the_waiters_of_its_topic():
     asyncio.run(main())
 
 
-def test_connections_beyond_the_limit_are_closed_and_idle_ones_time_out():
-    with EmbeddedMetaServer(config=ServerConfig(max_connections=8, idle_seconds=1.0)) as s:
-        port = s.port
+def test_connections_beyond_the_limits_are_answered_503_with_a_retry_hint_and_idle_ones_time_out():
+    config = ServerConfig(max_connections=8, max_connections_per_client=6, idle_seconds=1.0)
+    with EmbeddedMetaServer(config=config) as s:
         socks = []
         for _ in range(24):  # one at a time (a burst may overshoot the limit by what one accept round takes)
-            socks.append(socket.create_connection(("127.0.0.1", port)))
+            socks.append(socket.create_connection(("127.0.0.1", s.port)))
             time.sleep(0.02)
-        time.sleep(0.3)
-        closed = 0
+        answers = []
         for sock in socks:
-            sock.settimeout(0.05)
-            try:
-                closed += sock.recv(1) == b""
-            except socket.timeout:
-                pass
-        assert closed >= 16  # those beyond the limit, at once
-        time.sleep(1.5)  # the idle ones (connected, never sent a request) are closed too
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(5)
+            answers.append(sock.recv(65536))
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+        assert len(refused) == 18 and all(a.startswith(b"HTTP/1.1 200") for a in answers if a not in refused)
+        doc = json.loads(refused[0].split(b"\r\n\r\n", 1)[1])  # not a silent close: why, and when to retry
+        assert doc["error"] == "overloaded" and "127.0.0.1 (limit 6)" in doc["message"] and 0 < doc["retry_after"] < 2
+        time.sleep(1.5)  # the idle ones (no request in flight) are closed too: a client gets in again
         assert MetaClient(s.address, timeout=5).health()["ok"] is True
         for sock in socks:
             sock.close()
+
+
+def test_a_connection_refused_without_a_request_is_closed_after_a_while():
+    from awex.meta.server import site
+
+    with EmbeddedMetaServer(config=ServerConfig(max_connections=1, max_connections_per_client=1)) as s:
+        first = socket.create_connection(("127.0.0.1", s.port))
+        time.sleep(0.1)
+        second = socket.create_connection(("127.0.0.1", s.port))  # refused, never asks anything
+        second.settimeout(site.REFUSED_WAIT + 3)
+        started = time.monotonic()
+        assert second.recv(1) == b"" and time.monotonic() - started < site.REFUSED_WAIT + 2
+        first.close()
+        second.close()
 
 
 def test_a_body_that_never_arrives_is_refused_within_the_body_time():

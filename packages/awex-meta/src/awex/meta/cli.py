@@ -55,7 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="most one job may hold: keys, events, registrations (default 1024)",
     )
     p_serve.add_argument("--max-total-mb", type=float, default=4096.0, help="most all jobs may hold (default 4096)")
-    p_serve.add_argument("--max-connections", type=int, default=4096, help="open connections (default 4096)")
+    p_serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=16384,
+        help="open connections, at most the open-file limit allows (default 16384)",
+    )
     p_serve.add_argument(
         "--allow-no-token",
         action="store_true",

@@ -13,13 +13,11 @@ new TCP connection per request would cost more than the request).
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import math
 import re
 import secrets
-import socket
 import threading
 import time
 import urllib.parse
@@ -28,8 +26,8 @@ from typing import Any, Sequence
 from awex.meta.errors import (
     AgreementError,
     MetaAuthError,
+    MetaBusyError,
     MetaConflictError,
-    MetaConnectionError,
     MetaFencedError,
     MetaNotRegisteredError,
     MetaPayloadError,
@@ -37,8 +35,11 @@ from awex.meta.errors import (
     MetaServerError,
     MetaTimeoutError,
 )
+from awex.meta.http_exchange import SLACK as SLACK  # re-exported: a call's answer may come this much late
+from awex.meta.http_exchange import Busy as _Busy
+from awex.meta.http_exchange import Exchanges, retry_after
 from awex.meta.layout import Layout
-from awex.meta.protocol import EPOCH_HEADER, FENCE_HEADER, REQUEST_ID_HEADER
+from awex.meta.protocol import FENCE_HEADER, REQUEST_ID_HEADER
 from awex.meta.serialize import layout_from_wire, layout_to_wire
 
 __all__ = ["MetaClient"]
@@ -58,8 +59,8 @@ def seconds(value: Any, what: str = "timeout", positive: bool = False) -> float:
 
 
 DEFAULT_TIMEOUT = 60.0
-SLACK = 1.0  # seconds a call may take beyond its deadline (the server's answer on its way)
 _POLL_SLICE = 30.0  # longest single long-poll; the server caps it too
+_MAX_RETRY_AFTER = 5.0  # the longest pause a busy server's hint may ask for
 
 
 class MetaClient:
@@ -79,7 +80,7 @@ class MetaClient:
         self.job = job
         self.token = token
         self.timeout = seconds(timeout, "timeout", positive=True)
-        self._local = threading.local()  # this thread's open connection
+        self._http = Exchanges(self._host, self._port, self.address)  # each thread's kept-alive connection
         self._lock = threading.Lock()
         self._epoch: str | None = None  # the server's epoch as last seen
         self._owned: dict[str, tuple[str, str, bytes | None]] = {}  # published again after a server restart
@@ -88,22 +89,18 @@ class MetaClient:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_local", "_lock", "_owned"):  # connections stay in their process, and what it published
+        for name in ("_lock", "_owned"):  # what this process published stays with it (connections too: _http)
             del state[name]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._local = threading.local()
         self._lock = threading.Lock()
         self._owned = {}
 
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            conn.close()
+        self._http.close()
 
     # -- transport -------------------------------------------------------------------------------------
     def _request(
@@ -119,66 +116,48 @@ class MetaClient:
     ) -> tuple[int, Any]:
         """One request, answered by ``deadline`` (``time.monotonic()``) plus ``SLACK`` seconds at the latest.
         A server that cannot be reached is tried again until then; a write whose reply was lost is sent again
-        with the same request id, which the server answers without applying it twice."""
+        with the same request id, which the server answers without applying it twice; a server that says it is
+        busy (503 with a retry hint) is asked again after the time it names (a long-poll with the wait left),
+        until the deadline (then :class:`MetaBusyError`)."""
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        rid = secrets.token_hex(12) if method != "GET" and "/agree/" not in path else None
+        while True:
+            asked = dict(query) if query else None
+            if asked and "wait" in asked:
+                asked["wait"] = f"{max(0.0, min(float(asked['wait']), deadline - time.monotonic())):.3f}"
+            try:
+                return self._request_once(method, path, data, rid, deadline=deadline, query=asked, own=own)
+            except _Busy as busy:
+                pause = min(busy.retry_after, _MAX_RETRY_AFTER)
+                if time.monotonic() + pause > deadline:
+                    raise MetaBusyError(
+                        f"MetaServer at {self.address} stayed busy until the deadline ({method} {path}): {busy}"
+                    ) from None
+                time.sleep(pause)
+
+    def _request_once(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None,
+        rid: str | None,
+        *,
+        deadline: float,
+        query: dict[str, Any] | None,
+        own: str | None,
+    ) -> tuple[int, Any]:
         if query:
             path += "?" + urllib.parse.urlencode(query)
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         headers = {"Accept": "application/json"}
         if data is not None:
             headers["Content-Type"] = "application/json"
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        if method != "GET" and "/agree/" not in path:  # agreements are idempotent by participant
-            headers[REQUEST_ID_HEADER] = secrets.token_hex(12)
+        if rid is not None:  # agreements are idempotent by participant
+            headers[REQUEST_ID_HEADER] = rid
         if method != "GET" and self.fence is not None:
             headers[FENCE_HEADER] = self.fence
-        delay = 0.05
-        while True:
-            conn = getattr(self._local, "conn", None)
-            reused = conn is not None
-            budget = max(0.05, deadline - time.monotonic()) + SLACK
-            if conn is None:
-                conn = http.client.HTTPConnection(self._host, self._port, timeout=budget)
-            keep = False
-            try:
-                if conn.sock is not None:
-                    conn.sock.settimeout(budget)
-                conn.request(method, path, body=data, headers=headers)
-                resp = conn.getresponse()
-                payload = resp.read()
-                status = resp.status
-                epoch = resp.getheader(EPOCH_HEADER)
-                keep = not resp.will_close
-                break
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) if reused else () as e:
-                # the server closed this kept-alive connection while it was idle (or the reply was lost: a
-                # write goes again with its request id)
-                log.debug("MetaServer connection closed (%s); reconnecting", e)
-                continue
-            except (
-                ConnectionRefusedError,
-                socket.gaierror,
-                ConnectionResetError,
-                BrokenPipeError,
-                http.client.RemoteDisconnected,
-            ) as e:
-                if time.monotonic() + delay > deadline:
-                    raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            except (socket.timeout, TimeoutError):
-                raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
-            except OSError as e:  # unreachable network and the like: the caller's deadline decides
-                if time.monotonic() + delay > deadline:
-                    raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            finally:
-                if keep:
-                    self._local.conn = conn
-                else:
-                    self._local.conn = None
-                    conn.close()
+        status, payload, epoch = self._http.exchange(method, path, data, headers, deadline)
         try:
             doc = json.loads(payload) if payload else None
         except ValueError:
@@ -195,6 +174,8 @@ class MetaClient:
             if isinstance(doc, dict) and doc.get("error") == "fenced":
                 raise MetaFencedError(_message(doc))
             raise MetaConflictError(_message(doc))
+        if status == 503 and isinstance(doc, dict) and doc.get("error") in ("busy", "overloaded"):
+            raise _Busy(_message(doc), retry_after(doc))
         if status >= 500:
             raise MetaServerError(f"MetaServer error on {method} {path}: {status} {_message(doc)}")
         if own is not None and status < 300:  # published again if the server restarts
@@ -394,9 +375,10 @@ class MetaClient:
             )[1]
             if doc["complete"]:
                 values = doc["distinct_values"]
-                if len(values) != 1:
+                distinct = doc.get("distinct", len(values))
+                if distinct != 1 or len(values) != 1:
                     raise AgreementError(
-                        f"participants of {name!r} disagree: {len(values)} distinct values {values[:4]}"
+                        f"participants of {name!r} disagree: {distinct} distinct values, among them {values[:4]}"
                     )
                 return values[0]
             if time.monotonic() >= deadline:

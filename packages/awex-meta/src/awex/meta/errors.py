@@ -11,6 +11,11 @@ class MetaTimeoutError(MetaServerError, TimeoutError):
     """A wait (for a key, an event or an agreement) reached its deadline."""
 
 
+class MetaBusyError(MetaTimeoutError):
+    """The server asked this client to retry (HTTP 503 ``busy`` or ``overloaded``: too many requests waiting or
+    connections open) until the deadline passed."""
+
+
 class MetaAuthError(MetaServerError):
     """The server requires a token and the one given is missing or wrong (HTTP 401)."""
 

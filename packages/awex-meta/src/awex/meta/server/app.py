@@ -35,6 +35,7 @@ participants, JSON nesting, body-read time) answer 4xx with a message naming the
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -47,10 +48,11 @@ from typing import Any
 from aiohttp import web
 
 from awex.meta.protocol import EPOCH_HEADER, FENCE_HEADER, REQUEST_ID_HEADER
-from awex.meta.server import fences
+from awex.meta.server import agreements, fences
 from awex.meta.server.config import ServerConfig
-from awex.meta.server.errors import BadRequest, TooLarge, error, fields, json_depth
-from awex.meta.server.state import Agreement, JobState, Participant, Topics
+from awex.meta.server.errors import BadRequest, Busy, TooLarge, busy, error, fields, json_depth
+from awex.meta.server.parking import Parking
+from awex.meta.server.state import JobState, Participant, Topics
 
 log = logging.getLogger("awex.meta.server")
 
@@ -69,6 +71,7 @@ class MetaServerApp:
         self.jobs: dict[str, JobState] = {}
         self.job_topics = Topics()  # "job:<name>" fires when that job is created
         self.replies: OrderedDict[tuple[str, str], tuple[int, bytes]] = OrderedDict()
+        self.parking = Parking(config.max_parked or config.max_connections, config.max_parked_per_client or 1 << 30)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def total_bytes(self) -> int:
@@ -93,7 +96,9 @@ class MetaServerApp:
         if job is None and wait > 0:
             name = request.match_info["job"]
             started = time.monotonic()
-            await self.job_topics.wait_until(f"job:{name}", lambda: name in self.jobs, wait)
+            await self.parking.wait_until(
+                self.job_topics, f"job:{name}", lambda: name in self.jobs, wait, request.remote or ""
+            )
             job = self.jobs.get(name)
             wait = max(0.0, wait - (time.monotonic() - started))
         return job, wait
@@ -181,6 +186,8 @@ class MetaServerApp:
             response = error(413, "too_large", f"payload exceeds {config.max_payload_bytes} bytes")
         except web.HTTPException:
             raise
+        except Busy as e:
+            response = busy(e.code, str(e), e.retry_after)
         except BadRequest as e:
             response = error(e.status, e.code, str(e))
         if remembered is not None and response.status < 500 and isinstance(response, web.Response):
@@ -209,6 +216,8 @@ class MetaServerApp:
                 "time": time.time(),
                 "epoch": self.epoch,
                 "held_bytes": self.total_bytes(),
+                "waiting": self.parking.parked,  # long-polls parked now
+                "busy_answers": self.parking.refused,  # long-polls answered 503 busy (beyond a cap) so far
                 "jobs": {n: j.summary(self.config.recent_events) for n, j in sorted(self.jobs.items())},
             }
         )
@@ -221,9 +230,8 @@ class MetaServerApp:
             return error(409, "exists", f"key {key!r} already exists")
         if key not in job.kv and len(job.kv) >= job.max_keys:
             raise BadRequest(f"too many keys in job {job.name!r} (limit {job.max_keys})")
-        self.charge(job, len(raw) - len(job.kv.get(key, b"")))
-        job.kv_bytes += len(raw) - len(job.kv.get(key, b""))
-        job.kv[key] = raw
+        self.charge(job, job.kv_cost(key, raw) - job.kv_cost(key, job.kv.get(key)))
+        job.set_kv(key, raw)
         job.topics.fire(f"kv:{key}")
         return web.json_response({"ok": True})
 
@@ -231,7 +239,7 @@ class MetaServerApp:
         key = self.key_of(request)
         job, wait = await self.job_waiting(request, self.wait_of(request))
         if job is not None and key not in job.kv and wait > 0:
-            await job.topics.wait_until(f"kv:{key}", lambda: key in job.kv, wait)
+            await self.parking.wait_until(job.topics, f"kv:{key}", lambda: key in job.kv, wait, request.remote or "")
         raw = job.kv.get(key) if job is not None else None
         if raw is None:
             return error(404, "not_found", f"no key {key!r} in job {request.match_info['job']!r}")
@@ -240,9 +248,7 @@ class MetaServerApp:
     async def delete_value(self, request: web.Request) -> web.Response:
         key = self.key_of(request)
         job = self.job_of(request, create=False)
-        raw = job.kv.pop(key, None) if job is not None else None
-        if raw is not None:
-            job.kv_bytes -= len(raw)
+        raw = job.pop_kv(key) if job is not None else None
         return web.json_response({"ok": True, "deleted": raw is not None})
 
     async def forget(self, request: web.Request) -> web.Response:
@@ -263,10 +269,10 @@ class MetaServerApp:
 
         keys = [k for k in job.kv if gone(k)]
         for k in keys:
-            job.kv_bytes -= len(job.kv.pop(k))
+            job.pop_kv(k)
         agreements = [a for a in job.agreements if gone(a)]
         for a in agreements:
-            del job.agreements[a]
+            job.drop_agreement(a)
         return web.json_response({"ok": True, "keys": len(keys), "agreements": len(agreements)})
 
     async def list_keys(self, request: web.Request) -> web.Response:
@@ -287,7 +293,7 @@ class MetaServerApp:
             raise BadRequest("role must be 'trainer' or 'inference'")
         if not _NAME.match(f["instance"]):
             raise BadRequest(f"bad instance name {f['instance']!r}")
-        size = self.small(f.get("info", {}), "the participant's info")
+        size = self.small(f.get("info", {}), "the participant's info") + len(f["name"]) + len(f["instance"])
         job = self.job_of(request)
         old = job.participants.get(f["name"])
         if old is None and len(job.participants) >= self.config.max_participants_per_job:
@@ -308,7 +314,7 @@ class MetaServerApp:
             last_sync=old.last_sync if old else None,
             info=f.get("info", {}),
         )
-        job.participant_bytes += size - (len(json.dumps(old.info)) if old else 0)
+        job.participant_bytes += size - (len(json.dumps(old.info)) + len(old.name) + len(old.instance) if old else 0)
         event = job.add_event("register", f["name"], None, {"role": f["role"], "instance": f["instance"]})
         return web.json_response({"ok": True, "seq": event["seq"]})
 
@@ -341,6 +347,7 @@ class MetaServerApp:
         if len(f["source"]) > 256 or (f.get("version") is not None and len(f["version"]) > 512):
             raise BadRequest("event source (256) or version (512 characters) too long")
         size = self.small(f.get("data"), "the event's data")
+        size += len(f["kind"]) + len(f["source"]) + len(f.get("version") or "")
         job = self.job_of(request)
         self.charge(job, size)
         if f["source"] in job.participants:
@@ -368,63 +375,16 @@ class MetaServerApp:
         if job is None:
             return web.json_response({"events": [], "last": 0})
         if wait > 0 and not job.after(after, kind):
-            await job.topics.wait_until("events", lambda: bool(job.after(after, kind)), wait)
+            await self.parking.wait_until(
+                job.topics, "events", lambda: bool(job.after(after, kind)), wait, request.remote or ""
+            )
         return web.json_response({"events": job.after(after, kind), "last": job.next_seq - 1})
-
-    async def agree(self, request: web.Request) -> web.Response:
-        name = self.key_of(request)
-        _, doc = await self.body_json(request)
-        f = fields(doc, {"participant": str, "expected": int, "value": object})
-        if not 1 <= f["expected"] <= self.config.max_agreement_size:
-            raise BadRequest(f"expected must be 1 to {self.config.max_agreement_size}")
-        if len(f["participant"]) > 256:
-            raise BadRequest("participant names are at most 256 characters")
-        size = self.small(f["value"], "an agreement value")
-        job = self.job_of(request)
-        a = job.agreements.get(name)
-        if a is None:
-            if len(job.agreements) >= self.config.max_agreements_per_job:
-                raise BadRequest(
-                    f"too many agreements in job {job.name!r} "
-                    f"(limit {self.config.max_agreements_per_job}; writers forget old versions')"
-                )
-            self.charge(job, size)
-            a = job.agreements[name] = Agreement(f["expected"])
-        if a.expected != f["expected"]:
-            return error(409, "conflict", f"agreement {name!r} expects {a.expected} participants, not {f['expected']}")
-        if f["participant"] not in a.values:
-            if len(a.values) >= a.expected:
-                return error(
-                    409,
-                    "conflict",
-                    f"agreement {name!r} already has its {a.expected} participants; "
-                    f"{f['participant']!r} is not one of them",
-                )
-            self.charge(job, size)
-            a.value_bytes += size
-        a.values[f["participant"]] = f["value"]
-        job.topics.fire(f"agree:{name}")
-        wait = self.wait_of(request)
-        await job.topics.wait_until(f"agree:{name}", lambda: len(a.values) >= a.expected, wait)
-        done = len(a.values) >= a.expected
-        distinct = []
-        for v in a.values.values():
-            if v not in distinct:
-                distinct.append(v)
-        return web.json_response(
-            {
-                "complete": done,
-                "arrived": len(a.values),
-                "expected": a.expected,
-                "distinct_values": distinct if done else [],
-            }
-        )
 
 
 SERVER_KEY = web.AppKey("awex_meta_server", MetaServerApp)
 
 
-ROUTES = (  # (method, path, handler): the table in this module's docstring lists the same
+ROUTES = (  # (method, path, handler: a method's name or a function of the server and the request): the table above
     ("GET", "/v1/health", "health"),
     ("GET", "/v1/status", "status"),
     ("PUT", "/v1/jobs/{job}/kv/{key:.+}", "put_value"),
@@ -436,16 +396,17 @@ ROUTES = (  # (method, path, handler): the table in this module's docstring list
     ("POST", "/v1/jobs/{job}/participants/{name}/version", "report_version"),
     ("POST", "/v1/jobs/{job}/events", "publish_event"),
     ("GET", "/v1/jobs/{job}/events", "get_events"),
-    ("POST", "/v1/jobs/{job}/agree/{key:.+}", "agree"),
+    ("POST", "/v1/jobs/{job}/agree/{key:.+}", agreements.agree),
     ("POST", "/v1/jobs/{job}/fences/{identity}", "take_fence"),
 )
 
 
 def make_app(config: ServerConfig | None = None) -> web.Application:
     """Build the aiohttp application (used by the embedded and the standalone server, and by tests)."""
-    server = MetaServerApp(config or ServerConfig())
+    server = MetaServerApp((config or ServerConfig()).sized())
     app = web.Application(client_max_size=server.config.max_payload_bytes, middlewares=[server.middleware])
     app[SERVER_KEY] = server
     for method, path, handler in ROUTES:
-        app.router.add_route(method, path, getattr(server, handler))
+        bound = getattr(server, handler) if isinstance(handler, str) else functools.partial(handler, server)
+        app.router.add_route(method, path, bound)
     return app

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from awex.meta.server.app import make_app
 from awex.meta.server.config import ServerConfig
+from awex.meta.server.site import LimitedSite, QuietLoopErrors, descriptor_limit
 
 log = logging.getLogger("awex.meta.server")
 
@@ -54,9 +55,13 @@ class EmbeddedMetaServer:
         self._loop = loop
         asyncio.set_event_loop(loop)
         try:
-            self._runner = _runner(self.config)
+            loop.set_exception_handler(QuietLoopErrors())
+            config = self.config = self.config.sized(descriptor_limit())
+            self._runner = _runner(config)
             loop.run_until_complete(self._runner.setup())
-            site = LimitedSite(self._runner, self.host, self.port, self.config.max_connections)
+            site = LimitedSite(
+                self._runner, self.host, self.port, config.max_connections, config.max_connections_per_client
+            )
             loop.run_until_complete(site.start())
             sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no getter
             if sockets:
@@ -97,10 +102,19 @@ def serve_forever(host: str, port: int, config: ServerConfig, started=None) -> N
     listen there. ``started(port)`` is called once it listens."""
 
     async def main() -> None:
-        runner = _runner(config)
+        asyncio.get_running_loop().set_exception_handler(QuietLoopErrors())
+        sized = config.sized(descriptor_limit())
+        log.info(
+            "MetaServer limits: %d connections (%d per address), %d long-polls waiting (%d per address)",
+            sized.max_connections,
+            sized.max_connections_per_client,
+            sized.max_parked,
+            sized.max_parked_per_client,
+        )
+        runner = _runner(sized)
         await runner.setup()
         try:
-            site = LimitedSite(runner, host, port, config.max_connections)
+            site = LimitedSite(runner, host, port, sized.max_connections, sized.max_connections_per_client)
             await site.start()
             if started is not None:
                 sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no getter
@@ -121,47 +135,3 @@ def _runner(config: ServerConfig) -> web.AppRunner:
         shutdown_timeout=1.0,
         keepalive_timeout=config.idle_seconds,
     )
-
-
-class _Refused(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()
-
-
-class LimitedSite(web.TCPSite):
-    """A TCP site that closes connections beyond ``max_connections`` as they arrive (so half-open or idle
-    connections cannot exhaust the process's file descriptors; idle ones are closed after
-    ``ServerConfig.idle_seconds``). A burst may overshoot the limit by what one accept round takes (the listen
-    backlog): connections count once set up."""
-
-    def __init__(self, runner: web.AppRunner, host: str, port: int, max_connections: int):
-        super().__init__(runner, host, port)
-        self.max_connections = max_connections
-        self.refused = 0
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)
-        server = self._runner.server
-        assert server is not None
-
-        def protocol() -> asyncio.Protocol:
-            if len(server.connections) >= self.max_connections:
-                self.refused += 1
-                if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
-                    log.warning(
-                        "MetaServer: %d connections open (limit %d); refused %d so far",
-                        len(server.connections),
-                        self.max_connections,
-                        self.refused,
-                    )
-                return _Refused()
-            return server()
-
-        self._server = await asyncio.get_running_loop().create_server(
-            protocol,
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port,
-        )

@@ -7,13 +7,33 @@ from typing import Any
 from aiohttp import web
 
 
-def error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": code, "message": message}, status=status)
+def error(status: int, code: str, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": code, "message": message, **extra}, status=status)
+
+
+def busy(code: str, message: str, retry_after: float) -> web.Response:
+    """A 503 the client retries after ``retry_after`` seconds (body and ``Retry-After``); the connection closes,
+    so a client waiting to retry holds none."""
+    response = error(503, code, message, retry_after=round(retry_after, 3))
+    response.headers["Retry-After"] = str(max(1, round(retry_after)))
+    response.force_close()
+    return response
 
 
 class BadRequest(ValueError):
     status = 400
     code = "bad_request"
+
+
+class Busy(BadRequest):
+    """Too many requests wait already (server-wide or from this address): retry after ``retry_after`` seconds."""
+
+    status = 503
+    code = "busy"
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class TooLarge(BadRequest):

@@ -8,9 +8,11 @@ requests that wait for it, not every request parked on the server.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,9 +47,28 @@ class Participant:
 
 @dataclass
 class Agreement:
+    """One agreement's values, with the distinct ones counted as they arrive (linear in the participants)."""
+
     expected: int
-    values: dict[str, Any] = field(default_factory=dict)  # participant -> value
-    value_bytes: int = 0
+    values: dict[str, str] = field(default_factory=dict)  # participant -> its value as canonical JSON
+    value_bytes: int = 0  # values and participant names, as charged
+    counts: Counter[str] = field(default_factory=Counter)  # canonical value -> participants that gave it
+    first: dict[str, Any] = field(default_factory=dict)  # canonical value -> the value, in order of arrival
+
+    def give(self, participant: str, value: Any) -> None:
+        key = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        old = self.values.get(participant)
+        if old is not None:
+            self.counts[old] -= 1
+            if not self.counts[old]:
+                del self.counts[old], self.first[old]
+        self.values[participant] = key
+        self.counts[key] += 1
+        self.first.setdefault(key, value)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.values) >= self.expected
 
 
 class Topics:
@@ -102,6 +123,8 @@ class JobState:
         self.participant_bytes = 0
         self.events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self.event_bytes: deque[int] = deque(maxlen=max_events)
+        self.events_held = 0  # sum(event_bytes)
+        self.agreement_bytes = 0  # the agreements' value_bytes summed
         # event numbers of this job on this server begin at a random point, so a cursor (``after``) from an
         # earlier server process or another job is told apart per request (``cursor_ok``), whoever saw what
         self.base = _SEQ_BASE + secrets.randbelow(_SEQ_BASE)
@@ -110,6 +133,20 @@ class JobState:
         self.topics = Topics()
         self.fences: dict[str, int] = {}  # writer identity -> its current epoch (awex.meta.server.fences)
 
+    @staticmethod
+    def kv_cost(key: str, raw: bytes | None) -> int:
+        """What a key holds against the job's byte limit: its value and its name (0 if absent)."""
+        return 0 if raw is None else len(raw) + len(key)
+
+    def set_kv(self, key: str, raw: bytes) -> None:
+        self.kv_bytes += self.kv_cost(key, raw) - self.kv_cost(key, self.kv.get(key))
+        self.kv[key] = raw
+
+    def pop_kv(self, key: str) -> bytes | None:
+        raw = self.kv.pop(key, None)
+        self.kv_bytes -= self.kv_cost(key, raw)
+        return raw
+
     def cursor_ok(self, after: int) -> bool:
         """Whether ``after`` (0: from the start) names an event number of this job on this server."""
         return after == 0 or self.base <= after < self.next_seq
@@ -117,17 +154,19 @@ class JobState:
     def after(self, after: int, kind: str | None) -> list[dict[str, Any]]:
         """The events numbered above ``after`` (of ``kind``, if given), reading only those (not the whole log)."""
         newer = min(len(self.events), self.next_seq - 1 - max(after, self.base))
-        tail = [self.events[i] for i in range(len(self.events) - newer, len(self.events))] if newer > 0 else []
+        tail = list(itertools.islice(reversed(self.events), max(0, newer)))[::-1]
         return [e for e in tail if kind is None or e["kind"] == kind]
 
     def held_bytes(self) -> int:
-        """What this job holds, counted as the JSON bytes that arrived."""
-        return (
-            self.kv_bytes
-            + sum(self.event_bytes)
-            + self.participant_bytes
-            + sum(a.value_bytes for a in self.agreements.values())
-        )
+        """What this job holds, counted as the bytes that arrived (names included); kept as writes happen."""
+        return self.kv_bytes + self.events_held + self.participant_bytes + self.agreement_bytes
+
+    def add_agreement_bytes(self, a: Agreement, nbytes: int) -> None:
+        a.value_bytes += nbytes
+        self.agreement_bytes += nbytes
+
+    def drop_agreement(self, name: str) -> None:
+        self.agreement_bytes -= self.agreements.pop(name).value_bytes
 
     def add_event(self, kind: str, source: str, version: str | None, data: Any, nbytes: int = 0) -> dict[str, Any]:
         event = {
@@ -139,8 +178,11 @@ class JobState:
             "data": data,
         }
         self.next_seq += 1
+        if len(self.events) == self.events.maxlen:  # the oldest goes
+            self.events_held -= self.event_bytes[0]
         self.events.append(event)
         self.event_bytes.append(nbytes)
+        self.events_held += nbytes
         self.topics.fire("events")
         return event
 

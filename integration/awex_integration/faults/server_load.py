@@ -1,0 +1,182 @@
+"""The MetaServer under load, as the fault suite's ``metaserver_*`` cases: one standalone ``awex-meta serve`` and
+thousands of clients at once, each speaking the MetaClient's protocol (long-polls in slices; a 503 ``busy`` or
+``overloaded`` answer honoured by waiting the time it names and asking again). Asyncio clients in one process, so
+the server's limits are what is tested, not how many threads this machine runs.
+
+Cases (:func:`load_cases`): 5,000 long-polls on one key released by one write, which must get through while they
+wait; a 5,000-participant agreement; a 16,384-participant (2**14) agreement, beyond the server's per-address caps,
+so busy answers and retries carry it. Each must complete within its deadline, every client with the right answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+SLICE = 2.0  # seconds one long-poll may wait before the client asks again (MetaClient: 30 s)
+DEADLINE = 240.0  # seconds a case may take
+MAX_OPEN = 8192  # requests this process has in flight at once (one address: below the server's per-address cap)
+RAMP = 2.0  # seconds over which the clients start (a burst of 16,384 connects in one instant overflows any
+# listen queue: the kernel then drops handshakes and clients retry them 1, 3, 7... s later, which measures TCP)
+
+
+@dataclass(frozen=True)
+class LoadCase:
+    name: str
+    what: str
+    kind: str  # "long_polls" or "agreement"
+    clients: int
+    recovers: bool = True
+
+
+def load_cases() -> list[LoadCase]:
+    return [
+        LoadCase(
+            "metaserver_5000_long_polls",
+            "5,000 clients long-poll one key at once; a writer's put gets through within 2 s while they wait, and "
+            "every client gets the value",
+            "long_polls",
+            5000,
+        ),
+        LoadCase(
+            "metaserver_5000_participant_agreement",
+            "5,000 participants agree on one value at once; every one is told the agreement completed, all equal",
+            "agreement",
+            5000,
+        ),
+        LoadCase(
+            "metaserver_16384_participant_agreement",
+            "2**14 participants from one address (beyond the per-address caps: busy answers, retried) agree; every "
+            "one is told it completed",
+            "agreement",
+            1 << 14,
+        ),
+    ]
+
+
+def _raise_open_files(wanted: int) -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(wanted, hard) if hard != resource.RLIM_INFINITY else wanted
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+class _Client:
+    """The MetaClient's protocol over one aiohttp session: slices, and 503 busy/overloaded honoured."""
+
+    def __init__(self, session, base: str, slots: asyncio.Semaphore):
+        self.session, self.base, self.slots = session, base, slots
+        self.busy = 0  # 503 answers honoured
+        self.dropped = 0  # connections reset while the server was full (retried, as MetaClient does)
+
+    async def call(self, method: str, path: str, body: Any = None, wait: float = 0.0) -> tuple[int, Any]:
+        import aiohttp
+
+        while True:
+            query = f"?wait={wait:.3f}" if wait else ""
+            try:
+                async with self.slots, self.session.request(method, self.base + path + query, json=body) as r:
+                    doc = json.loads(await r.read() or b"null")
+                    status = r.status
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+                self.dropped += 1
+                await asyncio.sleep(0.05 + random.random() * 0.2)
+                continue
+            if status == 503 and isinstance(doc, dict) and doc.get("error") in ("busy", "overloaded"):
+                self.busy += 1
+                await asyncio.sleep(min(float(doc.get("retry_after", 1.0)), 5.0))
+                continue
+            return status, doc
+
+
+async def _long_polls(client: _Client, n: int) -> dict[str, Any]:
+    got: list[Any] = []
+
+    async def poll() -> None:
+        await asyncio.sleep(random.random() * RAMP)
+        while True:
+            status, doc = await client.call("GET", "/kv/go", wait=SLICE)
+            if status == 200:
+                got.append(doc)
+                return
+
+    tasks = [asyncio.create_task(poll()) for _ in range(n)]
+    await asyncio.sleep(5.0)  # every client is parked (or retrying)
+    started = time.monotonic()
+    status, _ = await client.call("PUT", "/kv/go", {"step": 1})
+    put_seconds = time.monotonic() - started
+    await asyncio.gather(*tasks)
+    problems = [] if status == 200 else [f"the writer's put answered {status}"]
+    if put_seconds > 2.0:
+        problems.append(f"the writer's put took {put_seconds:.2f} s while the clients waited")
+    wrong = sum(doc != {"step": 1} for doc in got)
+    if len(got) != n or wrong:
+        problems.append(f"{len(got)} of {n} clients got the value, {wrong} a wrong one")
+    return {"problems": problems, "put_seconds": round(put_seconds, 3), "released_seconds": time.monotonic() - started}
+
+
+async def _agreement(client: _Client, n: int) -> dict[str, Any]:
+    answers: list[dict] = []
+
+    async def agree(i: int) -> None:
+        body = {"participant": f"rank-{i}", "expected": n, "value": "plan-digest"}
+        await asyncio.sleep(random.random() * RAMP)  # ranks arrive over a moment, not in one instant
+        while True:
+            status, doc = await client.call("POST", "/agree/plan", body, wait=SLICE)
+            if status != 200 or doc["complete"]:
+                answers.append({"status": status, **(doc if isinstance(doc, dict) else {})})
+                return
+
+    started = time.monotonic()
+    await asyncio.gather(*(agree(i) for i in range(n)))
+    bad = [
+        a for a in answers if a["status"] != 200 or a.get("distinct") != 1 or a["distinct_values"] != ["plan-digest"]
+    ]
+    problems = [f"{len(bad)} of {n} participants were not told all agreed, e.g. {bad[:2]}"] if bad else []
+    return {"problems": problems, "agreement_seconds": round(time.monotonic() - started, 3)}
+
+
+async def _run(case: LoadCase, address: str) -> dict[str, Any]:
+    import aiohttp
+
+    budget = _raise_open_files(1 << 16) - 256  # sockets this process may hold; beyond them requests queue here
+    slots = asyncio.Semaphore(max(64, min(case.clients, budget, MAX_OPEN)))
+    timeout = aiohttp.ClientTimeout(total=SLICE + 30)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        client = _Client(session, f"{address}/v1/jobs/load-{os.getpid()}", slots)
+        run = _long_polls if case.kind == "long_polls" else _agreement
+        out = await asyncio.wait_for(run(client, case.clients), DEADLINE)
+        out.update(busy_answers=client.busy, connections_dropped=client.dropped)
+        return out
+
+
+def run_load_case(case: LoadCase, address: str) -> dict[str, Any]:
+    """Run ``case`` against the server at ``address``: a result shaped as the fault suite's (``passed``,
+    ``problems``...) with what it measured."""
+    started = time.monotonic()
+    try:
+        measured = asyncio.run(_run(case, address))
+        problems = measured.pop("problems")
+    except asyncio.TimeoutError:
+        measured, problems = {}, [f"did not complete within {DEADLINE:g} s"]
+    return {
+        "case": case.name,
+        "what": case.what,
+        "passed": not problems,
+        "problems": problems,
+        "hangs": [],
+        "transports": [],
+        "false_success": [],
+        "recovered": not problems,
+        "should_recover": case.recovers,
+        "seconds": round(time.monotonic() - started, 1),
+        "measured": measured,
+    }
