@@ -94,7 +94,7 @@ def cases() -> list[Case]:
             trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
             engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", v_2="die_after_transfer")],
             restart={("engine", 1): _steps("v-2", "v-3")},
-            restart_delay=-1,
+            restart_delay=2.0,  # the trainer notices the death on its host within a second and retries at once
             expect_failed={"v-2"},
             check=_reported("v-3"),
         ),
