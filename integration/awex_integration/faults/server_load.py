@@ -14,10 +14,11 @@ import asyncio
 import json
 import os
 import random
-import resource
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from awex.meta.server.site import descriptor_limit
 
 SLICE = 2.0  # seconds one long-poll may wait before the client asks again (MetaClient: 30 s)
 DEADLINE = 240.0  # seconds a case may take
@@ -58,14 +59,6 @@ def load_cases() -> list[LoadCase]:
             1 << 14,
         ),
     ]
-
-
-def _raise_open_files(wanted: int) -> int:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = min(wanted, hard) if hard != resource.RLIM_INFINITY else wanted
-    if soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 class _Client:
@@ -146,7 +139,7 @@ async def _agreement(client: _Client, n: int) -> dict[str, Any]:
 async def _run(case: LoadCase, address: str) -> dict[str, Any]:
     import aiohttp
 
-    budget = _raise_open_files(1 << 16) - 256  # sockets this process may hold; beyond them requests queue here
+    budget = (descriptor_limit() or MAX_OPEN) - 256  # sockets this process may hold; beyond, requests queue here
     slots = asyncio.Semaphore(max(64, min(case.clients, budget, MAX_OPEN)))
     timeout = aiohttp.ClientTimeout(total=SLICE + 30)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)

@@ -66,12 +66,12 @@ class MetaServerApp:
     """The MetaServer's state and its route handlers (``make_app`` wires them into an aiohttp application)."""
 
     def __init__(self, config: ServerConfig):
-        self.config = config
+        self.config = config = config.sized()  # every derived limit filled in (caps of parked long-polls)
         self.epoch = secrets.token_hex(8)
         self.jobs: dict[str, JobState] = {}
         self.job_topics = Topics()  # "job:<name>" fires when that job is created
         self.replies: OrderedDict[tuple[str, str], tuple[int, bytes]] = OrderedDict()
-        self.parking = Parking(config.max_parked or config.max_connections, config.max_parked_per_client or 1 << 30)
+        self.parking = Parking(config.max_parked, config.max_parked_per_client)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def total_bytes(self) -> int:
@@ -403,7 +403,7 @@ ROUTES = (  # (method, path, handler: a method's name or a function of the serve
 
 def make_app(config: ServerConfig | None = None) -> web.Application:
     """Build the aiohttp application (used by the embedded and the standalone server, and by tests)."""
-    server = MetaServerApp((config or ServerConfig()).sized())
+    server = MetaServerApp(config or ServerConfig())
     app = web.Application(client_max_size=server.config.max_payload_bytes, middlewares=[server.middleware])
     app[SERVER_KEY] = server
     for method, path, handler in ROUTES:

@@ -15,6 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
+from awex.meta.server.parking import RETRY_SECONDS
+
 log = logging.getLogger("awex.meta.server")
 
 WANTED_DESCRIPTORS = 1 << 16  # the soft open-file limit a server raises itself to (at most the hard limit)
@@ -44,8 +46,9 @@ def descriptor_limit(wanted: int = WANTED_DESCRIPTORS) -> int | None:
 
 
 def overloaded_answer(why: str) -> bytes:
+    low, high = RETRY_SECONDS
     body = json.dumps(
-        {"error": "overloaded", "message": why, "retry_after": round(0.2 + random.random() * 0.8, 3)}
+        {"error": "overloaded", "message": why, "retry_after": round(low + random.random() * (high - low), 3)}
     ).encode()
     head = (
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
