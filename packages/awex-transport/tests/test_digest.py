@@ -74,3 +74,71 @@ def test_the_same_bytes_in_another_tensor_have_another_digest():
     assert region_digest(other, "v", SHAPE, "bfloat16", (0, 0), SHAPE) != region_digest(
         _by_rows(t), "w", SHAPE, "bfloat16", (0, 0), SHAPE
     )
+
+
+def _digest_by_rows(piece, offsets, shape, key):
+    """What the CUDA kernel computes, in torch on CPU: the same rows (awex.transport.digest._rows), each word
+    read at its row's memory offset plus its column times the step, hashed at its row's position plus its column."""
+    from awex.transport.checksum import MASK, MIX_A, MIX_B, POS, SEED, mix
+    from awex.transport.digest import MOD, _rows
+
+    words, pos, mem, row, step = _rows(piece, offsets, shape)
+    flat = words.as_strided((words.untyped_storage().nbytes() // words.element_size() - words.storage_offset(),), (1,))
+    a = b = 0
+    for p0, m0 in zip(pos.tolist(), mem.tolist()):
+        w = flat[m0 : m0 + (row - 1) * step + 1 : step].to(torch.int64)
+        w &= 0xFF if words.element_size() == 1 else 0xFFFF
+        p = (((torch.arange(row) + p0 + key + SEED) & MASK) * POS) & MASK
+        a += int(mix(p ^ w, MIX_A).sum())
+        b += int(mix(p ^ (w << 16), MIX_B).sum())
+    return a % MOD, b % MOD
+
+
+PIECES = [  # (what, canonical shape, piece maker from a tensor of that shape, offsets of the piece)
+    ("whole", (12, 10), lambda t: t, (0, 0)),
+    ("rows", (12, 10), lambda t: t[3:7], (3, 0)),
+    ("columns", (12, 10), lambda t: t[:, 4:9], (0, 4)),
+    ("box", (12, 10), lambda t: t[2:9, 1:6], (2, 1)),
+    ("column-major", (12, 10), lambda t: t.t().contiguous().t()[:, 2:], (0, 2)),
+    ("3-d inner slice", (4, 6, 8), lambda t: t[1:3, :, 2:5], (1, 0, 2)),
+    ("3-d whole rows", (4, 6, 8), lambda t: t[1:3, 2:5, :], (1, 2, 0)),
+    ("1-d", (50,), lambda t: t[7:31], (7,)),
+    ("0-d", (), lambda t: t, ()),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("what,shape,cut,offsets", PIECES, ids=[p[0] for p in PIECES])
+def test_the_kernels_rows_hash_as_the_definition(dtype, what, shape, cut, offsets):
+    from awex.transport.digest import piece_digest_torch, salt
+
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    piece = cut(t)
+    key = salt("model.w")
+    assert _digest_by_rows(piece, offsets, shape, key) == piece_digest_torch(piece, offsets, shape, key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only (none here)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("what,shape,cut,offsets", PIECES, ids=[p[0] for p in PIECES])
+def test_the_kernel_hashes_as_the_definition(dtype, what, shape, cut, offsets):
+    from awex.transport.digest import piece_digest_kernel, piece_digest_torch, salt
+
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    key = salt("model.w")
+    want = piece_digest_torch(cut(t), offsets, shape, key)
+    assert piece_digest_kernel(cut(t.cuda()), offsets, shape, key) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only (none here)")
+def test_the_kernel_on_rows_longer_than_a_program_and_many_short_rows():
+    from awex.transport.digest import piece_digest_kernel, piece_digest_torch, salt
+
+    g = torch.Generator().manual_seed(5)
+    for shape, cut, offsets in [
+        ((3, 70001), lambda t: t[1:], (1, 0)),  # rows of many spans, a ragged last span
+        ((5000, 24), lambda t: t[:, 8:], (0, 8)),  # many rows shorter than a block
+    ]:
+        t = torch.randn(shape, generator=g).to(torch.bfloat16)
+        want = piece_digest_torch(cut(t), offsets, shape, salt("x"))
+        assert piece_digest_kernel(cut(t.cuda()), offsets, shape, salt("x")) == want

@@ -13,7 +13,7 @@ import pytest
 import torch
 from staged_world import assert_holds_step, rank_views, world
 
-from awex.transport.base import TransferTimeout
+from awex.transport.base import TransferError, TransferTimeout
 from awex.transport.pull.segments import SEGMENT_DIR, Segment, sweep_stale
 from awex.transport.pull.shm import SegmentInfo, ShmReceiver, ShmSender
 from awex.transport.pull.staging import segment_layout
@@ -138,6 +138,7 @@ def test_receivers_copy_what_the_progress_word_says_is_there_and_never_an_older_
     try:
         sender.fill(count=7)  # the segment holds version 7
         half = sender.chunks[len(sender.chunks) // 2][1]
+        sender.segment.set_version(8, "")
         sender.segment.set_progress(8, half)  # version 8: only the first half is there yet
         recv, held = rank_views(layout, 0, step=None)
         receiver = ShmReceiver(plan, plan.rank(layout.instance, 0).rank, recv, info)
@@ -151,6 +152,31 @@ def test_receivers_copy_what_the_progress_word_says_is_there_and_never_an_older_
             )
         sender.segment.set_progress(8, sender.segment.nbytes)
         receiver.run(count=8, deadline=time.monotonic() + 5)
+        assert_holds_step(layout, held, 2)
+        receiver.close()
+    finally:
+        sender.close()
+
+
+def test_a_receiver_refuses_another_jobs_segment_and_another_version_in_it():
+    """The same plan in two jobs: a receiver of one refuses the other's segment before any byte moves (its header's
+    seal); a segment that holds another version than the one asked for (another writer's, or overwritten) fails the
+    run."""
+    trainer, dests, plan = world(train_tp=1, engines=((1,),))
+    shards, _ = rank_views(trainer, 0, step=2)
+    sender = ShmSender(plan, 0, shards, job="job-a")
+    info = {0: SegmentInfo.from_wire(sender.wire(), plan, 0)}
+    layout = dests[0]
+    try:
+        sender.fill(count=3, version="step-3")
+        recv, held = rank_views(layout, 0, step=None)
+        with pytest.raises(ValueError, match="sealed for another job"):
+            ShmReceiver(plan, plan.rank(layout.instance, 0).rank, recv, info, job="job-b")
+        receiver = ShmReceiver(plan, plan.rank(layout.instance, 0).rank, recv, info, job="job-a")
+        with pytest.raises(TransferError, match="does not hold version 'step-4'"):
+            receiver.run(count=3, deadline=time.monotonic() + 5, version="step-4")
+        assert all(torch.equal(v, torch.full_like(v, -1.0)) for v in held.values())  # refused before a copy
+        receiver.run(count=3, deadline=time.monotonic() + 5, version="step-3")
         assert_holds_step(layout, held, 2)
         receiver.close()
     finally:

@@ -17,6 +17,7 @@ import torch
 from awex.engines.sync import keys
 from awex.engines.sync.background import Background
 from awex.engines.sync.session import SyncSession
+from awex.engines.sync.verify import VerifyError
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport import LocalShards
@@ -27,7 +28,13 @@ log = logging.getLogger("awex.engines")
 
 
 class WeightsReader:
-    """One inference rank's reader."""
+    """One inference rank's reader.
+
+    A writer with ``verify=True`` has every receiving rank compare a digest of what it got with its senders' before
+    the version counts (``awex.engines.sync.verify``; a mismatch fails the version on this rank, before ``validate``
+    and ``apply``). ``verify=True`` here requires it: a version whose writer does not verify is refused before any
+    byte moves.
+    """
 
     def __init__(
         self,
@@ -38,11 +45,15 @@ class WeightsReader:
         *,
         timeout: float = 300.0,
         publish: bool = True,
+        verify: bool = False,
     ):
+        if not isinstance(verify, bool):
+            raise ValueError(f"verify={verify!r}: True or False")
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
         self.timeout = timeout
+        self.verify = verify  # require verified versions
         self.version: str | None = None
         self.last_validation = None
         self._view_of = view_of  # asked again before each receive: weights the engine re-allocated are re-bound
@@ -113,11 +124,18 @@ class WeightsReader:
             manifest = self._session.fetch_manifest(version, self.timeout)
             if self.layout.instance not in manifest.destinations:
                 raise ValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
+            if self.verify and not manifest.verify:
+                raise VerifyError(
+                    f"{self.layout.instance}:{self.local_rank} requires verified versions (verify=True), and the "
+                    f"writer of {version!r} does not verify: pass verify=True to the writer"
+                )
             fetched = time.monotonic()
             # weights the engine re-allocated since the last version: new views (the transports rebuild from them);
             # views that no longer fit fail this rank, reported, before any byte moves
             self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
             stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
+            if manifest.verify:  # before validation and the load step: nothing unverified is applied
+                self._session.verify(manifest, self._shards, started + self.timeout)
             self._session.phases.update(manifest=fetched - started, transferred=time.monotonic() - started)
             if validate:
                 from awex.engines.validation import load_checkpoint, validate_shards

@@ -88,6 +88,13 @@ class WeightsWriter:
     engines reading them on the same GPU quantise them straight into their FP8 weights and scales, all pieces in
     one kernel launch (``awex.transport.ipc.fp8_on_copy``): the trainer neither quantises nor holds FP8 buffers.
 
+    ``verify=True``: every receiving rank digests what it got (after the transfer, before its load step) and compares
+    it with the digests this rank took of the same regions in its own memory (``awex.engines.sync.verify``, a
+    hash of every 16-bit word at its place in its tensor, one pass over memory; one Triton kernel on CUDA); a
+    receiver whose bytes differ fails the version, so :meth:`write` raises instead of returning. For every transport
+    and plan (relays included), with ``delta`` too; not with ``quantize_on_receive`` (the receivers then hold other
+    bytes than this rank). Costs a pass over the weights on both sides (``docs/performance.md``).
+
     After each write, rank 0 drops the MetaServer records (manifest, agreements, validation reports) of versions
     older than the last ``keep_versions``, so a run of any length stays within the server's key limit.
     """
@@ -105,6 +112,7 @@ class WeightsWriter:
     delta = _Option()
     delta_budget_bytes = _Option()
     quantize_on_receive = _Option()
+    verify = _Option()
 
     @classmethod
     def from_source(cls, client: MetaClient, source: TrainerSource, **options: Any) -> WeightsWriter:
@@ -132,6 +140,7 @@ class WeightsWriter:
         delta: bool = False,
         delta_budget_bytes: int | None = None,
         quantize_on_receive: bool = False,
+        verify: bool = False,
     ):
         self.options = SyncOptions(
             host=host,
@@ -145,6 +154,7 @@ class WeightsWriter:
             delta=delta,
             delta_budget_bytes=delta_budget_bytes,
             quantize_on_receive=quantize_on_receive,
+            verify=verify,
         ).check()
         self.client = client
         self.layout = layout
@@ -236,6 +246,8 @@ class WeightsWriter:
                 refresh=self.refresh,
                 refresh_by_wave=self.refresh_by_wave,
             )
+            if manifest.verify:  # what this rank sent, digested while the receivers digest what they got
+                self._session.verify(manifest, self._shards, deadline)
             outcomes = self._session.await_outcomes(manifest, deadline)
             failed = {rank: o for rank, o in outcomes.items() if not (o and o.get("ok"))}
             if failed:

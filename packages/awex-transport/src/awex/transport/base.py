@@ -58,6 +58,7 @@ class PeerLink(Protocol):
     """What one transport's ranks say to each other in one version (given by the session per version)."""
 
     count: int  # the writer's count of versions written: the same on every rank, larger for every new attempt
+    version: str  # the version's name
 
     def publish(self, generation: int, doc: dict[str, Any]) -> None:
         """This rank's descriptor, generation ``generation`` (1, 2, ...: a new one when what it describes
@@ -95,6 +96,7 @@ class Setup:
     delta_budget_bytes: int | None = None  # a delta sender: what it may keep of the last version (None: all)
     # ipc receivers of plans that quantise on receive: quantize([(source, fp8 out, scale_inv out)], block) -> run()
     quantize: Any = None
+    job: str = ""  # the job the ranks sync in (its MetaServer's): what shared-memory segments are sealed for
 
 
 class Transport(ABC):

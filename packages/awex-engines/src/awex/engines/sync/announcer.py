@@ -109,34 +109,33 @@ class Announcer:
             except OSError as e:  # no /dev/shm here: the channel carries every signal
                 log.info("no host board (%s); per-version signals go over the version channel", e)
         self._seq += 1
+        fresh = SyncManifest(
+            version,
+            (self.instance,),
+            tuple(sorted(destinations)),
+            options.host,
+            self._port,
+            options.wave_bytes,
+            options.timeout,
+            options.transport,
+            options.allow_cast,
+            refresh_by_wave=options.refresh_by_wave is not None,
+            channel=self._channel.address,
+            channel_secret=self._channel.secret,
+            seq=self._seq,
+            board=self._board.path if self._board else None,
+            board_host=host_identity() if self._board else None,
+            delta=options.delta,
+            quantize_on_receive=options.quantize_on_receive,
+            verify=options.verify,
+            epoch=self.epoch,
+        )
         last = self._manifest
-        steady = (
-            last is not None and last.destinations == tuple(sorted(destinations)) and self._session.steady_for(last)
-        )  # every rank of this plan already saw a manifest of ours
-        if steady:
-            doc = dict(self._manifest_doc, version=version, seq=self._seq)
-        else:
-            last = SyncManifest(
-                version,
-                (self.instance,),
-                tuple(sorted(destinations)),
-                options.host,
-                self._port,
-                options.wave_bytes,
-                options.timeout,
-                options.transport,
-                options.allow_cast,
-                refresh_by_wave=options.refresh_by_wave is not None,
-                channel=self._channel.address,
-                channel_secret=self._channel.secret,
-                seq=self._seq,
-                board=self._board.path if self._board else None,
-                board_host=host_identity() if self._board else None,
-                delta=options.delta,
-                quantize_on_receive=options.quantize_on_receive,
-                epoch=self.epoch,
-            )
-            doc = last.to_json()
+        steady = (  # options as before (a writer's options may change between versions), and every rank of this
+            # plan already saw a manifest of ours
+            last is not None and last.renamed(version, self._seq) == fresh and self._session.steady_for(fresh)
+        )
+        doc = dict(self._manifest_doc, version=version, seq=self._seq) if steady else fresh.to_json()
         # the name is claimed before any rank can read the manifest (in steady state too): a name another writer
         # announced, or any write of a writer a newer one of this instance replaced (fenced), starts nothing
         try:
@@ -153,7 +152,7 @@ class Announcer:
             log.warning("%s took over version %s from the writer it replaced", self.instance, version)
         if self._board is not None:  # ranks on this host read it here, the others on the channel
             self._board.post(doc)
-        manifest = last.renamed(version, self._seq)
+        manifest = fresh
         self._manifest, self._manifest_doc = manifest, doc
         if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
             self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})

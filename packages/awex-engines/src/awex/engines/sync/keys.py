@@ -3,8 +3,8 @@
 A version's records live under its name: ``sync/<v>`` (the manifest), ``plan/<v>/<count>`` (the plan agreement),
 ``devices/<v>/<count>/<instance>/<rank>`` (where each rank runs), ``<transport>-ready/<v>/<count>/...`` (ready
 signals when neither the host board nor the version channel carries them), ``outcome/<v>/<count>/...``,
-``validation/<v>/...``, ``received/<v>/...``, ``applied/<v>``, and vLLM's trainer engine's ``go/<v>/...`` and
-``verdict/<v>/...``. A transport's descriptors are per rank and generation
+``verify/<v>/<count>/...``, ``validation/<v>/...``, ``received/<v>/...``, ``applied/<v>``, and vLLM's trainer
+engine's ``go/<v>/...`` and ``verdict/<v>/...``. A transport's descriptors are per rank and generation
 (``<transport>/<instance>/<rank>/<generation>``), replaced as they change, not per version.
 """
 
@@ -53,7 +53,12 @@ def descriptor(transport: str, instance: str, local_rank: int, generation: int) 
 def outcome(version: str, count: int, instance: str, local_rank: int) -> str:
     """A receiving rank's outcome of one attempt at a version (the writer's count names the attempt: a retry of a
     failed version never meets the first attempt's records)."""
-    return f"outcome/{version}/{count}/{instance}:{local_rank}"
+    return attempt_outcome(f"{version}/{count}", instance, local_rank)
+
+
+def attempt_outcome(attempt: str, instance: str, local_rank: int) -> str:
+    """:func:`outcome` by the attempt's name (``<version>/<count>``)."""
+    return f"outcome/{attempt}/{instance}:{local_rank}"
 
 
 def channel_outcome(version: str, count: int, instance: str, local_rank: int) -> str:
@@ -63,6 +68,11 @@ def channel_outcome(version: str, count: int, instance: str, local_rank: int) ->
 
 def channel_manifest(version: str) -> str:
     return f"manifest/{version}"
+
+
+def verify(version: str, count: int, instance: str, local_rank: int) -> str:
+    """A trainer rank's digests of what it sent in one attempt (verify mode, ``awex.engines.sync.verify``)."""
+    return f"verify/{version}/{count}/{instance}:{local_rank}"
 
 
 def validation(version: str, instance: str, local_rank: int) -> str:
@@ -85,6 +95,7 @@ def version_records(version: str) -> tuple[list[str], list[str]]:
             f"devices/{version}/",
             f"received/{version}/",
             f"outcome/{version}/",
+            f"verify/{version}/",
             f"go/{version}/",
             f"verdict/{version}/",
         ],

@@ -51,6 +51,7 @@ class SyncManifest:
     board_host: str | None = None
     delta: bool = False  # buckets travel as the words that changed since the last version (awex.transport.delta)
     quantize_on_receive: bool = False  # FP8 receivers quantise from the trainer's memory (CUDA IPC, one GPU)
+    verify: bool = False  # receivers compare digests of what they got with the senders' (awex.engines.sync.verify)
     epoch: int = 0  # the announcing writer's epoch (its fence on the MetaServer): a newer writer may take over
 
     def to_json(self) -> dict[str, Any]:
@@ -84,6 +85,7 @@ class SyncManifest:
                 board_host=_optional_str(d.get("board_host")),
                 delta=_flag(d.get("delta", False)),
                 quantize_on_receive=_flag(d.get("quantize_on_receive", False)),
+                verify=_flag(d.get("verify", False)),
                 epoch=_count(d.get("epoch", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:

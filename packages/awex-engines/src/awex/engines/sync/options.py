@@ -28,6 +28,7 @@ class SyncOptions:
     delta: bool = False  # only the 16-bit words that changed since the last version
     delta_budget_bytes: int | None = None  # a delta sender: what it may keep of the last version (None: all)
     quantize_on_receive: bool = False  # FP8 engines on the trainer's GPUs quantise the copy
+    verify: bool = False  # receivers compare digests of what they got with the senders' (awex.engines.sync.verify)
 
     def __post_init__(self) -> None:
         if isinstance(self.allow_cast, (list, set, frozenset)):  # the one coercion: a list of globs is a tuple
@@ -44,10 +45,10 @@ class SyncOptions:
             raise ValueError(f"allow_cast={list(self.allow_cast)!r}: glob patterns (non-empty strings)")
         if not _whole(self.keep_versions) or self.keep_versions < 1:
             raise ValueError("keep_versions must be at least 1")
-        for flag in ("delta", "quantize_on_receive"):
+        for flag in ("delta", "quantize_on_receive", "verify"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}={getattr(self, flag)!r}: True or False")
-        wrong = combination_error(self.transport, self.delta, self.quantize_on_receive)
+        wrong = combination_error(self.transport, self.delta, self.quantize_on_receive, self.verify)
         if wrong:
             raise ValueError(wrong)
         if self.refresh_by_wave is not None and self.refresh is None:
@@ -63,9 +64,14 @@ class SyncOptions:
         return self
 
 
-def combination_error(transport: str, delta: bool, quantize_on_receive: bool) -> str | None:
+def combination_error(transport: str, delta: bool, quantize_on_receive: bool, verify: bool = False) -> str | None:
     """What is wrong with a transport and the options that depend on it (writers and manifests alike), or None.
     ``auto`` chooses among every transport, so options that only some carry name one of those instead."""
+    if verify and quantize_on_receive:
+        return (
+            "verify=True with quantize_on_receive=True: the receivers quantise what they read, so they hold other "
+            "bytes than the trainer; quantise on the sender (awex.convert.Fp8Views) to verify FP8 engines"
+        )
     if transport not in (*TRANSPORTS, "auto"):
         return (
             f"unknown transport {transport!r}: use 'auto', 'p2p' (NCCL/gloo), 'ipc' (CUDA engines "

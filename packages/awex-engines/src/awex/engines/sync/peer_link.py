@@ -50,6 +50,10 @@ class SyncPeerLink:
     def count(self) -> int:
         return self.manifest.seq
 
+    @property
+    def version(self) -> str:
+        return self.manifest.version
+
     def _key(self, rank: int, generation: int) -> str:
         r = self.plan.ranks[rank]
         return keys.descriptor(self.kind, r.instance, r.local_rank, generation)

@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from awex.engines.errors import SyncFailedError
 from awex.engines.sync import keys
 from awex.engines.sync.board import host_identity
 from awex.meta import Layout
-from awex.meta.client import MetaClient
+from awex.meta.client import MetaClient, MetaTimeoutError
 from awex.transport.pull.segments import SEGMENT_DIR, start_time
+
+WAIT_SLICE_SECONDS = 1.0  # a rank waiting for another's record checks this often whether it failed meanwhile
 
 
 @dataclass
@@ -88,7 +91,9 @@ def exchange(
     deadline: float,
 ) -> Places:
     """Publish ``doc`` as rank ``me``'s record of ``attempt`` (``<version>/<count>``) and read every rank's of the
-    instances ``names`` (waiting until ``deadline``). Records are untrusted: fields of the wrong type are ignored."""
+    instances ``names`` (waiting until ``deadline``). Records are untrusted: fields of the wrong type are ignored.
+    A rank that failed the attempt before publishing its record (it reported its outcome: a receiver that refused
+    the manifest) fails the wait at once with :class:`SyncFailedError`, instead of at the deadline."""
     client.put(keys.devices(attempt, *me), doc)
     found = Places()
     common = {"board", "channel"}
@@ -98,7 +103,7 @@ def exchange(
             if (name, rank) == tuple(me):
                 got = doc  # this rank's own: never read back (nor lost if the attempt is withdrawn meanwhile)
             else:
-                got = client.get(keys.devices(attempt, name, rank), timeout=max(0.1, deadline - time.monotonic()))
+                got = _record(client, attempt, name, rank, deadline)
             got = got if isinstance(got, dict) else {"device": got}
             common &= set(got.get("signals", ()))
             host = str(got.get("host", ""))
@@ -114,3 +119,20 @@ def exchange(
     found.shm_ok = cpu_in_place and len(found.hosts) == 1
     found.signals = "board" if "board" in common else "channel" if "channel" in common else "meta"
     return found
+
+
+def _record(client: MetaClient, attempt: str, name: str, rank: int, deadline: float) -> Any:
+    """Rank ``name:rank``'s device record of ``attempt``, waiting until ``deadline`` in slices; between them, its
+    outcome of the attempt: a failure it reported ends the wait."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return client.get(keys.devices(attempt, name, rank), timeout=max(0.1, min(WAIT_SLICE_SECONDS, left)))
+        except MetaTimeoutError:
+            if left <= WAIT_SLICE_SECONDS:
+                raise
+        outcome = client.try_get(keys.attempt_outcome(attempt, name, rank))
+        if isinstance(outcome, dict) and outcome.get("ok") is False:
+            cause, partial = str(outcome.get("cause"))[:2000], outcome.get("partial") is True
+            failed = {(name, rank): {"ok": False, "cause": cause, "partial": partial}}
+            raise SyncFailedError(attempt.rpartition("/")[0], failed)

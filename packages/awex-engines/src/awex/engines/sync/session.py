@@ -26,6 +26,7 @@ from awex.engines.sync.manifest import Attempt, SyncManifest, _count
 from awex.engines.sync.options import combination_error
 from awex.engines.sync.peer_link import SyncPeerLink
 from awex.engines.sync.signals import Signals, signals_for
+from awex.engines.sync.verify import Verifier
 from awex.engines.sync.version_plan import PlanKey, plan_version
 from awex.meta import Layout, Plan
 from awex.meta.client import MetaClient
@@ -86,6 +87,7 @@ class SyncSession:
     _link: SyncPeerLink | None = None  # the last transfer's link to its peers
     _last_attempt: Attempt | None = None  # the last attempt this rank took part in
     _processes: dict[tuple[str, int], tuple[str, int, int | None]] = field(default_factory=dict)  # of the plan's ranks
+    _verifier: Verifier | None = None  # verify mode, made at its first version
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan and every transport's state (executors,
@@ -267,7 +269,7 @@ class SyncSession:
         key = PlanKey.of(manifest, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
-        wrong = combination_error(manifest.transport, manifest.delta, manifest.quantize_on_receive)
+        wrong = combination_error(manifest.transport, manifest.delta, manifest.quantize_on_receive, manifest.verify)
         if wrong:
             raise ValueError(f"sync {manifest.version!r}: {wrong}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
@@ -299,6 +301,7 @@ class SyncSession:
             delta=manifest.delta,
             delta_budget_bytes=self.delta_budget_bytes,
             quantize=_fp8_quantizer() if plan.quantized else None,
+            job=self.client.job,
         )
         self._transports[transport].prepare(plan, me.rank, setup, phase)
         self._layouts = layouts
@@ -344,6 +347,20 @@ class SyncSession:
         if transport.signals_ready:
             stats.seconds = time.monotonic() - started
         return stats
+
+    def verify(self, manifest: SyncManifest, shards: LocalShards, deadline: float) -> None:
+        """Verify mode, after this rank's transfer (``awex.engines.sync.verify``): a trainer rank publishes the
+        digests of what it sent, a receiving rank compares what it got with them (``VerifyError`` where it differs)."""
+        link = self._link
+        if link is None:
+            raise RuntimeError(f"{self.instance}:{self.local_rank}: verify before any transfer")
+        if self._verifier is None:
+            self._verifier = Verifier(self.client)
+        with self.phases("verify"):
+            if link.plan.ranks[link.rank].role.value == "trainer":
+                self._verifier.publish(link.plan, link.rank, manifest, shards)
+            else:
+                self._verifier.check(link.plan, link.rank, manifest, shards, deadline, link.check_senders)
 
     @property
     def plan(self) -> Plan | None:

@@ -45,9 +45,11 @@ class PullTransport(Transport):
         self.opened: dict[int, int] = {}  # a receiver's senders -> generation opened
         self._next: tuple[Plan, int] | None = None
         self._senders: list[int] = []
+        self.job = ""  # the job the plan's ranks sync in (Setup.job)
 
     def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
         self._next = (plan, rank)
+        self.job = setup.job
         self._senders = sorted({s.peer for s in plan.schedule(rank) if s.op == "recv"})
 
     @abstractmethod

@@ -1,5 +1,7 @@
 """Files in ``/dev/shm``: the shared-memory transport's segments (and the host board's file), named so that a
-sweep can tell whose creator is gone, and a segment's header (its progress word).
+sweep can tell whose creator is gone, and a segment's header: its progress word, a magic, its seal (whose segment it
+is: job, plan and sender, :func:`seal`) and the version it holds (count and name). A receiver refuses a segment
+sealed for another job, plan or sender before any byte moves, and one that holds another version than it asked for.
 
 Names are ``<prefix>-<creator pid>-<creator start time>-<random>`` (mode 0600): :func:`sweep_stale` removes those
 whose creator no longer runs (killed before it could remove them).
@@ -7,6 +9,7 @@ whose creator no longer runs (killed before it could remove them).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import os
@@ -72,8 +75,21 @@ def sweep_stale(directory: Path = SEGMENT_DIR) -> list[str]:
     return removed
 
 
-HEADER = 64  # bytes before the data: the progress word (8 bytes), then padding to keep the data aligned
+HEADER = 128  # bytes before the data (a multiple of 64: the data stays aligned)
+# the header: the progress word (8 bytes), MAGIC, the seal (32), the version's count (8) and name's SHA-256 (32)
+_MAGIC_AT, _SEAL_AT, _COUNT_AT, _NAME_AT = 8, 16, 48, 56
+MAGIC = b"AWEXSEG2"
 COUNT_SHIFT = 40  # progress word: (version count mod 2**23) << 40 | bytes filled (< 1 TiB per segment)
+UNSEALED = bytes(32)
+
+
+def seal(job: str, plan_digest: str, rank: int) -> bytes:
+    """What a segment is for: the job (on its MetaServer), the plan and the sender's sync rank, hashed (32 bytes)."""
+    return hashlib.sha256(f"awex-shm\0{job}\0{plan_digest}\0{rank}".encode()).digest()
+
+
+def _name_hash(version: str) -> bytes:
+    return hashlib.sha256(version.encode()).digest()
 
 
 def progress_word(count: int, filled: int) -> int:
@@ -100,13 +116,25 @@ class Segment:
         """The data holds the first ``filled`` bytes of version ``count`` (the writer's count)."""
         self._word[0] = progress_word(count, filled)
 
+    def set_version(self, count: int, version: str) -> None:
+        """The data is (being) filled with version ``version``, the writer's count ``count`` (before the progress
+        word says any byte of it is there)."""
+        self._map[_COUNT_AT:_NAME_AT] = count.to_bytes(8, "little")
+        self._map[_NAME_AT : _NAME_AT + 32] = _name_hash(version)
+
+    def holds_version(self, count: int, version: str) -> bool:
+        """Whether the header says the data is version ``version`` with the writer's count ``count``."""
+        header = self._map[_COUNT_AT : _NAME_AT + 32]
+        return header[:8] == count.to_bytes(8, "little") and header[8:] == _name_hash(version)
+
     def progress(self, count: int) -> int:
         """How many bytes of version ``count`` the data holds (from its start); -1 while it holds another."""
         word = self._word[0]
         return word & ((1 << COUNT_SHIFT) - 1) if word >> COUNT_SHIFT == count % (1 << 23) else -1
 
     @classmethod
-    def create(cls, nbytes: int, directory: Path = SEGMENT_DIR) -> Segment:
+    def create(cls, nbytes: int, sealed: bytes = UNSEALED, directory: Path = SEGMENT_DIR) -> Segment:
+        """A new segment of ``nbytes`` of data, its header sealed with ``sealed`` (:func:`seal`)."""
         path = directory / owned_name(PREFIX)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -115,12 +143,15 @@ class Segment:
             os.close(fd)
             os.unlink(path)
             raise
-        return cls(path, nbytes, fd, owner=True)
+        segment = cls(path, nbytes, fd, owner=True)
+        segment._map[_MAGIC_AT : _SEAL_AT + 32] = MAGIC + sealed
+        return segment
 
     @classmethod
-    def attach(cls, path: str, nbytes: int, directory: Path = SEGMENT_DIR) -> Segment:
+    def attach(cls, path: str, nbytes: int, sealed: bytes = UNSEALED, directory: Path = SEGMENT_DIR) -> Segment:
         """Open the segment at ``path``, which must be an Awex segment in ``directory`` of exactly ``nbytes``
-        (what this rank's plan puts there); ``ValueError`` otherwise."""
+        (what this rank's plan puts there), sealed with ``sealed`` (the same job, plan and sender); ``ValueError``
+        otherwise."""
         p = Path(path)
         if p.parent != directory or _NAME.match(p.name) is None or not p.name.startswith(PREFIX + "-"):
             raise ValueError(f"{path!r} is not an Awex shared-memory segment in {directory}")
@@ -129,7 +160,14 @@ class Segment:
         if size != HEADER + nbytes:
             os.close(fd)
             raise ValueError(f"segment {p.name} holds {size - HEADER} bytes; this rank's plan puts {nbytes} there")
-        return cls(p, nbytes, fd, owner=False)
+        segment = cls(p, nbytes, fd, owner=False)
+        if segment._map[_MAGIC_AT : _SEAL_AT + 32] != MAGIC + sealed:
+            segment.close()
+            raise ValueError(
+                f"segment {p.name} is not this sender's of this job and plan (its header is sealed for another job, "
+                "plan or sender, or it is no Awex segment of this release)"
+            )
+        return segment
 
     @property
     def named(self) -> bool:

@@ -17,7 +17,10 @@ Segments are files in ``/dev/shm`` named ``awex-shm-<creator pid>-<creator start
 creator removes the name once every receiver has mapped it (after the first applied version: the mappings stay
 valid), when it closes, and at exit; a segment whose creator was killed before that is removed by the next sweep
 (:func:`sweep_stale`, run by every new sender and by a receiver whose sync failed). A receiver checks a segment's
-name, size and plan digest against its own plan before any byte moves.
+name, size and plan digest against its own plan, and its header's seal (the job, plan and sender it was made for,
+:func:`~awex.transport.pull.segments.seal`), before any byte moves; and that it holds the version asked for (the
+writer's count and the version's name) before and after it copies. That the bytes themselves are the sender's is
+what verify mode checks (``awex.engines.sync.verify``: digests that never travel through the segment).
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from typing import Any
 import torch
 
 from awex.meta import Plan
-from awex.transport.base import PeerLink, TransferStats, TransferTimeout, timed
+from awex.transport.base import PeerLink, TransferError, TransferStats, TransferTimeout, timed
 from awex.transport.copies import copier
 from awex.transport.deadline import wait_event
 from awex.transport.pull.base import PullTransport
-from awex.transport.pull.segments import Segment, sweep_stale
+from awex.transport.pull.segments import Segment, seal, sweep_stale
 from awex.transport.pull.staging import empty_pairs, extent, fill_pairs, segment_layout
 from awex.transport.shards import LocalShards
 
@@ -60,10 +63,10 @@ class ShmSender:
     :data:`CHUNK_BYTES` in the segment's order: after each chunk the progress word says how far the data is
     filled, and receivers copy out what is there while the rest is filled."""
 
-    def __init__(self, plan: Plan, rank: int, shards: LocalShards):
+    def __init__(self, plan: Plan, rank: int, shards: LocalShards, job: str = ""):
         self.plan, self.rank, self.device = plan, rank, shards.device
         sweep_stale()
-        self.segment = Segment.create(segment_layout(plan, rank)[1])
+        self.segment = Segment.create(segment_layout(plan, rank)[1], seal(job, plan.digest, rank))
         if self.device.type == "cuda":
             self.segment.pin()
         pairs = fill_pairs(plan, rank, shards, self.segment.tensor)
@@ -92,13 +95,15 @@ class ShmSender:
             "rank": self.rank,
         }
 
-    def fill(self, count: int = 1, deadline: float | None = None) -> TransferStats:
-        """Write version ``count``'s bytes into the segment, chunk by chunk, advancing the progress word (from GPU
-        views: device-to-host copies on the copy engines, each chunk waited for until ``deadline``)."""
+    def fill(self, count: int = 1, deadline: float | None = None, version: str = "") -> TransferStats:
+        """Write version ``count``'s bytes (named ``version``) into the segment, chunk by chunk, advancing the
+        progress word (from GPU views: device-to-host copies on the copy engines, each chunk waited for until
+        ``deadline``)."""
         started = time.monotonic()
         deadline = deadline or started + 300.0
         segment = self.segment
         segment.set_progress(count, 0)
+        segment.set_version(count, version)
         if self.device.type != "cuda":
             for group, done in self.chunks:
                 for copy in group:
@@ -168,13 +173,19 @@ class ShmReceiver:
     """A receiver's mappings of its senders' segments and the copies out of them, built once per plan; each copy
     runs as soon as its sender's progress word says its bytes are there."""
 
-    def __init__(self, plan: Plan, rank: int, shards: LocalShards, segments: Mapping[int, SegmentInfo]):
+    def __init__(self, plan: Plan, rank: int, shards: LocalShards, segments: Mapping[int, SegmentInfo], job: str = ""):
         self.plan, self.rank, self.device = plan, rank, shards.device
         steps = [s for s in plan.schedule(rank) if s.op == "recv"]
         missing = sorted({s.peer for s in steps} - set(segments))
         if missing:
             raise ValueError(f"sync rank {rank}: no segment of sync rank(s) {missing}")
-        self.segments = {peer: Segment.attach(info.path, info.nbytes) for peer, info in segments.items()}
+        self.segments = {}
+        try:
+            for peer, info in segments.items():
+                self.segments[peer] = Segment.attach(info.path, info.nbytes, seal(job, plan.digest, peer))
+        except BaseException:
+            self.close()
+            raise
         if self.device.type == "cuda":
             for segment in self.segments.values():
                 segment.pin()
@@ -191,15 +202,21 @@ class ShmReceiver:
         self.copies = {peer: sorted(c, key=lambda x: x[0]) for peer, c in per_peer.items()}  # by the bytes they need
 
     def run(
-        self, count: int = 1, deadline: float | None = None, check: Callable[[list[int]], None] | None = None
+        self,
+        count: int = 1,
+        deadline: float | None = None,
+        check: Callable[[list[int]], None] | None = None,
+        version: str = "",
     ) -> TransferStats:
-        """Copy this rank's regions of version ``count`` out of the segments, each as soon as its bytes are there
-        (into GPU views: host-to-device copies on the copy engines, waited for until ``deadline``: the sender may
-        overwrite the segment once this rank reported). ``check(peers)`` runs every second while waiting (raises
-        if a sender is gone)."""
+        """Copy this rank's regions of version ``count`` (named ``version``) out of the segments, each as soon as
+        its bytes are there (into GPU views: host-to-device copies on the copy engines, waited for until
+        ``deadline``: the sender may overwrite the segment once this rank reported). ``check(peers)`` runs every
+        second while waiting (raises if a sender is gone). A segment whose header names another version fails the
+        run (before its first copy, and again after the last)."""
         started = time.monotonic()
         deadline = deadline or started + 300.0
         next_of = dict.fromkeys(self.copies, 0)
+        named: set[int] = set()  # peers whose segment was seen to hold this version
         checked = started
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             while True:
@@ -209,6 +226,9 @@ class ShmReceiver:
                     if k == len(copies):
                         continue
                     filled = self.segments[peer].progress(count)
+                    if peer not in named and k < len(copies) and copies[k][0] <= filled:
+                        self._check_version(peer, count, version)
+                        named.add(peer)
                     while k < len(copies) and copies[k][0] <= filled:
                         copies[k][1]()
                         k += 1
@@ -229,11 +249,20 @@ class ShmReceiver:
                         check(waiting)
                     time.sleep(POLL_SECONDS)
             _finish(self.device, deadline, f"sync rank {self.rank} copying out of the segments")
+        for peer in self.copies:  # nothing overwrote it meanwhile (the sender waits for this rank's outcome)
+            self._check_version(peer, count, version)
         return TransferStats(
             bytes_received=self.bytes_received,
             buckets=sum(len(c) for c in self.copies.values()),
             seconds=time.monotonic() - started,
         )
+
+    def _check_version(self, peer: int, count: int, version: str) -> None:
+        if not self.segments[peer].holds_version(count, version):
+            raise TransferError(
+                f"sync rank {self.rank}: the segment of sync rank {peer} does not hold version {version!r} (count "
+                f"{count}): another writer's, or overwritten"
+            )
 
     def close(self) -> None:
         self.copies = {}
@@ -249,13 +278,13 @@ class ShmTransport(PullTransport):
     name = "shm"
 
     def _new_sender(self, plan: Plan, rank: int, shards: LocalShards) -> ShmSender:
-        return ShmSender(plan, rank, shards)
+        return ShmSender(plan, rank, shards, self.job)
 
     def _send(self, link: PeerLink, deadline: float, phases: MutableMapping[str, float]) -> TransferStats:
         with timed(phases, "ready"):  # receivers follow the progress word while the segment fills
             link.ready(self.generation)
         with timed(phases, "transfer"):
-            return self.sender.fill(link.count, deadline)
+            return self.sender.fill(link.count, deadline, link.version)
 
     def _descriptor(self, wire: Any, plan: Plan, sender: int) -> SegmentInfo:
         return SegmentInfo.from_wire(wire, plan, sender)
@@ -263,10 +292,10 @@ class ShmTransport(PullTransport):
     def _new_receiver(
         self, plan: Plan, rank: int, shards: LocalShards, descriptors: Mapping[int, SegmentInfo]
     ) -> ShmReceiver:
-        return ShmReceiver(plan, rank, shards, descriptors)
+        return ShmReceiver(plan, rank, shards, descriptors, self.job)
 
     def _receive(self, link: PeerLink, deadline: float) -> TransferStats:
-        return self.receiver.run(link.count, deadline, link.check_senders)
+        return self.receiver.run(link.count, deadline, link.check_senders, link.version)
 
     def applied(self) -> None:
         """Every receiver mapped this plan's segment: its name can go (the mappings stay)."""

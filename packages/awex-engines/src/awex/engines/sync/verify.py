@@ -1,0 +1,184 @@
+"""Verify mode (``WeightsWriter(verify=True)``): a receiving rank counts a version as applied only when a digest of
+every region it got equals the digest its senders took of the same regions in their own memory.
+
+Digests are :mod:`awex.transport.digest`'s: independent of how either side's memory cuts a region, so a trainer
+rank digests its views and a receiver its own (the engine's weights in place, or its staging tensors) after the
+transfer, both at once. Regions are grouped by the trainer rank they come from (*origin*): a region a receiver
+got through a relay counts as its origin's, so the comparison holds over every transport and plan. Each trainer
+rank publishes one record per attempt (``verify/<version>/<count>/<instance>:<rank>``: the plan's digest and, per
+receiving sync rank, the digest of the regions it originates for it) through the MetaServer, whose token guards it;
+a receiver reads its origins' records, compares, and fails the version (:class:`VerifyError`, reported to the
+trainers like any failure) where one differs. Nothing in the bytes that moved, a shared-memory segment's included,
+can make a mismatch pass: the expected digests never travel with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from awex.engines.sync import keys
+from awex.engines.sync.manifest import SyncManifest
+from awex.meta import Plan
+from awex.meta.client import MetaClient, MetaTimeoutError
+from awex.meta.spec import Role
+from awex.transport.base import TransferError
+from awex.transport.digest import Digest, add, region_digest
+from awex.transport.shards import LocalShards
+
+log = logging.getLogger("awex.engines")
+
+RegionKey = tuple[int, tuple[int, ...], tuple[int, ...]]  # (plan tensor index, offsets, sizes)
+_HEX = re.compile(r"^[0-9a-f]{32}$")
+WAIT_SLICE_SECONDS = 1.0  # a receiver waiting for a record checks this often that its origins on its host run
+
+
+class VerifyError(TransferError):
+    """What a receiving rank holds of a version differs from what its senders held (verify mode), or a sender's
+    digests never came."""
+
+
+@dataclass(frozen=True)
+class Regions:
+    """One sync rank's share of a plan, grouped for verify mode."""
+
+    sends: Mapping[int, tuple[RegionKey, ...]]  # receiving sync rank -> the regions this rank originates for it
+    receives: Mapping[int, tuple[RegionKey, ...]]  # origin sync rank -> the regions this rank gets that come from it
+
+
+def regions(plan: Plan, rank: int) -> Regions:
+    """Sync rank ``rank``'s :class:`Regions` of ``plan`` (pure: every rank computes every rank's alike). A relay
+    forwards transfers it received itself (:data:`awex.meta.plan.RELAY_LAG` waves before), so each region's origin
+    is the trainer rank that first sent it."""
+    trainer = [r.role == Role.TRAINER for r in plan.ranks]
+    relayed = {(b.src, t) for b in plan.buckets if not trainer[b.src] for t in b.transfers}
+    origin: dict[tuple[int, object], int] = {}
+    sends: dict[int, list[RegionKey]] = {}
+    receives: dict[int, list[RegionKey]] = {}
+    for b in sorted(plan.buckets, key=lambda b: b.wave):
+        for t in b.transfers:
+            if trainer[b.src]:
+                o = b.src
+            else:
+                o = origin.get((b.src, t), -1)
+                if o < 0:
+                    raise ValueError(
+                        f"plan {plan.digest[:12]}: sync rank {b.src} relays {plan.tensors[t.tensor].name} "
+                        f"{t.region} in wave {b.wave} before receiving it"
+                    )
+            if (b.dst, t) in relayed:
+                origin[(b.dst, t)] = o
+            key = (t.tensor, t.offsets, t.sizes)
+            if o == rank:
+                sends.setdefault(b.dst, []).append(key)
+            if b.dst == rank:
+                receives.setdefault(o, []).append(key)
+    return Regions({k: tuple(v) for k, v in sends.items()}, {k: tuple(v) for k, v in receives.items()})
+
+
+def digests(plan: Plan, shards: LocalShards, groups: Mapping[int, Sequence[RegionKey]]) -> dict[int, Digest]:
+    """Per group, the digest of its regions as ``shards`` hold them (a region in several groups is read once)."""
+    specs = plan.tensors
+    seen: dict[RegionKey, Digest] = {}
+    out: dict[int, Digest] = {}
+    for group, keys_ in groups.items():
+        total: Digest = (0, 0)
+        for key in keys_:
+            d = seen.get(key)
+            if d is None:
+                t = specs[key[0]]
+                d = seen[key] = region_digest(shards, t.name, tuple(t.shape), t.dtype, key[1], key[2])
+            total = add(total, d)
+        out[group] = total
+    return out
+
+
+def record(plan: Plan, sent: Mapping[int, Digest]) -> dict:
+    """A trainer rank's record: the plan's digest and the digest per receiving sync rank (32 hex digits)."""
+    return {"plan": plan.digest, "digests": {str(dst): f"{a:016x}{b:016x}" for dst, (a, b) in sorted(sent.items())}}
+
+
+def expected(doc: object, plan: Plan, origin: int, rank: int) -> Digest:
+    """What origin ``origin``'s record ``doc`` says receiving sync rank ``rank`` must hold of its regions; raises
+    :class:`VerifyError` for a record that is malformed, made for another plan, or silent about this rank."""
+    who = _who(plan, origin)
+    if not isinstance(doc, dict) or set(doc) != {"plan", "digests"} or not isinstance(doc["digests"], dict):
+        raise VerifyError(f"the verify record of {who} is malformed: {str(doc)[:200]}")
+    if doc["plan"] != plan.digest:
+        raise VerifyError(f"the verify record of {who} is for plan {str(doc['plan'])[:12]}, not {plan.digest[:12]}")
+    value = doc["digests"].get(str(rank))
+    if not isinstance(value, str) or _HEX.match(value) is None:
+        raise VerifyError(f"the verify record of {who} has no digest for sync rank {rank}: {str(value)[:80]}")
+    return int(value[:16], 16), int(value[16:], 16)
+
+
+def _who(plan: Plan, rank: int) -> str:
+    r = plan.ranks[rank]
+    return f"sync rank {rank} ({r.instance}:{r.local_rank})"
+
+
+class Verifier:
+    """One rank's side of verify mode; keeps the last plan's :class:`Regions`."""
+
+    def __init__(self, client: MetaClient):
+        self.client = client
+        self._regions: tuple[Plan, int, Regions] | None = None
+
+    def _of(self, plan: Plan, rank: int) -> Regions:
+        if self._regions is None or self._regions[0] is not plan or self._regions[1] != rank:
+            self._regions = (plan, rank, regions(plan, rank))
+        return self._regions[2]
+
+    def publish(self, plan: Plan, rank: int, manifest: SyncManifest, shards: LocalShards) -> None:
+        """A trainer rank, after its transfer: digest what it sent per receiving rank and publish the record."""
+        me = plan.ranks[rank]
+        sent = digests(plan, shards, self._of(plan, rank).sends)
+        self.client.put(keys.verify(manifest.version, manifest.seq, me.instance, me.local_rank), record(plan, sent))
+
+    def check(
+        self,
+        plan: Plan,
+        rank: int,
+        manifest: SyncManifest,
+        shards: LocalShards,
+        deadline: float,
+        check_senders: Callable[[Sequence[int]], None] | None = None,
+    ) -> None:
+        """A receiving rank, after its transfer: digest what it holds per origin and compare with each origin's
+        record (waiting for it until ``deadline``, ``time.monotonic()``; ``check_senders(origins)`` every second
+        raises if one on this host is gone). Raises :class:`VerifyError` naming each origin whose regions differ."""
+        mine = digests(plan, shards, self._of(plan, rank).receives)
+        wrong = []
+        for origin, got in sorted(mine.items()):
+            o = plan.ranks[origin]
+            key = keys.verify(manifest.version, manifest.seq, o.instance, o.local_rank)
+            want = expected(self._wait(key, origin, plan, deadline, check_senders), plan, origin, rank)
+            if got != want:
+                n = len(self._of(plan, rank).receives[origin])
+                wrong.append(
+                    f"{n} region(s) from {_who(plan, origin)} hold other bytes than it sent "
+                    f"(digest {got[0]:016x}{got[1]:016x}, sent {want[0]:016x}{want[1]:016x})"
+                )
+        if wrong:
+            raise VerifyError(f"{_who(plan, rank)}, version {manifest.version!r}: " + "; ".join(wrong))
+
+    def _wait(
+        self,
+        key: str,
+        origin: int,
+        plan: Plan,
+        deadline: float,
+        check_senders: Callable[[Sequence[int]], None] | None,
+    ) -> object:
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.client.get(key, timeout=max(0.001, min(WAIT_SLICE_SECONDS, left)))
+            except MetaTimeoutError:
+                if left <= WAIT_SLICE_SECONDS:
+                    raise VerifyError(f"no verify record from {_who(plan, origin)} before the deadline") from None
+                if check_senders is not None:
+                    check_senders([origin])
