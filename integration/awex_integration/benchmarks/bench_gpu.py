@@ -219,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         args.baseline_iters = 0
     if args.delta is not None and (args.path != "public" or args.fp8 or not 0 < args.delta < 1):
         ap.error("--delta: a fraction between 0 and 1, on the public path, without --fp8")
+    if args.verify and args.path != "public":
+        ap.error("--verify: on the public path")
     shared = {
+        "verify": args.verify,
         "delta": args.delta,
         "fp8_on_receive": args.fp8_on_receive,
         "ipc": ipc_options,
@@ -331,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.delta
                 else {}
             ),
+            **({"verify": True} if args.verify else {}),
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
             # timed calls start on every rank at one instant; where a rank reached it late, by how much (seconds)

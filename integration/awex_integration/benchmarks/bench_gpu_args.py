@@ -86,5 +86,11 @@ def parser(description: str) -> argparse.ArgumentParser:
         help="public path: delta syncs (WeightsWriter(delta=True)); before each timed sync the trainer changes about "
         "this fraction of its elements (not timed), and receivers check the last version bit for bit",
     )
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="public path: verify mode (WeightsWriter(verify=True)): every receiver compares digests of what it got "
+        "with the trainer's before a version counts; the timed syncs include it",
+    )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     return ap

@@ -167,6 +167,7 @@ def _public_path(
             refresh_by_wave=fp8_views.by_wave if fp8_views is not None else None,
             quantize_on_receive=bool(a.extra.get("fp8_on_receive")),
             delta=bool(a.extra.get("delta")),
+            verify=bool(a.extra.get("verify")),
         )
         step = lambda version: side.write(version, dests)  # noqa: E731
     else:

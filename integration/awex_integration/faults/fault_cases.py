@@ -30,6 +30,7 @@ class Case:
     check: Callable[[dict], list[str]] | None = None  # extra checks of the run's record: problems found
     zombie: list[dict] | None = None  # a second trainer process (rank 0 of the same instance) started at "go"
     transport: str = "p2p"  # the writers' (gloo on CPU; run_case may override it)
+    verify: bool = False  # the writers' verify mode
 
 
 def _steps(*versions: str, **faults: str) -> list[dict]:
@@ -230,6 +231,17 @@ def cases() -> list[Case]:
             check=_stale_writer_fenced,
         ),
         Case(
+            "corrupted_in_flight_verified",
+            "verify mode: one bit of what a receiver rank got is flipped after its transfer (a transport or memory "
+            "fault): its digest differs from the trainer's, the version fails on every side instead of counting as "
+            "applied; the next version succeeds",
+            trainer=[_steps("v-1", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3", v_2="corrupt_after_transfer")],
+            expect_failed={"v-2"},
+            verify=True,
+            check=_reported("v-3"),
+        ),
+        Case(
             "version_name_reused",
             "the trainer writes a version name twice: refused before any byte moves; the next version succeeds",
             trainer=[_steps("v-1", "v-1", "v-2")],
@@ -315,6 +327,18 @@ def shm_cases() -> list[Case]:
             restart_delay=3.0,
             expect_failed={"v-1"},
             check=_failed_fast("v-1", 5.0, then=_reported("v-2")),
+            transport="shm",
+        ),
+        Case(
+            "shm_segment_altered_verified",
+            "verify mode over shared memory: a byte of the trainer's filled segment is altered before the receivers "
+            "copy it: their digests differ from the trainer's, the version fails instead of counting as applied; the "
+            "next version succeeds",
+            trainer=[_steps("v-1", "v-2", "v-3", v_2="alter_segment")],
+            engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3")],
+            expect_failed={"v-2"},
+            verify=True,
+            check=_reported("v-3"),
             transport="shm",
         ),
         Case(

@@ -15,6 +15,7 @@ import os
 import time
 import zlib
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "qwen2-tiny.json"
@@ -96,6 +97,7 @@ class RankJob:
     device: str = "cpu"  # "cpu", "cuda" (every rank on GPU 0) or "cuda-per-rank"
     transport: str = "auto"  # a trainer's writer's
     instance: str = "eng"  # the engine's Awex instance (a trainer's one destination)
+    verify: bool = False  # a trainer's writer's verify mode
 
 
 def trainer_rank(job: RankJob) -> list[dict]:
@@ -123,6 +125,7 @@ def trainer_rank(job: RankJob) -> list[dict]:
         timeout=timeout,
         wave_bytes=64 << 10,
         transport=transport,
+        verify=job.verify,
     )
     Path(workdir, f"writer-{os.getpid()}").touch()  # this writer took its epoch (a step may wait for a newer one)
     out = Records(workdir)
@@ -157,6 +160,8 @@ def trainer_rank(job: RankJob) -> list[dict]:
                 os._exit(EXIT_CODE)
 
             shm.ShmSender.fill = fill_half
+        if fault == "alter_segment":  # shm: one byte of the filled segment altered before the receivers copy it
+            _alter_segment_once(writer)
         started = time.monotonic()
         try:
             writer.write(version, destinations)
@@ -278,6 +283,8 @@ def receiver_rank(job: RankJob) -> list[dict]:
             reader._session.transfer = _raise(RuntimeError("engine refused to start receiving"))
         elif fault == "die_after_agreement":  # agreed on the plan and joined the group, then gone
             reader._session.transfer = _die_after_prepare(reader._session)
+        elif fault == "corrupt_after_transfer":  # one bit of what arrived flipped (a transport or memory fault)
+            reader._session.transfer = _corrupt_after(reader)
         reader.timeout = WAIT_TOO_SHORT if fault == "time_out_waiting" else timeout  # gives up before it is written
         if step.get("delay"):  # a slow engine: reaches its update call late
             time.sleep(step["delay"])
@@ -307,6 +314,40 @@ def receiver_rank(job: RankJob) -> list[dict]:
     reader.flush()
     reader.close()
     return list(out)
+
+
+def _corrupt_after(reader):
+    def transfer(*args, **kwargs):
+        from awex.engines.sync.session import SyncSession
+
+        stats = SyncSession.transfer(reader._session, *args, **kwargs)
+        _, view = reader.shards.pairs(sorted(reader.shards.names())[0])[0]
+        view.reshape(-1).view(torch.int32)[3] ^= 1 << 7
+        return stats
+
+    import torch
+
+    return transfer
+
+
+def _alter_segment_once(writer) -> None:
+    """Alter the last byte of the last region of the trainer's segment as the sender says the segment is full (the
+    receivers copy it after that); once."""
+    from awex.transport.pull.staging import segment_layout
+
+    transport = writer._session._transports["shm"]
+    segment, plan, rank = transport.sender.segment, transport.sender.plan, transport.sender.rank
+    (tensor, _, sizes), at = max(segment_layout(plan, rank)[0].items(), key=lambda kv: kv[1])
+    last = at + plan.tensors[tensor].itemsize * prod(sizes) - 1
+    say, done = segment.set_progress, []
+
+    def set_progress(count, filled):
+        if filled == segment.nbytes and not done:
+            segment.tensor[last] ^= 1
+            done.append(count)
+        say(count, filled)
+
+    segment.set_progress = set_progress
 
 
 def _die_after_prepare(session):

@@ -160,6 +160,7 @@ def _run_case(case: Case, timeout: float, device: str, transport: str | None, wo
             str(work),
             device,
             transport,
+            verify=case.verify,
         )
         fn, args = (fault_ranks.trainer_rank if trainer else fault_ranks.receiver_rank), (job,)
         p = ctx.Process(target=_run_rank, args=(fn, (role, rank, life), args, results), daemon=False)

@@ -34,13 +34,13 @@ def server():
     s.stop()
 
 
-def _weights(tensors, seed: int, dtype=torch.bfloat16):
+def _weights(tensors, seed: int, dtype=torch.bfloat16, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return {t.name: torch.randn(t.spec.shape, generator=g).to(dtype) for t in tensors}
+    return {t.name: torch.randn(t.spec.shape, generator=g).to(dtype).to(device) for t in tensors}
 
 
-def _job(server, job, engines=("eng",), tp=2, transport="p2p", verify=True, trainer=TENSORS, **options):
-    sent = _weights(trainer, 0, torch.float32 if trainer is WIDE else torch.bfloat16)
+def _job(server, job, engines=("eng",), tp=2, transport="p2p", verify=True, trainer=TENSORS, device="cpu", **options):
+    sent = _weights(trainer, 0, torch.float32 if trainer is WIDE else torch.bfloat16, device)
     writer = WeightsWriter(
         MetaClient(server.address, job=job, timeout=30),
         hf_layout(trainer, "trainer", "trainer"),
@@ -55,7 +55,7 @@ def _job(server, job, engines=("eng",), tp=2, transport="p2p", verify=True, trai
     for name in engines:
         layout = vllm_layout(TENSORS, VllmParallel(tp=tp), instance=name)
         for rank in range(tp):
-            held = {t.name: torch.zeros(t.spec.shape, dtype=torch.bfloat16) for t in TENSORS}
+            held = {t.name: torch.zeros(t.spec.shape, dtype=torch.bfloat16, device=device) for t in TENSORS}
             readers.append(WeightsReader(MetaClient(server.address, job=job, timeout=30), layout, rank, views(held)))
     return writer, readers, sent
 
@@ -112,9 +112,12 @@ def _equal(sent, readers):
     )
 
 
-@pytest.mark.parametrize("transport", ["p2p", "shm"])
-def test_verified_versions_arrive_and_a_changed_bit_fails_the_version(server, transport):
-    writer, readers, sent = _job(server, f"verify-{transport}", transport=transport)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA views (batched digest kernels): no GPU here")
+
+
+@pytest.mark.parametrize("transport,device", [("p2p", "cpu"), ("shm", "cpu"), pytest.param("shm", "cuda", marks=CUDA)])
+def test_verified_versions_arrive_and_a_changed_bit_fails_the_version(server, transport, device):
+    writer, readers, sent = _job(server, f"verify-{transport}-{device}", transport=transport, device=device)
     written, errors = _sync(writer, readers, "v1")
     assert written is None and not errors
     assert "verify" in writer.last_stats.phases
@@ -186,10 +189,16 @@ def test_relayed_regions_are_verified_against_their_origin(server):
     _close(writer, readers)
 
 
-def test_a_narrowing_cast_and_delta_versions_verify(server):
-    writer, readers, sent = _job(server, "cast", trainer=WIDE, allow_cast=("*",))
+@pytest.mark.parametrize("transport,device", [("p2p", "cpu"), pytest.param("shm", "cuda", marks=CUDA)])
+def test_a_narrowing_cast_verifies(server, transport, device):
+    writer, readers, sent = _job(
+        server, f"cast-{device}", trainer=WIDE, allow_cast=("*",), transport=transport, device=device
+    )
     assert _sync(writer, readers, "v1") == (None, {}) and _equal(sent, readers)
     _close(writer, readers)
+
+
+def test_delta_versions_verify(server):
     writer, readers, sent = _job(server, "delta-verify", delta=True)
     for step in (1, 2, 3):
         for t in sent.values():
@@ -264,3 +273,15 @@ def test_a_record_for_another_plan_or_without_this_rank_is_refused():
     ]:
         with pytest.raises(VerifyError, match=why):
             expected(bad, plan, 0, 5)
+
+
+@CUDA
+def test_cuda_views_that_moved_are_digested_where_they_are_now(server):
+    """The trainer's weights re-allocated between versions (offloaded and reloaded): its digests are taken of where
+    they are now (the batched layout is rebuilt), not of the memory it laid out first (still alive here)."""
+    writer, readers, sent = _job(server, "moved-cuda", transport="shm", device="cuda")
+    assert _sync(writer, readers, "v1") == (None, {})
+    for name in list(sent):
+        sent[name] = (sent[name] + 1).clone()
+    assert _sync(writer, readers, "v2") == (None, {}) and _equal(sent, readers)
+    _close(writer, readers)

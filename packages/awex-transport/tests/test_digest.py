@@ -76,22 +76,29 @@ def test_the_same_bytes_in_another_tensor_have_another_digest():
     )
 
 
-def _digest_by_rows(piece, offsets, shape, key):
-    """What the CUDA kernel computes, in torch on CPU: the same rows (awex.transport.digest._rows), each word
-    read at its row's memory offset plus its column times the step, hashed at its row's position plus its column."""
-    from awex.transport.checksum import MASK, MIX_A, MIX_B, POS, SEED, mix
-    from awex.transport.digest import MOD, _rows
+def _definition(piece, offsets, shape, key):
+    """The digest by its definition (awex.transport.digest's docstring), element by element position, in int64:
+    the oracle both fast paths are held to."""
+    from math import prod
 
-    words, pos, mem, row, step = _rows(piece, offsets, shape)
-    flat = words.as_strided((words.untyped_storage().nbytes() // words.element_size() - words.storage_offset(),), (1,))
-    a = b = 0
-    for p0, m0 in zip(pos.tolist(), mem.tolist()):
-        w = flat[m0 : m0 + (row - 1) * step + 1 : step].to(torch.int64)
-        w &= 0xFF if words.element_size() == 1 else 0xFFFF
-        p = (((torch.arange(row) + p0 + key + SEED) & MASK) * POS) & MASK
-        a += int(mix(p ^ w, MIX_A).sum())
-        b += int(mix(p ^ (w << 16), MIX_B).sum())
-    return a % MOD, b % MOD
+    from awex.transport.checksum import MASK, MIX_A, MIX_B, POS, SEED, mix
+    from awex.transport.digest import MOD
+
+    if piece.dim() == 0:
+        piece, offsets, shape = piece.reshape(1), (0,), (1,)
+    t = piece.contiguous()
+    if t.element_size() == 1:
+        words = t.view(torch.uint8).to(torch.int64).unsqueeze(-1)
+    else:
+        words = (t.view(torch.int16).to(torch.int64) & 0xFFFF).reshape(*t.shape, t.element_size() // 2)
+    n = words.shape[-1]
+    g = torch.zeros((), dtype=torch.int64)
+    for d, size in enumerate(t.shape):
+        at = torch.arange(offsets[d], offsets[d] + size, dtype=torch.int64) * prod(shape[d + 1 :])
+        g = g.unsqueeze(-1) + at if d else at
+    pos = g.reshape(t.shape).unsqueeze(-1) * n + torch.arange(n, dtype=torch.int64)
+    p = (((pos + key + SEED) & MASK) * POS) & MASK
+    return int(mix(p ^ words, MIX_A).sum()) % MOD, int(mix(p ^ (words << 16), MIX_B).sum()) % MOD
 
 
 PIECES = [  # (what, canonical shape, piece maker from a tensor of that shape, offsets of the piece)
@@ -109,30 +116,32 @@ PIECES = [  # (what, canonical shape, piece maker from a tensor of that shape, o
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("what,shape,cut,offsets", PIECES, ids=[p[0] for p in PIECES])
-def test_the_kernels_rows_hash_as_the_definition(dtype, what, shape, cut, offsets):
-    from awex.transport.digest import piece_digest_torch, salt
+def test_the_torch_path_hashes_as_the_definition(dtype, what, shape, cut, offsets, monkeypatch):
+    import awex.transport.digest as digest
 
     t = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
-    piece = cut(t)
-    key = salt("model.w")
-    assert _digest_by_rows(piece, offsets, shape, key) == piece_digest_torch(piece, offsets, shape, key)
+    key = digest.salt("model.w")
+    want = _definition(cut(t), offsets, shape, key)
+    assert digest.piece_digest_torch(cut(t), offsets, shape, key) == want
+    monkeypatch.setattr(digest, "SPAN", 8)  # long rows in several spans, short ones several at a time
+    assert digest.piece_digest_torch(cut(t), offsets, shape, key) == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only (none here)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("what,shape,cut,offsets", PIECES, ids=[p[0] for p in PIECES])
 def test_the_kernel_hashes_as_the_definition(dtype, what, shape, cut, offsets):
-    from awex.transport.digest import piece_digest_kernel, piece_digest_torch, salt
+    from awex.transport.digest import piece_digest_kernel, salt
 
     t = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
     key = salt("model.w")
-    want = piece_digest_torch(cut(t), offsets, shape, key)
+    want = _definition(cut(t), offsets, shape, key)
     assert piece_digest_kernel(cut(t.cuda()), offsets, shape, key) == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only (none here)")
 def test_the_kernel_on_rows_longer_than_a_program_and_many_short_rows():
-    from awex.transport.digest import piece_digest_kernel, piece_digest_torch, salt
+    from awex.transport.digest import piece_digest_kernel, salt
 
     g = torch.Generator().manual_seed(5)
     for shape, cut, offsets in [
@@ -140,5 +149,59 @@ def test_the_kernel_on_rows_longer_than_a_program_and_many_short_rows():
         ((5000, 24), lambda t: t[:, 8:], (0, 8)),  # many rows shorter than a block
     ]:
         t = torch.randn(shape, generator=g).to(torch.bfloat16)
-        want = piece_digest_torch(cut(t), offsets, shape, salt("x"))
+        want = _definition(cut(t), offsets, shape, salt("x"))
         assert piece_digest_kernel(cut(t.cuda()), offsets, shape, salt("x")) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the batched kernel runs on CUDA only (none here)")
+def test_a_batch_of_regions_has_each_regions_digest():
+    """Regions of every kind of piece (whole, rows, strided rows, column-major, 3-d, bytes, unaligned, a view of
+    another dtype) laid out once and digested in a few launches: each region's digest is the definition's, and
+    again after the views' bytes changed (the batch reads them anew)."""
+    from awex.transport.digest_batch import batch
+
+    g = torch.Generator().manual_seed(7)
+    full = {
+        "a": torch.randn(64, 48, generator=g).to(torch.bfloat16),
+        "b": torch.randn(4, 6, 40, generator=g).to(torch.bfloat16),
+        "c": torch.randn(30, 20, generator=g).to(torch.float8_e4m3fn),
+        "d": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "e": torch.randn(70001, generator=g).to(torch.bfloat16),
+    }
+    cuda = {k: v.cuda() for k, v in full.items()}
+    cuda["b"] = cuda["b"].transpose(1, 2).contiguous().transpose(1, 2)  # strided rows
+    cuda["c"] = cuda["c"].t().contiguous().t()  # column-major bytes
+    shards = LocalShards(
+        {
+            "a": [(Box((0, 0), (64, 20)), cuda["a"][:, :20]), (Box((0, 20), (64, 28)), cuda["a"][:, 20:])],
+            "b": [(Box((0, 0, 0), (4, 6, 40)), cuda["b"])],
+            "c": [(Box((0, 0), (30, 20)), cuda["c"])],
+            "d": [(Box((0, 0), (33, 7)), cuda["d"].float())],  # read as bfloat16 (converted each time)
+            "e": [(Box((1,), (70000,)), cuda["e"][1:])],  # one word past alignment
+        }
+    )
+    dtypes = {"a": "bfloat16", "b": "bfloat16", "c": "float8_e4m3fn", "d": "bfloat16", "e": "bfloat16"}
+    regions = [
+        ("a", (64, 48), (0, 0), (64, 48)),
+        ("a", (64, 48), (5, 17), (30, 9)),
+        ("b", (4, 6, 40), (1, 2, 3), (3, 3, 30)),
+        ("c", (30, 20), (0, 0), (30, 20)),
+        ("d", (33, 7), (3, 0), (20, 7)),
+        ("e", (70001,), (1,), (70000,)),
+    ]
+    laid_out = batch(shards, [(n, shape, dtypes[n], o, s) for n, shape, o, s in regions])
+
+    def expected():
+        out = []
+        for n, shape, o, s in regions:
+            box = full[n][tuple(slice(a, a + b) for a, b in zip(o, s))]
+            out.append(_definition(box, o, shape, salt(n)))
+        return out
+
+    from awex.transport.digest import salt
+
+    assert laid_out.sums() == expected()
+    for k in ("a", "c", "e"):
+        full[k].view(-1).view(torch.uint8)[6:18] += 3
+        cuda[k].copy_(full[k])
+    assert laid_out.sums() == expected()

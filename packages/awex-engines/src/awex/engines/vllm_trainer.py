@@ -156,6 +156,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     allow_cast: tuple[str, ...] = ()  # globs of tensors that may narrow (("*",): fp32 trainer into a bf16 engine)
     delta: bool = False  # only the words that changed (transport "p2p" or "ipc"; see WeightsWriter)
     quantize_on_receive: bool = False  # FP8 engines on the trainer's GPUs quantise the copy (transport "ipc")
+    verify: bool = False  # engines compare digests of what they got with the trainer's before a version counts
 
     def __post_init__(self) -> None:
         self.instances = _names(self.instances, "instances")
@@ -182,6 +183,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
             allow_cast=self.allow_cast,
             delta=self.delta,
             quantize_on_receive=self.quantize_on_receive,
+            verify=self.verify,
         )
 
 
@@ -270,6 +272,7 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
             allow_cast=init_info.allow_cast,
             delta=init_info.delta,
             quantize_on_receive=init_info.quantize_on_receive,
+            verify=init_info.verify,
         )
         if init_info.is_sender:
             sender = VersionSender(

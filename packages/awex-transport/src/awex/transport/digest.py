@@ -9,24 +9,26 @@ in :mod:`awex.transport.checksum` (two 32-bit finalisers of ``p ^ w`` and ``p ^ 
 are order-free, so a region's digest is the sum of its pieces' and a rank's the sum of its regions'; positions and
 the salt make a word moved to another place or another tensor count as a change.
 
-On CUDA one Triton kernel hashes a piece in place (no temporaries): the piece is cut into rows whose words are
-contiguous both in memory and in positions (as few as its strides allow: one for a whole tensor or a slice of dim
-0), each program hashes one span of one row and adds its two sums into one int64 pair. Elsewhere (or without
-Triton) torch computes the same in int64, dim-0 chunk by chunk, so its temporaries stay bounded.
+A piece is cut into rows whose positions are contiguous and whose words lie evenly spaced in memory (as few rows as
+its strides allow: one for a whole tensor or a slice of dim 0). On CUDA one Triton kernel hashes them in place (each
+program one span of one row, in 32-bit arithmetic, its two sums added into an int64 pair on the device); elsewhere
+(or without Triton) torch computes the same in int64, a span of words at a time, so its temporaries stay small. Sums
+stay on the device until a caller reads them (:func:`region_sums` into a row of a tensor it reads once).
 """
 
 from __future__ import annotations
 
 import zlib
-from math import prod
+from math import gcd, prod
+from typing import NamedTuple
 
 import torch
 
-from awex.transport.checksum import MASK, MIX_A, MIX_B, POS, SEED, mix, triton_cdiv
+from awex.transport.checksum import MASK, MIX_A, MIX_B, POS, SEED, triton_cdiv
 from awex.transport.shards import LocalShards, torch_dtype
 
 MOD = 1 << 64
-ROWS_ELEMENTS = 1 << 22  # the torch path: elements hashed at a time (bounds the temporaries)
+SPAN = 1 << 16  # the torch path: words hashed at a time (temporaries that stay in cache)
 BLOCK, ITERS = 1024, 16  # the kernel: a program hashes up to ITERS blocks of BLOCK words of one row
 
 _KERNEL: list = []
@@ -38,49 +40,12 @@ def salt(name: str) -> int:
     return zlib.crc32(name.encode()) * 0x9E3779B1 & MASK
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as 16-bit words (int64, unsigned), shape ``t.shape + (words per element,)``."""
-    t = t.contiguous()
-    if t.element_size() == 1:
-        return t.view(torch.uint8).to(torch.int64).unsqueeze(-1)
-    return (t.view(torch.int16).to(torch.int64) & 0xFFFF).reshape(*t.shape, t.element_size() // 2)
+def add(x: Digest, y: Digest) -> Digest:
+    return (x[0] + y[0]) % MOD, (x[1] + y[1]) % MOD
 
 
-def piece_digest(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], key: int) -> Digest:
-    """The digest of ``piece``: the box of the canonical tensor of ``shape`` starting at ``offsets`` (in the tensor's
-    plan dtype), its positions salted by ``key``."""
-    if piece.numel() == 0:
-        return 0, 0
-    if piece.is_cuda and _kernel() is not None:
-        return piece_digest_kernel(piece, offsets, shape, key)
-    return piece_digest_torch(piece, offsets, shape, key)
-
-
-def piece_digest_torch(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], key: int) -> Digest:
-    """:func:`piece_digest` by its definition in torch (int64 temporaries of at most :data:`ROWS_ELEMENTS` words
-    per element)."""
-    if piece.numel() == 0:
-        return 0, 0
-    strides = [prod(shape[d + 1 :]) for d in range(len(shape))]
-    if piece.dim() == 0:
-        piece, offsets, strides = piece.reshape(1), (0,), [1]
-    rows = max(1, ROWS_ELEMENTS // max(1, prod(piece.shape[1:])))
-    sums = torch.zeros(2, dtype=torch.int64, device=piece.device)
-    for r0 in range(0, piece.shape[0], rows):
-        chunk = piece[r0 : r0 + rows]
-        words = _words(chunk)
-        n = words.shape[-1]
-        g = torch.zeros((), dtype=torch.int64, device=piece.device)
-        for d, size in enumerate(chunk.shape):
-            start = offsets[d] + (r0 if d == 0 else 0)
-            at = torch.arange(start, start + size, device=piece.device, dtype=torch.int64) * strides[d]
-            g = g.unsqueeze(-1) + at if d else at
-        if chunk.dim() > 1:
-            g = g.reshape(chunk.shape)
-        pos = g.unsqueeze(-1) * n + torch.arange(n, device=piece.device, dtype=torch.int64)
-        p = (((pos + key + SEED) & MASK) * POS) & MASK
-        sums[0] += mix(p ^ words, MIX_A).sum()
-        sums[1] += mix(p ^ (words << 16), MIX_B).sum()
+def digest_of(sums: torch.Tensor) -> Digest:
+    """The digest an int64 pair of sums holds (reads it: on CUDA, waits for the kernels that add to it)."""
     a, b = sums.tolist()
     return a % MOD, b % MOD
 
@@ -91,26 +56,90 @@ def region_digest(
     """The digest of region ``offsets``/``sizes`` of canonical tensor ``name`` (``shape``, plan dtype ``dtype``)
     as ``shards`` hold it (views of another dtype are read as the plan's: a float32 view holding a bfloat16
     tensor is narrowed, exactly); raises unless ``shards`` hold all of it."""
+    sums = torch.zeros(2, dtype=torch.int64, device=shards.device)
+    region_sums(shards, name, shape, dtype, offsets, sizes, sums)
+    return digest_of(sums)
+
+
+def region_sums(
+    shards: LocalShards,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    out: torch.Tensor,
+) -> None:
+    """Add :func:`region_digest`'s two sums to ``out`` (int64, two elements, on the views' device) without reading
+    them: many regions, one read."""
     want = torch_dtype(dtype)
     key = salt(name)
-    a = b = 0
     for index, view in shards.pieces(name, offsets, sizes):
         starts = tuple(o + (s.start or 0) for o, s in zip(offsets, index)) if index else offsets
-        da, db = piece_digest(view if view.dtype == want else view.to(want), starts, shape, key)
-        a, b = (a + da) % MOD, (b + db) % MOD
-    return a, b
+        piece_sums(view if view.dtype == want else view.to(want), starts, shape, key, out)
 
 
-def add(x: Digest, y: Digest) -> Digest:
-    return (x[0] + y[0]) % MOD, (x[1] + y[1]) % MOD
+def piece_digest(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], key: int) -> Digest:
+    """The digest of ``piece``: the box of the canonical tensor of ``shape`` starting at ``offsets`` (in the tensor's
+    plan dtype), its positions salted by ``key``."""
+    sums = torch.zeros(2, dtype=torch.int64, device=piece.device)
+    piece_sums(piece, offsets, shape, key, sums)
+    return digest_of(sums)
 
 
-def _rows(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]):
-    """``piece`` as 16-bit words (or bytes, for 1-byte dtypes), cut into rows whose positions are contiguous and
-    whose words lie ``step`` apart in memory (1 but for the last dim of a column-major piece of a 1- or 2-byte
-    dtype): ``(words, row positions, row memory offsets in words, words per row, step)``, the two row tensors int64
-    on the piece's device (one entry per row). Rows are as long as the strides allow (a whole tensor or a slice of
-    dim 0: one row)."""
+def piece_sums(
+    piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], key: int, out: torch.Tensor
+) -> None:
+    """Add :func:`piece_digest`'s two sums to ``out`` (on the piece's device): the kernel on CUDA, else torch."""
+    if piece.numel() == 0:
+        return
+    if piece.is_cuda and _kernel() is not None:
+        _kernel_sums(_rows(piece, offsets, shape), key, out)
+    else:
+        _torch_sums(_rows(piece, offsets, shape), key, out)
+
+
+def piece_digest_torch(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], key: int) -> Digest:
+    """:func:`piece_digest` by the torch path, on any device."""
+    sums = torch.zeros(2, dtype=torch.int64, device=piece.device)
+    if piece.numel():
+        _torch_sums(_rows(piece, offsets, shape), key, sums)
+    return digest_of(sums)
+
+
+def piece_digest_kernel(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], key: int) -> Digest:
+    """:func:`piece_digest` of a CUDA piece by the Triton kernel (one launch; reads each word once, in place)."""
+    sums = torch.zeros(2, dtype=torch.int64, device=piece.device)
+    if piece.numel():
+        _kernel_sums(_rows(piece, offsets, shape), key, sums)
+    return digest_of(sums)
+
+
+class Rows(NamedTuple):
+    """A piece as rows of words (:func:`_rows`)."""
+
+    words: torch.Tensor  # the piece's 16-bit words (int16), or bytes (uint8) for 1-byte dtypes
+    base: int  # the position of the first row's first word
+    row: int  # words per row (positions contiguous)
+    step: int  # words between a row's words in memory
+    lead: tuple[tuple[int, int, int], ...]  # per dim indexing rows: (size, position stride, memory stride)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's first position and memory offset (in words, from the piece's first), int64 on its device."""
+        device = self.words.device
+        pos = torch.full((), self.base, dtype=torch.int64, device=device)
+        mem = torch.zeros((), dtype=torch.int64, device=device)
+        for size, pos_stride, mem_stride in self.lead:
+            at = torch.arange(size, dtype=torch.int64, device=device)
+            pos = pos.unsqueeze(-1) + at * pos_stride
+            mem = mem.unsqueeze(-1) + at * mem_stride
+        return pos.reshape(-1), mem.reshape(-1)
+
+
+def _rows(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]) -> Rows:
+    """``piece`` as :class:`Rows`: rows whose positions are contiguous and whose words lie ``step`` apart in memory
+    (1 but for the last dim of a column-major piece of a 1- or 2-byte dtype), as long as the strides allow (a whole
+    tensor or a slice of dim 0: one row)."""
     if piece.dim() == 0:
         piece, offsets, shape = piece.reshape(1), (0,), (1,)
     n = max(1, piece.element_size() // 2)  # words per element
@@ -127,30 +156,81 @@ def _rows(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...])
         row *= words.shape[d]
         last = d
     base = sum(o * st for o, st in zip(offsets, strides))
-    pos = torch.full((), base, dtype=torch.int64, device=piece.device)
-    mem = torch.zeros((), dtype=torch.int64, device=piece.device)
-    for d in range(last):
-        at = torch.arange(words.shape[d], dtype=torch.int64, device=piece.device)
-        pos = pos.unsqueeze(-1) + at * strides[d]
-        mem = mem.unsqueeze(-1) + at * words.stride(d)
-    return words, pos.reshape(-1), mem.reshape(-1), row, step
+    lead = tuple((words.shape[d], strides[d], words.stride(d)) for d in range(last) if words.shape[d] != 1)
+    return Rows(words, base, row, step, lead)
 
 
-def piece_digest_kernel(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], key: int) -> Digest:
-    """:func:`piece_digest` of a CUDA piece by one Triton kernel launch (reads each word once, in place)."""
-    words, pos, mem, row, step = _rows(piece, offsets, shape)
-    sums = torch.zeros(2, dtype=torch.int64, device=piece.device)
+def _torch_sums(rows: Rows, key: int, out: torch.Tensor) -> None:
+    """The sums in torch, on any device: a long row span by span, short rows gathered several at a time, in int64,
+    in place where torch allows."""
+    words, row, step = rows.words, rows.row, rows.step
+    pos, mem = rows.tables() if rows.lead else ([rows.base], [0])
+    last = (int(mem.max()) if rows.lead else 0) + (row - 1) * step + 1
+    storage = words.as_strided((last,), (1,))  # from the piece's first word
+    low = 0xFF if words.element_size() == 1 else 0xFFFF
+    salted = (key + SEED) & MASK
+    cols = torch.arange(min(row, SPAN), dtype=torch.int64, device=words.device)
+    if row >= SPAN // 2 or not rows.lead:  # long rows: spans of one row
+        for p0, m0 in zip(pos.tolist() if rows.lead else pos, mem.tolist() if rows.lead else mem):
+            for c0 in range(0, row, SPAN):
+                n = min(SPAN, row - c0)
+                w = storage[m0 + c0 * step : m0 + (c0 + n - 1) * step + 1 : step]
+                _hash_into(out, w.to(torch.int64) & low, cols[:n] + (p0 + c0 + salted))
+    else:  # short rows: several at a time
+        k = max(1, SPAN // row)
+        at = cols * step
+        for r0 in range(0, pos.numel(), k):
+            w = storage[mem[r0 : r0 + k, None] + at]
+            _hash_into(out, w.to(torch.int64) & low, pos[r0 : r0 + k, None] + (cols + salted))
+
+
+def _hash_into(sums: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> None:
+    """Add the two hash sums of words ``w`` (int64, unsigned) at salted positions ``p`` (int64) to ``sums``;
+    overwrites both."""
+    p &= MASK
+    p *= POS
+    p &= MASK
+    h = p ^ w
+    sums[0] += _mix_(h, MIX_A).sum()
+    w <<= 16
+    p ^= w
+    sums[1] += _mix_(p, MIX_B).sum()
+
+
+def _mix_(x: torch.Tensor, muls: tuple[int, int]) -> torch.Tensor:
+    """:func:`awex.transport.checksum.mix` in place (int64 values below 2^32)."""
+    x ^= x >> 16
+    x *= muls[0]
+    x &= MASK
+    x ^= x >> 15
+    x *= muls[1]
+    x &= MASK
+    x ^= x >> 16
+    return x
+
+
+def _kernel_sums(rows: Rows, key: int, out: torch.Tensor) -> None:
+    """The sums by one Triton kernel launch (one span of one row per program; rows' tables only where there are
+    several)."""
+    words, row, step = rows.words, rows.row, rows.step
     iters = ITERS if row >= BLOCK * ITERS else 1
     spans = triton_cdiv(row, BLOCK * iters)
-    grid = (pos.numel() * spans,)
+    if rows.lead:
+        pos, mem = rows.tables()
+        count = pos.numel()
+        align = 8  # rows' memory offsets share this power-of-two factor (in words): vector loads where it is > 1
+        for _, _, mem_stride in rows.lead:
+            align = gcd(align, mem_stride)
+    else:
+        pos = mem = out  # (not read)
+        count, align = 1, 8
     constants = dict(POS=POS, A0=MIX_A[0], A1=MIX_A[1], B0=MIX_B[0], B1=MIX_B[1])
-    with torch.cuda.device(piece.device):
-        _kernel()[grid](
-            words, pos, mem, row, step, spans, (key + SEED) & MASK, sums,
-            **constants, BYTES=words.element_size() == 1, BLOCK=BLOCK, ITERS=iters, num_warps=4,
+    with torch.cuda.device(words.device):
+        _kernel()[(count * spans,)](
+            words, pos, mem, row, step, spans, ((0 if rows.lead else rows.base) + key + SEED) & MASK, out,
+            **constants, ONE_ROW=not rows.lead, STEP_ONE=step == 1, ALIGN=max(1, align),
+            BYTES=words.element_size() == 1, BLOCK=BLOCK, ITERS=iters, num_warps=4,
         )  # fmt: skip
-    a, b = sums.tolist()
-    return a % MOD, b % MOD
 
 
 def _kernel():
@@ -180,37 +260,54 @@ def _kernel():
         row,
         step,
         spans,
-        salted,
+        salted,  # key + SEED (one row: plus its first position), mod 2^32
         sums,
         POS: tl.constexpr,
         A0: tl.constexpr,
         A1: tl.constexpr,
         B0: tl.constexpr,
         B1: tl.constexpr,
+        ONE_ROW: tl.constexpr,
+        STEP_ONE: tl.constexpr,
+        ALIGN: tl.constexpr,
         BYTES: tl.constexpr,
         BLOCK: tl.constexpr,
         ITERS: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
-        r = pid // spans
-        start = (pid % spans) * BLOCK * ITERS
-        pos = tl.load(row_pos + r) + salted  # positions of this row, salted (+ key + SEED)
-        mem = tl.load(row_mem + r)
+        start = (pid % spans) * (BLOCK * ITERS)  # this program's first word of its row
+        if ONE_ROW:
+            pos = salted + start
+            at = words + start
+        else:
+            r = pid // spans
+            pos = tl.load(row_pos + r) + salted + start
+            mem = tl.multiple_of(tl.load(row_mem + r), ALIGN)
+            if STEP_ONE:
+                at = words + mem + start
+            else:
+                at = words + mem + start * step
+        p0 = (pos & 0xFFFFFFFF).to(tl.uint32)  # positions mod 2^32 from here on
+        left = row - start  # words of the row from this program's first
         lanes = tl.arange(0, BLOCK)
         sum_a = tl.zeros([BLOCK], dtype=tl.int64)
         sum_b = tl.zeros([BLOCK], dtype=tl.int64)
         for k in range(ITERS):
-            c = start + k * BLOCK + lanes
-            inside = c < row
-            if BYTES:
-                w = tl.load(words + mem + c * step, mask=inside, other=0).to(tl.uint32)
+            j = k * BLOCK + lanes
+            inside = j < left
+            if STEP_ONE:
+                w = tl.load(at + j, mask=inside, other=0)
             else:
-                w = tl.load(words + mem + c * step, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-            p = ((pos + c) & 0xFFFFFFFF).to(tl.uint32) * POS
+                w = tl.load(at + j.to(tl.int64) * step, mask=inside, other=0)
+            if BYTES:
+                w = w.to(tl.uint32)
+            else:
+                w = w.to(tl.uint16, bitcast=True).to(tl.uint32)
+            p = (p0 + j.to(tl.uint32)) * POS
             h_a = _mix(p ^ w, A0, A1)
             h_b = _mix(p ^ (w << 16), B0, B1)
-            sum_a += tl.where(inside, h_a.to(tl.int64), 0)
-            sum_b += tl.where(inside, h_b.to(tl.int64), 0)
+            sum_a += tl.where(inside, h_a, 0).to(tl.int64)
+            sum_b += tl.where(inside, h_b, 0).to(tl.int64)
         tl.atomic_add(sums, tl.sum(sum_a, axis=0))
         tl.atomic_add(sums + 1, tl.sum(sum_b, axis=0))
 

@@ -20,13 +20,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from awex.engines.sync import keys
 from awex.engines.sync.manifest import SyncManifest
 from awex.meta import Plan
 from awex.meta.client import MetaClient, MetaTimeoutError
 from awex.meta.spec import Role
+from awex.transport import digest_batch
 from awex.transport.base import TransferError
-from awex.transport.digest import Digest, add, region_digest
+from awex.transport.digest import MOD, Digest, add, region_sums
+from awex.transport.digest_batch import DigestBatch
 from awex.transport.shards import LocalShards
 
 log = logging.getLogger("awex.engines")
@@ -80,18 +84,36 @@ def regions(plan: Plan, rank: int) -> Regions:
 
 
 def digests(plan: Plan, shards: LocalShards, groups: Mapping[int, Sequence[RegionKey]]) -> dict[int, Digest]:
-    """Per group, the digest of its regions as ``shards`` hold them (a region in several groups is read once)."""
-    specs = plan.tensors
-    seen: dict[RegionKey, Digest] = {}
+    """Per group, the digest of its regions as ``shards`` hold them (a region in several groups is read once; the
+    sums stay on the views' device until one read at the end). CUDA views: :class:`Verifier` batches the kernels."""
+    index = _order(groups)
+    sums = torch.zeros(len(index), 2, dtype=torch.int64, device=shards.device)
+    for region, i in index.items():
+        region_sums(shards, *_region(plan, region), sums[i])
+    return _grouped(groups, index, [(a % MOD, b % MOD) for a, b in sums.tolist()])
+
+
+def _order(groups: Mapping[int, Sequence[RegionKey]]) -> dict[RegionKey, int]:
+    index: dict[RegionKey, int] = {}
+    for keys_ in groups.values():
+        for key in keys_:
+            index.setdefault(key, len(index))
+    return index
+
+
+def _region(plan: Plan, key: RegionKey) -> tuple:
+    t = plan.tensors[key[0]]
+    return t.name, tuple(t.shape), t.dtype, key[1], key[2]
+
+
+def _grouped(
+    groups: Mapping[int, Sequence[RegionKey]], index: Mapping[RegionKey, int], values: Sequence[Digest]
+) -> dict[int, Digest]:
     out: dict[int, Digest] = {}
     for group, keys_ in groups.items():
         total: Digest = (0, 0)
         for key in keys_:
-            d = seen.get(key)
-            if d is None:
-                t = specs[key[0]]
-                d = seen[key] = region_digest(shards, t.name, tuple(t.shape), t.dtype, key[1], key[2])
-            total = add(total, d)
+            total = add(total, values[index[key]])
         out[group] = total
     return out
 
@@ -121,21 +143,33 @@ def _who(plan: Plan, rank: int) -> str:
 
 
 class Verifier:
-    """One rank's side of verify mode; keeps the last plan's :class:`Regions`."""
+    """One rank's side of verify mode; keeps the last plan's :class:`Regions` and, for CUDA views, their regions
+    laid out for a few kernel launches (``awex.transport.digest_batch``; again for views of memory that moved)."""
 
     def __init__(self, client: MetaClient):
         self.client = client
         self._regions: tuple[Plan, int, Regions] | None = None
+        self._batch: tuple[Plan, LocalShards, dict[RegionKey, int], DigestBatch] | None = None
 
     def _of(self, plan: Plan, rank: int) -> Regions:
         if self._regions is None or self._regions[0] is not plan or self._regions[1] != rank:
             self._regions = (plan, rank, regions(plan, rank))
+            self._batch = None
         return self._regions[2]
+
+    def _digests(self, plan: Plan, shards: LocalShards, groups: Mapping[int, Sequence[RegionKey]]) -> dict[int, Digest]:
+        if shards.device.type != "cuda" or not digest_batch.available():
+            return digests(plan, shards, groups)
+        if self._batch is None or self._batch[0] is not plan or self._batch[1] is not shards:
+            index = _order(groups)
+            self._batch = (plan, shards, index, digest_batch.batch(shards, [_region(plan, k) for k in index]))
+        _, _, index, laid_out = self._batch
+        return _grouped(groups, index, laid_out.sums())
 
     def publish(self, plan: Plan, rank: int, manifest: SyncManifest, shards: LocalShards) -> None:
         """A trainer rank, after its transfer: digest what it sent per receiving rank and publish the record."""
         me = plan.ranks[rank]
-        sent = digests(plan, shards, self._of(plan, rank).sends)
+        sent = self._digests(plan, shards, self._of(plan, rank).sends)
         self.client.put(keys.verify(manifest.version, manifest.seq, me.instance, me.local_rank), record(plan, sent))
 
     def check(
@@ -150,7 +184,7 @@ class Verifier:
         """A receiving rank, after its transfer: digest what it holds per origin and compare with each origin's
         record (waiting for it until ``deadline``, ``time.monotonic()``; ``check_senders(origins)`` every second
         raises if one on this host is gone). Raises :class:`VerifyError` naming each origin whose regions differ."""
-        mine = digests(plan, shards, self._of(plan, rank).receives)
+        mine = self._digests(plan, shards, self._of(plan, rank).receives)
         wrong = []
         for origin, got in sorted(mine.items()):
             o = plan.ranks[origin]

@@ -1,0 +1,201 @@
+"""Digests of many regions of CUDA views in a few kernel launches (verify mode): the same sums as
+:func:`awex.transport.digest.region_sums`, region by region, without a launch (and its Python) per piece.
+
+:func:`batch` lays the regions' pieces out once, as a table of *entries* (runs of rows with evenly spaced memory and
+positions: a piece's rows, :func:`awex.transport.digest._rows`) and a table of *programs* (one span of one row each),
+on the views' device; :meth:`DigestBatch.sums` then launches one kernel per kind of entry (16-bit words or bytes;
+rows whose words are adjacent and 16-byte aligned, for vector loads, or not) and reads every region's sums once.
+Built per set of views: views of memory that moved make a new batch. Pieces that must be converted first (a view of
+another dtype than the plan's, or wider elements whose bytes are not adjacent) are digested one by one, each time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import product
+
+import torch
+
+from awex.transport.checksum import MIX_A, MIX_B, POS, SEED, triton_cdiv
+from awex.transport.digest import MOD, Digest, _rows, piece_sums, salt
+from awex.transport.shards import LocalShards, torch_dtype
+
+Region = tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]  # name, shape, dtype, offsets, sizes
+BLOCK, ITERS = 1024, 16  # a program hashes a span of up to BLOCK * ITERS words of one row, BLOCK at a time
+FIELDS = ("off", "pos", "row", "step", "rows", "row_pos", "row_mem", "spans", "out")
+
+_KERNEL: list = []
+
+
+@dataclass
+class _Launch:
+    """Entries of one kind and their programs, on the device."""
+
+    words: torch.Tensor  # what entries' offsets count from (words of one of the views)
+    table: torch.Tensor  # int64 [len(FIELDS), entries]
+    prog_entry: torch.Tensor  # int32 [programs]
+    prog_local: torch.Tensor  # int64 [programs]: which span of which row of its entry
+    byte: bool
+    vector: bool  # every row 16-byte aligned, words adjacent
+
+
+@dataclass
+class DigestBatch:
+    """Regions laid out for :meth:`sums` (:func:`batch`)."""
+
+    count: int  # regions
+    device: torch.device
+    launches: list[_Launch] = field(default_factory=list)
+    # (region, piece, its offsets, the tensor's shape, salt, plan dtype): digested one by one, converted each time
+    loose: list[tuple[int, torch.Tensor, tuple[int, ...], tuple[int, ...], int, torch.dtype]] = field(
+        default_factory=list
+    )
+    shards: LocalShards | None = None  # kept alive: the tables hold its addresses
+
+    def sums(self) -> list[Digest]:
+        """Every region's digest, in the order given to :func:`batch` (one read of the device's sums)."""
+        out = torch.zeros(self.count, 2, dtype=torch.int64, device=self.device)
+        for launch in self.launches:
+            _run(launch, out)
+        for i, piece, starts, shape, key, want in self.loose:
+            piece_sums(piece if piece.dtype == want else piece.to(want), starts, shape, key, out[i])
+        return [(a % MOD, b % MOD) for a, b in out.tolist()]
+
+
+def batch(shards: LocalShards, regions: Sequence[Region]) -> DigestBatch:
+    """``regions`` of ``shards`` (CUDA views) laid out for one launch per kind (see the module)."""
+    device = shards.device
+    entries: dict[tuple[bool, bool], list[tuple]] = {}
+    bases: dict[bool, torch.Tensor] = {}
+    loose = []
+    for i, (name, shape, dtype, offsets, sizes) in enumerate(regions):
+        want, key = torch_dtype(dtype), salt(name)
+        for index, view in shards.pieces(name, offsets, sizes):
+            starts = tuple(o + (s.start or 0) for o, s in zip(offsets, index)) if index else offsets
+            if view.numel() == 0:
+                continue
+            if view.dtype != want or (view.element_size() > 2 and view.stride(-1) != 1):
+                loose.append((i, view, starts, shape, key, want))  # converted each time
+                continue
+            rows = _rows(view, starts, shape)
+            words = rows.words
+            byte = words.element_size() == 1
+            base = bases.setdefault(byte, words)
+            gap = words.data_ptr() - base.data_ptr()
+            if gap % words.element_size():
+                loose.append((i, view, starts, shape, key, want))
+                continue
+            outer, (n, row_pos, row_mem) = rows.lead[:-1], rows.lead[-1] if rows.lead else (1, 0, 0)
+            vec = 16 // words.element_size()  # words in 16 bytes
+            for at in product(*(range(size) for size, _, _ in outer)):
+                off = gap // words.element_size() + sum(a * m for a, (_, _, m) in zip(at, outer))
+                pos = rows.base + sum(a * p for a, (_, p, _) in zip(at, outer)) + key + SEED
+                vector = rows.step == 1 and off % vec == 0 and (n == 1 or row_mem % vec == 0)
+                spans = triton_cdiv(rows.row, BLOCK * ITERS)
+                fields = (off, pos, rows.row, rows.step, n, row_pos, row_mem, spans, i)
+                entries.setdefault((byte, vector), []).append(fields)
+    out = DigestBatch(len(regions), device, loose=loose, shards=shards)
+    for (byte, vector), fields in sorted(entries.items()):
+        table = torch.tensor(fields, dtype=torch.int64).t().contiguous().to(device)
+        per_entry = table[FIELDS.index("rows")] * table[FIELDS.index("spans")]
+        prog_entry = torch.repeat_interleave(torch.arange(len(fields), device=device, dtype=torch.int32), per_entry)
+        first = torch.cumsum(per_entry, 0) - per_entry
+        prog_local = torch.arange(prog_entry.numel(), device=device, dtype=torch.int64) - first[prog_entry.long()]
+        out.launches.append(_Launch(bases[byte], table, prog_entry, prog_local, byte, vector))
+    return out
+
+
+def _run(launch: _Launch, out: torch.Tensor) -> None:
+    t = launch.table
+    with torch.cuda.device(out.device):
+        _kernel()[(launch.prog_entry.numel(),)](
+            launch.words, *(t[k] for k in range(len(FIELDS))), launch.prog_entry, launch.prog_local, out,
+            POS=POS, A0=MIX_A[0], A1=MIX_A[1], B0=MIX_B[0], B1=MIX_B[1], BYTES=launch.byte, VECTOR=launch.vector,
+            BLOCK=BLOCK, ITERS=ITERS, num_warps=4,
+        )  # fmt: skip
+
+
+def _kernel():
+    if _KERNEL:
+        return _KERNEL[0]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mix(x, m0, m1):  # awex.transport.checksum.mix in uint32 (products wrap mod 2^32; shifts are logical)
+        x = x ^ (x >> 16)
+        x = x * m0
+        x = x ^ (x >> 15)
+        x = x * m1
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def entry_sums(
+        words,
+        off_t,
+        pos_t,
+        row_t,
+        step_t,
+        rows_t,
+        row_pos_t,
+        row_mem_t,
+        spans_t,
+        out_t,
+        prog_entry,
+        prog_local,
+        sums,
+        POS: tl.constexpr,
+        A0: tl.constexpr,
+        A1: tl.constexpr,
+        B0: tl.constexpr,
+        B1: tl.constexpr,
+        BYTES: tl.constexpr,
+        VECTOR: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ITERS: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        e = tl.load(prog_entry + pid)
+        local = tl.load(prog_local + pid)
+        spans = tl.load(spans_t + e)
+        r = local // spans
+        start = (local % spans) * (BLOCK * ITERS)
+        step = tl.load(step_t + e)
+        left = tl.load(row_t + e) - start
+        off = tl.load(off_t + e) + r * tl.load(row_mem_t + e) + start * step
+        p0 = ((tl.load(pos_t + e) + r * tl.load(row_pos_t + e) + start) & 0xFFFFFFFF).to(tl.uint32)
+        if VECTOR:
+            off = tl.multiple_of(off, 16 if BYTES else 8)
+        lanes = tl.arange(0, BLOCK)
+        sum_a = tl.zeros([BLOCK], dtype=tl.int64)
+        sum_b = tl.zeros([BLOCK], dtype=tl.int64)
+        for k in range(0, tl.cdiv(tl.minimum(left, BLOCK * ITERS), BLOCK)):
+            j = k * BLOCK + lanes
+            inside = j < left
+            if VECTOR:
+                w = tl.load(words + off + j, mask=inside, other=0)
+            else:
+                w = tl.load(words + off + j.to(tl.int64) * step, mask=inside, other=0)
+            if BYTES:
+                w = w.to(tl.uint32)
+            else:
+                w = w.to(tl.uint16, bitcast=True).to(tl.uint32)
+            p = (p0 + j.to(tl.uint32)) * POS
+            sum_a += tl.where(inside, _mix(p ^ w, A0, A1), 0).to(tl.int64)
+            sum_b += tl.where(inside, _mix(p ^ (w << 16), B0, B1), 0).to(tl.int64)
+        o = tl.load(out_t + e)
+        tl.atomic_add(sums + 2 * o, tl.sum(sum_a, axis=0))
+        tl.atomic_add(sums + 2 * o + 1, tl.sum(sum_b, axis=0))
+
+    _KERNEL.append(entry_sums)
+    return entry_sums
+
+
+def available() -> bool:
+    """Whether Triton is installed (the batch runs on CUDA views only)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
