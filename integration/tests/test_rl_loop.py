@@ -1,6 +1,6 @@
 """A GRPO-style RL loop through vLLM's RL API with backend ``awex``, as an RL stack runs it: rollouts sampled from
 `vllm serve`, a verifiable reward, a policy-gradient step on an HF trainer, the new version sent through vLLM's
-trainer API (``pause="keep"``) while greedy requests are running, repeated for several versions.
+trainer API (``pause="keep"``, verify mode on) while greedy requests are running, repeated for several versions.
 
 Each step checks what makes the loop correct, not only that it ran:
 - on-policy: every sampled token's logprob from the engine equals the trainer's for the version it was sent
@@ -67,7 +67,10 @@ def test_grpo_loop_through_vllms_rl_api(vllm_server):
     prompts = [tok(p).input_ids for p in RL_PROMPTS]
     meta = start_embedded()
     engine = WeightTransferTrainerFactory.trainer_init(
-        AwexTrainerInitInfo(rank=0, meta_address=meta.address, job="grpo", instances=("vllm-http",), timeout=60),
+        # verify mode: every version's bytes in the engine checked against the trainer's before it counts
+        AwexTrainerInitInfo(
+            rank=0, meta_address=meta.address, job="grpo", instances=("vllm-http",), timeout=60, verify=True
+        ),
         client=HTTPVLLMWeightSyncClient(server.base, timeout=120),
         source=ModuleSource(policy),
     )

@@ -154,7 +154,8 @@ def trainer_rank(job: RankJob) -> list[dict]:
         if fault == "die_while_filling":  # shm: said ready, its segment part-filled (the receivers copy what is there)
             from awex.transport.pull import shm
 
-            def fill_half(sender, count=1, deadline=None):
+            def fill_half(sender, count=1, deadline=None, version=""):
+                sender.segment.set_version(count, version)
                 sender.segment.set_progress(count, sender.segment.nbytes // 2)  # (the bytes are not written)
                 time.sleep(0.2)  # the receivers copy the first half
                 os._exit(EXIT_CODE)
