@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
+
 from awex.transport import group
 
 
@@ -30,3 +33,19 @@ def test_gloo_groups_have_no_watchdog_to_follow():
     sync = group.SyncGroup(0, 1, "gloo", pg, store)
     sync.follow_deadline(5.0)
     assert sync._watchdog == 0.0 and sync.error() is None
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int16, torch.uint16, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16]
+)
+def test_what_nccl_refuses_goes_as_the_same_bytes_of_a_dtype_it_sends(dtype):
+    """PyTorch's NCCL group refuses int16 (delta syncs' words) and FP8 tiles; they go as a dtype of the same size,
+    a view of the same bytes (dtypes NCCL sends go as they are)."""
+    from awex.transport.group import on_the_wire
+
+    raw = (torch.arange(64, dtype=torch.int16) % 2).view(torch.uint8)  # bytes 0 and 1 only: valid bools too
+    t = raw.view(dtype)
+    wire = on_the_wire(t)
+    nccl = {torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32}
+    assert wire.dtype in nccl and wire.element_size() == t.element_size() and wire.shape == t.shape
+    assert wire.data_ptr() == t.data_ptr() and torch.equal(wire.view(dtype).view(torch.uint8), t.view(torch.uint8))

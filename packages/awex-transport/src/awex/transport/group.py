@@ -38,6 +38,23 @@ ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _env_lock = threading.Lock()
 
 
+# dtypes PyTorch's NCCL process group refuses ("not supported for NCCL"), sent as a dtype of the same size: point to
+# point and broadcast only copy bytes, so the bytes arrive as they were (int16: delta syncs' words; FP8 tiles)
+_WIRE_DTYPES = {
+    torch.int16: torch.float16,
+    torch.uint16: torch.float16,
+    torch.bool: torch.uint8,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+}
+
+
+def on_the_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a dtype NCCL sends (a view of the same bytes)."""
+    wire = _WIRE_DTYPES.get(tensor.dtype)
+    return tensor if wire is None else tensor.view(wire)
+
+
 @dataclass
 class SyncGroup:
     """A process group over the sync world, with the store that holds it together."""
@@ -78,9 +95,9 @@ class SyncGroup:
         if self.backend in GROUPED:  # NCCL and HCCL: one coalesced group
             pg._start_coalescing()  # the NCCL backend object (not the ProcessGroup wrapper) takes no device
             for tensor, peer in sends:
-                pg.send([tensor], peer, 0)
+                pg.send([on_the_wire(tensor)], peer, 0)
             for tensor, peer in recvs:
-                pg.recv([tensor], peer, 0)
+                pg.recv([on_the_wire(tensor)], peer, 0)
             work = pg._end_coalescing()
             return [work] if work is not None else []
         works = []
@@ -122,7 +139,7 @@ class SyncGroup:
         """Broadcast ``tensor`` from sync-world rank ``root`` to the other ``members`` (asynchronous: the work)."""
         options = dist.BroadcastOptions()
         options.rootRank = members.index(root)
-        return self.subgroup(members).broadcast([tensor], options)
+        return self.subgroup(members).broadcast([on_the_wire(tensor)], options)
 
     def error(self) -> str | None:
         """NCCL: the communicator's error since it was built (``TIMEOUT``, ``COMM_ERROR``, ``REMOTE_ERROR``: the
