@@ -5,6 +5,7 @@ import json
 import threading
 from pathlib import Path
 
+from awex.engines.sync import keys, places
 from awex.engines.sync.keys import version_records
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.session import SyncSession
@@ -29,6 +30,15 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
         vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-0"),
         vllm_layout(tensors, VllmParallel(tp=1), instance="vllm-1"),
     ]
+    gathered = {}  # every rank's device record, as the ranks' device exchange read them
+    gather = places._gather
+
+    def reading(*args, **kwargs):
+        records = gather(*args, **kwargs)
+        gathered.update(records)
+        return records
+
+    places._gather = reading
     server = start_embedded()
     try:
         client = MetaClient(server.address, job="devices", timeout=20)
@@ -59,11 +69,12 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
         if fails:
             return {"errors": errors}
         assert not errors, errors
-        remaining = client.keys("devices/")
-        published = [client.get(k) for k in remaining]
+        published = list(gathered.values())
         client.forget(*version_records("v1"))
-        assert not client.keys("devices/")  # a version's device records go with the version
+        # a version's device records go with the version: a gather of that name starts anew
+        assert client.gather(keys.devices_gather("v1/0"), "probe", 1, 0, timeout=1) == {"probe": 0}
     finally:
+        places._gather = gather
         server.stop()
     plan = plans[("trainer", 0)]
     assert len({p.digest for p in plans.values()}) == 1  # every rank planned the same
@@ -72,7 +83,7 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
     return {
         "plan": plan,
         "gpu_of": gpu_of,
-        "device_keys": remaining,
+        "device_keys": sorted(gathered),
         "published": published,
         "transport": transports[("trainer", 0)],
     }

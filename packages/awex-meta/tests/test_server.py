@@ -132,6 +132,26 @@ def test_agreement_mismatch_and_missing_participant():
             c.agree("e", "r0", 2, "A", timeout=0.3)
 
 
+def test_a_gather_gives_every_participant_every_value_once_all_arrived(client):
+    """One request per participant: each gets every participant's value (JSON as given) once all arrived; a
+    participant that comes back gets the same answer; an agreement of the same name is not a gather."""
+    results = {}
+    values = {f"r{i}": {"device": f"GPU-{i}", "reach": [i, i + 1], "cpu": i % 2 == 0} for i in range(5)}
+
+    def rank(name):
+        results[name] = _catch(lambda: client.gather("devices/v1/1", name, 5, values[name], timeout=4.0))
+
+    threads = [threading.Thread(target=rank, args=(n,)) for n in values]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert results == {n: values for n in values}
+    assert client.gather("devices/v1/1", "r3", 5, values["r3"], timeout=1.0) == values
+    with pytest.raises(MetaConflictError, match="is a gather"):
+        client.agree("devices/v1/1", "r3", 5, values["r3"], timeout=1.0)
+    with pytest.raises(MetaTimeoutError, match="gather 'devices/v2/1': 1 of 2 participants arrived"):
+        client.gather("devices/v2/1", "r0", 2, 1, timeout=0.3)
+
+
 def _catch(fn):
     try:
         return fn()

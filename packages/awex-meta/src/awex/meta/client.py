@@ -386,6 +386,29 @@ class MetaClient:
                     f"agreement {name!r}: {doc['arrived']} of {expected} participants arrived within {timeout:g} s"
                 )
 
+    def gather(self, name: str, participant: str, expected: int, value: Any, timeout: float | None = None) -> dict:
+        """Contribute ``value`` and wait until ``expected`` participants did; every participant's value by name.
+
+        One request per participant where each would otherwise read every other's record (the device exchange of
+        a sync's ranks). Raises ``MetaTimeoutError`` when they did not all arrive within ``timeout``."""
+        timeout = self.timeout if timeout is None else seconds(timeout)
+        deadline = time.monotonic() + timeout
+        body = {"participant": participant, "expected": expected, "value": value, "gather": True}
+        while True:
+            wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
+            doc = self._request(
+                "POST", self._job_path("agree", name), body, deadline=deadline, query={"wait": f"{wait:.3f}"}
+            )[1]
+            if doc["complete"]:
+                values = doc.get("values")
+                if not isinstance(values, dict) or len(values) != expected:
+                    raise MetaServerError(f"gather {name!r}: a complete answer without its {expected} values")
+                return values
+            if time.monotonic() >= deadline:
+                raise MetaTimeoutError(
+                    f"gather {name!r}: {doc['arrived']} of {expected} participants arrived within {timeout:g} s"
+                )
+
     # -- metadata helpers ------------------------------------------------------------------------------
     def publish_layout(self, layout: Layout, version: str = "current") -> None:
         """Publish an engine instance's layout for weight version ``version`` (again if the server restarts)."""

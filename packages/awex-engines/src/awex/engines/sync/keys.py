@@ -1,7 +1,7 @@
 """Every MetaServer (and version channel) key a sync uses, in one place, and what a version leaves behind.
 
 A version's records live under its name: ``sync/<v>`` (the manifest), ``plan/<v>/<count>`` (the plan agreement),
-``devices/<v>/<count>/<instance>/<rank>`` (where each rank runs), ``<transport>-ready/<v>/<count>/...`` (ready
+``devices/<v>/<count>`` (where each rank runs: a gather), ``<transport>-ready/<v>/<count>/...`` (ready
 signals when neither the host board nor the version channel carries them), ``outcome/<v>/<count>/...``,
 ``verify/<v>/<count>/...``, ``validation/<v>/...``, ``received/<v>/...``, ``applied/<v>``, and vLLM's trainer
 engine's ``go/<v>/...`` and ``verdict/<v>/...``. A transport's descriptors are per rank and generation
@@ -37,9 +37,9 @@ def plan_agreement(version: str, count: int) -> str:
     return f"plan/{version}/{count}"
 
 
-def devices(attempt: str, instance: str, local_rank: int) -> str:
-    """``attempt``: ``<version>/<count>``."""
-    return f"devices/{attempt}/{instance}/{local_rank}"
+def devices_gather(attempt: str) -> str:
+    """The gather of every rank's device record of an attempt (``<version>/<count>``): an agreement's name."""
+    return f"devices/{attempt}"
 
 
 def ready(transport: str, version: str, count: int, instance: str, local_rank: int) -> str:
@@ -58,7 +58,12 @@ def outcome(version: str, count: int, instance: str, local_rank: int) -> str:
 
 def attempt_outcome(attempt: str, instance: str, local_rank: int) -> str:
     """:func:`outcome` by the attempt's name (``<version>/<count>``)."""
-    return f"outcome/{attempt}/{instance}:{local_rank}"
+    return f"{attempt_outcomes(attempt)}{instance}:{local_rank}"
+
+
+def attempt_outcomes(attempt: str) -> str:
+    """The prefix of every outcome of one attempt."""
+    return f"outcome/{attempt}/"
 
 
 def channel_outcome(version: str, count: int, instance: str, local_rank: int) -> str:

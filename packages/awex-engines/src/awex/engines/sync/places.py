@@ -90,49 +90,65 @@ def exchange(
     layouts: dict[str, Layout],
     deadline: float,
 ) -> Places:
-    """Publish ``doc`` as rank ``me``'s record of ``attempt`` (``<version>/<count>``) and read every rank's of the
-    instances ``names`` (waiting until ``deadline``). Records are untrusted: fields of the wrong type are ignored.
-    A rank that failed the attempt before publishing its record (it reported its outcome: a receiver that refused
-    the manifest) fails the wait at once with :class:`SyncFailedError`, instead of at the deadline."""
-    client.put(keys.devices(attempt, *me), doc)
+    """Contribute ``doc`` as rank ``me``'s record of ``attempt`` (``<version>/<count>``) and read every rank's of the
+    instances ``names`` (waiting until ``deadline``): one gather on the MetaServer, one request per rank (a rank
+    reading every other's record took N requests each). Records are untrusted: fields of the wrong type are ignored.
+    A rank that failed the attempt before contributing (it reported its outcome: a receiver that refused the
+    manifest) fails the wait at once with :class:`SyncFailedError`, instead of at the deadline."""
+    everyone = [(name, rank) for name in names for rank in range(layouts[name].world_size)]
+    records = _gather(client, attempt, me, doc, len(everyone), deadline)
     found = Places()
     common = {"board", "channel"}
     cpu_in_place = True
-    for name in names:
-        for rank in range(layouts[name].world_size):
-            if (name, rank) == tuple(me):
-                got = doc  # this rank's own: never read back (nor lost if the attempt is withdrawn meanwhile)
-            else:
-                got = _record(client, attempt, name, rank, deadline)
-            got = got if isinstance(got, dict) else {"device": got}
-            common &= set(got.get("signals", ()))
-            host = str(got.get("host", ""))
-            found.hosts.add(host)
-            pid, started = got.get("pid"), got.get("started")
-            if isinstance(pid, int) and (started is None or isinstance(started, int)):
-                found.processes[(name, rank)] = (host, pid, started)
-            cpu_in_place &= got.get("cpu") is True and got.get("in_place") is True and got.get("shm") is True
-            key = got.get("device")
-            if key:
-                found.devices.append((name, rank, str(key)))
-                found.reach[(name, rank)] = [str(d) for d in got.get("reach", ())]
+    for name, rank in everyone:
+        if (name, rank) == tuple(me):
+            got = doc  # this rank's own, as it gave it
+        elif f"{name}:{rank}" in records:
+            got = records[f"{name}:{rank}"]
+        else:
+            raise ValueError(
+                f"the device records of {attempt} have none of {name}:{rank} (another rank took its place)"
+            )
+        got = got if isinstance(got, dict) else {"device": got}
+        common &= set(got.get("signals", ()))
+        host = str(got.get("host", ""))
+        found.hosts.add(host)
+        pid, started = got.get("pid"), got.get("started")
+        if isinstance(pid, int) and (started is None or isinstance(started, int)):
+            found.processes[(name, rank)] = (host, pid, started)
+        cpu_in_place &= got.get("cpu") is True and got.get("in_place") is True and got.get("shm") is True
+        key = got.get("device")
+        if key:
+            found.devices.append((name, rank, str(key)))
+            found.reach[(name, rank)] = [str(d) for d in got.get("reach", ())]
     found.shm_ok = cpu_in_place and len(found.hosts) == 1
     found.signals = "board" if "board" in common else "channel" if "channel" in common else "meta"
     return found
 
 
-def _record(client: MetaClient, attempt: str, name: str, rank: int, deadline: float) -> Any:
-    """Rank ``name:rank``'s device record of ``attempt``, waiting until ``deadline`` in slices; between them, its
-    outcome of the attempt: a failure it reported ends the wait."""
+def _gather(client: MetaClient, attempt: str, me: tuple[str, int], doc: dict, expected: int, deadline: float) -> dict:
+    """Every rank's device record of ``attempt`` by ``instance:rank``, waiting until ``deadline`` in slices; between
+    them, the attempt's reported outcomes: a failure one reported ends the wait."""
     while True:
         left = deadline - time.monotonic()
         try:
-            return client.get(keys.devices(attempt, name, rank), timeout=max(0.1, min(WAIT_SLICE_SECONDS, left)))
+            return client.gather(
+                keys.devices_gather(attempt),
+                f"{me[0]}:{me[1]}",
+                expected,
+                doc,
+                timeout=max(0.1, min(WAIT_SLICE_SECONDS, left)),
+            )
         except MetaTimeoutError:
             if left <= WAIT_SLICE_SECONDS:
                 raise
-        outcome = client.try_get(keys.attempt_outcome(attempt, name, rank))
-        if isinstance(outcome, dict) and outcome.get("ok") is False:
-            cause, partial = str(outcome.get("cause"))[:2000], outcome.get("partial") is True
-            failed = {(name, rank): {"ok": False, "cause": cause, "partial": partial}}
-            raise SyncFailedError(attempt.rpartition("/")[0], failed)
+        for key in client.keys(keys.attempt_outcomes(attempt)):
+            outcome = client.try_get(key)
+            if isinstance(outcome, dict) and outcome.get("ok") is False:
+                who = key.rsplit("/", 1)[1]
+                instance, _, rank = who.rpartition(":")
+                cause, partial = str(outcome.get("cause"))[:2000], outcome.get("partial") is True
+                failed = {
+                    (instance, int(rank) if rank.isdigit() else -1): {"ok": False, "cause": cause, "partial": partial}
+                }
+                raise SyncFailedError(attempt.rpartition("/")[0], failed)

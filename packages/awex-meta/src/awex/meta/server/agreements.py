@@ -1,7 +1,12 @@
 """``POST /v1/jobs/{job}/agree/{name}``: a participant contributes its value and waits until the expected number
 did; the answer says whether all values were equal. Linear in the participants: distinct values are counted as they
 arrive, waiters wake once (when the last value arrives), and an answer names at most :data:`SHOWN` distinct values
-and their number."""
+and their number.
+
+With ``"gather": true`` (every participant of one name alike) the complete answer also carries every participant's
+value (``"values": {participant: value}``): one request per participant where each would otherwise read every
+other's record (the ranks' device exchange). Its body is encoded once, when the last value arrives, and sent to
+every participant as it is."""
 
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ class Server(Protocol):
 async def agree(server: Server, request: web.Request) -> web.Response:
     name = server.key_of(request)
     _, doc = await server.body_json(request)
-    f = fields(doc, {"participant": str, "expected": int, "value": object})
+    f = fields(doc, {"participant": str, "expected": int, "value": object, "gather": bool}, ("gather",))
+    gather = f.get("gather", False)
     config = server.config
     if not 1 <= f["expected"] <= config.max_agreement_size:
         raise BadRequest(f"expected must be 1 to {config.max_agreement_size}")
@@ -51,10 +57,12 @@ async def agree(server: Server, request: web.Request) -> web.Response:
                 f"(limit {config.max_agreements_per_job}; writers forget old versions')"
             )
         server.charge(job, len(name))
-        a = job.agreements[name] = Agreement(f["expected"])
+        a = job.agreements[name] = Agreement(f["expected"], gather=gather)
         job.add_agreement_bytes(a, len(name))
     if a.expected != f["expected"]:
         return error(409, "conflict", f"agreement {name!r} expects {a.expected} participants, not {f['expected']}")
+    if a.gather != gather:
+        return error(409, "conflict", f"agreement {name!r} is {'' if a.gather else 'not '}a gather")
     if participant not in a.values:
         if a.complete:
             return error(
@@ -71,6 +79,8 @@ async def agree(server: Server, request: web.Request) -> web.Response:
         job.topics, f"agree:{name}", lambda: a.complete, server.wait_of(request), request.remote or ""
     )
     done = a.complete
+    if done and a.gather:
+        return web.Response(body=a.gathered(), content_type="application/json")
     return web.json_response(
         {
             "complete": done,

@@ -54,6 +54,8 @@ class Agreement:
     value_bytes: int = 0  # values and participant names, as charged
     counts: Counter[str] = field(default_factory=Counter)  # canonical value -> participants that gave it
     first: dict[str, Any] = field(default_factory=dict)  # canonical value -> the value, in order of arrival
+    gather: bool = False  # the complete answer carries every participant's value
+    _gathered: bytes | None = None  # that answer, encoded once
 
     def give(self, participant: str, value: Any) -> None:
         key = json.dumps(value, sort_keys=True, separators=(",", ":"))
@@ -69,6 +71,16 @@ class Agreement:
     @property
     def complete(self) -> bool:
         return len(self.values) >= self.expected
+
+    def gathered(self) -> bytes:
+        """The complete gather's answer (JSON), encoded once from the canonical values as they are."""
+        if self._gathered is None:
+            distinct = list(self.first.values())
+            values = ",".join(f"{json.dumps(p)}:{v}" for p, v in sorted(self.values.items()))
+            head = {"complete": True, "arrived": len(self.values), "expected": self.expected, "distinct": len(distinct)}
+            self._gathered = (json.dumps(head)[:-1] + ',"distinct_values":' + json.dumps(distinct[:8])
+                              + ',"values":{' + values + "}}").encode()  # fmt: skip
+        return self._gathered
 
 
 class Topics:
