@@ -5,7 +5,9 @@ the server's limits are what is tested, not how many threads this machine runs.
 
 Cases (:func:`load_cases`): 5,000 long-polls on one key released by one write, which must get through while they
 wait; a 5,000-participant agreement; a 16,384-participant (2**14) agreement, beyond the server's per-address caps,
-so busy answers and retries carry it. Each must complete within its deadline, every client with the right answer.
+so busy answers and retries carry it; the device exchange of 1,024 ranks (a gather of each rank's record, as
+``awex.engines.sync.places`` contributes it). Each must complete within its deadline, every client with the right
+answer.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ RAMP = 2.0  # seconds over which the clients start (a burst of 16,384 connects i
 class LoadCase:
     name: str
     what: str
-    kind: str  # "long_polls" or "agreement"
+    kind: str  # "long_polls", "agreement" or "gather"
     clients: int
     recovers: bool = True
 
@@ -58,6 +60,13 @@ def load_cases() -> list[LoadCase]:
             "agreement",
             1 << 14,
         ),
+        LoadCase(
+            "metaserver_1024_rank_device_exchange",
+            "1,024 ranks exchange where they run (one gather of a device record each): every rank gets all 1,024 "
+            "records, as given",
+            "gather",
+            1024,
+        ),
     ]
 
 
@@ -69,15 +78,19 @@ class _Client:
         self.busy = 0  # 503 answers honoured
         self.dropped = 0  # connections reset while the server was full (retried, as MetaClient does)
 
-    async def call(self, method: str, path: str, body: Any = None, wait: float = 0.0) -> tuple[int, Any]:
+    async def call(
+        self, method: str, path: str, body: Any = None, wait: float = 0.0, raw: bool = False
+    ) -> tuple[int, Any]:
+        """The answer's status and JSON (``raw``: its bytes, unparsed; a busy answer is still honoured)."""
         import aiohttp
 
         while True:
             query = f"?wait={wait:.3f}" if wait else ""
             try:
                 async with self.slots, self.session.request(method, self.base + path + query, json=body) as r:
-                    doc = json.loads(await r.read() or b"null")
+                    data = await r.read()
                     status = r.status
+                    doc = data if raw and status != 503 else json.loads(data or b"null")
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
                 self.dropped += 1
                 await asyncio.sleep(0.05 + random.random() * 0.2)
@@ -136,6 +149,56 @@ async def _agreement(client: _Client, n: int) -> dict[str, Any]:
     return {"problems": problems, "agreement_seconds": round(time.monotonic() - started, 3)}
 
 
+def _device_record(i: int) -> dict:
+    """A rank's device record as ``awex.engines.sync.places.describe`` makes it (about 300 bytes)."""
+    gpu = f"node-{i // 8:04d}/GPU-{i % 8}-5f3c2b1a-0d4e-4f6a-9b8c-{i:012d}"
+    return {
+        "device": gpu,
+        "reach": [gpu.replace(f"GPU-{i % 8}", f"GPU-{k}") for k in range(2)],
+        "host": f"node-{i // 8:04d}",
+        "pid": 10_000 + i,
+        "started": 123_456 + i,
+        "cpu": False,
+        "in_place": True,
+        "shm": True,
+        "signals": ["board", "channel"],
+    }
+
+
+async def _gather(client: _Client, n: int) -> dict[str, Any]:
+    """Every rank's answer is checked: parsed and compared with the records given where it differs from the first
+    correct one byte for byte (the server encodes the answer once; each real rank parses only its own)."""
+    answers: dict[int, tuple[int, bytes]] = {}
+    want = {f"rank-{i}": _device_record(i) for i in range(n)}
+    good: set[bytes] = set()
+    last = [0.0]
+
+    def correct(data: bytes) -> bool:
+        if data in good:
+            return True
+        doc = json.loads(data)
+        if doc.get("complete") and doc.get("values") == want:
+            good.add(data)
+            return True
+        return False
+
+    async def give(i: int) -> None:
+        body = {"participant": f"rank-{i}", "expected": n, "value": _device_record(i), "gather": True}
+        await asyncio.sleep(random.random() * RAMP)
+        while True:
+            status, data = await client.call("POST", "/agree/devices/v-1/1", body, wait=SLICE, raw=True)
+            if status != 200 or data in good or json.loads(data).get("complete"):
+                answers[i] = (status, data)
+                break
+        last[0] = time.monotonic()
+
+    started = time.monotonic()
+    await asyncio.gather(*(give(i) for i in range(n)))
+    bad = [i for i, (status, data) in answers.items() if status != 200 or not correct(data)]
+    problems = [f"{len(bad)} of {n} ranks did not get every record as given, e.g. rank {bad[:3]}"] if bad else []
+    return {"problems": problems, "gather_seconds": round(last[0] - started, 3)}
+
+
 async def _run(case: LoadCase, address: str) -> dict[str, Any]:
     import aiohttp
 
@@ -145,7 +208,7 @@ async def _run(case: LoadCase, address: str) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = _Client(session, f"{address}/v1/jobs/load-{os.getpid()}", slots)
-        run = _long_polls if case.kind == "long_polls" else _agreement
+        run = {"long_polls": _long_polls, "agreement": _agreement, "gather": _gather}[case.kind]
         out = await asyncio.wait_for(run(client, case.clients), DEADLINE)
         out.update(busy_answers=client.busy, connections_dropped=client.dropped)
         return out
