@@ -365,48 +365,42 @@ class MetaClient:
 
         Ranks use it to prove they computed the same plan (``value`` = plan digest) before any byte moves.
         """
-        timeout = self.timeout if timeout is None else seconds(timeout)
-        deadline = time.monotonic() + timeout
         body = {"participant": participant, "expected": expected, "value": value}
-        while True:
-            wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
-            doc = self._request(
-                "POST", self._job_path("agree", name), body, deadline=deadline, query={"wait": f"{wait:.3f}"}
-            )[1]
-            if doc["complete"]:
-                values = doc["distinct_values"]
-                distinct = doc.get("distinct", len(values))
-                if distinct != 1 or len(values) != 1:
-                    raise AgreementError(
-                        f"participants of {name!r} disagree: {distinct} distinct values, among them {values[:4]}"
-                    )
-                return values[0]
-            if time.monotonic() >= deadline:
-                raise MetaTimeoutError(
-                    f"agreement {name!r}: {doc['arrived']} of {expected} participants arrived within {timeout:g} s"
-                )
+        doc = self._until_complete("agreement", name, body, timeout)
+        values = doc["distinct_values"]
+        distinct = doc.get("distinct", len(values))
+        if distinct != 1 or len(values) != 1:
+            raise AgreementError(
+                f"participants of {name!r} disagree: {distinct} distinct values, among them {values[:4]}"
+            )
+        return values[0]
 
     def gather(self, name: str, participant: str, expected: int, value: Any, timeout: float | None = None) -> dict:
         """Contribute ``value`` and wait until ``expected`` participants did; every participant's value by name.
 
         One request per participant where each would otherwise read every other's record (the device exchange of
         a sync's ranks). Raises ``MetaTimeoutError`` when they did not all arrive within ``timeout``."""
+        body = {"participant": participant, "expected": expected, "value": value, "gather": True}
+        values = self._until_complete("gather", name, body, timeout).get("values")
+        if not isinstance(values, dict) or len(values) != expected:
+            raise MetaServerError(f"gather {name!r}: a complete answer without its {expected} values")
+        return values
+
+    def _until_complete(self, what: str, name: str, body: dict, timeout: float | None) -> dict:
+        """Post ``body`` to agreement ``name`` in long-poll slices until its answer is complete (``what``: how the
+        timeout's error names it)."""
         timeout = self.timeout if timeout is None else seconds(timeout)
         deadline = time.monotonic() + timeout
-        body = {"participant": participant, "expected": expected, "value": value, "gather": True}
         while True:
             wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
             doc = self._request(
                 "POST", self._job_path("agree", name), body, deadline=deadline, query={"wait": f"{wait:.3f}"}
             )[1]
             if doc["complete"]:
-                values = doc.get("values")
-                if not isinstance(values, dict) or len(values) != expected:
-                    raise MetaServerError(f"gather {name!r}: a complete answer without its {expected} values")
-                return values
+                return doc
             if time.monotonic() >= deadline:
                 raise MetaTimeoutError(
-                    f"gather {name!r}: {doc['arrived']} of {expected} participants arrived within {timeout:g} s"
+                    f"{what} {name!r}: {doc['arrived']} of {body['expected']} participants arrived within {timeout:g} s"
                 )
 
     # -- metadata helpers ------------------------------------------------------------------------------
