@@ -27,6 +27,7 @@ CHUNK = 1 << 22  # words per chunk on the torch path
 BLOCK, ITERS = 1024, 16  # the kernel: each program hashes ITERS blocks of BLOCK words
 
 _KERNEL: list = []
+_MIX: list = []
 
 
 def checksum(words: torch.Tensor, chunk: int = CHUNK) -> tuple[int, int]:
@@ -80,6 +81,25 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def triton_mix():
+    """:func:`mix` as a Triton function on uint32 (products wrap mod 2^32; shifts are logical), for the kernels that
+    hash words (this module's, ``awex.transport.digest``'s); Triton must be installed."""
+    if _MIX:
+        return _MIX[0]
+    import triton
+
+    @triton.jit
+    def _mix(x, m0, m1):
+        x = x ^ (x >> 16)
+        x = x * m0
+        x = x ^ (x >> 15)
+        x = x * m1
+        return x ^ (x >> 16)
+
+    _MIX.append(_mix)
+    return _mix
+
+
 def _kernel():
     """The Triton kernel (ITERS blocks of words per program), or ``None`` where Triton is not installed."""
     if _KERNEL:
@@ -91,13 +111,7 @@ def _kernel():
         _KERNEL.append(None)
         return None
 
-    @triton.jit
-    def _mix(x, m0, m1):  # as mix() above, in uint32 (products wrap mod 2^32; shifts are logical)
-        x = x ^ (x >> 16)
-        x = x * m0
-        x = x ^ (x >> 15)
-        x = x * m1
-        return x ^ (x >> 16)
+    _mix = triton_mix()
 
     @triton.jit
     def block_sums(

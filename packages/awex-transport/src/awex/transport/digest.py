@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from awex.transport.checksum import MASK, MIX_A, MIX_B, POS, SEED, triton_cdiv
+from awex.transport.checksum import MASK, MIX_A, MIX_B, POS, SEED, triton_cdiv, triton_mix
 from awex.transport.shards import LocalShards, torch_dtype
 
 MOD = 1 << 64
@@ -244,13 +244,7 @@ def _kernel():
         _KERNEL.append(None)
         return None
 
-    @triton.jit
-    def _mix(x, m0, m1):  # awex.transport.checksum.mix in uint32 (products wrap mod 2^32; shifts are logical)
-        x = x ^ (x >> 16)
-        x = x * m0
-        x = x ^ (x >> 15)
-        x = x * m1
-        return x ^ (x >> 16)
+    _mix = triton_mix()
 
     @triton.jit
     def row_sums(

@@ -17,7 +17,7 @@ from itertools import product
 
 import torch
 
-from awex.transport.checksum import MIX_A, MIX_B, POS, SEED, triton_cdiv
+from awex.transport.checksum import MIX_A, MIX_B, POS, SEED, triton_cdiv, triton_mix
 from awex.transport.digest import MOD, Digest, _rows, piece_sums, salt
 from awex.transport.shards import LocalShards, torch_dtype
 
@@ -122,13 +122,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _mix(x, m0, m1):  # awex.transport.checksum.mix in uint32 (products wrap mod 2^32; shifts are logical)
-        x = x ^ (x >> 16)
-        x = x * m0
-        x = x ^ (x >> 15)
-        x = x * m1
-        return x ^ (x >> 16)
+    _mix = triton_mix()
 
     @triton.jit
     def entry_sums(
