@@ -163,9 +163,10 @@ def plan_transfers(
     device_of = [known.get((rank.instance, rank.local_rank)) for rank in ranks]
     same_device: PairTransfers = {}  # pieces a destination takes from a source on its own device
     same_device_load = [0] * len(ranks)
-    fanout = None
+    fanout = ports = None
     if options.topology:
-        fanout = NodeFanout(Placement.of(options.topology, ranks, options.hosts), len(ranks))
+        placement = Placement.of(options.topology, ranks, options.hosts)
+        fanout, ports = NodeFanout(placement, len(ranks)), placement.ports(options.topology)
     piece_cache: dict[tuple, list] = {}
     src_cache: dict[tuple, list[tuple[Box, tuple[int, ...]]]] = {}
     problems: list[str] = []
@@ -232,8 +233,9 @@ def plan_transfers(
     for q in quantized:
         row_multiples[index[q[0]]] = q[3][0]
     ordered, waves = assign_waves(
-        per_pair, relays, itemsizes, options.wave_bytes, len(ranks), options.split_bytes, broadcasts, row_multiples
-    )
+        per_pair, relays, itemsizes, options.wave_bytes, len(ranks), options.split_bytes, broadcasts, row_multiples,
+        ports,
+    )  # fmt: skip
     tell("waves", 1, 1)
     role_of = [r.role for r in ranks]
 

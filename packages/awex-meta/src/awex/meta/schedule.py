@@ -5,11 +5,12 @@ A *wave* is one step of the whole sync world: every rank posts all its sends and
 of a wave depends only on data sent in earlier waves, so processing waves in increasing order cannot
 deadlock, while a rank still talks to all its peers at once within a wave (all its links busy).
 
-Each pair's traffic is spread evenly over the same number of waves ``W``, chosen so that no rank moves more
-than about ``wave_bytes`` (sent plus received) in one wave. Every rank therefore moves a constant fraction of
-its total in every wave, and the busiest rank is busy in all of them: the wave schedule costs nothing over the
-link lower bound except the per-wave start-up (one grouped call per wave), and it bounds a transport's
-staging memory to about two waves (double buffering).
+The number of waves ``W`` is chosen so that no rank moves more than about ``wave_bytes`` (sent plus received)
+in one wave, which bounds a transport's staging memory to about two waves (double buffering). A pair large
+enough is spread evenly over all ``W`` waves; a smaller one goes in fewer chunks (no message below a floor),
+placed where its two ports are least loaded so far, so every port's load stays level over the waves and the
+busiest port is busy in all of them: each wave lasts as long as its busiest port, and the schedule then costs
+little over the link lower bound besides the per-wave start-up (one grouped call per wave).
 
 *Relay*: when one source would send the same region to several destinations and that makes the source the
 busiest rank (one trainer GPU feeding three inference instances), the source sends each such region once, to
@@ -23,13 +24,18 @@ sends as one broadcast per wave; the source's load counts them once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Hashable
 
 from awex.meta.balance import PairTransfers
 from awex.meta.plan import RELAY_LAG, Bucket, Transfer
 
 Relays = dict[tuple[int, int, Transfer], list[int]]
 """``(source, first destination, transfer) -> other destinations`` that get the transfer from the first one."""
+
+Ports = Callable[[int, int], tuple[Hashable, Hashable, float]]
+"""``(src, dst) -> (sending port, receiving port, seconds per byte)``: the links a pair's bytes load
+(:meth:`awex.meta.topology.Placement.ports`); the two ports are one for a copy on one device."""
 
 Broadcasts = dict[tuple[int, tuple[int, ...]], list[Transfer]]
 """``(source, destinations) -> transfers`` the source sends to all of those destinations alike (broadcasts)."""
@@ -93,14 +99,19 @@ def assign_waves(
     min_piece_bytes: int,
     broadcasts: Broadcasts | None = None,
     row_multiples: list[int] | None = None,
+    ports: Ports | None = None,
 ) -> tuple[list[Bucket], int]:
     """Buckets (one per pair and wave) and the number of waves.
 
     Every pair's transfers, sorted by tensor and offset, are laid end to end and cut (along the outermost
     dimension) into equal consecutive chunks, one per wave, so every wave carries the same share of every
-    pair; a pair whose share would fall below ``min_piece_bytes`` gets fewer, equal chunks, spread evenly over
-    the waves (a rank with many peers sends few large messages rather than tiny ones in every
-    wave, and the plan stays small).
+    pair; a pair whose share would fall below ``min_piece_bytes`` gets fewer, equal chunks (a rank with many
+    peers sends few large messages rather than tiny ones in every wave, and the plan stays small), placed in the
+    waves where the pair's two ports are least loaded so far (pairs are placed largest first): a wave lasts as
+    long as its busiest port, so every port's load is kept as level over the waves as the chunks allow.
+    ``ports(src, dst)`` gives a pair's sending and receiving port and the seconds a byte costs on them
+    (:meth:`awex.meta.topology.Placement.ports`: a GPU's NIC, NVLink or copy engine); by default every rank is
+    one port each way, all alike.
     Relayed transfers follow their first hop :data:`RELAY_LAG` waves later. ``broadcasts`` (from
     :func:`split_broadcasts`) are cut the same way, once per source and destination set, into identical
     buckets for each destination (a bucket for the pair in that wave besides the pair's own); they count once
@@ -108,9 +119,10 @@ def assign_waves(
     many rows (whole FP8 tiles of weights quantised on receive).
     """
     broadcasts = broadcasts or {}
+    ports = ports or rank_ports
     load = [0] * world_size
-    for (s, d), ts in per_pair.items():
-        n = sum(t.nbytes for t in ts)
+    totals = {pair: sum(t.nbytes for t in ts) for pair, ts in per_pair.items()}
+    for (s, d), n in totals.items():
         load[s] += n
         load[d] += n
     for (s, ds), ts in broadcasts.items():
@@ -123,30 +135,73 @@ def assign_waves(
         for o in others:
             load[o] += t.nbytes
     waves = max(1, -(-max(load, default=0) // wave_bytes))
-    floor = max(1, min(min_piece_bytes, wave_bytes // 4))
+    floor = max(1, min(min_piece_bytes, wave_bytes // 32))
+    level = _Level(waves, ports)
     buckets: list[Bucket] = []
     relayed: dict[tuple[int, int], dict[int, list[Transfer]]] = {}
-    for pair in sorted(per_pair):
+    for pair in sorted(per_pair, key=lambda p: (-totals[p], p)):  # largest first: the small ones fill around them
         src, dst = pair
-        shift = _shift(src, dst, waves)
 
         def forward(piece: Transfer, item: Transfer, wave: int, src=src, dst=dst) -> None:
             for other in relays.get((src, dst, item), ()):
                 relayed.setdefault((dst, other), {}).setdefault(wave + RELAY_LAG, []).append(piece)
+                level.add(dst, other, wave + RELAY_LAG, piece.nbytes)
 
-        chunks = _spread(
-            sorted(per_pair[pair]), waves, floor, itemsizes, forward if relays else None, shift, row_multiples
+        chunks = _chunks(totals[pair], waves, floor)
+        slots = level.least_loaded(src, dst, chunks)
+        by_wave = _spread(
+            sorted(per_pair[pair]), waves, floor, itemsizes, forward if relays else None, slots, row_multiples
         )
-        _emit(buckets, src, dst, chunks)
+        for wave, ts in by_wave.items():
+            level.add(src, dst, wave, sum(t.nbytes for t in ts))
+        _emit(buckets, src, dst, by_wave)
     for (src, dst), by_wave in sorted(relayed.items()):
         _emit(buckets, src, dst, by_wave)
     for src, dsts in sorted(broadcasts):
-        by_wave = _spread(sorted(broadcasts[(src, dsts)]), waves, floor, itemsizes, None, 0, row_multiples)
+        by_wave = _spread(sorted(broadcasts[(src, dsts)]), waves, floor, itemsizes, None, None, row_multiples)
         for dst in dsts:
             _emit(buckets, src, dst, by_wave)
     buckets.sort(key=lambda b: (b.wave, b.src, b.dst))
     used = (buckets[-1].wave + 1) if buckets else 0
     return buckets, used
+
+
+def rank_ports(src: int, dst: int) -> tuple[Hashable, Hashable, float]:
+    """Every rank one link, sending and receiving at once, all links alike (no topology known)."""
+    return ("out", src), ("in", dst), 1.0
+
+
+class _Level:
+    """Each port's load per wave so far (bytes times the port's seconds per byte), to place a pair's chunks where
+    its two ports are least loaded. Sums in a fixed order: every rank computes the same plan."""
+
+    def __init__(self, waves: int, ports: Ports):
+        self.waves, self.ports = waves, ports
+        self.load: dict[Hashable, list[float]] = {}
+
+    def _of(self, port: Hashable) -> list[float]:
+        got = self.load.get(port)
+        if got is None:
+            got = self.load[port] = [0.0] * self.waves
+        return got
+
+    def add(self, src: int, dst: int, wave: int, nbytes: int) -> None:
+        out, into, cost = self.ports(src, dst)
+        if wave >= self.waves:  # relays' last hops run after the last wave
+            return
+        self._of(out)[wave] += nbytes * cost
+        if into != out:
+            self._of(into)[wave] += nbytes * cost
+
+    def least_loaded(self, src: int, dst: int, chunks: int) -> list[int] | None:
+        """The ``chunks`` waves (in order) where the busier of the pair's two ports is least loaded (the earlier
+        wave on a tie); ``None`` for every wave."""
+        if chunks >= self.waves:
+            return None
+        out, into, _ = self.ports(src, dst)
+        a, b = self._of(out), self._of(into)
+        busier = [x if x >= y else y for x, y in zip(a, b)]
+        return sorted(heapq.nsmallest(chunks, range(self.waves), key=busier.__getitem__))
 
 
 def split_broadcasts(per_pair: PairTransfers) -> tuple[PairTransfers, Broadcasts]:
@@ -166,28 +221,21 @@ def split_broadcasts(per_pair: PairTransfers) -> tuple[PairTransfers, Broadcasts
     return rest, groups
 
 
-def _shift(src: int, dst: int, waves: int) -> int:
-    """Where a pair with fewer chunks than waves starts: spread low-discrepancy over the waves both among one
-    source's destinations and among one destination's sources (golden-ratio sequences), so that no port gets
-    the chunks of many of its pairs in the same wave."""
-    return int((src * 0.6180339887498949 + dst * 0.7548776662466927) % 1.0 * waves) % waves
-
-
 def _spread(
     items: list[Transfer],
     waves: int,
     floor: int,
     itemsizes: list[int],
     forward: Callable[[Transfer, Transfer, int], None] | None,
-    shift: int = 0,
+    slots: list[int] | None = None,
     row_multiples: list[int] | None = None,
 ) -> dict[int, list[Transfer]]:
     """One pair's transfers (sorted) cut into its chunks of the ``waves`` (see :func:`assign_waves`);
-    ``forward(piece, item, wave)`` is told where each piece of each item went (relays). Fewer chunks than waves
-    go to every ``waves / chunks``-th wave from ``shift`` on (wrapping around), so pairs that differ in ``shift``
-    do not all load the same waves."""
+    ``forward(piece, item, wave)`` is told where each piece of each item went (relays). Chunk ``k`` goes to wave
+    ``slots[k]`` (ascending, one per chunk); without ``slots``, fewer chunks than waves go to every
+    ``waves / chunks``-th wave."""
     total = sum(t.nbytes for t in items)
-    chunks = min(waves, max(1, total // floor))  # a pair's share per wave is never below `floor`
+    chunks = _chunks(total, waves, floor)
     by_wave: dict[int, list[Transfer]] = {}
     k = 0
     done = 0
@@ -208,7 +256,7 @@ def _spread(
                 if head is not None:
                     todo.append(tail)
                     piece = head
-            wave = k if chunks == waves else (k * waves // chunks + shift) % waves
+            wave = k if chunks == waves else slots[k] if slots else k * waves // chunks
             by_wave.setdefault(wave, []).append(piece)
             if forward is not None:
                 forward(piece, item, wave)
@@ -218,6 +266,12 @@ def _spread(
                 k += 1
                 used = 0
     return by_wave
+
+
+def _chunks(total: int, waves: int, floor: int) -> int:
+    """How many chunks a pair of ``total`` bytes is cut into: one per wave, fewer where a share would fall below
+    ``floor``."""
+    return min(waves, max(1, total // floor))
 
 
 def _cut(t: Transfer, nbytes: int, itemsize: int, multiple: int = 1) -> tuple[Transfer | None, Transfer | None]:

@@ -14,7 +14,7 @@ nominal ones for a dry run, the ones measured on the machine to check the model 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Callable, Hashable, Sequence
 
 from awex.meta.spec import RankDescriptor, Role
 
@@ -126,6 +126,21 @@ class Placement:
         if self.node[src] != self.node[dst]:
             return "nic"
         return "copy" if self.gpu[src] == self.gpu[dst] else "nvlink"
+
+    def ports(self, topology: Topology) -> Callable[[int, int], tuple[Hashable, Hashable, float]]:
+        """``(src, dst) -> (sending port, receiving port, seconds per byte)`` as :func:`estimate_seconds` prices
+        them: a GPU's NIC or NVLink port in each direction, or its copy engine (one port) for a copy on one GPU
+        (what the planner levels the waves with, ``awex.meta.schedule.assign_waves``)."""
+        cost = {link: 1.0 / topology.rate(link) for link in LINKS}
+
+        def port(src: int, dst: int) -> tuple[Hashable, Hashable, float]:
+            link = self.link(src, dst)
+            into = (self.node[dst], self.gpu[dst], link, "both" if link == "copy" else "in")
+            if link == "copy":
+                return into, into, cost[link]
+            return (self.node[src], self.gpu[src], link, "out"), into, cost[link]
+
+        return port
 
 
 @dataclass(frozen=True)
