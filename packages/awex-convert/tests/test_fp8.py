@@ -154,6 +154,77 @@ def test_quantising_wave_by_wave_does_each_box_in_the_first_wave_that_sends_it()
     assert bool((views.view_of(b, whole).view(torch.uint8) == 0xFF).all())
 
 
+@pytest.mark.parametrize("by_wave", [False, True])
+def test_weights_that_move_are_quantised_where_they_are_now(by_wave):
+    """A trainer that offloads and reloads (new memory each time): the FP8 buffers must hold the weights' current
+    values, not those of memory left behind. Before, the quantisers kept the first views they were built from and
+    re-quantised freed memory every version after a move (a false success)."""
+    from awex.convert.live import fingerprinted
+
+    mesh = Mesh("m", (("tp", 1),))
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
+    layout = Layout(
+        "trainer",
+        Role.TRAINER,
+        1,
+        (mesh,),
+        tuple(TensorLayout(TensorSpec(n, (256, 128), "bfloat16"), MeshSharding("m")) for n in names),
+    )
+    quant = Fp8BlockQuant()
+    params = {n: torch.randn(256, 128).to(torch.bfloat16) for n in names}
+    views = Fp8Views(
+        quantize_layout(layout, quant), 0, fingerprinted(lambda name, box: params[name][box.slices()], params), quant
+    )
+    assert callable(getattr(views.view_of, "fingerprint", None))  # the writer re-derives views only when it moved
+    whole = Box((0, 0), (256, 128))
+    quantize_wave = views.by_wave([[(n, (0, 0), (256, 128)) for n in names]])
+    for version in range(3):
+        if version:
+            for n in names:  # offloaded and loaded back: new memory, new values
+                params[n] = torch.randn(256, 128).to(torch.bfloat16)
+        quantize_wave(0) if by_wave else views.quantize()
+        for n in names:
+            want_q, _ = quantize_fp8_blocks(params[n])
+            assert torch.equal(views.view_of(n, whole).view(torch.uint8), want_q.view(torch.uint8)), (version, n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (per-wave CUDA graphs)")
+def test_per_wave_cuda_graphs_quantise_every_version_after_memory_is_reused():
+    """The graphs ``by_wave`` captures read their quantiser's launch tables at every replay: those must live as long
+    as the graphs. Before, they were freed once capture returned; the next allocations (the trainer's own, between
+    versions) took their memory, and the second version's replay hit an illegal memory access (FP8 1 -> 1 over
+    NCCL on 2x H200)."""
+    mesh = Mesh("m", (("tp", 1),))
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)]
+    layout = Layout(
+        "trainer",
+        Role.TRAINER,
+        1,
+        (mesh,),
+        tuple(TensorLayout(TensorSpec(n, (512, 256), "bfloat16"), MeshSharding("m")) for n in names),
+    )
+    quant = Fp8BlockQuant()
+    params = {n: torch.randn(512, 256, device="cuda").to(torch.bfloat16) for n in names}
+    views = Fp8Views(quantize_layout(layout, quant), 0, lambda name, box: params[name][box.slices()], quant)
+    whole = Box((0, 0), (512, 256))
+    sent = [[(n, (0, 0), (512, 256))] for n in names[:2]] + [[(n, (0, 0), (512, 256)) for n in names[2:]]]
+    quantize_wave = views.by_wave(sent)
+    for version in range(3):
+        # allocations of every size the quantiser's tables had, filled with garbage, as a trainer's next step makes
+        litter = [torch.full((k,), -1, dtype=dtype, device="cuda") for k in range(1, 64) for dtype in (torch.int64,
+                  torch.int32)]  # fmt: skip
+        for n in names:
+            params[n].normal_()
+        for i in range(len(sent)):
+            quantize_wave(i)
+        torch.cuda.synchronize()
+        for n in names:
+            want_q, want_s = quantize_fp8_blocks(params[n])
+            assert torch.equal(views.view_of(n, whole).view(torch.uint8), want_q.view(torch.uint8)), (version, n)
+            assert torch.equal(views.view_of(n + "_scale_inv", Box((0, 0), (4, 2))), want_s), (version, n)
+        del litter
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the one-pass Triton quantiser)")
 @pytest.mark.parametrize("shape,block", [((1024, 768), (128, 128)), ((300, 200), (128, 128)), ((96, 64), (32, 32))])
 def test_cuda_quantiser_is_bit_identical_to_the_portable_one(shape, block):

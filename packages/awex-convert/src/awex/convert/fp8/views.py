@@ -44,8 +44,10 @@ class Fp8Views:
     Every box, and every piece of a box the native layout splits (Megatron's per-group QKV) where the pieces are
     whole tiles, is quantised where it lies by one :class:`BatchedFp8Quantizer` launch (other boxes are assembled
     first). On CUDA the whole quantisation is captured as one CUDA graph on the second call and replayed from then
-    on: the weights must stay where they are, as for every other view a sync uses. ``cuda_graph=False`` keeps it
-    eager.
+    on (``cuda_graph=False`` keeps it eager). Weights that move (offloaded and loaded back, ``param.data``
+    replaced) are followed where the wrapped ``view_of`` has a ``fingerprint()`` (``awex.convert``'s views do):
+    the quantisers and graphs are built again from where the weights are now; ``view_of`` carries that
+    fingerprint, so the writer re-derives views only then.
     """
 
     def __init__(self, layout: Layout, local_rank: int, view_of: ViewOf, quant: Fp8BlockQuant, cuda_graph: bool = True):
@@ -79,7 +81,36 @@ class Fp8Views:
                 self._scale_of[(name, box)] = scale
                 self.quantized_bytes += weight.numel() + 4 * scale.numel()
 
-    def view_of(self, name: str, box: Box):
+        self._source_print = getattr(view_of, "fingerprint", None)
+        self._print = self._source_print() if callable(self._source_print) else None
+        self._moves = 0
+        self.view_of: ViewOf = self._fingerprinted_view_of()
+
+    def _fingerprinted_view_of(self) -> ViewOf:
+        """What the writer asks for views: the FP8 buffers (which never move) and the wrapped ``view_of``'s views,
+        with its ``fingerprint()`` where it has one (the writer then re-derives views only when it changed)."""
+
+        def view_of(name: str, box: Box):
+            return self._view(name, box)
+
+        if callable(self._source_print):
+            view_of.fingerprint = self._source_print
+        return view_of
+
+    def _generation(self) -> int:
+        """How many times the weights moved since the quantisers were first built (by the wrapped ``view_of``'s
+        fingerprint): each time they are built again, from the weights where they are now. Without a fingerprint
+        the weights must stay where they are (every ``awex.convert`` view has one)."""
+        if callable(self._source_print):
+            now = self._source_print()
+            if now != self._print:
+                self._print, self._moves = now, self._moves + 1
+                self._graph = self._all = None
+                self._calls = 0
+                log.info("weights moved: FP8 quantisation rebuilt from where they are now")
+        return self._moves
+
+    def _view(self, name: str, box: Box):
         buf = self._weights.get((name, box))
         if buf is not None:
             return buf
@@ -91,6 +122,7 @@ class Fp8Views:
     @torch.no_grad()
     def quantize(self) -> None:
         """Quantise this rank's current weights into the FP8 buffers (before each write)."""
+        self._generation()
         self._calls += 1
         on_cuda = any(w.is_cuda for w in self._weights.values())
         if self._graph is None and self.cuda_graph and on_cuda and self._calls >= 2:  # the first call compiled
@@ -157,7 +189,10 @@ class Fp8Views:
         """One CUDA graph per wave (a launch each instead of one per box), or ``None`` (CPU, or capture failed).
 
         Captured here, before any sync runs, after one eager pass that compiles the kernels; the graphs share a
-        memory pool and are replayed in capture order, one wave after the other.
+        memory pool and are replayed in capture order, one wave after the other. Each graph is kept with the runner
+        it captured: a graph reads its runner's launch tables (device memory the runner owns) at every replay, and
+        tables freed once capture returned were reused by the next allocations (an illegal memory access, or FP8
+        tiles quantised from another tensor's bytes, from the second version on).
         """
         if not self.cuda_graph or not any(w.is_cuda for w in self._weights.values()):
             return None
@@ -175,7 +210,7 @@ class Fp8Views:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     run()
-                graphs.append(graph)
+                graphs.append((graph, run))  # the runner lives as long as its graph
         except RuntimeError as e:  # capture is an optimisation
             log.warning("CUDA graph capture of per-wave FP8 quantisation failed (%s); quantising eagerly", e)
             return None
@@ -211,14 +246,18 @@ class Fp8Views:
             if key in first:
                 per_wave[first[key]].append(key)
         graphs = self._capture_waves(per_wave)
-
+        captured = self._moves
         eager: dict[int, Callable[[], None]] = {}
 
         @torch.no_grad()
         def quantize_wave(i: int) -> None:
+            nonlocal graphs, captured
+            if i == 0 and self._generation() != captured:  # the weights moved: capture from where they are now
+                eager.clear()
+                graphs, captured = self._capture_waves(per_wave), self._moves
             if graphs is not None:
                 if graphs[i] is not None:
-                    graphs[i].replay()
+                    graphs[i][0].replay()
                 return
             if per_wave[i]:
                 if i not in eager:
