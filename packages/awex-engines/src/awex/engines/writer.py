@@ -19,10 +19,12 @@ import torch
 
 from awex.engines.errors import SyncFailedError, instance_verdicts
 from awex.engines.source import TrainerSource
+from awex.engines.sync import keys
 from awex.engines.sync.announcer import Announcer
 from awex.engines.sync.background import Background
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.options import SyncOptions
+from awex.engines.sync.outcomes import to_record
 from awex.engines.sync.session import Region, SyncSession
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
@@ -264,6 +266,9 @@ class WeightsWriter:
         if self._announcer is not None:
             verdicts, total, plan = instance_verdicts(outcomes), self._session.phases["total"], self._session.plan
             announcer = self._announcer
+            if getattr(self._session.signals, "medium", None) == "channel":  # for ranks that find the channel gone
+                record = partial(self._meta.put, keys.outcomes(version, manifest.seq), to_record(outcomes))
+                later.append((f"the outcomes of {version} on the MetaServer", record))
             later.append((f"reporting {version} applied", partial(announcer.report, version, verdicts, plan, total)))
             later.append(
                 (

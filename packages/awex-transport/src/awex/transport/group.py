@@ -228,7 +228,7 @@ def bound_store(
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(1024)
+        sock.listen(4096)  # a thousand ranks may connect at once (the kernel caps it at net.core.somaxconn)
         port = sock.getsockname()[1]
     except OSError:
         sock.close()

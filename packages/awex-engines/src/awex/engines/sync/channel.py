@@ -66,8 +66,10 @@ class VersionChannel:
         return cls(store, f"{host}:{store.port}", secrets.token_hex(32), hosting=True)
 
     @classmethod
-    def connect(cls, address: str, secret: str, timeout: float = 10.0) -> VersionChannel:
-        """Join the channel at ``address`` (``host:port``); raises :class:`ChannelError` if nobody is there."""
+    def connect(cls, address: str, secret: str, timeout: float = 30.0) -> VersionChannel:
+        """Join the channel at ``address`` (``host:port``); raises :class:`ChannelError` if nobody is there within
+        ``timeout`` (a rank that cannot join sends every signal of its plan, and every rank of it, through the
+        MetaServer: the wait allows for a thousand ranks joining at once)."""
         host, _, port = address.rpartition(":")
         try:
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=max(0.1, timeout)))

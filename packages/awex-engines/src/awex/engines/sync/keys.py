@@ -3,9 +3,9 @@
 A version's records live under its name: ``sync/<v>`` (the manifest), ``plan/<v>/<count>`` (the plan agreement),
 ``devices/<v>/<count>`` (where each rank runs: a gather), ``<transport>-ready/<v>/<count>/...`` (ready
 signals when neither the host board nor the version channel carries them), ``outcome/<v>/<count>/...``,
-``verify/<v>/<count>/...``, ``validation/<v>/...``, ``received/<v>/...``, ``applied/<v>``, and vLLM's trainer
-engine's ``go/<v>/...`` and ``verdict/<v>/...``. A transport's descriptors are per rank and generation
-(``<transport>/<instance>/<rank>/<generation>``), replaced as they change, not per version.
+``outcomes/<v>/<count>``, ``verify/<v>/<count>/...``, ``validation/<v>/...``, ``received/<v>/...``,
+``applied/<v>``, and vLLM's trainer engine's ``go/<v>/...`` and ``verdict/<v>/...``. A transport's descriptors are
+per rank and generation (``<transport>/<instance>/<rank>/<generation>``), replaced as they change, not per version.
 """
 
 from __future__ import annotations
@@ -66,6 +66,12 @@ def attempt_outcomes(attempt: str) -> str:
     return f"outcome/{attempt}/"
 
 
+def outcomes(version: str, count: int) -> str:
+    """Every receiving rank's outcome of one attempt in one record, as the first trainer rank collected them, for
+    the other trainer ranks (on the version channel or the MetaServer): one read each instead of one per receiver."""
+    return f"outcomes/{version}/{count}"
+
+
 def channel_outcome(version: str, count: int, instance: str, local_rank: int) -> str:
     """The same outcome on the version channel."""
     return f"outcome/{version}/{count}/{instance}/{local_rank}"
@@ -100,6 +106,7 @@ def version_records(version: str) -> tuple[list[str], list[str]]:
             f"devices/{version}/",
             f"received/{version}/",
             f"outcome/{version}/",
+            f"outcomes/{version}/",
             f"verify/{version}/",
             f"go/{version}/",
             f"verdict/{version}/",

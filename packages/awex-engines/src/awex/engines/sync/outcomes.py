@@ -60,12 +60,80 @@ def collect(
     manifest: SyncManifest,
     deadline: float,
     processes: Mapping[tuple[str, int], Process] | None = None,
+    rank: int = 0,
 ) -> Outcomes:
-    """A trainer rank: every receiving rank's outcome of ``manifest``'s version, waiting until ``deadline``
-    (``time.monotonic()``); ``None`` for a rank that did not report by then (stuck, or dead on another host). With
-    ``processes`` (where each rank runs), every :data:`LIVENESS_SECONDS` it checks the silent receivers on this
-    host: one that exited has failed (its cause says so) and is not waited for."""
+    """Trainer rank ``rank`` (sync rank): every receiving rank's outcome of ``manifest``'s version, waiting until
+    ``deadline`` (``time.monotonic()``); ``None`` for a rank that did not report by then (stuck, or dead on another
+    host). With ``processes`` (where each rank runs), every :data:`LIVENESS_SECONDS` it checks the silent receivers on
+    this host: one that exited has failed (its cause says so) and is not waited for.
+
+    Where the signals share outcomes (version channel, MetaServer), only the first trainer rank reads every
+    receiver's and publishes them in one record (the failed and the silent by name) that the other trainer ranks
+    read: one read per rank instead of one per receiver (O(N) per version instead of O(N^2) at N ranks). A
+    missing record (the first rank gone) counts every receiver as silent: the version failed."""
     receivers = [r for r in plan.ranks if r.role.value != "trainer"]
+    first = next(r.rank for r in plan.ranks if r.role.value == "trainer")
+    if signals.shares_outcomes and rank != first:
+        try:
+            doc = signals.collected(manifest, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            doc = None
+        return from_record(doc, receivers)
+    got = _each(receivers, signals, manifest, deadline, processes)
+    if signals.shares_outcomes:
+        try:
+            signals.publish_outcomes(manifest, to_record(got))
+        except Exception as e:  # the other trainer ranks then fail at their deadline: never a false success
+            log.warning("could not publish the outcomes of %s for the other trainer ranks: %s", manifest.version, e)
+    return got
+
+
+def to_record(got: Outcomes) -> dict:
+    """Outcomes as one record: the failed ones with their documents, the silent ones by name; the rest applied."""
+    return {
+        "failed": {
+            f"{i}:{r}": {"ok": False, "cause": doc.get("cause"), "partial": doc.get("partial") is True}
+            for (i, r), doc in sorted(got.items())
+            if doc is not None and not doc.get("ok")
+        },
+        "silent": [f"{i}:{r}" for (i, r), doc in sorted(got.items()) if doc is None],
+    }
+
+
+def from_record(doc: object, receivers: list) -> Outcomes:
+    """The outcomes a record of :func:`to_record` says (checked: a record that is not one, or names a rank outside
+    ``receivers``, counts every receiver as silent)."""
+    names = {f"{r.instance}:{r.local_rank}": (r.instance, r.local_rank) for r in receivers}
+    failed = doc.get("failed") if isinstance(doc, dict) else None
+    silent = doc.get("silent") if isinstance(doc, dict) else None
+    if (
+        not isinstance(failed, dict)
+        or not isinstance(silent, list)
+        or not all(k in names and isinstance(v, dict) and v.get("ok") is False for k, v in failed.items())
+        or not all(isinstance(k, str) and k in names for k in silent)
+    ):
+        if doc is not None:
+            log.warning("malformed record of every receiver's outcome: %.200r", doc)
+        return {who: None for who in names.values()}
+    out: Outcomes = {}
+    for name, who in names.items():
+        if name in failed:
+            cause = failed[name].get("cause")
+            cause = None if cause is None else str(cause)[:2000]
+            out[who] = {"ok": False, "cause": cause, "partial": failed[name].get("partial") is True}
+        else:
+            out[who] = None if name in silent else {"ok": True}
+    return out
+
+
+def _each(
+    receivers: list,
+    signals: Signals,
+    manifest: SyncManifest,
+    deadline: float,
+    processes: Mapping[tuple[str, int], Process] | None,
+) -> Outcomes:
+    """Every receiver's outcome, read one by one (see :func:`collect`)."""
     got: Outcomes = {}
     while True:
         left = [r for r in receivers if (r.instance, r.local_rank) not in got]

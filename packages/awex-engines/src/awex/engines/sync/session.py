@@ -387,7 +387,8 @@ class SyncSession:
     def await_outcomes(self, manifest: SyncManifest, deadline: float) -> outcomes.Outcomes:
         """A trainer rank: every receiving rank's outcome: :func:`awex.engines.sync.outcomes.collect`."""
         with self.phases("done"):
-            return outcomes.collect(self._plan, self.signals, manifest, deadline, self._processes)
+            me = self._plan.rank(self.instance, self.local_rank).rank
+            return outcomes.collect(self._plan, self.signals, manifest, deadline, self._processes, me)
 
     def describe_sync(self, verb: str, version: str, nbytes: int, seconds: float) -> str:
         """One log line for a sync this rank finished; a sync that planned anew also lists its phases and the

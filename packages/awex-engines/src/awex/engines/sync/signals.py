@@ -17,7 +17,7 @@ from typing import Any, Protocol, Sequence
 
 from awex.engines.sync import keys
 from awex.engines.sync.board import HostBoard
-from awex.engines.sync.channel import VersionChannel
+from awex.engines.sync.channel import ChannelError, VersionChannel
 from awex.engines.sync.manifest import SyncManifest
 from awex.meta import RankDescriptor
 from awex.meta.client import MetaClient
@@ -31,6 +31,7 @@ class Signals(Protocol):
     """Where one plan's per-version signals go. ``kind`` is the transport's name (ready keys carry it)."""
 
     medium: str  # "board", "channel" or "meta"
+    shares_outcomes: bool  # the first trainer rank collects the outcomes for all (publish_outcomes / collected)
 
     def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
         """A sender: this version's bytes are ready to be read (``generation``: of its export or segment)."""
@@ -44,11 +45,19 @@ class Signals(Protocol):
     def outcomes(self, manifest: SyncManifest, receivers: Sequence[RankDescriptor], deadline: float) -> list[Any]:
         """A trainer rank: each receiver's outcome document (``None`` where none came by ``deadline``)."""
 
+    def publish_outcomes(self, manifest: SyncManifest, doc: dict) -> None:
+        """The first trainer rank: every receiver's outcome in one record (``awex.engines.sync.outcomes``; where
+        :attr:`shares_outcomes`: not on the host board, whose slots every rank reads at once)."""
+
+    def collected(self, manifest: SyncManifest, timeout: float) -> Any:
+        """The other trainer ranks: the first one's record of every outcome; ``TimeoutError`` after ``timeout``."""
+
 
 class MetaSignals:
     """Every signal a key on the MetaServer (``awex.engines.sync.keys.ready`` / ``outcome``)."""
 
     medium = "meta"
+    shares_outcomes = True
 
     def __init__(self, client: MetaClient):
         self.client = client
@@ -79,14 +88,21 @@ class MetaSignals:
                 out.append(None)
         return out
 
+    def publish_outcomes(self, manifest: SyncManifest, doc: dict) -> None:
+        self.client.put(keys.outcomes(manifest.version, manifest.seq), doc)
+
+    def collected(self, manifest: SyncManifest, timeout: float) -> Any:
+        return self.client.get(keys.outcomes(manifest.version, manifest.seq), timeout=max(0.001, timeout))
+
 
 class ChannelSignals:
     """Signals through the writer's version channel (a failure's cause goes to the MetaServer too: outcomes)."""
 
     medium = "channel"
+    shares_outcomes = True
 
-    def __init__(self, channel: VersionChannel):
-        self.channel = channel
+    def __init__(self, channel: VersionChannel, client: MetaClient | None = None):
+        self.channel, self.client = channel, client
 
     def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
         self.channel.put(keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank), generation)
@@ -105,12 +121,29 @@ class ChannelSignals:
         except TimeoutError:
             return [self.channel.get(k) for k in names]
 
+    def publish_outcomes(self, manifest: SyncManifest, doc: dict) -> None:
+        self.channel.put(keys.outcomes(manifest.version, manifest.seq), doc)
+
+    def collected(self, manifest: SyncManifest, timeout: float) -> Any:
+        """From the channel; where it is gone (the first rank closed its writer once its last version was
+        applied), from the MetaServer, where the first rank's writer also puts the record, after its write."""
+        key = keys.outcomes(manifest.version, manifest.seq)
+        deadline = time.monotonic() + timeout
+        try:
+            return self.channel.wait([key], max(0.001, timeout))[0]
+        except ChannelError:
+            if self.client is None:
+                raise
+            return self.client.get(key, timeout=max(0.001, deadline - time.monotonic()))
+
 
 class BoardSignals:
     """Signals as numbers in the host board's slots, one per sync rank: a sender's export generation, a receiver's
-    :data:`OK_DETAIL` / :data:`FAILED_DETAIL` (whose cause a trainer then reads from the MetaServer)."""
+    :data:`OK_DETAIL` / :data:`FAILED_DETAIL` (whose cause a trainer then reads from the MetaServer). Every trainer
+    rank reads the receivers' slots itself (shared memory: no request, no record of them all)."""
 
     medium = "board"
+    shares_outcomes = False
 
     def __init__(self, board: HostBoard, client: MetaClient):
         self.board, self.client = board, client
@@ -161,7 +194,7 @@ def signals_for(
     if medium == "channel":
         if channel is None:
             raise RuntimeError("per-version signals on the version channel, but this rank has none")
-        return ChannelSignals(channel)
+        return ChannelSignals(channel, client)
     if medium != "meta":
         raise ValueError(f"unknown signal medium {medium!r}")
     return MetaSignals(client)
