@@ -1,0 +1,253 @@
+"""The control plane at scale: a standalone MetaServer (``awex-meta serve``) and 256 to 1,024 ranks of a Kimi-K2-shaped
+sync (real writers and readers over a transport that moves no byte: ``control_plane_ranks``), timing per phase
+the first sync (registration and layouts, device exchange, agreement, manifest, signals, outcomes; planning is
+timed apart) and the steady versions after it, with the server's CPU time and peak memory.
+
+    python -m awex_integration.benchmarks.control_plane --ranks 256,512,1024 \
+        --out integration/control-plane-results.json
+
+On a machine with fewer cores than ranks the ranks' own Python shares the cores: a version's wall time here is what
+every rank's client work costs in turn, an upper bound of the critical path on a cluster (each rank on its own
+CPU). Each row therefore also gives the busiest single rank's CPU time per version and the server's, the
+serial parts that remain on a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+STEADY_GOAL_SECONDS = 0.005  # per version, at 1,024 ranks (issue's goal)
+FIRST_GOAL_SECONDS = 10.0  # first sync's control, planning excluded, at 1,024 ranks
+FIRST_PHASES = ("layouts", "devices", "plan", "agreement", "signals", "done", "manifest")
+
+
+def _proc_cpu(pid: int) -> float:
+    """User plus system seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+class _Sampler:
+    """The server's CPU seconds over time (every 50 ms, in a thread), to split them by version."""
+
+    def __init__(self, pid: int):
+        import threading
+
+        self.pid, self.samples, self._stop = pid, [(time.time(), _proc_cpu(pid))], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self.samples.append((time.time(), _proc_cpu(self.pid)))
+            except OSError:  # the server is gone: the run fails on its own
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.samples.append((time.time(), _proc_cpu(self.pid)))
+        except OSError:
+            pass
+
+    def at(self, when: float) -> float:
+        """CPU seconds at wall time ``when`` (the last sample before it)."""
+        return max((cpu for t, cpu in self.samples if t <= when), default=self.samples[0][1])
+
+
+def run(ranks: int, processes: int, versions: int, timeout: float) -> dict:
+    """One rank count: a fresh server, ``processes`` worker processes; the row of the results."""
+    from awex_integration.faults.fault_suite import ProcessServer
+
+    server = ProcessServer()
+    sampler = _Sampler(server.proc.pid)
+    here = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            outs = [Path(tmp) / f"slice-{i}.json" for i in range(processes)]
+            started = time.perf_counter()
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "awex_integration.benchmarks.control_plane_ranks",
+                        "--address",
+                        server.address,
+                        "--ranks",
+                        str(ranks),
+                        "--slice",
+                        f"{i}/{processes}",
+                        "--versions",
+                        str(versions),
+                        "--timeout",
+                        str(timeout),
+                        "--out",
+                        str(outs[i]),
+                        "--barrier",
+                        tmp,
+                    ],
+                    env=env,
+                )  # fmt: skip
+                for i in range(processes)
+            ]
+            try:
+                for p in procs:
+                    p.wait(timeout=max(1.0, started + timeout + 120 - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise
+            wall = time.perf_counter() - started
+            docs = [json.loads(o.read_text()) for o in outs if o.exists()]
+        sampler.stop()
+        server_rss = _proc_peak_rss(server.proc.pid)
+    finally:
+        server.kill()
+    errors = [e for d in docs for e in d["errors"]] + [f"a worker exited {p.returncode}" for p in procs if p.returncode]
+    if errors or len(docs) != processes:
+        raise SystemExit(f"{ranks} ranks: {len(errors)} error(s): {errors[:10]}")
+    rows = {name: r for d in docs for name, r in d["ranks"].items()}
+    row = summarise(ranks, rows, sampler, max(d["plan_seconds"] for d in docs))
+    media = [m for d in docs for m in d["media"].values()]
+    row["signals"] = {m: media.count(m) for m in sorted(set(media), key=str)}  # where per-version signals went
+    row.update(processes=processes, server_peak_rss_bytes=server_rss, wall_seconds=round(wall, 2))
+    return row
+
+
+def _cpu(rows: dict, which, version: int) -> list[float]:
+    return [r["versions"][version]["cpu_seconds"] for name, r in rows.items() if which(name)]
+
+
+def summarise(ranks: int, rows: dict, server, plan: float) -> dict:
+    """The results row of one rank count from every rank's per-version records and the server's CPU samples.
+
+    Measured here: wall seconds (every rank's client work shares this machine's cores) and CPU seconds of each
+    rank's thread and of the server. ``*_serial_cpu_seconds``: the work that stays serial with a core per rank
+    (the server's, the first trainer rank's, the busiest other trainer rank's and receiver's), the floor of the
+    critical path on a cluster before network round trips."""
+    writer = rows["trainer:0"]["versions"]
+    first, steady = writer[0], writer[1:]
+    n = len(steady)
+    is_trainer = lambda name: name.startswith("trainer:") and name != "trainer:0"  # noqa: E731
+    is_receiver = lambda name: not name.startswith("trainer:")  # noqa: E731
+    last_end = max(r["versions"][0]["ended"] for r in rows.values())
+    server_first = server.at(last_end) - server.at(min(r["versions"][0]["began"] for r in rows.values()))
+    server_steady = (server.at(steady[-1]["ended"]) - server.at(steady[0]["began"])) / n if n else float("nan")
+    first_cpu = {
+        "first_trainer_rank": round(first["cpu_seconds"], 4),
+        "other_trainer_ranks_max": round(max(_cpu(rows, is_trainer, 0)), 4),
+        "receivers_max": round(max(_cpu(rows, is_receiver, 0)), 4),
+        "receivers_median": round(_median(_cpu(rows, is_receiver, 0)), 4),
+    }
+    per_version = [
+        (
+            rows["trainer:0"]["versions"][k]["cpu_seconds"],
+            max(_cpu(rows, is_trainer, k)),
+            max(_cpu(rows, is_receiver, k)),
+            sum(_cpu(rows, lambda _: True, k)),
+        )
+        for k in range(1, len(writer))
+    ]
+    steady_cpu = {
+        "first_trainer_rank": round(_median([v[0] for v in per_version]), 5),
+        "other_trainer_ranks_max": round(_median([v[1] for v in per_version]), 5),
+        "receivers_max": round(_median([v[2] for v in per_version]), 5),
+        "all_ranks_sum": round(_median([v[3] for v in per_version]), 4),
+    }
+    serial_first = (
+        server_first
+        + first_cpu["first_trainer_rank"]
+        + max(first_cpu["other_trainer_ranks_max"], first_cpu["receivers_max"])
+    )
+    serial_steady = server_steady + sum(steady_cpu[k] for k in ("first_trainer_rank", "other_trainer_ranks_max"))
+    serial_steady += steady_cpu["receivers_max"]
+    return {
+        "ranks": ranks,
+        "trainer_ranks": sum(1 for name in rows if name.startswith("trainer:")),
+        "inference_ranks": sum(1 for name in rows if is_receiver(name)),
+        "plan_seconds_once": round(plan, 3),
+        "first_sync_control_seconds": round(first["seconds"] - first["phases"].get("plan", 0.0), 3),
+        "first_sync_phases": {p: round(first["phases"].get(p, 0.0), 4) for p in FIRST_PHASES},
+        "first_sync_slowest_rank_seconds": round(max(r["versions"][0]["seconds"] for r in rows.values()), 3),
+        "first_sync_cpu_seconds": first_cpu,
+        "first_sync_server_cpu_seconds": round(server_first, 3),
+        "first_sync_serial_cpu_seconds": round(serial_first, 3),
+        "steady_control_seconds_per_version": round(_median([v["seconds"] for v in steady]), 5),
+        "steady_phases": {
+            p: round(_median([v["phases"].get(p, 0.0) for v in steady]), 5) for p in ("manifest", "signals", "done")
+        },
+        "steady_cpu_seconds_per_version": steady_cpu,
+        "steady_server_cpu_seconds_per_version": round(server_steady, 5),
+        "steady_serial_cpu_seconds_per_version": round(serial_steady, 5),
+        "versions": len(writer),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="256,512,1024", help="rank counts, comma-separated (multiples of 128)")
+    ap.add_argument("--processes", type=int, default=8, help="worker processes the ranks are spread over")
+    ap.add_argument("--versions", type=int, default=6, help="versions per run (the first plans and joins)")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=None, help="results file (JSON)")
+    args = ap.parse_args(argv)
+    results: list[dict] = []
+    for n in (int(x) for x in args.ranks.split(",")):
+        try:
+            row = run(n, args.processes, args.versions, args.timeout)
+        except (SystemExit, subprocess.TimeoutExpired) as e:  # written down, and the run fails
+            row = {"ranks": n, "failed": str(e)[:2000]}
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        if args.out:  # after every rank count: a later one that fails leaves the earlier rows
+            _write(args.out, results)
+    return 1 if any("failed" in r for r in results) else 0
+
+
+def _write(out: str, results: list[dict]) -> None:
+    doc = {
+        "what": "The control plane of a Kimi-K2-shaped sync (Megatron TP=8 PP=8 EP=8 -> vLLM engines TP=8 x DP=4, "
+        "EP=32; a tiny model of the same structure) through the public writer and reader over a transport that "
+        "moves no byte, against a standalone MetaServer; planning once per process, timed apart",
+        "machine": f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}",
+        "date": datetime.now(timezone.utc).date().isoformat(),
+        "serial_cpu": "*_serial_cpu_seconds: the server's CPU plus the first trainer rank's plus the busiest "
+        "other rank's (trainer and receiver): the work that stays serial with a core per rank, the floor of the "
+        "critical path on a cluster before network round trips; the wall seconds are measured here, every "
+        "rank's client work sharing this machine's cores",
+        "goals": {
+            "steady_seconds_per_version": STEADY_GOAL_SECONDS,
+            "first_sync_control_seconds": FIRST_GOAL_SECONDS,
+        },
+        "runs": results,
+    }
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""The control plane at scale, small: 128 ranks of a Kimi-K2-shaped sync (64 Megatron trainer ranks, 2 vLLM engines
+of 32) through the public writer and reader against a standalone MetaServer, over a transport that moves no byte
+(``awex_integration.benchmarks.control_plane``; the 256-1,024-rank rows are in integration/control-plane-results.json).
+Every rank must finish every version (the run fails otherwise); the steady versions must not plan again."""
+
+from __future__ import annotations
+
+from awex_integration.benchmarks.control_plane import run
+
+
+def test_128_ranks_sync_three_versions_through_the_real_control_path():
+    row = run(128, processes=2, versions=3, timeout=120.0)
+    assert (row["ranks"], row["trainer_ranks"], row["inference_ranks"]) == (128, 64, 64)
+    assert row["versions"] == 3
+    phases = row["first_sync_phases"]
+    assert phases["devices"] > 0 and phases["agreement"] > 0  # the first sync met every rank
+    assert row["steady_control_seconds_per_version"] < row["first_sync_control_seconds"]
+    assert row["server_peak_rss_bytes"] > 0 and row["first_sync_server_cpu_seconds"] > 0
+    assert row["signals"] == {"channel": 128}  # every rank joined the version channel (as on a cluster)
+    assert all(v > 0 for v in row["steady_cpu_seconds_per_version"].values())
