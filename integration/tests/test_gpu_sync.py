@@ -28,7 +28,9 @@ from awex_integration.benchmarks.gpu_sync_workers import run_sync_case  # noqa: 
         pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b"), id="fp8-colocated-1gpu-ipc"),
         # FP8 on the copy: the trainer publishes bf16, the receiver quantises from its memory into tiles + scales
         pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b", True), id="fp8-on-receive-colocated-1gpu-ipc"),
-        pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-8b", True), id="fp8-on-receive-tp2-ipc"),
+        # (each engine rank on the GPU of the trainer rank holding its halves: a receiver quantises only what lies on
+        # its own GPU, so TP=2 -> a TP=1 engine per GPU is refused before any byte moves)
+        pytest.param(("ipc", 2, [0, 1], [(2, [0, 1])], True, "qwen3-8b", True), id="fp8-on-receive-tp2-to-tp2-ipc"),
         pytest.param(("p2p", 1, [0], [(1, [1])], True, "qwen3-8b"), id="fp8-nccl-1-to-1"),
         pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
         pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], True, "qwen3-30b-a3b"), id="fp8-moe-nccl-tp2-to-tp2"),
