@@ -107,9 +107,9 @@ def assign_waves(
     dimension) into equal consecutive chunks, one per wave, so every wave carries the same share of every
     pair; a pair whose share would fall below ``min(min_piece_bytes, wave_bytes / 32)`` gets fewer, equal chunks
     (a rank with many peers sends few large messages rather than tiny ones in every wave, and the plan stays
-    small), placed in the
-    waves where the pair's two ports are least loaded so far (pairs are placed largest first): a wave lasts as
-    long as its busiest port, so every port's load is kept as level over the waves as the chunks allow.
+    small), placed in the waves where the pair's two ports are least loaded so far (pairs are placed largest
+    first): a wave lasts as long as its busiest port, so every port's load is kept as level over the waves as the
+    chunks allow.
     ``ports(src, dst)`` gives a pair's sending and receiving port and the seconds a byte costs on them
     (:meth:`awex.meta.topology.Placement.ports`: a GPU's NIC, NVLink or copy engine); by default every rank is
     one port each way, all alike.

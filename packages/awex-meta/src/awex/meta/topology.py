@@ -180,24 +180,24 @@ def estimate_seconds(
     """Price ``plan`` on ``topology``: each wave lasts as long as its busiest port (a GPU's NIC, NVLink or copy
     engine, each direction apart), plus ``wave_seconds`` of fixed cost per wave; the sum over waves."""
     place = placement or Placement.of(topology, plan.ranks)
-    rates = {link: topology.rate(link) for link in LINKS}
-    per_wave: dict[int, dict[tuple, int]] = {}  # per wave: (GPU, link, direction) -> bytes
+    port_of = place.ports(topology)  # the ports the planner levels its waves over (the same keys and costs)
+    cost: dict[tuple, float] = {}  # seconds per byte of each port
+    per_wave: dict[int, dict[tuple, int]] = {}  # per wave: (node, GPU, link, direction) -> bytes
     totals: dict[tuple, int] = {}
     link_bytes = dict.fromkeys(LINKS, 0)
     received = [0] * plan.world_size
     for b in plan.buckets:
-        link = place.link(b.src, b.dst)
-        link_bytes[link] += b.nbytes
+        out, into, per_byte = port_of(b.src, b.dst)
+        link_bytes[into[2]] += b.nbytes
         received[b.dst] += b.nbytes
         ports = per_wave.setdefault(b.wave, {})
-        src, dst = (place.node[b.src], place.gpu[b.src]), (place.node[b.dst], place.gpu[b.dst])
-        keys = [(dst, link, "both")] if link == "copy" else [(src, link, "out"), (dst, link, "in")]
-        for key in keys:
+        for key in (into,) if out == into else (out, into):
+            cost[key] = per_byte
             ports[key] = ports.get(key, 0) + b.nbytes
             totals[key] = totals.get(key, 0) + b.nbytes
-    seconds = sum(max(n / rates[k[1]] for k, n in ports.items()) + wave_seconds for ports in per_wave.values())
-    busiest_nic = max((n for k, n in totals.items() if k[1] == "nic"), default=0)
+    seconds = sum(max(n * cost[k] for k, n in ports.items()) + wave_seconds for ports in per_wave.values())
+    busiest_nic = max((n for k, n in totals.items() if k[2] == "nic"), default=0)
     bound = plan.stats.nic_bound_bytes
     receivers = [r.rank for r in plan.ranks if r.role != Role.TRAINER]
     useful = sum(received[r] for r in receivers) / len(receivers) / seconds if seconds and receivers else 0.0
-    return Estimate(seconds, bound / rates["nic"], busiest_nic, bound, useful, link_bytes)
+    return Estimate(seconds, bound / topology.rate("nic"), busiest_nic, bound, useful, link_bytes)
