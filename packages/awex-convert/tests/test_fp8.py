@@ -116,18 +116,17 @@ def test_sender_views_quantise_current_weights_before_each_write():
     assert views.quantized_bytes == 128 * 256 + 4 * 2
 
 
+def _down_projs(count: int, shape: tuple[int, int]) -> tuple[list[str], Layout]:
+    """``count`` bf16 down_proj weights of ``shape``, whole on one rank, and their layout."""
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(count)]
+    specs = (TensorLayout(TensorSpec(n, shape, "bfloat16"), MeshSharding("m")) for n in names)
+    return names, Layout("trainer", Role.TRAINER, 1, (Mesh("m", (("tp", 1),)),), tuple(specs))
+
+
 def test_quantising_wave_by_wave_does_each_box_in_the_first_wave_that_sends_it():
     # one rank holding three weights; wave 0 sends a piece of `a` and the scales of `c`, wave 1 the rest of `a`
     # and `c`; `b` is sent by no wave (another replica sends it) and is never quantised
-    mesh = Mesh("m", (("tp", 1),))
-    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(3)]
-    layout = Layout(
-        "trainer",
-        Role.TRAINER,
-        1,
-        (mesh,),
-        tuple(TensorLayout(TensorSpec(n, (256, 128), "bfloat16"), MeshSharding("m")) for n in names),
-    )
+    names, layout = _down_projs(3, (256, 128))
     quant = Fp8BlockQuant()
     fp8_layout = quantize_layout(layout, quant)
     params = {n: torch.randn(256, 128).to(torch.bfloat16) for n in names}
@@ -161,15 +160,7 @@ def test_weights_that_move_are_quantised_where_they_are_now(by_wave):
     re-quantised freed memory every version after a move (a false success)."""
     from awex.convert.live import fingerprinted
 
-    mesh = Mesh("m", (("tp", 1),))
-    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
-    layout = Layout(
-        "trainer",
-        Role.TRAINER,
-        1,
-        (mesh,),
-        tuple(TensorLayout(TensorSpec(n, (256, 128), "bfloat16"), MeshSharding("m")) for n in names),
-    )
+    names, layout = _down_projs(2, (256, 128))
     quant = Fp8BlockQuant()
     params = {n: torch.randn(256, 128).to(torch.bfloat16) for n in names}
     views = Fp8Views(
@@ -194,15 +185,7 @@ def test_per_wave_cuda_graphs_quantise_every_version_after_memory_is_reused():
     as the graphs. Before, they were freed once capture returned; the next allocations (the trainer's own, between
     versions) took their memory, and the second version's replay hit an illegal memory access (FP8 1 -> 1 over
     NCCL on 2x H200)."""
-    mesh = Mesh("m", (("tp", 1),))
-    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)]
-    layout = Layout(
-        "trainer",
-        Role.TRAINER,
-        1,
-        (mesh,),
-        tuple(TensorLayout(TensorSpec(n, (512, 256), "bfloat16"), MeshSharding("m")) for n in names),
-    )
+    names, layout = _down_projs(4, (512, 256))
     quant = Fp8BlockQuant()
     params = {n: torch.randn(512, 256, device="cuda").to(torch.bfloat16) for n in names}
     views = Fp8Views(quantize_layout(layout, quant), 0, lambda name, box: params[name][box.slices()], quant)
