@@ -173,6 +173,8 @@ def warm(source, engines, wave_bytes: int) -> float:
 def _views(layout, local_rank: int):
     import torch
 
+    from awex.convert.live import fingerprinted
+
     held: dict = {}
 
     def view_of(name, box):
@@ -181,11 +183,7 @@ def _views(layout, local_rank: int):
             held[key] = torch.zeros(box.sizes)
         return held[key]
 
-    def fingerprint() -> tuple:  # where the views' memory is, as awex.convert's views tell it (one pass)
-        return tuple(t.data_ptr() for t in held.values())
-
-    view_of.fingerprint = fingerprint
-    return view_of
+    return fingerprinted(view_of, held)  # as awex.convert's views: the writer re-derives views only when moved
 
 
 def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, destinations, out: dict) -> None:
