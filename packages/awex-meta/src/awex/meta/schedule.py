@@ -137,7 +137,8 @@ def assign_waves(
             load[o] += t.nbytes
     waves = max(1, -(-max(load, default=0) // wave_bytes))
     floor = max(1, min(min_piece_bytes, wave_bytes // 32))
-    level = _Level(waves, ports)
+    level = _Level(waves)
+    hops: dict[tuple[int, int], tuple[Hashable, Hashable, float]] = {}  # ports of relays' hops, looked up once
     buckets: list[Bucket] = []
     relayed: dict[tuple[int, int], dict[int, list[Transfer]]] = {}
     for pair in sorted(per_pair, key=lambda p: (-totals[p], p)):  # largest first: the small ones fill around them
@@ -146,16 +147,19 @@ def assign_waves(
         def forward(piece: Transfer, item: Transfer, wave: int, src=src, dst=dst) -> None:
             for other in relays.get((src, dst, item), ()):
                 relayed.setdefault((dst, other), {}).setdefault(wave + RELAY_LAG, []).append(piece)
-                level.add(dst, other, wave + RELAY_LAG, piece.nbytes)
+                hop = hops.get((dst, other))
+                if hop is None:
+                    hop = hops[(dst, other)] = ports(dst, other)
+                level.add(hop, wave + RELAY_LAG, piece.nbytes)
 
+        link = ports(src, dst)
         chunks = _chunks(totals[pair], waves, floor)
-        slots = level.least_loaded(src, dst, chunks)
+        slots = level.least_loaded(link, chunks)
         by_wave = _spread(
             sorted(per_pair[pair]), waves, floor, itemsizes, forward if relays else None, slots, row_multiples
         )
-        for wave, ts in by_wave.items():
-            level.add(src, dst, wave, sum(t.nbytes for t in ts))
-        _emit(buckets, src, dst, by_wave)
+        for wave, nbytes in _emit(buckets, src, dst, by_wave):
+            level.add(link, wave, nbytes)
     for (src, dst), by_wave in sorted(relayed.items()):
         _emit(buckets, src, dst, by_wave)
     for src, dsts in sorted(broadcasts):
@@ -174,10 +178,11 @@ def rank_ports(src: int, dst: int) -> tuple[Hashable, Hashable, float]:
 
 class _Level:
     """Each port's load per wave so far (bytes times the port's seconds per byte), to place a pair's chunks where
-    its two ports are least loaded. Sums in a fixed order: every rank computes the same plan."""
+    its two ports are least loaded. Sums in a fixed order: every rank computes the same plan. A pair's ports are
+    ``(sending, receiving, seconds per byte)`` as :data:`Ports` gives them."""
 
-    def __init__(self, waves: int, ports: Ports):
-        self.waves, self.ports = waves, ports
+    def __init__(self, waves: int):
+        self.waves = waves
         self.load: dict[Hashable, list[float]] = {}
 
     def _of(self, port: Hashable) -> list[float]:
@@ -186,21 +191,20 @@ class _Level:
             got = self.load[port] = [0.0] * self.waves
         return got
 
-    def add(self, src: int, dst: int, wave: int, nbytes: int) -> None:
-        out, into, cost = self.ports(src, dst)
+    def add(self, link: tuple[Hashable, Hashable, float], wave: int, nbytes: int) -> None:
         if wave >= self.waves:  # relays' last hops run after the last wave
             return
+        out, into, cost = link
         self._of(out)[wave] += nbytes * cost
         if into != out:
             self._of(into)[wave] += nbytes * cost
 
-    def least_loaded(self, src: int, dst: int, chunks: int) -> list[int] | None:
+    def least_loaded(self, link: tuple[Hashable, Hashable, float], chunks: int) -> list[int] | None:
         """The ``chunks`` waves (in order) where the busier of the pair's two ports is least loaded (the earlier
         wave on a tie); ``None`` for every wave."""
         if chunks >= self.waves:
             return None
-        out, into, _ = self.ports(src, dst)
-        a, b = self._of(out), self._of(into)
+        a, b = self._of(link[0]), self._of(link[1])
         busier = [x if x >= y else y for x, y in zip(a, b)]
         return sorted(heapq.nsmallest(chunks, range(self.waves), key=busier.__getitem__))
 
@@ -290,7 +294,12 @@ def _cut(t: Transfer, nbytes: int, itemsize: int, multiple: int = 1) -> tuple[Tr
     return head, tail
 
 
-def _emit(buckets: list[Bucket], src: int, dst: int, by_wave: dict[int, list[Transfer]]) -> None:
+def _emit(buckets: list[Bucket], src: int, dst: int, by_wave: dict[int, list[Transfer]]) -> list[tuple[int, int]]:
+    """Append the pair's buckets, one per wave in order; returns each one's ``(wave, bytes)``."""
+    sizes = []
     for seq, wave in enumerate(sorted(by_wave)):
         ts = tuple(by_wave[wave])
-        buckets.append(Bucket(wave, src, dst, seq, ts, sum(t.nbytes for t in ts)))
+        nbytes = sum(t.nbytes for t in ts)
+        buckets.append(Bucket(wave, src, dst, seq, ts, nbytes))
+        sizes.append((wave, nbytes))
+    return sizes
