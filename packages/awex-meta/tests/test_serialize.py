@@ -89,3 +89,34 @@ def test_pickle_payloads_are_rejected_not_executed():
         loads_json(payload)
     with pytest.raises(SchemaError):
         loads_msgpack(payload)
+
+
+def test_layouts_alike_but_for_their_instance_are_decoded_once_and_nothing_else_is_taken_for_them():
+    from conftest import MODELS
+
+    from awex.meta import canonical_tensors, load_config
+    from awex.meta.layouts import VllmParallel, vllm_layout
+    from awex.meta.serialize import KNOWN_LAYOUTS, layout_from_wire
+
+    tensors = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
+    a = vllm_layout(tensors, VllmParallel(tp=2), instance="vllm-0")
+    known: dict = {}
+    first = layout_from_wire(to_wire(a), known)
+    twin = to_wire(a.renamed("vllm-7"))
+    got = layout_from_wire(twin, known)
+    assert got == a.renamed("vllm-7") and got.instance == "vllm-7"
+    assert got.tensors is first.tensors  # the table decoded once, shared
+    # a document that differs anywhere but the name is decoded on its own
+    wider = to_wire(vllm_layout(tensors, VllmParallel(tp=4), instance="vllm-8"))
+    assert layout_from_wire(wider, known) == vllm_layout(tensors, VllmParallel(tp=4), instance="vllm-8")
+    changed = json.loads(json.dumps(twin))
+    changed["tensors"][0][1][0] += 1  # one tensor's shape
+    assert layout_from_wire(changed, known).tensors[0].spec.shape == tuple(changed["tensors"][0][1])
+    # a twin whose name is not a name is refused, as without the cache
+    for bad in (5, "", None):
+        with pytest.raises(SchemaError):
+            layout_from_wire({**twin, "instance": bad}, known)
+    # the most recent ones are kept (documents that differ in a field the decoder does not read)
+    for i in range(KNOWN_LAYOUTS + 3):
+        layout_from_wire({**twin, "note": i}, known)
+    assert len(known) == KNOWN_LAYOUTS

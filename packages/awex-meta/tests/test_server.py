@@ -77,6 +77,11 @@ def test_layouts_and_rendezvous_round_trip(client):
     layout = vllm_layout(tensors, VllmParallel(tp=2), instance="vllm-0")
     client.publish_layout(layout, version="step-3")
     assert client.fetch_layout("vllm-0", version="step-3", timeout=1.0) == layout
+    other = layout.renamed("vllm-1")
+    client.publish_layout(other, version="step-3")
+    got = client.fetch_layout("vllm-1", version="step-3", timeout=1.0)
+    assert got == other and got.instance == "vllm-1"
+    assert got.tensors is client.fetch_layout("vllm-0", version="step-3").tensors  # engines alike: decoded once
     client.publish_rendezvous({"host": "127.0.0.1", "port": 29500, "world_size": 3}, version="step-3")
     assert client.fetch_rendezvous("step-3")["port"] == 29500
 

@@ -84,19 +84,20 @@ class MetaClient:
         self._lock = threading.Lock()
         self._epoch: str | None = None  # the server's epoch as last seen
         self._owned: dict[str, tuple[str, str, bytes | None]] = {}  # published again after a server restart
+        self._layouts: dict[bytes, Layout] = {}  # layouts fetched, by content (engines alike are decoded once)
         self.restarts = 0  # server restarts this client noticed
         self.fence: str | None = None  # "<epoch>:<identity>" on every write (see fenced())
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_lock", "_owned"):  # what this process published stays with it (connections too: _http)
+        for name in ("_lock", "_owned", "_layouts"):  # what this process published or read stays with it (and _http)
             del state[name]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-        self._owned = {}
+        self._owned, self._layouts = {}, {}
 
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""
@@ -409,8 +410,9 @@ class MetaClient:
         self.put(f"layouts/{version}/{layout.instance}", layout_to_wire(layout), keep=True)
 
     def fetch_layout(self, instance: str, version: str = "current", timeout: float | None = None) -> Layout:
-        """Fetch (waiting for) the layout an instance published; validated, never evaluated."""
-        return layout_from_wire(self.get(f"layouts/{version}/{instance}", timeout))
+        """Fetch (waiting for) the layout an instance published; validated, never evaluated (one equal to a layout
+        fetched before but for its instance name is decoded once: :func:`awex.meta.serialize.layout_from_wire`)."""
+        return layout_from_wire(self.get(f"layouts/{version}/{instance}", timeout), self._layouts)
 
     def publish_rendezvous(self, info: dict[str, Any], version: str = "current", name: str = "default") -> None:
         """Publish transport rendezvous information (e.g. a TCP store address) for a version."""

@@ -7,6 +7,7 @@ Encoding is canonical (sorted keys, no whitespace), so equal objects give equal 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -25,6 +26,7 @@ from awex.meta.layout import (
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 
 SCHEMA_VERSION = 1
+KNOWN_LAYOUTS = 16  # distinct layouts a reader keeps by content (layout_from_wire's ``known``)
 
 
 class SchemaError(ValueError):
@@ -182,7 +184,38 @@ def layout_to_wire(layout: Layout) -> dict:
     }
 
 
-def layout_from_wire(d: Any) -> Layout:
+def layout_from_wire(d: Any, known: dict[bytes, Layout] | None = None) -> Layout:
+    """Decode (and validate) a layout document. ``known``: layouts this reader decoded before, by content: a document
+    equal to one of them but for its instance name is that layout renamed, sharing its validated tensor table
+    (engines alike are read once, not once each: a rank of a job with many engines reads the same table from
+    each); the most recent :data:`KNOWN_LAYOUTS` are kept."""
+    key = _content_key(d) if known is not None else None
+    if key is not None and key in known:
+        instance = d.get("instance")
+        if isinstance(instance, str) and instance:
+            return known[key].renamed(instance)
+    layout = _layout_from_wire(d)
+    if key is not None:
+        known.pop(key, None)
+        known[key] = layout
+        while len(known) > KNOWN_LAYOUTS:
+            known.pop(next(iter(known)))
+    return layout
+
+
+def _content_key(d: Any) -> bytes | None:
+    """A digest of a layout document's content but its instance name (as decoded from JSON or msgpack); ``None``
+    for anything that is not plain data (decoding then says what is wrong with it)."""
+    if not isinstance(d, dict):
+        return None
+    try:
+        text = json.dumps({k: v for k, v in d.items() if k != "instance"}, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(text.encode()).digest()
+
+
+def _layout_from_wire(d: Any) -> Layout:
     where = "layout"
     _check_header(d, "layout")
     try:
