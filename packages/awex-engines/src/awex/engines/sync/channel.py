@@ -21,7 +21,6 @@ MetaServer for the next manifest.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -82,7 +81,7 @@ class VersionChannel:
         return VersionChannel.connect(self.address, self.secret, timeout)
 
     def _mac(self, key: str, payload: bytes) -> bytes:
-        return hmac.new(self.secret.encode(), key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
+        return hmac.digest(self.secret.encode(), key.encode() + b"\0" + payload, "sha256").hex().encode()  # one C call
 
     def _seal(self, key: str, value: Any) -> bytes:
         payload = json.dumps(value).encode()
