@@ -1,6 +1,8 @@
-"""Outcomes at scale: the first trainer rank reads every receiver's outcome and publishes them in one record; the
-other trainer ranks read that record only (one read each, not one per receiver), and a record that is missing,
-malformed or names strangers counts every receiver as silent: the version fails, never a false success."""
+"""Outcomes at scale: each engine instance's first receiving rank collects its instance's outcomes in one record;
+the first trainer rank reads one record per instance (and, one by one, the ranks no record says) and publishes
+every outcome in one record; the other trainer ranks read that record only (one read each, not one per receiver).
+A record that is missing, malformed or names strangers says nothing: the ranks it would cover are read one by
+one (an instance's record) or count as silent (the trainers' record): the version fails, never a false success."""
 
 from __future__ import annotations
 
@@ -33,11 +35,18 @@ class Recorded:
     shares_outcomes = True
 
     def __init__(self, docs):
-        self.docs, self.record, self.reads = docs, None, 0
+        self.docs, self.record, self.reads, self.by_instance = docs, None, 0, {}
 
     def outcomes(self, manifest, receivers, deadline):
         self.reads += len(receivers)
         return [self.docs.get((r.instance, r.local_rank)) for r in receivers]
+
+    def publish_instance(self, manifest, instance, doc):
+        self.by_instance[instance] = json.loads(json.dumps(doc))
+
+    def instances(self, manifest, names, deadline):
+        self.reads += len(names)
+        return [self.by_instance.get(name) for name in names]
 
     def publish_outcomes(self, manifest, doc):
         self.record = json.loads(json.dumps(doc))  # as it would travel
@@ -87,3 +96,67 @@ def test_the_record_round_trips_every_outcome():
     got[RECEIVERS[3]] = None
     receivers = [r for r in PLAN.ranks if r.role.value != "trainer"]
     assert outcomes.from_record(json.loads(json.dumps(outcomes.to_record(got))), receivers) == got
+
+
+def _aggregated(signals):
+    """Every receiving rank's part after its report: each instance's first rank publishes its instance's record."""
+    for who in RECEIVERS:
+        outcomes.aggregate(PLAN, signals, MANIFEST, who, time.monotonic() + 0.01)
+    return signals
+
+
+def test_the_first_trainer_rank_reads_one_record_per_instance():
+    docs = {who: {"ok": True} for who in RECEIVERS}
+    docs[RECEIVERS[3]] = {"ok": False, "cause": "ValueError: views", "partial": False}
+    signals = _aggregated(Recorded(docs))
+    assert sorted(signals.by_instance) == ["vllm-0", "vllm-1"]  # one record each, by the instance's first rank
+    signals.reads = 0
+    got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 1.0, rank=0)
+    assert signals.reads == 2  # one per instance, not one per rank
+    assert got == {who: {"ok": True} for who in RECEIVERS[:3]} | {RECEIVERS[3]: docs[RECEIVERS[3]]}
+
+
+def test_ranks_a_record_does_not_vouch_for_are_read_one_by_one():
+    docs = {who: {"ok": True} for who in RECEIVERS}
+    late = docs.pop(RECEIVERS[1])  # not there when its instance's first rank collected
+    signals = _aggregated(Recorded(docs))
+    assert signals.by_instance["vllm-0"]["silent"] == ["vllm-0:1"]
+    signals.docs[RECEIVERS[1]] = late  # reported before the trainer's deadline
+    signals.by_instance["vllm-1"] = {"failed": {"vllm-0:0": {"ok": False}}, "silent": []}  # names another instance
+    got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 1.0, rank=0)
+    assert got == {who: {"ok": True} for who in RECEIVERS}  # vllm-0:1 and vllm-1's ranks read one by one
+    signals.by_instance["vllm-1"] = {"failed": {}, "silent": []}  # "all applied"
+    del signals.docs[RECEIVERS[2]]
+    signals.by_instance["vllm-1"]["silent"] = ["vllm-1:0"]
+    assert outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 0.01, rank=0)[RECEIVERS[2]] is None
+
+
+def test_only_an_instance_s_first_rank_aggregates_and_only_where_outcomes_are_shared():
+    signals = Recorded({who: {"ok": True} for who in RECEIVERS})
+    for who in RECEIVERS[1::2]:  # every instance's second rank
+        outcomes.aggregate(PLAN, signals, MANIFEST, who, time.monotonic())
+    assert signals.by_instance == {}
+    signals.shares_outcomes = False  # the host board: every trainer rank reads the slots itself
+    outcomes.aggregate(PLAN, signals, MANIFEST, RECEIVERS[0], time.monotonic())
+    assert signals.by_instance == {}
+
+
+def test_instance_records_travel_on_the_version_channel():
+    from awex.engines.sync.channel import VersionChannel
+    from awex.engines.sync.signals import ChannelSignals
+
+    host = VersionChannel.host(timeout=30.0)
+    try:
+        trainer, receiver = ChannelSignals(host), ChannelSignals(VersionChannel.connect(host.address, host.secret))
+        ranks = {(r.instance, r.local_rank): r for r in PLAN.ranks}
+        failed = {"ok": False, "cause": "RuntimeError: apply", "partial": True}
+        for who in RECEIVERS:
+            receiver.report(MANIFEST, ranks[who], failed if who == RECEIVERS[2] else {"ok": True})
+        for who in RECEIVERS:
+            outcomes.aggregate(PLAN, receiver, MANIFEST, who, time.monotonic() + 5.0)
+        assert trainer.instances(MANIFEST, ["vllm-0", "vllm-1", "vllm-9"], time.monotonic() + 0.05)[2] is None
+        got = outcomes.collect(PLAN, trainer, MANIFEST, time.monotonic() + 5.0, rank=0)
+        assert got == {who: failed if who == RECEIVERS[2] else {"ok": True} for who in RECEIVERS}
+        assert outcomes.collect(PLAN, receiver, MANIFEST, time.monotonic() + 5.0, rank=1) == got  # the others' record
+    finally:
+        host.close()

@@ -156,7 +156,7 @@ class WeightsReader:
         except BaseException as e:
             self._failed(version, manifest, e, in_place if in_place is not None else apply is None, applying)
             raise
-        self._session.finish(manifest, ok=True)
+        self._session.finish(manifest, ok=True, deadline=started + self.timeout)
         self.version = version
         self._session.phases["total"] = time.monotonic() - started
         stats.phases, stats.planned = dict(self._session.phases), self._session.planned
@@ -187,7 +187,7 @@ class WeightsReader:
         else:
             log.error("%s failed to receive %s (%s); still serving %s", where, version, cause, self.version)
         if manifest is not None:  # reported, that attempt's manifest not taken again, and plan and group dropped
-            self._session.finish(manifest, ok=False, cause=cause, partial=partial)
+            self._session.finish(manifest, ok=False, cause=cause, partial=partial)  # not waiting for the others
             self._session.reset()
         # no manifest read: no attempt began, and the plan and group still match the writer's (a steady writer
         # keeps its own; dropping them here would leave the two waiting for each other until the deadline)

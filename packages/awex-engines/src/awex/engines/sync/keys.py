@@ -72,6 +72,12 @@ def outcomes(version: str, count: int) -> str:
     return f"outcomes/{version}/{count}"
 
 
+def instance_outcomes(version: str, count: int, instance: str) -> str:
+    """The outcomes of one engine instance's receiving ranks of one attempt in one record, as the instance's first
+    receiving rank collected them, for the first trainer rank: one read per instance instead of one per rank."""
+    return f"{outcomes(version, count)}/{instance}"
+
+
 def channel_outcome(version: str, count: int, instance: str, local_rank: int) -> str:
     """The same outcome on the version channel."""
     return f"outcome/{version}/{count}/{instance}/{local_rank}"

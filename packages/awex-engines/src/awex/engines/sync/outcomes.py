@@ -67,10 +67,12 @@ def collect(
     host). With ``processes`` (where each rank runs), every :data:`LIVENESS_SECONDS` it checks the silent receivers on
     this host: one that exited has failed (its cause says so) and is not waited for.
 
-    Where the signals share outcomes (version channel, MetaServer), only the first trainer rank reads every
-    receiver's and publishes them in one record (the failed and the silent by name) that the other trainer ranks
-    read: one read per rank instead of one per receiver (O(N) per version instead of O(N^2) at N ranks). A
-    missing record (the first rank gone) counts every receiver as silent: the version failed."""
+    Where the signals share outcomes (version channel, MetaServer), only the first trainer rank reads them and
+    publishes them in one record (the failed and the silent by name) that the other trainer ranks read: one read
+    per rank instead of one per receiver (O(N) per version instead of O(N^2) at N ranks). A missing record (the
+    first rank gone) counts every receiver as silent: the version failed. The first rank itself reads one record
+    per engine instance (:func:`aggregate`) and, one by one, the outcomes of the ranks that no record says (a
+    single-rank instance, a record missing or malformed, a rank its record calls silent)."""
     receivers = [r for r in plan.ranks if r.role.value != "trainer"]
     first = next(r.rank for r in plan.ranks if r.role.value == "trainer")
     if signals.shares_outcomes and rank != first:
@@ -79,12 +81,63 @@ def collect(
         except TimeoutError:
             doc = None
         return from_record(doc, receivers)
-    got = _each(receivers, signals, manifest, deadline, processes)
+    got = _by_instance(receivers, signals, manifest, deadline, processes) if signals.shares_outcomes else {}
+    got.update(
+        _each([r for r in receivers if (r.instance, r.local_rank) not in got], signals, manifest, deadline, processes)
+    )
+    got = {(r.instance, r.local_rank): got[(r.instance, r.local_rank)] for r in receivers}
     if signals.shares_outcomes:
         try:
             signals.publish_outcomes(manifest, to_record(got))
         except Exception as e:  # the other trainer ranks then fail at their deadline: never a false success
             log.warning("could not publish the outcomes of %s for the other trainer ranks: %s", manifest.version, e)
+    return got
+
+
+def aggregate(plan: Plan, signals: Signals, manifest: SyncManifest, who: tuple[str, int], deadline: float) -> None:
+    """Receiving rank ``who``, after its own report: where it is its instance's first receiving rank (of two or
+    more) and the signals share outcomes, wait until ``deadline`` for the instance's outcomes and publish them in
+    one record for the first trainer rank (an engine's ranks receive together: the call that updates an engine
+    returns when all of them did anyway). Never raises: without the record the trainer reads the ranks one by one."""
+    if not signals.shares_outcomes:
+        return
+    mine = [r for r in plan.ranks if r.instance == who[0] and r.role.value != "trainer"]
+    if len(mine) < 2 or mine[0].local_rank != who[1]:
+        return
+    try:
+        docs = signals.outcomes(manifest, mine, deadline)
+        got = {(r.instance, r.local_rank): d if isinstance(d, dict) else None for r, d in zip(mine, docs)}
+        signals.publish_instance(manifest, who[0], to_record(got))
+    except Exception as e:
+        log.warning("%s:%d could not collect its instance's outcomes of %s: %s", *who, manifest.version, e)
+
+
+def _by_instance(
+    receivers: list,
+    signals: Signals,
+    manifest: SyncManifest,
+    deadline: float,
+    processes: Mapping[tuple[str, int], Process] | None,
+) -> Outcomes:
+    """The outcomes the instances' records say (:func:`aggregate`), waiting until ``deadline``; with
+    ``processes``, an instance one of whose ranks exited on this host is left to be read rank by rank. Ranks a
+    record calls silent are not in the result."""
+    groups: dict[str, list] = {}
+    for r in receivers:
+        groups.setdefault(r.instance, []).append(r)
+    pending = {name: ranks for name, ranks in groups.items() if len(ranks) > 1}
+    got: Outcomes = {}
+    while pending:
+        until = min(deadline, time.monotonic() + LIVENESS_SECONDS) if processes else deadline
+        for name, doc in zip(list(pending), signals.instances(manifest, list(pending), until)):
+            if doc is not None:
+                ranks = pending.pop(name)
+                got.update((who, d) for who, d in from_record(doc, ranks).items() if d is not None)
+        if time.monotonic() >= deadline:
+            break
+        for name, ranks in list(pending.items()):
+            if any(exited_here(processes or {}, r.instance, r.local_rank) is not None for r in ranks):
+                del pending[name]
     return got
 
 

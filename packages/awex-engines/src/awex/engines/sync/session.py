@@ -377,12 +377,17 @@ class SyncSession:
         return self._link is not None and self._link.touched
 
     # -- outcomes: a version counts as applied only when every receiving rank said so (awex.engines.sync.outcomes) ---
-    def finish(self, manifest: SyncManifest, ok: bool, cause: str | None = None, partial: bool = False) -> None:
-        """A receiving rank's outcome of ``manifest``'s version: :func:`awex.engines.sync.outcomes.report`."""
+    def finish(
+        self, manifest: SyncManifest, ok: bool, cause: str | None = None, partial: bool = False, deadline: float = 0.0
+    ) -> None:
+        """A receiving rank's outcome of ``manifest``'s version: :func:`awex.engines.sync.outcomes.report`; an
+        instance's first rank then collects its instance's until ``deadline`` (:func:`~.outcomes.aggregate`)."""
         self._last_attempt = manifest.attempt
         with self.phases("done"):
             me = (self.instance, self.local_rank)
             outcomes.report(self.client, self._plan, me, self.signals, manifest, ok, cause, partial)
+            if self._plan is not None and self.signals is not None:
+                outcomes.aggregate(self._plan, self.signals, manifest, me, deadline)
 
     def await_outcomes(self, manifest: SyncManifest, deadline: float) -> outcomes.Outcomes:
         """A trainer rank: every receiving rank's outcome: :func:`awex.engines.sync.outcomes.collect`."""

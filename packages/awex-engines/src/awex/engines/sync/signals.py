@@ -52,6 +52,12 @@ class Signals(Protocol):
     def collected(self, manifest: SyncManifest, timeout: float) -> Any:
         """The other trainer ranks: the first one's record of every outcome; ``TimeoutError`` after ``timeout``."""
 
+    def publish_instance(self, manifest: SyncManifest, instance: str, doc: dict) -> None:
+        """An instance's first receiving rank: its instance's outcomes in one record (where :attr:`shares_outcomes`)."""
+
+    def instances(self, manifest: SyncManifest, names: Sequence[str], deadline: float) -> list[Any]:
+        """The first trainer rank: each instance's record (``None`` where none came by ``deadline``)."""
+
 
 class MetaSignals:
     """Every signal a key on the MetaServer (``awex.engines.sync.keys.ready`` / ``outcome``)."""
@@ -94,6 +100,19 @@ class MetaSignals:
     def collected(self, manifest: SyncManifest, timeout: float) -> Any:
         return self.client.get(keys.outcomes(manifest.version, manifest.seq), timeout=max(0.001, timeout))
 
+    def publish_instance(self, manifest: SyncManifest, instance: str, doc: dict) -> None:
+        self.client.put(keys.instance_outcomes(manifest.version, manifest.seq, instance), doc)
+
+    def instances(self, manifest: SyncManifest, names: Sequence[str], deadline: float) -> list[Any]:
+        out = []
+        for name in names:
+            try:
+                key = keys.instance_outcomes(manifest.version, manifest.seq, name)
+                out.append(self.client.get(key, timeout=max(0.001, deadline - time.monotonic())))
+            except TimeoutError:
+                out.append(None)
+        return out
+
 
 class ChannelSignals:
     """Signals through the writer's version channel (a failure's cause goes to the MetaServer too: outcomes)."""
@@ -135,6 +154,16 @@ class ChannelSignals:
             if self.client is None:
                 raise
             return self.client.get(key, timeout=max(0.001, deadline - time.monotonic()))
+
+    def publish_instance(self, manifest: SyncManifest, instance: str, doc: dict) -> None:
+        self.channel.put(keys.instance_outcomes(manifest.version, manifest.seq, instance), doc)
+
+    def instances(self, manifest: SyncManifest, names: Sequence[str], deadline: float) -> list[Any]:
+        found = [keys.instance_outcomes(manifest.version, manifest.seq, name) for name in names]
+        try:
+            return self.channel.wait(found, max(0.001, deadline - time.monotonic()))
+        except TimeoutError:
+            return [self.channel.get(k) for k in found]
 
 
 class BoardSignals:
