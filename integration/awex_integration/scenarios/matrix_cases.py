@@ -3,8 +3,9 @@
 
 CI runs the cases outside :data:`FULL_ONLY`; ``AWEX_FULL_MATRIX=1`` (``./noxw -s integration``) runs them all. The
 cases left to the full run repeat what CI's cases cover together: the Megatron TP x PP -> vLLM TP grid keeps the
-cell with everything at once (TP=2, PP=2 -> TP=2), TP 2 -> 1 and TP 1 -> 2; the loader and staged paths, shm, rdma,
-vLLM's HTTP API, tied and odd vocabularies run Megatron TP=2 (or PP=2) -> vLLM in CI as their own cases."""
+cell with everything at once (TP=2, PP=2 -> TP=2), TP 2 -> 1 and TP 1 -> 2; the loader and staged paths, shm,
+vLLM's HTTP API, tied and odd vocabularies run Megatron TP=2 (or PP=2) -> vLLM in CI as their own cases; an HF
+trainer and rdma run in CI's other tests (named at :data:`FULL_ONLY`)."""
 
 from __future__ import annotations
 
@@ -125,4 +126,10 @@ FULL_ONLY = {  # run with AWEX_FULL_MATRIX=1 (./noxw -s integration); each repea
     # staged receive in CI: test_receive_memory (applied, bit-exact, greedy) and test_faults (a failure keeps the
     # previous version)
     "staged:megatron-tp1-pp2->vllm-tp1",
+    # an HF trainer into vLLM in CI: test_hf_to_vllm (vLLM's RL API), test_receive_memory, examples/rlhf*.py, and
+    # into vLLM TP=2 through learned layouts (test_learned_layouts, paligemma); tabled TP=2 receivers: Megatron cases
+    "hf->vllm-tp2",
+    # rdma in CI: test_two_hosts (Megatron TP=2 -> HF across two hosts, bit-exact) and the fault suite's rdma cases;
+    # receivers' memory is the same views whatever the engine
+    "rdma:megatron-tp2->vllm-tp2",
 }
