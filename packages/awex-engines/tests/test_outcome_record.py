@@ -160,3 +160,17 @@ def test_instance_records_travel_on_the_version_channel():
         assert outcomes.collect(PLAN, receiver, MANIFEST, time.monotonic() + 5.0, rank=1) == got  # the others' record
     finally:
         host.close()
+
+
+def test_an_instance_s_first_rank_waits_for_its_ranks_a_bounded_while_and_says_who_was_silent(monkeypatch):
+    class Waiting(Recorded):
+        def outcomes(self, manifest, receivers, deadline):  # a rank that never reports: wait out the deadline
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            return super().outcomes(manifest, receivers, deadline)
+
+    monkeypatch.setattr(outcomes, "AGGREGATE_SECONDS", 0.2)
+    signals = Waiting({RECEIVERS[0]: {"ok": True}})
+    started = time.monotonic()
+    outcomes.aggregate(PLAN, signals, MANIFEST, RECEIVERS[0], time.monotonic() + 60.0)  # a sync's long deadline
+    assert time.monotonic() - started < 5.0  # not the sync's deadline: the trainer reads the rest itself
+    assert signals.by_instance["vllm-0"] == {"failed": {}, "silent": ["vllm-0:1"]}

@@ -114,8 +114,8 @@ class WeightsReader:
         The outcome (applied, or failed with its cause) goes to the trainers, which count the version as applied
         only when every receiving rank succeeded, and report each instance's version (see ``WeightsWriter``). An
         instance's first receiving rank then collects its instance's outcomes for the trainers: its ``receive``
-        returns once every rank of its instance reported (or at its deadline), so an instance's ranks receive
-        concurrently (a process or thread each), as engines run them. A
+        returns once every rank of its instance reported, or after at most a second (the trainers then read the
+        others one by one): an instance's ranks receive concurrently, as engines run them. A
         rank that fails publishes a ``sync_failed`` event naming itself and the cause; one left partially updated
         also reports that its instance serves no consistent version. After a failure the next ``receive`` (a
         retry, or the next version) plans and joins again.

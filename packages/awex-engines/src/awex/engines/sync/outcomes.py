@@ -19,6 +19,7 @@ from awex.meta.client import MetaClient
 log = logging.getLogger("awex.engines")
 
 Outcomes = dict[tuple[str, int], "dict | None"]
+AGGREGATE_SECONDS = 1.0  # the longest an instance's first rank waits for its ranks' outcomes (they finish together)
 
 
 def report(
@@ -96,11 +97,14 @@ def collect(
 
 def aggregate(plan: Plan, signals: Signals, manifest: SyncManifest, who: tuple[str, int], deadline: float) -> None:
     """Receiving rank ``who``, after its own report: where it is its instance's first receiving rank (of two or
-    more) and the signals share outcomes, wait until ``deadline`` for the instance's outcomes and publish them in
-    one record for the first trainer rank (an engine's ranks receive together: the call that updates an engine
-    returns when all of them did anyway). Never raises: without the record the trainer reads the ranks one by one."""
+    more) and the signals share outcomes, wait until ``deadline`` (at most :data:`AGGREGATE_SECONDS`) for the
+    instance's outcomes and publish them in one record for the first trainer rank (an engine's ranks receive
+    together: the call that updates an engine returns when all of them did anyway). The record is a shortcut, never
+    a dependency: the trainer reads rank by rank the ranks it calls silent, and every rank of an instance without
+    one. Never raises."""
     if not signals.shares_outcomes:
         return
+    deadline = min(deadline, time.monotonic() + AGGREGATE_SECONDS)
     mine = [r for r in plan.ranks if r.instance == who[0] and r.role.value != "trainer"]
     if len(mine) < 2 or mine[0].local_rank != who[1]:
         return
