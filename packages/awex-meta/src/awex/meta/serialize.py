@@ -195,8 +195,7 @@ def layout_from_wire(d: Any, known: dict[bytes, Layout] | None = None) -> Layout
         if isinstance(instance, str) and instance:
             return known[key].renamed(instance)
     layout = _layout_from_wire(d)
-    if key is not None:
-        known.pop(key, None)
+    if key is not None:  # a miss (a hit returned above, or raised decoding its bad instance name)
         known[key] = layout
         while len(known) > KNOWN_LAYOUTS:
             known.pop(next(iter(known)))
