@@ -5,6 +5,7 @@ alias the current memory (a view made earlier keeps the old memory alive and wou
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from itertools import chain
 
 import torch
 
@@ -27,6 +28,10 @@ class LiveTensors(Mapping[str, torch.Tensor]):
             else:  # no owners to look through: the tensor as it is now
                 self._owners[name] = (_Held(t), "tensor")
         self._data = data
+        # where each tensor is held now (its owner's _parameters or _buffers, or __dict__): fingerprint() reads them
+        # in one pass without a Python call per tensor; a tensor found elsewhere since takes the full lookups
+        self._slots = [_slot(owner, leaf) for owner, leaf in self._owners.values()]
+        self._leaves = [leaf for _, leaf in self._owners.values()]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         owner, leaf = self._owners[name]
@@ -34,6 +39,15 @@ class LiveTensors(Mapping[str, torch.Tensor]):
         if not isinstance(t, torch.Tensor):
             raise KeyError(f"{name} is no longer a tensor of its module")
         return t.data if self._data and isinstance(t, torch.nn.Parameter) else t
+
+    def fingerprint(self) -> tuple:
+        """:func:`fingerprint` of these tensors, read in one pass (a steady sync asks it every version: no Python
+        call per tensor)."""
+        try:
+            now = map(dict.get, self._slots, self._leaves)
+            return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in now])
+        except AttributeError:  # a tensor no longer where it was held (replaced by another kind of attribute)
+            return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in self.values())
 
     def __contains__(self, name: object) -> bool:
         return name in self._owners
@@ -45,6 +59,15 @@ class LiveTensors(Mapping[str, torch.Tensor]):
         return len(self._owners)
 
 
+def _slot(owner: object, leaf: str) -> dict:
+    """The dictionary that holds ``owner``'s attribute ``leaf`` now (a module's parameters win over its buffers)."""
+    for where in ("_parameters", "_buffers"):
+        held = getattr(owner, where, None)
+        if isinstance(held, dict) and leaf in held:
+            return held
+    return owner.__dict__
+
+
 class _Held:
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -54,7 +77,12 @@ def fingerprint(*tensors: Mapping[str, torch.Tensor]) -> tuple:
     """Where every tensor of ``tensors`` is now (address, shape, strides, dtype, device), in order: equal to an
     earlier fingerprint exactly when none of them moved, was replaced or resharded. Views derived from the tensors
     by a fixed rule (``view_of``) are then the views they were; cheaper than deriving the views again."""
-    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for m in tensors for t in m.values())
+    parts = [m.fingerprint() if isinstance(m, LiveTensors) else _fingerprint(m) for m in tensors]
+    return parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
+
+
+def _fingerprint(tensors: Mapping[str, torch.Tensor]) -> tuple:
+    return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors.values()])
 
 
 def fingerprinted(view_of: Callable, *tensors: Mapping[str, torch.Tensor]) -> Callable:

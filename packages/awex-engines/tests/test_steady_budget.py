@@ -1,0 +1,97 @@
+"""The CI guard on the per-version path: what one steady version costs each rank, counted (``steady_counts``), against
+the budget the design sets. Counts, not times: the same on a loaded machine as on an idle one.
+
+The design's budget for one steady version (nothing planned, allocated or negotiated again):
+
+- the first trainer rank makes one MetaServer request on its critical path (the version name's claim, which also
+  checks its fence); receivers make none; requests that only inform (events, version reports, dropping old
+  records) go from the background thread, a few per version;
+- per-version signals: the manifest, one ready signal per sender, one outcome per receiver, the trainer's wait for
+  them (and, over the version channel, the outcomes' record for the other trainer ranks);
+- Python work: a fixed number of calls per version whatever the model, and per tensor no Python call at all and at
+  most :data:`C_CALLS_PER_TENSOR` calls into C (the check that memory did not move reads each parameter once).
+"""
+
+from __future__ import annotations
+
+import pytest
+from steady_counts import measure, per_tensor
+
+from awex.convert.live import LiveTensors
+
+SMALL, LARGE = 3, 33  # layers: 39 and 399 tensors
+WRITER_REQUESTS = 1  # the name's claim
+READER_REQUESTS = 0
+BACKGROUND_REQUESTS = 4  # weights_ready event, version report, old records dropped (+ the outcomes' copy: channel)
+SIGNALS = {  # per-version operations on the medium, per side
+    "board": {"writer": 3, "reader": 3},  # post + ring + wait for outcomes; manifest + wait for ready + ring
+    "channel": {"writer": 4, "reader": 3},  # the same, and the outcomes' record for the other trainer ranks
+}
+PYTHON_CALLS = {"writer": 150, "reader": 100}  # per version, whatever the model (39 tensors: 132-145 and 81-86)
+PYTHON_CALLS_PER_TENSOR = 0
+C_CALLS_PER_TENSOR = 3  # data_ptr and stride of each parameter (the moved-memory fingerprint)
+
+
+def violations(small, large) -> list[str]:
+    """Every way the two models' counts of one steady version exceed the budget (empty: within it)."""
+    out = []
+    for c in (small, large):
+        where = f"{c.tensors} tensors, {c.medium}"
+        for side, budget in (("writer", WRITER_REQUESTS), ("reader", READER_REQUESTS)):
+            rc = getattr(c, side)
+            if rc.ops["meta"] > budget:
+                made = rc.ops["meta"]
+                out.append(f"{where}: the {side} made {made} MetaServer requests (budget {budget}): {rc.requests}")
+            signals, allowed = rc.ops[c.medium], SIGNALS[c.medium][side]
+            if signals > allowed:
+                out.append(f"{where}: the {side} made {signals} {c.medium} operations (budget {allowed})")
+            other = {"board": "channel", "channel": "board"}[c.medium]
+            if rc.ops[other]:
+                out.append(f"{where}: the {side} also used the {other} ({rc.ops[other]} operations)")
+            if rc.python_calls > PYTHON_CALLS[side]:
+                out.append(
+                    f"{where}: the {side} made {rc.python_calls} Python calls (budget {PYTHON_CALLS[side]}); "
+                    f"hottest {rc.hottest.most_common(5)}"
+                )
+        if len(c.background) > BACKGROUND_REQUESTS:
+            n = len(c.background)
+            out.append(f"{where}: {n} background requests (budget {BACKGROUND_REQUESTS}): {c.background}")
+    for side in ("writer", "reader") if large.tensors > small.tensors else ():
+        py = per_tensor(small, large, side, "python_calls")
+        cc = per_tensor(small, large, side, "c_calls")
+        if py > PYTHON_CALLS_PER_TENSOR:
+            grown = getattr(large, side).hottest - getattr(small, side).hottest
+            out.append(f"{side}: {py:.2f} Python calls per tensor (budget 0): {grown.most_common(5)}")
+        if cc > C_CALLS_PER_TENSOR:
+            out.append(f"{side}: {cc:.2f} calls into C per tensor (budget {C_CALLS_PER_TENSOR})")
+    return out
+
+
+@pytest.mark.parametrize("board", [True, False], ids=["host-board", "channel"])
+def test_a_steady_version_stays_within_its_budget(board):
+    small, large = measure(SMALL, board), measure(LARGE, board)
+    assert (small.medium, large.medium) == (("board", "board") if board else ("channel", "channel"))
+    assert small.writer.ops["copies"] == small.reader.ops["copies"] == 1  # the bytes moved, once a side
+    assert violations(small, large) == []
+
+
+def test_the_guard_fails_on_an_extra_round_trip_or_per_tensor_work():
+    """The guard can fail: one extra MetaServer request on the writer's path, or a Python call per tensor."""
+    small = measure(SMALL)
+    assert violations(small, small) == []
+    extra = measure(SMALL, extra=lambda writer: writer.client.keys("sync/"))
+    found = violations(extra, extra)
+    assert found and all("the writer made 2 MetaServer requests" in f for f in found), found
+
+    # the moved-memory check as it was written before (a generator over the live mapping: Python calls per tensor)
+    small, large = measure(SMALL, views=generator_views), measure(LARGE, views=generator_views)
+    found = violations(small, large)
+    assert any(f.startswith("writer: 4.00 Python calls per tensor") for f in found), found
+    assert any(f.startswith("reader: 4.00 Python calls per tensor") for f in found), found
+
+
+def generator_views(module):
+    params = LiveTensors(module)
+    view_of = lambda name, box: params[name][box.slices()]  # noqa: E731
+    view_of.fingerprint = lambda: tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in params.values())
+    return view_of
