@@ -139,6 +139,39 @@ def test_memory_on_another_kind_of_device_is_refused_then_the_next_version_goes(
         reader.close()
 
 
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_a_parameter_freed_in_place_is_refused_naming_it_never_a_crash(server, transport):
+    """The usual offload trick (``untyped_storage().resize_(0)``) not undone before a write: refused at construction
+    and at every write, naming the tensor, before any byte moves (reading it crashed the process); once the
+    parameter is back the next version goes, exact."""
+    model, writer, reader, got = _pair(server, f"freed-{transport}", transport)
+    name, p = next(iter(model.named_parameters()))
+    try:
+        _sync(writer, reader, "v1")
+        before = {n: t.clone() for n, t in got.items()}
+        nbytes = p.untyped_storage().nbytes()
+        p.untyped_storage().resize_(0)  # offloaded: the parameter keeps its shape, its memory is gone
+        with pytest.raises(ShardMismatchError, match=rf"{re.escape(name)} .*memory is not there.*loaded back"):
+            WeightsWriter(
+                MetaClient(server.address, job=f"freed-{transport}-new", timeout=30),
+                hf_layout(TENSORS, "trainer", "other"),
+                0,
+                hf_views(model),
+                transport=transport,
+            )
+        for _ in range(2):  # at every write, the same refusal
+            with pytest.raises(ShardMismatchError, match=rf"{re.escape(name)} .*holds 0 bytes"):
+                writer.write("v2", ["hf-in"])
+        assert all(torch.equal(got[n], before[n]) for n in got)  # nothing moved
+        p.untyped_storage().resize_(nbytes)  # loaded back (new memory), with a step's change
+        p.data.copy_(before[name] + 1)
+        _sync(writer, reader, "v3")
+        assert _exact(model, got) == []
+    finally:
+        writer.close()
+        reader.close()
+
+
 def _engine_pair(server, job: str, transport: str):
     """A trainer whose memory stays, and an engine (HF-named module) that re-allocates its weights."""
     g = torch.Generator().manual_seed(1)

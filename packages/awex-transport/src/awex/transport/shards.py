@@ -32,6 +32,16 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def backed(view: torch.Tensor) -> bool:
+    """Whether ``view``'s storage holds every element it addresses: not a storage freed in place
+    (``untyped_storage().resize_(0)``, the usual offload trick) or shrunk since the view was taken (reading such a
+    view crashes the process). Meta tensors are refused by the device checks (:func:`rebound`, one device a rank)."""
+    if view.device.type == "meta" or view.numel() == 0:
+        return True
+    last = view.storage_offset() + sum((n - 1) * st for n, st in zip(view.shape, view.stride()))
+    return view.untyped_storage().nbytes() >= (last + 1) * view.element_size()
+
+
 class LocalShards:
     """Views of one rank's memory for the canonical boxes it holds.
 
@@ -97,6 +107,12 @@ class LocalShards:
                     elif view.dtype != want:
                         problems.append(
                             f"{name} {sub}: native dtype {view.dtype}, layout says {layout.tensor(name).spec.dtype}"
+                        )
+                    elif not backed(view):
+                        problems.append(
+                            f"{name} {sub}: its memory is not there (its storage holds {view.untyped_storage().nbytes()} "
+                            "bytes): weights offloaded or freed must "
+                            "be loaded back before they are sent"
                         )
                     else:
                         covered += sub.numel
