@@ -136,10 +136,13 @@ class WeightsReader:
             # weights the engine re-allocated since the last version: new views (the transports rebuild from them);
             # views that no longer fit fail this rank, reported, before any byte moves
             self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
+            bound = time.monotonic()
             stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
             if manifest.verify:  # before validation and the load step: nothing unverified is applied
                 self._session.verify(manifest, self._shards, started + self.timeout)
-            self._session.phases.update(manifest=fetched - started, transferred=time.monotonic() - started)
+            self._session.phases.update(
+                manifest=fetched - started, fingerprint=bound - fetched, transferred=time.monotonic() - started
+            )
             if validate:
                 from awex.engines.validation import load_checkpoint, validate_shards
 

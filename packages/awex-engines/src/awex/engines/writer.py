@@ -235,9 +235,11 @@ class WeightsWriter:
         # memory that moved (offloaded and reloaded, param.data replaced, resharded): new views, and the transports
         # rebuild what they built from the old ones (CUDA IPC: a new export); bad views raise here, nothing begun
         self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
+        control = {"fingerprint": time.monotonic() - started}  # sub-phases before the transfer (its phases reset)
         try:
             if self._announcer is not None:
                 manifest = self._announcer.announce(version, destinations, later, self.options)
+                control.update(self._announcer.last_phases)
             else:
                 manifest = self._session.fetch_manifest(version, self.timeout)
             announced = time.monotonic()
@@ -259,7 +261,7 @@ class WeightsWriter:
             raise
         self._applied.add(version)
         self._session.applied()
-        self._session.phases.update(manifest=announced - started, total=time.monotonic() - started)
+        self._session.phases.update(control, manifest=announced - started, total=time.monotonic() - started)
         stats.phases, stats.planned = dict(self._session.phases), self._session.planned
         self.last_stats = stats
         log.info("%s", self._session.describe_sync("sent", version, stats.bytes_sent, stats.seconds))

@@ -7,6 +7,7 @@ takes a failed attempt back (:meth:`Announcer.withdraw`), reports which version 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from functools import partial
 from typing import Sequence
@@ -42,6 +43,7 @@ class Announcer:
         self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write
         self._manifest: SyncManifest | None = None  # the last manifest, and as JSON
         self._manifest_doc: dict | None = None
+        self.last_phases: dict[str, float] = {}  # seconds of the last announcement's steps: claim, post
 
     def close(self) -> None:
         self._channel = self._cleaner = None  # stops the version channel once the session dropped it too
@@ -138,6 +140,7 @@ class Announcer:
         doc = dict(self._manifest_doc, version=version, seq=self._seq) if steady else fresh.to_json()
         # the name is claimed before any rank can read the manifest (in steady state too): a name another writer
         # announced, or any write of a writer a newer one of this instance replaced (fenced), starts nothing
+        claiming = time.perf_counter()
         try:
             self.client.put(keys.manifest(version), doc, create_only=True)
         except MetaFencedError:
@@ -150,12 +153,14 @@ class Announcer:
                 ) from None
             self.client.put(keys.manifest(version), doc)  # fenced: refused if a newer writer took over meanwhile
             log.warning("%s took over version %s from the writer it replaced", self.instance, version)
+        posting = time.perf_counter()
         if self._board is not None:  # ranks on this host read it here, the others on the channel
             self._board.post(doc)
         manifest = fresh
         self._manifest, self._manifest_doc = manifest, doc
         if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
             self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
+        self.last_phases = {"claim": posting - claiming, "post": time.perf_counter() - posting}
         later.append(
             (
                 f"event weights_ready {version}",

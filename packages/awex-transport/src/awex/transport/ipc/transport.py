@@ -75,8 +75,9 @@ class IpcTransport(Transport):
                 return stats
             return TransferStats(bytes_sent=self.bytes_sent or 0)
         plan, changed = self.plan, self.executor is None or self._built_from is not shards  # views re-bound
-        with timed(phases, "open"):
+        with timed(phases, "ready_wait"):  # until every sender said this version's bytes are ready
             generations = link.await_ready(self.peers, deadline)
+        with timed(phases, "open"):
             sources = {}
             for peer, generation in zip(self.peers, generations):
                 src = plan.ranks[peer]

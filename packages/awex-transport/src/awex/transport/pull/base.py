@@ -93,9 +93,10 @@ class PullTransport(Transport):
                     self.generation += 1
                     link.publish(self.generation, self.sender.wire())
             return self._send(link, deadline, phases)
-        with timed(phases, "open"):
-            senders = self._senders
+        senders = self._senders
+        with timed(phases, "ready_wait"):  # until every sender said this version's bytes are ready
             generations = link.await_ready(senders, deadline)
+        with timed(phases, "open"):
             reopen = self.receiver is None or self.plan is not plan
             reopen = reopen or any(self.opened.get(p) != g for p, g in zip(senders, generations))
             if not reopen and self._built_from is not shards:  # the engine re-allocated its weights
