@@ -45,9 +45,9 @@ class LiveTensors(Mapping[str, torch.Tensor]):
         call per tensor)."""
         try:
             now = map(dict.get, self._slots, self._leaves)
-            return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in now])
+            return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in now])
         except AttributeError:  # a tensor no longer where it was held (replaced by another kind of attribute)
-            return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in self.values())
+            return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.values())
 
     def __contains__(self, name: object) -> bool:
         return name in self._owners
@@ -74,15 +74,17 @@ class _Held:
 
 
 def fingerprint(*tensors: Mapping[str, torch.Tensor]) -> tuple:
-    """Where every tensor of ``tensors`` is now (address, shape, strides, dtype, device), in order: equal to an
-    earlier fingerprint exactly when none of them moved, was replaced or resharded. Views derived from the tensors
-    by a fixed rule (``view_of``) are then the views they were; cheaper than deriving the views again."""
+    """Where every tensor of ``tensors`` is now (address, shape, strides, dtype), in order: equal to an earlier
+    fingerprint exactly when none of them moved, was replaced or resharded. The address also tells the device
+    (host and GPU memory never share an address under CUDA's unified addressing; a meta tensor's is 0; a storage
+    freed in place has none). Views derived from the tensors by a fixed rule (``view_of``) are then the views they
+    were; cheaper than deriving the views again (taking each tensor's device object too cost a third more)."""
     parts = [m.fingerprint() if isinstance(m, LiveTensors) else _fingerprint(m) for m in tensors]
     return parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
 
 
 def _fingerprint(tensors: Mapping[str, torch.Tensor]) -> tuple:
-    return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors.values()])
+    return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors.values()])
 
 
 def fingerprinted(view_of: Callable, *tensors: Mapping[str, torch.Tensor]) -> Callable:

@@ -123,6 +123,15 @@ class WeightsReader:
         started = time.monotonic()
         manifest = None
         applying = False  # the apply step began (it changes the engine's weights)
+        # weights the engine re-allocated since the last version: new views (the transports rebuild from them), checked
+        # while the trainer announces (off the critical path: the engine's weights do not move inside this call); views
+        # that no longer fit fail this rank once the manifest is known (reported, before any byte moves)
+        try:
+            self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
+            unfit = None
+        except Exception as e:  # raised once the manifest is known
+            unfit = e
+        bound = time.monotonic()
         try:
             manifest = self._session.fetch_manifest(version, self.timeout)
             if self.layout.instance not in manifest.destinations:
@@ -133,15 +142,13 @@ class WeightsReader:
                     f"writer of {version!r} does not verify: pass verify=True to the writer"
                 )
             fetched = time.monotonic()
-            # weights the engine re-allocated since the last version: new views (the transports rebuild from them);
-            # views that no longer fit fail this rank, reported, before any byte moves
-            self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
-            bound = time.monotonic()
+            if unfit is not None:
+                raise unfit
             stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
             if manifest.verify:  # before validation and the load step: nothing unverified is applied
                 self._session.verify(manifest, self._shards, started + self.timeout)
             self._session.phases.update(
-                manifest=fetched - started, fingerprint=bound - fetched, transferred=time.monotonic() - started
+                fingerprint=bound - started, manifest=fetched - bound, transferred=time.monotonic() - started
             )
             if validate:
                 from awex.engines.validation import load_checkpoint, validate_shards

@@ -109,10 +109,10 @@ class LocalShards:
                             f"{name} {sub}: native dtype {view.dtype}, layout says {layout.tensor(name).spec.dtype}"
                         )
                     elif not backed(view):
+                        held = view.untyped_storage().nbytes()
                         problems.append(
-                            f"{name} {sub}: its memory is not there (its storage holds {view.untyped_storage().nbytes()} "
-                            "bytes): weights offloaded or freed must "
-                            "be loaded back before they are sent"
+                            f"{name} {sub}: its memory is not there (its storage holds {held} bytes): weights "
+                            "offloaded or freed must be loaded back before they are sent"
                         )
                     else:
                         covered += sub.numel
