@@ -45,7 +45,9 @@ class TransferStats:
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the whole sync (filled by the writer and reader: ``layouts``, ``devices``, ``plan``,
-    ``agreement``, ``group``, ``export``/``open``, ``transfer``, ``done``, ``total``, ...)."""
+    ``agreement``, ``group``, ``export``/``open``, ``transfer``, ``done``, ``total``, ...; a steady version's control
+    step by step: the writer's ``fingerprint``, ``claim`` and ``post``, the reader's ``fingerprint``, ``manifest`` and
+    ``ready_wait``)."""
     planned: bool = False
     """This sync planned (and agreed, and set up its transport) anew: the first sync, or one after a change."""
     bytes_dense: int = 0
@@ -122,7 +124,7 @@ class Transport(ABC):
     ) -> TransferStats:
         """Move this rank's share of one version between ``shards`` (the engine's own views, in place) and its
         peers before ``deadline`` (``time.monotonic()``); seconds per phase
-        go to ``phases`` (``open``, ``executor``, ``transfer``, ...). ``refresh_by_wave`` only where
+        go to ``phases`` (``ready_wait``, ``open``, ``executor``, ``transfer``, ...). ``refresh_by_wave`` only where
         :attr:`refreshes_by_wave`."""
 
     refreshes_by_wave: ClassVar[bool] = False
