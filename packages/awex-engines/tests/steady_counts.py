@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from test_moved_memory import module_of
 
 from awex.convert.live import LiveTensors, fingerprinted
 from awex.engines.reader import WeightsReader
@@ -66,20 +67,6 @@ class VersionCounts:
     writer: RankCounts
     reader: RankCounts
     background: list  # (thread, method, path) of requests made off the ranks' threads
-
-
-def model_of(specs) -> torch.nn.Module:
-    """A module whose parameters carry the canonical names (nested submodules along each dotted name)."""
-    root = torch.nn.Module()
-    for t in specs:
-        path, _, leaf = t.name.rpartition(".")
-        module = root
-        for part in path.split("."):
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(t.spec.shape), requires_grad=False))
-    return root
 
 
 def views_of(module: torch.nn.Module):
@@ -132,7 +119,7 @@ def measure(layers: int, board: bool = True, extra=None, views=views_of) -> Vers
     ``extra(writer)``, if given, is called on the writer's thread in the counted version (a deliberate extra cost,
     to see the guard fail); ``views(module)`` makes each side's views."""
     specs = canonical_tensors(dict(CONFIG, num_hidden_layers=layers), dtype="float32")
-    sent, got = model_of(specs), model_of(specs)
+    sent, got = (module_of({t.name: torch.zeros(t.spec.shape) for t in specs}) for _ in range(2))
     server = start_embedded()
     background: list = []
     request = MetaClient._request

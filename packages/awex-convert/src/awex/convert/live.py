@@ -47,7 +47,7 @@ class LiveTensors(Mapping[str, torch.Tensor]):
             now = map(dict.get, self._slots, self._leaves)
             return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in now])
         except AttributeError:  # a tensor no longer where it was held (replaced by another kind of attribute)
-            return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.values())
+            return _fingerprint(self)
 
     def __contains__(self, name: object) -> bool:
         return name in self._owners

@@ -32,14 +32,20 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def extent(t: torch.Tensor) -> tuple[int, int]:
+    """The address range ``t``'s elements span (first byte, one past the last)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
 def backed(view: torch.Tensor) -> bool:
     """Whether ``view``'s storage holds every element it addresses: not a storage freed in place
     (``untyped_storage().resize_(0)``, the usual offload trick) or shrunk since the view was taken (reading such a
     view crashes the process). Meta tensors are refused by the device checks (:func:`rebound`, one device a rank)."""
     if view.device.type == "meta" or view.numel() == 0:
         return True
-    last = view.storage_offset() + sum((n - 1) * st for n, st in zip(view.shape, view.stride()))
-    return view.untyped_storage().nbytes() >= (last + 1) * view.element_size()
+    storage = view.untyped_storage()
+    return extent(view)[1] - storage.data_ptr() <= storage.nbytes()
 
 
 class LocalShards:

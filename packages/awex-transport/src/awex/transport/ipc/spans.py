@@ -10,6 +10,7 @@ import torch
 
 from awex.transport.batched_copy import BatchedCopy, split_batchable
 from awex.transport.copies import copier
+from awex.transport.shards import extent
 
 
 def overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
@@ -53,12 +54,6 @@ class Span:
     offset: int  # where it lands in the bounce ring
     after: int | None  # the latest earlier span whose bytes it overwrites: placed before this DMA starts
     placed: list  # copy functions: each destination piece from its source inside the bounce ring
-
-
-def extent(t: torch.Tensor) -> tuple[int, int]:
-    """The address range ``t``'s elements span (first byte, one past the last)."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def captured(issue, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:

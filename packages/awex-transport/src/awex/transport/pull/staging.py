@@ -15,6 +15,7 @@ import torch
 from awex.meta import Plan
 from awex.transport.copies import copier, merge_copies
 from awex.transport.shards import LocalShards, torch_dtype
+from awex.transport.shards import extent as span
 
 ALIGN = 64
 RegionKey = tuple[int, tuple[int, ...], tuple[int, ...]]  # (plan tensor index, offsets, sizes)
@@ -96,6 +97,5 @@ def extent(t: torch.Tensor, base: int) -> tuple[int, int]:
     """The byte range ``[start, end)`` that view ``t`` spans, relative to address ``base``."""
     if t.numel() == 0:
         return 0, 0
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    start = t.data_ptr() - base
-    return start, start + (last + 1) * t.element_size()
+    start, end = span(t)
+    return start - base, end - base
