@@ -42,6 +42,8 @@ STEADY_VERSIONS = 3  # versions before the counted one (the first plans; the nex
 # operations counted as one each, their inside not counted: (class, method) -> category
 OPERATIONS = {
     (MetaClient, "_request"): "meta",
+    (MetaClient, "put_sent"): "meta",  # a request sent now, its answer read later (one request, both counted once)
+    (MetaClient, "_put_answered"): "meta answer",
     **{(HostBoard, m): "board" for m in ("post", "manifest", "ring", "wait", "signalled")},
     **{(VersionChannel, m): "channel" for m in ("put", "wait", "get", "delete")},
     (ShmSender, "fill"): "copies",
@@ -95,7 +97,8 @@ class _Profiler:
             if what is not None:
                 self.counts.ops[what] += 1
                 if what == "meta":
-                    self.counts.requests.append((frame.f_locals.get("method"), frame.f_locals.get("path")))
+                    f = frame.f_locals
+                    self.counts.requests.append((f.get("method", "PUT"), f.get("path", f.get("key"))))
                 self.skip = 1
                 return
             self.counts.python_calls += 1

@@ -297,3 +297,33 @@ def test_client_keeps_one_connection_per_thread_and_reconnects_after_the_server_
     finally:
         c.close()
         second.stop()
+
+
+def test_a_put_sent_now_and_answered_later_means_what_put_means_even_across_a_restart():
+    """``put_sent``: the request leaves at once (the server holds it before its answer is read), its answer is
+    read later with put's meaning (a refused create raises then), and a kept-alive connection the server closed
+    meanwhile costs nothing but a second send of the same request (applied once)."""
+    from awex.meta.server import start_embedded
+
+    first = start_embedded()
+    port = int(first.address.rsplit(":", 1)[1])
+    c = MetaClient(first.address, job="sent", timeout=10)
+    watcher = MetaClient(first.address, job="sent", timeout=10)
+    try:
+        answer = c.put_sent("claim/v1", {"n": 1}, create_only=True)
+        assert watcher.get("claim/v1", timeout=5) == {"n": 1}  # arrived before its answer was read
+        assert answer() is None
+        refused = c.put_sent("claim/v1", {"n": 2}, create_only=True)  # only reading the answer says so
+        with pytest.raises(MetaConflictError, match="already exists"):
+            refused()
+        assert watcher.get("claim/v1") == {"n": 1}
+    finally:
+        first.stop()
+    second = start_embedded(port=port)  # the kept-alive connection died with the first server
+    try:
+        c.put_sent("claim/v2", {"n": 3}, create_only=True)()  # sent again on a new connection
+        assert MetaClient(second.address, job="sent").get("claim/v2") == {"n": 3}
+        assert c.put("after", 1) is None  # the thread's connection works on
+    finally:
+        c.close()
+        second.stop()

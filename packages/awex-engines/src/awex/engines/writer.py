@@ -232,15 +232,22 @@ class WeightsWriter:
         self._session.delta_budget_bytes = self.options.delta_budget_bytes
         later: list[tuple[str, Callable[[], object]]] = []  # requests sent after the transfer (off its path)
         manifest = outcomes = None
-        # memory that moved (offloaded and reloaded, param.data replaced, resharded): new views, and the transports
-        # rebuild what they built from the old ones (CUDA IPC: a new export); bad views raise here, nothing begun
-        self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
-        control = {"fingerprint": time.monotonic() - started}  # sub-phases before the transfer (its phases reset)
+        control: dict[str, float] = {}  # sub-phases before the transfer (its phases reset)
+
+        def rebind() -> None:
+            # memory that moved (offloaded and reloaded, param.data replaced, resharded): new views, and the
+            # transports rebuild what they built from the old ones (CUDA IPC: a new export); bad views raise here,
+            # before any byte moves (the first rank checks while its claim travels, and takes the claim back)
+            checking = time.monotonic()
+            self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
+            control["fingerprint"] = time.monotonic() - checking
+
         try:
             if self._announcer is not None:
-                manifest = self._announcer.announce(version, destinations, later, self.options)
+                manifest = self._announcer.announce(version, destinations, later, self.options, meanwhile=rebind)
                 control.update(self._announcer.last_phases)
             else:
+                rebind()
                 manifest = self._session.fetch_manifest(version, self.timeout)
             announced = time.monotonic()
             stats = self._session.transfer(

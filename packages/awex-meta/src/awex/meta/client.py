@@ -13,6 +13,7 @@ new TCP connection per request would cost more than the request).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -21,23 +22,18 @@ import secrets
 import threading
 import time
 import urllib.parse
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from awex.meta.errors import (
     AgreementError,
-    MetaAuthError,
     MetaBusyError,
-    MetaConflictError,
-    MetaFencedError,
     MetaNotRegisteredError,
-    MetaPayloadError,
-    MetaRestartError,
     MetaServerError,
     MetaTimeoutError,
 )
 from awex.meta.http_exchange import SLACK as SLACK  # re-exported: a call's answer may come this much late
 from awex.meta.http_exchange import Busy as _Busy
-from awex.meta.http_exchange import Exchanges, retry_after
+from awex.meta.http_exchange import Exchanges, message, refusal
 from awex.meta.layout import Layout
 from awex.meta.protocol import FENCE_HEADER, REQUEST_ID_HEADER
 from awex.meta.serialize import layout_from_wire, layout_to_wire
@@ -114,6 +110,7 @@ class MetaClient:
         raw: bytes | None = None,
         query: dict[str, Any] | None = None,
         own: str | None = None,
+        rid: str | None = None,
     ) -> tuple[int, Any]:
         """One request, answered by ``deadline`` (``time.monotonic()``) plus ``SLACK`` seconds at the latest.
         A server that cannot be reached is tried again until then; a write whose reply was lost is sent again
@@ -121,7 +118,8 @@ class MetaClient:
         busy (503 with a retry hint) is asked again after the time it names (a long-poll with the wait left),
         until the deadline (then :class:`MetaBusyError`)."""
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        rid = secrets.token_hex(12) if method != "GET" and "/agree/" not in path else None
+        if rid is None and method != "GET" and "/agree/" not in path:  # given: a request already sent once
+            rid = secrets.token_hex(12)
         while True:
             asked = dict(query) if query else None
             if asked and "wait" in asked:
@@ -147,6 +145,18 @@ class MetaClient:
         query: dict[str, Any] | None,
         own: str | None,
     ) -> tuple[int, Any]:
+        path, headers = self._prepared(path, data, rid, method, query)
+        status, payload, epoch = self._http.exchange(method, path, data, headers, deadline)
+        status, doc = self._answered(method, path, status, payload, epoch)
+        if own is not None and status < 300:  # published again if the server restarts
+            with self._lock:
+                self._owned[own] = (method, path.split("?", 1)[0], data)
+        return status, doc
+
+    def _prepared(
+        self, path: str, data: bytes | None, rid: str | None, method: str, query: dict[str, Any] | None
+    ) -> tuple[str, dict[str, str]]:
+        """The request's path with its query, and its headers."""
         if query:
             path += "?" + urllib.parse.urlencode(query)
         headers = {"Accept": "application/json"}
@@ -158,30 +168,17 @@ class MetaClient:
             headers[REQUEST_ID_HEADER] = rid
         if method != "GET" and self.fence is not None:
             headers[FENCE_HEADER] = self.fence
-        status, payload, epoch = self._http.exchange(method, path, data, headers, deadline)
+        return path, headers
+
+    def _answered(self, method: str, path: str, status: int, payload: bytes, epoch: str | None) -> tuple[int, Any]:
+        """What an answer means: its document, or the error it names."""
         try:
             doc = json.loads(payload) if payload else None
         except ValueError:
             raise MetaServerError(f"MetaServer answered {method} {path} with non-JSON ({status})") from None
         if epoch:
             self._saw_epoch(epoch)
-        if status == 401:
-            raise MetaAuthError(f"MetaServer at {self.address} rejected the token: {_message(doc)}")
-        if status in (400, 413):
-            raise MetaPayloadError(f"MetaServer rejected {method} {path}: {_message(doc)}")
-        if status == 410 and isinstance(doc, dict) and doc.get("error") == "restarted":
-            raise MetaRestartError(f"the MetaServer at {self.address} restarted: {_message(doc)}")
-        if status == 409:
-            if isinstance(doc, dict) and doc.get("error") == "fenced":
-                raise MetaFencedError(_message(doc))
-            raise MetaConflictError(_message(doc))
-        if status == 503 and isinstance(doc, dict) and doc.get("error") in ("busy", "overloaded"):
-            raise _Busy(_message(doc), retry_after(doc))
-        if status >= 500:
-            raise MetaServerError(f"MetaServer error on {method} {path}: {status} {_message(doc)}")
-        if own is not None and status < 300:  # published again if the server restarts
-            with self._lock:
-                self._owned[own] = (method, path.split("?", 1)[0], data)
+        refusal(status, doc, method, path, self.address)
         return status, doc
 
     def _saw_epoch(self, epoch: str) -> None:
@@ -237,6 +234,24 @@ class MetaClient:
         query = {"create": "1"} if create_only else None
         path = self._job_path("kv", key)
         self._request("PUT", path, value, deadline=self._by(), query=query, own=path if keep else None)
+
+    def put_sent(self, key: str, value: Any, *, create_only: bool = False) -> Callable[[], None]:
+        """:meth:`put`, in two: the request leaves now; calling what this returns reads its answer (raising what
+        ``put`` raises). This thread makes no other request until then; the work it does meanwhile overlaps the
+        round trip."""
+        path, data = self._job_path("kv", key), json.dumps(value).encode()
+        rid, deadline = secrets.token_hex(12), self._by()
+        full, headers = self._prepared(path, data, rid, "PUT", {"create": "1"} if create_only else None)
+        pending = self._http.send("PUT", full, data, headers, deadline)
+        return functools.partial(self._put_answered, pending, path, full, data, rid, deadline, create_only)
+
+    def _put_answered(self, pending, path: str, full: str, data: bytes, rid: str, deadline: float, create_only: bool):
+        """Read the answer of a put sent before (:meth:`put_sent`)."""
+        try:
+            self._answered("PUT", full, *pending())
+        except _Busy:  # asked again, by the same request id, as put would
+            query = {"create": "1"} if create_only else None
+            self._request("PUT", path, raw=data, deadline=deadline, query=query, rid=rid)
 
     def try_get(self, key: str) -> Any | None:
         """The value under ``key``, or ``None`` if absent (no waiting)."""
@@ -323,7 +338,7 @@ class MetaClient:
                 return
             if self.restarts == restarts:
                 break
-        raise MetaNotRegisteredError(f"cannot report version {version!r}: {_message(doc)}")
+        raise MetaNotRegisteredError(f"cannot report version {version!r}: {message(doc)}")
 
     def publish_event(self, kind: str, source: str, version: str | None = None, data: Any = None) -> int:
         """Publish an event; returns its sequence number."""
@@ -422,9 +437,3 @@ class MetaClient:
         self, version: str = "current", name: str = "default", timeout: float | None = None
     ) -> dict[str, Any]:
         return self.get(f"rendezvous/{version}/{name}", timeout)
-
-
-def _message(doc: Any) -> str:
-    if isinstance(doc, dict):
-        return str(doc.get("message") or doc.get("error") or doc)
-    return str(doc)

@@ -1,7 +1,8 @@
 """One HTTP exchange with the MetaServer over the calling thread's kept-alive connection: reconnecting while the
 server cannot be reached (until the deadline), and sending again once when a kept-alive connection turns out closed
-(a write carries its request id, so the server applies it once). What the answer means is the client's business
-(``awex.meta.client``)."""
+(a write carries its request id, so the server applies it once). :meth:`Exchanges.send` splits one exchange in two:
+the request leaves now, its answer is read when the caller asks for it (work done meanwhile costs no round trip).
+What the answer means is the client's business (``awex.meta.client``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,18 @@ import math
 import socket
 import threading
 import time
+from typing import Callable
 
-from awex.meta.errors import MetaConnectionError, MetaTimeoutError
+from awex.meta.errors import (
+    MetaAuthError,
+    MetaConflictError,
+    MetaConnectionError,
+    MetaFencedError,
+    MetaPayloadError,
+    MetaRestartError,
+    MetaServerError,
+    MetaTimeoutError,
+)
 from awex.meta.protocol import EPOCH_HEADER
 
 log = logging.getLogger("awex.meta.client")
@@ -36,6 +47,31 @@ def retry_after(doc: dict) -> float:
     return 1.0
 
 
+def message(doc: object) -> str:
+    """The message of an error answer."""
+    if isinstance(doc, dict):
+        return str(doc.get("message") or doc.get("error") or doc)
+    return str(doc)
+
+
+def refusal(status: int, doc: object, method: str, path: str, address: str) -> None:
+    """Raise the error an answer names (:class:`Busy` for a busy server); nothing for a success or a 404."""
+    if status == 401:
+        raise MetaAuthError(f"MetaServer at {address} rejected the token: {message(doc)}")
+    if status in (400, 413):
+        raise MetaPayloadError(f"MetaServer rejected {method} {path}: {message(doc)}")
+    if status == 410 and isinstance(doc, dict) and doc.get("error") == "restarted":
+        raise MetaRestartError(f"the MetaServer at {address} restarted: {message(doc)}")
+    if status == 409:
+        if isinstance(doc, dict) and doc.get("error") == "fenced":
+            raise MetaFencedError(message(doc))
+        raise MetaConflictError(message(doc))
+    if status == 503 and isinstance(doc, dict) and doc.get("error") in ("busy", "overloaded"):
+        raise Busy(message(doc), retry_after(doc))
+    if status >= 500:
+        raise MetaServerError(f"MetaServer error on {method} {path}: {status} {message(doc)}")
+
+
 class Exchanges:
     """Each thread's connection to one server; connections stay in their process (not pickled)."""
 
@@ -56,6 +92,49 @@ class Exchanges:
         self._local.conn = None
         if conn is not None:
             conn.close()
+
+    def send(
+        self, method: str, path: str, data: bytes | None, headers: dict[str, str], deadline: float
+    ) -> Callable[[], tuple[int, bytes, str | None]]:
+        """Send one request now and return what reads its answer, as :meth:`exchange` would answer it. The thread
+        must read that answer before its next request (the connection is the thread's). Trouble sending or reading
+        falls back to :meth:`exchange`, which sends the request again (a write carries its request id: the server
+        applies it once)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None  # in flight: nothing else of this thread's may use it until its answer is read
+        budget = max(0.05, deadline - time.monotonic()) + SLACK
+        try:
+            if conn is None:
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=budget)
+            elif conn.sock is not None:
+                conn.sock.settimeout(budget)
+            conn.request(method, path, body=data, headers=headers)
+        except (OSError, http.client.HTTPException) as e:
+            log.debug("sending %s %s failed (%s); the exchange goes again", method, path, e)
+            if conn is not None:
+                conn.close()
+            return lambda: self.exchange(method, path, data, headers, deadline)
+        sent = conn
+
+        def answer() -> tuple[int, bytes, str | None]:
+            keep = False
+            try:
+                resp = sent.getresponse()
+                payload = resp.read()
+                keep = not resp.will_close
+                return resp.status, payload, resp.getheader(EPOCH_HEADER)
+            except (socket.timeout, TimeoutError):
+                raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
+            except (OSError, http.client.HTTPException) as e:  # closed while idle, or the reply lost: again
+                log.debug("reading the answer to %s %s failed (%s); the exchange goes again", method, path, e)
+                return self.exchange(method, path, data, headers, deadline)
+            finally:
+                if keep:
+                    self._local.conn = sent
+                else:
+                    sent.close()
+
+        return answer
 
     def exchange(
         self, method: str, path: str, data: bytes | None, headers: dict[str, str], deadline: float

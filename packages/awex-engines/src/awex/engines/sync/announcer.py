@@ -10,7 +10,7 @@ import logging
 import time
 from collections import deque
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 from awex.engines.sync import keys
 from awex.engines.sync.board import HostBoard, host_identity
@@ -96,11 +96,18 @@ class Announcer:
             except MetaServerError as e:  # reporting must not mask the sync's own outcome
                 log.warning("could not report version %s of %s to the MetaServer: %s", version, instance, e)
 
-    def announce(self, version: str, destinations: Sequence[str], later: list, options: SyncOptions) -> SyncManifest:
+    def announce(
+        self,
+        version: str,
+        destinations: Sequence[str],
+        later: list,
+        options: SyncOptions,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> SyncManifest:
         """Rank 0: claim version ``version`` on the MetaServer (its manifest, created once: a name another writer
         announced, or a writer replaced by a newer one of this instance, is refused here, before any rank can start),
         then publish the manifest on the host board and the version channel; appends what can wait until after the
-        transfer to ``later``."""
+        transfer to ``later``. ``meanwhile`` runs while the claim travels (an error there takes the claim back)."""
         self.keep_versions = options.keep_versions  # as the writer says now (it may change between versions)
         if self._port is None:
             self._port = free_port(options.host)
@@ -111,7 +118,55 @@ class Announcer:
             except OSError as e:  # no /dev/shm here: the channel carries every signal
                 log.info("no host board (%s); per-version signals go over the version channel", e)
         self._seq += 1
-        fresh = SyncManifest(
+        fresh = self._manifest_for(version, destinations, options)
+        last = self._manifest
+        steady = (  # options as before (a writer's options may change between versions), and every rank of this
+            # plan already saw a manifest of ours
+            last is not None and last.renamed(version, self._seq) == fresh and self._session.steady_for(fresh)
+        )
+        doc = dict(self._manifest_doc, version=version, seq=self._seq) if steady else fresh.to_json()
+        # the name is claimed before any rank can read the manifest (in steady state too): a name another writer
+        # announced, or any write of a writer a newer one of this instance replaced (fenced), starts nothing
+        claiming = time.perf_counter()
+        answer = self.client.put_sent(keys.manifest(version), doc, create_only=True)
+        sent = time.perf_counter()
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except BaseException:
+                self._take_back(version, answer)
+                raise
+        waiting = time.perf_counter()
+        try:
+            answer()
+        except MetaFencedError:
+            raise
+        except MetaConflictError:
+            if not self._may_take_over(version):
+                raise ValueError(
+                    f"version {version!r} was already announced on the MetaServer (by another writer, "
+                    "or an earlier run of this job): version names are written once"
+                ) from None
+            self.client.put(keys.manifest(version), doc)  # fenced: refused if a newer writer took over meanwhile
+            log.warning("%s took over version %s from the writer it replaced", self.instance, version)
+        posting = time.perf_counter()
+        if self._board is not None:  # ranks on this host read it here, the others on the channel
+            self._board.post(doc)
+        manifest = fresh
+        self._manifest, self._manifest_doc = manifest, doc
+        if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
+            self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
+        self.last_phases = {"claim": (sent - claiming) + (posting - waiting), "post": time.perf_counter() - posting}
+        later.append(
+            (
+                f"event weights_ready {version}",
+                partial(self.client.publish_event, "weights_ready", self.instance, version=version),
+            )
+        )
+        return manifest
+
+    def _manifest_for(self, version: str, destinations: Sequence[str], options: SyncOptions) -> SyncManifest:
+        return SyncManifest(
             version,
             (self.instance,),
             tuple(sorted(destinations)),
@@ -132,42 +187,18 @@ class Announcer:
             verify=options.verify,
             epoch=self.epoch,
         )
-        last = self._manifest
-        steady = (  # options as before (a writer's options may change between versions), and every rank of this
-            # plan already saw a manifest of ours
-            last is not None and last.renamed(version, self._seq) == fresh and self._session.steady_for(fresh)
-        )
-        doc = dict(self._manifest_doc, version=version, seq=self._seq) if steady else fresh.to_json()
-        # the name is claimed before any rank can read the manifest (in steady state too): a name another writer
-        # announced, or any write of a writer a newer one of this instance replaced (fenced), starts nothing
-        claiming = time.perf_counter()
+
+    def _take_back(self, version: str, answer: Callable[[], None]) -> None:
+        """The work beside a claim failed: read the claim's answer and, where it was claimed, drop it again (no rank
+        saw it: it was posted nowhere else), so the name stays free for a retry."""
         try:
-            self.client.put(keys.manifest(version), doc, create_only=True)
-        except MetaFencedError:
-            raise
-        except MetaConflictError:
-            if not self._may_take_over(version):
-                raise ValueError(
-                    f"version {version!r} was already announced on the MetaServer (by another writer, "
-                    "or an earlier run of this job): version names are written once"
-                ) from None
-            self.client.put(keys.manifest(version), doc)  # fenced: refused if a newer writer took over meanwhile
-            log.warning("%s took over version %s from the writer it replaced", self.instance, version)
-        posting = time.perf_counter()
-        if self._board is not None:  # ranks on this host read it here, the others on the channel
-            self._board.post(doc)
-        manifest = fresh
-        self._manifest, self._manifest_doc = manifest, doc
-        if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
-            self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
-        self.last_phases = {"claim": posting - claiming, "post": time.perf_counter() - posting}
-        later.append(
-            (
-                f"event weights_ready {version}",
-                partial(self.client.publish_event, "weights_ready", self.instance, version=version),
-            )
-        )
-        return manifest
+            answer()
+        except MetaServerError:
+            return  # not claimed (or unknown): nothing to take back
+        try:
+            self.client.forget(*keys.withdrawn_records(version))
+        except MetaServerError as e:
+            log.warning("could not take back the claim of %s: %s", version, e)
 
     def _may_take_over(self, version: str) -> bool:
         """Whether ``version``'s claim is an unfinished one of a writer this one replaced: announced by this
