@@ -10,6 +10,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from awex_integration.faults.fault_checks import (
+    failed_fast,
+    flat,
+    reported,
+    reuse_refused,
+    stale_writer_fenced,
+    unchanged_then,
+    written_at_once,
+)
+
 RECEIVER_DEADLINES = 3  # an engine's deadline, in trainer deadlines
 
 
@@ -47,47 +57,22 @@ def _server_restart(server, work: Path) -> None:
     server.restart()
 
 
-def _reported(version: str | None):
-    def check(run: dict) -> list[str]:
-        got = run["history"].get("participants", {}).get("eng")
-        return [] if got == version else [f"the MetaServer says eng serves {got!r}, not {version!r}"]
-
-    return check
-
-
-def _failed_fast(version: str, within: float, then=None, side: str = "engine"):
-    """Every failed attempt at ``version`` of a rank on ``side`` ended within ``within`` seconds (not at its
-    deadline), and there was one; ``then``: a further check."""
-
-    def check(run: dict) -> list[str]:
-        failed = [(p, rec) for p, rec in run["records"].get(version, []) if p.startswith(side) and not rec["ok"]]
-        slow = [
-            f"{party} failed {version} after {rec['seconds']:.1f} s (not within {within:g} s)"
-            for party, rec in failed
-            if rec["seconds"] > within
-        ]
-        none = [] if failed else [f"no {side} rank's attempt at {version} failed"]
-        return none + slow + (then(run) if then else [])
-
-    return check
-
-
-def _written_at_once(version: str, within: float, then=None):
-    """Every trainer rank's first write of ``version`` succeeded within ``within`` seconds; ``then``: a further
-    check."""
-
-    def check(run: dict) -> list[str]:
-        late = [
-            f"{party}'s write of {version}: ok={rec['ok']} after {rec['seconds']:.1f} s (want ok within {within:g} s)"
-            for party, rec in run["records"].get(version, [])
-            if party.startswith("trainer") and not (rec["ok"] and rec["seconds"] <= within)
-        ]
-        return late + (then(run) if then else [])
-
-    return check
-
-
 def cases() -> list[Case]:
+    out = _cases()
+    stale = next(c for c in out if c.name == "stale_writer_fenced")
+    return out + [
+        replace(
+            stale,
+            name="stale_writer_fenced_across_restart",
+            what="as stale_writer_fenced, with the MetaServer restarted (on its journal) after the frozen writer's "
+            "v-2, before its replacement starts: the replacement's epoch follows the frozen writer's (not 1 again), "
+            "so the frozen writer is still refused",
+            between=_server_restart,
+        )
+    ]
+
+
+def _cases() -> list[Case]:
     return [
         Case(
             "receiver_rank_dies_after_transfer",
@@ -97,7 +82,7 @@ def cases() -> list[Case]:
             restart={("engine", 1): _steps("v-2", "v-3")},
             restart_delay=2.0,  # the trainer notices the death on its host within a second and retries at once
             expect_failed={"v-2"},
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "receiver_raises_in_apply",
@@ -105,7 +90,7 @@ def cases() -> list[Case]:
             trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
             engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", "v-2", "v-3", v_2="raise_in_apply")],
             expect_failed={"v-2"},
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "strict_validation_mismatch_in_place",
@@ -113,7 +98,7 @@ def cases() -> list[Case]:
             trainer=[_steps("v-1", "v-2", "v-3")],
             engine=[_steps("v-1", "v-2", "v-3", v_2="strict_mismatch"), _steps("v-1", "v-2", "v-3")],
             expect_failed={"v-2"},
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "receiver_interrupted",
@@ -121,7 +106,7 @@ def cases() -> list[Case]:
             trainer=[_steps("v-1", "v-2", "v-3")],
             engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3", v_2="interrupt_in_apply")],
             expect_failed={"v-2"},
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "receivers_fail_before_any_byte",
@@ -132,7 +117,7 @@ def cases() -> list[Case]:
                 _steps("v-1", "v-2", "v-3", v_2="fail_before_transfer"),
             ],
             expect_failed={"v-2"},
-            check=_unchanged_then("v-1", "v-3"),
+            check=unchanged_then("v-1", "v-3"),
         ),
         Case(
             "receivers_time_out_before_the_version",
@@ -143,7 +128,7 @@ def cases() -> list[Case]:
                 _steps("v-1", "v-2", "v-2", "v-3", v_2="time_out_waiting"),
                 _steps("v-1", "v-2", "v-2", "v-3", v_2="time_out_waiting"),
             ],
-            check=_written_at_once("v-2", within=3.0 + 4.0, then=_reported("v-3")),
+            check=written_at_once("v-2", within=3.0 + 4.0, then=reported("v-3")),
         ),
         Case(
             "trainer_rank_dies",
@@ -153,7 +138,7 @@ def cases() -> list[Case]:
             restart={("trainer", 1): _steps("v-2", "v-3")},
             expect_failed={"v-2"},
             train_tp=2,
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "sole_trainer_dies_and_restarts",
@@ -164,7 +149,7 @@ def cases() -> list[Case]:
             restart={("trainer", 0): _steps("v-2", "v-3")},
             restart_delay=2.0,
             expect_failed={"v-2"},
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "metaserver_restarted_between_syncs",
@@ -172,7 +157,7 @@ def cases() -> list[Case]:
             trainer=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]],
             engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
             between=_server_restart,
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "metaserver_killed_and_restarted_standalone",
@@ -181,7 +166,7 @@ def cases() -> list[Case]:
             engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
             server="process",
             between=_server_restart,
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "metaserver_frozen_between_syncs",
@@ -190,14 +175,14 @@ def cases() -> list[Case]:
             engine=[_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]] * 2,
             server="process",
             between=_freeze(3.0),
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "two_hundred_syncs",
             "200 versions in a row: memory, threads and file descriptors stay flat on every rank",
             trainer=[_many(200)],
             engine=[_many(200)] * 2,
-            check=_flat,
+            check=flat,
         ),
         Case(
             "metaserver_frozen_during_first_sync",
@@ -206,17 +191,17 @@ def cases() -> list[Case]:
             engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
             server="process",
             between=_freeze(3.0, wait=False),
-            check=_reported("v-2"),
+            check=reported("v-2"),
         ),
         Case(
             "metaserver_killed_during_first_sync",
-            "a standalone MetaServer is killed (SIGKILL) as the first sync starts and is back 2 s later, empty: the "
-            "sync succeeds or fails within its deadline, and the next version succeeds",
+            "a standalone MetaServer is killed (SIGKILL) as the first sync starts and is back 2 s later on its "
+            "journal: the sync succeeds or fails within its deadline, and the next version succeeds",
             trainer=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]],
             engine=[[{"version": "v-1", "pause": True}, {"version": "v-2"}]] * 2,
             server="process",
             between=_kill_for(2.0),
-            check=_reported("v-2"),
+            check=reported("v-2"),
         ),
         Case(
             "stale_writer_fenced",
@@ -228,7 +213,7 @@ def cases() -> list[Case]:
             zombie=_steps("v-3"),
             between=lambda server, work: None,
             recovers=False,
-            check=_stale_writer_fenced,
+            check=stale_writer_fenced,
         ),
         Case(
             "corrupted_in_flight_verified",
@@ -239,14 +224,14 @@ def cases() -> list[Case]:
             engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3", v_2="corrupt_after_transfer")],
             expect_failed={"v-2"},
             verify=True,
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "version_name_reused",
             "the trainer writes a version name twice: refused before any byte moves; the next version succeeds",
             trainer=[_steps("v-1", "v-1", "v-2")],
             engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
-            check=_reuse_refused,
+            check=reuse_refused,
         ),
     ]
 
@@ -266,7 +251,7 @@ def nccl_cases() -> list[Case]:
             restart_delay=-1,
             expect_failed={"v-2"},
             infer_tp=1,
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "nccl_trainer_dies_after_agreement",
@@ -278,7 +263,7 @@ def nccl_cases() -> list[Case]:
             restart_delay=-RECEIVER_DEADLINES,
             expect_failed={"v-2"},
             infer_tp=1,
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "nccl_watchdog_follows_deadline",
@@ -287,7 +272,7 @@ def nccl_cases() -> list[Case]:
             trainer=[[{"version": "v-1"}, {"version": "v-2", "timeout": 45.0}, {"version": "v-3"}]],
             engine=[[{"version": "v-1"}, {"version": "v-2", "delay": 30.0}, {"version": "v-3"}]],
             infer_tp=1,
-            check=_reported("v-3"),
+            check=reported("v-3"),
         ),
         Case(
             "nccl_two_hundred_syncs",
@@ -295,7 +280,7 @@ def nccl_cases() -> list[Case]:
             trainer=[_many(200)],
             engine=[_many(200)],
             infer_tp=1,
-            check=_flat,
+            check=flat,
         ),
     ]
 
@@ -313,7 +298,7 @@ def shm_cases() -> list[Case]:
             restart={("trainer", 0): _steps("v-2")},
             restart_delay=3.0,
             expect_failed={"v-1"},
-            check=_failed_fast("v-1", 5.0, then=_reported("v-2")),
+            check=failed_fast("v-1", 5.0, then=reported("v-2")),
             transport="shm",
         ),
         Case(
@@ -326,7 +311,7 @@ def shm_cases() -> list[Case]:
             restart={("trainer", 0): _steps("v-2")},
             restart_delay=3.0,
             expect_failed={"v-1"},
-            check=_failed_fast("v-1", 5.0, then=_reported("v-2")),
+            check=failed_fast("v-1", 5.0, then=reported("v-2")),
             transport="shm",
         ),
         Case(
@@ -338,7 +323,7 @@ def shm_cases() -> list[Case]:
             engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3")],
             expect_failed={"v-2"},
             verify=True,
-            check=_reported("v-3"),
+            check=reported("v-3"),
             transport="shm",
         ),
         Case(
@@ -351,7 +336,7 @@ def shm_cases() -> list[Case]:
             restart={("engine", 1): _steps("v-2", "v-3")},
             restart_delay=2.0,
             expect_failed={"v-2"},
-            check=_failed_fast("v-2", 5.0, then=_reported("v-3"), side="trainer"),
+            check=failed_fast("v-2", 5.0, then=reported("v-3"), side="trainer"),
             transport="shm",
         ),
         *[
@@ -376,24 +361,6 @@ def _many(n: int, at: tuple[int, ...] = (30, 200)) -> list[dict]:
     return [{"version": f"v-{i}", **({"measure": True} if i in at else {})} for i in range(1, n + 1)]
 
 
-def _flat(run: dict) -> list[str]:
-    problems = []
-    for party, first in run["records"].get("v-30", []):
-        last = next((rec for p, rec in run["records"].get("v-200", []) if p == party), None)
-        if not first.get("resources") or not last or not last.get("resources"):
-            problems.append(f"{party}: no measurement at v-30 and v-200")
-            continue
-        a, b = first["resources"], last["resources"]
-        if (
-            b["fds"] > a["fds"] + 2
-            or b["threads"] > a["threads"] + 1
-            or b["rss_bytes"] > a["rss_bytes"] + (24 << 20)
-            or b.get("cuda_bytes", 0) > a.get("cuda_bytes", 0) + (1 << 20)
-        ):
-            problems.append(f"{party} grew from v-30 to v-200: {a} -> {b}")
-    return problems
-
-
 def _freeze(seconds: float, wait: bool = True):
     """Freeze the server for ``seconds``: before the ranks go on (``wait``), or while they do."""
 
@@ -416,32 +383,3 @@ def _kill_for(seconds: float):
         threading.Timer(seconds, server.restart_killed).start()
 
     return between
-
-
-def _unchanged_then(before: str, after: str):
-    def check(run: dict) -> list[str]:
-        reported = [v for source, v in run["history"].get("versions", []) if source == "eng"]
-        problems = []
-        if None in reported:
-            problems.append("eng was reported as serving no consistent version, although no byte had moved")
-        return problems + _reported(after)(run)
-
-    return check
-
-
-def _stale_writer_fenced(run: dict) -> list[str]:
-    problems = []
-    stale = [rec for party, rec in run["records"].get("v-4", []) if party.startswith("trainer")]
-    if len(stale) != 1 or stale[0]["ok"] or "replaced by a newer one" not in stale[0].get("error", ""):
-        problems.append(f"the frozen writer's v-4 was not refused as fenced: {stale}")
-    got = {party: rec["ok"] and rec.get("holds", True) for party, rec in run["records"].get("v-3", [])}
-    if len(got) != 3 or not all(got.values()):  # the replacement and both engine ranks
-        problems.append(f"the replacement's v-3 did not reach every engine rank: {got}")
-    return problems + _reported("v-3")(run)
-
-
-def _reuse_refused(run: dict) -> list[str]:
-    recs = [rec for party, rec in run["records"].get("v-1", []) if party.startswith("trainer")]
-    if len(recs) != 2 or not recs[0]["ok"] or recs[1]["ok"] or "written once" not in recs[1].get("error", ""):
-        return [f"the second write of v-1 was not refused as a reused name: {recs}"]
-    return _reported("v-2")(run)

@@ -41,20 +41,25 @@ SLACK = 5.0  # seconds a step may take beyond its deadline before it counts as a
 
 # -- servers the harness can restart, kill and freeze ------------------------------------------------------------
 class EmbeddedServer:
+    """A MetaServer in the harness's process, journalling (a restart keeps fences, claims and served versions)."""
+
     def __init__(self):
         from awex.meta.server import start_embedded
 
         self._start = start_embedded
-        self.server = start_embedded()
+        self._dir = tempfile.mkdtemp(prefix="awex-fault-meta-")
+        self.journal = os.path.join(self._dir, "meta.journal")
+        self.server = start_embedded(journal=self.journal)
         self.port = self.server.port
         self.address = self.server.address
 
     def restart(self) -> None:
         self.server.stop()
-        self.server = self._start(port=self.port)
+        self.server = self._start(port=self.port, journal=self.journal)
 
     def stop(self) -> None:
         self.server.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class ProcessServer:
@@ -63,11 +68,13 @@ class ProcessServer:
     def __init__(self):
         self.port = free_port()
         self.address = f"http://127.0.0.1:{self.port}"
+        self._dir = tempfile.mkdtemp(prefix="awex-fault-meta-")  # its journal: a restart keeps the safety state
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
+        journal = os.path.join(self._dir, "meta.journal")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(self.port)],
+            [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(self.port), "--journal", journal],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -104,6 +111,7 @@ class ProcessServer:
     def stop(self) -> None:
         self.thaw()
         self.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def run_on_server(case: LoadCase) -> dict:

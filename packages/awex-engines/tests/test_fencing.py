@@ -5,11 +5,13 @@ state too (gloo, one process, writer and reader in threads)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 from test_version_signals import TENSORS, make_writer, sync, tensors, views
 
+from awex.engines.errors import SyncFailedError
 from awex.engines.reader import WeightsReader
 from awex.engines.sync import keys
 from awex.meta.client import MetaClient
@@ -87,3 +89,33 @@ def _catch(fn, *args):
     except Exception as e:  # asserted by the caller
         return e
     return None
+
+
+def test_a_name_applied_is_never_taken_again_by_a_replacement_even_when_the_report_was_lost(server):
+    """The first writer's report that its version was applied never reached the MetaServer (it was killed after
+    ``write`` returned), so the server lets its replacement take the name over: the receiver, which holds that
+    name's bytes from the first writer, refuses it before any byte moves, and the replacement's write fails."""
+    sent, got = tensors(1.0), tensors(-1.0)
+    first = make_writer(server, sent, timeout=10.0)
+    reader = _reader(server, got, timeout=10.0)
+    first._announcer.report = lambda *args, **kwargs: None  # lost
+    sync(first, reader, "v1")
+    first.flush()
+    plain = MetaClient(server.address, job="signals", timeout=10)
+    assert _serves(plain) is None  # the server never learnt that v1 was applied
+    replacement = make_writer(server, sent, timeout=10.0)  # the same trainer instance, restarted (epoch 2)
+    for t in sent.values():
+        t.fill_(2.0)
+    refused: list = []
+    t = threading.Thread(target=lambda: refused.append(_catch(reader.receive, "v1")))
+    t.start()
+    started = time.monotonic()
+    with pytest.raises(SyncFailedError, match="applied version 'v1' already"):
+        replacement.write("v1", ["hf-in"])
+    assert time.monotonic() - started < 5.0  # told by the receiver's failure, not at its deadline (10 s)
+    t.join(30)
+    assert isinstance(refused[0], ValueError) and "name the version anew" in str(refused[0])
+    assert all(torch.equal(got[n], torch.full_like(got[n], 1.0)) for n in got)  # v1's bytes, the first writer's
+    sync(replacement, reader, "v2")
+    assert all(torch.equal(got[n], sent[n]) for n in sent)
+    first.close(), replacement.close(), reader.close()

@@ -206,15 +206,10 @@ def test_unreachable_server_fails_within_the_deadline():
 
 
 def test_standalone_server_and_status_cli(tmp_path):
-    env = {**os.environ, "AWEX_META_TOKEN": "tok"}
+    env = {**os.environ, "AWEX_META_TOKEN": "tok", "AWEX_STATE_DIR": str(tmp_path)}  # its journal goes there
     port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(port), "--token-env", "AWEX_META_TOKEN"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    serve = [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(port), "--token-env", "AWEX_META_TOKEN"]
+    proc = subprocess.Popen(serve, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         c = MetaClient(f"http://127.0.0.1:{port}", job="rl", token="tok", timeout=15.0)
         c.register("vllm-0", role="inference", instance="vllm-0", world_size=2)
@@ -237,6 +232,12 @@ def test_standalone_server_and_status_cli(tmp_path):
             timeout=30,
         )
         assert bad.returncode == 2 and "rejected the token" in bad.stderr
+        proc.kill()  # killed, and started again on its journal: who serves which version is still known
+        proc.wait(10)
+        assert (tmp_path / f"meta-{port}.journal").exists()
+        proc = subprocess.Popen(serve, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        c.health(timeout=15)
+        assert c.status()["jobs"]["rl"]["participants"][0]["weight_version"] == "step-7"
     finally:
         proc.terminate()
         proc.wait(10)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -291,7 +292,7 @@ def test_every_answer_names_the_server_epoch():
         assert _raw(s.address, "GET", "/v1/jobs/bad%20name/keys")[2][EPOCH_HEADER] == doc["epoch"]
 
 
-def test_cli_refuses_an_open_address_without_a_token_and_a_busy_port_cleanly():
+def test_cli_refuses_an_open_address_without_a_token_and_a_busy_port_cleanly(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "awex.meta.cli", "serve", "--host", "0.0.0.0", "--port", "0"],
         capture_output=True,
@@ -304,6 +305,7 @@ def test_cli_refuses_an_open_address_without_a_token_and_a_busy_port_cleanly():
         busy.listen(1)
         out = subprocess.run(
             [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(busy.getsockname()[1])],
+            env={**os.environ, "AWEX_STATE_DIR": str(tmp_path)},  # its journal (default) goes there
             capture_output=True,
             text=True,
             timeout=60,

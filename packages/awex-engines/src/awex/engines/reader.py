@@ -25,6 +25,7 @@ from awex.transport.base import TransferStats
 from awex.transport.shards import rebound
 
 log = logging.getLogger("awex.engines")
+APPLIED_NAMES_KEPT = 65536  # version names a reader remembers having applied (a few MB at most)
 
 
 class WeightsReader:
@@ -55,6 +56,9 @@ class WeightsReader:
         self.timeout = timeout
         self.verify = verify  # require verified versions
         self.version: str | None = None
+        # names this rank applied, with the writer (sources, epoch) whose bytes it holds under each: a name is never
+        # taken again from another writer (a replacement whose predecessor's report was lost), only retried
+        self._applied: dict[str, tuple] = {}
         self.last_validation = None
         self._view_of = view_of  # asked again before each receive: weights the engine re-allocated are re-bound
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)
@@ -144,6 +148,13 @@ class WeightsReader:
             fetched = time.monotonic()
             if unfit is not None:
                 raise unfit
+            held = self._applied.get(version)
+            if held is not None and held != (manifest.sources, manifest.epoch):
+                raise ValueError(
+                    f"{self.layout.instance}:{self.local_rank} applied version {version!r} already, from "
+                    f"{'/'.join(held[0])} at epoch {held[1]}; writer epoch {manifest.epoch} may not write that name "
+                    "again (its bytes may differ): version names are written once, name the version anew"
+                )
             stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
             if manifest.verify:  # before validation and the load step: nothing unverified is applied
                 self._session.verify(manifest, self._shards, started + self.timeout)
@@ -171,6 +182,9 @@ class WeightsReader:
             raise
         self._session.finish(manifest, ok=True, deadline=started + self.timeout)
         self.version = version
+        self._applied[version] = (manifest.sources, manifest.epoch)
+        if len(self._applied) > APPLIED_NAMES_KEPT:
+            del self._applied[next(iter(self._applied))]  # the oldest
         self._session.phases["total"] = time.monotonic() - started
         stats.phases, stats.planned = dict(self._session.phases), self._session.planned
         log.info("%s", self._session.describe_sync("received", version, stats.bytes_received, stats.seconds))

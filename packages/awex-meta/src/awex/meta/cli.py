@@ -62,6 +62,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="open connections, at most the open-file limit allows (default 16384)",
     )
     p_serve.add_argument(
+        "--journal",
+        default=None,
+        metavar="PATH",
+        help="file keeping fences, claimed version names and served versions across restarts (default: "
+        "$AWEX_STATE_DIR or ~/.local/state/awex, meta-PORT.journal; none with --port 0)",
+    )
+    p_serve.add_argument("--no-journal", action="store_true", help="keep that state in memory only (lost on restart)")
+    p_serve.add_argument("--journal-fsync", action="store_true", help="flush each journal record to the disk")
+    p_serve.add_argument(
         "--allow-no-token",
         action="store_true",
         help="serve on an address beyond loopback without a token (anyone who reaches the port "
@@ -157,6 +166,7 @@ def _run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from awex.meta.server.config import ServerConfig
     from awex.meta.server.embedded import serve_forever
+    from awex.meta.server.journal import JournalError
 
     token = args.token
     if args.token_env:
@@ -177,18 +187,38 @@ def _serve(args: argparse.Namespace) -> int:
         max_job_bytes=int(args.max_job_mb * mb),
         max_total_bytes=int(args.max_total_mb * mb),
         max_connections=args.max_connections,
+        journal=_journal(args),
+        journal_fsync=args.journal_fsync,
     )
+    if config.journal is None:
+        logging.getLogger("awex.meta.server").warning(
+            "no journal: fences and claimed version names are forgotten if this server restarts"
+        )
 
     def started(port: int) -> None:
         print(f"awex-meta: serving on http://{args.host}:{port} (token {'required' if token else 'off'})", flush=True)
 
     try:
         serve_forever(args.host, args.port, config, started=started)
+    except JournalError as e:
+        raise ValueError(str(e)) from None
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _journal(args: argparse.Namespace) -> str | None:
+    """The journal ``serve`` keeps: the one given, none, or the default for its port."""
+    if args.no_journal:
+        if args.journal:
+            raise ValueError("--journal and --no-journal: pick one")
+        return None
+    if args.journal or args.port == 0:
+        return args.journal
+    state = os.environ.get("AWEX_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".local", "state", "awex")
+    return os.path.join(state, f"meta-{args.port}.journal")
 
 
 def _loopback(host: str) -> bool:

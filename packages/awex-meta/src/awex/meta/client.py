@@ -279,12 +279,15 @@ class MetaClient:
             self._owned.pop(path, None)
         return bool(self._request("DELETE", path, deadline=self._by())[1]["deleted"])
 
-    def forget(self, names: Sequence[str] = (), prefixes: Sequence[str] = ()) -> dict[str, int]:
+    def forget(
+        self, names: Sequence[str] = (), prefixes: Sequence[str] = (), release: Sequence[str] = ()
+    ) -> dict[str, int]:
         """Drop keys and agreements named exactly ``names`` or starting with one of ``prefixes``; returns how
-        many of each went (``{"keys": n, "agreements": m}``). Writers call it for finished versions."""
-        doc = self._request(
-            "POST", self._job_path("forget"), {"names": list(names), "prefixes": list(prefixes)}, deadline=self._by()
-        )[1]
+        many of each went (``{"keys": n, "agreements": m}``). Writers call it for finished versions. Names created
+        once stay claimed, except those in ``release`` that this writer claimed and never applied (a failed attempt:
+        ``awex.meta.server.claims``)."""
+        body = {"names": list(names), "prefixes": list(prefixes), **({"release": list(release)} if release else {})}
+        doc = self._request("POST", self._job_path("forget"), body, deadline=self._by())[1]
         return {"keys": int(doc["keys"]), "agreements": int(doc["agreements"])}
 
     def keys(self, prefix: str = "") -> list[str]:
@@ -322,16 +325,22 @@ class MetaClient:
         self._request("POST", self._job_path("participants"), body, deadline=self._by(), own=f"participant:{name}")
 
     def report_version(
-        self, name: str, version: str | None, nbytes: int | None = None, seconds: float | None = None
+        self,
+        name: str,
+        version: str | None,
+        nbytes: int | None = None,
+        seconds: float | None = None,
+        claim: str | None = None,
     ) -> None:
         """Record the weight version participant ``name`` now serves (``None``: no complete version), and what
-        its sync moved into it (``nbytes``) in how long (``seconds``), shown by ``/v1/status``. Raises
+        its sync moved into it (``nbytes``) in how long (``seconds``), shown by ``/v1/status``; ``claim``: the key
+        the version was claimed under, never written again from now on. Raises
         :class:`MetaServerError` when ``name`` is not registered (after a server restart, this client
         registers its participants again and reports once more)."""
         path = self._job_path("participants", name, "version")
         for _ in range(2):
             restarts = self.restarts
-            body = {"version": version, "bytes": nbytes, "seconds": seconds}
+            body = {"version": version, "bytes": nbytes, "seconds": seconds, "claim": claim}
             body = {k: v for k, v in body.items() if v is not None or k == "version"}
             status, doc = self._request("POST", path, body, deadline=self._by())
             if status != 404:

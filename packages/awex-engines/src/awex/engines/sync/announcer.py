@@ -66,8 +66,8 @@ class Announcer:
             log.warning("could not withdraw %s from the version channel: %s", version, e)
         names, prefixes = keys.withdrawn_records(version)
         self._pending_forget.append(version)  # the rest, with the next successful write
-        try:
-            self.client.forget(names, prefixes)
+        try:  # the name too, unless a version under it was applied (a retry may claim it again)
+            self.client.forget(names, prefixes, release=[keys.manifest(version)])
         except MetaServerError as e:
             log.warning("could not drop the MetaServer records of the failed version %s: %s", version, e)
 
@@ -83,6 +83,8 @@ class Announcer:
                 ranks = [r.rank for r in plan.ranks if r.instance == instance]
                 nbytes = sum(s.bucket.nbytes for r in ranks for s in plan.schedule(r) if s.op == "recv")
             moved = {"nbytes": nbytes, "seconds": seconds} if nbytes is not None else {}
+            if serves is not None:  # the name is never written again (the server keeps it, journalled)
+                moved["claim"] = keys.manifest(version)
             try:
                 try:
                     self.client.report_version(instance, serves, **moved)
@@ -196,7 +198,7 @@ class Announcer:
         except MetaServerError:
             return  # not claimed (or unknown): nothing to take back
         try:
-            self.client.forget(*keys.withdrawn_records(version))
+            self.client.forget(*keys.withdrawn_records(version), release=[keys.manifest(version)])
         except MetaServerError as e:
             log.warning("could not take back the claim of %s: %s", version, e)
 

@@ -183,6 +183,27 @@ def from_record(doc: object, receivers: list) -> Outcomes:
     return out
 
 
+def _failed_elsewhere(signals: Signals, manifest: SyncManifest, silent: list) -> Outcomes:
+    """The failures of ``silent`` receivers that reached the MetaServer but not these signals (a rank that failed
+    before it joined this attempt's board or channel: a failure always goes to the MetaServer too); one request
+    when none failed. Asked once a second while receivers stay silent, never in a steady version."""
+    client = getattr(signals, "client", None)
+    if not silent or client is None or signals.medium == "meta":
+        return {}
+    try:
+        there = set(client.keys(keys.attempt_outcomes(f"{manifest.version}/{manifest.seq}")))
+        out: Outcomes = {}
+        for r in silent:
+            key = keys.outcome(manifest.version, manifest.seq, r.instance, r.local_rank)
+            doc = client.try_get(key) if key in there else None
+            if isinstance(doc, dict) and doc.get("ok") is False:
+                out[(r.instance, r.local_rank)] = doc
+        return out
+    except Exception as e:  # the signals' own wait goes on until the deadline
+        log.debug("could not read failures of %s from the MetaServer: %s", manifest.version, e)
+        return {}
+
+
 def _each(
     receivers: list,
     signals: Signals,
@@ -196,12 +217,13 @@ def _each(
         left = [r for r in receivers if (r.instance, r.local_rank) not in got]
         if not left:
             break
-        until = min(deadline, time.monotonic() + LIVENESS_SECONDS) if processes else deadline
+        until = min(deadline, time.monotonic() + LIVENESS_SECONDS)
         for r, doc in zip(left, signals.outcomes(manifest, left, until)):
             if isinstance(doc, dict):
                 got[(r.instance, r.local_rank)] = doc
         if time.monotonic() >= deadline:
             break
+        got.update(_failed_elsewhere(signals, manifest, [r for r in left if (r.instance, r.local_rank) not in got]))
         for r in left:
             pid = exited_here(processes or {}, r.instance, r.local_rank)
             if pid is not None and (r.instance, r.local_rank) not in got:

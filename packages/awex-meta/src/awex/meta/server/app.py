@@ -48,9 +48,10 @@ from typing import Any
 from aiohttp import web
 
 from awex.meta.protocol import EPOCH_HEADER, FENCE_HEADER, REQUEST_ID_HEADER
-from awex.meta.server import agreements, fences
+from awex.meta.server import agreements, claims, fences
 from awex.meta.server.config import ServerConfig
 from awex.meta.server.errors import BadRequest, Busy, TooLarge, busy, error, fields, json_depth
+from awex.meta.server.journal import Journal, JournalError, Kept
 from awex.meta.server.parking import Parking
 from awex.meta.server.state import JobState, Participant, Topics
 
@@ -72,6 +73,23 @@ class MetaServerApp:
         self.job_topics = Topics()  # "job:<name>" fires when that job is created
         self.replies: OrderedDict[tuple[str, str], tuple[int, bytes]] = OrderedDict()
         self.parking = Parking(config.max_parked, config.max_parked_per_client)
+        self.journal = Journal(config.journal, config.journal_fsync) if config.journal else None
+        if self.journal is not None:  # the safety state back before anything is answered
+            for name, kept in self.journal.load().items():
+                self.new_job(name).restore(kept)
+
+    def new_job(self, name: str) -> JobState:
+        job = self.jobs[name] = JobState(name, self.config.max_events_per_job, self.config.max_keys_per_job)
+        if self.journal is not None:
+            job.remember = functools.partial(self.journal.append, everything=self.kept)
+        return job
+
+    def kept(self) -> dict[str, Kept]:
+        return {n: j.kept() for n, j in self.jobs.items()}
+
+    async def cleanup(self, app: web.Application) -> None:
+        if self.journal is not None:  # its lock goes with it: a new server may take the journal
+            self.journal.close()
 
     # -- helpers -------------------------------------------------------------------------------------------
     def total_bytes(self) -> int:
@@ -86,7 +104,7 @@ class MetaServerApp:
         if job is None and create:
             if len(self.jobs) >= self.config.max_jobs:
                 raise BadRequest(f"too many jobs (limit {self.config.max_jobs})")
-            job = self.jobs[name] = JobState(name, self.config.max_events_per_job, self.config.max_keys_per_job)
+            job = self.new_job(name)
             self.job_topics.fire(f"job:{name}")
         return job
 
@@ -190,6 +208,9 @@ class MetaServerApp:
             response = busy(e.code, str(e), e.retry_after)
         except BadRequest as e:
             response = error(e.status, e.code, str(e))
+        except JournalError as e:  # nothing changed: the change is journalled before it is made
+            log.error("%s", e)
+            response = error(503, "journal", str(e))
         if remembered is not None and response.status < 500 and isinstance(response, web.Response):
             self.replies[remembered] = (response.status, response.body)
             while len(self.replies) > config.remembered_replies:
@@ -226,11 +247,14 @@ class MetaServerApp:
         key = self.key_of(request)
         raw, _ = await self.body_json(request)
         job = self.job_of(request)
-        if request.query.get("create") == "1" and key in job.kv:
-            return error(409, "exists", f"key {key!r} already exists")
+        create, fence = request.query.get("create") == "1", request.headers.get(FENCE_HEADER)
+        refused = claims.refusal(job, key, create, fence)
+        if refused is not None:
+            return refused
         if key not in job.kv and len(job.kv) >= job.max_keys:
             raise BadRequest(f"too many keys in job {job.name!r} (limit {job.max_keys})")
         self.charge(job, job.kv_cost(key, raw) - job.kv_cost(key, job.kv.get(key)))
+        claims.record(job, key, create, fence)
         job.set_kv(key, raw)
         job.topics.fire(f"kv:{key}")
         return web.json_response({"ok": True})
@@ -252,10 +276,11 @@ class MetaServerApp:
         return web.json_response({"ok": True, "deleted": raw is not None})
 
     async def forget(self, request: web.Request) -> web.Response:
-        """Drop keys and agreements by exact name or prefix (a finished weight version's records)."""
+        """Drop keys and agreements by exact name or prefix (a finished weight version's records). Claims stay,
+        except those named in ``release`` by the writer that holds them (a failed attempt, never applied)."""
         _, doc = await self.body_json(request)
-        f = fields(doc, {"names": list, "prefixes": list}, optional=("names", "prefixes"))
-        given = [*f.get("names", []), *f.get("prefixes", [])]
+        f = fields(doc, {"names": list, "prefixes": list, "release": list}, optional=("names", "prefixes", "release"))
+        given = [*f.get("names", []), *f.get("prefixes", []), *f.get("release", [])]
         if not all(isinstance(x, str) and x for x in given):
             raise BadRequest("names and prefixes must be non-empty strings")
         job = self.job_of(request, create=False)
@@ -273,6 +298,7 @@ class MetaServerApp:
         agreements = [a for a in job.agreements if gone(a)]
         for a in agreements:
             job.drop_agreement(a)
+        claims.release(job, f.get("release", []), request.headers.get(FENCE_HEADER))
         return web.json_response({"ok": True, "keys": len(keys), "agreements": len(agreements)})
 
     async def list_keys(self, request: web.Request) -> web.Response:
@@ -301,6 +327,8 @@ class MetaServerApp:
                 f"too many participants in job {job.name!r} (limit {self.config.max_participants_per_job})"
             )
         self.charge(job, size)
+        world = f.get("world_size", 1)
+        job.note("participant", name=f["name"], role=f["role"], instance=f["instance"], world_size=world)
         now = time.time()
         job.participants[f["name"]] = Participant(
             name=f["name"],
@@ -321,7 +349,11 @@ class MetaServerApp:
     async def report_version(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         _, doc = await self.body_json(request)
-        f = fields(doc, {"version": (str, type(None)), "bytes": int, "seconds": (int, float)}, ("bytes", "seconds"))
+        f = fields(
+            doc,
+            {"version": (str, type(None)), "bytes": int, "seconds": (int, float), "claim": str},
+            ("bytes", "seconds", "claim"),
+        )
         if f["version"] is not None and len(f["version"]) > 512:
             raise BadRequest("version names are at most 512 characters")
         job = self.job_of(request, create=False)
@@ -330,6 +362,9 @@ class MetaServerApp:
             return error(
                 404, "not_found", f"participant {name!r} is not registered in job {request.match_info['job']!r}"
             )
+        if f["version"] is not None:
+            claims.applied(job, f.get("claim"))
+        job.note("serves", name=name, version=f["version"])
         p.weight_version, p.last_seen = f["version"], time.time()
         p.last_sync = {"version": f["version"], "at": p.last_seen, **{k: f[k] for k in ("bytes", "seconds") if k in f}}
         event = job.add_event("version", name, f["version"], None)
@@ -406,6 +441,7 @@ def make_app(config: ServerConfig | None = None) -> web.Application:
     server = MetaServerApp(config or ServerConfig())
     app = web.Application(client_max_size=server.config.max_payload_bytes, middlewares=[server.middleware])
     app[SERVER_KEY] = server
+    app.on_cleanup.append(server.cleanup)
     for method, path, handler in ROUTES:
         bound = getattr(server, handler) if isinstance(handler, str) else functools.partial(handler, server)
         app.router.add_route(method, path, bound)

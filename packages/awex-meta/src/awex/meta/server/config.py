@@ -32,6 +32,8 @@ class ServerConfig:
     body_seconds: float = 30.0  # to read one request body
     idle_seconds: float = 120.0  # a connection with no request in flight is closed after this long
     remembered_replies: int = 8192  # answers kept for retried writes (by request id)
+    journal: str | None = None  # a file keeping fences, claims and served versions across restarts (journal.py)
+    journal_fsync: bool = False  # flush each record to the disk (survives power loss), not only to the system
 
     def sized(self, descriptors: int | None = None) -> ServerConfig:
         """This configuration with every derived limit filled in: connections at most ``descriptors`` (the open-file

@@ -92,9 +92,13 @@ class EmbeddedMetaServer:
         self.stop()
 
 
-def start_embedded(token: str | None = None, host: str = "127.0.0.1", port: int = 0) -> EmbeddedMetaServer:
-    """Start a MetaServer in this process on a free loopback port and return it (``.address``, ``.stop()``)."""
-    return EmbeddedMetaServer(host, port, ServerConfig(token=token)).start()
+def start_embedded(
+    token: str | None = None, host: str = "127.0.0.1", port: int = 0, journal: str | None = None
+) -> EmbeddedMetaServer:
+    """Start a MetaServer in this process on a free loopback port and return it (``.address``, ``.stop()``).
+    ``journal``: a file keeping fences, claimed version names and served versions, for a server started again on the
+    same port (``awex.meta.server.journal``); without one that state lives as long as this process."""
+    return EmbeddedMetaServer(host, port, ServerConfig(token=token, journal=journal)).start()
 
 
 def serve_forever(host: str, port: int, config: ServerConfig, started=None) -> None:

@@ -3,7 +3,8 @@ every writer that starts (``POST /v1/jobs/{job}/fences/{identity}``). A write th
 <epoch>:<identity>`` is refused (409 ``fenced``) when a newer writer of that identity took a higher epoch since, so
 a frozen writer that resumes after its replacement took over changes nothing (it can neither delete the live
 writer's records, nor report versions, nor announce). A write carrying a higher epoch than the server knows (the
-server restarted and lost it) raises the server's to it: the newest writer's next write fences the old one again.
+server restarted without a journal and lost it) raises the server's to it: the newest writer's next write fences the
+old one again. With a journal (``awex.meta.server.journal``) epochs survive a restart.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def identity_of(name: str) -> str:
 def take(job: JobState, identity: str) -> int:
     """A new epoch for ``identity``: every write of an older one is refused from now on."""
     epoch = job.fences.get(identity_of(identity), 0) + 1
+    job.note("fence", id=identity, epoch=epoch)
     job.fences[identity] = epoch
     return epoch
 
@@ -47,6 +49,7 @@ def refusal(job: JobState | None, header: str) -> web.Response | None:
             f"writer {identity!r} of epoch {epoch} was replaced by a newer one (epoch {current}): "
             "its writes are refused; stop this writer",
         )
-    if job is not None and epoch > current:
+    if job is not None and epoch > current:  # without a journal, a server that restarted forgot it
+        job.note("fence", id=identity, epoch=epoch)
         job.fences[identity] = epoch
     return None

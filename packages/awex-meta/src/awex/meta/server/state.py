@@ -16,6 +16,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from awex.meta.server.journal import Claim, Kept
+
 
 @dataclass
 class Participant:
@@ -144,6 +146,31 @@ class JobState:
         self.agreements: dict[str, Agreement] = {}
         self.topics = Topics()
         self.fences: dict[str, int] = {}  # writer identity -> its current epoch (awex.meta.server.fences)
+        self.claims: dict[str, Claim] = {}  # keys created once (create=1): never created again, kept when forgotten
+        self.remember: Callable[[dict[str, Any]], None] | None = None  # the journal's (awex.meta.server.journal)
+
+    def note(self, op: str, **fields: Any) -> None:
+        """Journal one change of the safety state, before it is made and answered (nothing without a journal)."""
+        if self.remember is not None:
+            self.remember({"op": op, "job": self.name, **fields})
+
+    def kept(self) -> Kept:
+        """The safety state, as the journal keeps it."""
+        participants = {
+            p.name: {"role": p.role, "instance": p.instance, "world_size": p.world_size, "serves": p.weight_version}
+            for p in self.participants.values()
+        }
+        return Kept(dict(self.fences), dict(self.claims), participants)
+
+    def restore(self, kept: Kept) -> None:
+        """Take back the safety state a journal kept (a restarted server, before it answers anything)."""
+        self.fences, self.claims = dict(kept.fences), dict(kept.claims)
+        now = time.time()
+        for name, p in kept.participants.items():
+            self.participants[name] = Participant(
+                name, p["role"], p["instance"], p.get("world_size", 1), "", now, now, weight_version=p.get("serves")
+            )
+            self.participant_bytes += len(name) + len(p["instance"]) + 2  # as registered, with no info
 
     @staticmethod
     def kv_cost(key: str, raw: bytes | None) -> int:

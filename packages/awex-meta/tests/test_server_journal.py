@@ -1,0 +1,151 @@
+"""The MetaServer's journal: fences, claimed names and served versions outlive the server process, so that what was
+refused before a restart is refused after it; a damaged journal or a second server on it is refused, never served
+on; claims stay when a version's records are forgotten and go only when their writer releases a failed attempt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from awex.meta.client import MetaClient
+from awex.meta.errors import MetaConflictError, MetaFencedError
+from awex.meta.server import journal as journal_module
+from awex.meta.server import start_embedded
+from awex.meta.server.journal import Journal, JournalError
+
+
+def _status(c: MetaClient) -> dict:
+    return {p["name"]: p["weight_version"] for p in c.status()["jobs"][c.job]["participants"]}
+
+
+def _restarted(server, path):
+    port = server.port
+    server.stop()
+    return start_embedded(port=port, journal=str(path))
+
+
+def test_fences_claims_and_served_versions_outlive_a_restart(tmp_path):
+    path = tmp_path / "meta.journal"
+    server = start_embedded(journal=str(path))
+    try:
+        plain = MetaClient(server.address, job="rl", timeout=5)
+        plain.register("eng", role="inference", instance="eng", world_size=2)
+        zombie = plain.fenced("trainer", plain.take_fence("trainer"))
+        zombie.put("sync/v1", {"by": "zombie"}, create_only=True)
+        live = plain.fenced("trainer", plain.take_fence("trainer"))  # epoch 2 replaces the zombie
+        live.put("sync/v1", {"by": "live"})  # took over the unfinished claim
+        live.report_version("eng", "v1", claim="sync/v1")
+        live.put("sync/v2", {"by": "live"}, create_only=True)
+        live.forget(["sync/v2"])  # a finished version's records dropped: its name stays claimed
+        server = _restarted(server, path)
+        assert _status(plain) == {"eng": "v1"}  # the served version, and who serves it, came back
+        with pytest.raises(MetaFencedError, match="replaced by a newer one"):  # the zombie stays fenced
+            zombie.put("sync/v3", {"by": "zombie"}, create_only=True)
+        with pytest.raises(MetaFencedError):
+            zombie.report_version("eng", None)
+        assert _status(plain) == {"eng": "v1"}
+        other = plain.fenced("other-trainer", plain.take_fence("other-trainer"))
+        for name in ("sync/v1", "sync/v2"):  # old names are not free again, for any writer
+            with pytest.raises(MetaConflictError, match="already exists"):
+                other.put(name, {"by": "other"}, create_only=True)
+        with pytest.raises(MetaConflictError, match="claimed by another writer"):
+            other.put("sync/v2", {"by": "other"})
+        with pytest.raises(MetaConflictError, match="was applied"):  # not even by its own, newer writer
+            plain.fenced("trainer", plain.take_fence("trainer")).put("sync/v1", {"by": "third"})
+        assert plain.take_fence("trainer") == 4  # epochs go on from where they were
+    finally:
+        server.stop()
+
+
+def test_a_failed_attempt_is_released_by_its_writer_alone_and_may_be_claimed_again(tmp_path):
+    path = tmp_path / "meta.journal"
+    server = start_embedded(journal=str(path))
+    try:
+        plain = MetaClient(server.address, job="rl", timeout=5)
+        writer = plain.fenced("trainer", plain.take_fence("trainer"))
+        other = plain.fenced("other", plain.take_fence("other"))
+        writer.put("sync/v1", {"n": 1}, create_only=True)
+        other.forget(["sync/v1"], release=["sync/v1"])  # another writer cannot release it
+        with pytest.raises(MetaConflictError, match="claimed"):
+            writer.put("sync/v1", {"n": 2}, create_only=True)
+        writer.forget(["sync/v1"], release=["sync/v1"])  # its own writer can (the attempt failed)
+        server = _restarted(server, path)
+        writer.put("sync/v1", {"n": 3}, create_only=True)  # free again, after the restart too
+        plain.register("eng", role="inference", instance="eng")
+        writer.report_version("eng", "v1", claim="sync/v1")
+        writer.forget(["sync/v1"], release=["sync/v1"])  # applied: never released
+        with pytest.raises(MetaConflictError):
+            writer.put("sync/v1", {"n": 4}, create_only=True)
+    finally:
+        server.stop()
+
+
+def test_a_journal_cut_short_at_its_end_loses_only_the_unanswered_record(tmp_path):
+    path = tmp_path / "meta.journal"
+    server = start_embedded(journal=str(path))
+    plain = MetaClient(server.address, job="rl", timeout=5)
+    assert plain.take_fence("trainer") == 1
+    server.stop()
+    with open(path, "ab") as f:
+        f.write(journal_module.encode({"op": "fence", "job": "rl", "id": "trainer", "epoch": 9})[:-7])
+    server = start_embedded(port=server.port, journal=str(path))
+    try:
+        assert plain.take_fence("trainer") == 2
+        assert path.read_bytes().endswith(b"\n")  # rewritten without the piece
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda lines: [lines[0].replace(b'"epoch":1', b'"epoch":0')] + lines[1:],  # checksum no longer matches
+        lambda lines: [b"not a record"] + lines[1:],
+        lambda lines: [journal_module.encode({"op": "forget-everything", "job": "rl"})[:-1]] + lines[1:],
+        lambda lines: [journal_module.encode({"op": "fence", "job": "rl", "id": "t", "epoch": -1})[:-1]] + lines[1:],
+    ],
+)
+def test_a_damaged_journal_is_refused_naming_the_line(tmp_path, damage):
+    path = tmp_path / "meta.journal"
+    server = start_embedded(journal=str(path))
+    plain = MetaClient(server.address, job="rl", timeout=5)
+    plain.take_fence("trainer")
+    plain.put("sync/v1", {}, create_only=True)
+    server.stop()
+    lines = path.read_bytes().split(b"\n")[:-1]
+    path.write_bytes(b"\n".join(damage(lines)) + b"\n")
+    with pytest.raises(RuntimeError, match=r"journal .* damaged at line 1 .*refusing to serve"):
+        start_embedded(journal=str(path))
+
+
+def test_two_servers_on_one_journal_are_refused_and_a_stopped_one_lets_go(tmp_path):
+    path = str(tmp_path / "meta.journal")
+    first = start_embedded(journal=path)
+    try:
+        with pytest.raises(RuntimeError, match="another MetaServer is serving on the journal"):
+            start_embedded(journal=path)
+        with pytest.raises(JournalError, match="another MetaServer"):
+            Journal(path)
+    finally:
+        first.stop()
+    start_embedded(journal=path).stop()
+
+
+def test_the_journal_is_rewritten_from_the_state_once_it_grew_past_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_module, "COMPACT_AFTER", 20)
+    path = tmp_path / "meta.journal"
+    server = start_embedded(journal=str(path))
+    try:
+        plain = MetaClient(server.address, job="rl", timeout=5)
+        plain.register("eng", role="inference", instance="eng")
+        for i in range(60):
+            plain.report_version("eng", f"v{i}")  # one record each; the state stays one participant
+        lines = path.read_bytes().split(b"\n")[:-1]
+        assert len(lines) < 30, len(lines)
+        server = _restarted(server, path)
+        ops = [json.loads(x.split(b" ", 1)[1])["op"] for x in path.read_bytes().split(b"\n")[:-1]]
+        assert ops == ["participant", "serves"]  # rewritten as it opened
+        assert _status(plain) == {"eng": "v59"}  # (the client registers again on seeing the restart: kept)
+    finally:
+        server.stop()
