@@ -64,9 +64,9 @@ def flat(run: dict) -> list[str]:
 
 def unchanged_then(before: str, after: str):
     def check(run: dict) -> list[str]:
-        reported = [v for source, v in run["history"].get("versions", []) if source == "eng"]
+        said = [v for source, v in run["history"].get("versions", []) if source == "eng"]
         problems = []
-        if None in reported:
+        if None in said:
             problems.append("eng was reported as serving no consistent version, although no byte had moved")
         return problems + reported(after)(run)
 

@@ -328,3 +328,33 @@ def test_a_put_sent_now_and_answered_later_means_what_put_means_even_across_a_re
     finally:
         c.close()
         second.stop()
+
+
+def test_an_address_that_refuses_connections_is_told_within_seconds_unless_it_answered_before(monkeypatch):
+    """A server this client never reached that refuses connections: a wrong address, said within a few seconds
+    (``FIRST_CONTACT_SECONDS``, 5 s; 1 s here), not at the deadline; one it reached before (a restart) is waited
+    for until the deadline."""
+    from awex.meta import http_exchange
+    from awex.meta.server import start_embedded
+
+    monkeypatch.setattr(http_exchange, "FIRST_CONTACT_SECONDS", 1.0)
+    port = _free_port()  # nothing listens there
+    c = MetaClient(f"http://127.0.0.1:{port}", job="refused", timeout=60)
+    started = time.monotonic()
+    with pytest.raises(MetaConnectionError, match="never reached: is the address right"):
+        c.put("k", 1)
+    assert 1.0 <= time.monotonic() - started < 5.0
+    server = start_embedded(port=port)
+    c.put("k", 1)  # reached now
+    server.stop()
+    restarted: list = []
+    timer = threading.Timer(2.5, lambda: restarted.append(start_embedded(port=port)))
+    timer.start()
+    try:
+        started = time.monotonic()
+        c.put("k", 2)  # waited out: back after 2.5 s
+        assert time.monotonic() - started >= 2.0
+    finally:
+        timer.join()
+        for s in restarted:
+            s.stop()

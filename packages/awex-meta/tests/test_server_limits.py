@@ -128,8 +128,9 @@ def test_a_wait_outlives_a_server_outage_longer_than_one_long_poll(monkeypatch):
     monkeypatch.setattr(client_module, "_POLL_SLICE", 0.5)
     first = start_embedded()
     port = first.port
-    first.stop()  # down for longer than a long-poll slice plus the old per-request allowance (10 s)
     c = MetaClient(f"http://127.0.0.1:{port}", job="j", timeout=30)
+    c.health()  # reached once: refusals from now on are an outage, waited out (a server never reached is not)
+    first.stop()  # down for longer than a long-poll slice plus the old per-request allowance (10 s)
     found: list = []
     t = threading.Thread(target=lambda: found.append(c.get("k", timeout=25)))
     t.start()

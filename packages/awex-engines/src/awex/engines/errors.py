@@ -32,6 +32,11 @@ class SyncFailedError(TransferError):
         )
 
 
+class VersionRefusedError(ValueError):
+    """The trainer refused a version before announcing it (its name taken, or the writer fenced): a receiver
+    waiting for it learns so at once instead of at its deadline; nothing moved."""
+
+
 def instance_verdicts(outcomes: dict[tuple[str, int], dict | None]) -> dict[str, str]:
     """Per instance, from its ranks' outcomes of one version: ``"applied"`` (every rank applied it),
     ``"unchanged"`` (every rank failed before changing anything: the previous version still serves), or

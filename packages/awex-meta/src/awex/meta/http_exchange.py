@@ -29,6 +29,7 @@ from awex.meta.protocol import EPOCH_HEADER
 log = logging.getLogger("awex.meta.client")
 
 SLACK = 1.0  # seconds an exchange may take beyond its deadline (the server's answer on its way)
+FIRST_CONTACT_SECONDS = 5.0  # a server never reached that refuses connections this long: a wrong address, said so
 
 
 class Busy(Exception):
@@ -78,6 +79,7 @@ class Exchanges:
     def __init__(self, host: str, port: int, address: str):
         self.host, self.port, self.address = host, port, address
         self._local = threading.local()
+        self.reached = False  # some exchange was answered: refusals from now on are a restart, waited out
 
     def __getstate__(self) -> dict:
         return {"host": self.host, "port": self.port, "address": self.address}
@@ -85,6 +87,25 @@ class Exchanges:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._local = threading.local()
+        self.reached = False
+
+    def _refused(self, e: OSError, since: float, now: float, deadline: float, delay: float) -> None:
+        """A connection refused (or a name not found) ``since`` then: raise once the deadline comes, or after
+        :data:`FIRST_CONTACT_SECONDS` for a server this process never reached (a wrong address, not a restart)."""
+        if now + delay > deadline:
+            raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
+        if not self.reached and now - since >= FIRST_CONTACT_SECONDS:
+            raise MetaConnectionError(
+                f"cannot reach MetaServer at {self.address}: {e} (for {now - since:.0f} s, and never reached: is "
+                "the address right, and is the server running?)"
+            ) from None
+        if now == since:
+            log.warning(
+                "MetaServer at %s refuses connections (%s); trying again %s",
+                self.address,
+                e,
+                "until the deadline" if self.reached else f"for {FIRST_CONTACT_SECONDS:g} s",
+            )
 
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""
@@ -122,6 +143,7 @@ class Exchanges:
                 resp = sent.getresponse()
                 payload = resp.read()
                 keep = not resp.will_close
+                self.reached = True
                 return resp.status, payload, resp.getheader(EPOCH_HEADER)
             except (socket.timeout, TimeoutError):
                 raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
@@ -142,6 +164,7 @@ class Exchanges:
         """Send one request and read its answer by ``deadline`` (``time.monotonic()``) plus :data:`SLACK`:
         ``(status, body, the server's epoch header)``."""
         delay = 0.05
+        since: float | None = None  # the first refusal of this exchange
         while True:
             conn = getattr(self._local, "conn", None)
             reused = conn is not None
@@ -158,19 +181,20 @@ class Exchanges:
                 status = resp.status
                 epoch = resp.getheader(EPOCH_HEADER)
                 keep = not resp.will_close
+                self.reached = True
                 break
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) if reused else () as e:
                 # the server closed this kept-alive connection while it was idle (or the reply was lost: a
                 # write goes again with its request id)
                 log.debug("MetaServer connection closed (%s); reconnecting", e)
                 continue
-            except (
-                ConnectionRefusedError,
-                socket.gaierror,
-                ConnectionResetError,
-                BrokenPipeError,
-                http.client.RemoteDisconnected,
-            ) as e:
+            except (ConnectionRefusedError, socket.gaierror) as e:
+                now = time.monotonic()
+                since = now if since is None else since
+                self._refused(e, since, now, deadline, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected) as e:
                 if time.monotonic() + delay > deadline:
                     raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
                 time.sleep(delay)

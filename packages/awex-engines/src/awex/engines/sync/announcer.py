@@ -140,17 +140,22 @@ class Announcer:
                 raise
         waiting = time.perf_counter()
         try:
-            answer()
-        except MetaFencedError:
+            try:
+                answer()
+            except MetaFencedError:
+                raise
+            except MetaConflictError:
+                if not self._may_take_over(version):
+                    raise ValueError(
+                        f"version {version!r} was already announced on the MetaServer (by another writer, "
+                        "or an earlier run of this job): version names are written once"
+                    ) from None
+                self.client.put(keys.manifest(version), doc)  # fenced: refused if a newer writer took over meanwhile
+                log.warning("%s took over version %s from the writer it replaced", self.instance, version)
+        except ValueError as e:  # its receivers learn it at once, not at their deadline (a fenced writer, whose
+            # receivers a newer one drives now, says nothing)
+            self._refuse(version, str(e))
             raise
-        except MetaConflictError:
-            if not self._may_take_over(version):
-                raise ValueError(
-                    f"version {version!r} was already announced on the MetaServer (by another writer, "
-                    "or an earlier run of this job): version names are written once"
-                ) from None
-            self.client.put(keys.manifest(version), doc)  # fenced: refused if a newer writer took over meanwhile
-            log.warning("%s took over version %s from the writer it replaced", self.instance, version)
         posting = time.perf_counter()
         if self._board is not None:  # ranks on this host read it here, the others on the channel
             self._board.post(doc)
@@ -189,6 +194,18 @@ class Announcer:
             verify=options.verify,
             epoch=self.epoch,
         )
+
+    def _refuse(self, version: str, cause: str) -> None:
+        """Tell the receivers waiting for ``version`` on this writer's board and channel that it was refused before
+        it was announced (their receive raises ``VersionRefusedError``; nothing began, plan and group stay)."""
+        notice = {"version": None, "refused": version, "cause": cause[:500]}
+        try:
+            if self._board is not None:
+                self._board.post(dict(notice, seq=self._seq))
+            if self._channel is not None:
+                self._channel.put(keys.channel_manifest(version), notice)
+        except Exception as e:  # they then wait until their deadline
+            log.warning("could not tell the receivers that %s was refused: %s", version, e)
 
     def _take_back(self, version: str, answer: Callable[[], None]) -> None:
         """The work beside a claim failed: read the claim's answer and, where it was claimed, drop it again (no rank

@@ -133,7 +133,7 @@ class HostBoard:
                         doc = json.loads(raw)
                     except ValueError:
                         doc = None
-                    if isinstance(doc, dict) and doc.get("version") == version:
+                    if isinstance(doc, dict) and version in (doc.get("version"), doc.get("refused")):
                         return doc
                     seen = seq
             now = time.monotonic()

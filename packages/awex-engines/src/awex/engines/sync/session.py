@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from awex.engines.errors import VersionRefusedError
 from awex.engines.sync import keys, outcomes, places
 from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import ChannelError, VersionChannel
@@ -181,7 +182,10 @@ class SyncSession:
 
     def _parse(self, doc: Any) -> SyncManifest:
         """``SyncManifest.from_json``, except that a manifest differing from the last one parsed only in its version
-        and count (a steady writer's) reuses that one's checked fields."""
+        and count (a steady writer's) reuses that one's checked fields. A trainer's refusal notice raises."""
+        if isinstance(doc, dict) and isinstance(doc.get("refused"), str):
+            cause = str(doc.get("cause"))[:500]
+            raise VersionRefusedError(f"the trainer refused version {doc['refused']!r} before any byte moved: {cause}")
         if isinstance(doc, dict):
             same = dict(doc, version=None, seq=None)
             last = self._parsed
