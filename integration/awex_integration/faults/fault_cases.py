@@ -15,6 +15,7 @@ from awex_integration.faults.fault_checks import (
     flat,
     reported,
     reuse_refused,
+    reuse_refused_then,
     stale_writer_fenced,
     unchanged_then,
     written_at_once,
@@ -68,7 +69,18 @@ def cases() -> list[Case]:
             "v-2, before its replacement starts: the replacement's epoch follows the frozen writer's (not 1 again), "
             "so the frozen writer is still refused",
             between=_server_restart,
-        )
+        ),
+        Case(
+            "name_reused_across_restarts",
+            "the MetaServer restarts (on its journal) between versions, then the trainer dies and, restarted, writes "
+            "v-1 again (applied, its records dropped): refused before any byte moves, as without a restart; the "
+            "next version succeeds",
+            trainer=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True, "fault": "die_before"}]],
+            engine=[_steps("v-1", "v-2") + [{"version": "v-3", "pause": True}]] * 2,
+            restart={("trainer", 0): _steps("v-1", "v-3")},
+            between=_server_restart,
+            check=reuse_refused_then("v-3", "already announced"),
+        ),
     ]
 
 

@@ -85,7 +85,16 @@ def stale_writer_fenced(run: dict) -> list[str]:
 
 
 def reuse_refused(run: dict) -> list[str]:
-    recs = [rec for party, rec in run["records"].get("v-1", []) if party.startswith("trainer")]
-    if len(recs) != 2 or not recs[0]["ok"] or recs[1]["ok"] or "written once" not in recs[1].get("error", ""):
-        return [f"the second write of v-1 was not refused as a reused name: {recs}"]
-    return reported("v-2")(run)
+    return reuse_refused_then("v-2", "written once")(run)
+
+
+def reuse_refused_then(after: str, why: str):
+    """The trainer's second write of v-1 was refused (its error says ``why``), and ``after`` is served."""
+
+    def check(run: dict) -> list[str]:
+        recs = [rec for party, rec in run["records"].get("v-1", []) if party.startswith("trainer")]
+        if len(recs) != 2 or not recs[0]["ok"] or recs[1]["ok"] or why not in recs[1].get("error", ""):
+            return [f"the second write of v-1 was not refused as a reused name: {recs}"]
+        return reported(after)(run)
+
+    return check
