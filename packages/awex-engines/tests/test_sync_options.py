@@ -157,3 +157,14 @@ def test_every_option_is_a_writer_keyword_and_attribute():
     assert keywords == names
     writer = _tiny_writer(**{"transport": "p2p", "wave_bytes": 1 << 20, "keep_versions": 3, "allow_cast": ("*",)})
     assert {n: getattr(writer, n) for n in names} == dataclasses.asdict(writer.options)
+
+
+@pytest.mark.parametrize("bad", [-1, math.nan, math.inf, 0, "60", True])
+def test_a_reader_timeout_that_is_not_a_finite_positive_number_is_refused_at_construction(bad):
+    from test_version_signals import TENSORS, tensors, views
+
+    from awex.engines.reader import WeightsReader
+    from awex.meta.layouts import hf_layout
+
+    with pytest.raises(ValueError, match=r"WeightsReader\(timeout\)"):
+        WeightsReader(None, hf_layout(TENSORS, "inference", "x"), 0, views(tensors(0.0)), timeout=bad)

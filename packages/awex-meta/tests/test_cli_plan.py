@@ -169,6 +169,26 @@ def test_cli_help_has_no_markup_and_bad_ports_are_refused_cleanly():
     assert out.returncode == 2 and "99999 is not a port (0-65535" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, value, said",
+    [
+        ("--max-job-mb", "-1", "a finite size above 0"),
+        ("--max-total-mb", "0", "a finite size above 0"),
+        ("--max-payload-mb", "inf", "a finite size above 0"),
+        ("--max-payload-mb", "nan", "a finite size above 0"),
+        ("--max-job-mb", "lots", "is not a number of MB"),
+        ("--max-connections", "0", "at least 16"),
+        ("--max-connections", "-5", "at least 16"),
+    ],
+)
+def test_serve_refuses_caps_that_would_refuse_everything_or_nothing(flag, value, said, capsys):
+    from awex.meta.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--no-journal", flag, value])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_plan_cli_into_a_closed_pipe_ends_quietly():
     """``awex-meta plan ... | head -1``: the reader leaves early; no traceback, exit status 0."""
     cmd = [sys.executable, "-m", "awex.meta.cli", "plan", "--model", str(MODELS / "qwen2-tiny.json")]

@@ -40,6 +40,12 @@ def test_deadlines_that_are_not_finite_non_negative_seconds_are_refused(server, 
         MetaClient(server.address, job="t", timeout=0)
 
 
+def test_an_address_with_a_password_is_refused_without_echoing_it():
+    with pytest.raises(ValueError, match="no user or password") as refused:
+        MetaClient("http://trainer:s3cret-token@127.0.0.1:8765", job="t")
+    assert "s3cret" not in str(refused.value)
+
+
 @pytest.mark.parametrize("job", ["job\n", "", "a b", "x" * 129, "ü"])
 def test_bad_job_names_are_refused_by_the_client_and_the_server(server, job):
     with pytest.raises(ValueError, match="job name"):

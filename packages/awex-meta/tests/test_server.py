@@ -121,6 +121,11 @@ def test_agreement_proves_ranks_computed_the_same_plan(client):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert results == {0: "abc", 1: "abc", 2: "abc"}
+    # complete: a value is final (a retry with the same value is answered again; another value is refused)
+    assert client.agree("plan/step-1", "rank1", 3, "abc", timeout=4.0) == "abc"
+    with pytest.raises(MetaConflictError, match="complete: 'rank1'.s value is final"):
+        client.agree("plan/step-1", "rank1", 3, "xyz", timeout=4.0)
+    assert client.agree("plan/step-1", "rank2", 3, "abc", timeout=4.0) == "abc"
 
 
 def test_agreement_mismatch_and_missing_participant():

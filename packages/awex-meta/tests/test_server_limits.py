@@ -354,3 +354,21 @@ def test_a_reported_version_carries_its_bytes_and_seconds_into_the_status():
         ):
             status, doc, _ = _raw(s.address, "POST", path, bad)
             assert status == 400 and "wrong type" in doc["message"], (bad, doc)
+
+
+def test_the_status_of_every_job_stays_small_and_one_job_is_told_in_full():
+    """Every job: each with its first participants (``status_participants``), without their info, and how many it
+    has; ``?job=``: that job, every participant with its info."""
+    with EmbeddedMetaServer(config=ServerConfig(status_participants=3)) as s:
+        c = MetaClient(s.address, job="big", timeout=5)
+        for i in range(5):
+            c.register(f"eng-{i}", role="inference", instance=f"eng-{i}", info={"devices": ["x" * 1000]})
+        MetaClient(s.address, job="small", timeout=5).register("t", role="trainer", instance="t")
+        every = c.status()["jobs"]
+        assert [p["name"] for p in every["big"]["participants"]] == ["eng-0", "eng-1", "eng-2"]
+        assert every["big"]["participants_total"] == 5 and "info" not in every["big"]["participants"][0]
+        assert every["small"]["participants_total"] == 1
+        one = c.status(job="big")["jobs"]
+        assert list(one) == ["big"] and len(one["big"]["participants"]) == 5
+        assert one["big"]["participants"][4]["info"] == {"devices": ["x" * 1000]}
+        assert c.status(job="none")["jobs"] == {}

@@ -19,7 +19,7 @@ from awex.engines.sync.background import Background
 from awex.engines.sync.session import SyncSession
 from awex.engines.sync.verify import VerifyError
 from awex.meta import Box, Layout
-from awex.meta.client import MetaClient
+from awex.meta.client import MetaClient, seconds
 from awex.transport import LocalShards
 from awex.transport.base import TransferStats
 from awex.transport.shards import rebound
@@ -53,7 +53,7 @@ class WeightsReader:
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
-        self.timeout = timeout
+        self.timeout = seconds(timeout, "WeightsReader(timeout)", positive=True)  # -1, NaN, "60": refused here
         self.verify = verify  # require verified versions
         self.version: str | None = None
         # names this rank applied, with the writer (sources, epoch) whose bytes it holds under each: a name is never

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Sequence
 
+from awex.meta.cli_serve import add_serve, serve
 from awex.meta.errors import MetaServerError
 
 
@@ -42,45 +43,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p_serve = sub.add_parser("serve", help="run a standalone MetaServer")
-    p_serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p_serve.add_argument("--port", type=_port, default=8765, help="port (default 8765; 0 picks a free one)")
-    p_serve.add_argument("--token", default=None, help="require this bearer token (prefer --token-env)")
-    p_serve.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
-    p_serve.add_argument("--max-payload-mb", type=float, default=64.0, help="largest accepted body (default 64)")
-    p_serve.add_argument(
-        "--max-job-mb",
-        type=float,
-        default=1024.0,
-        help="most one job may hold: keys, events, registrations (default 1024)",
-    )
-    p_serve.add_argument("--max-total-mb", type=float, default=4096.0, help="most all jobs may hold (default 4096)")
-    p_serve.add_argument(
-        "--max-connections",
-        type=int,
-        default=16384,
-        help="open connections, at most the open-file limit allows (default 16384)",
-    )
-    p_serve.add_argument(
-        "--journal",
-        default=None,
-        metavar="PATH",
-        help="file keeping fences, claimed version names and served versions across restarts (default: "
-        "$AWEX_STATE_DIR or ~/.local/state/awex, meta-PORT.journal; none with --port 0)",
-    )
-    p_serve.add_argument("--no-journal", action="store_true", help="keep that state in memory only (lost on restart)")
-    p_serve.add_argument("--journal-fsync", action="store_true", help="flush each journal record to the disk")
-    p_serve.add_argument(
-        "--allow-no-token",
-        action="store_true",
-        help="serve on an address beyond loopback without a token (anyone who reaches the port "
-        "can read and change every job)",
-    )
+    add_serve(sub.add_parser("serve", help="run a standalone MetaServer"))
 
     p_status = sub.add_parser("status", help="show who registered, their weight versions and recent events")
     p_status.add_argument("address", help="http://host:port of the MetaServer")
     p_status.add_argument("--token", default=None, help="bearer token (default: $AWEX_META_TOKEN)")
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
+    p_status.add_argument("--job", default=None, help="this job alone, every participant (default: every job)")
 
     p_plan = sub.add_parser("plan", help="plan a sync for a model and layouts without moving any byte")
     p_plan.add_argument("--model", required=True, help="HF config.json (or a directory holding one)")
@@ -139,22 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def _port(text: str) -> int:
-    """A TCP port argument (0-65535; 0: any free one)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535; 0 picks a free one)")
-    return port
-
-
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "serve":
-            return _serve(args)
+            return serve(args)
         if args.command == "status":
             return _status(args)
         return _plan(args)
@@ -163,87 +121,19 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from awex.meta.server.config import ServerConfig
-    from awex.meta.server.embedded import serve_forever
-    from awex.meta.server.journal import JournalError
-
-    token = args.token
-    if args.token_env:
-        token = os.environ.get(args.token_env)
-        if not token:
-            raise ValueError(f"--token-env {args.token_env}: the variable is empty or unset")
-    if not token and not _loopback(args.host):
-        if not args.allow_no_token:
-            raise ValueError(
-                f"--host {args.host} without a token lets anyone who reaches the port read and change "
-                "every job: pass --token-env VAR (or --allow-no-token on a trusted network)"
-            )
-        logging.getLogger("awex.meta.server").warning("serving on %s without a token (--allow-no-token)", args.host)
-    mb = 1 << 20
-    config = ServerConfig(
-        token=token,
-        max_payload_bytes=int(args.max_payload_mb * mb),
-        max_job_bytes=int(args.max_job_mb * mb),
-        max_total_bytes=int(args.max_total_mb * mb),
-        max_connections=args.max_connections,
-        journal=_journal(args),
-        journal_fsync=args.journal_fsync,
-    )
-    if config.journal is None:
-        logging.getLogger("awex.meta.server").warning(
-            "no journal: fences and claimed version names are forgotten if this server restarts"
-        )
-
-    def started(port: int) -> None:
-        print(f"awex-meta: serving on http://{args.host}:{port} (token {'required' if token else 'off'})", flush=True)
-
-    try:
-        serve_forever(args.host, args.port, config, started=started)
-    except JournalError as e:
-        raise ValueError(str(e)) from None
-    except OSError as e:
-        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-def _journal(args: argparse.Namespace) -> str | None:
-    """The journal ``serve`` keeps: the one given, none, or the default for its port."""
-    if args.no_journal:
-        if args.journal:
-            raise ValueError("--journal and --no-journal: pick one")
-        return None
-    if args.journal or args.port == 0:
-        return args.journal
-    state = os.environ.get("AWEX_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".local", "state", "awex")
-    return os.path.join(state, f"meta-{args.port}.journal")
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _status(args: argparse.Namespace) -> int:
     from awex.meta.client import MetaClient
 
     client = MetaClient(args.address, token=args.token or os.environ.get("AWEX_META_TOKEN"), timeout=10.0)
-    doc = client.status()
+    doc = client.status(job=args.job)
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     now = doc.get("time", time.time())
     print(f"MetaServer {client.address}: {len(doc['jobs'])} job(s)")
     for name, job in doc["jobs"].items():
-        print(f"\njob {name}: {len(job['participants'])} participant(s), {job['keys']} key(s)")
+        total = job.get("participants_total", len(job["participants"]))
+        print(f"\njob {name}: {total} participant(s), {job['keys']} key(s)")
         if job["participants"]:
             head = f"{'name':<24} {'role':<10} {'instance':<16} {'ranks':>5}  {'weight version':<16} {'last sync':<24}"
             print(f"  {head} last seen")

@@ -66,6 +66,8 @@ class MetaClient:
         if "://" not in address:
             address = "http://" + address
         parsed = urllib.parse.urlsplit(address)
+        if parsed.username is not None or parsed.password is not None:  # never echoed: not in errors, not in logs
+            raise ValueError("MetaServer address: no user or password in it (pass the token as token=...)")
         if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
             raise ValueError(f"MetaServer address must look like http://host:port, got {address!r}")
         self.address = f"http://{parsed.netloc}"
@@ -223,9 +225,9 @@ class MetaClient:
     def health(self, timeout: float = 10.0) -> dict[str, Any]:
         return self._request("GET", "/v1/health", deadline=self._by(timeout))[1]
 
-    def status(self, timeout: float = 10.0) -> dict[str, Any]:
-        """Every job's participants, their weight versions and recent events."""
-        return self._request("GET", "/v1/status", deadline=self._by(timeout))[1]
+    def status(self, timeout: float = 10.0, job: str | None = None) -> dict[str, Any]:
+        """Every job (each with its first 100 participants, without info) or ``job`` alone, in full."""
+        return self._request("GET", "/v1/status", deadline=self._by(timeout), query={"job": job} if job else None)[1]
 
     # -- key-value -------------------------------------------------------------------------------------
     def put(self, key: str, value: Any, *, create_only: bool = False, keep: bool = False) -> None:

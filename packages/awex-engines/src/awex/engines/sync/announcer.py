@@ -230,7 +230,7 @@ class Announcer:
             epoch = claim.get("epoch", 0)
             if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < self.epoch:
                 return False
-            job = self.client.status()["jobs"].get(self.client.job, {})
+            job = self.client.status(job=self.client.job)["jobs"].get(self.client.job, {})
             serving = {p.get("name"): p.get("weight_version") for p in job.get("participants", [])}
             return all(serving.get(d) != version for d in claim.get("destinations", []))
         except (MetaServerError, TypeError, AttributeError):

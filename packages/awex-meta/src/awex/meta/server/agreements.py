@@ -63,6 +63,8 @@ async def agree(server: Server, request: web.Request) -> web.Response:
         return error(409, "conflict", f"agreement {name!r} expects {a.expected} participants, not {f['expected']}")
     if a.gather != gather:
         return error(409, "conflict", f"agreement {name!r} is {'' if a.gather else 'not '}a gather")
+    if a.complete and participant in a.values and not a.holds(participant, f["value"]):
+        return error(409, "conflict", f"agreement {name!r} is complete: {participant!r}'s value is final")
     if participant not in a.values:
         if a.complete:
             return error(

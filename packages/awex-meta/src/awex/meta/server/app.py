@@ -9,7 +9,7 @@ its own deadline has passed).
 route                                                    what it does
 =======================================================  ==================================================
 ``GET /v1/health``                                       liveness, server version, epoch
-``GET /v1/status``                                       every job: participants, versions, recent events
+``GET /v1/status[?job=J]``                               every job (or J): participants, versions, events
 ``PUT /v1/jobs/{job}/kv/{key}[?create=1]``               store a JSON value (``create=1``: 409 if present)
 ``GET /v1/jobs/{job}/kv/{key}[?wait=S]``                 fetch a value, waiting up to S seconds
 ``DELETE /v1/jobs/{job}/kv/{key}``                       delete a value
@@ -51,7 +51,7 @@ from awex.meta.protocol import EPOCH_HEADER, FENCE_HEADER, REQUEST_ID_HEADER
 from awex.meta.server import agreements, claims, fences
 from awex.meta.server.config import ServerConfig
 from awex.meta.server.errors import BadRequest, Busy, TooLarge, busy, error, fields, json_depth
-from awex.meta.server.journal import Journal, JournalError, Kept
+from awex.meta.server.journal import Journal, JournalError
 from awex.meta.server.parking import Parking
 from awex.meta.server.state import JobState, Participant, Topics
 
@@ -81,11 +81,9 @@ class MetaServerApp:
     def new_job(self, name: str) -> JobState:
         job = self.jobs[name] = JobState(name, self.config.max_events_per_job, self.config.max_keys_per_job)
         if self.journal is not None:
-            job.remember = functools.partial(self.journal.append, everything=self.kept)
+            everything = lambda: {n: j.kept() for n, j in self.jobs.items()}  # noqa: E731 - the journal's rewrite
+            job.remember = functools.partial(self.journal.append, everything=everything)
         return job
-
-    def kept(self) -> dict[str, Kept]:
-        return {n: j.kept() for n, j in self.jobs.items()}
 
     async def cleanup(self, app: web.Application) -> None:
         if self.journal is not None:  # its lock goes with it: a new server may take the journal
@@ -230,6 +228,9 @@ class MetaServerApp:
         )
 
     async def status(self, request: web.Request) -> web.Response:
+        """Every job, each with its first participants (``?job=NAME``: that job, every participant in full)."""
+        one, cap, recent = request.query.get("job"), self.config.status_participants, self.config.recent_events
+        jobs = {n: j.summary(recent, None if one else cap) for n, j in sorted(self.jobs.items()) if one in (None, n)}
         return web.json_response(
             {
                 "server": "awex-meta",
@@ -239,7 +240,7 @@ class MetaServerApp:
                 "held_bytes": self.total_bytes(),
                 "waiting": self.parking.parked,  # long-polls parked now
                 "busy_answers": self.parking.refused,  # long-polls answered 503 busy (beyond a cap) so far
-                "jobs": {n: j.summary(self.config.recent_events) for n, j in sorted(self.jobs.items())},
+                "jobs": jobs,
             }
         )
 

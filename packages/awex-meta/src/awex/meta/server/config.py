@@ -18,6 +18,7 @@ class ServerConfig:
     max_jobs: int = 1_000
     max_events_per_job: int = 10_000
     recent_events: int = 20
+    status_participants: int = 100  # listed per job in the status of every job (all of them with ?job=)
     max_job_bytes: int = 1 << 30  # keys, events, participants and agreement values of one job
     max_total_bytes: int = 4 << 30  # the same over every job
     max_small_bytes: int = 64 << 10  # one event's data, one agreement value, one participant's info

@@ -59,6 +59,10 @@ class Agreement:
     gather: bool = False  # the complete answer carries every participant's value
     _gathered: bytes | None = None  # that answer, encoded once
 
+    def holds(self, participant: str, value: Any) -> bool:
+        """Whether ``participant`` gave ``value`` (a retry of its request, once complete: nothing changes)."""
+        return self.values.get(participant) == json.dumps(value, sort_keys=True, separators=(",", ":"))
+
     def give(self, participant: str, value: Any) -> None:
         key = json.dumps(value, sort_keys=True, separators=(",", ":"))
         old = self.values.get(participant)
@@ -225,9 +229,19 @@ class JobState:
         self.topics.fire("events")
         return event
 
-    def summary(self, recent: int) -> dict[str, Any]:
+    def summary(self, recent: int, participants: int | None = None) -> dict[str, Any]:
+        """What ``/v1/status`` says of this job: every participant, or (``participants``) the first ones by name
+        without their ``info`` (the status of many large jobs stays small)."""
+        listed = sorted(self.participants.values(), key=lambda p: p.name)
+        if participants is not None:
+            listed = listed[:participants]
+        docs = [p.to_json() for p in listed]
+        if participants is not None:
+            for doc in docs:
+                del doc["info"]
         return {
-            "participants": [p.to_json() for p in sorted(self.participants.values(), key=lambda p: p.name)],
+            "participants": docs,
+            "participants_total": len(self.participants),
             "keys": len(self.kv),
             "key_bytes": self.kv_bytes,
             "held_bytes": self.held_bytes(),
