@@ -204,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = None
     if args.path == "public":
-        from awex.meta.server import start_embedded
-
-        meta = start_embedded()  # in this process; the workers reach it over loopback HTTP
+        if args.meta_server == "process":  # `awex-meta serve` of its own (journalling), as a deployment runs it
+            from awex_integration.faults.fault_suite import ProcessServer as start_embedded
+        else:
+            from awex.meta.server import start_embedded  # in this process; the workers reach it over loopback HTTP
+        meta = start_embedded()
     wanted = [s for s in SCENARIOS if (args.scenarios == "all" or s.name in args.scenarios.split(","))]
     results = []
     dims, tensors = model_tensors(args.model, args.layers)
@@ -320,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "first_sync_phases": _phases(per_rank, "first_sync_phases"),
                     "steady_phases": _phases(per_rank, "steady_phases"),
+                    "meta_server": args.meta_server,
                 }
                 if args.path == "public"
                 else {}

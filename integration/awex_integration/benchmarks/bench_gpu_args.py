@@ -92,5 +92,12 @@ def parser(description: str) -> argparse.ArgumentParser:
         help="public path: verify mode (WeightsWriter(verify=True)): every receiver compares digests of what it got "
         "with the trainer's before a version counts; the timed syncs include it",
     )
+    ap.add_argument(
+        "--meta-server",
+        choices=("embedded", "process"),
+        default="embedded",
+        help="public path: the MetaServer embedded in this process (default) or `awex-meta serve` in a process of "
+        "its own, journalling",
+    )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     return ap
