@@ -49,3 +49,26 @@ def test_what_nccl_refuses_goes_as_the_same_bytes_of_a_dtype_it_sends(dtype):
     nccl = {torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32}
     assert wire.dtype in nccl and wire.element_size() == t.element_size() and wire.shape == t.shape
     assert wire.data_ptr() == t.data_ptr() and torch.equal(wire.view(dtype).view(torch.uint8), t.view(torch.uint8))
+
+
+def test_a_store_that_fails_after_closing_its_socket_leaves_other_descriptors_alone(monkeypatch, tmp_path):
+    """``bound_store`` hands its bound socket to ``TCPStore``; a store that closed it before failing must not have
+    the number closed again, which by then may be another thread's file (here: reopened at once)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    other: list = []
+
+    def failing_store(*args, master_listen_fd, **kwargs):
+        os.close(master_listen_fd)
+        other.append(os.open(tmp_path / "another-threads-file", os.O_CREAT | os.O_RDWR))  # likely the same number
+        raise RuntimeError("store failed")
+
+    monkeypatch.setattr(dist, "TCPStore", failing_store)
+    with pytest.raises(RuntimeError, match="store failed"):
+        group.bound_store("127.0.0.1", 0, timedelta(seconds=1))
+    try:
+        os.fstat(other[0])  # still open
+    finally:
+        os.close(other[0])

@@ -234,12 +234,20 @@ def bound_store(
         sock.close()
         raise
     fd = sock.detach()
+    ours = os.fstat(fd)
     try:
         return dist.TCPStore(
             host, port, world_size, True, timeout, wait_for_workers=wait_for_workers, master_listen_fd=fd
         )
     except BaseException:
-        os.close(fd)
+        # closed here only if it is still our socket: a store that failed may have closed it already, and the
+        # number may now be another thread's descriptor
+        try:
+            now = os.fstat(fd)
+        except OSError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino):
+            os.close(fd)
         raise
 
 
