@@ -149,3 +149,32 @@ def test_the_journal_is_rewritten_from_the_state_once_it_grew_past_it(tmp_path, 
         assert _status(plain) == {"eng": "v59"}  # (the client registers again on seeing the restart: kept)
     finally:
         server.stop()
+
+
+def test_a_change_the_journal_cannot_keep_is_refused_and_not_made(tmp_path):
+    """A journal that cannot be written (disk full, file gone read-only): the change is answered 503 ``journal``
+    and not made, since a change the journal lacks would be forgotten by the next restart."""
+    import os
+
+    from awex.meta.errors import MetaServerError
+    from awex.meta.server.app import SERVER_KEY
+
+    path = tmp_path / "meta.journal"
+    server = start_embedded(journal=str(path))
+    try:
+        c = MetaClient(server.address, job="rl", timeout=5)
+        writer = c.fenced("trainer", c.take_fence("trainer"))
+        app = server._runner.app[SERVER_KEY]
+        os.close(app.journal._fd)
+        app.journal._fd = os.open(path, os.O_RDONLY)  # writes now fail
+        with pytest.raises(MetaServerError, match="cannot write the MetaServer journal"):
+            writer.put("sync/v1", {}, create_only=True)
+        with pytest.raises(MetaServerError, match="cannot write the MetaServer journal"):
+            c.take_fence("trainer")
+        with pytest.raises(MetaServerError, match="cannot write the MetaServer journal"):
+            plain = MetaClient(server.address, job="rl", timeout=5)
+            plain.fenced("trainer", 7).put("x", 1)  # a higher epoch the server would raise itself to
+        assert c.try_get("sync/v1") is None and app.jobs["rl"].fences == {"trainer": 1}
+        assert "sync/v1" not in app.jobs["rl"].claims
+    finally:
+        server.stop()

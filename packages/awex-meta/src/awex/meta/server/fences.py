@@ -15,6 +15,7 @@ from aiohttp import web
 
 from awex.meta.protocol import FENCE_HEADER
 from awex.meta.server.errors import BadRequest, error
+from awex.meta.server.journal import JournalError
 from awex.meta.server.state import JobState
 
 _IDENTITY = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}\Z")
@@ -50,6 +51,9 @@ def refusal(job: JobState | None, header: str) -> web.Response | None:
             "its writes are refused; stop this writer",
         )
     if job is not None and epoch > current:  # without a journal, a server that restarted forgot it
-        job.note("fence", id=identity, epoch=epoch)
+        try:
+            job.note("fence", id=identity, epoch=epoch)
+        except JournalError as e:  # not raised: nothing changed, and the writer is told why
+            return error(503, "journal", str(e))
         job.fences[identity] = epoch
     return None
