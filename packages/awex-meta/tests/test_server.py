@@ -237,6 +237,14 @@ def test_standalone_server_and_status_cli(tmp_path):
             timeout=30,
         )
         assert bad.returncode == 2 and "rejected the token" in bad.stderr
+        by_env = subprocess.run(  # --token-env, as serve takes it
+            [sys.executable, "-m", "awex.meta.cli", "status", f"http://127.0.0.1:{port}", "--token-env", "MY_TOKEN"],
+            env={**env, "MY_TOKEN": "tok", "AWEX_META_TOKEN": ""},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert by_env.returncode == 0 and "step-7" in by_env.stdout, by_env.stderr
         proc.kill()  # killed, and started again on its journal: who serves which version is still known
         proc.wait(10)
         assert (tmp_path / f"meta-{port}.journal").exists()

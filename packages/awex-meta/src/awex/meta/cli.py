@@ -48,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_status = sub.add_parser("status", help="show who registered, their weight versions and recent events")
     p_status.add_argument("address", help="http://host:port of the MetaServer")
     p_status.add_argument("--token", default=None, help="bearer token (default: $AWEX_META_TOKEN)")
+    p_status.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
     p_status.add_argument("--job", default=None, help="this job alone, every participant (default: every job)")
 
@@ -124,7 +125,12 @@ def _run(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from awex.meta.client import MetaClient
 
-    client = MetaClient(args.address, token=args.token or os.environ.get("AWEX_META_TOKEN"), timeout=10.0)
+    token = args.token or os.environ.get("AWEX_META_TOKEN")
+    if args.token_env:  # as serve takes it
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise ValueError(f"--token-env {args.token_env}: the variable is empty or unset")
+    client = MetaClient(args.address, token=token, timeout=10.0)
     doc = client.status(job=args.job)
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
