@@ -285,30 +285,3 @@ def test_cuda_views_that_moved_are_digested_where_they_are_now(server):
         sent[name] = (sent[name] + 1).clone()
     assert _sync(writer, readers, "v2") == (None, {}) and _equal(sent, readers)
     _close(writer, readers)
-
-
-def test_a_steady_version_digests_what_it_sends_while_the_bytes_move(server, monkeypatch):
-    """The trainer's digests of a steady version are computed on a thread of their own, started before the
-    transfer (its weights do not change while a version moves), not after it; the first version (no plan yet)
-    digests after its transfer."""
-    import threading
-
-    from awex.engines.sync.verify import Verifier
-
-    where: list = []
-    sent = Verifier.sent
-
-    def recorded(self, *args):
-        where.append(threading.current_thread().name)
-        return sent(self, *args)
-
-    monkeypatch.setattr(Verifier, "sent", recorded)
-    writer, readers, weights = _job(server, "verify-beside", transport="shm")
-    for version in ("v1", "v2", "v3"):
-        for t in weights.values():
-            t.add_(1)
-        written, errors = _sync(writer, readers, version)
-        assert written is None and not errors and _equal(weights, readers)
-    assert where[0] == threading.current_thread().name  # v1: after its transfer, on the writer's thread
-    assert [w.startswith("awex-verify-") for w in where[1:]] == [True, True], where
-    _close(writer, readers)

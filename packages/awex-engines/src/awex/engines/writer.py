@@ -250,7 +250,6 @@ class WeightsWriter:
                 rebind()
                 manifest = self._session.fetch_manifest(version, self.timeout)
             announced = time.monotonic()
-            beside = self._session.digest_beside(manifest, self._shards) if manifest.verify else None
             stats = self._session.transfer(
                 manifest,
                 self._shards,
@@ -258,8 +257,8 @@ class WeightsWriter:
                 refresh=self.refresh,
                 refresh_by_wave=self.refresh_by_wave,
             )
-            if manifest.verify:  # what this rank sent (digested while the bytes moved, where the plan stood)
-                self._session.verify(manifest, self._shards, deadline, beside)
+            if manifest.verify:  # what this rank sent, digested while the receivers digest what they got
+                self._session.verify(manifest, self._shards, deadline)
             outcomes = self._session.await_outcomes(manifest, deadline)
             failed = {rank: o for rank, o in outcomes.items() if not (o and o.get("ok"))}
             if failed:

@@ -27,7 +27,7 @@ from awex.engines.sync.manifest import Attempt, SyncManifest, _count
 from awex.engines.sync.options import combination_error
 from awex.engines.sync.peer_link import SyncPeerLink
 from awex.engines.sync.signals import Signals, signals_for
-from awex.engines.sync.verify import Verifier, digested_beside
+from awex.engines.sync.verify import Verifier
 from awex.engines.sync.version_plan import PlanKey, plan_version
 from awex.meta import Layout, Plan
 from awex.meta.client import MetaClient
@@ -352,10 +352,9 @@ class SyncSession:
             stats.seconds = time.monotonic() - started
         return stats
 
-    def verify(self, manifest: SyncManifest, shards: LocalShards, deadline: float, beside=None) -> None:
+    def verify(self, manifest: SyncManifest, shards: LocalShards, deadline: float) -> None:
         """Verify mode, after this rank's transfer (``awex.engines.sync.verify``): a trainer rank publishes the
-        digests of what it sent (``beside``: :meth:`digest_beside`'s), a receiving rank compares what it got with
-        them (``VerifyError`` where it differs)."""
+        digests of what it sent, a receiving rank compares what it got with them (``VerifyError`` where it differs)."""
         link = self._link
         if link is None:
             raise RuntimeError(f"{self.instance}:{self.local_rank}: verify before any transfer")
@@ -363,20 +362,9 @@ class SyncSession:
             self._verifier = Verifier(self.client)
         with self.phases("verify"):
             if link.plan.ranks[link.rank].role.value == "trainer":
-                sent = beside(link.plan, deadline) if beside is not None else None
-                self._verifier.publish(link.plan, link.rank, manifest, shards, sent)
+                self._verifier.publish(link.plan, link.rank, manifest, shards)
             else:
                 self._verifier.check(link.plan, link.rank, manifest, shards, deadline, link.check_senders)
-
-    def digest_beside(self, manifest: SyncManifest, shards: LocalShards):
-        """A trainer rank whose plan stands (a steady version): digest what it sends in a thread of its own while
-        the bytes move; returns what :meth:`verify` takes as ``beside`` (``None`` before a plan stands)."""
-        plan = self._plan
-        rank = plan.rank(self.instance, self.local_rank).rank if plan is not None else -1
-        if plan is None or not self.steady_for(manifest) or plan.ranks[rank].role.value != "trainer":
-            return None
-        verifier = self._verifier = self._verifier or Verifier(self.client)
-        return digested_beside(lambda: verifier.sent(plan, rank, shards), plan, f"{self.instance}-{self.local_rank}")
 
     @property
     def plan(self) -> Plan | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -167,19 +166,11 @@ class Verifier:
         _, _, index, laid_out = self._batch
         return _grouped(groups, index, laid_out.sums())
 
-    def publish(
-        self, plan: Plan, rank: int, manifest: SyncManifest, shards: LocalShards, sent: dict | None = None
-    ) -> None:
-        """A trainer rank: digest what it sends per receiving rank (unless ``sent``, :meth:`sent`, has them) and
-        publish the record."""
+    def publish(self, plan: Plan, rank: int, manifest: SyncManifest, shards: LocalShards) -> None:
+        """A trainer rank, after its transfer: digest what it sent per receiving rank and publish the record."""
         me = plan.ranks[rank]
-        sent = self.sent(plan, rank, shards) if sent is None else sent
+        sent = self._digests(plan, shards, self._of(plan, rank).sends)
         self.client.put(keys.verify(manifest.version, manifest.seq, me.instance, me.local_rank), record(plan, sent))
-
-    def sent(self, plan: Plan, rank: int, shards: LocalShards) -> dict[int, Digest]:
-        """The digests of what trainer rank ``rank`` sends, per receiving rank (its weights do not change while a
-        version moves: computed while the bytes move, they are the bytes that went)."""
-        return self._digests(plan, shards, self._of(plan, rank).sends)
 
     def check(
         self,
@@ -225,30 +216,3 @@ class Verifier:
                     raise VerifyError(f"no verify record from {_who(plan, origin)} before the deadline") from None
                 if check_senders is not None:
                     check_senders([origin])
-
-
-def digested_beside(digest: Callable[[], dict], plan: Plan, name: str) -> Callable[[Plan, float], dict | None]:
-    """Run ``digest`` (for ``plan``) in a thread now; the returned call waits for it until a deadline
-    (``time.monotonic()``) and gives its digests, raising what it raised, or ``None`` where the plan in use is no
-    longer ``plan`` (the digests are then computed again, for the plan that moved the bytes)."""
-    done: list = []
-
-    def run() -> None:
-        try:
-            done.append((True, digest()))
-        except BaseException as e:  # raised by the waiter
-            done.append((False, e))
-
-    thread = threading.Thread(target=run, name=f"awex-verify-{name}", daemon=True)
-    thread.start()
-
-    def wait(used: Plan, deadline: float) -> dict | None:
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            raise TimeoutError(f"{name}: the digests of what it sent were not ready by the deadline")
-        ok, value = done[0]
-        if not ok:
-            raise value
-        return value if used is plan else None
-
-    return wait
