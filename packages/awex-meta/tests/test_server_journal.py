@@ -178,3 +178,21 @@ def test_a_change_the_journal_cannot_keep_is_refused_and_not_made(tmp_path):
         assert "sync/v1" not in app.jobs["rl"].claims
     finally:
         server.stop()
+
+
+def test_serve_says_what_to_do_when_its_journal_cannot_be_written(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")  # the journal's directory would have to be this file
+    out = subprocess.run(
+        [sys.executable, "-m", "awex.meta.cli", "serve", "--port", "0", "--journal", str(blocked / "meta.journal")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ),
+    )
+    assert out.returncode == 2 and "cannot open the MetaServer journal" in out.stderr, out.stderr
+    assert "--no-journal" in out.stderr and "Traceback" not in out.stderr

@@ -84,7 +84,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         serve_forever(args.host, args.port, config, started=started)
     except JournalError as e:
-        raise ValueError(str(e)) from None
+        raise ValueError(f"{e} (--journal PATH for another file, --no-journal to keep that state in memory)") from None
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     except KeyboardInterrupt:
