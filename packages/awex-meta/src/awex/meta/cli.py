@@ -20,6 +20,7 @@ from typing import Sequence
 
 from awex.meta.cli_serve import add_serve, serve
 from awex.meta.errors import MetaServerError
+from awex.meta.models import UnknownModelError
 
 
 def _versions() -> str:
@@ -118,7 +119,13 @@ def _run(args: argparse.Namespace) -> int:
             return _status(args)
         return _plan(args)
     except (ValueError, FileNotFoundError, MetaServerError) as e:
-        print(f"awex-meta {args.command}: error: {e}", file=sys.stderr)
+        hint = ""
+        if isinstance(e, UnknownModelError):  # such a model may still sync: the engine learns its layout
+            hint = (
+                "; an HF or FSDP2 trainer and a vLLM engine still sync it (the engine learns its layout from its "
+                "own loaders when it starts), which a dry run without an engine cannot plan"
+            )
+        print(f"awex-meta {args.command}: error: {e}{hint}", file=sys.stderr)
         return 2
 
 

@@ -160,7 +160,7 @@ def model_dims(config: Mapping[str, Any], dtype: str | None = None) -> ModelDims
     arch_name = table_architecture(config)
     if arch_name is None:
         raise UnknownModelError(
-            f"unknown model architecture {archs or config.get('model_type')!r}; "
+            f"no table for model architecture {archs or config.get('model_type')!r}; "
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     arch = ARCHITECTURES[arch_name]
