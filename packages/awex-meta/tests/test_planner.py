@@ -325,3 +325,24 @@ def test_dtype_policy_widening_is_allowed_and_recorded_narrowing_needs_an_explic
     assert {t.name: t.dtype for t in plan.tensors}["model.layers.0.mlp.gate.weight"] == "bfloat16"
     assert plan.stats.total_bytes == 4 * 8 * 2 + 4 * 4 + 4 * 4
     assert verify_plan(plan, [src], [dst]).ok
+
+
+def test_many_missing_tensors_or_narrowing_casts_are_told_in_a_few_lines_naming_the_cause():
+    """Another model on one side: a few tensors named, then one line saying how many more and how much the two
+    sides share; narrowing casts likewise, naming the option on the writer."""
+    src = _many("t", Role.TRAINER, [TensorSpec(f"a{i}", (4,), "float32") for i in range(20)])
+    dst = _many("v", Role.INFERENCE, [TensorSpec(f"b{i}", (4,), "float32") for i in range(27)])
+    with pytest.raises(PlanError) as err:
+        plan_transfers([src], [dst])
+    assert len(err.value.problems) == 6
+    assert "b0: needed by the destination but held by no source" in str(err.value)
+    assert (
+        "22 more tensors the destination needs are held by no source: are the trainer and the engine the same "
+        "model? (the trainer has 20 tensors, the engine 27, 0 of them alike by name)" in str(err.value)
+    )
+    src = _many("t", Role.TRAINER, [TensorSpec(f"w{i}", (4,), "float32") for i in range(9)])
+    dst = _many("v", Role.INFERENCE, [TensorSpec(f"w{i}", (4,), "bfloat16") for i in range(9)])
+    with pytest.raises(PlanError) as err:
+        plan_transfers([src], [dst])
+    assert len(err.value.problems) == 6 and "AwexTrainerInitInfo" in str(err.value)
+    assert "4 more narrowing casts (4 float32 -> bfloat16)" in str(err.value)

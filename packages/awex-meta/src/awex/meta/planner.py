@@ -27,6 +27,8 @@ from awex.meta.dtypes import is_exact_cast
 from awex.meta.fanout import NodeFanout, take_local
 from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats, Transfer
+from awex.meta.problems import missing as missing_lines
+from awex.meta.problems import narrowed as narrowed_lines
 from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, scale_name, tile_block
 from awex.meta.schedule import assign_waves, plan_relays, split_broadcasts
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
@@ -333,6 +335,8 @@ def _check_tensors(
                 quantized.append((name, d.dtype, scale_name(name), block))
                 wire[name] = s
                 derived.add(scale_name(name))
+    absent: list[tuple[str, str]] = []
+    narrowing: list[tuple[str, str, str]] = []
     for name in sorted(dst):
         d = dst[name]
         s = src.get(name)
@@ -344,7 +348,7 @@ def _check_tensors(
                 if name.endswith(SCALE_SUFFIX)
                 else ""
             )
-            problems.append(f"{name}: needed by the destination but held by no source{hint}")
+            absent.append((name, hint))
         elif s.shape != d.shape:
             problems.append(f"{name}: shape mismatch: source {tuple(s.shape)} vs destination {tuple(d.shape)}")
         elif d.dtype in FP8_DTYPES and s.dtype not in FP8_DTYPES and scale_name(name) in dst:
@@ -357,10 +361,9 @@ def _check_tensors(
             if is_exact_cast(s.dtype, d.dtype) or any(fnmatchcase(name, pat) for pat in allow_cast):
                 casts.append((name, s.dtype, d.dtype))
             else:
-                problems.append(
-                    f"{name}: dtype mismatch: source {s.dtype} vs destination {d.dtype} (a narrowing "
-                    f"cast; allow it explicitly with PlanOptions(allow_cast=...) if intended)"
-                )
+                narrowing.append((name, s.dtype, d.dtype))
+    problems += missing_lines(absent, len(src), len(dst), len(src.keys() & dst.keys()))
+    problems += narrowed_lines(narrowing)
     if problems:
         raise PlanError(problems)
     return [wire.get(n, dst[n]) for n in sorted(dst) if n not in derived], casts, sorted(quantized)
