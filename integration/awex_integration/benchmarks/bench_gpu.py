@@ -205,10 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = None
     if args.path == "public":
         if args.meta_server == "process":  # `awex-meta serve` of its own (journalling), as a deployment runs it
-            from awex_integration.faults.fault_suite import ProcessServer as start_embedded
+            from awex_integration.faults.fault_suite import ProcessServer
+
+            meta = ProcessServer()
         else:
             from awex.meta.server import start_embedded  # in this process; the workers reach it over loopback HTTP
-        meta = start_embedded()
+
+            meta = start_embedded()
     wanted = [s for s in SCENARIOS if (args.scenarios == "all" or s.name in args.scenarios.split(","))]
     results = []
     dims, tensors = model_tensors(args.model, args.layers)

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Sequence
 
-from awex.meta.cli_serve import add_serve, serve
+from awex.meta.cli_serve import add_serve, serve, token_of
 from awex.meta.errors import MetaServerError
 from awex.meta.models import UnknownModelError
 
@@ -132,11 +132,7 @@ def _run(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from awex.meta.client import MetaClient
 
-    token = args.token or os.environ.get("AWEX_META_TOKEN")
-    if args.token_env:  # as serve takes it
-        token = os.environ.get(args.token_env)
-        if not token:
-            raise ValueError(f"--token-env {args.token_env}: the variable is empty or unset")
+    token = token_of(args, args.token or os.environ.get("AWEX_META_TOKEN"))  # --token-env as serve takes it
     client = MetaClient(args.address, token=token, timeout=10.0)
     doc = client.status(job=args.job)
     if args.json:

@@ -51,11 +51,7 @@ def serve(args: argparse.Namespace) -> int:
     from awex.meta.server.embedded import serve_forever
     from awex.meta.server.journal import JournalError
 
-    token = args.token
-    if args.token_env:
-        token = os.environ.get(args.token_env)
-        if not token:
-            raise ValueError(f"--token-env {args.token_env}: the variable is empty or unset")
+    token = token_of(args, args.token)
     if not token and not _loopback(args.host):
         if not args.allow_no_token:
             raise ValueError(
@@ -92,6 +88,16 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def token_of(args: argparse.Namespace, default: str | None) -> str | None:
+    """The token ``--token-env VAR`` names (set and not empty), else ``default``."""
+    if not args.token_env:
+        return default
+    token = os.environ.get(args.token_env)
+    if not token:
+        raise ValueError(f"--token-env {args.token_env}: the variable is empty or unset")
+    return token
+
+
 def _megabytes(text: str) -> float:
     """A size in MB: a finite number above 0 (0, negative, NaN or infinite caps would refuse everything or
     nothing)."""
@@ -104,11 +110,15 @@ def _megabytes(text: str) -> float:
     return value
 
 
-def _at_least_16(text: str) -> int:
+def _integer(text: str, what: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def _at_least_16(text: str) -> int:
+    value = _integer(text, "a whole number")
     if value < 16:
         raise argparse.ArgumentTypeError(f"{value}: at least 16 (the server needs some to answer at all)")
     return value
@@ -138,10 +148,7 @@ def _loopback(host: str) -> bool:
 
 
 def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    port = _integer(text, "a port number")
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535; 0 picks a free one)")
     return port

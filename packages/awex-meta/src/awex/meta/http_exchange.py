@@ -107,6 +107,14 @@ class Exchanges:
                 "until the deadline" if self.reached else f"for {FIRST_CONTACT_SECONDS:g} s",
             )
 
+    def _answer_on(self, conn: http.client.HTTPConnection) -> tuple[int, bytes, str | None, bool]:
+        """Read the answer of the request sent on ``conn``: status, body, the server's epoch, and whether the
+        connection stays open."""
+        resp = conn.getresponse()
+        payload = resp.read()
+        self.reached = True
+        return resp.status, payload, resp.getheader(EPOCH_HEADER), not resp.will_close
+
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""
         conn = getattr(self._local, "conn", None)
@@ -140,11 +148,8 @@ class Exchanges:
         def answer() -> tuple[int, bytes, str | None]:
             keep = False
             try:
-                resp = sent.getresponse()
-                payload = resp.read()
-                keep = not resp.will_close
-                self.reached = True
-                return resp.status, payload, resp.getheader(EPOCH_HEADER)
+                status, payload, epoch, keep = self._answer_on(sent)
+                return status, payload, epoch
             except (socket.timeout, TimeoutError):
                 raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
             except (OSError, http.client.HTTPException) as e:  # closed while idle, or the reply lost: again
@@ -176,12 +181,7 @@ class Exchanges:
                 if conn.sock is not None:
                     conn.sock.settimeout(budget)
                 conn.request(method, path, body=data, headers=headers)
-                resp = conn.getresponse()
-                payload = resp.read()
-                status = resp.status
-                epoch = resp.getheader(EPOCH_HEADER)
-                keep = not resp.will_close
-                self.reached = True
+                status, payload, epoch, keep = self._answer_on(conn)
                 break
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) if reused else () as e:
                 # the server closed this kept-alive connection while it was idle (or the reply was lost: a
