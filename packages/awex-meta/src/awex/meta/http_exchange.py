@@ -24,11 +24,13 @@ from awex.meta.errors import (
     MetaServerError,
     MetaTimeoutError,
 )
+from awex.meta.http_wire import Connection
 from awex.meta.protocol import EPOCH_HEADER
 
 log = logging.getLogger("awex.meta.client")
 
 SLACK = 1.0  # seconds an exchange may take beyond its deadline (the server's answer on its way)
+_EPOCH = EPOCH_HEADER.lower()
 FIRST_CONTACT_SECONDS = 5.0  # a server never reached that refuses connections this long: a wrong address, said so
 
 
@@ -107,13 +109,12 @@ class Exchanges:
                 "until the deadline" if self.reached else f"for {FIRST_CONTACT_SECONDS:g} s",
             )
 
-    def _answer_on(self, conn: http.client.HTTPConnection) -> tuple[int, bytes, str | None, bool]:
+    def _answer_on(self, conn: Connection) -> tuple[int, bytes, str | None, bool]:
         """Read the answer of the request sent on ``conn``: status, body, the server's epoch, and whether the
         connection stays open."""
         resp = conn.getresponse()
-        payload = resp.read()
         self.reached = True
-        return resp.status, payload, resp.getheader(EPOCH_HEADER), not resp.will_close
+        return resp.status, resp.body, resp.headers.get(_EPOCH), not resp.will_close
 
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""
@@ -134,9 +135,9 @@ class Exchanges:
         budget = max(0.05, deadline - time.monotonic()) + SLACK
         try:
             if conn is None:
-                conn = http.client.HTTPConnection(self.host, self.port, timeout=budget)
-            elif conn.sock is not None:
-                conn.sock.settimeout(budget)
+                conn = Connection(self.host, self.port, budget)
+            else:
+                conn.settimeout(budget)
             conn.request(method, path, body=data, headers=headers)
         except (OSError, http.client.HTTPException) as e:
             log.debug("sending %s %s failed (%s); the exchange goes again", method, path, e)
@@ -175,11 +176,10 @@ class Exchanges:
             reused = conn is not None
             budget = max(0.05, deadline - time.monotonic()) + SLACK
             if conn is None:
-                conn = http.client.HTTPConnection(self.host, self.port, timeout=budget)
+                conn = Connection(self.host, self.port, budget)
             keep = False
             try:
-                if conn.sock is not None:
-                    conn.sock.settimeout(budget)
+                conn.settimeout(budget)
                 conn.request(method, path, body=data, headers=headers)
                 status, payload, epoch, keep = self._answer_on(conn)
                 break
