@@ -19,6 +19,7 @@ import collections
 import json
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,7 @@ class RankCounts:
     ops: collections.Counter = field(default_factory=collections.Counter)  # category -> operations
     requests: list = field(default_factory=list)  # (method, path) of each MetaServer request
     hottest: collections.Counter = field(default_factory=collections.Counter)  # (file, function) -> Python calls
+    order: list = field(default_factory=list)  # (category, method) of each operation, in the order made
 
 
 @dataclass
@@ -83,7 +85,7 @@ class _Profiler:
     def __init__(self, counts: RankCounts):
         self.counts = counts
         self.skip = 0  # depth inside an operation
-        self.codes = {getattr(cls, name).__code__: what for (cls, name), what in OPERATIONS.items()}
+        self.codes = {getattr(cls, name).__code__: (what, name) for (cls, name), what in OPERATIONS.items()}
 
     def __call__(self, frame, event, arg):
         if self.skip:
@@ -93,9 +95,10 @@ class _Profiler:
                 self.skip -= 1
             return
         if event == "call":
-            what = self.codes.get(frame.f_code)
+            what, name = self.codes.get(frame.f_code, (None, None))
             if what is not None:
                 self.counts.ops[what] += 1
+                self.counts.order.append((what, name))
                 if what == "meta":
                     f = frame.f_locals
                     self.counts.requests.append((f.get("method", "PUT"), f.get("path", f.get("key"))))
@@ -116,11 +119,12 @@ def _profiled(counts: RankCounts, fn):
         sys.setprofile(None)
 
 
-def measure(layers: int, board: bool = True, extra=None, views=views_of) -> VersionCounts:
+def measure(layers: int, board: bool = True, extra=None, views=views_of, lease: float | None = 3.0) -> VersionCounts:
     """Counts of one steady version of a Qwen2-shaped model of ``layers`` layers (12 tensors a layer and 3 more),
     after :data:`STEADY_VERSIONS` versions; ``board=False``: no host board (signals over the version channel).
     ``extra(writer)``, if given, is called on the writer's thread in the counted version (a deliberate extra cost,
-    to see the guard fail); ``views(module)`` makes each side's views."""
+    to see the guard fail); ``views(module)`` makes each side's views; ``lease``: the writer's ``claim_lease`` (the
+    counted version waits until it is granted)."""
     specs = canonical_tensors(dict(CONFIG, num_hidden_layers=layers), dtype="float32")
     sent, got = (module_of({t.name: torch.zeros(t.spec.shape) for t in specs}) for _ in range(2))
     server = start_embedded()
@@ -139,13 +143,16 @@ def measure(layers: int, board: bool = True, extra=None, views=views_of) -> Vers
         if not board:
             HostBoard.create = staticmethod(_no_board)
         client = MetaClient(server.address, job="steady", timeout=60)
-        writer = WeightsWriter(client, hf_layout(specs, "trainer", "out"), 0, views(sent), timeout=60)
+        layout = hf_layout(specs, "trainer", "out")
+        writer = WeightsWriter(client, layout, 0, views(sent), timeout=60, claim_lease=lease)
         reader = WeightsReader(
             MetaClient(server.address, job="steady", timeout=60), hf_layout(specs, "inference", "in"), 0, views(got)
         )
         w, r = RankCounts(), RankCounts()
         for step in range(1, STEADY_VERSIONS + 2):
             counted = step == STEADY_VERSIONS + 1
+            if counted and lease is not None:
+                _lease_held(writer)
             for p in sent.parameters():
                 p.data.fill_(float(step))
             writer.flush(), reader.flush()
@@ -180,6 +187,14 @@ def measure(layers: int, board: bool = True, extra=None, views=views_of) -> Vers
         MetaClient._request = request
         HostBoard.create = create
         server.stop()
+
+
+def _lease_held(writer: WeightsWriter, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not writer._announcer.lease.held:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the writer's claim lease was not granted within {timeout:g} s")
+        time.sleep(0.01)
 
 
 def _no_board():

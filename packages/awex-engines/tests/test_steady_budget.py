@@ -3,9 +3,10 @@ the budget the design sets. Counts, not times: the same on a loaded machine as o
 
 The design's budget for one steady version (nothing planned, allocated or negotiated again):
 
-- the first trainer rank makes one MetaServer request on its critical path (the version name's claim, which also
-  checks its fence); receivers make none; requests that only inform (events, version reports, dropping old
-  records) go from the background thread, a few per version;
+- the first trainer rank makes one MetaServer request (the version name's claim, which also checks its fence) and,
+  holding its claim lease, waits for no MetaServer answer before the first byte moves; receivers make none;
+  requests that only inform (events, version reports, dropping old records) go from the background thread, a few
+  per version;
 - per-version signals: the manifest, one ready signal per sender, one outcome per receiver, the trainer's wait for
   them (and, over the version channel, the outcomes' record for the other trainer ranks);
 - Python work: a fixed number of calls per version whatever the model, and per tensor no Python call at all and at
@@ -32,6 +33,9 @@ PYTHON_CALLS_PER_TENSOR = 0
 C_CALLS_PER_TENSOR = 3  # data_ptr and stride of each parameter (the moved-memory fingerprint)
 
 
+_ANSWERED = ("_request", "_put_answered")  # operations that wait for the MetaServer's answer
+
+
 def violations(small, large) -> list[str]:
     """Every way the two models' counts of one steady version exceed the budget (empty: within it)."""
     out = []
@@ -39,6 +43,10 @@ def violations(small, large) -> list[str]:
         where = f"{c.tensors} tensors, {c.medium}"
         for side, budget in (("writer", WRITER_REQUESTS), ("reader", READER_REQUESTS)):
             rc = getattr(c, side)
+            copies = [i for i, (what, _) in enumerate(rc.order) if what == "copies"]
+            waited = [name for what, name in rc.order[: copies[0] if copies else None] if name in _ANSWERED]
+            if waited:
+                out.append(f"{where}: the {side} waited for MetaServer answers before the first byte moved: {waited}")
             if rc.ops["meta"] > budget:
                 made = rc.ops["meta"]
                 out.append(f"{where}: the {side} made {made} MetaServer requests (budget {budget}): {rc.requests}")
@@ -76,12 +84,18 @@ def test_a_steady_version_stays_within_its_budget(board):
 
 
 def test_the_guard_fails_on_an_extra_round_trip_or_per_tensor_work():
-    """The guard can fail: one extra MetaServer request on the writer's path, or a Python call per tensor."""
+    """The guard can fail: one extra MetaServer request on the writer's path, a claim waited for before the bytes
+    move (no claim lease), or a Python call per tensor."""
     small = measure(SMALL)
     assert violations(small, small) == []
     extra = measure(SMALL, extra=lambda writer: writer.client.keys("sync/"))
     found = violations(extra, extra)
-    assert found and all("the writer made 2 MetaServer requests" in f for f in found), found
+    assert any("the writer made 2 MetaServer requests" in f for f in found), found
+    assert any("waited for MetaServer answers before the first byte moved: ['_request']" in f for f in found), found
+    unleased = measure(SMALL, lease=None)
+    found = violations(unleased, unleased)
+    waited = "waited for MetaServer answers before the first byte moved: ['_put_answered']"
+    assert found and all(waited in f for f in found), found
 
     # the moved-memory check as it was written before (a generator over the live mapping: Python calls per tensor)
     small, large = measure(SMALL, views=generator_views), measure(LARGE, views=generator_views)

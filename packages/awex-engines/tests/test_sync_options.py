@@ -154,7 +154,7 @@ def test_every_option_is_a_writer_keyword_and_attribute():
 
     names = [f.name for f in dataclasses.fields(SyncOptions)]
     keywords = list(inspect.signature(WeightsWriter.__init__).parameters)[5:]  # after self, client, layout, rank, views
-    assert keywords == names
+    assert keywords == [*names, "claim_lease"]  # the claim lease is the writer's, not a version's
     writer = _tiny_writer(**{"transport": "p2p", "wave_bytes": 1 << 20, "keep_versions": 3, "allow_cast": ("*",)})
     assert {n: getattr(writer, n) for n in names} == dataclasses.asdict(writer.options)
 

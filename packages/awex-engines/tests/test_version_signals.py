@@ -54,13 +54,15 @@ def sync(writer: WeightsWriter, reader: WeightsReader, version: str) -> None:
     assert not t.is_alive() and not errors, errors
 
 
-def make_writer(server, params, timeout=60.0) -> WeightsWriter:
+def make_writer(server, params, timeout=60.0, claim_lease=3.0) -> WeightsWriter:
+    """A writer of a short claim lease: a replacement in these tests waits at most that long for it."""
     return WeightsWriter(
         MetaClient(server.address, job="signals", timeout=timeout),
         hf_layout(TENSORS, "trainer", "hf-out"),
         0,
         views(params),
         timeout=timeout,
+        claim_lease=claim_lease,
     )
 
 

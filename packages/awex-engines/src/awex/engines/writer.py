@@ -22,6 +22,8 @@ from awex.engines.source import TrainerSource
 from awex.engines.sync import keys
 from awex.engines.sync.announcer import Announcer
 from awex.engines.sync.background import Background
+from awex.engines.sync.lease import DEFAULT_SECONDS as DEFAULT_LEASE
+from awex.engines.sync.lease import checked as checked_lease
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.options import SyncOptions
 from awex.engines.sync.outcomes import to_record
@@ -97,6 +99,11 @@ class WeightsWriter:
     and plan (relays included), with ``delta`` too; not with ``quantize_on_receive`` (the receivers then hold other
     bytes than this rank). Costs a pass over the weights on both sides (``docs/performance.md``).
 
+    ``claim_lease`` (seconds, default 10): rank 0 holds its job's claim lease on the MetaServer while it can, so a
+    fresh version name's claim is sent without waiting for its answer (``awex.engines.sync.lease``); a writer of this
+    instance that replaces this one without :meth:`close` waits up to that long. ``None``: every claim waits for its
+    answer before any byte moves.
+
     After each write, rank 0 drops the MetaServer records (manifest, agreements, validation reports) of versions
     older than the last ``keep_versions``, so a run of any length stays within the server's key limit.
     """
@@ -143,6 +150,7 @@ class WeightsWriter:
         delta_budget_bytes: int | None = None,
         quantize_on_receive: bool = False,
         verify: bool = False,
+        claim_lease: float | None = DEFAULT_LEASE,
     ):
         self.options = SyncOptions(
             host=host,
@@ -158,6 +166,8 @@ class WeightsWriter:
             quantize_on_receive=quantize_on_receive,
             verify=verify,
         ).check()
+        if claim_lease is not None:
+            claim_lease = checked_lease(claim_lease)
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
@@ -182,7 +192,9 @@ class WeightsWriter:
             self._meta = client.fenced(layout.instance, epoch)
             self._meta.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
             self._meta.publish_layout(layout, "current")
-            self._announcer = Announcer(self._meta, self._session, layout.instance, keep_versions, epoch)
+            self._announcer = Announcer(
+                self._meta, self._session, layout.instance, keep_versions, epoch, lease=claim_lease
+            )
 
     def close(self) -> None:
         """Release what syncing holds on this rank: plan and staging buffers (idempotent; no further syncs). Over
@@ -257,6 +269,8 @@ class WeightsWriter:
                 refresh=self.refresh,
                 refresh_by_wave=self.refresh_by_wave,
             )
+            if self._announcer is not None:  # a claim sent under the lease: its answer, while the receivers copy
+                self._announcer.confirm()
             if manifest.verify:  # what this rank sent, digested while the receivers digest what they got
                 self._session.verify(manifest, self._shards, deadline)
             outcomes = self._session.await_outcomes(manifest, deadline)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import re
 import secrets
 import threading
@@ -24,6 +23,7 @@ import time
 import urllib.parse
 from typing import Any, Callable, Sequence
 
+from awex.meta.durations import seconds as seconds  # re-exported: how timeouts are checked
 from awex.meta.errors import (
     AgreementError,
     MetaBusyError,
@@ -42,16 +42,6 @@ __all__ = ["MetaClient"]
 
 log = logging.getLogger("awex.meta.client")
 _JOB = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")  # as the server accepts them
-
-
-def seconds(value: Any, what: str = "timeout", positive: bool = False) -> float:
-    """``value`` as a number of seconds: finite and not negative (above 0 with ``positive``), else ``ValueError``
-    naming ``what`` (a NaN deadline never passes and an infinite one overflows the clock)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what}={value!r}: a finite number of seconds, not negative")
-    if positive and value == 0:
-        raise ValueError(f"{what}={value!r}: a number of seconds above 0")
-    return float(value)
 
 
 DEFAULT_TIMEOUT = 60.0
@@ -130,6 +120,7 @@ class MetaClient:
                 return self._request_once(method, path, data, rid, deadline=deadline, query=asked, own=own)
             except _Busy as busy:
                 pause = min(busy.retry_after, _MAX_RETRY_AFTER)
+                log.debug("MetaServer busy (%s %s): %s; asking again in %.1f s", method, path, busy, pause)
                 if time.monotonic() + pause > deadline:
                     raise MetaBusyError(
                         f"MetaServer at {self.address} stayed busy until the deadline ({method} {path}): {busy}"
@@ -300,6 +291,15 @@ class MetaClient:
         """A new epoch for writer ``identity`` (a trainer instance): from now on the server refuses the writes of
         every client fenced with an older one (:meth:`fenced`)."""
         return int(self._request("POST", self._job_path("fences", identity), {}, deadline=self._by())[1]["epoch"])
+
+    def lease(self, seconds: float, prefix: str = "", names: bool = False, give_back: bool = False) -> dict[str, Any]:
+        """Take or renew this fenced writer's claim lease of the job on keys under ``prefix`` for ``seconds``
+        (``names``: with the digests of every name claimed and key under it), or give it back; the server's answer
+        (``awex.meta.server.leases``)."""
+        if give_back:
+            return self._request("DELETE", self._job_path("lease"), deadline=self._by())[1]
+        body = {"seconds": seconds, "prefix": prefix, "names": names}
+        return self._request("POST", self._job_path("lease"), body, deadline=self._by())[1]
 
     def fenced(self, identity: str, epoch: int) -> MetaClient:
         """A client of the same server and job whose every write carries writer ``identity``'s ``epoch``: once a

@@ -16,6 +16,7 @@ from awex.engines.sync import keys
 from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import VersionChannel
 from awex.engines.sync.keys import version_records
+from awex.engines.sync.lease import ClaimLease
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.options import SyncOptions
 from awex.engines.sync.session import SyncSession
@@ -31,9 +32,20 @@ log = logging.getLogger("awex.engines")
 class Announcer:
     """Rank 0's side of a writer (see the module)."""
 
-    def __init__(self, client: MetaClient, session: SyncSession, instance: str, keep_versions: int, epoch: int = 0):
+    def __init__(
+        self,
+        client: MetaClient,
+        session: SyncSession,
+        instance: str,
+        keep_versions: int,
+        epoch: int = 0,
+        lease: float | None = None,
+    ):
         self.client, self._session, self.instance, self.keep_versions = client, session, instance, keep_versions
         self.epoch = epoch  # this writer's fence (the client carries it on every write)
+        # claims sent on the lease are not waited for before the transfer (awex.engines.sync.lease)
+        self.lease = None if lease is None or client.fence is None else ClaimLease(client, keys.manifest(""), lease)
+        self._unconfirmed: tuple[str, Callable[[], None]] | None = None  # (version, its claim's answer) to read
         self._port: int | None = None
         self._channel: VersionChannel | None = None  # hosted here (awex.engines.sync.channel)
         self._cleaner: VersionChannel | None = None  # the background thread's connection to it
@@ -46,6 +58,9 @@ class Announcer:
         self.last_phases: dict[str, float] = {}  # seconds of the last announcement's steps: claim, post
 
     def close(self) -> None:
+        self.confirm(quiet=True)
+        if self.lease is not None:
+            self.lease.close()
         self._channel = self._cleaner = None  # stops the version channel once the session dropped it too
         if self._board is not None:
             self._board.close()  # removes it
@@ -55,6 +70,7 @@ class Announcer:
         """Rank 0: take a failed attempt's manifest back (board, channel, MetaServer records), so that a retry
         announces afresh, on a new rendezvous."""
         version = manifest.version
+        self.confirm(quiet=True)  # its answer first: the claim is made before it is released
         self._manifest = self._manifest_doc = None
         self._port = None
         if self._board is not None:
@@ -109,7 +125,8 @@ class Announcer:
         """Rank 0: claim version ``version`` on the MetaServer (its manifest, created once: a name another writer
         announced, or a writer replaced by a newer one of this instance, is refused here, before any rank can start),
         then publish the manifest on the host board and the version channel; appends what can wait until after the
-        transfer to ``later``. ``meanwhile`` runs while the claim travels (an error there takes the claim back)."""
+        transfer to ``later``. ``meanwhile`` runs while the claim travels (an error there takes the claim back). A
+        claim sent under the lease is answered later (:meth:`confirm`)."""
         self.keep_versions = options.keep_versions  # as the writer says now (it may change between versions)
         if self._port is None:
             self._port = free_port(options.host)
@@ -128,9 +145,15 @@ class Announcer:
         )
         doc = dict(self._manifest_doc, version=version, seq=self._seq) if steady else fresh.to_json()
         # the name is claimed before any rank can read the manifest (in steady state too): a name another writer
-        # announced, or any write of a writer a newer one of this instance replaced (fenced), starts nothing
+        # announced, or any write of a writer a newer one of this instance replaced (fenced), starts nothing. Under
+        # this writer's claim lease a fresh name's claim is sent first and its answer read after the transfer began
+        # (no other writer can claim, and no newer one take over, while the lease lasts)
+        key, lease = keys.manifest(version), self.lease
+        leased = lease is not None and lease.covers(key)  # its answer is read after the transfer (confirm)
+        if lease is not None:
+            lease.claiming(key)
         claiming = time.perf_counter()
-        answer = self.client.put_sent(keys.manifest(version), doc, create_only=True)
+        answer = self.client.put_sent(key, doc, create_only=True)
         sent = time.perf_counter()
         if meanwhile is not None:
             try:
@@ -139,6 +162,45 @@ class Announcer:
                 self._take_back(version, answer)
                 raise
         waiting = time.perf_counter()
+        if leased:
+            self._unconfirmed = (version, answer)
+        else:
+            self._claimed(version, doc, answer)
+        posting = time.perf_counter()
+        if self._board is not None:  # ranks on this host read it here, the others on the channel
+            self._board.post(doc)
+        manifest = fresh
+        self._manifest, self._manifest_doc = manifest, doc
+        if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
+            self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
+        self.last_phases = {"claim": (sent - claiming) + (posting - waiting), "post": time.perf_counter() - posting}
+        later.append(
+            (
+                f"event weights_ready {version}",
+                partial(self.client.publish_event, "weights_ready", self.instance, version=version),
+            )
+        )
+        return manifest
+
+    def confirm(self, quiet: bool = False) -> None:
+        """Read the answer of a claim sent on the lease (after the transfer began: off its critical path). A claim
+        the server refused fails the version (``quiet``: a failed attempt being taken back, nothing raised)."""
+        pending, self._unconfirmed = self._unconfirmed, None
+        if pending is None:
+            return
+        version, answer = pending
+        try:
+            answer()
+        except MetaServerError as e:
+            if not quiet:
+                raise MetaServerError(
+                    f"the MetaServer refused the claim of version {version!r}, sent under this writer's claim lease "
+                    f"(was the lease lost with a server that restarted without a journal?): {e}"
+                ) from e
+
+    def _claimed(self, version: str, doc: dict, answer: Callable[[], None]) -> None:
+        """Read a claim's answer before any rank may start: a name taken (unless it may be taken over), or a writer
+        fenced, is refused here (and the receivers told at once)."""
         try:
             try:
                 answer()
@@ -156,21 +218,6 @@ class Announcer:
             # receivers a newer one drives now, says nothing)
             self._refuse(version, str(e))
             raise
-        posting = time.perf_counter()
-        if self._board is not None:  # ranks on this host read it here, the others on the channel
-            self._board.post(doc)
-        manifest = fresh
-        self._manifest, self._manifest_doc = manifest, doc
-        if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
-            self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
-        self.last_phases = {"claim": (sent - claiming) + (posting - waiting), "post": time.perf_counter() - posting}
-        later.append(
-            (
-                f"event weights_ready {version}",
-                partial(self.client.publish_event, "weights_ready", self.instance, version=version),
-            )
-        )
-        return manifest
 
     def _manifest_for(self, version: str, destinations: Sequence[str], options: SyncOptions) -> SyncManifest:
         return SyncManifest(

@@ -21,6 +21,8 @@ route                                                    what it does
 ``GET /v1/jobs/{job}/events?after=N[&wait=S][&kind=K]``  events after number N (410 if N is not this server's)
 ``POST /v1/jobs/{job}/agree/{name}``                     contribute a value; wait until all arrived
 ``POST /v1/jobs/{job}/fences/{identity}``                take a writer's new epoch (``fences``)
+``POST /v1/jobs/{job}/lease``                            take or renew the claim lease (``leases``)
+``DELETE /v1/jobs/{job}/lease``                          give the claim lease back
 =======================================================  ==================================================
 
 Every answer carries ``X-Awex-Epoch``, a random name of this server process: a client that sees it change
@@ -48,7 +50,7 @@ from typing import Any
 from aiohttp import web
 
 from awex.meta.protocol import EPOCH_HEADER, FENCE_HEADER, REQUEST_ID_HEADER
-from awex.meta.server import agreements, claims, fences
+from awex.meta.server import agreements, claims, fences, leases
 from awex.meta.server.config import ServerConfig
 from awex.meta.server.errors import BadRequest, Busy, TooLarge, busy, error, fields, json_depth
 from awex.meta.server.journal import Journal, JournalError
@@ -217,15 +219,8 @@ class MetaServerApp:
 
     # -- routes --------------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "ok": True,
-                "server": "awex-meta",
-                "version": SERVER_VERSION,
-                "auth": bool(self.config.token),
-                "epoch": self.epoch,
-            }
-        )
+        doc = {"ok": True, "server": "awex-meta", "version": SERVER_VERSION, "auth": bool(self.config.token)}
+        return web.json_response(dict(doc, epoch=self.epoch))
 
     async def status(self, request: web.Request) -> web.Response:
         """Every job, each with its first participants (``?job=NAME``: that job, every participant in full)."""
@@ -252,6 +247,7 @@ class MetaServerApp:
         refused = claims.refusal(job, key, create, fence)
         if refused is not None:
             return refused
+        leases.wait_for_claim(job, key, create or key in job.claims, fence)  # none under another's claim lease
         if key not in job.kv and len(job.kv) >= job.max_keys:
             raise BadRequest(f"too many keys in job {job.name!r} (limit {job.max_keys})")
         self.charge(job, job.kv_cost(key, raw) - job.kv_cost(key, job.kv.get(key)))
@@ -392,7 +388,9 @@ class MetaServerApp:
         return web.json_response({"ok": True, "seq": event["seq"]})
 
     async def take_fence(self, request: web.Request) -> web.Response:
-        epoch = fences.take(self.job_of(request), request.match_info["identity"])
+        job = self.job_of(request)
+        leases.wait_for_epoch(job, request.match_info["identity"])  # the writer it replaces may hold the lease
+        epoch = fences.take(job, request.match_info["identity"])
         return web.json_response({"ok": True, "epoch": epoch})
 
     async def get_events(self, request: web.Request) -> web.Response:
@@ -434,6 +432,8 @@ ROUTES = (  # (method, path, handler: a method's name or a function of the serve
     ("GET", "/v1/jobs/{job}/events", "get_events"),
     ("POST", "/v1/jobs/{job}/agree/{key:.+}", agreements.agree),
     ("POST", "/v1/jobs/{job}/fences/{identity}", "take_fence"),
+    ("POST", "/v1/jobs/{job}/lease", leases.take),
+    ("DELETE", "/v1/jobs/{job}/lease", leases.give_back),
 )
 
 

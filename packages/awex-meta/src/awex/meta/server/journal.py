@@ -2,9 +2,9 @@
 changes and restored before a restarted server answers anything.
 
 Kept per job: each writer identity's fence epoch (``awex.meta.server.fences``), each claimed name (a key created
-with ``create=1``: who claimed it, and whether a version under it was applied), and each participant with the
-version it serves. Not kept: values, events, agreements (a restarted server is asked for them again; clients
-publish again what they own).
+with ``create=1``: who claimed it, and whether a version under it was applied), the claim lease
+(``awex.meta.server.leases``), and each participant with the version it serves. Not kept: values, events,
+agreements (a restarted server is asked for them again; clients publish again what they own).
 
 The file is one record a line, ``<crc32 as 8 hex digits> <JSON object>``, appended before the request that made the
 change is answered. A line cut short at the end (the server stopped while writing it, so its request was never
@@ -48,6 +48,7 @@ class Kept:
     fences: dict[str, int] = field(default_factory=dict)
     claims: dict[str, Claim] = field(default_factory=dict)
     participants: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> role, instance, world_size, serves
+    lease: tuple[str, float, str] | None = None  # the claim lease's holder, length in seconds, prefix (leases.py)
 
     def apply(self, r: dict[str, Any]) -> None:
         op = r["op"]
@@ -57,6 +58,13 @@ class Kept:
             self.claims[_text(r, "key")] = Claim(_optional(r, "by"), bool(r.get("applied", False)))
         elif op == "release":
             self.claims.pop(_text(r, "key"), None)
+        elif op == "lease":
+            seconds = r.get("seconds")
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= 3600:
+                raise ValueError("seconds is not a lease's length")
+            self.lease = (_text(r, "id"), float(seconds), _text(r, "prefix"))
+        elif op == "unlease":
+            self.lease = None
         elif op == "participant":
             old = self.participants.get(_text(r, "name"), {})
             self.participants[r["name"]] = {
@@ -81,6 +89,9 @@ class Kept:
             out[-1]["world_size"] = p.get("world_size", 1)
             if p.get("serves") is not None:
                 out.append({"op": "serves", "job": job, "name": name, "version": p["serves"]})
+        if self.lease is not None:
+            holder, seconds, prefix = self.lease
+            out.append({"op": "lease", "job": job, "id": holder, "seconds": seconds, "prefix": prefix})
         return out
 
 

@@ -129,6 +129,16 @@ class Topics:
 _SEQ_BASE = 1 << 40  # event numbers stay below 2**53 (exact in every JSON reader)
 
 
+@dataclass
+class Lease:
+    """A writer's claim lease (``awex.meta.server.leases``)."""
+
+    holder: str  # the fence of the writer holding it
+    until: float  # time.monotonic() when it ends, here
+    prefix: str  # the keys it holds: no other writer claims or writes one while it lasts
+    wanted: bool = False  # someone waits for it: not renewed
+
+
 class JobState:
     """One job's state. All methods run on the server's event loop."""
 
@@ -151,6 +161,8 @@ class JobState:
         self.topics = Topics()
         self.fences: dict[str, int] = {}  # writer identity -> its current epoch (awex.meta.server.fences)
         self.claims: dict[str, Claim] = {}  # keys created once (create=1): never created again, kept when forgotten
+        self.lease: Lease | None = None  # who alone may claim names now (awex.meta.server.leases)
+        self.lease_contended_until = 0.0  # time.monotonic() until which no lease is granted (several writers)
         self.remember: Callable[[dict[str, Any]], None] | None = None  # the journal's (awex.meta.server.journal)
 
     def note(self, op: str, **fields: Any) -> None:
@@ -164,11 +176,15 @@ class JobState:
             p.name: {"role": p.role, "instance": p.instance, "world_size": p.world_size, "serves": p.weight_version}
             for p in self.participants.values()
         }
-        return Kept(dict(self.fences), dict(self.claims), participants)
+        lease = self.lease
+        held = (lease.holder, lease.until - time.monotonic(), lease.prefix) if lease is not None else None
+        return Kept(dict(self.fences), dict(self.claims), participants, held if held and held[1] > 0 else None)
 
     def restore(self, kept: Kept) -> None:
         """Take back the safety state a journal kept (a restarted server, before it answers anything)."""
         self.fences, self.claims = dict(kept.fences), dict(kept.claims)
+        if kept.lease is not None:  # live for its whole length from now: how much of it had passed is unknown
+            self.lease = Lease(kept.lease[0], time.monotonic() + kept.lease[1], kept.lease[2])
         now = time.time()
         for name, p in kept.participants.items():
             self.participants[name] = Participant(

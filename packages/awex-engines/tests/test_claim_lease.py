@@ -1,0 +1,83 @@
+"""The writer's claim lease (``awex.engines.sync.lease``): a steady version's claim is sent and its answer read after
+the bytes moved, and the name is claimed all the same; a writer that closes gives the lease back; a claim the server
+refuses in the end fails the write; a bad lease length is refused at construction."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from test_fencing import _reader as reader_for
+from test_version_signals import TENSORS, make_writer, sync, tensors, views
+
+from awex.engines.writer import WeightsWriter
+from awex.meta.client import MetaClient
+from awex.meta.errors import MetaConflictError, MetaServerError
+from awex.meta.layouts import hf_layout
+from awex.meta.server import start_embedded
+
+
+@pytest.fixture
+def server():
+    with start_embedded() as s:
+        yield s
+
+
+def _held(writer: WeightsWriter, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not writer._announcer.lease.held:
+        assert time.monotonic() < deadline, "the claim lease was not granted"
+        time.sleep(0.01)
+
+
+def test_a_leased_claim_is_made_though_not_waited_for(server, monkeypatch):
+    sent, got = tensors(1.0), tensors(-1.0)
+    writer, reader = make_writer(server, sent), reader_for(server, got)
+    sync(writer, reader, "v1")
+    _held(writer)
+    read_after: list = []
+    confirm = writer._announcer.confirm
+    pending = lambda: writer._announcer._unconfirmed is not None  # noqa: E731 - its claim's answer still to read
+    monkeypatch.setattr(writer._announcer, "confirm", lambda **kw: (read_after.append(pending()), confirm(**kw)))
+    for t in sent.values():
+        t.fill_(2.0)
+    sync(writer, reader, "v2")
+    assert read_after == [True] and all(torch.equal(got[n], sent[n]) for n in sent)  # read after the transfer
+    writer.close()  # gives the lease back: another writer claims at once, and v2 stays claimed
+    other = MetaClient(server.address, job="signals", timeout=2).fenced("critic", 1)
+    with pytest.raises(MetaConflictError, match="exists"):
+        other.put("sync/v2", {}, create_only=True)
+    started = time.monotonic()
+    make_writer(server, sent).close()  # a replacement of a writer that closed does not wait
+    assert time.monotonic() - started < 2.0
+    reader.close()
+
+
+def test_a_claim_refused_after_the_transfer_fails_the_write(server, monkeypatch):
+    """A lease that did not hold (as when a server without a journal restarted): the name was claimed elsewhere; the
+    claim sent on the lease is refused and the write raises instead of returning."""
+    sent, got = tensors(1.0), tensors(-1.0)
+    writer, reader = make_writer(server, sent, timeout=10.0), reader_for(server, got, timeout=10.0)
+    sync(writer, reader, "v1")
+    _held(writer)
+    writer._announcer.lease.close()  # taken back: the name can be claimed by another writer
+    MetaClient(server.address, job="signals", timeout=2).put("sync/v2", {"by": "another"}, create_only=True)
+    monkeypatch.setattr(writer._announcer.lease, "covers", lambda key: True)  # as if it still held
+    with pytest.raises(MetaServerError, match="claim lease"):
+        sync(writer, reader, "v2")
+    writer.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("bad", [0, 2, 61, math.nan, "10", True])
+def test_a_bad_claim_lease_is_refused_at_construction(server, bad):
+    with pytest.raises(ValueError, match="claim_lease"):
+        WeightsWriter(
+            MetaClient(server.address, job="x", timeout=5),
+            hf_layout(TENSORS, "trainer", "t"),
+            1,  # not the first rank: checked on every rank
+            views(tensors(0.0)),
+            claim_lease=bad,
+        )
