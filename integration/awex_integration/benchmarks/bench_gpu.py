@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--verify: on the public path")
     shared = {
         "verify": args.verify,
+        "step_seconds": args.step_seconds,
         "delta": args.delta,
         "fp8_on_receive": args.fp8_on_receive,
         "ipc": ipc_options,
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 else {}
             ),
             **({"verify": True} if args.verify else {}),
+            **({"step_seconds": args.step_seconds} if args.step_seconds else {}),
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
             # timed calls start on every rank at one instant; where a rank reached it late, by how much (seconds)

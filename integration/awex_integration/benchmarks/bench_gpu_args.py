@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 
 
+def _step_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"{text}: seconds between 0 and 60")
+    return value
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -98,6 +105,13 @@ def parser(description: str) -> argparse.ArgumentParser:
         default="embedded",
         help="public path: the MetaServer embedded in this process (default) or `awex-meta serve` in a process of "
         "its own, journalling",
+    )
+    ap.add_argument(
+        "--step-seconds",
+        type=_step_seconds,
+        default=0.0,
+        help="public path: every rank pauses this long before each timed sync (a training step's gap, not timed), "
+        "so each version finds the MetaServer and the ranks idle, as in an RL loop",
     )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     return ap

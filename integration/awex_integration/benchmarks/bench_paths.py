@@ -195,6 +195,7 @@ def _public_path(
     result["steady_seconds"] = []
     for i in range(a.iters):
         side.flush()  # the requests a sync leaves for afterwards get the time a training step gives them (not timed)
+        time.sleep(a.extra.get("step_seconds") or 0.0)  # a training step's gap, where asked (not timed)
         if changed and trainer:
             fill(weights, base_layout, i + 2, device, changed)  # not timed
         torch.cuda.synchronize()

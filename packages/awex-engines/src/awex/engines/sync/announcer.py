@@ -146,25 +146,24 @@ class Announcer:
         doc = dict(self._manifest_doc, version=version, seq=self._seq) if steady else fresh.to_json()
         # the name is claimed before any rank can read the manifest (in steady state too): a name another writer
         # announced, or any write of a writer a newer one of this instance replaced (fenced), starts nothing. Under
-        # this writer's claim lease a fresh name's claim is sent first and its answer read after the transfer began
-        # (no other writer can claim, and no newer one take over, while the lease lasts)
+        # this writer's claim lease a fresh name's claim is sent once the manifest is posted and its answer read after
+        # the transfer began (no other writer can claim, and no newer one take over, while the lease lasts)
         key, lease = keys.manifest(version), self.lease
         leased = lease is not None and lease.covers(key)  # its answer is read after the transfer (confirm)
         if lease is not None:
             lease.claiming(key)
         claiming = time.perf_counter()
-        answer = self.client.put_sent(key, doc, create_only=True)
+        answer = None if leased else self.client.put_sent(key, doc, create_only=True)
         sent = time.perf_counter()
         if meanwhile is not None:
             try:
                 meanwhile()
             except BaseException:
-                self._take_back(version, answer)
+                if answer is not None:
+                    self._take_back(version, answer)
                 raise
         waiting = time.perf_counter()
-        if leased:
-            self._unconfirmed = (version, answer)
-        else:
+        if answer is not None:
             self._claimed(version, doc, answer)
         posting = time.perf_counter()
         if self._board is not None:  # ranks on this host read it here, the others on the channel
@@ -173,7 +172,11 @@ class Announcer:
         self._manifest, self._manifest_doc = manifest, doc
         if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
             self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
-        self.last_phases = {"claim": (sent - claiming) + (posting - waiting), "post": time.perf_counter() - posting}
+        posted = time.perf_counter()
+        if leased:  # sent once the ranks may start (the lease keeps the name this writer's): answered later
+            self._unconfirmed = (version, self.client.put_sent(key, doc, create_only=True))
+        claimed = (sent - claiming) + (posting - waiting) + (time.perf_counter() - posted)
+        self.last_phases = {"claim": claimed, "post": posted - posting}
         later.append(
             (
                 f"event weights_ready {version}",
