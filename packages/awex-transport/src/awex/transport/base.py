@@ -99,6 +99,7 @@ class Setup:
     # ipc receivers of plans that quantise on receive: quantize([(source, fp8 out, scale_inv out)], block) -> run()
     quantize: Any = None
     job: str = ""  # the job the ranks sync in (its MetaServer's): what shared-memory segments are sealed for
+    secret: str = ""  # p2p: what every member of the sync group proves it holds (awex.transport.group_auth)
 
 
 class Transport(ABC):

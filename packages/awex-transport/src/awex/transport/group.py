@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from awex.transport.accelerator import GROUPED, device_api
 from awex.transport.base import TransferError
+from awex.transport.group_auth import gather_tags, intruders
 from awex.transport.net import local_address
 
 log = logging.getLogger("awex.transport")
@@ -172,8 +173,11 @@ def create_sync_group(
     timeout: float = 60.0,
     prefix: str = "awex",
     device: torch.device | str | None = None,
+    secret: str = "",
 ) -> SyncGroup:
     """Join the sync world: rank 0 hosts the TCP store at ``host:port``, every rank connects within ``timeout``.
+    With ``secret`` every member proves it holds it once the group stands (``awex.transport.group_auth``): a process
+    that took a rank's place fails the group on every rank (:class:`TransferError`).
 
     ``backend`` is ``"gloo"`` (CPU tensors), ``"nccl"`` (CUDA tensors on ``device``, default the current
     one) or ``"hccl"`` (Ascend NPU tensors, through torch-npu). An NCCL or HCCL group is initialised eagerly (one
@@ -206,11 +210,15 @@ def create_sync_group(
                 f"rank {rank}: the gloo sync group at {host}:{port} did not form (a peer closed its connection or "
                 f"never came: it may have exited): {e}"
             ) from e
+        if secret:
+            _authenticate(pg, rank, world_size, secret, torch.device("cpu"), deadline, f"{host}:{port}")
     elif backend in GROUPED:
         kind = "cuda" if backend == "nccl" else "npu"
         dev = torch.device(device) if device is not None else torch.device(kind, device_api(kind).current_device())
         pg = _grouped_process_group(backend, store, rank, world_size, timeout + WATCHDOG_SLACK)
         _probe(pg, dev, world_size, deadline, f"rank {rank}: the {backend} sync group at {host}:{port}")
+        if secret:
+            _authenticate(pg, rank, world_size, secret, dev, deadline, f"{host}:{port}")
         log.info("rank %d/%d joined the %s sync group at %s:%d on %s", rank, world_size, backend, host, port, dev)
         return SyncGroup(rank, world_size, backend, pg, store, dev, timeout, _watchdog=timeout + WATCHDOG_SLACK)
     log.info("rank %d/%d joined the %s sync group at %s:%d", rank, world_size, backend, host, port)
@@ -337,3 +345,40 @@ def _probe(pg, device: torch.device, size: int, deadline: float, what: str) -> N
         raise RuntimeError(f"{what}: the first all-reduce failed ({error})")
     if probe.item() != size:
         raise RuntimeError(f"{what}: the first all-reduce gave {probe.item()}, expected {size}")
+
+
+def _authenticate(pg, rank: int, world_size: int, secret: str, device: torch.device, deadline: float, where: str):
+    """Every member's tag checked (``awex.transport.group_auth``); the group aborted and :class:`TransferError` raised
+    where one is not its rank's."""
+    from awex.transport.deadline import wait_event
+
+    def wait(work) -> None:
+        if device.type == "cpu":
+            work.wait()
+            return
+        api = device_api(device)
+        with api.device(device):
+            work.wait()
+            done = api.Event()
+            done.record()
+        wait_event(
+            done, deadline, lambda: TimeoutError(f"rank {rank}: the sync group at {where} did not prove its members")
+        )
+
+    try:
+        bad = intruders(gather_tags(pg, rank, world_size, secret, device, wait), secret)
+    except RuntimeError as e:  # a member that cannot take part closes its connections
+        bad, cause = [-1], e
+    else:
+        cause = None
+    if bad:
+        if device.type != "cpu":
+            try:
+                pg.abort()
+            except Exception as e:  # noqa: BLE001 - the refusal is the error to report
+                log.warning("aborting the sync group failed: %s", e)
+        named = "a member" if bad == [-1] else f"rank(s) {bad}"
+        raise TransferError(
+            f"rank {rank}: {named} of the sync group at {where} did not prove the plan's secret (a process that is "
+            f"not one of the plan's ranks joined it?); refused before any byte moved" + (f": {cause}" if cause else "")
+        )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -138,3 +140,11 @@ def _optional_str(value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or len(value) > 1024):
         raise ValueError(f"{str(value)[:80]!r} is not a short string")
     return value
+
+
+def group_secret(channel_secret: str | None) -> str:
+    """What every member of a plan's p2p sync group proves it holds (``awex.transport.group_auth``): derived from
+    the version channel's secret, which the channel itself never carries; ``""`` (no proof) without a channel."""
+    if not channel_secret:
+        return ""
+    return hmac.new(channel_secret.encode(), b"awex-sync-group", hashlib.sha256).hexdigest()

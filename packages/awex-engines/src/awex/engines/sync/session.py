@@ -23,7 +23,7 @@ from awex.engines.errors import VersionRefusedError
 from awex.engines.sync import keys, outcomes, places
 from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import ChannelError, VersionChannel
-from awex.engines.sync.manifest import Attempt, SyncManifest, _count
+from awex.engines.sync.manifest import Attempt, SyncManifest, _count, group_secret
 from awex.engines.sync.options import combination_error
 from awex.engines.sync.peer_link import SyncPeerLink
 from awex.engines.sync.signals import Signals, signals_for
@@ -306,6 +306,7 @@ class SyncSession:
             delta_budget_bytes=self.delta_budget_bytes,
             quantize=_fp8_quantizer() if plan.quantized else None,
             job=self.client.job,
+            secret=group_secret(manifest.channel_secret),
         )
         self._transports[transport].prepare(plan, me.rank, setup, phase)
         self._layouts = layouts

@@ -36,7 +36,7 @@ class P2pTransport(Transport):
         self._delta: tuple[bool, int | None] = (False, None)  # delta syncs, and what a sender may keep
 
     def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
-        rendezvous = (setup.host, setup.port, plan.world_size, rank, setup.rendezvous)
+        rendezvous = (setup.host, setup.port, plan.world_size, rank, setup.rendezvous, setup.secret)
         if self.group is None or self._rendezvous != rendezvous:
             backend = p2p_backend(setup.device)
             self._drop_group()
@@ -50,6 +50,7 @@ class P2pTransport(Transport):
                     timeout=max(1.0, setup.deadline - time.monotonic()),
                     prefix=f"awex/{setup.host}:{setup.port}",
                     device=setup.device if backend in GROUPED else None,
+                    secret=setup.secret,
                 )
             self._rendezvous = rendezvous
         self.plan, self.rank = plan, rank
