@@ -23,6 +23,7 @@ import time
 import urllib.parse
 from typing import Any, Callable, Sequence
 
+from awex.meta import layout_store
 from awex.meta.durations import seconds as seconds  # re-exported: how timeouts are checked
 from awex.meta.errors import (
     AgreementError,
@@ -36,7 +37,6 @@ from awex.meta.http_exchange import Busy as _Busy
 from awex.meta.http_exchange import Exchanges, message, refusal
 from awex.meta.layout import Layout
 from awex.meta.protocol import FENCE_HEADER, REQUEST_ID_HEADER
-from awex.meta.serialize import layout_from_wire, layout_to_wire
 
 __all__ = ["MetaClient"]
 
@@ -433,12 +433,12 @@ class MetaClient:
     # -- metadata helpers ------------------------------------------------------------------------------
     def publish_layout(self, layout: Layout, version: str = "current") -> None:
         """Publish an engine instance's layout for weight version ``version`` (again if the server restarts)."""
-        self.put(f"layouts/{version}/{layout.instance}", layout_to_wire(layout), keep=True)
+        layout_store.publish(self, layout, version)  # its table once under its digest, and a reference to it
 
     def fetch_layout(self, instance: str, version: str = "current", timeout: float | None = None) -> Layout:
-        """Fetch (waiting for) the layout an instance published; validated, never evaluated (one equal to a layout
-        fetched before but for its instance name is decoded once: :func:`awex.meta.serialize.layout_from_wire`)."""
-        return layout_from_wire(self.get(f"layouts/{version}/{instance}", timeout), self._layouts)
+        """Fetch (waiting for) the layout an instance published; validated, never evaluated (a tensor table read
+        before, by any instance, is neither downloaded nor decoded again: ``awex.meta.layout_store``)."""
+        return layout_store.fetch(self, instance, version, timeout, self._layouts)
 
     def publish_rendezvous(self, info: dict[str, Any], version: str = "current", name: str = "default") -> None:
         """Publish transport rendezvous information (e.g. a TCP store address) for a version."""
