@@ -2,8 +2,7 @@
 
 Every call has a deadline. Waits are long-polls repeated until the caller's deadline, so a missing peer
 produces :class:`~awex.meta.errors.MetaTimeoutError` naming what was awaited, never a hang. The client is
-thread-safe: each thread keeps one connection open (HTTP keep-alive: a sync makes a few requests per version, and a
-new TCP connection per request would cost more than the request).
+thread-safe: each thread keeps one connection open (``awex.meta.http_wire``).
 
     client = MetaClient("http://127.0.0.1:8765", job="grpo-run-7", token=os.environ.get("AWEX_META_TOKEN"))
     client.register("trainer", role="trainer", instance="trainer", world_size=8)
@@ -36,7 +35,7 @@ from awex.meta.http_exchange import SLACK as SLACK  # re-exported: a call's answ
 from awex.meta.http_exchange import Busy as _Busy
 from awex.meta.http_exchange import Exchanges, message, refusal
 from awex.meta.layout import Layout
-from awex.meta.protocol import FENCE_HEADER, REQUEST_ID_HEADER
+from awex.meta.protocol import FENCE_HEADER, LEASE_MAX_SECONDS, REQUEST_ID_HEADER
 
 __all__ = ["MetaClient"]
 
@@ -288,9 +287,10 @@ class MetaClient:
 
     # -- writer fences --------------------------------------------------------------------------------
     def take_fence(self, identity: str) -> int:
-        """A new epoch for writer ``identity`` (a trainer instance): from now on the server refuses the writes of
-        every client fenced with an older one (:meth:`fenced`)."""
-        return int(self._request("POST", self._job_path("fences", identity), {}, deadline=self._by())[1]["epoch"])
+        """A new epoch for writer ``identity`` (a trainer instance): the server refuses the writes of every client
+        fenced with an older one from now on (:meth:`fenced`); waits out the claim lease the replaced writer holds."""
+        deadline = time.monotonic() + max(self.timeout, LEASE_MAX_SECONDS + 2)
+        return int(self._request("POST", self._job_path("fences", identity), {}, deadline=deadline)[1]["epoch"])
 
     def lease(self, seconds: float, prefix: str = "", names: bool = False, give_back: bool = False) -> dict[str, Any]:
         """Take or renew this fenced writer's claim lease of the job on keys under ``prefix`` for ``seconds``

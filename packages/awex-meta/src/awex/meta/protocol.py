@@ -5,6 +5,7 @@ import hashlib
 
 EPOCH_HEADER = "X-Awex-Epoch"  # a random name of the server process, on every answer: changes on restart
 FENCE_HEADER = "X-Awex-Fence"  # a writer's "<epoch>:<identity>": refused once a newer writer of it took over
+LEASE_MAX_SECONDS = 60.0  # the longest claim lease a server grants: what a writer's replacement may have to wait
 REQUEST_ID_HEADER = "X-Awex-Request-Id"  # a write's id: a retry with the same id is answered, not applied again
 
 

@@ -149,7 +149,9 @@ class Announcer:
         # this writer's claim lease a fresh name's claim is sent once the manifest is posted and its answer read after
         # the transfer began (no other writer can claim, and no newer one take over, while the lease lasts)
         key, lease = keys.manifest(version), self.lease
-        leased = lease is not None and lease.covers(key)  # its answer is read after the transfer (confirm)
+        # steady versions only: a first version or a new plan makes many round trips anyway, and its ranks start
+        # from the server's state (a claim answered first keeps them from starting on a server that is down)
+        leased = steady and lease is not None and lease.covers(key)  # its answer is read after the transfer began
         if lease is not None:
             lease.claiming(key)
         claiming = time.perf_counter()

@@ -27,11 +27,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from awex.meta.protocol import FENCE_HEADER, claim_digest
+from awex.meta.protocol import FENCE_HEADER, LEASE_MAX_SECONDS, claim_digest
 from awex.meta.server.errors import BadRequest, Busy, fields
 from awex.meta.server.state import JobState, Lease
 
-MIN_SECONDS, MAX_SECONDS = 1.0, 60.0
+MIN_SECONDS, MAX_SECONDS = 1.0, LEASE_MAX_SECONDS
 _PREFIX = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}\Z")
 CONTENDED_SECONDS = 60.0  # after a lease was wanted by another writer, leases of the job are refused this long
 
