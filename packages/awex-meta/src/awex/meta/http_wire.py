@@ -102,17 +102,7 @@ class Connection:
         self._buffer += data
 
     def _head(self) -> bytes:
-        first = not self._buffer
-        while True:
-            end = self._buffer.find(b"\r\n\r\n")
-            if end >= 0:
-                head = bytes(self._buffer[:end])
-                del self._buffer[: end + 4]
-                return head
-            if len(self._buffer) > MAX_HEAD:
-                raise http.client.HTTPException(f"an answer's headers run past {MAX_HEAD} bytes")
-            self._fill(first)
-            first = False
+        return self._until(b"\r\n\r\n", "an answer's headers", first=not self._buffer)
 
     def _exactly(self, n: int) -> bytes:
         while len(self._buffer) < n:
@@ -122,15 +112,20 @@ class Connection:
         return body
 
     def _line(self) -> bytes:
+        return self._until(b"\r\n", "a chunk's size line")
+
+    def _until(self, end: bytes, what: str, first: bool = False) -> bytes:
+        """The bytes before ``end`` (taken from the buffer with it); ``first``: nothing of the answer read yet."""
         while True:
-            end = self._buffer.find(b"\r\n")
-            if end >= 0:
-                line = bytes(self._buffer[:end])
-                del self._buffer[: end + 2]
-                return line
+            at = self._buffer.find(end)
+            if at >= 0:
+                taken = bytes(self._buffer[:at])
+                del self._buffer[: at + len(end)]
+                return taken
             if len(self._buffer) > MAX_HEAD:
-                raise http.client.HTTPException("a chunk's size line runs too long")
-            self._fill()
+                raise http.client.HTTPException(f"{what} run past {MAX_HEAD} bytes")
+            self._fill(first)
+            first = False
 
     def _chunked(self) -> bytes:
         out = bytearray()
