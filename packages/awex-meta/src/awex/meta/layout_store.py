@@ -8,14 +8,12 @@ full layout under the reference's key (from an older publisher) is read as befor
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from typing import TYPE_CHECKING, Any
 
 from awex.meta.errors import MetaServerError
 from awex.meta.layout import Layout
-from awex.meta.serialize import layout_from_wire, layout_to_wire
+from awex.meta.serialize import content_key, layout_from_wire, layout_to_wire
 
 if TYPE_CHECKING:
     from awex.meta.client import MetaClient
@@ -27,9 +25,10 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 def table_of(layout: Layout) -> tuple[str, dict[str, Any]]:
     """``layout``'s tensor table (its wire document without the instance name) and the table's digest: the
     content key ``awex.meta.serialize.layout_from_wire`` keeps decoded layouts under, as hex."""
-    table = {k: v for k, v in layout_to_wire(layout).items() if k != "instance"}
-    text = json.dumps(table, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest(), json.loads(text)
+    doc = layout_to_wire(layout)
+    key = content_key(doc)
+    assert key is not None  # a layout's own document is plain data
+    return key.hex(), {k: v for k, v in doc.items() if k != "instance"}
 
 
 def publish(client: MetaClient, layout: Layout, version: str) -> None:
@@ -56,7 +55,7 @@ def fetch(client: MetaClient, instance: str, version: str, timeout: float | None
     table = client.get(f"tables/{digest}", timeout)
     if not isinstance(table, dict) or "instance" in table:
         raise MetaServerError(f"the tensor table {digest[:12]}... of {instance!r} is malformed")
-    text = json.dumps(table, sort_keys=True, separators=(",", ":"))
-    if hashlib.sha256(text.encode()).hexdigest() != digest:
+    doc = dict(table, instance=instance)
+    if content_key(doc) != bytes.fromhex(digest):
         raise MetaServerError(f"the tensor table of {instance!r} does not match its digest {digest[:12]}...")
-    return layout_from_wire(dict(table, instance=instance), known)
+    return layout_from_wire(doc, known)

@@ -189,7 +189,7 @@ def layout_from_wire(d: Any, known: dict[bytes, Layout] | None = None) -> Layout
     equal to one of them but for its instance name is that layout renamed, sharing its validated tensor table
     (engines alike are read once, not once each: a rank of a job with many engines reads the same table from
     each); the most recent :data:`KNOWN_LAYOUTS` are kept."""
-    key = _content_key(d) if known is not None else None
+    key = content_key(d) if known is not None else None
     if key is not None and key in known:
         instance = d.get("instance")
         if isinstance(instance, str) and instance:
@@ -202,7 +202,7 @@ def layout_from_wire(d: Any, known: dict[bytes, Layout] | None = None) -> Layout
     return layout
 
 
-def _content_key(d: Any) -> bytes | None:
+def content_key(d: Any) -> bytes | None:
     """A digest of a layout document's content but its instance name (as decoded from JSON or msgpack); ``None``
     for anything that is not plain data (decoding then says what is wrong with it)."""
     if not isinstance(d, dict):
