@@ -103,6 +103,27 @@ def test_a_journalled_lease_outlives_a_restart(tmp_path):
         server.stop()
 
 
+def test_renewals_write_nothing_to_the_journal_and_a_restart_restores_the_whole_length(tmp_path):
+    path = tmp_path / "meta.journal"
+    server = start_embedded(journal=str(path))
+    try:
+        holder = _writer(server, "rl")
+        assert holder.lease(2, "manifest/")["granted"]
+        lines = path.read_bytes().count(b"\n")
+        for _ in range(3):
+            time.sleep(0.4)
+            assert holder.lease(2, "manifest/")["granted"]  # renewed
+        assert path.read_bytes().count(b"\n") == lines  # nothing more journalled
+        port = server.port
+        server.stop()
+        server = start_embedded(port=port, journal=str(path))
+        started = time.monotonic()
+        MetaClient(server.address, job="rl", timeout=10).take_fence("trainer")  # waits for the restored lease
+        assert time.monotonic() - started >= 1.5  # its whole length again from the restart, not what was left
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("seconds", [0, 0.5, 61, "5", True])
 def test_bad_lease_requests_are_refused(server, seconds):
     with pytest.raises(MetaPayloadError, match="seconds"):

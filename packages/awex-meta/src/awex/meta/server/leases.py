@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from aiohttp import web
 
@@ -55,16 +55,17 @@ def grant(job: JobState, fence: str | None, seconds: float, prefix: str, names: 
     if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and MIN_SECONDS <= seconds <= MAX_SECONDS):
         raise BadRequest(f"seconds must be between {MIN_SECONDS:g} and {MAX_SECONDS:g}")
     now = time.monotonic()
+    held = _wanted(job, lambda lease: lease.holder != fence)
+    if held is not None:
+        return {"granted": False, "retry_after": round(held[1], 3), "why": "held by another writer"}
     lease = live(job, now)
-    if lease is not None and lease.holder != fence:
-        want(job, lease, now)
-        return {"granted": False, "retry_after": round(lease.until - now, 3), "why": "held by another writer"}
     if lease is not None and lease.wanted:
         return {"granted": False, "why": "another writer waits for it"}
     if now < job.lease_contended_until:
         return {"granted": False, "why": "several writers claimed names in this job lately"}
-    job.note("lease", id=fence, seconds=float(seconds), prefix=prefix)
-    job.lease = Lease(fence, now + seconds, prefix)
+    if lease is None or (lease.seconds, lease.prefix) != (seconds, prefix):  # a renewal changes nothing journalled
+        job.note("lease", id=fence, seconds=float(seconds), prefix=prefix)
+    job.lease = Lease(fence, now + seconds, prefix, float(seconds))
     answer: dict = {"granted": True, "seconds": seconds}
     if names:
         taken = set(job.claims).union(key for key in job.kv if key.startswith(prefix))
@@ -81,32 +82,35 @@ def release(job: JobState, fence: str | None) -> bool:
     return True
 
 
-def want(job: JobState, lease: Lease, now: float) -> None:
+def _wanted(job: JobState, against: Callable[[Lease], bool]) -> tuple[Lease, float] | None:
+    """The live lease and the seconds it has left, where it stands ``against`` what someone asks: it is then wanted
+    (not renewed), and leases of the job are refused for :data:`CONTENDED_SECONDS`."""
+    now = time.monotonic()
+    lease = live(job, now)
+    if lease is None or not against(lease):
+        return None
     lease.wanted = True
     job.lease_contended_until = max(job.lease_contended_until, now + CONTENDED_SECONDS)
+    return lease, lease.until - now
 
 
 def wait_for_claim(job: JobState, key: str, claim: bool, fence: str | None) -> None:
     """Raise :class:`Busy` (retried by the client) while another writer holds the lease and the put of ``key`` is a
     ``claim`` or writes a key under the lease's prefix: it waits for the lease."""
-    now = time.monotonic()
-    lease = live(job, now)
-    if lease is not None and lease.holder != fence and (claim or key.startswith(lease.prefix)):
-        want(job, lease, now)
-        raise Busy(f"writer {lease.holder} holds this job's claim lease; ask again", lease.until - now)
+    held = _wanted(job, lambda lease: lease.holder != fence and (claim or key.startswith(lease.prefix)))
+    if held is not None:
+        raise Busy(f"writer {held[0].holder} holds this job's claim lease; ask again", held[1])
 
 
 def wait_for_epoch(job: JobState, identity: str) -> None:
     """Raise :class:`Busy` while an older writer of ``identity`` holds the lease: a new epoch waits until it ends
     (a writer that closed gave it back; one that died holds it at most its length)."""
-    now = time.monotonic()
-    lease = live(job, now)
-    if lease is not None and lease.holder.partition(":")[2] == identity:
-        want(job, lease, now)
+    held = _wanted(job, lambda lease: lease.holder.partition(":")[2] == identity)
+    if held is not None:
         raise Busy(
-            f"the writer {lease.holder} this one replaces holds the claim lease for {lease.until - now:.1f} s more "
+            f"the writer {held[0].holder} this one replaces holds the claim lease for {held[1]:.1f} s more "
             "(it did not close); waiting for it to end",
-            lease.until - now,
+            held[1],
         )
 
 

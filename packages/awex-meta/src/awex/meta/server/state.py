@@ -136,6 +136,7 @@ class Lease:
     holder: str  # the fence of the writer holding it
     until: float  # time.monotonic() when it ends, here
     prefix: str  # the keys it holds: no other writer claims or writes one while it lasts
+    seconds: float  # its length (journalled once; a restarted server restores it live this long)
     wanted: bool = False  # someone waits for it: not renewed
 
 
@@ -177,14 +178,16 @@ class JobState:
             for p in self.participants.values()
         }
         lease = self.lease
-        held = (lease.holder, lease.until - time.monotonic(), lease.prefix) if lease is not None else None
-        return Kept(dict(self.fences), dict(self.claims), participants, held if held and held[1] > 0 else None)
+        live = lease is not None and lease.until > time.monotonic()
+        held = (lease.holder, lease.seconds, lease.prefix) if live else None  # its whole length, as journalled
+        return Kept(dict(self.fences), dict(self.claims), participants, held)
 
     def restore(self, kept: Kept) -> None:
         """Take back the safety state a journal kept (a restarted server, before it answers anything)."""
         self.fences, self.claims = dict(kept.fences), dict(kept.claims)
         if kept.lease is not None:  # live for its whole length from now: how much of it had passed is unknown
-            self.lease = Lease(kept.lease[0], time.monotonic() + kept.lease[1], kept.lease[2])
+            holder, seconds, prefix = kept.lease
+            self.lease = Lease(holder, time.monotonic() + seconds, prefix, seconds)
         now = time.time()
         for name, p in kept.participants.items():
             self.participants[name] = Participant(
