@@ -9,14 +9,21 @@ full layout under the reference's key (from an older publisher) is read as befor
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from awex.meta.errors import MetaServerError
 from awex.meta.layout import Layout
 from awex.meta.serialize import content_key, layout_from_wire, layout_to_wire
 
-if TYPE_CHECKING:
-    from awex.meta.client import MetaClient
+
+class Store(Protocol):
+    """What the store needs of a MetaServer client (``awex.meta.client.MetaClient`` is one): no import of the
+    client here, which imports this module."""
+
+    def put(self, key: str, value: Any, *, create_only: bool = False, keep: bool = False) -> None: ...
+
+    def get(self, key: str, timeout: float | None = None) -> Any: ...
+
 
 REFERENCE = "layout-ref"
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -31,7 +38,7 @@ def table_of(layout: Layout) -> tuple[str, dict[str, Any]]:
     return key.hex(), {k: v for k, v in doc.items() if k != "instance"}
 
 
-def publish(client: MetaClient, layout: Layout, version: str) -> None:
+def publish(client: Store, layout: Layout, version: str) -> None:
     """Publish ``layout`` for ``version``: its table under its digest, then the reference (both again after a server
     restart)."""
     digest, table = table_of(layout)
@@ -40,7 +47,7 @@ def publish(client: MetaClient, layout: Layout, version: str) -> None:
     client.put(f"layouts/{version}/{layout.instance}", ref, keep=True)
 
 
-def fetch(client: MetaClient, instance: str, version: str, timeout: float | None, known: dict[bytes, Layout]) -> Layout:
+def fetch(client: Store, instance: str, version: str, timeout: float | None, known: dict[bytes, Layout]) -> Layout:
     """The layout ``instance`` published for ``version`` (waiting up to ``timeout`` for it); a table decoded before
     (``known``, by digest) is not downloaded again."""
     doc = client.get(f"layouts/{version}/{instance}", timeout)
