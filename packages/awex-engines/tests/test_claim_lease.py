@@ -12,9 +12,10 @@ import torch
 from test_fencing import _reader as reader_for
 from test_version_signals import TENSORS, make_writer, sync, tensors, views
 
+from awex.engines.errors import ClaimRefusedError
 from awex.engines.writer import WeightsWriter
 from awex.meta.client import MetaClient
-from awex.meta.errors import MetaConflictError, MetaServerError
+from awex.meta.errors import MetaConflictError
 from awex.meta.layouts import hf_layout
 from awex.meta.server import start_embedded
 
@@ -65,8 +66,14 @@ def test_a_claim_refused_after_the_transfer_fails_the_write(server, monkeypatch)
     writer._announcer.lease.close()  # taken back: the name can be claimed by another writer
     MetaClient(server.address, job="signals", timeout=2).put("sync/v2", {"by": "another"}, create_only=True)
     monkeypatch.setattr(writer._announcer.lease, "covers", lambda key: True)  # as if it still held
-    with pytest.raises(MetaServerError, match="claim lease"):
+    with pytest.raises(ClaimRefusedError, match="claim lease"):
         sync(writer, reader, "v2")
+    writer.flush()
+    # the receiver applied the bytes before the answer came, but the name is another writer's: the server must not
+    # record the engine as serving v2 (it serves no consistent version: its weights are no named version's)
+    plain = MetaClient(server.address, job="signals", timeout=10)
+    serves = {p["name"]: p["weight_version"] for p in plain.status()["jobs"]["signals"]["participants"]}
+    assert serves.get("hf-in") is None
     writer.close()
     reader.close()
 

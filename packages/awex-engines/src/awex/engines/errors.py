@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from awex.meta.errors import MetaServerError
 from awex.transport.base import TransferError
 
 
@@ -35,6 +36,12 @@ class SyncFailedError(TransferError):
 class VersionRefusedError(ValueError):
     """The trainer refused a version before announcing it (its name taken, or the writer fenced): a receiver
     waiting for it learns so at once instead of at its deadline; nothing moved."""
+
+
+class ClaimRefusedError(MetaServerError):
+    """The MetaServer refused a version's claim sent under the writer's claim lease, after its bytes began to move
+    (the lease lost with a server that restarted without a journal): the version failed, and no engine counts as
+    serving its name, whatever its ranks said."""
 
 
 def instance_verdicts(outcomes: dict[tuple[str, int], dict | None]) -> dict[str, str]:

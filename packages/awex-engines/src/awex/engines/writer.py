@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from awex.engines.errors import SyncFailedError, instance_verdicts
+from awex.engines.errors import ClaimRefusedError, SyncFailedError, instance_verdicts
 from awex.engines.source import TrainerSource
 from awex.engines.sync import keys
 from awex.engines.sync.announcer import Announcer
@@ -321,7 +321,10 @@ class WeightsWriter:
                     log.warning("%s: receivers' outcomes of %s unknown: %s", where, version, e)
             self._background.flush()
             if outcomes:
-                self._announcer.report(version, instance_verdicts(outcomes))
+                verdicts = instance_verdicts(outcomes)
+                if isinstance(error, ClaimRefusedError):  # the name is not this writer's: no engine serves it
+                    verdicts = {i: v if v == "unchanged" else "inconsistent" for i, v in verdicts.items()}
+                self._announcer.report(version, verdicts)
             try:
                 self._meta.publish_event(
                     "sync_failed", where, version=version, data=f"{type(error).__name__}: {error}"[:2000]

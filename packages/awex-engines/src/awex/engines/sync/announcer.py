@@ -12,6 +12,7 @@ from collections import deque
 from functools import partial
 from typing import Callable, Sequence
 
+from awex.engines.errors import ClaimRefusedError
 from awex.engines.sync import keys
 from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import VersionChannel
@@ -198,7 +199,7 @@ class Announcer:
             answer()
         except MetaServerError as e:
             if not quiet:
-                raise MetaServerError(
+                raise ClaimRefusedError(
                     f"the MetaServer refused the claim of version {version!r}, sent under this writer's claim lease "
                     f"(was the lease lost with a server that restarted without a journal?): {e}"
                 ) from e
