@@ -83,3 +83,49 @@ def test_a_full_layout_from_an_older_publisher_still_reads(server):
     layout = _layouts("vllm-0")[0]
     c.put("layouts/current/vllm-0", layout_to_wire(layout))
     assert c.fetch_layout("vllm-0") == layout
+
+
+def test_many_layouts_are_read_in_one_request_then_each_table_once(server, monkeypatch):
+    c = MetaClient(server.address, job="many", timeout=5)
+    for layout in _layouts("vllm-0", "vllm-1", "vllm-2"):
+        c.publish_layout(layout)
+    reader = MetaClient(server.address, job="many", timeout=5)
+    asked: list[str] = []
+    request = MetaClient._request
+    monkeypatch.setattr(
+        MetaClient,
+        "_request",
+        lambda self, m, path, *a, **kw: (asked.append(path), request(self, m, path, *a, **kw))[1],
+    )
+    got = reader.fetch_layouts(["vllm-2", "vllm-0", "vllm-1"])
+    assert list(got) == ["vllm-2", "vllm-0", "vllm-1"] and got["vllm-0"] == _layouts("vllm-0")[0]
+    assert len(asked) == 2  # the references in one request, the one table in another
+
+
+def test_values_too_many_bytes_for_one_answer_are_not_sent():
+    from awex.meta.server.config import ServerConfig
+    from awex.meta.server.embedded import EmbeddedMetaServer
+
+    with EmbeddedMetaServer("127.0.0.1", 0, ServerConfig(max_payload_bytes=1024)).start() as small:
+        c = MetaClient(small.address, job="big", timeout=5)
+        for i in range(8):
+            c.put(f"p/{i}", {"pad": "x" * 150, "i": i})
+        assert c.values("p/") is None  # 8 x ~170 bytes: more than a request may carry
+        assert c.values("p/1") == {"p/1": {"pad": "x" * 150, "i": 1}}
+        assert c.values("q/") == {}
+
+
+def test_layouts_not_sent_at_once_or_not_published_yet_are_read_one_by_one(server, monkeypatch):
+    import threading
+
+    c = MetaClient(server.address, job="late", timeout=5)
+    names = [f"vllm-{i}" for i in range(3)]
+    for layout in _layouts(*names[:-1]):
+        c.publish_layout(layout)
+    late = threading.Timer(0.3, lambda: c.publish_layout(_layouts(names[-1])[0]))
+    late.start()  # the last engine publishes after the read began: waited for
+    got = MetaClient(server.address, job="late", timeout=5).fetch_layouts(names)
+    late.join()
+    assert [g.instance for g in got.values()] == names and got[names[-1]] == _layouts(names[-1])[0]
+    monkeypatch.setattr(MetaClient, "values", lambda self, prefix: None)  # too many bytes for one answer
+    assert MetaClient(server.address, job="late", timeout=5).fetch_layouts(names) == got

@@ -16,6 +16,7 @@ from conftest import MODELS
 from awex.meta import canonical_tensors, load_config
 from awex.meta.client import MetaClient
 from awex.meta.errors import (
+    AgreementAbortedError,
     AgreementError,
     MetaAuthError,
     MetaConflictError,
@@ -82,8 +83,8 @@ def test_layouts_and_rendezvous_round_trip(client):
     got = client.fetch_layout("vllm-1", version="step-3", timeout=1.0)
     assert got == other and got.instance == "vllm-1"
     assert got.tensors is client.fetch_layout("vllm-0", version="step-3").tensors  # engines alike: decoded once
-    client.publish_rendezvous({"host": "127.0.0.1", "port": 29500, "world_size": 3}, version="step-3")
-    assert client.fetch_rendezvous("step-3")["port"] == 29500
+    got = client.fetch_layouts(["vllm-1", "vllm-0"], version="step-3")
+    assert got == {"vllm-1": other, "vllm-0": layout}
 
 
 def test_participants_versions_events_and_status(client):
@@ -160,6 +161,34 @@ def test_a_gather_gives_every_participant_every_value_once_all_arrived(client):
         client.agree("devices/v1/1", "r3", 5, values["r3"], timeout=1.0)
     with pytest.raises(MetaTimeoutError, match="gather 'devices/v2/1': 1 of 2 participants arrived"):
         client.gather("devices/v2/1", "r0", 2, 1, timeout=0.3)
+
+
+def test_a_participant_that_fails_first_gives_the_agreement_up_for_everyone(client):
+    """Participants waiting in a gather (or an agreement) are answered at once when another gives it up, with who
+    did and why; one that comes later is too; an abort before anyone contributed holds as well; a complete
+    agreement is final: an abort changes nothing there."""
+    waiting = {}
+
+    def rank(name):
+        waiting[name] = _catch(lambda: client.gather("devices/v3/1", name, 3, {"r": name}, timeout=20.0))
+
+    threads = [threading.Thread(target=rank, args=(n,)) for n in ("r0", "r1")]
+    started = time.monotonic()
+    [t.start() for t in threads]
+    time.sleep(0.3)
+    assert client.abort_agreement("devices/v3/1", "vllm-0:2", "ValueError: vllm-0 is not a destination")
+    [t.join(10) for t in threads]
+    assert time.monotonic() - started < 5.0  # not the 20 s deadline
+    for e in waiting.values():
+        assert isinstance(e, AgreementAbortedError) and e.by == "vllm-0:2" and "not a destination" in e.cause
+    with pytest.raises(AgreementAbortedError, match="given up by vllm-0:2"):
+        client.gather("devices/v3/1", "r2", 3, {"r": "r2"}, timeout=5.0)
+    assert client.abort_agreement("plan/v3/1", "trainer:1", "boom")  # before anyone: later ones learn it
+    with pytest.raises(AgreementAbortedError, match="boom"):
+        client.agree("plan/v3/1", "r0", 2, "digest", timeout=5.0)
+    client.agree("plan/v4/1", "r0", 1, "digest", timeout=1.0)
+    assert not client.abort_agreement("plan/v4/1", "r1", "late")  # complete: final
+    assert client.agree("plan/v4/1", "r0", 1, "digest", timeout=1.0) == "digest"
 
 
 def _catch(fn):

@@ -19,7 +19,7 @@ import torch
 
 from awex.engines.errors import ClaimRefusedError, SyncFailedError, instance_verdicts
 from awex.engines.source import TrainerSource
-from awex.engines.sync import keys
+from awex.engines.sync import keys, places
 from awex.engines.sync.announcer import Announcer
 from awex.engines.sync.background import Background
 from awex.engines.sync.lease import DEFAULT_SECONDS as DEFAULT_LEASE
@@ -332,6 +332,10 @@ class WeightsWriter:
             except Exception as e:
                 log.warning("%s could not publish the failure of %s: %s", where, version, e)
             self._announcer.withdraw(manifest)
+        if manifest is not None:  # ranks still in the attempt's device gather or plan agreement learn it at once
+            places.abandon(
+                self._meta, manifest, (self.layout.instance, self.local_rank), f"{type(error).__name__}: {error}"
+            )
         self._session.note_failure(manifest)
 
     def flush(self, timeout: float = 10.0) -> bool:

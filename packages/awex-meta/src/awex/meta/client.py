@@ -23,9 +23,10 @@ import urllib.parse
 from typing import Any, Callable, Sequence
 
 from awex.meta import layout_store
+from awex.meta.agreement_calls import POLL_SLICE as _POLL_SLICE
+from awex.meta.agreement_calls import Agreements
 from awex.meta.durations import seconds as seconds  # re-exported: how timeouts are checked
 from awex.meta.errors import (
-    AgreementError,
     MetaBusyError,
     MetaNotRegisteredError,
     MetaServerError,
@@ -33,7 +34,7 @@ from awex.meta.errors import (
 )
 from awex.meta.http_exchange import SLACK as SLACK  # re-exported: a call's answer may come this much late
 from awex.meta.http_exchange import Busy as _Busy
-from awex.meta.http_exchange import Exchanges, message, refusal
+from awex.meta.http_exchange import Exchanges, message, refusal, server_address
 from awex.meta.layout import Layout
 from awex.meta.protocol import FENCE_HEADER, LEASE_MAX_SECONDS, REQUEST_ID_HEADER
 
@@ -44,24 +45,14 @@ _JOB = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")  # as the server accepts them
 
 
 DEFAULT_TIMEOUT = 60.0
-_POLL_SLICE = 30.0  # longest single long-poll; the server caps it too
 _MAX_RETRY_AFTER = 5.0  # the longest pause a busy server's hint may ask for
 
 
-class MetaClient:
+class MetaClient(Agreements):
     """Talks to one job on a MetaServer at ``address`` (``http://host:port``)."""
 
     def __init__(self, address: str, job: str = "default", token: str | None = None, timeout: float = DEFAULT_TIMEOUT):
-        if "://" not in address:
-            address = "http://" + address
-        parsed = urllib.parse.urlsplit(address)
-        if parsed.username is not None or parsed.password is not None:  # never echoed: not in errors, not in logs
-            raise ValueError("MetaServer address: no user or password in it (pass the token as token=...)")
-        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
-            raise ValueError(f"MetaServer address must look like http://host:port, got {address!r}")
-        self.address = f"http://{parsed.netloc}"
-        self._host = parsed.hostname
-        self._port = parsed.port
+        self.address, self._host, self._port = server_address(address)
         if not isinstance(job, str) or not _JOB.fullmatch(job):
             raise ValueError(f"job name {job!r}: 1 to 128 letters, digits, _ . : @ -")
         self.job = job
@@ -285,6 +276,13 @@ class MetaClient:
     def keys(self, prefix: str = "") -> list[str]:
         return self._request("GET", self._job_path("keys"), deadline=self._by(), query={"prefix": prefix})[1]["keys"]
 
+    def values(self, prefix: str) -> dict[str, Any] | None:
+        """Every key under ``prefix`` with its value, in one request; ``None`` where they are too many bytes for one
+        answer (read them one by one)."""
+        doc = self._request("GET", self._job_path("keys"), deadline=self._by(), query={"prefix": prefix, "values": 1})
+        values = doc[1].get("values")
+        return values if isinstance(values, dict) else None
+
     # -- writer fences --------------------------------------------------------------------------------
     def take_fence(self, identity: str) -> int:
         """A new epoch for writer ``identity`` (a trainer instance): the server refuses the writes of every client
@@ -387,49 +385,6 @@ class MetaClient:
                     f"no {kind!r} event (version {version!r}) in job {self.job!r} within {timeout:g} s"
                 )
 
-    def agree(self, name: str, participant: str, expected: int, value: Any, timeout: float | None = None) -> Any:
-        """Contribute ``value`` and wait until ``expected`` participants did; raise unless all values are equal.
-
-        Ranks use it to prove they computed the same plan (``value`` = plan digest) before any byte moves.
-        """
-        body = {"participant": participant, "expected": expected, "value": value}
-        doc = self._until_complete("agreement", name, body, timeout)
-        values = doc["distinct_values"]
-        distinct = doc.get("distinct", len(values))
-        if distinct != 1 or len(values) != 1:
-            raise AgreementError(
-                f"participants of {name!r} disagree: {distinct} distinct values, among them {values[:4]}"
-            )
-        return values[0]
-
-    def gather(self, name: str, participant: str, expected: int, value: Any, timeout: float | None = None) -> dict:
-        """Contribute ``value`` and wait until ``expected`` participants did; every participant's value by name.
-
-        One request per participant where each would otherwise read every other's record (the device exchange of
-        a sync's ranks). Raises ``MetaTimeoutError`` when they did not all arrive within ``timeout``."""
-        body = {"participant": participant, "expected": expected, "value": value, "gather": True}
-        values = self._until_complete("gather", name, body, timeout).get("values")
-        if not isinstance(values, dict) or len(values) != expected:
-            raise MetaServerError(f"gather {name!r}: a complete answer without its {expected} values")
-        return values
-
-    def _until_complete(self, what: str, name: str, body: dict, timeout: float | None) -> dict:
-        """Post ``body`` to agreement ``name`` in long-poll slices until its answer is complete (``what``: how the
-        timeout's error names it)."""
-        timeout = self.timeout if timeout is None else seconds(timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            wait = max(0.0, min(deadline - time.monotonic(), _POLL_SLICE))
-            doc = self._request(
-                "POST", self._job_path("agree", name), body, deadline=deadline, query={"wait": f"{wait:.3f}"}
-            )[1]
-            if doc["complete"]:
-                return doc
-            if time.monotonic() >= deadline:
-                raise MetaTimeoutError(
-                    f"{what} {name!r}: {doc['arrived']} of {body['expected']} participants arrived within {timeout:g} s"
-                )
-
     # -- metadata helpers ------------------------------------------------------------------------------
     def publish_layout(self, layout: Layout, version: str = "current") -> None:
         """Publish an engine instance's layout for weight version ``version`` (again if the server restarts)."""
@@ -440,11 +395,9 @@ class MetaClient:
         before, by any instance, is neither downloaded nor decoded again: ``awex.meta.layout_store``)."""
         return layout_store.fetch(self, instance, version, timeout, self._layouts)
 
-    def publish_rendezvous(self, info: dict[str, Any], version: str = "current", name: str = "default") -> None:
-        """Publish transport rendezvous information (e.g. a TCP store address) for a version."""
-        self.put(f"rendezvous/{version}/{name}", info)
-
-    def fetch_rendezvous(
-        self, version: str = "current", name: str = "default", timeout: float | None = None
-    ) -> dict[str, Any]:
-        return self.get(f"rendezvous/{version}/{name}", timeout)
+    def fetch_layouts(
+        self, instances: Sequence[str], version: str = "current", timeout: float | None = None
+    ) -> dict[str, Layout]:
+        """:meth:`fetch_layout` of each of ``instances``, their references read in one request (one a rank, where a
+        rank reading one per instance made a thousand ranks ask 17,000 times)."""
+        return layout_store.fetch_many(self, instances, version, timeout, self._layouts)

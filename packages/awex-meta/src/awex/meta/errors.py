@@ -46,6 +46,15 @@ class AgreementError(MetaServerError):
     """Participants of an agreement reported different values (e.g. ranks computed different plans)."""
 
 
+class AgreementAbortedError(MetaServerError):
+    """A participant gave the agreement up (it failed before it could contribute): ``by`` names it, ``cause`` says
+    why."""
+
+    def __init__(self, message: str, by: str = "", cause: str = ""):
+        super().__init__(message)
+        self.by, self.cause = by, cause
+
+
 class MetaRestartError(MetaServerError):
     """The MetaServer restarted while this client waited on it: its state (event numbers included) began again,
     so what was awaited may never come; the caller decides whether to wait again from the start."""

@@ -12,6 +12,7 @@ import math
 import socket
 import threading
 import time
+import urllib.parse
 from typing import Callable
 
 from awex.meta.errors import (
@@ -40,6 +41,19 @@ class Busy(Exception):
     def __init__(self, message: str, retry_after: float):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+def server_address(address: str) -> tuple[str, str, int]:
+    """``(http://host:port, host, port)`` of a MetaServer address (``host:port`` alone means http); a user or
+    password in it is refused without echoing it (not in errors, not in logs)."""
+    if "://" not in address:
+        address = "http://" + address
+    parsed = urllib.parse.urlsplit(address)
+    if parsed.username is not None or parsed.password is not None:
+        raise ValueError("MetaServer address: no user or password in it (pass the token as token=...)")
+    if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+        raise ValueError(f"MetaServer address must look like http://host:port, got {address!r}")
+    return f"http://{parsed.netloc}", parsed.hostname, parsed.port
 
 
 def retry_after(doc: dict) -> float:

@@ -9,6 +9,7 @@ full layout under the reference's key (from an older publisher) is read as befor
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from awex.meta.errors import MetaServerError
@@ -23,6 +24,8 @@ class Store(Protocol):
     def put(self, key: str, value: Any, *, create_only: bool = False, keep: bool = False) -> None: ...
 
     def get(self, key: str, timeout: float | None = None) -> Any: ...
+
+    def values(self, prefix: str) -> dict[str, Any] | None: ...
 
 
 REFERENCE = "layout-ref"
@@ -47,10 +50,13 @@ def publish(client: Store, layout: Layout, version: str) -> None:
     client.put(f"layouts/{version}/{layout.instance}", ref, keep=True)
 
 
-def fetch(client: Store, instance: str, version: str, timeout: float | None, known: dict[bytes, Layout]) -> Layout:
-    """The layout ``instance`` published for ``version`` (waiting up to ``timeout`` for it); a table decoded before
-    (``known``, by digest) is not downloaded again."""
-    doc = client.get(f"layouts/{version}/{instance}", timeout)
+def fetch(
+    client: Store, instance: str, version: str, timeout: float | None, known: dict[bytes, Layout], doc: Any = None
+) -> Layout:
+    """The layout ``instance`` published for ``version`` (waiting up to ``timeout`` for it; ``doc``: what its key
+    holds, read already); a table decoded before (``known``, by digest) is not downloaded again."""
+    if doc is None:
+        doc = client.get(f"layouts/{version}/{instance}", timeout)
     if not (isinstance(doc, dict) and doc.get("kind") == REFERENCE):
         return layout_from_wire(doc, known)
     digest = doc.get("table")
@@ -66,3 +72,13 @@ def fetch(client: Store, instance: str, version: str, timeout: float | None, kno
     if content_key(doc) != bytes.fromhex(digest):
         raise MetaServerError(f"the tensor table of {instance!r} does not match its digest {digest[:12]}...")
     return layout_from_wire(doc, known)
+
+
+def fetch_many(
+    client: Store, instances: Sequence[str], version: str, timeout: float | None, known: dict[bytes, Layout]
+) -> dict[str, Layout]:
+    """:func:`fetch` of each of ``instances``: every reference of ``version`` read in one request, then each distinct
+    table not decoded before; an instance not published yet is waited for as :func:`fetch` does."""
+    prefix = f"layouts/{version}/"
+    found = client.values(prefix) or {}
+    return {name: fetch(client, name, version, timeout, known, found.get(prefix + name)) for name in instances}

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Mapping
 
-from awex.engines.sync import keys
+from awex.engines.sync import keys, places
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
 from awex.engines.sync.signals import Signals
@@ -44,6 +44,8 @@ def report(
     except KeyError:
         pass
     doc = {"ok": ok, "cause": (cause or "")[:2000] or None, "partial": partial}
+    if not ok:  # ranks still in the attempt's device gather or plan agreement learn it at once
+        places.abandon(client, manifest, who, doc["cause"])
     try:
         if not ok or me is None or signals is None or signals.medium == "meta":
             client.put(keys.outcome(manifest.version, manifest.seq, *who), doc)

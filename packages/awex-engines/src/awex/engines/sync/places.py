@@ -5,6 +5,7 @@ refused across hosts; a receiver notices a sender on its host that exited."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -15,11 +16,17 @@ from typing import Any
 from awex.engines.errors import SyncFailedError
 from awex.engines.sync import keys
 from awex.engines.sync.board import host_identity
+from awex.engines.sync.manifest import SyncManifest
 from awex.meta import Layout
 from awex.meta.client import MetaClient, MetaTimeoutError
+from awex.meta.errors import AgreementAbortedError
 from awex.transport.pull.segments import SEGMENT_DIR, start_time
 
-WAIT_SLICE_SECONDS = 1.0  # a rank waiting for another's record checks this often whether it failed meanwhile
+log = logging.getLogger("awex.engines")
+
+# a rank waiting for another's record checks this often whether it failed meanwhile (a rank that fails gives the
+# gather up and every rank learns it at once: this is for a give-up that did not arrive)
+WAIT_SLICE_SECONDS = 10.0
 
 
 @dataclass
@@ -139,6 +146,8 @@ def _gather(client: MetaClient, attempt: str, me: tuple[str, int], doc: dict, ex
                 doc,
                 timeout=max(0.1, min(WAIT_SLICE_SECONDS, left)),
             )
+        except AgreementAbortedError as e:  # a rank failed the attempt first (abandon)
+            raise given_up(attempt, e) from None
         except MetaTimeoutError:
             if left <= WAIT_SLICE_SECONDS:
                 raise
@@ -152,3 +161,21 @@ def _gather(client: MetaClient, attempt: str, me: tuple[str, int], doc: dict, ex
                     (instance, int(rank) if rank.isdigit() else -1): {"ok": False, "cause": cause, "partial": partial}
                 }
                 raise SyncFailedError(attempt.rpartition("/")[0], failed)
+
+
+def abandon(client: MetaClient, manifest: SyncManifest, who: tuple[str, int], cause: str | None) -> None:
+    """Rank ``who`` failed ``manifest``'s attempt: give up its device gather and plan agreement, so that every rank
+    waiting in either fails at once naming it (not at its deadline). A complete one is final: nothing changes there.
+    Never raises (the failure's own error is what the caller must see)."""
+    for name in (keys.devices_gather(manifest.attempt.name), keys.plan_agreement(manifest.version, manifest.seq)):
+        try:
+            client.abort_agreement(name, f"{who[0]}:{who[1]}", cause or "failed")
+        except Exception as e:  # the others' wait checks the attempt's outcomes too
+            log.debug("%s:%d could not give up %s: %s", *who, name, e)
+
+
+def given_up(attempt: str, e: AgreementAbortedError) -> SyncFailedError:
+    """The error of a rank whose device gather or plan agreement another rank gave up (:func:`abandon`)."""
+    instance, _, rank = e.by.rpartition(":")
+    failed = {(instance, int(rank) if rank.isdigit() else -1): {"ok": False, "cause": e.cause, "partial": False}}
+    return SyncFailedError(attempt.rpartition("/")[0], failed)

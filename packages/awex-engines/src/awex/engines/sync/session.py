@@ -31,6 +31,7 @@ from awex.engines.sync.verify import Verifier
 from awex.engines.sync.version_plan import PlanKey, plan_version
 from awex.meta import Layout, Plan
 from awex.meta.client import MetaClient
+from awex.meta.errors import AgreementAbortedError
 from awex.transport import LocalShards
 from awex.transport.base import Setup, TransferStats, Transport
 from awex.transport.registry import make_transport
@@ -263,13 +264,14 @@ class SyncSession:
         """
         deadline = time.monotonic() + timeout
         names = (*manifest.sources, *manifest.destinations)
-        layouts = {}
         phase = self.phases
-        with phase("layouts"):
-            for name in names:
-                layouts[name] = self._layouts.get(name) or self.client.fetch_layout(
-                    name, "current", timeout=max(0.1, deadline - time.monotonic())
-                )
+        with phase("layouts"):  # those not read before, their references in one request
+            layouts = {name: self._layouts[name] for name in names if name in self._layouts}
+            missing = [name for name in names if name not in layouts]
+            if missing:
+                left = max(0.1, deadline - time.monotonic())
+                layouts.update(self.client.fetch_layouts(missing, "current", timeout=left))
+            layouts = {name: layouts[name] for name in names}  # in the manifest's order, as before
         key = PlanKey.of(manifest, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
@@ -287,13 +289,16 @@ class SyncSession:
         phase["plan"] = time.perf_counter() - plan_started
         me = plan.rank(self.instance, self.local_rank)
         with phase("agreement"):
-            self.client.agree(
-                keys.plan_agreement(manifest.version, manifest.seq),
-                f"{self.instance}:{self.local_rank}",
-                plan.world_size,
-                f"{transport}:{plan.digest}",
-                timeout=max(0.1, deadline - time.monotonic()),
-            )
+            try:
+                self.client.agree(
+                    keys.plan_agreement(manifest.version, manifest.seq),
+                    f"{self.instance}:{self.local_rank}",
+                    plan.world_size,
+                    f"{transport}:{plan.digest}",
+                    timeout=max(0.1, deadline - time.monotonic()),
+                )
+            except AgreementAbortedError as e:  # a rank failed the attempt first (places.abandon)
+                raise places.given_up(manifest.attempt.name, e) from None
         if transport not in self._transports:
             self._transports[transport] = make_transport(transport)
         setup = Setup(

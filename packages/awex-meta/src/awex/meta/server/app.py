@@ -13,7 +13,7 @@ route                                                    what it does
 ``PUT /v1/jobs/{job}/kv/{key}[?create=1]``               store a JSON value (``create=1``: 409 if present)
 ``GET /v1/jobs/{job}/kv/{key}[?wait=S]``                 fetch a value, waiting up to S seconds
 ``DELETE /v1/jobs/{job}/kv/{key}``                       delete a value
-``GET /v1/jobs/{job}/keys[?prefix=P]``                   list keys
+``GET /v1/jobs/{job}/keys[?prefix=P][&values=1]``        list keys (with their values)
 ``POST /v1/jobs/{job}/forget``                           drop keys and agreements by name or prefix
 ``POST /v1/jobs/{job}/participants``                     register a participant (name, role, instance...)
 ``POST /v1/jobs/{job}/participants/{name}/version``      report the weight version a participant serves
@@ -50,7 +50,7 @@ from typing import Any
 from aiohttp import web
 
 from awex.meta.protocol import EPOCH_HEADER, FENCE_HEADER, REQUEST_ID_HEADER
-from awex.meta.server import agreements, claims, fences, leases
+from awex.meta.server import agreements, claims, fences, kv, leases
 from awex.meta.server.config import ServerConfig
 from awex.meta.server.errors import BadRequest, Busy, TooLarge, busy, error, fields, json_depth
 from awex.meta.server.journal import Journal, JournalError
@@ -239,70 +239,6 @@ class MetaServerApp:
             }
         )
 
-    async def put_value(self, request: web.Request) -> web.Response:
-        key = self.key_of(request)
-        raw, _ = await self.body_json(request)
-        job = self.job_of(request)
-        create, fence = request.query.get("create") == "1", request.headers.get(FENCE_HEADER)
-        refused = claims.refusal(job, key, create, fence)
-        if refused is not None:
-            return refused
-        leases.wait_for_claim(job, key, create or key in job.claims, fence)  # none under another's claim lease
-        if key not in job.kv and len(job.kv) >= job.max_keys:
-            raise BadRequest(f"too many keys in job {job.name!r} (limit {job.max_keys})")
-        self.charge(job, job.kv_cost(key, raw) - job.kv_cost(key, job.kv.get(key)))
-        claims.record(job, key, create, fence)
-        job.set_kv(key, raw)
-        job.topics.fire(f"kv:{key}")
-        return web.json_response({"ok": True})
-
-    async def get_value(self, request: web.Request) -> web.Response:
-        key = self.key_of(request)
-        job, wait = await self.job_waiting(request, self.wait_of(request))
-        if job is not None and key not in job.kv and wait > 0:
-            await self.parking.wait_until(job.topics, f"kv:{key}", lambda: key in job.kv, wait, request.remote or "")
-        raw = job.kv.get(key) if job is not None else None
-        if raw is None:
-            return error(404, "not_found", f"no key {key!r} in job {request.match_info['job']!r}")
-        return web.Response(body=raw, content_type="application/json")
-
-    async def delete_value(self, request: web.Request) -> web.Response:
-        key = self.key_of(request)
-        job = self.job_of(request, create=False)
-        raw = job.pop_kv(key) if job is not None else None
-        return web.json_response({"ok": True, "deleted": raw is not None})
-
-    async def forget(self, request: web.Request) -> web.Response:
-        """Drop keys and agreements by exact name or prefix (a finished weight version's records). Claims stay,
-        except those named in ``release`` by the writer that holds them (a failed attempt, never applied)."""
-        _, doc = await self.body_json(request)
-        f = fields(doc, {"names": list, "prefixes": list, "release": list}, optional=("names", "prefixes", "release"))
-        given = [*f.get("names", []), *f.get("prefixes", []), *f.get("release", [])]
-        if not all(isinstance(x, str) and x for x in given):
-            raise BadRequest("names and prefixes must be non-empty strings")
-        job = self.job_of(request, create=False)
-        if job is None:
-            return web.json_response({"ok": True, "keys": 0, "agreements": 0})
-        names = set(f.get("names", []))
-        prefixes = tuple(f.get("prefixes", []))
-
-        def gone(name: str) -> bool:
-            return name in names or name.startswith(prefixes)
-
-        keys = [k for k in job.kv if gone(k)]
-        for k in keys:
-            job.pop_kv(k)
-        agreements = [a for a in job.agreements if gone(a)]
-        for a in agreements:
-            job.drop_agreement(a)
-        claims.release(job, f.get("release", []), request.headers.get(FENCE_HEADER))
-        return web.json_response({"ok": True, "keys": len(keys), "agreements": len(agreements)})
-
-    async def list_keys(self, request: web.Request) -> web.Response:
-        job = self.job_of(request, create=False)
-        prefix = request.query.get("prefix", "")
-        return web.json_response({"keys": sorted(k for k in job.kv if k.startswith(prefix)) if job else []})
-
     async def register(self, request: web.Request) -> web.Response:
         _, doc = await self.body_json(request)
         f = fields(
@@ -421,11 +357,11 @@ SERVER_KEY = web.AppKey("awex_meta_server", MetaServerApp)
 ROUTES = (  # (method, path, handler: a method's name or a function of the server and the request): the table above
     ("GET", "/v1/health", "health"),
     ("GET", "/v1/status", "status"),
-    ("PUT", "/v1/jobs/{job}/kv/{key:.+}", "put_value"),
-    ("GET", "/v1/jobs/{job}/kv/{key:.+}", "get_value"),
-    ("DELETE", "/v1/jobs/{job}/kv/{key:.+}", "delete_value"),
-    ("GET", "/v1/jobs/{job}/keys", "list_keys"),
-    ("POST", "/v1/jobs/{job}/forget", "forget"),
+    ("PUT", "/v1/jobs/{job}/kv/{key:.+}", kv.put_value),
+    ("GET", "/v1/jobs/{job}/kv/{key:.+}", kv.get_value),
+    ("DELETE", "/v1/jobs/{job}/kv/{key:.+}", kv.delete_value),
+    ("GET", "/v1/jobs/{job}/keys", kv.list_keys),
+    ("POST", "/v1/jobs/{job}/forget", kv.forget),
     ("POST", "/v1/jobs/{job}/participants", "register"),
     ("POST", "/v1/jobs/{job}/participants/{name}/version", "report_version"),
     ("POST", "/v1/jobs/{job}/events", "publish_event"),

@@ -58,6 +58,7 @@ class Agreement:
     first: dict[str, Any] = field(default_factory=dict)  # canonical value -> the value, in order of arrival
     gather: bool = False  # the complete answer carries every participant's value
     _gathered: bytes | None = None  # that answer, encoded once
+    aborted: tuple[str, str] | None = None  # (participant, cause): given up before it was complete; never completes
 
     def holds(self, participant: str, value: Any) -> bool:
         """Whether ``participant`` gave ``value`` (a retry of its request, once complete: nothing changes)."""
@@ -76,7 +77,12 @@ class Agreement:
 
     @property
     def complete(self) -> bool:
-        return len(self.values) >= self.expected
+        return self.aborted is None and len(self.values) >= self.expected
+
+    def answer(self) -> dict[str, Any]:
+        """What an aborted agreement answers every participant."""
+        by, cause = self.aborted or ("", "")
+        return {"complete": False, "arrived": len(self.values), "expected": self.expected, "aborted": cause, "by": by}
 
     def gathered(self) -> bytes:
         """The complete gather's answer (JSON), encoded once from the canonical values as they are."""
