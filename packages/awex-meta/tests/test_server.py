@@ -102,6 +102,23 @@ def test_participants_versions_events_and_status(client):
         client.wait_event("finished", timeout=0.3)
 
 
+def test_several_versions_are_reported_in_one_request(client):
+    for name in ("vllm-0", "vllm-1"):
+        client.register(name, role="inference", instance=name, world_size=1)
+    reports = {
+        "vllm-0": {"version": "v1", "bytes": 10, "seconds": 0.5, "claim": "sync/v1"},
+        "vllm-1": {"version": None},
+    }
+    assert client.report_versions(dict(reports, **{"vllm-9": {"version": "v1"}})) == ["vllm-9"]  # not registered
+    status = client.status()["jobs"][client.job]["participants"]
+    assert {p["name"]: p["weight_version"] for p in status} == {"vllm-0": "v1", "vllm-1": None}
+    with pytest.raises(MetaServerError, match="wrong type"):  # every report checked before any applies
+        client.report_versions({"vllm-1": {"version": "v2"}, "vllm-0": {"version": 3}})
+    assert {p["name"]: p["weight_version"] for p in client.status()["jobs"][client.job]["participants"]}[
+        "vllm-1"
+    ] is None
+
+
 def test_event_wait_wakes_on_publish(client):
     threading.Timer(0.3, lambda: client.publish_event("go", "x")).start()
     started = time.monotonic()
@@ -245,6 +262,9 @@ def test_standalone_server_and_status_cli(tmp_path):
     serve = [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(port), "--token-env", "AWEX_META_TOKEN"]
     proc = subprocess.Popen(serve, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        for line in proc.stdout:  # up once it says so (a client gives an address never reached 5 s, not a start)
+            if "serving on" in line:
+                break
         c = MetaClient(f"http://127.0.0.1:{port}", job="rl", token="tok", timeout=15.0)
         c.register("vllm-0", role="inference", instance="vllm-0", world_size=2)
         c.report_version("vllm-0", "step-7")

@@ -349,6 +349,18 @@ class MetaClient(Agreements):
                 break
         raise MetaNotRegisteredError(f"cannot report version {version!r}: {message(doc)}")
 
+    def report_versions(self, reports: dict[str, dict[str, Any]]) -> list[str]:
+        """:meth:`report_version` of several participants in one request (``{name: {"version", "bytes",
+        "seconds", "claim"}}``, the last three optional); returns the names not registered there (left alone)."""
+        missing: list[str] = []
+        for _ in range(2):  # once more after a server restart this client noticed: its own are registered again
+            restarts = self.restarts
+            missing = self._request("POST", self._job_path("versions"), {"reports": reports}, deadline=self._by())[1]
+            missing = [str(m) for m in missing.get("missing", ())]
+            if not missing or self.restarts == restarts:
+                return missing
+        return missing
+
     def publish_event(self, kind: str, source: str, version: str | None = None, data: Any = None) -> int:
         """Publish an event; returns its sequence number."""
         body = {"kind": kind, "source": source, "version": version, "data": data}

@@ -111,20 +111,40 @@ class Plan:
     quantized: tuple[tuple[str, str, str, tuple[int, int]], ...] = ()
     _by_rank: dict[int, tuple[int, ...]] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
     _digest: str = field(default="", init=False, repr=False, compare=False)
+    _index: dict = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
     def ranks_of(self, role: Role) -> list[RankDescriptor]:
-        return [r for r in self.ranks if r.role == role]
+        """The ranks of one side, in sync-rank order (indexed once: a sync asks every version)."""
+        return list(self._indexed()[1].get(Role(role), ()))
 
     def rank(self, instance: str, local_rank: int) -> RankDescriptor:
         """The sync-world descriptor of ``local_rank`` of engine instance ``instance``."""
-        for r in self.ranks:
-            if r.instance == instance and r.local_rank == local_rank:
-                return r
-        raise KeyError(f"no rank {local_rank} of instance {instance!r} in this plan")
+        found = self._indexed()[0].get((instance, local_rank))
+        if found is None:
+            raise KeyError(f"no rank {local_rank} of instance {instance!r} in this plan")
+        return found
+
+    def instance_ranks(self, instance: str) -> list[RankDescriptor]:
+        """The ranks of engine (or trainer) instance ``instance``, in sync-rank order."""
+        return list(self._indexed()[2].get(instance, ()))
+
+    def _indexed(self) -> tuple[dict, dict, dict]:
+        """``(by (instance, local rank), by role, by instance)``, built once."""
+        if self._index is None:
+            by_name: dict[tuple[str, int], RankDescriptor] = {}
+            by_role: dict[Role, list[RankDescriptor]] = {}
+            by_instance: dict[str, list[RankDescriptor]] = {}
+            for r in self.ranks:
+                by_name.setdefault((r.instance, r.local_rank), r)  # the first, as a search in order finds
+                by_role.setdefault(r.role, []).append(r)
+                by_instance.setdefault(r.instance, []).append(r)
+            frozen = [{k: tuple(v) for k, v in d.items()} for d in (by_role, by_instance)]
+            object.__setattr__(self, "_index", (by_name, *frozen))
+        return self._index
 
     def schedule(self, rank: int) -> list[Step]:
         """The operations of one rank, wave by wave (within a wave, in bucket order)."""

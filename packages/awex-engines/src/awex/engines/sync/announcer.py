@@ -90,30 +90,34 @@ class Announcer:
 
     def report(self, version: str, verdicts: dict[str, str], plan=None, seconds: float | None = None) -> None:
         """Tell the MetaServer which version each destination instance serves now, with the bytes its ranks
-        received and the sync's time (as this rank saw it)."""
+        received and the sync's time (as this rank saw it): one request for all of them."""
+        reports: dict[str, dict] = {}
         for instance, verdict in sorted(verdicts.items()):
             if verdict == "unchanged":
                 continue
             serves = version if verdict == "applied" else None
-            nbytes = None
+            report: dict = {"version": serves}
             if plan is not None and serves is not None:
                 ranks = [r.rank for r in plan.ranks if r.instance == instance]
-                nbytes = sum(s.bucket.nbytes for r in ranks for s in plan.schedule(r) if s.op == "recv")
-            moved = {"nbytes": nbytes, "seconds": seconds} if nbytes is not None else {}
+                report["bytes"] = sum(s.bucket.nbytes for r in ranks for s in plan.schedule(r) if s.op == "recv")
+                if seconds is not None:
+                    report["seconds"] = seconds
             if serves is not None:  # the name is never written again (the server keeps it, journalled)
-                moved["claim"] = keys.manifest(version)
-            try:
-                try:
-                    self.client.report_version(instance, serves, **moved)
-                except MetaNotRegisteredError:
-                    layout = self._session.layout_of(instance)
-                    if layout is None:
-                        raise
-                    # a MetaServer restarted while the instance had nothing to tell it: register it on its behalf
-                    self.client.register(instance, role="inference", instance=instance, world_size=layout.world_size)
-                    self.client.report_version(instance, serves, **moved)
-            except MetaServerError as e:  # reporting must not mask the sync's own outcome
-                log.warning("could not report version %s of %s to the MetaServer: %s", version, instance, e)
+                report["claim"] = keys.manifest(version)
+            reports[instance] = report
+        if not reports:
+            return
+        try:
+            missing = self.client.report_versions(reports)
+            for instance in missing:  # a MetaServer restarted while the instance had nothing to tell it
+                layout = self._session.layout_of(instance)
+                if layout is None:
+                    raise MetaNotRegisteredError(f"{instance} is not registered, and its layout is unknown here")
+                self.client.register(instance, role="inference", instance=instance, world_size=layout.world_size)
+            if missing:
+                self.client.report_versions({i: reports[i] for i in missing})
+        except MetaServerError as e:  # reporting must not mask the sync's own outcome
+            log.warning("could not report version %s of %s to the MetaServer: %s", version, sorted(reports), e)
 
     def announce(
         self,

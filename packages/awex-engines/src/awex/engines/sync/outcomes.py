@@ -13,7 +13,7 @@ from awex.engines.sync import keys, places
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
 from awex.engines.sync.signals import Signals
-from awex.meta import Plan
+from awex.meta import Plan, Role
 from awex.meta.client import MetaClient
 
 log = logging.getLogger("awex.engines")
@@ -76,8 +76,7 @@ def collect(
     first rank gone) counts every receiver as silent: the version failed. The first rank itself reads one record
     per engine instance (:func:`aggregate`) and, one by one, the outcomes of the ranks that no record says (a
     single-rank instance, a record missing or malformed, a rank its record calls silent)."""
-    receivers = [r for r in plan.ranks if r.role.value != "trainer"]
-    first = next(r.rank for r in plan.ranks if r.role.value == "trainer")
+    receivers, first = plan.ranks_of(Role.INFERENCE), plan.ranks_of(Role.TRAINER)[0].rank  # indexed once a plan
     if signals.shares_outcomes and rank != first:
         try:
             doc = signals.collected(manifest, max(0.0, deadline - time.monotonic()))
@@ -107,7 +106,7 @@ def aggregate(plan: Plan, signals: Signals, manifest: SyncManifest, who: tuple[s
     if not signals.shares_outcomes:
         return
     deadline = min(deadline, time.monotonic() + AGGREGATE_SECONDS)
-    mine = [r for r in plan.ranks if r.instance == who[0] and r.role.value != "trainer"]
+    mine = [r for r in plan.instance_ranks(who[0]) if r.role != Role.TRAINER]
     if len(mine) < 2 or mine[0].local_rank != who[1]:
         return
     try:
@@ -162,9 +161,11 @@ def to_record(got: Outcomes) -> dict:
 def from_record(doc: object, receivers: list) -> Outcomes:
     """The outcomes a record of :func:`to_record` says (checked: a record that is not one, or names a rank outside
     ``receivers``, counts every receiver as silent)."""
-    names = {f"{r.instance}:{r.local_rank}": (r.instance, r.local_rank) for r in receivers}
     failed = doc.get("failed") if isinstance(doc, dict) else None
     silent = doc.get("silent") if isinstance(doc, dict) else None
+    if failed == {} and silent == []:  # every receiver applied it (every steady version): nothing to check by name
+        return {(r.instance, r.local_rank): {"ok": True} for r in receivers}
+    names = {f"{r.instance}:{r.local_rank}": (r.instance, r.local_rank) for r in receivers}
     if (
         not isinstance(failed, dict)
         or not isinstance(silent, list)

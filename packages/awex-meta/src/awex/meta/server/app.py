@@ -17,6 +17,7 @@ route                                                    what it does
 ``POST /v1/jobs/{job}/forget``                           drop keys and agreements by name or prefix
 ``POST /v1/jobs/{job}/participants``                     register a participant (name, role, instance...)
 ``POST /v1/jobs/{job}/participants/{name}/version``      report the weight version a participant serves
+``POST /v1/jobs/{job}/versions``                         report several participants' versions at once
 ``POST /v1/jobs/{job}/events``                           publish an event (kind, source, version, data)
 ``GET /v1/jobs/{job}/events?after=N[&wait=S][&kind=K]``  events after number N (410 if N is not this server's)
 ``POST /v1/jobs/{job}/agree/{name}``                     contribute a value; wait until all arrived
@@ -282,26 +283,29 @@ class MetaServerApp:
     async def report_version(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         _, doc = await self.body_json(request)
-        f = fields(
-            doc,
-            {"version": (str, type(None)), "bytes": int, "seconds": (int, float), "claim": str},
-            ("bytes", "seconds", "claim"),
-        )
-        if f["version"] is not None and len(f["version"]) > 512:
-            raise BadRequest("version names are at most 512 characters")
+        f = _report_fields(doc)
         job = self.job_of(request, create=False)
         p = job.participants.get(name) if job is not None else None
         if p is None:
             return error(
                 404, "not_found", f"participant {name!r} is not registered in job {request.match_info['job']!r}"
             )
-        if f["version"] is not None:
-            claims.applied(job, f.get("claim"))
-        job.note("serves", name=name, version=f["version"])
-        p.weight_version, p.last_seen = f["version"], time.time()
-        p.last_sync = {"version": f["version"], "at": p.last_seen, **{k: f[k] for k in ("bytes", "seconds") if k in f}}
-        event = job.add_event("version", name, f["version"], None)
-        return web.json_response({"ok": True, "seq": event["seq"]})
+        return web.json_response({"ok": True, "seq": _serves(job, name, p, f)})
+
+    async def report_versions(self, request: web.Request) -> web.Response:
+        """Several participants' versions in one request (a writer reporting every engine it synced): each as
+        ``report_version`` would; those not registered are named in ``missing`` and left alone."""
+        _, doc = await self.body_json(request)
+        reports = fields(doc, {"reports": dict})["reports"]
+        if len(reports) > self.config.max_participants_per_job:
+            raise BadRequest(f"at most {self.config.max_participants_per_job} reports in one request")
+        checked = {str(name): _report_fields(r) for name, r in reports.items()}  # all checked before any applies
+        job = self.job_of(request, create=False)
+        missing = [n for n in checked if job is None or n not in job.participants]
+        for name, f in checked.items():
+            if name not in missing:
+                _serves(job, name, job.participants[name], f)
+        return web.json_response({"ok": True, "missing": missing})
 
     async def publish_event(self, request: web.Request) -> web.Response:
         _, doc = await self.body_json(request)
@@ -351,6 +355,28 @@ class MetaServerApp:
         return web.json_response({"events": job.after(after, kind), "last": job.next_seq - 1})
 
 
+def _report_fields(doc: Any) -> dict[str, Any]:
+    f = fields(
+        doc,
+        {"version": (str, type(None)), "bytes": int, "seconds": (int, float), "claim": str},
+        ("bytes", "seconds", "claim"),
+    )
+    if f["version"] is not None and len(f["version"]) > 512:
+        raise BadRequest("version names are at most 512 characters")
+    return f
+
+
+def _serves(job: JobState, name: str, p: Participant, f: dict[str, Any]) -> int:
+    """Participant ``name`` serves ``f["version"]`` now (journalled; its claim, if named, is never written again);
+    the number of the ``version`` event."""
+    if f["version"] is not None:
+        claims.applied(job, f.get("claim"))
+    job.note("serves", name=name, version=f["version"])
+    p.weight_version, p.last_seen = f["version"], time.time()
+    p.last_sync = {"version": f["version"], "at": p.last_seen, **{k: f[k] for k in ("bytes", "seconds") if k in f}}
+    return job.add_event("version", name, f["version"], None)["seq"]
+
+
 SERVER_KEY = web.AppKey("awex_meta_server", MetaServerApp)
 
 
@@ -364,6 +390,7 @@ ROUTES = (  # (method, path, handler: a method's name or a function of the serve
     ("POST", "/v1/jobs/{job}/forget", kv.forget),
     ("POST", "/v1/jobs/{job}/participants", "register"),
     ("POST", "/v1/jobs/{job}/participants/{name}/version", "report_version"),
+    ("POST", "/v1/jobs/{job}/versions", "report_versions"),
     ("POST", "/v1/jobs/{job}/events", "publish_event"),
     ("GET", "/v1/jobs/{job}/events", "get_events"),
     ("POST", "/v1/jobs/{job}/agree/{key:.+}", agreements.agree),
