@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
 import torch
 from test_version_signals import CONFIG, views
 
 from awex.convert.hf import hf_views
+from awex.engines.errors import VersionRefusedError
 from awex.engines.reader import WeightsReader
 from awex.engines.writer import WeightsWriter
 from awex.meta import canonical_tensors
@@ -168,6 +170,36 @@ def test_a_parameter_freed_in_place_is_refused_naming_it_never_a_crash(server, t
         p.untyped_storage().resize_(nbytes)  # loaded back (new memory), with a step's change
         p.data.copy_(before[name] + 1)
         _sync(writer, reader, "v2")
+        assert _exact(model, got) == []
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_receivers_waiting_for_a_version_the_writer_refused_itself_learn_it_at_once_and_its_retry_goes(server):
+    """A steady version the writer refuses because one of its own parameters is offloaded: the receiver already
+    waiting for it raises ``VersionRefusedError`` at once (not at its 30 s deadline); the notice is taken back, so a
+    retry under the same name once the parameter is back, its receiver started after the refusal, goes."""
+    model, writer, reader, got = _pair(server, "refused-own", "p2p")
+    name, p = next(iter(model.named_parameters()))
+    try:
+        _sync(writer, reader, "v1")
+        _sync(writer, reader, "v2")  # steady
+        nbytes = p.untyped_storage().nbytes()
+        before = p.detach().clone()
+        p.untyped_storage().resize_(0)
+        errors: list = []
+        waiting = threading.Thread(target=lambda: _receive(reader, "v3", errors))
+        waiting.start()
+        started = time.monotonic()
+        with pytest.raises(ShardMismatchError, match="holds 0 bytes"):
+            writer.write("v3", ["hf-in"])
+        waiting.join(30)
+        assert len(errors) == 1 and isinstance(errors[0], VersionRefusedError) and "holds 0 bytes" in str(errors[0])
+        assert time.monotonic() - started < 5.0
+        p.untyped_storage().resize_(nbytes)  # loaded back
+        p.data.copy_(before + 1)
+        _sync(writer, reader, "v3")  # the same name: its receiver, started after the refusal, waits for the manifest
         assert _exact(model, got) == []
     finally:
         writer.close()

@@ -29,6 +29,10 @@ from awex.transport.registry import TRANSPORTS
 
 log = logging.getLogger("awex.engines")
 
+# how long a notice of a version this writer refused itself stays up: receivers waiting for it read it within
+# microseconds (host board) or a round trip (version channel); a retry's receivers, later, must not
+NOTICE_SECONDS = 0.5
+
 
 class Announcer:
     """Rank 0's side of a writer (see the module)."""
@@ -165,9 +169,11 @@ class Announcer:
         if meanwhile is not None:
             try:
                 meanwhile()
-            except BaseException:
+            except BaseException as e:
                 if answer is not None:
                     self._take_back(version, answer)
+                if isinstance(e, Exception):  # this writer's own views refused (memory offloaded, say)
+                    self._refuse(version, f"{type(e).__name__}: {e}", withdraw_after=NOTICE_SECONDS)
                 raise
         waiting = time.perf_counter()
         if answer is not None:
@@ -252,15 +258,23 @@ class Announcer:
             epoch=self.epoch,
         )
 
-    def _refuse(self, version: str, cause: str) -> None:
+    def _refuse(self, version: str, cause: str, withdraw_after: float | None = None) -> None:
         """Tell the receivers waiting for ``version`` on this writer's board and channel that it was refused before
-        it was announced (their receive raises ``VersionRefusedError``; nothing began, plan and group stay)."""
+        it was announced (their receive raises ``VersionRefusedError``; nothing began, plan and group stay). With
+        ``withdraw_after``: the notice is taken back after that many seconds (the receivers waiting now have read
+        it), so that receivers of a retry under the same name (its cause mended) wait for its manifest instead."""
         notice = {"version": None, "refused": version, "cause": cause[:500]}
         try:
             if self._board is not None:
                 self._board.post(dict(notice, seq=self._seq))
             if self._channel is not None:
                 self._channel.put(keys.channel_manifest(version), notice)
+            if withdraw_after is not None:
+                time.sleep(withdraw_after)
+                if self._board is not None:
+                    self._board.post({"version": None, "seq": self._seq})  # no version's: read by nobody
+                if self._channel is not None:
+                    self._channel.delete([keys.channel_manifest(version)])
         except Exception as e:  # they then wait until their deadline
             log.warning("could not tell the receivers that %s was refused: %s", version, e)
 
