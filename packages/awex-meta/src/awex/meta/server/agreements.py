@@ -13,30 +13,15 @@ every participant as it is."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
-from awex.meta.server.config import ServerConfig
 from awex.meta.server.errors import BadRequest, error, fields
-from awex.meta.server.parking import Parking
-from awex.meta.server.state import Agreement, JobState
+from awex.meta.server.routes import Server
+from awex.meta.server.state import Agreement
 
 SHOWN = 8  # distinct values an answer lists (the client names a few in its error)
-
-
-class Server(Protocol):
-    """What an agreement needs of the server (``awex.meta.server.app.MetaServerApp``)."""
-
-    config: ServerConfig
-    parking: Parking
-
-    def key_of(self, request: web.Request, name: str = "key") -> str: ...
-    async def body_json(self, request: web.Request) -> tuple[bytes, Any]: ...
-    def job_of(self, request: web.Request, create: bool = True) -> JobState | None: ...
-    def charge(self, job: JobState, grow: int) -> None: ...
-    def small(self, value: Any, what: str) -> int: ...
-    def wait_of(self, request: web.Request) -> float: ...
 
 
 async def agree(server: Server, request: web.Request) -> web.Response:

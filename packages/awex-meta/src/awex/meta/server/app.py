@@ -76,6 +76,7 @@ class MetaServerApp:
         self.job_topics = Topics()  # "job:<name>" fires when that job is created
         self.replies: OrderedDict[tuple[str, str], tuple[int, bytes]] = OrderedDict()
         self.parking = Parking(config.max_parked, config.max_parked_per_client)
+        self.requests = 0  # received so far (/v1/status): what a sync costs the server, counted
         self.journal = Journal(config.journal, config.journal_fsync) if config.journal else None
         if self.journal is not None:  # the safety state back before anything is answered
             for name, kept in self.journal.load().items():
@@ -174,6 +175,7 @@ class MetaServerApp:
     # -- middleware ----------------------------------------------------------------------------------------
     @web.middleware
     async def middleware(self, request: web.Request, handler):
+        self.requests += 1
         response = await self._answer(request, handler)
         response.headers[EPOCH_HEADER] = self.epoch
         return response
@@ -236,6 +238,7 @@ class MetaServerApp:
                 "held_bytes": self.total_bytes(),
                 "waiting": self.parking.parked,  # long-polls parked now
                 "busy_answers": self.parking.refused,  # long-polls answered 503 busy (beyond a cap) so far
+                "requests": self.requests,  # requests received so far, this one included
                 "jobs": jobs,
             }
         )

@@ -5,30 +5,13 @@ stored as the bytes received and answered as they are; a key created with ``crea
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
 
 from aiohttp import web
 
 from awex.meta.protocol import FENCE_HEADER
 from awex.meta.server import claims, leases
-from awex.meta.server.config import ServerConfig
 from awex.meta.server.errors import BadRequest, error, fields
-from awex.meta.server.parking import Parking
-from awex.meta.server.state import JobState
-
-
-class Server(Protocol):
-    """What the key-value routes need of the server (``awex.meta.server.app.MetaServerApp``)."""
-
-    config: ServerConfig
-    parking: Parking
-
-    def key_of(self, request: web.Request, name: str = "key") -> str: ...
-    async def body_json(self, request: web.Request) -> tuple[bytes, Any]: ...
-    def job_of(self, request: web.Request, create: bool = True) -> JobState | None: ...
-    async def job_waiting(self, request: web.Request, wait: float) -> tuple[JobState | None, float]: ...
-    def charge(self, job: JobState, grow: int) -> None: ...
-    def wait_of(self, request: web.Request) -> float: ...
+from awex.meta.server.routes import Server
 
 
 async def put_value(server: Server, request: web.Request) -> web.Response:
