@@ -80,10 +80,13 @@ class _Sampler:
 
 def run(ranks: int, processes: int, versions: int, timeout: float) -> dict:
     """One rank count: a fresh server, ``processes`` worker processes; the row of the results."""
+    from awex.meta.client import MetaClient
     from awex_integration.faults.fault_suite import ProcessServer
 
     server = ProcessServer()
     sampler = _Sampler(server.proc.pid)
+    status = MetaClient(server.address, timeout=30).status
+    asked = status()["requests"]
     here = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
     try:
@@ -124,6 +127,7 @@ def run(ranks: int, processes: int, versions: int, timeout: float) -> dict:
                 raise
             wall = time.perf_counter() - started
             docs = [json.loads(o.read_text()) for o in outs if o.exists()]
+        requests = status()["requests"] - asked - 1  # the ranks' (not the two status calls)
         sampler.stop()
         server_rss = _proc_peak_rss(server.proc.pid)
     finally:
@@ -136,6 +140,7 @@ def run(ranks: int, processes: int, versions: int, timeout: float) -> dict:
     media = [m for d in docs for m in d["media"].values()]
     row["signals"] = {m: media.count(m) for m in sorted(set(media), key=str)}  # where per-version signals went
     row.update(processes=processes, server_peak_rss_bytes=server_rss, wall_seconds=round(wall, 2))
+    row["server_requests_per_rank"] = round(requests / ranks, 2)  # the whole run: the first sync and the steady ones
     return row
 
 
