@@ -355,10 +355,10 @@ class MetaClient(Agreements):
         missing: list[str] = []
         for _ in range(2):  # once more after a server restart this client noticed: its own are registered again
             restarts = self.restarts
-            missing = self._request("POST", self._job_path("versions"), {"reports": reports}, deadline=self._by())[1]
-            missing = [str(m) for m in missing.get("missing", ())]
+            doc = self._request("POST", self._job_path("versions"), {"reports": reports}, deadline=self._by())[1]
+            missing = [str(m) for m in doc.get("missing", ())]
             if not missing or self.restarts == restarts:
-                return missing
+                break
         return missing
 
     def publish_event(self, kind: str, source: str, version: str | None = None, data: Any = None) -> int:

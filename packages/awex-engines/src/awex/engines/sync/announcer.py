@@ -102,7 +102,7 @@ class Announcer:
             serves = version if verdict == "applied" else None
             report: dict = {"version": serves}
             if plan is not None and serves is not None:
-                ranks = [r.rank for r in plan.ranks if r.instance == instance]
+                ranks = [r.rank for r in plan.instance_ranks(instance)]
                 report["bytes"] = sum(s.bucket.nbytes for r in ranks for s in plan.schedule(r) if s.op == "recv")
                 if seconds is not None:
                     report["seconds"] = seconds

@@ -154,13 +154,8 @@ def _gather(client: MetaClient, attempt: str, me: tuple[str, int], doc: dict, ex
         for key in client.keys(keys.attempt_outcomes(attempt)):
             outcome = client.try_get(key)
             if isinstance(outcome, dict) and outcome.get("ok") is False:
-                who = key.rsplit("/", 1)[1]
-                instance, _, rank = who.rpartition(":")
                 cause, partial = str(outcome.get("cause"))[:2000], outcome.get("partial") is True
-                failed = {
-                    (instance, int(rank) if rank.isdigit() else -1): {"ok": False, "cause": cause, "partial": partial}
-                }
-                raise SyncFailedError(attempt.rpartition("/")[0], failed)
+                raise failed_by(attempt, key.rsplit("/", 1)[1], cause, partial)
 
 
 def abandon(client: MetaClient, manifest: SyncManifest, who: tuple[str, int], cause: str | None) -> None:
@@ -176,6 +171,11 @@ def abandon(client: MetaClient, manifest: SyncManifest, who: tuple[str, int], ca
 
 def given_up(attempt: str, e: AgreementAbortedError) -> SyncFailedError:
     """The error of a rank whose device gather or plan agreement another rank gave up (:func:`abandon`)."""
-    instance, _, rank = e.by.rpartition(":")
-    failed = {(instance, int(rank) if rank.isdigit() else -1): {"ok": False, "cause": e.cause, "partial": False}}
+    return failed_by(attempt, e.by, e.cause, partial=False)
+
+
+def failed_by(attempt: str, who: str, cause: str, partial: bool) -> SyncFailedError:
+    """``attempt`` (``<version>/<count>``) failed because rank ``who`` (``instance:rank``) did, with ``cause``."""
+    instance, _, rank = who.rpartition(":")
+    failed = {(instance, int(rank) if rank.isdigit() else -1): {"ok": False, "cause": cause, "partial": partial}}
     return SyncFailedError(attempt.rpartition("/")[0], failed)

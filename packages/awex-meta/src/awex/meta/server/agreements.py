@@ -19,7 +19,7 @@ from aiohttp import web
 
 from awex.meta.server.errors import BadRequest, error, fields
 from awex.meta.server.routes import Server
-from awex.meta.server.state import Agreement
+from awex.meta.server.state import Agreement, JobState
 
 SHOWN = 8  # distinct values an answer lists (the client names a few in its error)
 
@@ -34,18 +34,12 @@ async def agree(server: Server, request: web.Request) -> web.Response:
     config = server.config
     if not 1 <= f["expected"] <= config.max_agreement_size:
         raise BadRequest(f"expected must be 1 to {config.max_agreement_size}")
-    participant = f["participant"]
-    if len(participant) > 256:
-        raise BadRequest("participant names are at most 256 characters")
+    participant = _participant(f["participant"])
     size = server.small(f["value"], "an agreement value") + len(participant)
     job = server.job_of(request)
     a = job.agreements.get(name)
     if a is None:
-        if len(job.agreements) >= config.max_agreements_per_job:
-            raise BadRequest(
-                f"too many agreements in job {job.name!r} "
-                f"(limit {config.max_agreements_per_job}; writers forget old versions')"
-            )
+        _room(server, job)
         server.charge(job, len(name))
         a = job.agreements[name] = Agreement(f["expected"], gather=gather)
         job.add_agreement_bytes(a, len(name))
@@ -94,21 +88,33 @@ def _abort(server: Server, request: web.Request, name: str, doc: Any) -> web.Res
     contribute): every participant waiting, and every one that comes, is answered at once with the cause, instead of
     waiting out its deadline. A complete agreement is final: the abort changes nothing there."""
     f = fields(doc, {"participant": str, "abort": str})
-    if len(f["participant"]) > 256:
-        raise BadRequest("participant names are at most 256 characters")
+    participant = _participant(f["participant"])
     job = server.job_of(request)
     a = job.agreements.get(name)
     if a is not None and a.complete:
         return web.json_response({"ok": True, "aborted": False})
     if a is None or a.aborted is None:
-        aborted = (f["participant"], f["abort"][:2000])
+        aborted = (participant, f["abort"][:2000])
         grow = len(aborted[0]) + len(aborted[1]) + (len(name) if a is None else 0)
-        if a is None and len(job.agreements) >= server.config.max_agreements_per_job:
-            raise BadRequest(f"too many agreements in job {job.name!r} (limit {server.config.max_agreements_per_job})")
-        server.charge(job, grow)
+        if a is None:
+            _room(server, job)
+        server.charge(job, grow)  # before anything changes: the agreement is created only where it fits
         if a is None:  # aborted before anyone contributed: later contributions are answered with the cause
             a = job.agreements[name] = Agreement(0)
         a.aborted = aborted
         job.add_agreement_bytes(a, grow)
         job.topics.fire(f"agree:{name}")
     return web.json_response({"ok": True, "aborted": True})
+
+
+def _participant(name: str) -> str:
+    if len(name) > 256:
+        raise BadRequest("participant names are at most 256 characters")
+    return name
+
+
+def _room(server: Server, job: JobState) -> None:
+    """Refuse a new agreement beyond the job's limit."""
+    limit = server.config.max_agreements_per_job
+    if len(job.agreements) >= limit:
+        raise BadRequest(f"too many agreements in job {job.name!r} (limit {limit}; writers forget old versions')")

@@ -304,10 +304,13 @@ class MetaServerApp:
             raise BadRequest(f"at most {self.config.max_participants_per_job} reports in one request")
         checked = {str(name): _report_fields(r) for name, r in reports.items()}  # all checked before any applies
         job = self.job_of(request, create=False)
-        missing = [n for n in checked if job is None or n not in job.participants]
+        missing = []
         for name, f in checked.items():
-            if name not in missing:
-                _serves(job, name, job.participants[name], f)
+            p = job.participants.get(name) if job is not None else None
+            if p is None:
+                missing.append(name)
+            else:
+                _serves(job, name, p, f)
         return web.json_response({"ok": True, "missing": missing})
 
     async def publish_event(self, request: web.Request) -> web.Response:
