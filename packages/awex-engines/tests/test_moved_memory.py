@@ -16,7 +16,7 @@ import torch
 from test_version_signals import CONFIG, views
 
 from awex.convert.hf import hf_views
-from awex.engines.errors import VersionRefusedError
+from awex.engines.errors import SyncFailedError, VersionRefusedError
 from awex.engines.reader import WeightsReader
 from awex.engines.writer import WeightsWriter
 from awex.meta import canonical_tensors
@@ -118,6 +118,59 @@ def test_every_version_arrives_exact_when_trainer_memory_moves(server, transport
             assert _exact(model, got) == [], f"v{step}: stale tensors arrived"
             if step > 1:  # moved memory is re-bound; memory that stayed keeps its views (and transports theirs)
                 assert (writer.shards is held) is (how == "in place")
+    finally:
+        writer.close()
+        reader.close()
+
+
+SQUARE = "model.layers.0.self_attn.o_proj.weight"  # (128, 128): transposed in place, it keeps address and size
+
+
+def _transpose_in_place(model: torch.nn.Module, name: str) -> None:
+    p = model.get_parameter(name)
+    p.data = p.data.t()  # the same memory read as its transpose: only strides tell
+
+
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_a_trainer_tensor_changed_in_place_at_its_address_fails_the_version_and_the_next_is_exact(server, transport):
+    """A steady version checks the trainer's addresses before any byte moves and the rest (shape, strides, dtype)
+    while the bytes move: a tensor transposed in place at the same address fails that version (its bytes went as
+    the old views lay them out), and the next one takes new views and arrives exact."""
+    model, writer, reader, got = _pair(server, f"in-place-form-{transport}", transport)
+    try:
+        _sync(writer, reader, "v1")
+        _transpose_in_place(model, SQUARE)
+        errors: list = []
+        t = threading.Thread(target=lambda: _receive(reader, "v2", errors))
+        t.start()
+        with pytest.raises(ShardMismatchError, match=rf"{re.escape(SQUARE)} changed shape, strides or dtype in place"):
+            writer.write("v2", ["hf-in"])
+        t.join(60)
+        _sync(writer, reader, "v3")
+        assert _exact(model, got) == []
+    finally:
+        writer.close()
+        reader.close()
+
+
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_an_engine_tensor_changed_in_place_at_its_address_fails_the_version_and_the_next_is_exact(server, transport):
+    sent, engine, writer, reader = _engine_pair(server, f"engine-in-place-form-{transport}", transport)
+    try:
+        _sync(writer, reader, "v1")
+        _transpose_in_place(engine, SQUARE)
+        errors: list = []
+        t = threading.Thread(target=lambda: _receive(reader, "v2", errors))
+        t.start()
+        with pytest.raises(SyncFailedError, match="changed shape, strides or dtype in place"):
+            writer.write("v2", ["hf-in"])
+        t.join(60)
+        assert len(errors) == 1 and isinstance(errors[0], ShardMismatchError), errors
+        assert SQUARE in str(errors[0])
+        for x in sent.values():
+            x.add_(1.0)
+        _sync(writer, reader, "v3")
+        assert [n for n, p in engine.named_parameters() if not torch.equal(p.data, sent[n])] == []
     finally:
         writer.close()
         reader.close()

@@ -28,9 +28,9 @@ SIGNALS = {  # per-version operations on the medium, per side
     "board": {"writer": 3, "reader": 3},  # post + ring + wait for outcomes; manifest + wait for ready + ring
     "channel": {"writer": 4, "reader": 3},  # the same, and the outcomes' record for the other trainer ranks
 }
-PYTHON_CALLS = {"writer": 150, "reader": 100}  # per version, whatever the model (39 tensors: 132-145 and 81-86)
+PYTHON_CALLS = {"writer": 150, "reader": 100}  # per version, whatever the model (39 tensors: 134-147 and 92-97)
 PYTHON_CALLS_PER_TENSOR = 0
-C_CALLS_PER_TENSOR = 3  # data_ptr and stride of each parameter (the moved-memory fingerprint)
+C_CALLS_PER_TENSOR = 3  # data_ptr and stride of each parameter (its addresses before the bytes move, its form beside)
 
 
 _ANSWERED = ("_request", "_put_answered")  # operations that wait for the MetaServer's answer

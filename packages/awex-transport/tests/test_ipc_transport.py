@@ -27,7 +27,7 @@ class _Executor:
     def __init__(self, plan, rank, shards, sources, quantize=None):
         self.sources = sources
 
-    def run(self, timeout):
+    def run(self, timeout, meanwhile=None):
         return TransferStats()
 
 
@@ -51,6 +51,9 @@ class _Link:
         return self.docs[peer]
 
     def moving(self):
+        pass
+
+    def meanwhile(self):
         pass
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from awex.meta import Box, Layout
 from awex.meta.client import MetaClient, seconds
 from awex.transport import LocalShards
 from awex.transport.base import TransferStats
-from awex.transport.shards import rebound
+from awex.transport.shards import confirm_bound, rebound
 
 log = logging.getLogger("awex.engines")
 APPLIED_NAMES_KEPT = 65536  # version names a reader remembers having applied (a few MB at most)
@@ -131,7 +132,7 @@ class WeightsReader:
         # while the trainer announces (off the critical path: the engine's weights do not move inside this call); views
         # that no longer fit fail this rank once the manifest is known (reported, before any byte moves)
         try:
-            self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
+            self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards, quick=True)
             unfit = None
         except Exception as e:  # raised once the manifest is known
             unfit = e
@@ -155,7 +156,10 @@ class WeightsReader:
                     f"{'/'.join(held[0])} at epoch {held[1]}; writer epoch {manifest.epoch} may not write that name "
                     "again (its bytes may differ): version names are written once, name the version anew"
                 )
-            stats = self._session.transfer(manifest, self._shards, self.timeout - (time.monotonic() - started))
+            confirm = partial(confirm_bound, self.layout, self.local_rank, self._view_of, self._shards)
+            stats = self._session.transfer(
+                manifest, self._shards, self.timeout - (time.monotonic() - started), beside=confirm
+            )
             if manifest.verify:  # before validation and the load step: nothing unverified is applied
                 self._session.verify(manifest, self._shards, started + self.timeout)
             self._session.phases.update(

@@ -32,7 +32,7 @@ from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.transport.base import TransferStats
 from awex.transport.registry import transport_class
-from awex.transport.shards import LocalShards, rebound
+from awex.transport.shards import LocalShards, confirm_bound, rebound
 
 log = logging.getLogger("awex.engines")
 
@@ -251,7 +251,7 @@ class WeightsWriter:
             # transports rebuild what they built from the old ones (CUDA IPC: a new export); bad views raise here,
             # before any byte moves (the first rank checks while its claim travels, and takes the claim back)
             checking = time.monotonic()
-            self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards)
+            self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards, quick=True)
             control["fingerprint"] = time.monotonic() - checking
 
         try:
@@ -268,12 +268,13 @@ class WeightsWriter:
                 self.timeout - (time.monotonic() - started),
                 refresh=self.refresh,
                 refresh_by_wave=self.refresh_by_wave,
+                beside=partial(self._beside, self._shards),
             )
-            if self._announcer is not None:  # a claim sent under the lease: its answer, while the receivers copy
-                self._announcer.confirm()
             if manifest.verify:  # what this rank sent, digested while the receivers digest what they got
                 self._session.verify(manifest, self._shards, deadline)
             outcomes = self._session.await_outcomes(manifest, deadline)
+            if self._announcer is not None:  # a claim sent under the lease: its answer, read once the receivers
+                self._announcer.confirm()  # reported (it came while they copied)
             failed = {rank: o for rank, o in outcomes.items() if not (o and o.get("ok"))}
             if failed:
                 raise SyncFailedError(version, failed)
@@ -302,6 +303,13 @@ class WeightsWriter:
         if later:  # one hand-over: one wake-up of the background thread
             self._background.submit(f"after {version}", self._background.run_each, later)
         return stats
+
+    def _beside(self, shards: LocalShards) -> None:
+        """While the version's bytes move: the claim sent under the lease, and the rest of the moved-memory check
+        (``confirm_bound``: a tensor changed in place at the same address fails the version)."""
+        if self._announcer is not None:
+            self._announcer.send_claim()
+        confirm_bound(self.layout, self.local_rank, self._view_of, shards)
 
     def _failed(
         self, version: str, manifest: SyncManifest | None, error: BaseException, outcomes: dict | None, deadline: float

@@ -84,6 +84,11 @@ class PeerLink(Protocol):
         """A receiver: bytes start moving into its views now (a failure from here on leaves them partly
         changed; before it, untouched)."""
 
+    def meanwhile(self) -> None:
+        """The session's work beside the transfer (its last checks of this rank's memory): a transport calls it
+        once its copies are under way and its thread would only wait for them; the session runs it after the
+        transport otherwise. Runs once; never raises (the session raises its failure after the transfer)."""
+
 
 @dataclass(frozen=True)
 class Setup:

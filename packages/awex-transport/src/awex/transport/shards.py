@@ -76,6 +76,7 @@ class LocalShards:
             )
         self.device = next(iter(devices), torch.device("cpu"))
         self.fingerprint: tuple | None = None  # where the tensors the views come from were (see rebound)
+        self.unconfirmed = False  # kept by rebound(quick=True) on their addresses alone: see confirm_bound
 
     @classmethod
     def from_layout(
@@ -185,6 +186,7 @@ def rebound(
     local_rank: int,
     view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
     held: LocalShards,
+    quick: bool = False,
 ) -> tuple[LocalShards, list[str]]:
     """The views ``view_of`` gives now, checked as :meth:`LocalShards.from_layout` checks them: ``(held, [])`` when
     each aliases the memory it did, else ``(new views, the tensors that moved)``. Memory that moved to another kind
@@ -193,9 +195,19 @@ def rebound(
 
     A ``view_of`` with a ``fingerprint()`` (``awex.convert`` views: where every tensor they are taken from is now)
     is asked for its views only when the fingerprint changed since ``held`` was taken: checking a Qwen3-8B-shaped
-    rank's 399 views every version took 10-12 ms, its fingerprint well under one."""
+    rank's 399 views every version took 10-12 ms, its fingerprint well under one. With ``quick`` and a ``view_of``
+    that also has ``addresses()`` and ``forms()`` (its fingerprint is ``(addresses(), forms())``), ``held`` is kept
+    when the addresses alone are unchanged (every tensor at the address and of the size it had: no byte can go
+    to memory the views do not own) and marked unconfirmed: :func:`confirm_bound`, while the bytes move, checks
+    the rest (a tensor changed in place at the same address)."""
     fingerprint = getattr(view_of, "fingerprint", None)
+    if quick and held.fingerprint is not None and callable(getattr(view_of, "forms", None)):
+        addresses = getattr(view_of, "addresses", None)
+        if callable(addresses) and addresses() == held.fingerprint[0]:
+            held.unconfirmed = True
+            return held, []
     now_print = fingerprint() if callable(fingerprint) else None
+    held.unconfirmed = False
     if now_print is not None and now_print == held.fingerprint:
         return held, []
     now = LocalShards.from_layout(layout, local_rank, view_of)
@@ -212,3 +224,25 @@ def rebound(
         )
     log.info("%s:%d: %d tensor(s) moved (%s...): re-bound", layout.instance, local_rank, len(moved), moved[0])
     return now, moved
+
+
+def confirm_bound(layout: Layout, local_rank: int, view_of: Callable, held: LocalShards) -> None:
+    """The rest of the check :func:`rebound` kept ``held`` on by its addresses (``quick``): raise
+    :class:`ShardMismatchError` naming the tensors when one changed form in place at the same address (its bytes
+    were sent or written as the old views lay them out: the version must fail), and forget ``held``'s fingerprint
+    so that the next :func:`rebound` takes new views before any byte moves. Nothing to do after a full check."""
+    if not held.unconfirmed:
+        return
+    held.unconfirmed = False
+    if view_of.forms() == held.fingerprint[1]:
+        return
+    held.fingerprint = None  # the next rebound derives the views again
+    try:
+        changed = LocalShards.from_layout(layout, local_rank, view_of).moved(held) or ["a tensor"]
+    except ShardMismatchError as e:  # views that no longer fit the layout at all
+        changed = [str(e)]
+    raise ShardMismatchError(
+        f"{layout.instance} rank {local_rank}: {', '.join(changed[:5])} changed shape, strides or dtype in place (at "
+        "the same address) after the version began: its bytes moved as the old views lay them out, so the version "
+        "fails; the next one takes new views before any byte moves"
+    )

@@ -50,6 +50,7 @@ class Announcer:
         self.epoch = epoch  # this writer's fence (the client carries it on every write)
         # claims sent on the lease are not waited for before the transfer (awex.engines.sync.lease)
         self.lease = None if lease is None or client.fence is None else ClaimLease(client, keys.manifest(""), lease)
+        self._unsent: tuple[str, str, dict] | None = None  # (version, key, manifest) of a claim on the lease to send
         self._unconfirmed: tuple[str, Callable[[], None]] | None = None  # (version, its claim's answer) to read
         self._port: int | None = None
         self._channel: VersionChannel | None = None  # hosted here (awex.engines.sync.channel)
@@ -186,8 +187,8 @@ class Announcer:
         if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
             self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
         posted = time.perf_counter()
-        if leased:  # sent once the ranks may start (the lease keeps the name this writer's): answered later
-            self._unconfirmed = (version, self.client.put_sent(key, doc, create_only=True))
+        if leased:  # sent once the transfer began (the lease keeps the name this writer's): answered later
+            self._unsent = (version, key, doc)
         claimed = (sent - claiming) + (posting - waiting) + (time.perf_counter() - posted)
         self.last_phases = {"claim": claimed, "post": posted - posting}
         later.append(
@@ -198,9 +199,21 @@ class Announcer:
         )
         return manifest
 
+    def send_claim(self) -> None:
+        """Send the claim of a version announced under the lease (once its transfer began: off its critical
+        path); :meth:`confirm` reads the answer."""
+        unsent, self._unsent = self._unsent, None
+        if unsent is not None:
+            version, key, doc = unsent
+            self._unconfirmed = (version, self.client.put_sent(key, doc, create_only=True))
+
     def confirm(self, quiet: bool = False) -> None:
-        """Read the answer of a claim sent on the lease (after the transfer began: off its critical path). A claim
-        the server refused fails the version (``quiet``: a failed attempt being taken back, nothing raised)."""
+        """Read the answer of a claim sent on the lease (sent now if it was not yet). A claim the server refused
+        fails the version (``quiet``: a failed attempt being taken back: a claim not sent is not sent, nothing
+        raised)."""
+        if quiet:
+            self._unsent = None
+        self.send_claim()
         pending, self._unconfirmed = self._unconfirmed, None
         if pending is None:
             return

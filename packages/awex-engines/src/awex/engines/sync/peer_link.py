@@ -6,7 +6,7 @@ a sync session."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,8 @@ class SyncPeerLink:
     kind: str  # the transport's name
     processes: Mapping[tuple[str, int], Process]  # where each rank of the plan runs (liveness checks)
     touched: bool = False  # a receiver: bytes began moving into its views
+    beside: Callable[[], None] | None = None  # the session's work while the bytes move (see meanwhile)
+    beside_error: Exception | None = None  # what it raised: the version fails once the transfer ended
 
     @property
     def count(self) -> int:
@@ -71,6 +73,14 @@ class SyncPeerLink:
 
     def moving(self) -> None:
         self.touched = True
+
+    def meanwhile(self) -> None:
+        work, self.beside = self.beside, None
+        if work is not None:
+            try:
+                work()
+            except Exception as e:  # raised by the session after the transfer (the copies under way end first)
+                self.beside_error = e
 
     def await_ready(self, peers: Sequence[int], deadline: float) -> list[int]:
         """Wait until every sender in ``peers`` said this version is ready (before ``deadline``); their generations.

@@ -335,9 +335,12 @@ class SyncSession:
         timeout: float,
         refresh: Callable[[], None] | None = None,
         refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
+        beside: Callable[[], None] | None = None,
     ) -> TransferStats:
         """Move this rank's share of the version; ``refresh`` / ``refresh_by_wave`` (senders): see
-        ``WeightsWriter`` (per wave only over p2p; once the transport is known, before any byte moves)."""
+        ``WeightsWriter`` (per wave only over p2p; once the transport is known, before any byte moves). ``beside``
+        runs while the bytes move (where the transport lets it: CUDA IPC once the copies are enqueued) or after
+        the transport returns; what it raises is raised once the transfer ended."""
         started = time.monotonic()
         if self.closed:
             raise RuntimeError(f"{self.instance}:{self.local_rank}: this reader or writer is closed")
@@ -351,9 +354,12 @@ class SyncSession:
             with phase("refresh"):
                 refresh()
         link = self._link = SyncPeerLink(
-            plan, rank, self.signals, self.client, manifest, self.transport, self._processes
+            plan, rank, self.signals, self.client, manifest, self.transport, self._processes, beside=beside
         )
         stats = transport.run(shards, link, started + timeout, phase, refresh_by_wave)
+        link.meanwhile()  # where the transport did not
+        if link.beside_error is not None:
+            raise link.beside_error
         if transport.signals_ready:
             stats.seconds = time.monotonic() - started
         return stats

@@ -169,8 +169,9 @@ class IpcExecutor:
         self._whole_failed = False
         self._capturing = False
 
-    def run(self, timeout: float = 300.0) -> TransferStats:
-        """Copy everything; returns when it is done (or raises after ``timeout``).
+    def run(self, timeout: float = 300.0, meanwhile: Callable[[], None] | None = None) -> TransferStats:
+        """Copy everything; returns when it is done (or raises after ``timeout``). ``meanwhile`` runs once the
+        copies are enqueued, before waiting for them.
 
         Streams overlap: single-piece peer DMAs, span DMAs into the bounce buffers, placements out of them, and
         the same-GPU copies; after the first sync all of it is one CUDA graph replay (``cuda_graph``).
@@ -185,6 +186,8 @@ class IpcExecutor:
             used = [compute]
         else:
             used = self._issue(compute)
+        if meanwhile is not None:
+            meanwhile()
         deadline = started + timeout
         expect_at = started + self._last_seconds  # a steady sync takes about as long as the last one
         for stream in used:

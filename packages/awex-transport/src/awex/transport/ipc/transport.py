@@ -109,7 +109,10 @@ class IpcTransport(Transport):
         executor = self.executor
         link.moving()
         with timed(phases, "transfer"):
-            stats = executor.run(timeout=max(0.1, deadline - time.monotonic()))
+            if self.delta:
+                stats = executor.run(timeout=max(0.1, deadline - time.monotonic()))
+            else:
+                stats = executor.run(timeout=max(0.1, deadline - time.monotonic()), meanwhile=link.meanwhile)
         if executor.capture_seconds:  # the first run captured the sync as a CUDA graph
             phases["capture"] = executor.capture_seconds
             phases["transfer"] -= executor.capture_seconds
