@@ -1,6 +1,7 @@
 """A GRPO-style RL loop through vLLM's RL API with backend ``awex``, as an RL stack runs it: rollouts sampled from
 `vllm serve`, a verifiable reward, a policy-gradient step on an HF trainer, the new version sent through vLLM's
-trainer API (``pause="keep"``, verify mode on) while greedy requests are running, repeated for several versions.
+trainer API (``pause="keep"``, verify mode on, ``receive="staged"``: each version arrives while the engine keeps
+generating, and the pause covers its commit alone) while greedy requests are running, repeated for several versions.
 
 Each step checks what makes the loop correct, not only that it ran:
 - on-policy: every sampled token's logprob from the engine equals the trainer's for the version it was sent
@@ -8,7 +9,7 @@ Each step checks what makes the loop correct, not only that it ran:
 - the requests running at each sync are the old version's greedy output up to one switch point and the new
   version's from there on, token for token and logprob for logprob (nothing mixed, no stale cache), and each one
   really ran across the sync;
-- the stall (paused -> resumed) stays within the sync time plus 50 ms;
+- the stall (paused -> resumed) stays within the commit's time plus 50 ms;
 - the reward rises over the run (the policy learns from the engine's samples, so stale weights would show).
 
 The task: the share of completion tokens in the lower half of the vocabulary, from 0.5 at random weights; eight
@@ -35,7 +36,7 @@ GROUP = 8  # samples per prompt (GRPO's group)
 TOKENS = 12  # per sample
 LR = 1e-2
 RISE = 0.15  # the last two steps' mean reward over the first two's (measured: +0.3 to +0.4 at these settings)
-STALL_SLACK = 0.05  # seconds: the stall's goal is the sync time plus 50 ms
+STALL_SLACK = 0.05  # seconds: the stall's goal is the commit's time plus 50 ms
 IN_FLIGHT_TOKENS = 160  # long enough to be running when the sync starts and after it ends
 RL_PROMPTS = [*PROMPTS, "hello world"]
 
@@ -69,7 +70,13 @@ def test_grpo_loop_through_vllms_rl_api(vllm_server):
     engine = WeightTransferTrainerFactory.trainer_init(
         # verify mode: every version's bytes in the engine checked against the trainer's before it counts
         AwexTrainerInitInfo(
-            rank=0, meta_address=meta.address, job="grpo", instances=("vllm-http",), timeout=60, verify=True
+            rank=0,
+            meta_address=meta.address,
+            job="grpo",
+            instances=("vllm-http",),
+            timeout=60,
+            verify=True,
+            receive="staged",
         ),
         client=HTTPVLLMWeightSyncClient(server.base, timeout=120),
         source=ModuleSource(policy),
@@ -110,7 +117,8 @@ def test_grpo_loop_through_vllms_rl_api(vllm_server):
                     assert engine.send_weights() == f"step-{step + 2}"
                 stall = engine.last_stalls["vllm-http"]
                 stalls.append(stall)
-                assert stall.sync_seconds <= stall.stall_seconds <= stall.sync_seconds + STALL_SLACK, stall
+                assert stall.commit_seconds is not None, stall  # received while generating, paused to commit
+                assert stall.commit_seconds <= stall.stall_seconds <= stall.commit_seconds + STALL_SLACK, stall
                 for i, (tokens, logprobs) in flight.results.items():
                     assert len(tokens) == len(logprobs) == IN_FLIGHT_TOKENS
                     k = version_boundary(old, served, prompts[i], tokens, logprobs)

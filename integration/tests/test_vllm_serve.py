@@ -93,3 +93,91 @@ def test_trainer_drives_vllm_serve_through_vllms_trainer_api(vllm_server, tmp_pa
         if engine is not None:
             engine.shutdown()
         meta.stop()
+
+
+SLOW_SYNC_SECONDS = 2.0  # a version made to take this long on the trainer before any byte moves
+STAGED_STALL = 0.1  # seconds: receiving while generating, the stall (the commit alone) stays under this on CPU
+
+
+def test_a_staged_version_arrives_while_vllm_serve_generates_and_only_its_commit_pauses(vllm_server, tmp_path):
+    """``receive="staged"``: the engine receives each version into staging while it keeps serving the previous
+    one, and is paused for the commit alone. Requests running across the commit switch versions at one point; a
+    sync made to take two seconds stalls generation under 100 ms, and a request served meanwhile is the previous
+    version's; a version that fails before its commit never pauses the engine, which keeps serving the previous
+    version, and the next version goes."""
+    import threading
+    import time
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from awex.engines import SyncFailedError
+    from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
+
+    server = vllm_server
+    model_dir, base = server.model, server.base
+    meta = start_embedded()
+    engine = None
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        engine = WeightTransferTrainerFactory.trainer_init(
+            AwexTrainerInitInfo(
+                rank=0, meta_address=meta.address, job="staged", instances=("vllm-http",), timeout=60, receive="staged"
+            ),
+            client=HTTPVLLMWeightSyncClient(base, timeout=120),
+            source=AwexSource.hf(trainer),
+        )
+
+        def served() -> list[list[int]]:
+            return [server.complete(p, 16)["token_ids"] for p in PROMPTS]
+
+        perturb_(trainer, 5)
+        assert engine.send_weights() == "step-1"
+        assert served() == hf_greedy(trainer, tok)
+
+        old = copy.deepcopy(trainer)  # requests running across the commit: one switch point each
+        perturb_(trainer, 6)
+        prompts = [tok(p).input_ids for p in PROMPTS]
+        with InFlight(server, prompts, 160) as flight:
+            assert engine.send_weights() == "step-2"
+        stall = engine.last_stalls["vllm-http"]
+        assert stall.commit_seconds is not None and 0 < stall.commit_seconds <= stall.stall_seconds, stall
+        assert stall.stall_seconds <= stall.commit_seconds + STALL_SLACK, stall
+        for i, ids in enumerate(prompts):
+            tokens, logprobs = flight.results[i]
+            k = version_boundary(old, trainer, ids, tokens, logprobs)
+            assert k is not None, f"request {i} mixed versions outside one switch point, or read stale cache"
+            assert 0 < k < len(tokens), f"request {i} did not run across the commit (switch at {k})"
+
+        step2 = hf_greedy(trainer, tok)  # a slow version: the engine serves step-2 until its commit
+        perturb_(trainer, 7)
+        engine.writer.refresh = lambda: time.sleep(SLOW_SYNC_SECONDS)
+        sent = threading.Thread(target=lambda: engine.send_weights("step-3"), daemon=True)
+        began = time.monotonic()
+        sent.start()
+        time.sleep(0.5)
+        meanwhile = served()
+        answered = time.monotonic() - began
+        sent.join(120)
+        engine.writer.refresh = None
+        stall = engine.last_stalls["vllm-http"]
+        print("staged stall", stall.to_json())
+        assert answered < SLOW_SYNC_SECONDS and meanwhile == step2  # served, the previous version, mid-sync
+        assert stall.sync_seconds >= SLOW_SYNC_SECONDS and stall.stall_seconds < STAGED_STALL, stall
+        assert get(base, "/weight_info")["weight_version"] == "step-3" and served() == hf_greedy(trainer, tok)
+
+        step3 = served()  # fails before its commit (validation against a missing checkpoint): never paused
+        perturb_(trainer, 8)
+        with pytest.raises(SyncFailedError, match=r"'step-4' was not applied.*FileNotFoundError"):
+            engine.send_weights(validate=str(tmp_path / "no-such-checkpoint"))
+        assert get(base, "/weight_info")["weight_version"] == "step-3" and engine.paused_engines == []
+        assert get(base, "/is_paused")["is_paused"] is False and served() == step3
+
+        perturb_(trainer, 9)  # the next version goes
+        assert engine.send_weights() == "step-5"
+        assert get(base, "/weight_info")["weight_version"] == "step-5" and served() == hf_greedy(trainer, tok)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        meta.stop()

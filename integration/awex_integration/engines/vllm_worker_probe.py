@@ -56,7 +56,7 @@ class WorkerProbe:
             "empty": sorted(n for n, p in model.named_parameters() if p.numel() == 0),
             "loaded": sorted(set(self._awex_loaded)),
             "in_place": list(dest.in_place),
-            "loader": list(dest.loader),
+            "loader": engine.loaded_through_vllm,  # staged: what its commit cannot copy in place
         }
 
     def awex_probe_state(self) -> dict[str, str]:

@@ -111,3 +111,5 @@ def test_a_stall_says_whether_the_engine_resumed():
         "stall_seconds": 0.52,
     }
     assert not VersionStall("step-4", "vllm-0", "keep", 0.01, 0.5, None).resumed
+    staged = VersionStall("step-5", "vllm-0", "keep", 0.01, 2.0, 0.05, commit_seconds=0.0400004)
+    assert staged.to_json()["commit_seconds"] == 0.04 and staged.to_json()["sync_seconds"] == 2.0

@@ -44,7 +44,9 @@ class VersionStall:
     the engine being paused, ``sync_seconds`` from paused to the version applied (or failed) on every rank,
     ``stall_seconds`` from paused to resumed (``None`` where the engine was left paused: the version failed on
     weights it had already changed). With mode ``"none"`` the pause is the stack's own: the times start when
-    the update was asked for."""
+    the update was asked for. With ``receive="staged"`` the engines generate while the version arrives:
+    ``sync_seconds`` runs from asking for the update to every rank holding it staged (no pause), ``pause_seconds``
+    from then to paused, and ``commit_seconds`` from paused to the version applied; the stall covers the commit."""
 
     version: str
     instance: str
@@ -52,13 +54,14 @@ class VersionStall:
     pause_seconds: float
     sync_seconds: float
     stall_seconds: float | None
+    commit_seconds: float | None = None  # receive="staged": from paused to the version applied on every rank
 
     @property
     def resumed(self) -> bool:
         return self.stall_seconds is not None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "version": self.version,
             "instance": self.instance,
             "mode": self.mode,
@@ -66,6 +69,9 @@ class VersionStall:
             "sync_seconds": round(self.sync_seconds, 6),
             "stall_seconds": None if self.stall_seconds is None else round(self.stall_seconds, 6),
         }
+        if self.commit_seconds is not None:  # received while generating (staged): the pause covered the commit
+            out["commit_seconds"] = round(self.commit_seconds, 6)
+        return out
 
 
 @runtime_checkable

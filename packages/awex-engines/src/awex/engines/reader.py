@@ -107,6 +107,7 @@ class WeightsReader:
         validate: str | None = None,
         strict: bool = False,
         in_place: bool | None = None,
+        before_apply: Callable[[], None] | None = None,
     ) -> TransferStats:
         """Receive ``version`` (waiting for the trainer's manifest), then ``apply`` it; raises on any failure.
 
@@ -114,7 +115,9 @@ class WeightsReader:
         the report is published at ``validation/<version>/<instance>:<rank>``; with ``strict`` a mismatch
         raises :class:`~awex.engines.validation.ValidationError` and nothing is applied.
         ``in_place``: whether some views are the engine's own weights (a failure once bytes moved then leaves them
-        partially updated); by default, when there is no ``apply`` step.
+        partially updated); by default, when there is no ``apply`` step. ``before_apply``: runs once the whole
+        version arrived (verified and validated where asked), before ``apply``; what it raises fails the version
+        with the engine's weights untouched (a staged version dropped: ``awex.engines.staged_version``).
 
         The outcome (applied, or failed with its cause) goes to the trainers, which count the version as applied
         only when every receiving rank succeeded, and report each instance's version (see ``WeightsWriter``). An
@@ -178,6 +181,8 @@ class WeightsReader:
                         f"{report.tensors_mismatched} of {report.tensors_checked} received tensors "
                         f"differ from {validate}: {report.to_json()['mismatched'][:10]}"
                     )
+            if before_apply is not None:
+                before_apply()
             if apply is not None:
                 applying = True
                 apply(self._shards)

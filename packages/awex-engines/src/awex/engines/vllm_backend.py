@@ -25,9 +25,14 @@ it starts, routes every canonical tensor it holds (``awex.engines.vllm_params``)
 - **through vLLM's loaders**: only the modules vLLM transformed after loading (vLLM-CPU's prepacked linears and
   MoE experts, quantisation methods that repack) receive into staging, and are loaded one module at a time
   inside a layerwise reload (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload`` on that module).
-- ``receive="staged"``: everything goes the loader way, after the whole version has arrived. A failed transfer
-  then leaves the model untouched (the previous version keeps serving), at the cost of a staging copy of the
-  rank's whole shard plus one full-size tensor at a time while loading.
+- ``receive="staged"``: everything arrives in staging first, and is applied once the whole version has arrived:
+  copied into the live parameters where they take it in place, through vLLM's loaders elsewhere (all of it, where a
+  parameter does not match what Awex computes). A failed transfer then leaves the model untouched (the previous
+  version keeps serving), at the cost of a staging copy of the rank's whole shard (plus one full-size tensor at a
+  time for what goes through the loaders). With ``stage=True`` in the update info
+  the version is received on a thread while the engine keeps generating, and applied (or dropped) by a second
+  ``update_weights`` with ``commit=True`` (``False``), which the trainer sends once every rank of every engine
+  holds the whole version, after pausing them (``awex.engines.staged_version``, ``awex.engines.vllm_sender``).
 
 After each version the worker logs how many tensors and bytes went each way and publishes it, with the peak
 extra memory the sync took in this process (measured, ``awex.engines.memory``), at
@@ -53,6 +58,8 @@ from awex.convert.vllm import vllm_param_dtypes, vllm_param_shapes, vllm_views
 from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
 from awex.engines.receive_report import ReceiveReport, publish_report
+from awex.engines.staged_version import StagedVersion
+from awex.engines.sync import keys
 from awex.engines.vllm_fixups import (
     check_cpu_moe_reloadable,
     check_mla_reloadable,
@@ -69,6 +76,8 @@ from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
 
 log = logging.getLogger("awex.engines.vllm")
+
+DROP_WAIT_SECONDS = 5.0  # a staged version dropped without the trainer: how long to wait for its receive to end
 
 
 @dataclass
@@ -92,6 +101,8 @@ class AwexUpdateInfo(WeightTransferUpdateInfo):
     timeout: float | None = None
     validate: str | None = None  # HF safetensors checkpoint: compare every received tensor with it
     strict: bool = False  # with validate: a mismatch is an error and the version is not applied
+    stage: bool = False  # receive="staged": receive on a thread while the engine generates, apply on the word below
+    commit: bool | None = None  # the trainer's word on the version staged: apply it (True) or drop it (False)
 
 
 def _vllm_parallel(vllm_config) -> VllmParallel:
@@ -129,6 +140,10 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         self._bytes = (0, 0)  # in place, through the loaders (per version)
         self._tied = False
         self._staged_bytes = 0  # receive buffers of the loader path, kept between versions
+        self._mode = "in_place"
+        self._pending: StagedVersion | None = None  # a version received while generating, awaiting its word
+        self._commit: Destinations | None = None  # staged: how an arrived version is applied (see _route)
+        self._live = None  # the live parameters' views (what in-place receives and staged commits write)
 
     def init_transfer_engine(self, init_info: AwexInitInfo) -> None:
         if init_info.receive not in ("in_place", "staged"):
@@ -162,7 +177,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
                 )
             return t
 
-        self.timeout = init_info.timeout
+        self.timeout, self._mode, self._live = init_info.timeout, init_info.receive, live
         self.reader = WeightsReader(client, layout, local_rank, view_of, timeout=init_info.timeout)
         shards = self.reader.shards
         nbytes = {name: sum(view.nbytes for _, view in shards.pairs(name)) for name in shards.names()}
@@ -183,13 +198,13 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         pc = self.parallel_config
         tp_rank, pp_rank, dp_rank = pc.rank % parallel.tp, pc.rank // parallel.tp, pc.data_parallel_index
         shapes = vllm_param_shapes(dims, parallel, tp_rank, pp_rank, quant=quant, dp_rank=dp_rank)
-        self.destinations = route(
+        self.destinations = self._route(
+            init_info.receive,
             self.model,
             sorted(layout.rank_boxes(local_rank)),
             dims.tie_embeddings,
             shapes,
             vllm_param_dtypes(shapes, dtype, quant, dims.architecture),
-            in_place=init_info.receive == "in_place",
         )
         live = vllm_views(
             LiveTensors(self.model, buffers=False),  # where each parameter is at each call (it may be re-allocated)
@@ -200,6 +215,19 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             dp_rank=dp_rank,
         )
         return layout, live, dims.tie_embeddings
+
+    def _route(self, receive: str, *args, **kwargs) -> Destinations:
+        """Where each tensor lands for ``receive``; staged, also how a version is applied once it arrived
+        (``self._commit``: copied into the live parameters where they take it in place, through the loaders
+        elsewhere; all through the loaders where a parameter does not match what Awex computes)."""
+        self._commit = None
+        if receive == "in_place":
+            return route(*args, in_place=True, **kwargs)
+        try:
+            self._commit = route(*args, in_place=True, **kwargs)
+        except ValueError as e:
+            log.info("awex backend: a staged version is applied through vLLM's loaders alone: %s", e)
+        return route(*args, in_place=False, **kwargs)
 
     def _learn(self, client: MetaClient, init_info: AwexInitInfo, local_rank: int, dtype: str):
         """The layout and views learned from vLLM's own loaders (``awex.engines.vllm_learned``)."""
@@ -218,36 +246,89 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             vllm_config=self.vllm_config,
         )
         layout = self.learned.layout
-        self.destinations = route(
+        self.destinations = self._route(
+            init_info.receive,
             self.model,
             sorted(layout.rank_boxes(local_rank)),
             False,
-            in_place=init_info.receive == "in_place",
             native=self.learned.native,
             forced=self.learned.loader,
         )
         live = learned_views(LiveTensors(self.model, buffers=False), self.learned)
         return layout, live, bool(getattr(hf_config, "tie_word_embeddings", False))
 
+    @property
+    def loaded_through_vllm(self) -> list[str]:
+        """The tensors a version's apply step loads through vLLM's loaders (staged: those its commit cannot copy)."""
+        dest = self._commit if self._commit is not None else self.destinations
+        return [] if dest is None else list(dest.loader)
+
     def start_weight_update(self) -> None:
         """Nothing to prepare: in-place tensors land as they arrive, loader tensors are loaded after."""
         if self.reader is None:
             raise RuntimeError("awex backend: call init_weight_transfer_engine first")
+        self._drop_pending("a new weight update began")
 
     def receive_weights(self, update_info: AwexUpdateInfo) -> None:
+        """Receive a version (and apply it); with ``stage`` (``receive="staged"``) start receiving it on a thread and
+        return at once, the engine generating meanwhile (``awex.engines.staged_version``); with ``commit`` apply
+        (``True``) or drop (``False``) the version so staged."""
         if self.reader is None:
             raise RuntimeError("awex backend: call init_weight_transfer_engine first")
+        pending = self._pending
+        if update_info.commit is not None:
+            if pending is None or pending.version != update_info.version:
+                held = "none" if pending is None else repr(pending.version)
+                raise ValueError(
+                    f"awex backend: no staged version {update_info.version!r} to decide on (staged: {held})"
+                )
+            self._pending = None
+            pending.decide(update_info.commit, timeout=self.reader.timeout)
+            return
+        if pending is not None:
+            raise RuntimeError(
+                f"awex backend: version {pending.version!r} is staged and not yet applied or dropped; "
+                f"{update_info.version!r} cannot be received before the trainer decides on it"
+            )
         if update_info.timeout:
             self.reader.timeout = update_info.timeout
+        if not update_info.stage:
+            self._receive(update_info, None)
+            return
+        if self._mode != "staged":
+            raise ValueError(
+                "awex backend: stage=True receives while the engine generates into staging, which needs "
+                f"receive='staged' (this engine receives {self._mode!r})"
+            )
+        reader, version = self.reader, update_info.version
+        where = keys.staged(version, reader.layout.instance, reader.local_rank)
+        self._pending = StagedVersion(
+            version,
+            lambda gate: self._receive(update_info, gate),
+            lambda: reader.client.put(where, {"version": version}),
+        )
+        self._pending.start(reader.timeout)
+
+    def _drop_pending(self, why: str) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            log.warning("awex backend: %s while %s was staged: dropped", why, pending.version)
+            try:  # a receive still waiting for bytes ends at its own deadline (or when the reader closes)
+                pending.decide(False, timeout=DROP_WAIT_SECONDS)
+            except TimeoutError as e:
+                log.error("%s", e)
+
+    def _receive(self, update_info: AwexUpdateInfo, before_apply) -> None:
         dest = self.destinations
         started = time.monotonic()
         with PeakMemory(self.device) as peak:
             self.reader.receive(
                 update_info.version,
-                apply=self._load_through_vllm if dest.loader else None,
+                apply=self._apply_staged if dest.loader else None,
                 validate=update_info.validate,
                 strict=update_info.strict,
                 in_place=bool(dest.in_place),
+                before_apply=before_apply,
             )
         report = ReceiveReport(
             update_info.version,
@@ -277,15 +358,30 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         )
         publish_report(self.reader.client, report, log)
 
-    def _load_through_vllm(self, shards: LocalShards) -> None:
-        """Load the tensors of transformed modules through vLLM's loaders, one module at a time (a layerwise
+    def _apply_staged(self, shards: LocalShards) -> None:
+        """Apply what arrived in staging: copied into the live parameters where they take it in place (the staged
+        version's commit is then a copy), through vLLM's loaders elsewhere."""
+        commit = self._commit
+        if commit is None:
+            self._load_through_vllm(shards, self.destinations)
+            return
+        for name in commit.in_place:
+            for box, _ in shards.pairs(name):
+                got = self._live(name, box)
+                for piece, t in [(box, got)] if isinstance(got, torch.Tensor) else got:
+                    shards.copy_out(name, piece.offsets, piece.sizes, t)
+        if commit.loader:
+            self._load_through_vllm(shards, commit)
+
+    def _load_through_vllm(self, shards: LocalShards, dest: Destinations) -> None:
+        """Load the tensors ``dest`` routes through vLLM's loaders, one module at a time (a layerwise
         reload of that module: its loaders re-run its post-loading processing, e.g. prepacking)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         layout = self.reader.layout
         by_module: dict[str, list[str]] = {}
-        for name in self.destinations.loader:
-            by_module.setdefault(self.destinations.unit[name], []).append(name)
+        for name in dest.loader:
+            by_module.setdefault(dest.unit[name], []).append(name)
         modules = dict(self.model.named_modules())
         for module_name, names in by_module.items():
             module = modules[module_name]
@@ -304,10 +400,12 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         refresh_cpu_moe_experts(self.model, set(by_module))
 
     def finish_weight_update(self) -> None:
-        """Loading finished in ``update_weights``; nothing is deferred."""
+        """Loading finished in ``update_weights``; a version still staged without a decision is dropped."""
+        self._drop_pending("the weight update finished without a decision")
 
     def shutdown(self) -> None:
         """Close the reader (releases staging and memory opened over CUDA IPC); the engine keeps its weights."""
+        self._drop_pending("the weight transfer engine shut down")
         if self.reader is not None:
             self.reader.close()
         self.reader = None

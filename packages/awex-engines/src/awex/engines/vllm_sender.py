@@ -29,10 +29,12 @@ from awex.engines.pause import FAILED_VERSION_PREFIX, Pauser, VersionStall, set_
 from awex.engines.sync import keys
 from awex.meta import Layout, PlanError, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
+from awex.meta.errors import MetaTimeoutError
 
 log = logging.getLogger("awex.engines.vllm")
 
 SLACK = 30.0  # seconds an engine's call may outlive the sync's deadline (its own HTTP/RPC round trip)
+STAGED_POLL_SECONDS = 0.25  # receive="staged": how often the wait for the ranks' staged words looks at the write
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,19 @@ def _concurrently(
     return done, errors
 
 
+def _begin(client: Any, stage: dict) -> None:
+    client.start_weight_update()
+    client.update_weights(stage)
+
+
+def _capture(fn: Callable[[], None], out: dict[str, BaseException | None]) -> None:
+    try:
+        fn()
+        out["(writer)"] = None
+    except BaseException as e:  # reported by the caller
+        out["(writer)"] = e
+
+
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:2000]
 
@@ -106,6 +121,8 @@ class VersionSender:
     ) -> dict[str, VersionStall]:
         """Version ``version`` to ``instances`` (this rank's write is ``write``); the stall per engine, or
         :class:`SyncFailedError` naming every party that failed."""
+        if self.staged:
+            return self._send_staged(version, call, instances, write, validate)
         started = time.monotonic()
         engines = [self.engines[name] for name in instances]
         paused_at, pause_errors = _concurrently(
@@ -169,6 +186,111 @@ class VersionSender:
             if e.instance not in intact:
                 self._leave_paused(e.instance, version)
         raise SyncFailedError(version, failed, causes)
+
+    def _send_staged(
+        self, version: str, call: int, instances: list[str], write: Callable[[], None], validate: str | None
+    ) -> dict[str, VersionStall]:
+        """``receive="staged"``: the engines receive while they generate (``awex.engines.staged_version``); once
+        every rank of every engine holds the whole version they are paused, commit (their ranks' outcomes, hence
+        ``write``, come after it) and resume. A version that fails before that is dropped on every engine, none
+        paused and none changed."""
+        started = time.monotonic()
+        deadline = started + self.timeout
+        engines = [self.engines[name] for name in instances]
+        self.meta.put(keys.go(version, call), {"ok": True})
+        wrote: dict[str, BaseException | None] = {}
+        writer = threading.Thread(target=_capture, args=(write, wrote), name=f"awex-write-{version}", daemon=True)
+        writer.start()  # this rank's own shards; the engines' receives meet it
+        stage = {"version": version, "timeout": self.timeout, "validate": validate, "stage": True}
+        begun, errors = _concurrently(
+            {e.instance: (lambda e=e: _begin(e.client, stage)) for e in engines}, deadline, "stage"
+        )
+        staged_at = self._await_staged(version, engines, writer, deadline) if not errors else None
+        paused_at: dict[str, float] = {}
+        if staged_at is not None:  # every rank holds it: pause for the commit alone
+            paused_at, pause_errors = _concurrently(
+                {e.instance: (lambda e=e: e.pauser.pause(self.mode)) for e in engines}, deadline, "pause"
+            )
+            errors.update({f"{name} (pause)": e for name, e in pause_errors.items()})
+        commit = staged_at is not None and not errors
+        decided_at, decide_errors = _concurrently(
+            {
+                e.instance: (lambda e=e: e.client.update_weights({"version": version, "commit": commit}))
+                for e in engines
+                if e.instance in begun
+            },
+            deadline + SLACK,
+            "commit" if commit else "drop",
+        )
+        errors.update(decide_errors)
+        writer.join(max(0.0, deadline + SLACK - time.monotonic()))
+        if writer.is_alive():
+            wrote["(writer)"] = TimeoutError("the write did not return within the deadline")
+        errors.update({name: e for name, e in wrote.items() if e is not None})
+        failed: dict[tuple[str, int], dict | None] = {}
+        causes = {name: _describe(e) for name, e in errors.items() if not isinstance(e, SyncFailedError)}
+        for e in errors.values():
+            if isinstance(e, SyncFailedError):
+                failed.update(e.failed)
+                causes.update(e.causes)
+        if commit and not causes and not failed:
+            missing = self._missing_reports(version, instances, max(0.1, deadline - time.monotonic()))
+            if missing:
+                causes["receivers"] = f"no receive report from {', '.join(missing[:8])}"
+        ok = commit and not failed and not causes
+        # dropped before any commit: every engine holds its previous version whole
+        intact = {e.instance for e in engines if ok or not commit or self._intact(e.instance, failed)}
+        for e in engines:  # an update that raised was ended by the engine itself: only its name changes
+            try:
+                if e.instance in begun and e.instance not in errors:
+                    e.client.finish_weight_update(weight_version=version if ok else None)
+                if not ok and e.instance not in intact:
+                    set_weight_version(e.client, f"{FAILED_VERSION_PREFIX}{version}")
+            except BaseException as err:
+                causes.setdefault(f"{e.instance} (finish)", _describe(err))
+                ok = False
+        resumed_at, resume_errors = self._resume([e for e in engines if e.instance in paused_at.keys() & intact])
+        for name, err in resume_errors.items():
+            causes.setdefault(f"{name} (resume)", _describe(err))
+        stalls = {}
+        for e in engines:
+            paused, decided = paused_at.get(e.instance), decided_at.get(e.instance)
+            stalls[e.instance] = VersionStall(
+                version,
+                e.instance,
+                self.mode,
+                paused - staged_at if paused is not None else 0.0,
+                (staged_at if staged_at is not None else time.monotonic()) - started,
+                0.0 if paused is None else resumed_at[e.instance] - paused if e.instance in resumed_at else None,
+                commit_seconds=None if paused is None or decided is None else decided - paused,
+            )
+        if ok and not causes:
+            return stalls
+        for e in engines:
+            if e.instance not in intact:
+                self._leave_paused(e.instance, version)
+        raise SyncFailedError(version, failed, causes)
+
+    def _await_staged(self, version: str, engines: list[Engine], writer: threading.Thread, deadline: float):
+        """When every receiving rank of ``engines`` said it holds ``version`` staged (monotonic), or ``None`` if the
+        writer ended first (it failed: the ranks' outcomes came) or the deadline passed."""
+        waiting = [
+            keys.staged(version, e.instance, rank) for e in engines for rank in range(self._world(e.instance, deadline))
+        ]
+        while waiting and time.monotonic() < deadline:
+            try:
+                self.meta.get(waiting[0], timeout=max(0.001, min(STAGED_POLL_SECONDS, deadline - time.monotonic())))
+                waiting.pop(0)
+            except MetaTimeoutError:
+                if not writer.is_alive():  # the write ended before every rank held the version: it failed
+                    return None
+        return None if waiting else time.monotonic()
+
+    def _world(self, instance: str, deadline: float) -> int:
+        if instance not in self._worlds:
+            layout = self.meta.fetch_layout(instance, "current", timeout=max(0.1, deadline - time.monotonic()))
+            self._worlds[instance] = layout.world_size
+        return self._worlds[instance]
 
     def _resume(self, engines: list[Engine]) -> tuple[dict[str, float], dict[str, BaseException]]:
         done, errors = _concurrently(

@@ -15,15 +15,18 @@ Awex by the backend name.
 ``source``: vLLM's ``ModuleSource``, any HF ``nn.Module`` (FSDP2-sharded ones too), or a
 :class:`~awex.engines.source.TrainerSource` (``TrainerSource.megatron(...)`` for Megatron-core ranks).
 
-Every trainer rank sends its own shards (no gather, nothing through rank 0): each builds a ``WeightsWriter``
-over its views. Rank 0 (the sender) also drives each vLLM engine through vLLM's client
-(``awex.engines.vllm_sender``): it pauses generation (``pause``: ``keep``, ``abort``, ``wait`` or ``none``; caches
-cleared), then runs ``start_weight_update`` and ``update_weights`` concurrently with the writers,
-``finish_weight_update`` and resumes. A version counts as applied only when every engine's update call succeeded
-*and* every receiving rank of every engine published its receive report (``received/<version>/<instance>:<rank>``);
-the sender then publishes the verdict and every other trainer rank waits for it, so all trainer ranks return, or
-raise :class:`~awex.engines.errors.SyncFailedError`, alike. :attr:`AwexTrainerEngine.last_stalls` says what the
-version cost each engine's generation (pause, sync and stall seconds).
+Every trainer rank sends its own shards (no gather, nothing through rank 0): each builds a ``WeightsWriter`` over its
+views. Rank 0 (the sender) also drives each vLLM engine through vLLM's client (``awex.engines.vllm_sender``): it pauses
+generation (``pause``: ``keep``, ``abort``, ``wait`` or ``none``; caches cleared), then runs ``start_weight_update`` and
+``update_weights`` concurrently with the writers, ``finish_weight_update`` and resumes. With ``receive="staged"`` the
+engines receive each version into staging while they keep generating, and are paused only once every rank of every
+engine holds it whole, for the commit (``update_weights`` with ``commit=True``: the load step), then resumed; a version
+that fails before that is dropped (``commit=False``) with no pause and nothing changed. A version counts as applied only
+when every engine's update call succeeded *and* every receiving rank of every engine published its receive report
+(``received/<version>/<instance>:<rank>``); the sender then publishes the verdict and every other trainer rank waits for
+it, so all trainer ranks return, or raise :class:`~awex.engines.errors.SyncFailedError`, alike.
+:attr:`AwexTrainerEngine.last_stalls` says what the version cost each engine's generation (pause, sync and stall
+seconds).
 
 Several engines: pass ``instances`` with one name each and ``client`` as ``{instance: client}`` (or one
 ``RayVLLMWeightSyncClient`` over as many actor handles as ``instances`` names).
@@ -150,7 +153,8 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     wave_bytes: int = 256 << 20
     transport: str = "auto"
     host: str = "127.0.0.1"  # where the trainer's sync group and version channel listen: an address every rank reaches
-    receive: str = "in_place"  # the engines' receive mode: "in_place" or "staged" (atomic)
+    receive: str = "in_place"  # the engines' receive mode: "in_place", or "staged" (atomic; received while they
+    # generate, paused for the commit alone)
     version_prefix: str = "step-"  # send_weights() without a version names them step-1, step-2, ...
     pause: str = "keep"  # generation around each version: "keep", "abort", "wait" or "none" (awex.engines.pause)
     allow_cast: tuple[str, ...] = ()  # globs of tensors that may narrow (("*",): fp32 trainer into a bf16 engine)

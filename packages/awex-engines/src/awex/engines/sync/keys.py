@@ -100,6 +100,14 @@ def received(version: str, instance: str, local_rank: int) -> str:
     return f"received/{version}/{instance}:{local_rank}"
 
 
+def staged(version: str, instance: str = "", local_rank: int | None = None) -> str:
+    """A receiving rank's word that it holds the whole of ``version`` in staging, not yet applied (vLLM's engines
+    receiving while they generate); without a rank, the prefix of a version's (or an instance's) words."""
+    if not instance:
+        return f"staged/{version}/"
+    return f"staged/{version}/{instance}:" + ("" if local_rank is None else str(local_rank))
+
+
 def version_records(version: str) -> tuple[list[str], list[str]]:
     """The MetaServer records one weight version leaves behind: exact names and prefixes (keys and agreements),
     for ``MetaClient.forget`` once nobody needs them."""
@@ -111,6 +119,7 @@ def version_records(version: str) -> tuple[list[str], list[str]]:
             f"validation/{version}/",
             f"devices/{version}/",
             f"received/{version}/",
+            staged(version),
             f"outcome/{version}/",
             f"outcomes/{version}/",
             f"verify/{version}/",
@@ -126,4 +135,4 @@ def withdrawn_records(version: str) -> tuple[list[str], list[str]]:
     records, the plan agreement, ready signals, outcomes) stay until the next successful write drops them
     (:func:`version_records`): ranks still in the failed attempt read them, and fail with their own error (the
     planner's, say) instead of waiting for records that vanished."""
-    return [manifest(version), applied(version)], [f"validation/{version}/", f"received/{version}/"]
+    return [manifest(version), applied(version)], [f"validation/{version}/", f"received/{version}/", staged(version)]
