@@ -49,6 +49,7 @@ from awex_integration.benchmarks.bench_common import (
     scenario_devices,
 )
 from awex_integration.benchmarks.bench_gpu_args import parser
+from awex_integration.benchmarks.bench_paths import describe_staged, phases_of, staged_summary
 from awex_integration.benchmarks.bench_worker import WorkerArgs, worker
 from awex_integration.benchmarks.estimate_check import predict
 
@@ -79,16 +80,6 @@ def _write_results(out: str | None, device: str, date: str, cal: dict, results: 
         "command": "python -m awex_integration.benchmarks.bench_gpu " + " ".join(command),
     }
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")
-
-
-def _phases(per_rank: list[dict], key: str) -> dict[str, dict[str, float]]:
-    """Seconds of each phase of a sync on the trainers and on the receivers (the slowest rank's of each)."""
-    out: dict[str, dict[str, float]] = {"trainer": {}, "inference": {}}
-    for p in per_rank:
-        side = out["trainer" if p["trainer"] else "inference"]
-        for name, seconds in (p.get(key) or {}).items():
-            side[name] = round(max(side.get(name, 0.0), seconds), 6)
-    return out
 
 
 def run_scenario_workers(
@@ -226,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--delta: a fraction between 0 and 1, on the public path, without --fp8")
     if args.verify and args.path != "public":
         ap.error("--verify: on the public path")
+    if args.staged and args.path != "public":
+        ap.error("--staged: on the public path")
     shared = {
+        "staged": args.staged,
         "verify": args.verify,
         "step_seconds": args.step_seconds,
         "delta": args.delta,
@@ -324,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
             **(
                 {
-                    "first_sync_phases": _phases(per_rank, "first_sync_phases"),
-                    "steady_phases": _phases(per_rank, "steady_phases"),
+                    "first_sync_phases": phases_of(per_rank, "first_sync_phases"),
+                    "steady_phases": phases_of(per_rank, "steady_phases"),
                     "meta_server": args.meta_server,
                 }
                 if args.path == "public"
@@ -342,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 else {}
             ),
             **({"verify": True} if args.verify else {}),
+            **(staged_summary(per_rank) if args.staged else {}),
             **({"step_seconds": args.step_seconds} if args.step_seconds else {}),
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
@@ -427,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         print(f"  each rank's own time (median): {entry['rank_seconds']}", flush=True)
+        if "staged" in entry:  # what a generating engine would stall for: the commit, against the whole sync
+            print(describe_staged(entry["staged"]), flush=True)
         for key in ("first_sync_phases", "steady_phases"):
             for side, phases in (entry.get(key) or {}).items():
                 print(f"  {key} ({side}): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items()), flush=True)

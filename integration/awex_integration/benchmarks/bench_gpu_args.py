@@ -100,6 +100,13 @@ def parser(description: str) -> argparse.ArgumentParser:
         "with the trainer's before a version counts; the timed syncs include it",
     )
     ap.add_argument(
+        "--staged",
+        action="store_true",
+        help="public path: receivers take each version into staging (as vLLM's engines do with receive='staged', "
+        "receiving while they generate) and apply it by a copy into their live weights once it arrived; reports the "
+        "sync until staged and the commit (the stall a generating engine would see) per version",
+    )
+    ap.add_argument(
         "--meta-server",
         choices=("embedded", "process"),
         default="embedded",

@@ -170,6 +170,8 @@ def _public_path(
             verify=bool(a.extra.get("verify")),
         )
         step = lambda version: side.write(version, dests)  # noqa: E731
+    elif a.extra.get("staged"):
+        side, step, live = _staged_reader(client, layout, a.local_rank, view_of, result)
     else:
         side = WeightsReader(client, layout, a.local_rank, view_of)
         step = side.receive
@@ -212,7 +214,7 @@ def _public_path(
         stats.waves,
     )
     result["staging_bytes"] = side.held_bytes()
-    shards = side.shards
+    shards = live if a.extra.get("staged") and not trainer else side.shards  # staged: what was applied is checked
     if "bad_first" not in result:
         result["bad_first"] = [] if trainer else mismatches(shards, layout, 1, device, quant)
     if quantize:
@@ -230,6 +232,76 @@ def _public_path(
         side.close()  # release the trainers' memory opened over CUDA IPC before they may exit
     barrier()
     return plan, shards
+
+
+def _staged_reader(client, layout, local_rank, view_of, result):
+    """A receiver that takes each version into staging and applies it by a copy into its live weights once the
+    whole version arrived (as vLLM's engines do with ``receive="staged"``; here with nothing to pause): the reader,
+    its step, and the live weights. Records per version the seconds until staged and the commit's."""
+    import torch
+
+    from awex.engines.reader import WeightsReader
+    from awex.transport import LocalShards
+
+    live = LocalShards.from_layout(layout, local_rank, view_of)
+    buffers: dict = {}
+
+    def staging(name, box):
+        held = buffers.get((name, box))
+        if held is None:
+            like = dict(live.pairs(name))[box]
+            held = buffers[(name, box)] = torch.empty(box.sizes, dtype=like.dtype, device=like.device)
+        return held
+
+    reader = WeightsReader(client, layout, local_rank, staging)
+    marks: dict[str, float] = {}
+    result["staged_seconds"], result["commit_seconds"] = [], []
+
+    def apply(shards) -> None:
+        for name in live.names():
+            for box, view in live.pairs(name):
+                shards.copy_out(name, box.offsets, box.sizes, view)
+        torch.cuda.synchronize()
+
+    def step(version):
+        started = time.perf_counter()
+        stats = reader.receive(
+            version, apply=apply, before_apply=lambda: marks.__setitem__("staged", time.perf_counter())
+        )
+        done = time.perf_counter()
+        result["staged_seconds"].append(marks["staged"] - started)
+        result["commit_seconds"].append(done - marks["staged"])
+        return stats
+
+    return reader, step, live
+
+
+def staged_summary(per_rank: list[dict]) -> dict:
+    """``--staged``: the receivers' steady medians (slowest rank) of the sync until staged and of the commit."""
+    receivers = [p for p in per_rank if not p["trainer"] and p.get("commit_seconds")]
+    if not receivers:
+        return {}
+
+    def slowest(key: str) -> float:
+        return round(max(statistics.median(p[key][1:-1] or p[key]) for p in receivers), 6)  # steady versions
+
+    staged, commit = slowest("staged_seconds"), slowest("commit_seconds")
+    return {"staged": {"sync_to_staged_seconds": staged, "commit_seconds": commit}}
+
+
+def describe_staged(staged: dict) -> str:
+    sync, commit = staged["sync_to_staged_seconds"], staged["commit_seconds"]
+    return f"  staged: sync {sync * 1e3:.2f} ms, stall (commit) {commit * 1e3:.2f} ms"
+
+
+def phases_of(per_rank: list[dict], key: str) -> dict[str, dict[str, float]]:
+    """Seconds of each phase of a sync on the trainers and on the receivers (the slowest rank's of each)."""
+    out: dict[str, dict[str, float]] = {"trainer": {}, "inference": {}}
+    for p in per_rank:
+        side = out["trainer" if p["trainer"] else "inference"]
+        for name, seconds in (p.get(key) or {}).items():
+            side[name] = round(max(side.get(name, 0.0), seconds), 6)
+    return out
 
 
 def _cuda_seconds(fn) -> float:
