@@ -196,3 +196,21 @@ def test_bad_input_is_refused_before_any_byte_moves_and_the_engine_keeps_serving
         assert setup.generate() == hf_greedy(trainer, setup.tok)
     finally:
         engine.shutdown()
+
+
+def test_an_offline_llm_receiving_staged_is_paused_for_the_commit_alone(setup):
+    """``receive="staged"`` through the offline ``LLM`` client: the version goes into staging unpaused (the worker
+    receives on a thread of its own), the engine is paused for the commit, and serves exactly the trainer's weights
+    after it; the stall is the commit's plus the pause and resume."""
+    trainer = _trainer(setup)
+    engine = _engine(setup, "staged-offline", trainer, timeout=60, receive="staged")
+    try:
+        for step in (1, 2):
+            perturb_(trainer, 10 + step)
+            assert engine.send_weights() == f"step-{step}"
+            assert setup.generate() == hf_greedy(trainer, setup.tok) and not _paused(setup)
+            stall = engine.last_stalls["vllm-0"]
+            assert stall.commit_seconds is not None and 0 < stall.commit_seconds <= stall.stall_seconds, stall
+            assert stall.stall_seconds <= stall.commit_seconds + STALL_SLACK, stall
+    finally:
+        engine.shutdown()

@@ -104,7 +104,7 @@ def test_a_staged_version_arrives_while_vllm_serve_generates_and_only_its_commit
     one, and is paused for the commit alone. Requests running across the commit switch versions at one point; a
     sync made to take two seconds stalls generation under 100 ms, and a request served meanwhile is the previous
     version's; a version that fails before its commit never pauses the engine, which keeps serving the previous
-    version, and the next version goes."""
+    version, and the next version goes; so does the next version after a trainer that died with one staged."""
     import threading
     import time
 
@@ -131,6 +131,13 @@ def test_a_staged_version_arrives_while_vllm_serve_generates_and_only_its_commit
 
         def served() -> list[list[int]]:
             return [server.complete(p, 16)["token_ids"] for p in PROMPTS]
+
+        # a trainer that died with a version staged leaves the engine's update open (no word came): the next
+        # trainer's version ends it and goes
+        ghost = HTTPVLLMWeightSyncClient(base, timeout=120)
+        ghost.start_weight_update()
+        ghost.update_weights({"version": "ghost", "stage": True, "timeout": 3})
+        time.sleep(4)  # its receive gave up: nothing was ever written under that name
 
         perturb_(trainer, 5)
         assert engine.send_weights() == "step-1"

@@ -75,7 +75,15 @@ def _concurrently(
 
 
 def _begin(client: Any, stage: dict) -> None:
-    client.start_weight_update()
+    try:
+        client.start_weight_update()
+    except Exception as e:  # a staged version whose trainer died before its word leaves the update open: end it
+        log.warning("awex: could not start a weight update (%s); ending one left open (its trainer gone?)", e)
+        try:
+            client.finish_weight_update(weight_version=None)  # drops what it staged, nothing applied
+        except Exception as again:  # none was open: the start's own error stands
+            raise e from again
+        client.start_weight_update()
     client.update_weights(stage)
 
 
@@ -85,6 +93,17 @@ def _capture(fn: Callable[[], None], out: dict[str, BaseException | None]) -> No
         out["(writer)"] = None
     except BaseException as e:  # reported by the caller
         out["(writer)"] = e
+
+
+def _failures(errors: dict[str, BaseException]) -> tuple[dict[tuple[str, int], dict | None], dict[str, str]]:
+    """The receiving ranks that failed and every cause, from what each party raised."""
+    failed: dict[tuple[str, int], dict | None] = {}
+    causes = {name: _describe(e) for name, e in errors.items() if not isinstance(e, SyncFailedError)}
+    for e in errors.values():
+        if isinstance(e, SyncFailedError):
+            failed.update(e.failed)
+            causes.update(e.causes)
+    return failed, causes
 
 
 def _describe(e: BaseException) -> str:
@@ -143,27 +162,12 @@ class VersionSender:
         work: dict[str, Callable[[], None]] = {e.instance: (lambda e=e: drive(e)) for e in engines}
         work["(writer)"] = write  # this rank's own shards, in a thread like the rest: one deadline for all
         _, errors = _concurrently(work, started + self.timeout + SLACK, "update")
-        failed: dict[tuple[str, int], dict | None] = {}
-        causes = {name: _describe(e) for name, e in errors.items() if not isinstance(e, SyncFailedError)}
-        for e in errors.values():
-            if isinstance(e, SyncFailedError):
-                failed.update(e.failed)
-                causes.update(e.causes)
+        failed, causes = _failures(errors)
         if not errors:
-            missing = self._missing_reports(version, instances, max(0.1, started + self.timeout - time.monotonic()))
-            if missing:
-                causes["receivers"] = f"no receive report from {', '.join(missing[:8])}"
+            self._check_reports(version, instances, started + self.timeout, causes)
         ok = not failed and not causes
         intact = {e.instance for e in engines if ok or self._intact(e.instance, failed)}
-        for e in engines:  # an update that raised was ended by the engine itself: only its name changes
-            try:
-                if e.instance not in errors:
-                    e.client.finish_weight_update(weight_version=version if ok else None)
-                if not ok and e.instance not in intact:
-                    set_weight_version(e.client, f"{FAILED_VERSION_PREFIX}{version}")
-            except BaseException as err:
-                causes.setdefault(f"{e.instance} (finish)", _describe(err))
-                ok = False
+        ok = self._finish(engines, set(errors), version, ok, intact, causes)
         synced = time.monotonic()
         resume = [e for e in engines if e.instance in intact]
         resumed_at, resume_errors = self._resume(resume)
@@ -227,28 +231,13 @@ class VersionSender:
         if writer.is_alive():
             wrote["(writer)"] = TimeoutError("the write did not return within the deadline")
         errors.update({name: e for name, e in wrote.items() if e is not None})
-        failed: dict[tuple[str, int], dict | None] = {}
-        causes = {name: _describe(e) for name, e in errors.items() if not isinstance(e, SyncFailedError)}
-        for e in errors.values():
-            if isinstance(e, SyncFailedError):
-                failed.update(e.failed)
-                causes.update(e.causes)
+        failed, causes = _failures(errors)
         if commit and not causes and not failed:
-            missing = self._missing_reports(version, instances, max(0.1, deadline - time.monotonic()))
-            if missing:
-                causes["receivers"] = f"no receive report from {', '.join(missing[:8])}"
+            self._check_reports(version, instances, deadline, causes)
         ok = commit and not failed and not causes
         # dropped before any commit: every engine holds its previous version whole
         intact = {e.instance for e in engines if ok or not commit or self._intact(e.instance, failed)}
-        for e in engines:  # an update that raised was ended by the engine itself: only its name changes
-            try:
-                if e.instance in begun and e.instance not in errors:
-                    e.client.finish_weight_update(weight_version=version if ok else None)
-                if not ok and e.instance not in intact:
-                    set_weight_version(e.client, f"{FAILED_VERSION_PREFIX}{version}")
-            except BaseException as err:
-                causes.setdefault(f"{e.instance} (finish)", _describe(err))
-                ok = False
+        ok = self._finish(engines, set(errors) | (set(instances) - set(begun)), version, ok, intact, causes)
         resumed_at, resume_errors = self._resume([e for e in engines if e.instance in paused_at.keys() & intact])
         for name, err in resume_errors.items():
             causes.setdefault(f"{name} (resume)", _describe(err))
@@ -270,6 +259,27 @@ class VersionSender:
             if e.instance not in intact:
                 self._leave_paused(e.instance, version)
         raise SyncFailedError(version, failed, causes)
+
+    def _check_reports(self, version: str, instances: list[str], deadline: float, causes: dict[str, str]) -> None:
+        missing = self._missing_reports(version, instances, max(0.1, deadline - time.monotonic()))
+        if missing:
+            causes["receivers"] = f"no receive report from {', '.join(missing[:8])}"
+
+    def _finish(
+        self, engines: list[Engine], ended: set[str], version: str, ok: bool, intact: set[str], causes: dict[str, str]
+    ) -> bool:
+        """End every engine's update (where it did not end itself: ``ended``) naming the version it holds (none where
+        the version failed; ``awex-failed:<version>`` where its weights changed); whether all of it succeeded."""
+        for e in engines:  # an update that raised was ended by the engine itself: only its name changes
+            try:
+                if e.instance not in ended:
+                    e.client.finish_weight_update(weight_version=version if ok else None)
+                if not ok and e.instance not in intact:
+                    set_weight_version(e.client, f"{FAILED_VERSION_PREFIX}{version}")
+            except BaseException as err:
+                causes.setdefault(f"{e.instance} (finish)", _describe(err))
+                ok = False
+        return ok
 
     def _await_staged(self, version: str, engines: list[Engine], writer: threading.Thread, deadline: float):
         """When every receiving rank of ``engines`` said it holds ``version`` staged (monotonic), or ``None`` if the
