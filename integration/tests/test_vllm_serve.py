@@ -136,8 +136,8 @@ def test_a_staged_version_arrives_while_vllm_serve_generates_and_only_its_commit
         # trainer's version ends it and goes
         ghost = HTTPVLLMWeightSyncClient(base, timeout=120)
         ghost.start_weight_update()
-        ghost.update_weights({"version": "ghost", "stage": True, "timeout": 3})
-        time.sleep(4)  # its receive gave up: nothing was ever written under that name
+        ghost.update_weights({"version": "ghost", "stage": True, "timeout": 1})
+        time.sleep(1.5)  # its receive gave up: nothing was ever written under that name
 
         perturb_(trainer, 5)
         assert engine.send_weights() == "step-1"
