@@ -214,3 +214,26 @@ def test_an_offline_llm_receiving_staged_is_paused_for_the_commit_alone(setup):
             assert stall.stall_seconds <= stall.commit_seconds + STALL_SLACK, stall
     finally:
         engine.shutdown()
+
+
+def test_a_staging_budget_too_small_for_the_shard_says_so_and_pauses_for_the_transfer(setup):
+    """``staging_budget_bytes`` smaller than an engine rank's shard: the rank receives in place instead, the trainer
+    says at set-up which engine cannot receive while generating and why, and every version pauses for the transfer
+    (no commit of its own), the engine serving exactly the trainer's weights after it. A budget without staging, or
+    not a number of bytes, is refused before any engine is touched."""
+    trainer = _trainer(setup)
+    for bad in ({"staging_budget_bytes": 1 << 20}, {"receive": "staged", "staging_budget_bytes": -1}):
+        with pytest.raises(ValueError, match="staging_budget_bytes"):
+            _engine(setup, "budget-refused", trainer, timeout=60, **bad)
+    engine = _engine(setup, "budget", trainer, timeout=60, receive="staged", staging_budget_bytes=4096)
+    try:
+        assert list(engine.sender.unstaged) == ["vllm-0"] and "staging budget (4,096 bytes)" in str(
+            engine.sender.unstaged
+        )
+        perturb_(trainer, 21)
+        assert engine.send_weights() == "step-1"
+        assert setup.generate() == hf_greedy(trainer, setup.tok) and not _paused(setup)
+        stall = engine.last_stalls["vllm-0"]
+        assert stall.commit_seconds is None and 0 < stall.sync_seconds <= stall.stall_seconds, stall
+    finally:
+        engine.shutdown()

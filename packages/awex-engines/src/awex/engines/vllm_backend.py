@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -91,6 +91,7 @@ class AwexInitInfo(WeightTransferInitInfo):
     timeout: float = 300.0
     receive: str = "in_place"  # or "staged": receive everything first, then load (atomic, a shard's memory more)
     layout: str = "auto"  # "table", "learned" (from vLLM's loaders), or "auto": the table where there is one
+    staging_budget_bytes: int | None = None  # staged: the most staging may hold; a larger shard receives in place
 
 
 @dataclass
@@ -161,6 +162,24 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             layout, live, tied = self._learn(client, init_info, local_rank, dtype)
         else:
             layout, live, tied = self._table(init_info, local_rank, hf_config, dtype)
+        if init_info.receive == "staged":  # staging within the budget, or in place (said, never silently)
+            need = sum(
+                box.numel * layout.tensor(name).spec.itemsize
+                for name, boxes in layout.rank_boxes(local_rank).items()
+                for box in boxes
+            )
+            budget = init_info.staging_budget_bytes
+            if budget is not None and (type(budget) is not int or budget < 0):
+                raise ValueError(f"awex backend: staging_budget_bytes={budget!r}; a number of bytes, 0 or more")
+            fits = budget is None or need <= budget
+            reason = None if fits else f"its shard ({need:,} bytes) does not fit the staging budget ({budget:,} bytes)"
+            client.put(
+                keys.staging(init_info.instance, local_rank),
+                {"staged": fits, "bytes": need, "budget": budget, "reason": reason},
+            )
+            if not fits:
+                log.warning("awex backend: %s rank %d receives in place: %s", init_info.instance, local_rank, reason)
+                return self.init_transfer_engine(replace(init_info, receive="in_place", staging_budget_bytes=None))
         check_mla_reloadable(self.model)  # refuse now what could not be reloaded later
         if self.destinations.loader:
             check_cpu_moe_reloadable(self.model)

@@ -121,6 +121,7 @@ class VersionSender:
         self.staged = staged
         self.timeout = timeout
         self.left_paused: set[str] = set()  # engines a failed version left paused on changed weights
+        self.unstaged: dict[str, str] = {}  # staged: engines whose ranks cannot stage (budget), and why
         self._worlds: dict[str, int] = {}
 
     def preflight(self, trainer: Layout, options: PlanOptions) -> None:
@@ -130,6 +131,17 @@ class VersionSender:
         engines = [self.meta.fetch_layout(name, "current", timeout=self.timeout) for name in sorted(self.engines)]
         for layout in engines:
             self._worlds[layout.instance] = layout.world_size
+            for rank in range(layout.world_size) if self.staged else ():
+                said = self.meta.get(keys.staging(layout.instance, rank), timeout=self.timeout)
+                if not (isinstance(said, dict) and said.get("staged") is True):
+                    why = said.get("reason") if isinstance(said, dict) else None
+                    self.unstaged[layout.instance] = f"rank {rank}: {why or 'cannot stage'}"
+        if self.unstaged:
+            log.warning(
+                "awex: %s cannot receive while generating (%s): every version pauses for the transfer",
+                ", ".join(sorted(self.unstaged)),
+                "; ".join(f"{k} {v}" for k, v in sorted(self.unstaged.items())),
+            )
         try:
             plan_transfers([trainer], engines, options)
         except PlanError as e:
@@ -140,7 +152,7 @@ class VersionSender:
     ) -> dict[str, VersionStall]:
         """Version ``version`` to ``instances`` (this rank's write is ``write``); the stall per engine, or
         :class:`SyncFailedError` naming every party that failed."""
-        if self.staged:
+        if self.staged and not self.unstaged:
             return self._send_staged(version, call, instances, write, validate)
         started = time.monotonic()
         engines = [self.engines[name] for name in instances]

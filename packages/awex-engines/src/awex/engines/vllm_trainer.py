@@ -155,6 +155,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     host: str = "127.0.0.1"  # where the trainer's sync group and version channel listen: an address every rank reaches
     receive: str = "in_place"  # the engines' receive mode: "in_place", or "staged" (atomic; received while they
     # generate, paused for the commit alone)
+    staging_budget_bytes: int | None = None  # staged: the most each engine rank may stage (a larger shard: in place)
     version_prefix: str = "step-"  # send_weights() without a version names them step-1, step-2, ...
     pause: str = "keep"  # generation around each version: "keep", "abort", "wait" or "none" (awex.engines.pause)
     allow_cast: tuple[str, ...] = ()  # globs of tensors that may narrow (("*",): fp32 trainer into a bf16 engine)
@@ -170,6 +171,11 @@ class AwexTrainerInitInfo(TrainerInitInfo):
         check_pause_mode(self.pause)
         if self.receive not in ("in_place", "staged"):
             raise ValueError(f"awex: receive={self.receive!r}; use 'in_place' or 'staged'")
+        budget = self.staging_budget_bytes
+        if budget is not None and (type(budget) is not int or budget < 0 or self.receive != "staged"):
+            raise ValueError(
+                f"awex: staging_budget_bytes={budget!r}: a number of bytes (0 or more), with receive='staged'"
+            )
         try:  # the writer's own rules (awex.engines.sync.options), before any engine is touched
             self.sync_options().check()
         except ValueError as e:
@@ -291,6 +297,11 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
                         "instance": instance,
                         "timeout": init_info.timeout,
                         "receive": init_info.receive,
+                        **(
+                            {"staging_budget_bytes": init_info.staging_budget_bytes}
+                            if init_info.staging_budget_bytes is not None
+                            else {}
+                        ),
                     }
                 )
             options = PlanOptions(allow_cast=init_info.allow_cast, quantize_on_receive=init_info.quantize_on_receive)

@@ -100,6 +100,12 @@ def received(version: str, instance: str, local_rank: int) -> str:
     return f"received/{version}/{instance}:{local_rank}"
 
 
+def staging(instance: str, local_rank: int) -> str:
+    """A vLLM worker asked to receive staged: whether it stages (``{"staged": bool, "bytes", "budget", "reason"}``),
+    or falls back to receiving in place because its staging budget cannot hold its shard."""
+    return f"staging/{instance}:{local_rank}"
+
+
 def staged(version: str, instance: str = "", local_rank: int | None = None) -> str:
     """A receiving rank's word that it holds the whole of ``version`` in staging, not yet applied (vLLM's engines
     receiving while they generate); without a rank, the prefix of a version's (or an instance's) words."""
