@@ -137,6 +137,10 @@ def test_a_staged_version_arrives_while_vllm_serve_generates_and_only_its_commit
         ghost = HTTPVLLMWeightSyncClient(base, timeout=120)
         ghost.start_weight_update()
         ghost.update_weights({"version": "ghost", "stage": True, "timeout": 1})
+        with pytest.raises(Exception, match="500"):  # a second version while one is staged: refused, never mixed
+            ghost.update_weights({"version": "ghost-2", "stage": True, "timeout": 1})
+        ghost.start_weight_update()  # (the refusal ended that update in vLLM; a new one drops what was staged)
+        ghost.update_weights({"version": "ghost-3", "stage": True, "timeout": 1})  # left open: the trainer dies
         time.sleep(1.5)  # its receive gave up: nothing was ever written under that name
 
         perturb_(trainer, 5)
