@@ -93,6 +93,20 @@ def _receive(reader, version, errors):
         errors.append(e)
 
 
+def _failed_version(writer, reader, version: str, raises, match: str | None = None) -> list:
+    """Write ``version`` while ``reader`` receives it: the write must raise ``raises`` (matching ``match``); returns
+    what the receiver raised."""
+    errors: list = []
+    t = threading.Thread(target=lambda: _receive(reader, version, errors))
+    t.start()
+    try:
+        with pytest.raises(raises, match=match):
+            writer.write(version, ["hf-in"])
+    finally:
+        t.join(60)
+    return errors
+
+
 def _exact(model, got) -> list[str]:
     return [n for n, p in model.named_parameters() if not torch.equal(p.data, got[n])]
 
@@ -123,6 +137,7 @@ def test_every_version_arrives_exact_when_trainer_memory_moves(server, transport
         reader.close()
 
 
+CHANGED = "changed shape, strides or dtype in place"  # what the moved-memory check says of such a tensor
 SQUARE = "model.layers.0.self_attn.o_proj.weight"  # (128, 128): transposed in place, it keeps address and size
 
 
@@ -140,12 +155,7 @@ def test_a_trainer_tensor_changed_in_place_at_its_address_fails_the_version_and_
     try:
         _sync(writer, reader, "v1")
         _transpose_in_place(model, SQUARE)
-        errors: list = []
-        t = threading.Thread(target=lambda: _receive(reader, "v2", errors))
-        t.start()
-        with pytest.raises(ShardMismatchError, match=rf"{re.escape(SQUARE)} changed shape, strides or dtype in place"):
-            writer.write("v2", ["hf-in"])
-        t.join(60)
+        _failed_version(writer, reader, "v2", ShardMismatchError, rf"{re.escape(SQUARE)} {CHANGED}")
         _sync(writer, reader, "v3")
         assert _exact(model, got) == []
     finally:
@@ -159,12 +169,7 @@ def test_an_engine_tensor_changed_in_place_at_its_address_fails_the_version_and_
     try:
         _sync(writer, reader, "v1")
         _transpose_in_place(engine, SQUARE)
-        errors: list = []
-        t = threading.Thread(target=lambda: _receive(reader, "v2", errors))
-        t.start()
-        with pytest.raises(SyncFailedError, match="changed shape, strides or dtype in place"):
-            writer.write("v2", ["hf-in"])
-        t.join(60)
+        errors = _failed_version(writer, reader, "v2", SyncFailedError, CHANGED)
         assert len(errors) == 1 and isinstance(errors[0], ShardMismatchError), errors
         assert SQUARE in str(errors[0])
         for x in sent.values():
@@ -308,12 +313,8 @@ def test_an_engine_whose_weights_left_its_device_fails_the_version_naming_them(s
         path, _, leaf = name.rpartition(".")
         kept = p.data
         setattr(engine.get_submodule(path), leaf, torch.nn.Parameter(torch.empty_like(kept, device="meta")))
-        errors: list = []
-        t = threading.Thread(target=lambda: _receive(reader, "v2", errors))
-        t.start()
-        with pytest.raises((SyncFailedError, TransferError)):  # the engine rank left the sync before it began
-            writer.write("v2", ["hf-in"])
-        t.join(60)
+        # the engine rank left the sync before it began
+        errors = _failed_version(writer, reader, "v2", (SyncFailedError, TransferError))
         assert len(errors) == 1 and isinstance(errors[0], ShardMismatchError), errors
         assert re.search(rf"meta \({re.escape(name)}\.\.\.\).*loaded back", str(errors[0])), errors
         setattr(engine.get_submodule(path), leaf, torch.nn.Parameter(kept))  # back: the next version goes

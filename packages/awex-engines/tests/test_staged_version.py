@@ -80,6 +80,16 @@ def _write(writer, version: str, out: dict) -> threading.Thread:
     return t
 
 
+def _until_staged(engine: Engine, writer, version: str) -> tuple[StagedVersion, threading.Thread, dict]:
+    """Receive ``version`` into staging while the writer writes it; return once the rank said it holds it whole
+    (the staged receive, the writing thread, and what the write returned or raised)."""
+    staged = engine.stage(version)
+    out: dict = {}
+    w = _write(writer, version, out)
+    engine.client.get(keys.staged(version, "eng", 0), timeout=30)
+    return staged, w, out
+
+
 def _same(a: dict, b: dict) -> bool:
     return all(torch.equal(a[n], b[n]) for n in a)
 
@@ -89,10 +99,7 @@ def test_the_live_weights_change_only_on_the_commit_and_the_write_returns_after_
     engine = Engine(server, "staged-commit")
     before = {n: t.clone() for n, t in engine.live.items()}
     try:
-        staged = engine.stage("v1")
-        out: dict = {}
-        w = _write(writer, "v1", out)
-        engine.client.get(keys.staged("v1", "eng", 0), timeout=30)  # the whole version is in staging
+        staged, w, out = _until_staged(engine, writer, "v1")  # the whole version is in staging
         time.sleep(0.3)  # the write waits for the outcome, which comes after the commit
         assert w.is_alive() and _same(engine.live, before) and _same(engine.staging, weights)
         assert staged.staged_at is not None and engine.applied == []
@@ -110,10 +117,7 @@ def test_a_dropped_version_fails_untouched_and_not_partly_applied_then_the_next_
     engine = Engine(server, "staged-drop")
     before = {n: t.clone() for n, t in engine.live.items()}
     try:
-        staged = engine.stage("v1")
-        out: dict = {}
-        w = _write(writer, "v1", out)
-        engine.client.get(keys.staged("v1", "eng", 0), timeout=30)
+        staged, w, out = _until_staged(engine, writer, "v1")
         staged.decide(False, timeout=30)  # the trainer's word: drop it (another engine failed, say)
         w.join(30)
         assert isinstance(out.get("error"), SyncFailedError) and isinstance(staged.error, VersionDroppedError)
@@ -122,9 +126,7 @@ def test_a_dropped_version_fails_untouched_and_not_partly_applied_then_the_next_
         assert _same(engine.live, before) and engine.applied == []
         for t in weights.values():
             t.add_(1.0)
-        staged = engine.stage("v2")
-        w = _write(writer, "v2", out := {})
-        engine.client.get(keys.staged("v2", "eng", 0), timeout=30)
+        staged, w, out = _until_staged(engine, writer, "v2")
         staged.decide(True, timeout=30)
         w.join(30)
         assert "error" not in out and _same(engine.live, weights)

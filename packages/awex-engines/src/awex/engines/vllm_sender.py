@@ -196,12 +196,7 @@ class VersionSender:
             )
             for e in engines
         }
-        if ok and not causes:
-            return stalls
-        for e in engines:
-            if e.instance not in intact:
-                self._leave_paused(e.instance, version)
-        raise SyncFailedError(version, failed, causes)
+        return self._verdict(version, engines, ok and not causes, intact, failed, causes, stalls)
 
     def _send_staged(
         self, version: str, call: int, instances: list[str], write: Callable[[], None], validate: str | None
@@ -265,7 +260,20 @@ class VersionSender:
                 0.0 if paused is None else resumed_at[e.instance] - paused if e.instance in resumed_at else None,
                 commit_seconds=None if paused is None or decided is None else decided - paused,
             )
-        if ok and not causes:
+        return self._verdict(version, engines, ok and not causes, intact, failed, causes, stalls)
+
+    def _verdict(
+        self,
+        version: str,
+        engines: list[Engine],
+        ok: bool,
+        intact: set[str],
+        failed: dict[tuple[str, int], dict | None],
+        causes: dict[str, str],
+        stalls: dict[str, VersionStall],
+    ) -> dict[str, VersionStall]:
+        """The stalls of a version that applied; else the engines not intact stay paused and it raises."""
+        if ok:
             return stalls
         for e in engines:
             if e.instance not in intact:
@@ -308,8 +316,9 @@ class VersionSender:
                     return None
         return None if waiting else time.monotonic()
 
-    def _world(self, instance: str, deadline: float) -> int:
-        if instance not in self._worlds:
+    def _world(self, instance: str, deadline: float, fresh: bool = False) -> int:
+        """How many ranks ``instance`` has (its published layout; read again where ``fresh``)."""
+        if fresh or instance not in self._worlds:
             layout = self.meta.fetch_layout(instance, "current", timeout=max(0.1, deadline - time.monotonic()))
             self._worlds[instance] = layout.world_size
         return self._worlds[instance]
@@ -330,10 +339,9 @@ class VersionSender:
         if self.staged:
             return True
         try:
-            world = self._worlds.get(instance) or self.meta.fetch_layout(instance, "current", timeout=10.0).world_size
+            world = self._world(instance, time.monotonic() + 10.0)
         except Exception:
             return False
-        self._worlds[instance] = world
         return len(mine) == world
 
     def _leave_paused(self, instance: str, version: str) -> None:
@@ -356,9 +364,7 @@ class VersionSender:
         deadline = time.monotonic() + timeout
         missing = []
         for instance in instances:
-            world = self.meta.fetch_layout(instance, "current", timeout=max(0.1, deadline - time.monotonic()))
-            self._worlds[instance] = world.world_size
-            for rank in range(world.world_size):
+            for rank in range(self._world(instance, deadline, fresh=True)):
                 try:
                     self.meta.get(keys.received(version, instance, rank), timeout=max(0.1, deadline - time.monotonic()))
                 except Exception:

@@ -106,12 +106,10 @@ def staging(instance: str, local_rank: int) -> str:
     return f"staging/{instance}:{local_rank}"
 
 
-def staged(version: str, instance: str = "", local_rank: int | None = None) -> str:
+def staged(version: str, instance: str = "", local_rank: int = 0) -> str:
     """A receiving rank's word that it holds the whole of ``version`` in staging, not yet applied (vLLM's engines
-    receiving while they generate); without a rank, the prefix of a version's (or an instance's) words."""
-    if not instance:
-        return f"staged/{version}/"
-    return f"staged/{version}/{instance}:" + ("" if local_rank is None else str(local_rank))
+    receiving while they generate); without an instance, the prefix of the version's words."""
+    return f"staged/{version}/" + (f"{instance}:{local_rank}" if instance else "")
 
 
 def version_records(version: str) -> tuple[list[str], list[str]]:
