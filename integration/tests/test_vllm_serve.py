@@ -28,28 +28,37 @@ from awex_integration.engines.vllm_http import InFlight, get  # noqa: E402
 STALL_SLACK = 0.05  # seconds: the stall's goal is the sync time plus 50 ms
 
 
-def test_trainer_drives_vllm_serve_through_vllms_trainer_api(vllm_server, tmp_path):
+def _trainer_engine(server, meta, job: str, **info):
+    """An HF trainer of the served model and vLLM's trainer engine over it (backend ``awex``), driving ``server``
+    over HTTP: (tokenizer, trainer, engine, served) where ``served()`` is the engine's greedy output for PROMPTS."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from awex.engines import SyncFailedError
     from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
 
+    tok = AutoTokenizer.from_pretrained(server.model)
+    trainer = AutoModelForCausalLM.from_pretrained(server.model, dtype=torch.float32).eval()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        AwexTrainerInitInfo(rank=0, meta_address=meta.address, job=job, instances=("vllm-http",), timeout=60, **info),
+        client=HTTPVLLMWeightSyncClient(server.base, timeout=120),
+        source=AwexSource.hf(trainer),
+    )
+
+    def served() -> list[list[int]]:
+        return [server.complete(p, 16)["token_ids"] for p in PROMPTS]
+
+    return tok, trainer, engine, served
+
+
+def test_trainer_drives_vllm_serve_through_vllms_trainer_api(vllm_server, tmp_path):
+    from awex.engines import SyncFailedError
+
     server = vllm_server
-    model_dir, base = server.model, server.base
+    base = server.base
     meta = start_embedded()
     engine = None
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        engine = WeightTransferTrainerFactory.trainer_init(
-            AwexTrainerInitInfo(rank=0, meta_address=meta.address, job="serve", instances=("vllm-http",), timeout=60),
-            client=HTTPVLLMWeightSyncClient(base, timeout=120),
-            source=AwexSource.hf(trainer),
-        )
-
-        def served() -> list[list[int]]:
-            return [server.complete(p, 16)["token_ids"] for p in PROMPTS]
+        tok, trainer, engine, served = _trainer_engine(server, meta, "serve")
 
         perturb_(trainer, 1)
         assert engine.send_weights() == "step-1"
@@ -96,41 +105,28 @@ def test_trainer_drives_vllm_serve_through_vllms_trainer_api(vllm_server, tmp_pa
 
 
 SLOW_SYNC_SECONDS = 2.0  # a version made to take this long on the trainer before any byte moves
-STAGED_STALL = 0.1  # seconds: receiving while generating, the stall (the commit alone) stays under this on CPU
 
 
 def test_a_staged_version_arrives_while_vllm_serve_generates_and_only_its_commit_pauses(vllm_server, tmp_path):
     """``receive="staged"``: the engine receives each version into staging while it keeps serving the previous
     one, and is paused for the commit alone. Requests running across the commit switch versions at one point; a
-    sync made to take two seconds stalls generation under 100 ms, and a request served meanwhile is the previous
+    sync made to take two seconds stalls generation only for its commit (plus the slack above; 50-53 ms measured on the
+    2-core CPU, docs/performance.md: a time, so not asserted here), and a request served meanwhile is the previous
     version's; a version that fails before its commit never pauses the engine, which keeps serving the previous
     version, and the next version goes; so does the next version after a trainer that died with one staged."""
     import threading
     import time
 
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from awex.engines import SyncFailedError
-    from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
 
     server = vllm_server
-    model_dir, base = server.model, server.base
+    base = server.base
     meta = start_embedded()
     engine = None
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        engine = WeightTransferTrainerFactory.trainer_init(
-            AwexTrainerInitInfo(
-                rank=0, meta_address=meta.address, job="staged", instances=("vllm-http",), timeout=60, receive="staged"
-            ),
-            client=HTTPVLLMWeightSyncClient(base, timeout=120),
-            source=AwexSource.hf(trainer),
-        )
-
-        def served() -> list[list[int]]:
-            return [server.complete(p, 16)["token_ids"] for p in PROMPTS]
+        tok, trainer, engine, served = _trainer_engine(server, meta, "staged", receive="staged")
 
         # a trainer that died with a version staged leaves the engine's update open (no word came): the next
         # trainer's version ends it and goes
@@ -175,7 +171,9 @@ def test_a_staged_version_arrives_while_vllm_serve_generates_and_only_its_commit
         stall = engine.last_stalls["vllm-http"]
         print("staged stall", stall.to_json())
         assert answered < SLOW_SYNC_SECONDS and meanwhile == step2  # served, the previous version, mid-sync
-        assert stall.sync_seconds >= SLOW_SYNC_SECONDS and stall.stall_seconds < STAGED_STALL, stall
+        # the pause covered the commit, not the two seconds (a pause over the transfer would stall 2 s or more)
+        assert stall.sync_seconds >= SLOW_SYNC_SECONDS and stall.stall_seconds < SLOW_SYNC_SECONDS / 4, stall
+        assert stall.commit_seconds <= stall.stall_seconds <= stall.commit_seconds + STALL_SLACK, stall
         assert get(base, "/weight_info")["weight_version"] == "step-3" and served() == hf_greedy(trainer, tok)
 
         step3 = served()  # fails before its commit (validation against a missing checkpoint): never paused
