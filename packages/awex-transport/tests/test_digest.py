@@ -81,7 +81,7 @@ def _definition(piece, offsets, shape, key):
     the oracle both fast paths are held to."""
     from math import prod
 
-    from awex.transport.checksum import MASK, MIX_A, MIX_B, POS, SEED, mix
+    from awex.transport.checksum import MASK, MIX_A, POS, SEED, mix
     from awex.transport.digest import MOD
 
     if piece.dim() == 0:
@@ -98,7 +98,9 @@ def _definition(piece, offsets, shape, key):
         g = g.unsqueeze(-1) + at if d else at
     pos = g.reshape(t.shape).unsqueeze(-1) * n + torch.arange(n, dtype=torch.int64)
     p = (((pos + key + SEED) & MASK) * POS) & MASK
-    return int(mix(p ^ words, MIX_A).sum()) % MOD, int(mix(p ^ (words << 16), MIX_B).sum()) % MOD
+    h = mix(p ^ words, MIX_A)
+    weighted = sum(int(a) * (int(b) | 1) for a, b in zip(h.view(-1).tolist(), p.view(-1).tolist()))  # Python ints
+    return int(h.sum()) % MOD, weighted % MOD
 
 
 PIECES = [  # (what, canonical shape, piece maker from a tensor of that shape, offsets of the piece)
@@ -205,3 +207,34 @@ def test_a_batch_of_regions_has_each_regions_digest():
         full[k].view(-1).view(torch.uint8)[6:18] += 3
         cuda[k].copy_(full[k])
     assert laid_out.sums() == expected()
+
+
+def test_words_trading_their_first_hashes_still_change_the_second_sum():
+    """Two words whose ``p ^ w`` trade places (``w1 -> w2 ^ d``, ``w2 -> w1 ^ d`` where the two position keys differ
+    by ``d``) leave the first sum as it was, by construction; the second, weighted by position, must still see it."""
+    from awex.transport.checksum import MASK, POS, SEED
+    from awex.transport.digest import piece_digest_torch, salt
+
+    key, shape = salt("w"), (1 << 32,)  # a long 1-d tensor: any position is some element's
+    inverse = pow(POS, -1, 1 << 32)
+
+    def element_at(p):  # the element whose (one-word) position key is p
+        return (p * inverse - key - SEED) & MASK
+
+    p1 = 0x12345678
+    d = 0x0000BEEF
+    o1, o2 = element_at(p1), element_at(p1 ^ d)
+    assert (((o2 + key + SEED) & MASK) * POS) & MASK == p1 ^ d
+
+    def word(value):
+        return torch.tensor([value], dtype=torch.int32).to(torch.int16)
+
+    def total(w1, w2):
+        a = piece_digest_torch(word(w1), (o1,), shape, key)
+        b = piece_digest_torch(word(w2), (o2,), shape, key)
+        return add(a, b)
+
+    w1, w2 = 0x1234, 0x0F0F
+    before, after = total(w1, w2), total(w2 ^ d, w1 ^ d)
+    assert before[0] == after[0]  # the trade cancels in the first sum
+    assert before[1] != after[1]

@@ -4,17 +4,21 @@ computes the same digest from its own (``verify`` mode: ``awex.engines.sync.veri
 
 Each element at global position ``g`` (its flat index in the whole canonical tensor) is taken in the tensor's plan
 dtype as 16-bit words (1-byte dtypes: each byte zero-extended); word ``j`` of it sits at position
-``P = g * words + j``, keyed by the tensor's name (``salt``): ``p = ((P + salt + SEED) * POS) mod 2^32``, hashed as
-in :mod:`awex.transport.checksum` (two 32-bit finalisers of ``p ^ w`` and ``p ^ (w << 16)``), summed mod 2^64. Sums
-are order-free, so a region's digest is the sum of its pieces' and a rank's the sum of its regions'; positions and
-the salt make a word moved to another place or another tensor count as a change.
+``P = g * words + j``, keyed by the tensor's name (``salt``): ``p = ((P + salt + SEED) * POS) mod 2^32``. A word
+``w`` hashes once, ``h = mix(p ^ w)`` (:func:`awex.transport.checksum.mix`, a bijection: for one position every
+word has its own ``h``), and the digest is ``(sum of h, sum of h * (p | 1))``, each mod 2^32. One finaliser per
+word keeps the kernel at the memory's rate (two cost twice the integer work, and ran at a third of it); the second
+sum weighs each hash by its odd position key, so a change cancelling in the first (two words whose ``p ^ w``
+trade places) does not cancel in the second, and a single changed word changes both. Sums are order-free, so a
+region's digest is the sum of its pieces' and a rank's the sum of its regions'; positions and the salt make a word
+moved to another place or another tensor count as a change.
 
 A piece is cut into rows whose positions are contiguous and whose words lie evenly spaced in memory (as few rows as
 its strides allow: one for a whole tensor or a slice of dim 0). On CUDA one Triton kernel hashes them in place (each
-program one span of one row, in 32-bit arithmetic, its two sums added into an int64 pair on the device); elsewhere
-(or without Triton) torch computes the same in int64, a span of words at a time, so its temporaries stay small. Sums
-stay on the device until a caller reads them (:func:`region_sums` into a row of a tensor it reads once).
-"""
+program one span of one row, in 32-bit arithmetic, whole blocks unmasked and the last masked, its two sums added
+into an int64 pair on the device); elsewhere (or without Triton) torch computes the same in int64, a span of words
+at a time, so its temporaries stay small. Sums stay on the device until a caller reads them (:func:`region_sums`
+into a row of a tensor it reads once)."""
 
 from __future__ import annotations
 
@@ -24,14 +28,16 @@ from typing import NamedTuple
 
 import torch
 
-from awex.transport.checksum import MASK, MIX_A, MIX_B, POS, SEED, triton_cdiv, triton_mix
+from awex.transport.checksum import MASK, MIX_A, POS, SEED, triton_cdiv, triton_mix
 from awex.transport.shards import LocalShards, torch_dtype
 
-MOD = 1 << 64
+MOD = 1 << 32  # each sum of a digest is taken mod 2^32
 SPAN = 1 << 16  # the torch path: words hashed at a time (temporaries that stay in cache)
-BLOCK, ITERS = 1024, 16  # the kernel: a program hashes up to ITERS blocks of BLOCK words of one row
+BLOCK, ITERS = 1024, 64  # the kernel: a program hashes up to ITERS blocks of BLOCK words of one row
+PSTEP = BLOCK * POS & MASK  # a lane's position key from one block to the next
 
 _KERNEL: list = []
+_WORDS: list = []
 
 Digest = tuple[int, int]
 
@@ -185,16 +191,23 @@ def _torch_sums(rows: Rows, key: int, out: torch.Tensor) -> None:
 
 
 def _hash_into(sums: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> None:
-    """Add the two hash sums of words ``w`` (int64, unsigned) at salted positions ``p`` (int64) to ``sums``;
-    overwrites both."""
+    """Add the two sums of words ``w`` (int64, unsigned) at salted positions ``p`` (int64) to ``sums``; overwrites
+    both (products kept below 2^63: the weight is multiplied in two 16-bit halves)."""
     p &= MASK
     p *= POS
     p &= MASK
-    h = p ^ w
-    sums[0] += _mix_(h, MIX_A).sum()
-    w <<= 16
-    p ^= w
-    sums[1] += _mix_(p, MIX_B).sum()
+    w ^= p
+    h = _mix_(w, MIX_A)
+    sums[0] += h.sum()
+    p |= 1
+    low = h * (p & 0xFFFF)
+    p >>= 16
+    p *= h
+    p &= 0xFFFF
+    p <<= 16
+    low += p
+    low &= MASK
+    sums[1] += low.sum()
 
 
 def _mix_(x: torch.Tensor, muls: tuple[int, int]) -> torch.Tensor:
@@ -224,13 +237,31 @@ def _kernel_sums(rows: Rows, key: int, out: torch.Tensor) -> None:
     else:
         pos = mem = out  # (not read)
         count, align = 1, 8
-    constants = dict(POS=POS, A0=MIX_A[0], A1=MIX_A[1], B0=MIX_B[0], B1=MIX_B[1])
+    constants = dict(POS=POS, PSTEP=PSTEP, A0=MIX_A[0], A1=MIX_A[1])
     with torch.cuda.device(words.device):
         _kernel()[(count * spans,)](
             words, pos, mem, row, step, spans, ((0 if rows.lead else rows.base) + key + SEED) & MASK, out,
             **constants, ONE_ROW=not rows.lead, STEP_ONE=step == 1, ALIGN=max(1, align),
             BYTES=words.element_size() == 1, BLOCK=BLOCK, ITERS=iters, num_warps=4,
         )  # fmt: skip
+
+
+def triton_words():
+    """The per-block step both digest kernels share (``_words(w, p, sum_a, sum_b, A0, A1)``: words ``w`` as uint32
+    at position keys ``p`` added into the two sums), as a Triton function; Triton must be installed."""
+    if _WORDS:
+        return _WORDS[0]
+    import triton
+
+    _mix = triton_mix()
+
+    @triton.jit
+    def _words(w, p, sum_a, sum_b, A0, A1):
+        h = _mix(p ^ w, A0, A1)
+        return sum_a + h, sum_b + h * (p | 1)
+
+    _WORDS.append(_words)
+    return _words
 
 
 def _kernel():
@@ -244,7 +275,23 @@ def _kernel():
         _KERNEL.append(None)
         return None
 
-    _mix = triton_mix()
+    _words = triton_words()
+
+    @triton.jit
+    def _load(at, j, step, inside, MASKED: tl.constexpr, STEP_ONE: tl.constexpr, BYTES: tl.constexpr):
+        if STEP_ONE:
+            where = at + j
+        else:
+            where = at + j.to(tl.int64) * step
+        if MASKED:
+            w = tl.load(where, mask=inside, other=0)
+        else:
+            w = tl.load(where)
+        if BYTES:
+            u = w.to(tl.uint32)
+        else:
+            u = w.to(tl.uint16, bitcast=True).to(tl.uint32)
+        return u
 
     @triton.jit
     def row_sums(
@@ -257,10 +304,9 @@ def _kernel():
         salted,  # key + SEED (one row: plus its first position), mod 2^32
         sums,
         POS: tl.constexpr,
+        PSTEP: tl.constexpr,
         A0: tl.constexpr,
         A1: tl.constexpr,
-        B0: tl.constexpr,
-        B1: tl.constexpr,
         ONE_ROW: tl.constexpr,
         STEP_ONE: tl.constexpr,
         ALIGN: tl.constexpr,
@@ -281,29 +327,24 @@ def _kernel():
                 at = words + mem + start
             else:
                 at = words + mem + start * step
-        p0 = (pos & 0xFFFFFFFF).to(tl.uint32)  # positions mod 2^32 from here on
-        left = row - start  # words of the row from this program's first
         lanes = tl.arange(0, BLOCK)
-        sum_a = tl.zeros([BLOCK], dtype=tl.int64)
-        sum_b = tl.zeros([BLOCK], dtype=tl.int64)
-        for k in range(ITERS):
-            j = k * BLOCK + lanes
-            inside = j < left
-            if STEP_ONE:
-                w = tl.load(at + j, mask=inside, other=0)
-            else:
-                w = tl.load(at + j.to(tl.int64) * step, mask=inside, other=0)
-            if BYTES:
-                w = w.to(tl.uint32)
-            else:
-                w = w.to(tl.uint16, bitcast=True).to(tl.uint32)
-            p = (p0 + j.to(tl.uint32)) * POS
-            h_a = _mix(p ^ w, A0, A1)
-            h_b = _mix(p ^ (w << 16), B0, B1)
-            sum_a += tl.where(inside, h_a, 0).to(tl.int64)
-            sum_b += tl.where(inside, h_b, 0).to(tl.int64)
-        tl.atomic_add(sums, tl.sum(sum_a, axis=0))
-        tl.atomic_add(sums + 1, tl.sum(sum_b, axis=0))
+        p = ((pos & 0xFFFFFFFF).to(tl.uint32) + lanes.to(tl.uint32)) * POS  # each lane's position key
+        span = tl.minimum(row - start, BLOCK * ITERS)  # words of the row this program hashes
+        full = span // BLOCK
+        sum_a = tl.zeros([BLOCK], dtype=tl.uint32)
+        sum_b = tl.zeros([BLOCK], dtype=tl.uint32)
+        for k in range(full):  # whole blocks: no mask
+            w = _load(at, k * BLOCK + lanes, step, None, False, STEP_ONE, BYTES)
+            sum_a, sum_b = _words(w, p, sum_a, sum_b, A0, A1)
+            p += PSTEP
+        if span > full * BLOCK:  # the last, partial block
+            inside = full * BLOCK + lanes < span
+            w = _load(at, full * BLOCK + lanes, step, inside, True, STEP_ONE, BYTES)
+            a, b = _words(w, p, sum_a, sum_b, A0, A1)
+            sum_a = tl.where(inside, a, sum_a)
+            sum_b = tl.where(inside, b, sum_b)
+        tl.atomic_add(sums, tl.sum(sum_a.to(tl.int64), axis=0))
+        tl.atomic_add(sums + 1, tl.sum(sum_b.to(tl.int64), axis=0))
 
     _KERNEL.append(row_sums)
     return row_sums

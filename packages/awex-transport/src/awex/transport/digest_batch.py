@@ -17,12 +17,12 @@ from itertools import product
 
 import torch
 
-from awex.transport.checksum import MIX_A, MIX_B, POS, SEED, triton_cdiv, triton_mix
-from awex.transport.digest import MOD, Digest, _rows, piece_sums, salt
+from awex.transport.checksum import MIX_A, POS, SEED, triton_cdiv
+from awex.transport.digest import MOD, PSTEP, Digest, _rows, piece_sums, salt, triton_words
 from awex.transport.shards import LocalShards, torch_dtype
 
 Region = tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]  # name, shape, dtype, offsets, sizes
-BLOCK, ITERS = 1024, 16  # a program hashes a span of up to BLOCK * ITERS words of one row, BLOCK at a time
+BLOCK, ITERS = 1024, 64  # a program hashes a span of up to BLOCK * ITERS words of one row, BLOCK at a time
 FIELDS = ("off", "pos", "row", "step", "rows", "row_pos", "row_mem", "spans", "out")
 
 _KERNEL: list = []
@@ -111,7 +111,7 @@ def _run(launch: _Launch, out: torch.Tensor) -> None:
     with torch.cuda.device(out.device):
         _kernel()[(launch.prog_entry.numel(),)](
             launch.words, *(t[k] for k in range(len(FIELDS))), launch.prog_entry, launch.prog_local, out,
-            POS=POS, A0=MIX_A[0], A1=MIX_A[1], B0=MIX_B[0], B1=MIX_B[1], BYTES=launch.byte, VECTOR=launch.vector,
+            POS=POS, PSTEP=PSTEP, A0=MIX_A[0], A1=MIX_A[1], BYTES=launch.byte, VECTOR=launch.vector,
             BLOCK=BLOCK, ITERS=ITERS, num_warps=4,
         )  # fmt: skip
 
@@ -122,7 +122,15 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    _mix = triton_mix()
+    _words = triton_words()
+
+    @triton.jit
+    def _unsigned(w, BYTES: tl.constexpr):
+        if BYTES:
+            u = w.to(tl.uint32)
+        else:
+            u = w.to(tl.uint16, bitcast=True).to(tl.uint32)
+        return u
 
     @triton.jit
     def entry_sums(
@@ -140,10 +148,9 @@ def _kernel():
         prog_local,
         sums,
         POS: tl.constexpr,
+        PSTEP: tl.constexpr,
         A0: tl.constexpr,
         A1: tl.constexpr,
-        B0: tl.constexpr,
-        B1: tl.constexpr,
         BYTES: tl.constexpr,
         VECTOR: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -158,29 +165,36 @@ def _kernel():
         step = tl.load(step_t + e)
         left = tl.load(row_t + e) - start
         off = tl.load(off_t + e) + r * tl.load(row_mem_t + e) + start * step
-        p0 = ((tl.load(pos_t + e) + r * tl.load(row_pos_t + e) + start) & 0xFFFFFFFF).to(tl.uint32)
+        pos = tl.load(pos_t + e) + r * tl.load(row_pos_t + e) + start
         if VECTOR:
             off = tl.multiple_of(off, 16 if BYTES else 8)
         lanes = tl.arange(0, BLOCK)
-        sum_a = tl.zeros([BLOCK], dtype=tl.int64)
-        sum_b = tl.zeros([BLOCK], dtype=tl.int64)
-        for k in range(0, tl.cdiv(tl.minimum(left, BLOCK * ITERS), BLOCK)):
+        p = ((pos & 0xFFFFFFFF).to(tl.uint32) + lanes.to(tl.uint32)) * POS  # each lane's position key
+        span = tl.minimum(left, BLOCK * ITERS)
+        full = span // BLOCK
+        sum_a = tl.zeros([BLOCK], dtype=tl.uint32)
+        sum_b = tl.zeros([BLOCK], dtype=tl.uint32)
+        for k in range(0, full):  # whole blocks: no mask
             j = k * BLOCK + lanes
-            inside = j < left
+            if VECTOR:
+                w = tl.load(words + off + j)
+            else:
+                w = tl.load(words + off + j.to(tl.int64) * step)
+            sum_a, sum_b = _words(_unsigned(w, BYTES), p, sum_a, sum_b, A0, A1)
+            p += PSTEP
+        if span > full * BLOCK:  # the last, partial block
+            j = full * BLOCK + lanes
+            inside = j < span
             if VECTOR:
                 w = tl.load(words + off + j, mask=inside, other=0)
             else:
                 w = tl.load(words + off + j.to(tl.int64) * step, mask=inside, other=0)
-            if BYTES:
-                w = w.to(tl.uint32)
-            else:
-                w = w.to(tl.uint16, bitcast=True).to(tl.uint32)
-            p = (p0 + j.to(tl.uint32)) * POS
-            sum_a += tl.where(inside, _mix(p ^ w, A0, A1), 0).to(tl.int64)
-            sum_b += tl.where(inside, _mix(p ^ (w << 16), B0, B1), 0).to(tl.int64)
+            a, b = _words(_unsigned(w, BYTES), p, sum_a, sum_b, A0, A1)
+            sum_a = tl.where(inside, a, sum_a)
+            sum_b = tl.where(inside, b, sum_b)
         o = tl.load(out_t + e)
-        tl.atomic_add(sums + 2 * o, tl.sum(sum_a, axis=0))
-        tl.atomic_add(sums + 2 * o + 1, tl.sum(sum_b, axis=0))
+        tl.atomic_add(sums + 2 * o, tl.sum(sum_a.to(tl.int64), axis=0))
+        tl.atomic_add(sums + 2 * o + 1, tl.sum(sum_b.to(tl.int64), axis=0))
 
     _KERNEL.append(entry_sums)
     return entry_sums
