@@ -65,7 +65,7 @@ SGLANG_IMPORTS = [  # what importing SGLang's model classes needs on CPU (its CU
     "sentencepiece==0.2.3",
     "starlette==1.10.0",
 ]
-DEBIAN = ["libibverbs1", "libnuma1", "python3-pyverbs", "iproute2"]  # Mooncake; RDMA device listing; netns
+DEBIAN = ["libibverbs1", "libnuma1", "python3-pyverbs", "iproute2", "etcd-server"]  # Mooncake; RDMA; netns; etcd store
 
 
 def _debian(session: nox.Session, packages: list[str]) -> None:

@@ -1,6 +1,7 @@
 import os
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 # CI-sized, fixed budgets for property tests: deterministic (derandomized) so CI is reproducible.
@@ -15,3 +16,15 @@ settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parents[3]
 MODELS = REPO / "integration" / "models"
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster():
+    """Three real etcd members for the whole session (the etcd store's tests), or a skip saying why not."""
+    from etcd_cluster import ETCD, SKIP_REASON, Cluster
+
+    if ETCD is None:
+        pytest.skip(SKIP_REASON)
+    cluster = Cluster()
+    yield cluster
+    cluster.close()

@@ -19,15 +19,25 @@ def _status(c: MetaClient) -> dict:
     return {p["name"]: p["weight_version"] for p in c.status()["jobs"][c.job]["participants"]}
 
 
-def _restarted(server, path):
+@pytest.fixture(params=["journal", "etcd"])
+def keeper(request, tmp_path):
+    """How a server keeps the safety state: a journal file, or etcd (three members; a restart is a new server that
+    takes the lead on the same keys). Returns what starts a server (on a port)."""
+    if request.param == "journal":
+        path = str(tmp_path / "meta.journal")
+        return lambda port=0: start_embedded(port=port, journal=path)
+    url = request.getfixturevalue("etcd_cluster").url()
+    return lambda port=0: start_embedded(port=port, store=url, leader_ttl=2)
+
+
+def _restarted(server, start):
     port = server.port
     server.stop()
-    return start_embedded(port=port, journal=str(path))
+    return start(port)
 
 
-def test_fences_claims_and_served_versions_outlive_a_restart(tmp_path):
-    path = tmp_path / "meta.journal"
-    server = start_embedded(journal=str(path))
+def test_fences_claims_and_served_versions_outlive_a_restart(keeper):
+    server = keeper()
     try:
         plain = MetaClient(server.address, job="rl", timeout=5)
         plain.register("eng", role="inference", instance="eng", world_size=2)
@@ -38,7 +48,7 @@ def test_fences_claims_and_served_versions_outlive_a_restart(tmp_path):
         live.report_version("eng", "v1", claim="sync/v1")
         live.put("sync/v2", {"by": "live"}, create_only=True)
         live.forget(["sync/v2"])  # a finished version's records dropped: its name stays claimed
-        server = _restarted(server, path)
+        server = _restarted(server, keeper)
         assert _status(plain) == {"eng": "v1"}  # the served version, and who serves it, came back
         with pytest.raises(MetaFencedError, match="replaced by a newer one"):  # the zombie stays fenced
             zombie.put("sync/v3", {"by": "zombie"}, create_only=True)
@@ -58,9 +68,8 @@ def test_fences_claims_and_served_versions_outlive_a_restart(tmp_path):
         server.stop()
 
 
-def test_a_failed_attempt_is_released_by_its_writer_alone_and_may_be_claimed_again(tmp_path):
-    path = tmp_path / "meta.journal"
-    server = start_embedded(journal=str(path))
+def test_a_failed_attempt_is_released_by_its_writer_alone_and_may_be_claimed_again(keeper):
+    server = keeper()
     try:
         plain = MetaClient(server.address, job="rl", timeout=5)
         writer = plain.fenced("trainer", plain.take_fence("trainer"))
@@ -70,7 +79,7 @@ def test_a_failed_attempt_is_released_by_its_writer_alone_and_may_be_claimed_aga
         with pytest.raises(MetaConflictError, match="claimed"):
             writer.put("sync/v1", {"n": 2}, create_only=True)
         writer.forget(["sync/v1"], release=["sync/v1"])  # its own writer can (the attempt failed)
-        server = _restarted(server, path)
+        server = _restarted(server, keeper)
         writer.put("sync/v1", {"n": 3}, create_only=True)  # free again, after the restart too
         plain.register("eng", role="inference", instance="eng")
         writer.report_version("eng", "v1", claim="sync/v1")
@@ -143,7 +152,7 @@ def test_the_journal_is_rewritten_from_the_state_once_it_grew_past_it(tmp_path, 
             plain.report_version("eng", f"v{i}")  # one record each; the state stays one participant
         lines = path.read_bytes().split(b"\n")[:-1]
         assert len(lines) < 30, len(lines)
-        server = _restarted(server, path)
+        server = _restarted(server, lambda port: start_embedded(port=port, journal=str(path)))
         ops = [json.loads(x.split(b" ", 1)[1])["op"] for x in path.read_bytes().split(b"\n")[:-1]]
         assert ops == ["participant", "serves"]  # rewritten as it opened
         assert _status(plain) == {"eng": "v59"}  # (the client registers again on seeing the restart: kept)

@@ -38,6 +38,20 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-journal", action="store_true", help="keep that state in memory only (lost on restart)")
     parser.add_argument("--journal-fsync", action="store_true", help="flush each journal record to the disk")
     parser.add_argument(
+        "--store",
+        default=None,
+        metavar="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+        help="keep that state in etcd instead of a journal: several servers on one etcd lead in turn (this one "
+        "waits for the lead before it listens); give clients every server's address, comma-separated",
+    )
+    parser.add_argument(
+        "--leader-ttl",
+        type=int,
+        default=5,
+        metavar="S",
+        help="with --store: seconds a dead leader keeps the lead before another server takes it (default 5)",
+    )
+    parser.add_argument(
         "--allow-no-token",
         action="store_true",
         help="serve on an address beyond loopback without a token (anyone who reaches the port "
@@ -66,10 +80,20 @@ def serve(args: argparse.Namespace) -> int:
         max_job_bytes=int(args.max_job_mb * mb),
         max_total_bytes=int(args.max_total_mb * mb),
         max_connections=args.max_connections,
-        journal=_journal(args),
+        journal=None if args.store else _journal(args),
         journal_fsync=args.journal_fsync,
+        store=args.store,
+        leader_ttl=args.leader_ttl,
     )
-    if config.journal is None:
+    if args.store and (args.journal or args.no_journal):
+        raise ValueError("--store keeps the state in etcd: no --journal or --no-journal with it")
+    if args.store:
+        from awex.meta.server.etcd import endpoints_of
+
+        endpoints_of(args.store)  # a clear error for a malformed address, before waiting for the lead
+        if not 2 <= args.leader_ttl <= 3600:
+            raise ValueError(f"--leader-ttl {args.leader_ttl}: 2 to 3600 seconds")
+    elif config.journal is None:
         logging.getLogger("awex.meta.server").warning(
             "no journal: fences and claimed version names are forgotten if this server restarts"
         )
@@ -78,8 +102,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"awex-meta: serving on http://{args.host}:{port} (token {'required' if token else 'off'})", flush=True)
 
     try:
-        serve_forever(args.host, args.port, config, started=started)
+        if serve_forever(args.host, args.port, config, started=started):
+            print("awex-meta: this server lost the lead on etcd and stopped (another leads now)", flush=True)
+            return 3
     except JournalError as e:
+        if args.store:
+            raise ValueError(str(e)) from None
         raise ValueError(f"{e} (--journal PATH for another file, --no-journal to keep that state in memory)") from None
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None

@@ -34,7 +34,7 @@ from awex.meta.errors import (
 )
 from awex.meta.http_exchange import SLACK as SLACK  # re-exported: a call's answer may come this much late
 from awex.meta.http_exchange import Busy as _Busy
-from awex.meta.http_exchange import Exchanges, message, refusal, server_address
+from awex.meta.http_exchange import Exchanges, message, refusal, server_addresses
 from awex.meta.layout import Layout
 from awex.meta.protocol import FENCE_HEADER, LEASE_MAX_SECONDS, REQUEST_ID_HEADER
 
@@ -49,16 +49,18 @@ _MAX_RETRY_AFTER = 5.0  # the longest pause a busy server's hint may ask for
 
 
 class MetaClient(Agreements):
-    """Talks to one job on a MetaServer at ``address`` (``http://host:port``)."""
+    """Talks to one job on a MetaServer at ``address`` (``http://host:port``; several, comma-separated, for servers
+    that lead in turn on one etcd: the one that leads answers)."""
 
     def __init__(self, address: str, job: str = "default", token: str | None = None, timeout: float = DEFAULT_TIMEOUT):
-        self.address, self._host, self._port = server_address(address)
+        servers = server_addresses(address)
+        self.address = ",".join(s[0] for s in servers)
         if not isinstance(job, str) or not _JOB.fullmatch(job):
             raise ValueError(f"job name {job!r}: 1 to 128 letters, digits, _ . : @ -")
         self.job = job
         self.token = token
         self.timeout = seconds(timeout, "timeout", positive=True)
-        self._http = Exchanges(self._host, self._port, self.address)  # each thread's kept-alive connection
+        self._http = Exchanges(servers)  # each thread's kept-alive connection
         self._lock = threading.Lock()
         self._epoch: str | None = None  # the server's epoch as last seen
         self._owned: dict[str, tuple[str, str, bytes | None]] = {}  # published again after a server restart

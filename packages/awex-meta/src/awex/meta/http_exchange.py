@@ -56,6 +56,20 @@ def server_address(address: str) -> tuple[str, str, int]:
     return f"http://{parsed.netloc}", parsed.hostname, parsed.port
 
 
+def server_addresses(address: str) -> list[tuple[str, str, int]]:
+    """:func:`server_address` of each of the comma-separated addresses of one job's servers (an etcd store's: one
+    leads at a time); duplicates refused."""
+    servers = [server_address(part.strip()) for part in address.split(",")]
+    if len({s[0] for s in servers}) != len(servers):
+        raise ValueError(f"MetaServer addresses: one given twice in {address!r}")
+    return servers
+
+
+def _standby(status: int, payload: bytes) -> bool:
+    """Whether an answer says its server does not lead (an etcd store's: another server of the job does)."""
+    return status == 503 and b'"standby"' in payload[:200]
+
+
 def retry_after(doc: dict) -> float:
     """The pause a busy answer asks for (1 s where it names none, or nothing sensible)."""
     hint = doc.get("retry_after")
@@ -90,20 +104,49 @@ def refusal(status: int, doc: object, method: str, path: str, address: str) -> N
 
 
 class Exchanges:
-    """Each thread's connection to one server; connections stay in their process (not pickled)."""
+    """Each thread's connection to one server, of ``servers`` (``(http://host:port, host, port)``: one job's
+    servers, tried in turn when the one in use refuses or does not lead); connections stay in their process (not
+    pickled)."""
 
-    def __init__(self, host: str, port: int, address: str):
-        self.host, self.port, self.address = host, port, address
+    def __init__(self, servers: list[tuple[str, str, int]]):
+        self.servers = list(servers)
+        self._at = 0  # the server in use (every thread's)
         self._local = threading.local()
         self.reached = False  # some exchange was answered: refusals from now on are a restart, waited out
 
+    @property
+    def address(self) -> str:
+        return self.servers[self._at][0]
+
     def __getstate__(self) -> dict:
-        return {"host": self.host, "port": self.port, "address": self.address}
+        return {"servers": self.servers}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._local = threading.local()
-        self.reached = False
+        self.__init__(state["servers"])
+
+    def _connection(self, budget: float) -> Connection:
+        """This thread's kept-alive connection to the server in use (a new one if it has none, or one to another)."""
+        conn, at = getattr(self._local, "conn", None), getattr(self._local, "at", None)
+        self._local.conn = None
+        if conn is not None and at == self._at:
+            conn.settimeout(budget)
+            return conn
+        if conn is not None:
+            conn.close()
+        _, host, port = self.servers[self._at]
+        return Connection(host, port, budget)
+
+    def _keep(self, conn: Connection | None) -> None:
+        self._local.conn, self._local.at = conn, self._at
+
+    def _next(self, why: object) -> bool:
+        """Move to the next server (where there are several); whether that began a new round of them."""
+        if len(self.servers) == 1:
+            return True
+        before = self.address
+        self._at = (self._at + 1) % len(self.servers)
+        log.info("MetaServer at %s: %s; trying %s", before, why, self.address)
+        return self._at == 0
 
     def _refused(self, e: OSError, since: float, now: float, deadline: float, delay: float) -> None:
         """A connection refused (or a name not found) ``since`` then: raise once the deadline comes, or after
@@ -144,14 +187,10 @@ class Exchanges:
         must read that answer before its next request (the connection is the thread's). Trouble sending or reading
         falls back to :meth:`exchange`, which sends the request again (a write carries its request id: the server
         applies it once)."""
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None  # in flight: nothing else of this thread's may use it until its answer is read
         budget = max(0.05, deadline - time.monotonic()) + SLACK
+        conn = None  # in flight: nothing else of this thread's may use it until its answer is read
         try:
-            if conn is None:
-                conn = Connection(self.host, self.port, budget)
-            else:
-                conn.settimeout(budget)
+            conn = self._connection(budget)
             conn.request(method, path, body=data, headers=headers)
         except (OSError, http.client.HTTPException) as e:
             log.debug("sending %s %s failed (%s); the exchange goes again", method, path, e)
@@ -164,6 +203,8 @@ class Exchanges:
             keep = False
             try:
                 status, payload, epoch, keep = self._answer_on(sent)
+                if _standby(status, payload):  # another server of the job leads: find it
+                    return self.exchange(method, path, data, headers, deadline)
                 return status, payload, epoch
             except (socket.timeout, TimeoutError):
                 raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
@@ -172,7 +213,7 @@ class Exchanges:
                 return self.exchange(method, path, data, headers, deadline)
             finally:
                 if keep:
-                    self._local.conn = sent
+                    self._keep(sent)
                 else:
                     sent.close()
 
@@ -186,17 +227,18 @@ class Exchanges:
         delay = 0.05
         since: float | None = None  # the first refusal of this exchange
         while True:
-            conn = getattr(self._local, "conn", None)
-            reused = conn is not None
+            reused = getattr(self._local, "conn", None) is not None
             budget = max(0.05, deadline - time.monotonic()) + SLACK
-            if conn is None:
-                conn = Connection(self.host, self.port, budget)
+            conn = self._connection(budget)
             keep = False
             try:
-                conn.settimeout(budget)
                 conn.request(method, path, body=data, headers=headers)
                 status, payload, epoch, keep = self._answer_on(conn)
-                break
+                if not _standby(status, payload):
+                    break
+                if self._next("it does not lead") and not self._pause(deadline, delay, "no server led"):
+                    break  # the deadline: the standby answer is the answer
+                delay = min(delay * 2, 1.0)
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) if reused else () as e:
                 # the server closed this kept-alive connection while it was idle (or the reply was lost: a
                 # write goes again with its request id)
@@ -205,25 +247,36 @@ class Exchanges:
             except (ConnectionRefusedError, socket.gaierror) as e:
                 now = time.monotonic()
                 since = now if since is None else since
-                self._refused(e, since, now, deadline, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                if self._next(e):
+                    self._refused(e, since, now, deadline, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
             except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected) as e:
-                if time.monotonic() + delay > deadline:
-                    raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                if self._next(e):
+                    if time.monotonic() + delay > deadline:
+                        raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
             except (socket.timeout, TimeoutError):
                 raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
             except OSError as e:  # unreachable network and the like: the caller's deadline decides
-                if time.monotonic() + delay > deadline:
-                    raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                if self._next(e):
+                    if time.monotonic() + delay > deadline:
+                        raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
             finally:
                 if keep:
-                    self._local.conn = conn
+                    self._keep(conn)
                 else:
-                    self._local.conn = None
                     conn.close()
         return status, payload, epoch
+
+    @staticmethod
+    def _pause(deadline: float, delay: float, why: str) -> bool:
+        """Sleep ``delay`` before another round of the servers, unless the deadline comes first (``False``)."""
+        if time.monotonic() + delay > deadline:
+            log.warning("MetaServer: %s until the deadline", why)
+            return False
+        time.sleep(delay)
+        return True

@@ -42,11 +42,13 @@ import functools
 import hmac
 import json
 import logging
+import os
 import re
 import secrets
+import socket
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -54,6 +56,7 @@ from awex.meta.protocol import EPOCH_HEADER, FENCE_HEADER, REQUEST_ID_HEADER
 from awex.meta.server import agreements, claims, fences, kv, leases
 from awex.meta.server.config import ServerConfig
 from awex.meta.server.errors import BadRequest, Busy, TooLarge, busy, error, fields, json_depth
+from awex.meta.server.etcd_store import EtcdStore
 from awex.meta.server.journal import Journal, JournalError
 from awex.meta.server.parking import Parking
 from awex.meta.server.state import JobState, Participant, Topics
@@ -69,7 +72,7 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}\Z")
 class MetaServerApp:
     """The MetaServer's state and its route handlers (``make_app`` wires them into an aiohttp application)."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, lost: Callable[[], None] | None = None):
         self.config = config = config.sized()  # every derived limit filled in (caps of parked long-polls)
         self.epoch = secrets.token_hex(8)
         self.jobs: dict[str, JobState] = {}
@@ -77,7 +80,7 @@ class MetaServerApp:
         self.replies: OrderedDict[tuple[str, str], tuple[int, bytes]] = OrderedDict()
         self.parking = Parking(config.max_parked, config.max_parked_per_client)
         self.requests = 0  # received so far (/v1/status): what a sync costs the server, counted
-        self.journal = Journal(config.journal, config.journal_fsync) if config.journal else None
+        self.journal = _store(config, lost)
         if self.journal is not None:  # the safety state back before anything is answered
             for name, kept in self.journal.load().items():
                 self.new_job(name).restore(kept)
@@ -182,6 +185,8 @@ class MetaServerApp:
 
     async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         config = self.config
+        if self.journal is not None and not self.journal.serving():  # an etcd store's server that does not lead
+            return error(503, "standby", "this MetaServer does not lead now: ask another of its job's servers")
         if config.token and request.path != "/v1/health":
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""
@@ -406,9 +411,19 @@ ROUTES = (  # (method, path, handler: a method's name or a function of the serve
 )
 
 
-def make_app(config: ServerConfig | None = None) -> web.Application:
-    """Build the aiohttp application (used by the embedded and the standalone server, and by tests)."""
-    server = MetaServerApp(config or ServerConfig())
+def _store(config: ServerConfig, lost: Callable[[], None] | None) -> Journal | EtcdStore | None:
+    """Where the safety state is kept: etcd (this server leading), a journal file, or nowhere."""
+    if config.store is not None:
+        if config.journal is not None:
+            raise JournalError("a journal and an etcd store: pick one")
+        return EtcdStore(config.store, f"{socket.gethostname()} pid {os.getpid()}", config.leader_ttl, lost)
+    return Journal(config.journal, config.journal_fsync) if config.journal else None
+
+
+def make_app(config: ServerConfig | None = None, lost: Callable[[], None] | None = None) -> web.Application:
+    """Build the aiohttp application (used by the embedded and the standalone server, and by tests); ``lost()`` is
+    called if a server on an etcd store loses the lead (it then answers nothing but 503 standby)."""
+    server = MetaServerApp(config or ServerConfig(), lost)
     app = web.Application(client_max_size=server.config.max_payload_bytes, middlewares=[server.middleware])
     app[SERVER_KEY] = server
     app.on_cleanup.append(server.cleanup)

@@ -35,6 +35,10 @@ class ServerConfig:
     remembered_replies: int = 8192  # answers kept for retried writes (by request id)
     journal: str | None = None  # a file keeping fences, claims and served versions across restarts (journal.py)
     journal_fsync: bool = False  # flush each record to the disk (survives power loss), not only to the system
+    store: str | None = (
+        None  # "etcd://host:port,...[/prefix]": that state in etcd, servers leading in turn (etcd_store.py)
+    )
+    leader_ttl: int = 5  # with an etcd store: seconds a dead leader keeps the lead before another takes it
 
     def sized(self, descriptors: int | None = None) -> ServerConfig:
         """This configuration with every derived limit filled in: connections at most ``descriptors`` (the open-file

@@ -93,20 +93,33 @@ class EmbeddedMetaServer:
 
 
 def start_embedded(
-    token: str | None = None, host: str = "127.0.0.1", port: int = 0, journal: str | None = None
+    token: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    journal: str | None = None,
+    store: str | None = None,
+    leader_ttl: int = 5,
 ) -> EmbeddedMetaServer:
     """Start a MetaServer in this process on a free loopback port and return it (``.address``, ``.stop()``).
     ``journal``: a file keeping fences, claimed version names and served versions, for a server started again on the
-    same port (``awex.meta.server.journal``); without one that state lives as long as this process."""
-    return EmbeddedMetaServer(host, port, ServerConfig(token=token, journal=journal)).start()
+    same port (``awex.meta.server.journal``); ``store``: that state in etcd instead (``etcd://host:port,...``; the
+    server starts once it leads: ``awex.meta.server.etcd_store``); with neither that state lives as long as this
+    process."""
+    config = ServerConfig(token=token, journal=journal, store=store, leader_ttl=leader_ttl)
+    return EmbeddedMetaServer(host, port, config).start()
 
 
-def serve_forever(host: str, port: int, config: ServerConfig, started=None) -> None:
+def serve_forever(host: str, port: int, config: ServerConfig, started=None) -> bool:
     """Run a MetaServer in the foreground until interrupted (``awex-meta serve``); ``OSError`` when it cannot
-    listen there. ``started(port)`` is called once it listens."""
+    listen there. ``started(port)`` is called once it listens. With an etcd store it first waits for the lead, and
+    returns ``True`` once it lost it (it must not serve on)."""
+    lost = False
 
     async def main() -> None:
-        asyncio.get_running_loop().set_exception_handler(QuietLoopErrors())
+        nonlocal lost
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(QuietLoopErrors())
+        gone = asyncio.Event()
         sized = config.sized(descriptor_limit())
         log.info(
             "MetaServer limits: %d connections (%d per address), %d long-polls waiting (%d per address)",
@@ -115,7 +128,7 @@ def serve_forever(host: str, port: int, config: ServerConfig, started=None) -> N
             sized.max_parked,
             sized.max_parked_per_client,
         )
-        runner = _runner(sized)
+        runner = _runner(sized, lambda: loop.call_soon_threadsafe(gone.set))
         await runner.setup()
         try:
             site = LimitedSite(runner, host, port, sized.max_connections, sized.max_connections_per_client)
@@ -123,17 +136,19 @@ def serve_forever(host: str, port: int, config: ServerConfig, started=None) -> N
             if started is not None:
                 sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no getter
                 started(sockets[0].getsockname()[1] if sockets else port)
-            await asyncio.Event().wait()  # until interrupted
+            await gone.wait()  # until interrupted, or the lead is lost
+            lost = True
         finally:
             await runner.cleanup()
 
     asyncio.run(main())
+    return lost
 
 
-def _runner(config: ServerConfig) -> web.AppRunner:
+def _runner(config: ServerConfig, lost=None) -> web.AppRunner:
     # keepalive_timeout also closes connections that never send a request (aiohttp starts it on connect)
     return web.AppRunner(
-        make_app(config),
+        make_app(config, lost),
         access_log=None,
         handle_signals=False,
         shutdown_timeout=1.0,

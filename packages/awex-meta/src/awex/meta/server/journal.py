@@ -156,6 +156,10 @@ class Journal:
         self._appended = 0
         self._base = 0  # records in the journal as last rewritten
 
+    def serving(self) -> bool:
+        """Always: one server holds a journal (its lock), for as long as it runs (etcd's store may say no)."""
+        return True
+
     def load(self) -> dict[str, Kept]:
         """The state the journal holds (empty for a new one); then the journal is rewritten from it."""
         jobs: dict[str, Kept] = {}
