@@ -7,14 +7,29 @@ from __future__ import annotations
 import pytest
 from conftest import full_only
 
+from awex_integration.faults.etcd_cases import available, etcd_cases
 from awex_integration.faults.fault_cases import cases, rdma_cases, shm_cases
 from awex_integration.faults.fault_suite import run_case, run_on_server
 from awex_integration.faults.server_load import load_cases
 
-CASES = {case.name: case for case in cases() + shm_cases() + rdma_cases()}
+CASES = {case.name: case for case in cases() + shm_cases() + rdma_cases() + etcd_cases()}
+NO_ETCD = available()
+# etcd cases CI leaves to the full matrix: packages/awex-meta/tests/test_server_etcd.py checks the same of the servers
+# (a frozen leader, fences and applied names across a hand-over) without sync ranks
+ETCD_FULL_ONLY = {
+    "etcd_leader_frozen_between_syncs": "test_server_etcd's frozen leader",
+    "etcd_stale_writer_fenced_across_failover": "test_server_etcd's hand-over (a replaced writer stays fenced)",
+    "etcd_name_reused_across_failover": "test_server_etcd's hand-over (an applied name is never written again)",
+}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def _marks(name: str):
+    if CASES[name].server == "etcd" and NO_ETCD:
+        return pytest.mark.skip(reason=f"{NO_ETCD}: the MetaServer pair on etcd cannot run here")
+    return full_only(ETCD_FULL_ONLY[name]) if name in ETCD_FULL_ONLY else ()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CASES])
 def test_fault_case(name):
     result = run_case(CASES[name], timeout=8.0)
     assert not result["hangs"], result["hangs"]

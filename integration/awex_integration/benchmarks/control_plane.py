@@ -49,27 +49,31 @@ def _median(xs: list[float]) -> float:
 
 
 class _Sampler:
-    """The server's CPU seconds over time (every 50 ms, in a thread), to split them by version."""
+    """Processes' CPU seconds over time, summed (every 50 ms, in a thread), to split them by version."""
 
-    def __init__(self, pid: int):
+    def __init__(self, *pids: int):
         import threading
 
-        self.pid, self.samples, self._stop = pid, [(time.time(), _proc_cpu(pid))], threading.Event()
+        self.pids = pids
+        self.samples, self._stop = [(time.time(), self._cpu())], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
             try:
-                self.samples.append((time.time(), _proc_cpu(self.pid)))
+                self.samples.append((time.time(), self._cpu()))
             except OSError:  # the server is gone: the run fails on its own
                 return
+
+    def _cpu(self) -> float:
+        return sum(_proc_cpu(pid) for pid in self.pids)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
         try:
-            self.samples.append((time.time(), _proc_cpu(self.pid)))
+            self.samples.append((time.time(), self._cpu()))
         except OSError:
             pass
 
@@ -78,13 +82,16 @@ class _Sampler:
         return max((cpu for t, cpu in self.samples if t <= when), default=self.samples[0][1])
 
 
-def run(ranks: int, processes: int, versions: int, timeout: float) -> dict:
-    """One rank count: a fresh server, ``processes`` worker processes; the row of the results."""
+def run(ranks: int, processes: int, versions: int, timeout: float, store: str = "journal") -> dict:
+    """One rank count: a fresh server (on its journal, or leading on a local etcd cluster of three with another
+    standing by), ``processes`` worker processes; the row of the results."""
     from awex.meta.client import MetaClient
-    from awex_integration.faults.fault_suite import ProcessServer
+    from awex_integration.faults.servers import server_for
 
-    server = ProcessServer()
-    sampler = _Sampler(server.proc.pid)
+    server = server_for("process" if store == "journal" else "etcd")
+    leader = server.proc if store == "journal" else server.procs[server.leader]
+    sampler = _Sampler(leader.pid)
+    etcd = _Sampler(*(p.pid for p in server.cluster.procs if p is not None)) if store == "etcd" else None
     status = MetaClient(server.address, timeout=30).status
     asked = status()["requests"]
     here = Path(__file__).resolve().parents[2]
@@ -129,14 +136,21 @@ def run(ranks: int, processes: int, versions: int, timeout: float) -> dict:
             docs = [json.loads(o.read_text()) for o in outs if o.exists()]
         requests = status()["requests"] - asked - 1  # the ranks' (not the two status calls)
         sampler.stop()
-        server_rss = _proc_peak_rss(server.proc.pid)
+        if etcd is not None:
+            etcd.stop()
+        server_rss = _proc_peak_rss(leader.pid)
     finally:
-        server.kill()
+        server.stop()
     errors = [e for d in docs for e in d["errors"]] + [f"a worker exited {p.returncode}" for p in procs if p.returncode]
     if errors or len(docs) != processes:
         raise SystemExit(f"{ranks} ranks: {len(errors)} error(s): {errors[:10]}")
     rows = {name: r for d in docs for name, r in d["ranks"].items()}
     row = summarise(ranks, rows, sampler, max(d["plan_seconds"] for d in docs))
+    row["store"] = store
+    if etcd is not None:  # etcd's own CPU (three members), by the same versions' times
+        first, steady = _spans(rows)
+        row["first_sync_etcd_cpu_seconds"] = round(etcd.at(first[1]) - etcd.at(first[0]), 3)
+        row["steady_etcd_cpu_seconds_per_version"] = round((etcd.at(steady[1]) - etcd.at(steady[0])) / steady[2], 5)
     media = [m for d in docs for m in d["media"].values()]
     row["signals"] = {m: media.count(m) for m in sorted(set(media), key=str)}  # where per-version signals went
     row.update(processes=processes, server_peak_rss_bytes=server_rss, wall_seconds=round(wall, 2))
@@ -146,6 +160,14 @@ def run(ranks: int, processes: int, versions: int, timeout: float) -> dict:
 
 def _cpu(rows: dict, which, version: int) -> list[float]:
     return [r["versions"][version]["cpu_seconds"] for name, r in rows.items() if which(name)]
+
+
+def _spans(rows: dict) -> tuple[tuple[float, float], tuple[float, float, int]]:
+    """The first sync's wall-clock span (every rank's) and the steady versions' (the writer's), with their count."""
+    writer = rows["trainer:0"]["versions"]
+    began = min(r["versions"][0]["began"] for r in rows.values())
+    ended = max(r["versions"][0]["ended"] for r in rows.values())
+    return (began, ended), (writer[1]["began"], writer[-1]["ended"], len(writer) - 1)
 
 
 def summarise(ranks: int, rows: dict, server, plan: float) -> dict:
@@ -160,9 +182,9 @@ def summarise(ranks: int, rows: dict, server, plan: float) -> dict:
     n = len(steady)
     is_trainer = lambda name: name.startswith("trainer:") and name != "trainer:0"  # noqa: E731
     is_receiver = lambda name: not name.startswith("trainer:")  # noqa: E731
-    last_end = max(r["versions"][0]["ended"] for r in rows.values())
-    server_first = server.at(last_end) - server.at(min(r["versions"][0]["began"] for r in rows.values()))
-    server_steady = (server.at(steady[-1]["ended"]) - server.at(steady[0]["began"])) / n if n else float("nan")
+    (first_began, first_ended), (steady_began, steady_ended, _) = _spans(rows)
+    server_first = server.at(first_ended) - server.at(first_began)
+    server_steady = (server.at(steady_ended) - server.at(steady_began)) / n if n else float("nan")
     first_cpu = {
         "first_trainer_rank": round(first["cpu_seconds"], 4),
         "other_trainer_ranks_max": round(max(_cpu(rows, is_trainer, 0)), 4),
@@ -220,11 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", type=int, default=6, help="versions per run (the first plans and joins)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None, help="results file (JSON)")
+    ap.add_argument(
+        "--store",
+        default="journal",
+        choices=["journal", "etcd"],
+        help="the server's safety state: its journal (default), or a local etcd cluster of three (etcd on the PATH)",
+    )
     args = ap.parse_args(argv)
     results: list[dict] = []
     for n in (int(x) for x in args.ranks.split(",")):
         try:
-            row = run(n, args.processes, args.versions, args.timeout)
+            row = run(n, args.processes, args.versions, args.timeout, args.store)
         except (SystemExit, subprocess.TimeoutExpired) as e:  # written down, and the run fails
             row = {"ranks": n, "failed": str(e)[:2000]}
         print(json.dumps(row), flush=True)

@@ -34,7 +34,7 @@ class Case:
     restart_delay: float = 0.0  # seconds before it does; negative: -k = k trainer deadlines + 1 s
     expect_failed: set[str] = field(default_factory=set)  # versions whose first attempt must fail
     recovers: bool = True  # the last version must succeed everywhere
-    server: str = "embedded"  # or "process": a standalone `awex-meta serve` the case may kill or stop
+    server: str = "embedded"  # "process": a standalone `awex-meta serve` the case may kill or stop; "etcd": two on etcd
     between: Callable[[Any, Path], None] | None = None  # run by the harness while ranks wait for "go" files
     train_tp: int = 1
     infer_tp: int = 2

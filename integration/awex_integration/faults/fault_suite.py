@@ -22,101 +22,23 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from awex_integration.faults import fault_ranks
+from awex_integration.faults import etcd_cases, fault_ranks
 from awex_integration.faults.fault_cases import RECEIVER_DEADLINES, Case, cases, rdma_cases, shm_cases
 from awex_integration.faults.server_load import LoadCase, load_cases, run_load_case
-from awex_integration.scenarios.spawn import free_port
+from awex_integration.faults.servers import server_for
 
 SLACK = 5.0  # seconds a step may take beyond its deadline before it counts as a hang (process start-up included)
 
 
-# -- servers the harness can restart, kill and freeze ------------------------------------------------------------
-class EmbeddedServer:
-    """A MetaServer in the harness's process, journalling (a restart keeps fences, claims and served versions)."""
-
-    def __init__(self):
-        from awex.meta.server import start_embedded
-
-        self._start = start_embedded
-        self._dir = tempfile.mkdtemp(prefix="awex-fault-meta-")
-        self.journal = os.path.join(self._dir, "meta.journal")
-        self.server = start_embedded(journal=self.journal)
-        self.port = self.server.port
-        self.address = self.server.address
-
-    def restart(self) -> None:
-        self.server.stop()
-        self.server = self._start(port=self.port, journal=self.journal)
-
-    def stop(self) -> None:
-        self.server.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-
-class ProcessServer:
-    """``awex-meta serve`` in its own process (SIGSTOP freezes it, SIGKILL kills it)."""
-
-    def __init__(self):
-        self.port = free_port()
-        self.address = f"http://127.0.0.1:{self.port}"
-        self._dir = tempfile.mkdtemp(prefix="awex-fault-meta-")  # its journal: a restart keeps the safety state
-        self.proc = self._spawn()
-
-    def _spawn(self) -> subprocess.Popen:
-        journal = os.path.join(self._dir, "meta.journal")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "awex.meta.cli", "serve", "--port", str(self.port), "--journal", journal],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        seen = []
-        for line in proc.stdout:  # its log lines come first (limits), then "serving on"
-            seen.append(line)
-            if "serving on" in line or len(seen) > 50:
-                break
-        if not seen or "serving on" not in seen[-1]:
-            raise RuntimeError(f"awex-meta serve did not start: {''.join(seen)[-2000:]}")
-        # what it logs from now on is read (and dropped) so that a full pipe never blocks the server
-        threading.Thread(target=lambda out=proc.stdout: [None for _ in out], daemon=True).start()
-        return proc
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def restart(self) -> None:
-        self.kill()
-        self.proc = self._spawn()
-
-    def restart_killed(self) -> None:
-        self.proc = self._spawn()
-
-    def freeze(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        self.thaw()
-        self.kill()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-
 def run_on_server(case: LoadCase) -> dict:
     """A load case against a standalone server of its own."""
-    server = ProcessServer()
+    server = server_for("process")
     try:
         result = run_load_case(case, server.address)
     finally:
@@ -148,7 +70,7 @@ def run_case(case: Case, timeout: float, device: str = "cpu", transport: str | N
 
 def _run_case(case: Case, timeout: float, device: str, transport: str | None, work: Path) -> dict:
     transport = transport or case.transport
-    server = EmbeddedServer() if case.server == "embedded" else ProcessServer()
+    server = server_for(case.server)
     job_name = case.name.replace("_", "-")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -364,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--timeout", type=float, default=8.0, help="every write and receive's deadline (seconds)")
     args = ap.parse_args(argv)
-    every = cases() + shm_cases() + rdma_cases() + load_cases()
+    missing = etcd_cases.available()
+    if missing:
+        print(f"the etcd cases do not run: {missing}", flush=True)
+    every = cases() + shm_cases() + rdma_cases() + ([] if missing else etcd_cases.etcd_cases()) + load_cases()
     chosen = [c for c in every if not args.cases or c.name in args.cases.split(",")]
     started = time.monotonic()
     results = []

@@ -21,10 +21,10 @@ MODELS = REPO / "integration" / "models"
 @pytest.fixture(scope="session")
 def etcd_cluster():
     """Three real etcd members for the whole session (the etcd store's tests), or a skip saying why not."""
-    from etcd_cluster import ETCD, SKIP_REASON, Cluster
+    from awex.meta.server.etcd_local import ETCD, MISSING, Cluster
 
     if ETCD is None:
-        pytest.skip(SKIP_REASON)
+        pytest.skip(f"{MISSING}: the etcd store cannot be tested here")
     cluster = Cluster()
     yield cluster
     cluster.close()

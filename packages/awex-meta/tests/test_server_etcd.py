@@ -170,3 +170,46 @@ def test_serve_says_when_etcd_cannot_be_reached():
 def test_a_client_refuses_an_address_given_twice():
     with pytest.raises(ValueError, match="given twice"):
         MetaClient("http://127.0.0.1:1,127.0.0.1:1")
+
+
+def test_a_requests_changes_reach_etcd_in_one_transaction_before_its_answer(etcd_cluster):
+    from awex.meta.server.app import SERVER_KEY
+
+    url = etcd_cluster.url()
+    server = start_embedded(store=url, leader_ttl=TTL)
+    try:
+        store = server._runner.app[SERVER_KEY].journal
+        c = MetaClient(server.address, job="rl", timeout=10)
+        names = [f"eng-{i}" for i in range(5)]
+        for name in names:
+            c.register(name, role="inference", instance=name)
+        writer = c.fenced("trainer", c.take_fence("trainer"))
+        writer.put("sync/v1", {"n": 1}, create_only=True)
+        before = store.transactions
+        writer.report_versions({name: {"version": "v1", "claim": "sync/v1"} for name in names})
+        assert store.transactions - before == 1  # five served versions and the applied claim: one round trip
+        port = server.port
+        server.stop()
+        server = start_embedded(port=port, store=url, leader_ttl=TTL)
+        assert _status(c) == {name: "v1" for name in names}  # all of it was kept
+        with pytest.raises(MetaConflictError, match="was applied"):
+            c.fenced("trainer", c.take_fence("trainer")).put("sync/v1", {"n": 2})
+    finally:
+        server.stop()
+
+
+def test_a_server_that_cannot_keep_a_change_answers_503_and_serves_no_more(etcd_cluster):
+    from awex.meta.server.app import SERVER_KEY
+
+    server = start_embedded(store=etcd_cluster.url(), leader_ttl=TTL)
+    try:
+        store = server._runner.app[SERVER_KEY].journal
+        c = MetaClient(server.address, job="rl", timeout=2)
+        c.register("eng", role="inference", instance="eng")
+        store._revision += 1  # as if another server had taken the lead: the leader key is not this one's
+        with pytest.raises(MetaServerError, match="lost the lead|does not lead"):
+            c.take_fence("trainer")
+        with pytest.raises(MetaServerError, match="does not lead"):  # nothing is answered from now on
+            c.try_get("anything")
+    finally:
+        server.stop()

@@ -219,6 +219,12 @@ class MetaServerApp:
         except JournalError as e:  # nothing changed: the change is journalled before it is made
             log.error("%s", e)
             response = error(503, "journal", str(e))
+        if self.journal is not None:
+            try:  # every change made so far kept before anything is answered (etcd: in one transaction)
+                self.journal.flush()
+            except JournalError as e:  # that server stops serving: it holds what was not kept
+                log.error("%s", e)
+                response = error(503, "journal", str(e))
         if remembered is not None and response.status < 500 and isinstance(response, web.Response):
             self.replies[remembered] = (response.status, response.body)
             while len(self.replies) > config.remembered_replies:

@@ -3,7 +3,7 @@ processes on one etcd cluster, one serving at a time, the others standing by to 
 
 What the journal keeps (``awex.meta.server.journal``: fences and their epochs, claimed names and who wrote them,
 the claim lease, the version each participant serves) is kept here as one etcd key per item, under
-``<prefix>/jobs/<job>/<kind>/<name>``, each change written before its request is answered, as the journal writes.
+``<prefix>/jobs/<job>/<kind>/<name>``, a request's changes written in one transaction before it is answered.
 Leadership is an etcd key held by a lease (``<prefix>/leader``): a server takes it with a transaction that succeeds
 only while no one holds it, then restores the state from etcd before it listens; the others wait for the key to go
 (its holder stopped, or died and its lease ran out) and take it then. Every change is a transaction that holds
@@ -35,6 +35,7 @@ log = logging.getLogger("awex.meta.server")
 
 LEADER_TTL = 5  # seconds a leader's etcd lease lasts without renewal (a dead leader is replaced after this)
 MARGIN = 1.0  # seconds before its lease would end that a leader stops answering, unless renewed
+TXN_OPS = 100  # changes per transaction (etcd allows 128 by default)
 _ORDER = {"fence": 0, "claim": 1, "lease": 2, "participant": 3, "serves": 4}  # serves after their participant
 
 
@@ -61,6 +62,8 @@ class EtcdStore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._deposed = False
+        self._pending: dict[bytes, dict] = {}  # key -> its change, until flushed
+        self.transactions = 0  # changes written (each one transaction with a request's changes)
 
     # -- the lead --------------------------------------------------------------------------------------------
     def lead(self, wait: float | None = None) -> None:
@@ -100,7 +103,7 @@ class EtcdStore:
         while not self._stop.wait(self.ttl / 4):
             sent = time.monotonic()
             try:
-                left = self.etcd.keepalive(self._lease, timeout=max(0.5, self._until - sent))
+                left = self.etcd.keepalive(self._lease)  # counted from when it was sent, however long it took
             except EtcdError as e:
                 if time.monotonic() >= self._until:
                     log.warning("MetaServer cannot renew its lead on etcd (%s); not answering until it does", e)
@@ -149,8 +152,9 @@ class EtcdStore:
         return jobs
 
     def append(self, record: dict[str, Any], everything: Any = None) -> None:
-        """Keep one change (before its request is answered), while this server leads; :class:`JournalError` (the
-        change is not made, the request answered 503) when it does not."""
+        """Keep one change: held until :meth:`flush`, which the server calls before it answers any request (so a
+        request's changes reach etcd in one transaction, before its answer); :class:`JournalError` (the change is
+        not made, the request answered 503) while this server does not lead."""
         if not self.serving():
             raise JournalError("this MetaServer does not lead (any more): ask another")
         op, job = record["op"], _quote(record["job"])
@@ -164,17 +168,31 @@ class EtcdStore:
             key = f"{base}{op}/{_quote(record['name'])}".encode()
         else:
             raise JournalError(f"no etcd key for a {op!r} record")
-        change = delete(key) if op in ("release", "unlease") else put(key, json.dumps(record, sort_keys=True).encode())
-        try:
-            ok, _ = self.etcd.txn([created(self._key, self._revision)], [change], timeout=self._left())
-        except EtcdError as e:
-            raise JournalError(f"cannot keep a change in etcd at {self.url}: {e}") from None
-        if not ok:
-            self._depose("its leader key is gone or another's")
-            raise JournalError("this MetaServer lost the lead: ask another")
+        self._pending.pop(key, None)  # one operation per key in a transaction: the last change
+        self._pending[key] = (
+            delete(key) if op in ("release", "unlease") else put(key, json.dumps(record, sort_keys=True).encode())
+        )
 
-    def _left(self) -> float:
-        return max(0.2, self._until - time.monotonic())
+    def flush(self) -> None:
+        """Write the changes held since the last flush, in transactions that hold only while this server leads;
+        when one cannot be written the server loses the lead (its memory holds changes etcd does not: it must not
+        answer again) and :class:`JournalError` says so."""
+        while self._pending:
+            keys = list(self._pending)[:TXN_OPS]
+            changes = [self._pending[k] for k in keys]
+            try:
+                # not bounded by the lease: the compare alone decides (a transaction made after the lead was lost
+                # fails), and etcd electing a new leader of its own (a member lost) may take a second or two
+                ok, _ = self.etcd.txn([created(self._key, self._revision)], changes)
+            except EtcdError as e:
+                self._depose(f"a change could not be kept in etcd ({e})")
+                raise JournalError(f"cannot keep a change in etcd at {self.url}: {e}") from None
+            if not ok:
+                self._depose("its leader key is gone or another's")
+                raise JournalError("this MetaServer lost the lead: ask another")
+            for k in keys:
+                del self._pending[k]
+            self.transactions += 1
 
     def close(self) -> None:
         """Give the lead back (another server takes it at once) and stop renewing."""

@@ -156,6 +156,9 @@ class Journal:
         self._appended = 0
         self._base = 0  # records in the journal as last rewritten
 
+    def flush(self) -> None:
+        """Nothing: :meth:`append` wrote the record already (etcd's store writes a request's changes here)."""
+
     def serving(self) -> bool:
         """Always: one server holds a journal (its lock), for as long as it runs (etcd's store may say no)."""
         return True

@@ -1,6 +1,7 @@
-"""A real etcd cluster of three members on this machine for the MetaServer's etcd store tests (Debian's
-``etcd-server``, or any ``etcd`` on the PATH; ``AWEX_ETCD`` names another binary). Tests skip, saying why, where
-there is none."""
+"""A real etcd cluster on this machine (three members on loopback by default) for tests and trials of the
+MetaServer's etcd store (``awex.meta.server.etcd_store``): Debian's ``etcd-server``, or any ``etcd`` on the PATH
+(``AWEX_ETCD`` names another binary). Not for production: a deployment runs its own etcd, its members on machines
+of their own."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import urllib.request
 import uuid
 
 ETCD = os.environ.get("AWEX_ETCD") or shutil.which("etcd")
-SKIP_REASON = "no etcd binary (Debian's etcd-server, or AWEX_ETCD=/path/to/etcd): the etcd store cannot be tested here"
+MISSING = "no etcd binary (Debian's etcd-server, or AWEX_ETCD=/path/to/etcd)"
 
 
 def _free_ports(n: int) -> list[int]:
@@ -29,10 +30,12 @@ def _free_ports(n: int) -> list[int]:
 
 
 class Cluster:
-    """Three etcd members (``stop(i)`` / ``start(i)`` one of them); :meth:`url` a store address with a fresh
-    prefix (tests share the cluster, never their keys)."""
+    """``members`` etcd members (``stop(i)`` / ``start(i)`` one of them); :meth:`url` a store address with a fresh
+    prefix (users of one cluster share it, never their keys). ``RuntimeError`` without an etcd binary."""
 
     def __init__(self, members: int = 3):
+        if ETCD is None:
+            raise RuntimeError(MISSING)
         self.dir = tempfile.mkdtemp(prefix="awex-etcd-")
         ports = _free_ports(2 * members)
         self.clients = ports[:members]
