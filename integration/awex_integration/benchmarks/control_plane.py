@@ -88,7 +88,9 @@ def run(ranks: int, processes: int, versions: int, timeout: float, store: str = 
     from awex.meta.client import MetaClient
     from awex_integration.faults.servers import server_for
 
-    server = server_for("process" if store == "journal" else "etcd")
+    # on etcd with `awex-meta serve`'s default lease (5 s): every rank's client shares this machine's cores with the
+    # servers and etcd, and the fault suite's 2-s lease would end under that load
+    server = server_for("process") if store == "journal" else server_for("etcd", ttl=5)
     leader = server.proc if store == "journal" else server.procs[server.leader]
     sampler = _Sampler(leader.pid)
     etcd = _Sampler(*(p.pid for p in server.cluster.procs if p is not None)) if store == "etcd" else None

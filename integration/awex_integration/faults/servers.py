@@ -116,9 +116,9 @@ class EtcdServers:
     leader and starts a new server on its port (it stands by); ``lose_member`` kills one etcd member (started again
     when the case ends). Clients get both addresses."""
 
-    def __init__(self):
+    def __init__(self, ttl: int = LEADER_TTL):
         self.cluster = etcd_cluster()
-        self._store = ["--store", self.cluster.url(), "--leader-ttl", str(LEADER_TTL)]
+        self._store = ["--store", self.cluster.url(), "--leader-ttl", str(ttl)]
         self.ports = [free_port(), free_port()]
         self.address = ",".join(f"http://127.0.0.1:{p}" for p in self.ports)
         self.procs = [_serve(self.ports[0], self._store, leads=True), _serve(self.ports[1], self._store, leads=False)]
@@ -164,6 +164,6 @@ class EtcdServers:
             self.cluster.wait_healthy()
 
 
-def server_for(kind: str):
-    """The server a case asks for: ``"embedded"``, ``"process"`` or ``"etcd"``."""
-    return {"embedded": EmbeddedServer, "process": ProcessServer, "etcd": EtcdServers}[kind]()
+def server_for(kind: str, **options):
+    """The server a case asks for: ``"embedded"``, ``"process"`` or ``"etcd"`` (``options``: the etcd pair's)."""
+    return {"embedded": EmbeddedServer, "process": ProcessServer, "etcd": EtcdServers}[kind](**options)

@@ -7,11 +7,11 @@ as strings and come back as ``int``."""
 from __future__ import annotations
 
 import base64
+import http.client
 import json
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +60,11 @@ class Etcd:
         self.endpoints = list(endpoints)
         self.timeout = timeout
         self._first = 0  # the endpoint that answered last: asked first next time
+        self._local = threading.local()  # each thread's kept-alive connections, by endpoint
 
     def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """POST ``body`` to ``/v3/<path>`` on the first member that answers, by the deadline."""
+        """POST ``body`` to ``/v3/<path>`` on the first member that answers, by the deadline (each thread keeps a
+        connection per member)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         data = json.dumps(body).encode()
         errors: list[str] = []
@@ -73,23 +75,17 @@ class Etcd:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                request = urllib.request.Request(
-                    f"{self.endpoints[at]}/v3/{path}", data=data, headers={"Content-Type": "application/json"}
-                )
                 try:
-                    with urllib.request.urlopen(request, timeout=min(left, 2.0)) as reply:
-                        doc = json.loads(reply.read() or b"{}")
-                except urllib.error.HTTPError as e:
-                    detail = e.read()[:300].decode(errors="replace")
-                    if e.code in (400, 404):  # the request itself is wrong: no other member answers otherwise
-                        raise EtcdError(f"etcd {self.endpoints[at]} refused /v3/{path}: {e.code} {detail}") from None
-                    errors.append(f"{self.endpoints[at]}: {e.code} {detail}")
+                    status, raw = self._post(at, f"/v3/{path}", data, min(left, 2.0))
+                    doc = json.loads(raw or b"{}")
+                except (OSError, http.client.HTTPException, ValueError) as e:  # refused, reset, timed out, not JSON
+                    self._drop(at)
+                    errors.append(f"{self.endpoints[at]}: {e or type(e).__name__}")
                     continue
-                except (OSError, ValueError) as e:  # refused, reset, timed out, not JSON
-                    errors.append(f"{self.endpoints[at]}: {e}")
-                    continue
-                if not isinstance(doc, dict):
-                    errors.append(f"{self.endpoints[at]}: not a JSON object")
+                if status in (400, 404):  # the request itself is wrong: no other member answers otherwise
+                    raise EtcdError(f"etcd {self.endpoints[at]} refused /v3/{path}: {status} {raw[:300]!r}")
+                if status != 200 or not isinstance(doc, dict):
+                    errors.append(f"{self.endpoints[at]}: {status} {raw[:300]!r}")
                     continue
                 self._first = at
                 return doc
@@ -97,6 +93,24 @@ class Etcd:
                 raise EtcdError(f"no etcd member answered /v3/{path} in time: {'; '.join(errors[-3:]) or 'timeout'}")
             time.sleep(delay)
             delay = min(2 * delay, 0.5)
+
+    def _post(self, at: int, path: str, data: bytes, timeout: float) -> tuple[int, bytes]:
+        conns = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(at)
+        if conn is None:
+            parsed = urllib.parse.urlsplit(self.endpoints[at])
+            conn = conns[at] = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+
+    def _drop(self, at: int) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(at, None)
+        if conn is not None:
+            conn.close()
 
     # -- keys ----------------------------------------------------------------------------------------------
     def range(self, key: bytes, prefix: bool = False) -> list[KeyValue]:
