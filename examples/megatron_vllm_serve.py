@@ -1,8 +1,8 @@
 """
 A Megatron-core trainer with tensor parallelism 2 updates a `vllm serve` engine over HTTP, through vLLM's own RL
 API with backend "awex": each trainer rank sends the shards it holds (nothing is gathered to rank 0) straight into
-the server's live parameters; rank 0 also drives the server's weight-update routes and pauses generation around
-each version.
+the server's staging while it keeps generating (receive="staged"); rank 0 drives the server's weight-update routes
+and pauses generation for each version's commit alone.
 
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "awex"}'
 
@@ -31,8 +31,7 @@ import torch.multiprocessing as mp
 from awex.meta.server import start_embedded
 
 PROMPTS = [[52, 72, 69, 500, 450, 221], [259, 69, 221, 455, 511], [80, 90, 100, 110]]  # token ids
-MAX_TOKENS = 16
-TP = 2
+MAX_TOKENS, TP = 16, 2
 
 
 def cpu_only_patches() -> None:
@@ -139,7 +138,7 @@ def trainer_rank(rank: int, port: int, meta_address: str, base: str, model_path:
     model = build_model(hf)
 
     engine = WeightTransferTrainerFactory.trainer_init(
-        AwexTrainerInitInfo(rank=rank, meta_address=meta_address, instances=("vllm-0",)),
+        AwexTrainerInitInfo(rank=rank, meta_address=meta_address, instances=("vllm-0",), receive="staged"),
         client=HTTPVLLMWeightSyncClient(base),  # rank 0 drives the server; the other ranks only send their shards
         source=TrainerSource.megatron(model, hf),
     )
@@ -150,7 +149,8 @@ def trainer_rank(rank: int, port: int, meta_address: str, base: str, model_path:
         if rank == 0:
             served = served_greedy(base, model_path)
             stall = engine.last_stalls["vllm-0"]
-            print(f"{version}: sync {stall.sync_seconds * 1e3:.0f} ms, stall {stall.stall_seconds * 1e3:.0f} ms")
+            ms = {k: round(getattr(stall, f"{k}_seconds") * 1e3) for k in ("sync", "stall", "commit")}
+            print(f"{version}: milliseconds {ms} (generation stalls for the commit alone)")
             assert served == expected, f"{version}: the server's greedy output differs from Megatron's"
             print(f"PASS {version}: the server's greedy output equals Megatron's for {len(PROMPTS)} prompts")
     engine.shutdown()

@@ -5,9 +5,10 @@
 Async reinforcement learning with vLLM and Ray: weights change while requests are running.
 
 * A Hugging Face model (V2) is the trainer, in a Ray actor; an AsyncLLMEngine holding V1 is the engine.
-* Requests start on V1. Once one of them has PAUSE_TOKEN_THRESHOLD tokens, the trainer sends V2: Awex's trainer
-  engine pauses generation with vLLM's own API in "keep" mode (running requests freeze, caches are cleared), the
-  weights land in vLLM's live parameters, and generation resumes: each request continues on V2.
+* Requests start on V1. Once one of them has PAUSE_TOKEN_THRESHOLD tokens, the trainer sends V2: it arrives in
+  staging while the requests keep generating on V1 (receive="staged"); then Awex's trainer engine pauses generation
+  with vLLM's own API in "keep" mode (running requests freeze, caches are cleared), copies V2 into vLLM's live
+  parameters (the commit) and resumes: each request continues on V2. The pause covers the commit alone.
 * Validation: a fresh engine holding V2, given each request's prompt and its tokens from before the pause, must
   generate exactly the tokens the synced engine generated after it.
 
@@ -107,9 +108,10 @@ class TrainModel:
 
         from awex.engines.vllm_trainer import AwexTrainerInitInfo
 
-        # pause="keep" (the default): requests freeze during the update and continue on the new weights
+        # receive="staged": V2 arrives while the requests keep generating; pause="keep" (the default): they freeze
+        # for the commit alone and continue on the new weights
         self.engine = WeightTransferTrainerFactory.trainer_init(
-            AwexTrainerInitInfo(rank=0, meta_address=meta_address, instances=("vllm-0",), pause="keep"),
+            AwexTrainerInitInfo(rank=0, meta_address=meta_address, instances=("vllm-0",), receive="staged"),
             client=RayVLLMWeightSyncClient(llm),
             source=ModuleSource(self.model),
         )
@@ -156,8 +158,8 @@ def main() -> None:
     gen_futures = [llm.do_generate.remote(ids, sampling_params) for ids in prompts]
     ray.get(llm.wait_for_threshold.remote())
     sync = ray.get(train_model.send_weights.remote())
-    stall, took = sync["stall_seconds"] * 1e3, sync["sync_seconds"] * 1e3
-    print(f"\n{sync['version']}: generation paused {stall:.0f} ms around a {took:.0f} ms sync")
+    stall, took, commit = (sync[k] * 1e3 for k in ("stall_seconds", "sync_seconds", "commit_seconds"))
+    print(f"\n{sync['version']}: generation paused {stall:.0f} ms (the commit {commit:.0f} ms) in a {took:.0f} ms sync")
     results = ray.get(gen_futures)
     for i, (output, pause_idx) in enumerate(results):
         tokens = list(output.outputs[0].token_ids)

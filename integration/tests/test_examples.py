@@ -24,6 +24,11 @@ SCRIPTS = {  # script: what it prints once per version (or request) that passed 
     "colocated.py": ("PASS step-", 3),
 }
 HELPERS = {"tiny.py"}
+STALLS = {  # what each script prints of the generation stall per version (staged: the commit alone), and how often
+    "rlhf_async.py": ("(the commit", 1),
+    "megatron_vllm_serve.py": ("(generation stalls for the commit alone)", 2),
+    "colocated.py": ("generation stalled", 3),
+}
 
 
 def test_every_example_is_run_and_short():
@@ -42,5 +47,5 @@ def test_example_runs(script, tmp_path):
     run = subprocess.run([sys.executable, str(EXAMPLES / script)], env=env, capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
-    marker, count = SCRIPTS[script]
-    assert run.stdout.count(marker) == count, run.stdout[-4000:]
+    for marker, count in (SCRIPTS[script], STALLS.get(script, ("", 0))):
+        assert not marker or run.stdout.count(marker) == count, (marker, run.stdout[-4000:])
