@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = None
     if args.path == "public":
         if args.meta_server == "process":  # `awex-meta serve` of its own (journalling), as a deployment runs it
-            from awex_integration.faults.fault_suite import ProcessServer
+            from awex_integration.faults.servers import ProcessServer
 
             meta = ProcessServer()
         else:
