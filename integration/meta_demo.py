@@ -1,8 +1,9 @@
-"""The main job until the engines land: every rank of a small RL job discovers its peers through an embedded
-MetaServer, computes the transfer plan on its own, and proves that all ranks computed the same plan; then the
-planner dry-runs a Qwen3-235B-shaped MoE model on 1,000 ranks.
+"""The control plane alone: every rank of a small RL job discovers its peers through an embedded MetaServer,
+computes the transfer plan on its own, and proves that all ranks computed the same plan; then the planner dry-runs
+a Qwen3-235B-shaped MoE model on 1,000 ranks.
 
-Nothing here moves weights yet (the transports and engine bindings arrive with the end-to-end CPU sync).
+This demo moves no weights: the main job (``integration/demo.py``) and ``examples/`` move them through the
+transports and engine bindings.
 """
 
 from __future__ import annotations
