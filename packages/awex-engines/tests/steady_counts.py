@@ -45,6 +45,8 @@ OPERATIONS = {
     (MetaClient, "_request"): "meta",
     (MetaClient, "put_sent"): "meta",  # a request sent now, its answer read later (one request, both counted once)
     (MetaClient, "_put_answered"): "meta answer",
+    (MetaClient, "report_versions_sent"): "meta",  # the version's report, sent before write returns
+    (MetaClient, "_versions_answered"): "meta answer",  # its answer, read as the next version starts
     **{(HostBoard, m): "board" for m in ("post", "manifest", "ring", "wait", "signalled")},
     **{(VersionChannel, m): "channel" for m in ("put", "wait", "get", "delete")},
     (ShmSender, "fill"): "copies",
@@ -101,7 +103,10 @@ class _Profiler:
                 self.counts.order.append((what, name))
                 if what == "meta":
                     f = frame.f_locals
-                    self.counts.requests.append((f.get("method", "PUT"), f.get("path", f.get("key"))))
+                    if name == "report_versions_sent":
+                        self.counts.requests.append(("POST", "versions"))
+                    else:
+                        self.counts.requests.append((f.get("method", "PUT"), f.get("path", f.get("key"))))
                 self.skip = 1
                 return
             self.counts.python_calls += 1

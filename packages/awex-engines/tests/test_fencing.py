@@ -101,7 +101,7 @@ def test_a_name_applied_is_never_taken_again_by_a_replacement_even_when_the_repo
     sent, got = tensors(1.0), tensors(-1.0)
     first = make_writer(server, sent, timeout=10.0)
     reader = _reader(server, got, timeout=10.0)
-    first._announcer.report = lambda *args, **kwargs: None  # lost
+    first._announcer.report_sent = lambda *args, **kwargs: None  # lost
     sync(first, reader, "v1")
     first.flush()
     plain = MetaClient(server.address, job="signals", timeout=10)
@@ -122,3 +122,24 @@ def test_a_name_applied_is_never_taken_again_by_a_replacement_even_when_the_repo
     sync(replacement, reader, "v2")
     assert all(torch.equal(got[n], sent[n]) for n in sent)
     first.close(), replacement.close(), reader.close()
+
+
+def test_a_versions_report_has_left_when_write_returns(server):
+    """The report that a version was applied leaves before ``write`` returns (with the outcome, not from the
+    background afterwards): with the writer's background thread stopped for good, the server still learns that
+    the engine serves v1 and that the name is taken for good, and the answer is read before the next version."""
+    sent, got = tensors(1.0), tensors(-1.0)
+    writer = make_writer(server, sent, timeout=10.0)
+    reader = _reader(server, got, timeout=10.0)
+    writer._background.submit = lambda *args, **kwargs: None  # nothing runs after write returns
+    sync(writer, reader, "v1")
+    plain = MetaClient(server.address, job="signals", timeout=10)
+    deadline = time.monotonic() + 5.0  # the request is on its way when write returns; the server answers it
+    while _serves(plain) != "v1":
+        assert time.monotonic() < deadline, "the report did not reach the MetaServer"
+        time.sleep(0.02)
+    replacement = MetaClient(server.address, job="signals", timeout=10)
+    with pytest.raises(Exception, match="was applied"):  # a name applied is never written again
+        replacement.fenced("other", replacement.take_fence("other")).put(keys.manifest("v1"), {"other": 1})
+    sync(writer, reader, "v2")  # the report's answer was read first: the next version goes as ever
+    writer.close(), reader.close()

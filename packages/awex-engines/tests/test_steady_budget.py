@@ -3,10 +3,11 @@ the budget the design sets. Counts, not times: the same on a loaded machine as o
 
 The design's budget for one steady version (nothing planned, allocated or negotiated again):
 
-- the first trainer rank makes one MetaServer request (the version name's claim, which also checks its fence) and,
-  holding its claim lease, waits for no MetaServer answer before the first byte moves; receivers make none;
-  requests that only inform (events, version reports, dropping old records) go from the background thread, a few
-  per version;
+- the first trainer rank makes two MetaServer requests (the version name's claim, which also checks its fence, and
+  the version's report, sent before ``write`` returns so that it travels with the outcome) and, holding its claim
+  lease, waits for no MetaServer answer before the first byte moves (the report's answer, read as the next version
+  starts, arrived long before); receivers make none; requests that only inform (events, dropping old records) go
+  from the background thread, a few per version;
 - per-version signals: the manifest, one ready signal per sender, one outcome per receiver, the trainer's wait for
   them (and, over the version channel, the outcomes' record for the other trainer ranks);
 - Python work: a fixed number of calls per version whatever the model, and per tensor no Python call at all and at
@@ -21,14 +22,16 @@ from steady_counts import measure, per_tensor
 from awex.convert.live import LiveTensors
 
 SMALL, LARGE = 3, 33  # layers: 39 and 399 tensors
-WRITER_REQUESTS = 1  # the name's claim
+WRITER_REQUESTS = 2  # the name's claim, the version's report
 READER_REQUESTS = 0
-BACKGROUND_REQUESTS = 4  # weights_ready event, version report, old records dropped (+ the outcomes' copy: channel)
+BACKGROUND_REQUESTS = 3  # weights_ready event, old records dropped (+ the outcomes' copy: channel)
 SIGNALS = {  # per-version operations on the medium, per side
     "board": {"writer": 3, "reader": 3},  # post + ring + wait for outcomes; manifest + wait for ready + ring
     "channel": {"writer": 4, "reader": 3},  # the same, and the outcomes' record for the other trainer ranks
 }
-PYTHON_CALLS = {"writer": 150, "reader": 100}  # per version, whatever the model (39 tensors: 134-147 and 92-97)
+# per version, whatever the model: 39 tensors 155 and 92-97 (the writer 134-147 before its version report moved onto its
+# thread, to leave before write returns: +18)
+PYTHON_CALLS = {"writer": 160, "reader": 100}
 PYTHON_CALLS_PER_TENSOR = 0
 C_CALLS_PER_TENSOR = 3  # data_ptr and stride of each parameter (its addresses before the bytes move, its form beside)
 
@@ -90,7 +93,7 @@ def test_the_guard_fails_on_an_extra_round_trip_or_per_tensor_work():
     assert violations(small, small) == []
     extra = measure(SMALL, extra=lambda writer: writer.client.keys("sync/"))
     found = violations(extra, extra)
-    assert any("the writer made 2 MetaServer requests" in f for f in found), found
+    assert any("the writer made 3 MetaServer requests" in f for f in found), found
     assert any("waited for MetaServer answers before the first byte moved: ['_request']" in f for f in found), found
     unleased = measure(SMALL, lease=None)
     found = violations(unleased, unleased)

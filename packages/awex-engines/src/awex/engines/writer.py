@@ -181,6 +181,7 @@ class WeightsWriter:
             )
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
+        self._report_answer: Callable[[], None] | None = None  # the last version's report: sent, answer unread
         self._applied: set[str] = set()  # versions this writer wrote (names are written once)
         # rank 0 alone announces versions, reports them and drops old records (awex.engines.sync.announcer), through
         # a client fenced with this writer's epoch: once a newer writer of this instance starts, every write of this
@@ -199,6 +200,7 @@ class WeightsWriter:
     def close(self) -> None:
         """Release what syncing holds on this rank: plan and staging buffers (idempotent; no further syncs). Over
         CUDA IPC, keep this process alive until every reader has closed (see ``WeightsReader.close``)."""
+        self._read_report()
         self._background.flush()
         self._session.close()
         if self._announcer is not None:
@@ -239,6 +241,7 @@ class WeightsWriter:
                 f"version {version!r} was already written by this writer: version names are written once "
                 "(name each version anew, e.g. after the training step)"
             )
+        self._read_report()  # before this thread's first request of the version
         started = time.monotonic()
         deadline = started + self.timeout
         self._session.delta_budget_bytes = self.options.delta_budget_bytes
@@ -293,7 +296,9 @@ class WeightsWriter:
             if getattr(self._session.signals, "medium", None) == "channel":  # for ranks that find the channel gone
                 record = partial(self._meta.put, keys.outcomes(version, manifest.seq), to_record(outcomes))
                 later.append((f"the outcomes of {version} on the MetaServer", record))
-            later.append((f"reporting {version} applied", partial(announcer.report, version, verdicts, plan, total)))
+            # sent now, before write returns (the report travels with the outcome); its answer read before this
+            # thread's next request
+            self._report_answer = announcer.report_sent(version, verdicts, plan, total)
             later.append(
                 (
                     f"dropping the records of versions before {version}",
@@ -348,8 +353,16 @@ class WeightsWriter:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the requests a write leaves for afterwards (the MetaServer's copy of the manifest, events,
-        dropping old records) were sent; whether they were within ``timeout``."""
+        dropping old records) were sent, and read the answer to the last version's report; whether they were
+        within ``timeout``."""
+        self._read_report()
         return self._background.flush(timeout)
+
+    def _read_report(self) -> None:
+        """Read the answer to the report the last write sent (this thread's next request waits for it)."""
+        answer, self._report_answer = self._report_answer, None
+        if answer is not None:
+            answer()
 
     def held_bytes(self) -> int:
         """Bytes of sync buffers (staging) this writer keeps between versions."""

@@ -363,6 +363,25 @@ class MetaClient(Agreements):
                 break
         return missing
 
+    def report_versions_sent(self, reports: dict[str, dict[str, Any]]) -> Callable[[], list[str]]:
+        """:meth:`report_versions`, in two: the request leaves now; calling what this returns reads its answer (the
+        names not registered there; raising what ``report_versions`` raises). This thread makes no other request
+        until then."""
+        path = self._job_path("versions")
+        data = json.dumps({"reports": reports}).encode()
+        rid, deadline = secrets.token_hex(12), self._by()
+        full, headers = self._prepared(path, data, rid, "POST", None)
+        pending = self._http.send("POST", full, data, headers, deadline)
+        return functools.partial(self._versions_answered, pending, path, full, data, rid, deadline)
+
+    def _versions_answered(self, pending, path: str, full: str, data: bytes, rid: str, deadline: float) -> list[str]:
+        """Read the answer of version reports sent before (:meth:`report_versions_sent`)."""
+        try:
+            doc = self._answered("POST", full, *pending())[1]
+        except _Busy:  # asked again, by the same request id, as report_versions would
+            doc = self._request("POST", path, raw=data, deadline=deadline, rid=rid)[1]
+        return [str(m) for m in doc.get("missing", ())]
+
     def publish_event(self, kind: str, source: str, version: str | None = None, data: Any = None) -> int:
         """Publish an event; returns its sequence number."""
         body = {"kind": kind, "source": source, "version": version, "data": data}

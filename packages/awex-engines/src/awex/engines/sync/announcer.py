@@ -55,6 +55,7 @@ class Announcer:
         self._port: int | None = None
         self._channel: VersionChannel | None = None  # hosted here (awex.engines.sync.channel)
         self._cleaner: VersionChannel | None = None  # the background thread's connection to it
+        self._bytes_of: dict[str, tuple[Plan, int]] = {}  # instance -> (plan, bytes it moves there)
         self._board: HostBoard | None = None  # the host board (awex.engines.sync.board), where /dev/shm allows
         self._seq = 0  # attempts announced: the manifest's count
         self._written: deque[tuple[str, int]] = deque()  # (version, attempt count) written, oldest first
@@ -96,6 +97,27 @@ class Announcer:
     def report(self, version: str, verdicts: dict[str, str], plan=None, seconds: float | None = None) -> None:
         """Tell the MetaServer which version each destination instance serves now, with the bytes its ranks
         received and the sync's time (as this rank saw it): one request for all of them."""
+        reports = self._reports(version, verdicts, plan, seconds)
+        if reports:
+            self._reported(version, reports, lambda: self.client.report_versions(reports))
+
+    def report_sent(
+        self, version: str, verdicts: dict[str, str], plan=None, seconds: float | None = None
+    ) -> Callable[[], None] | None:
+        """:meth:`report`, in two: the request leaves now (before ``write`` returns: a version's report travels
+        with its outcome, so a writer killed once ``write`` returned has said it); calling what this returns reads
+        the answer (the thread's next request waits for that). ``None`` when there is nothing to report."""
+        reports = self._reports(version, verdicts, plan, seconds)
+        if not reports:
+            return None
+        try:
+            answer = self.client.report_versions_sent(reports)
+        except MetaServerError as e:  # reporting must not mask the sync's own outcome
+            log.warning("could not report version %s of %s to the MetaServer: %s", version, sorted(reports), e)
+            return None
+        return partial(self._reported, version, reports, answer)
+
+    def _reports(self, version: str, verdicts: dict[str, str], plan, seconds: float | None) -> dict[str, dict]:
         reports: dict[str, dict] = {}
         for instance, verdict in sorted(verdicts.items()):
             if verdict == "unchanged":
@@ -103,17 +125,28 @@ class Announcer:
             serves = version if verdict == "applied" else None
             report: dict = {"version": serves}
             if plan is not None and serves is not None:
-                ranks = [r.rank for r in plan.instance_ranks(instance)]
-                report["bytes"] = sum(s.bucket.nbytes for r in ranks for s in plan.schedule(r) if s.op == "recv")
+                report["bytes"] = self._received_bytes(plan, instance)
                 if seconds is not None:
                     report["seconds"] = seconds
             if serves is not None:  # the name is never written again (the server keeps it, journalled)
                 report["claim"] = keys.manifest(version)
             reports[instance] = report
-        if not reports:
-            return
+        return reports
+
+    def _received_bytes(self, plan: Plan, instance: str) -> int:
+        """Bytes the plan moves to ``instance``'s ranks (counted once a plan: steady versions reuse it)."""
+        known = self._bytes_of.get(instance)
+        if known is None or known[0] is not plan:
+            ranks = [r.rank for r in plan.instance_ranks(instance)]
+            nbytes = sum(s.bucket.nbytes for r in ranks for s in plan.schedule(r) if s.op == "recv")
+            known = self._bytes_of[instance] = (plan, nbytes)
+        return known[1]
+
+    def _reported(self, version: str, reports: dict[str, dict], answer: Callable[[], list[str]]) -> None:
+        """Read a report's answer; register again the instances a restarted MetaServer did not know, and report
+        them again."""
         try:
-            missing = self.client.report_versions(reports)
+            missing = answer()
             for instance in missing:  # a MetaServer restarted while the instance had nothing to tell it
                 layout = self._session.layout_of(instance)
                 if layout is None:
