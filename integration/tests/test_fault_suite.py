@@ -15,10 +15,9 @@ from awex_integration.faults.server_load import load_cases
 CASES = {case.name: case for case in cases() + shm_cases() + rdma_cases() + etcd_cases()}
 NO_ETCD = available()
 # etcd cases CI leaves to the full matrix: packages/awex-meta/tests/test_server_etcd.py checks the same of the servers
-# (a frozen leader, fences and applied names across a hand-over) without sync ranks
+# (a frozen leader, applied names across a hand-over) without sync ranks
 ETCD_FULL_ONLY = {
     "etcd_leader_frozen_between_syncs": "test_server_etcd's frozen leader",
-    "etcd_stale_writer_fenced_across_failover": "test_server_etcd's hand-over (a replaced writer stays fenced)",
     "etcd_name_reused_across_failover": "test_server_etcd's hand-over (an applied name is never written again)",
 }
 
