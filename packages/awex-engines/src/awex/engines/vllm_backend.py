@@ -20,7 +20,8 @@ it starts, routes every canonical tensor it holds (``awex.engines.vllm_params``)
 - **in place** (the default, ``receive="in_place"``): boxes land directly in the storage of vLLM's live
   parameters (fused ``qkv_proj`` / ``gate_up_proj``, padded vocabulary, MoE experts; ``awex.convert.vllm``). No
   staging copy of the shard, no full-size temporary, no loader call; the extra memory is the transport's wave
-  staging (about twice the writer's ``wave_bytes``; none over CUDA IPC). A sync that fails part-way leaves the
+  staging (about twice the writer's ``wave_bytes``; over CUDA IPC none on the trainer's GPU, up to 512 MiB of
+  bounce ring reading another GPU). A sync that fails part-way leaves the
   engine with partly new weights: it reports no consistent version until the next successful sync.
 - **through vLLM's loaders**: only the modules vLLM transformed after loading (vLLM-CPU's prepacked linears and
   MoE experts, quantisation methods that repack) receive into staging, and are loaded one module at a time
