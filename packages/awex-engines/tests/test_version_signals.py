@@ -213,3 +213,15 @@ def test_a_failure_before_any_manifest_keeps_the_plan_and_group_the_other_side_k
     manifest = SyncManifest("v2", ("trainer",), ("eng",), "127.0.0.1", 5000, channel="127.0.0.1:1", seq=4)
     session.note_failure(manifest)
     assert session._plan is None and session._last_attempt == Attempt("127.0.0.1:1", "v2", 4)
+
+
+def test_a_manifest_says_its_transport_and_its_default_is_the_writers():
+    from awex.engines.sync.manifest import SyncManifest
+    from awex.engines.sync.options import SyncOptions
+
+    assert SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000).transport == SyncOptions().transport == "auto"
+    doc = SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000, transport="ipc").to_json()
+    assert SyncManifest.from_json(doc).transport == "ipc"
+    del doc["transport"]
+    with pytest.raises(ValueError, match="malformed sync manifest"):
+        SyncManifest.from_json(doc)

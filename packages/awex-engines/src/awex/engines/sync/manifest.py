@@ -42,8 +42,8 @@ class SyncManifest:
     # from the trainers' memory with their copy engines (fastest where no region goes to several instances);
     # "shm": ranks on one host, CPU views; senders write each version once into shared memory, receivers copy
     # out (awex.transport.pull.shm); "auto": every rank publishes its device and all choose the same
-    # (awex.meta.transport_choice)
-    transport: str = "p2p"
+    # (awex.meta.transport_choice); the writer's default, as WeightsWriter's
+    transport: str = "auto"
     allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
     refresh_by_wave: bool = False  # the senders derive what they send wave by wave (FP8 on the fly): for "auto"
     channel: str | None = None  # the version channel ("host:port", awex.engines.sync.channel) and its key secret
@@ -77,7 +77,7 @@ class SyncManifest:
                 port=int(d["port"]),
                 wave_bytes=int(d["wave_bytes"]),
                 timeout=float(d["timeout"]),
-                transport=str(d.get("transport", "p2p")),
+                transport=str(d["transport"]),  # every writer says which: no default to disagree with its own
                 allow_cast=tuple(str(p) for p in d.get("allow_cast", ())),
                 refresh_by_wave=bool(d.get("refresh_by_wave", False)),
                 channel=_channel_address(d.get("channel")),
