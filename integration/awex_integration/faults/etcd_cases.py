@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from awex_integration.faults.fault_cases import Case, _cases, _freeze, _server_restart, _steps
+from awex_integration.faults.fault_cases import Case, _cases, _freeze, _server_restart, _steps, freed_parameter
 from awex_integration.faults.fault_checks import reported, reuse_refused_then
 
 
@@ -46,6 +46,7 @@ def etcd_cases() -> list[Case]:
     two = [_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]]
     first = [[{"version": "v-1", "pause": True}, {"version": "v-2"}]]
     return [
+        freed_parameter("etcd"),
         Case(
             "etcd_leader_killed_during_first_sync",
             "the leading MetaServer of two on etcd is killed (SIGKILL) as the first sync starts; the other takes the "

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from awex_integration.faults.fault_checks import (
     failed_fast,
     flat,
+    refused_naming,
     reported,
     reuse_refused,
     reuse_refused_then,
@@ -81,7 +82,25 @@ def cases() -> list[Case]:
             between=_server_restart,
             check=reuse_refused_then("v-3", "already announced"),
         ),
+        freed_parameter(),
     ]
+
+
+def freed_parameter(server: str = "embedded") -> Case:
+    """A trainer parameter offloaded and not loaded back (``untyped_storage().resize_(0)``) at v-2: the write is
+    refused naming it before any byte moves (never a crash), the waiting engines learn it within seconds, and v-3
+    goes once it is back."""
+    return Case(
+        "freed_parameter_refused" + ("" if server == "embedded" else f"_{server}"),
+        "a trainer parameter freed in place (offloaded, not loaded back) at v-2: refused naming it before any byte "
+        "moves, the engines told within seconds; v-3 goes once it is back"
+        + ("" if server == "embedded" else " (two MetaServers on etcd)"),
+        trainer=[_steps("v-1") + [{"version": "v-2", "fault": "free_param"}, {"version": "v-3"}]],
+        engine=[_steps("v-1", "v-2", "v-3")] * 2,
+        server=server,
+        expect_failed={"v-2"},
+        check=failed_fast("v-2", 5.0, then=refused_naming("v-2", "holds 0 bytes", then=reported("v-3"))),
+    )
 
 
 def _cases() -> list[Case]:

@@ -98,3 +98,15 @@ def reuse_refused_then(after: str, why: str):
         return reported(after)(run)
 
     return check
+
+
+def refused_naming(version: str, why: str, then=None):
+    """The trainer's write of ``version`` failed saying ``why``; ``then``: a further check."""
+
+    def check(run: dict) -> list[str]:
+        recs = [rec for party, rec in run["records"].get(version, []) if party.startswith("trainer")]
+        if not recs or recs[0]["ok"] or why not in recs[0].get("error", ""):
+            return [f"the trainer's write of {version} was not refused saying {why!r}: {recs}"]
+        return then(run) if then else []
+
+    return check

@@ -163,6 +163,11 @@ def trainer_rank(job: RankJob) -> list[dict]:
             shm.ShmSender.fill = fill_half
         if fault == "alter_segment":  # shm: one byte of the filled segment altered before the receivers copy it
             _alter_segment_once(writer)
+        freed = None
+        if fault == "free_param":  # offloaded (the usual resize_(0)) and not loaded back before the write
+            freed = next(iter(held.values()))
+            nbytes = freed.untyped_storage().nbytes()
+            freed.untyped_storage().resize_(0)
         started = time.monotonic()
         try:
             writer.write(version, destinations)
@@ -187,6 +192,8 @@ def trainer_rank(job: RankJob) -> list[dict]:
                 }
             )
         writer.refresh = None
+        if freed is not None:  # loaded back (new memory) before the next step fills it
+            freed.untyped_storage().resize_(nbytes)
     writer.flush()
     return list(out)
 
