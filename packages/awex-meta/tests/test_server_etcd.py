@@ -13,18 +13,14 @@ import sys
 import time
 
 import pytest
+from test_server import _free_port
+from test_server_journal import _status
 
 from awex.meta.client import MetaClient
 from awex.meta.errors import MetaConflictError, MetaConnectionError, MetaFencedError, MetaServerError
 from awex.meta.server import start_embedded
 
 TTL = 2  # seconds a dead leader keeps the lead
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(url: str, port: int) -> subprocess.Popen:
@@ -43,10 +39,6 @@ def _until(what, timeout: float = 20.0) -> None:
     while not what():
         assert time.monotonic() < deadline, "not within the deadline"
         time.sleep(0.05)
-
-
-def _status(c: MetaClient) -> dict:
-    return {p["name"]: p["weight_version"] for p in c.status()["jobs"][c.job]["participants"]}
 
 
 def _stop(*procs: subprocess.Popen) -> None:

@@ -87,10 +87,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     if args.store and (args.journal or args.no_journal):
         raise ValueError("--store keeps the state in etcd: no --journal or --no-journal with it")
-    if args.store:
-        from awex.meta.server.etcd import endpoints_of
-
-        endpoints_of(args.store)  # a clear error for a malformed address, before waiting for the lead
+    if args.store:  # (a malformed address is refused by the store itself, before it waits for the lead)
         if not 2 <= args.leader_ttl <= 3600:
             raise ValueError(f"--leader-ttl {args.leader_ttl}: 2 to 3600 seconds")
     elif config.journal is None:

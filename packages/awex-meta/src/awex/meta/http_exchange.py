@@ -251,15 +251,9 @@ class Exchanges:
                     self._refused(e, since, now, deadline, delay)
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
-            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected) as e:
-                if self._next(e):
-                    if time.monotonic() + delay > deadline:
-                        raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
             except (socket.timeout, TimeoutError):
                 raise MetaTimeoutError(f"MetaServer at {self.address} did not answer {method} {path} in time") from None
-            except OSError as e:  # unreachable network and the like: the caller's deadline decides
+            except OSError as e:  # reset, unreachable network and the like: the caller's deadline decides
                 if self._next(e):
                     if time.monotonic() + delay > deadline:
                         raise MetaConnectionError(f"cannot reach MetaServer at {self.address}: {e}") from None

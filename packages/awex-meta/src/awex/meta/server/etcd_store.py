@@ -66,30 +66,29 @@ class EtcdStore:
         self.transactions = 0  # changes written (each one transaction with a request's changes)
 
     # -- the lead --------------------------------------------------------------------------------------------
-    def lead(self, wait: float | None = None) -> None:
-        """Take the lead, waiting while another server holds it (up to ``wait`` seconds; ``None``: as long as it
-        takes); :class:`JournalError` when etcd cannot be reached or the wait ends first."""
-        deadline = None if wait is None else time.monotonic() + wait
+    def lead(self) -> None:
+        """Take the lead, waiting as long as another server holds it; :class:`JournalError` when etcd cannot be
+        reached."""
         me = json.dumps({"address": self.address, "id": secrets.token_hex(8)}).encode()
         said = None
         while True:
             try:
-                sent = time.monotonic()
-                lease = self.etcd.grant(self.ttl)
-                ok, answer = self.etcd.txn([created(self._key, 0)], [put(self._key, me, lease)], [get(self._key)])
+                holder = self.etcd.range(self._key)  # a lease is asked for only when the key is free
+                if not holder:
+                    sent = time.monotonic()
+                    lease = self.etcd.grant(self.ttl)
+                    ok, answer = self.etcd.txn([created(self._key, 0)], [put(self._key, me, lease)], [get(self._key)])
+                    if ok:
+                        self._lease, self._revision = lease, revision_of(answer)
+                        self._until = sent + self.ttl - MARGIN
+                        break
+                    self.etcd.revoke(lease)  # another server took it first
+                    holder = ranged(answer)
             except EtcdError as e:
                 raise JournalError(f"cannot reach etcd at {self.url}: {e}") from None
-            if ok:
-                self._lease, self._revision = lease, revision_of(answer)
-                self._until = sent + self.ttl - MARGIN
-                break
-            self.etcd.revoke(lease)
-            holder = ranged(answer)
             if holder and holder[0].value != said:
                 said = holder[0].value
                 log.info("MetaServer standing by: another server leads (%s)", said.decode(errors="replace"))
-            if deadline is not None and time.monotonic() >= deadline:
-                raise JournalError(f"another MetaServer leads on etcd at {self.url} ({(said or b'').decode()})")
             time.sleep(max(0.2, self.ttl / 5))
         log.info("MetaServer leads on etcd at %s (prefix %s)", self.url, self.prefix)
         self._thread = threading.Thread(target=self._renew, name="awex-meta-lead", daemon=True)
