@@ -247,17 +247,23 @@ def _kernel_sums(rows: Rows, key: int, out: torch.Tensor) -> None:
 
 
 def triton_words():
-    """The per-block step both digest kernels share (``_words(w, p, sum_a, sum_b, A0, A1)``: words ``w`` as uint32
-    at position keys ``p`` added into the two sums), as a Triton function; Triton must be installed."""
+    """The per-block step both digest kernels share (``_words(w, p, sum_a, sum_b, A0, A1, BYTES)``: words ``w``, as
+    loaded (int16, or uint8 where ``BYTES``), at position keys ``p`` added into the two sums), as a Triton function;
+    Triton must be installed."""
     if _WORDS:
         return _WORDS[0]
     import triton
+    import triton.language as tl
 
     _mix = triton_mix()
 
     @triton.jit
-    def _words(w, p, sum_a, sum_b, A0, A1):
-        h = _mix(p ^ w, A0, A1)
+    def _words(w, p, sum_a, sum_b, A0, A1, BYTES: tl.constexpr):
+        if BYTES:
+            u = w.to(tl.uint32)
+        else:
+            u = w.to(tl.uint16, bitcast=True).to(tl.uint32)
+        h = _mix(p ^ u, A0, A1)
         return sum_a + h, sum_b + h * (p | 1)
 
     _WORDS.append(_words)
@@ -278,7 +284,7 @@ def _kernel():
     _words = triton_words()
 
     @triton.jit
-    def _load(at, j, step, inside, MASKED: tl.constexpr, STEP_ONE: tl.constexpr, BYTES: tl.constexpr):
+    def _load(at, j, step, inside, MASKED: tl.constexpr, STEP_ONE: tl.constexpr):
         if STEP_ONE:
             where = at + j
         else:
@@ -287,11 +293,7 @@ def _kernel():
             w = tl.load(where, mask=inside, other=0)
         else:
             w = tl.load(where)
-        if BYTES:
-            u = w.to(tl.uint32)
-        else:
-            u = w.to(tl.uint16, bitcast=True).to(tl.uint32)
-        return u
+        return w
 
     @triton.jit
     def row_sums(
@@ -334,13 +336,13 @@ def _kernel():
         sum_a = tl.zeros([BLOCK], dtype=tl.uint32)
         sum_b = tl.zeros([BLOCK], dtype=tl.uint32)
         for k in range(full):  # whole blocks: no mask
-            w = _load(at, k * BLOCK + lanes, step, None, False, STEP_ONE, BYTES)
-            sum_a, sum_b = _words(w, p, sum_a, sum_b, A0, A1)
+            w = _load(at, k * BLOCK + lanes, step, None, False, STEP_ONE)
+            sum_a, sum_b = _words(w, p, sum_a, sum_b, A0, A1, BYTES)
             p += PSTEP
         if span > full * BLOCK:  # the last, partial block
             inside = full * BLOCK + lanes < span
-            w = _load(at, full * BLOCK + lanes, step, inside, True, STEP_ONE, BYTES)
-            a, b = _words(w, p, sum_a, sum_b, A0, A1)
+            w = _load(at, full * BLOCK + lanes, step, inside, True, STEP_ONE)
+            a, b = _words(w, p, sum_a, sum_b, A0, A1, BYTES)
             sum_a = tl.where(inside, a, sum_a)
             sum_b = tl.where(inside, b, sum_b)
         tl.atomic_add(sums, tl.sum(sum_a.to(tl.int64), axis=0))

@@ -18,11 +18,10 @@ from itertools import product
 import torch
 
 from awex.transport.checksum import MIX_A, POS, SEED, triton_cdiv
-from awex.transport.digest import MOD, PSTEP, Digest, _rows, piece_sums, salt, triton_words
+from awex.transport.digest import BLOCK, ITERS, MOD, PSTEP, Digest, _rows, piece_sums, salt, triton_words
 from awex.transport.shards import LocalShards, torch_dtype
 
 Region = tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]  # name, shape, dtype, offsets, sizes
-BLOCK, ITERS = 1024, 64  # a program hashes a span of up to BLOCK * ITERS words of one row, BLOCK at a time
 FIELDS = ("off", "pos", "row", "step", "rows", "row_pos", "row_mem", "spans", "out")
 
 _KERNEL: list = []
@@ -125,14 +124,6 @@ def _kernel():
     _words = triton_words()
 
     @triton.jit
-    def _unsigned(w, BYTES: tl.constexpr):
-        if BYTES:
-            u = w.to(tl.uint32)
-        else:
-            u = w.to(tl.uint16, bitcast=True).to(tl.uint32)
-        return u
-
-    @triton.jit
     def entry_sums(
         words,
         off_t,
@@ -180,7 +171,7 @@ def _kernel():
                 w = tl.load(words + off + j)
             else:
                 w = tl.load(words + off + j.to(tl.int64) * step)
-            sum_a, sum_b = _words(_unsigned(w, BYTES), p, sum_a, sum_b, A0, A1)
+            sum_a, sum_b = _words(w, p, sum_a, sum_b, A0, A1, BYTES)
             p += PSTEP
         if span > full * BLOCK:  # the last, partial block
             j = full * BLOCK + lanes
@@ -189,7 +180,7 @@ def _kernel():
                 w = tl.load(words + off + j, mask=inside, other=0)
             else:
                 w = tl.load(words + off + j.to(tl.int64) * step, mask=inside, other=0)
-            a, b = _words(_unsigned(w, BYTES), p, sum_a, sum_b, A0, A1)
+            a, b = _words(w, p, sum_a, sum_b, A0, A1, BYTES)
             sum_a = tl.where(inside, a, sum_a)
             sum_b = tl.where(inside, b, sum_b)
         o = tl.load(out_t + e)
