@@ -24,7 +24,7 @@ class _Mapped:
 class _Executor:
     capture_seconds = 0.0
 
-    def __init__(self, plan, rank, shards, sources, quantize=None):
+    def __init__(self, plan, rank, shards, sources, quantize=None, digest=False):
         self.sources = sources
 
     def run(self, timeout, meanwhile=None):
@@ -39,6 +39,7 @@ class _Export:
 
 class _Link:
     count = 1
+    digests = False
 
     def __init__(self, docs):
         self.docs, self.fetched = docs, []

@@ -61,6 +61,7 @@ class PeerLink(Protocol):
 
     count: int  # the writer's count of versions written: the same on every rank, larger for every new attempt
     version: str  # the version's name
+    digests: bool  # verify mode: a receiver may digest what it gets as it copies (Transport.received_digests)
 
     def publish(self, generation: int, doc: dict[str, Any]) -> None:
         """This rank's descriptor, generation ``generation`` (1, 2, ...: a new one when what it describes
@@ -144,6 +145,12 @@ class Transport(ABC):
 
     def applied(self) -> None:
         """A sender, once every receiver applied a version (release what only the first version needed)."""
+
+    def received_digests(self) -> dict[int, tuple[int, int]] | None:
+        """A receiver in verify mode (``PeerLink.digests``), after :meth:`run`: per origin sync rank, the digest
+        (``awex.transport.digest``) of what the run wrote into its views, where the transport took it as it
+        copied; once per run. ``None``: the caller digests the views itself."""
+        return None
 
     @property
     def held_bytes(self) -> int:

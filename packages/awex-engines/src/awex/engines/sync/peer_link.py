@@ -56,6 +56,10 @@ class SyncPeerLink:
     def version(self) -> str:
         return self.manifest.version
 
+    @property
+    def digests(self) -> bool:
+        return self.manifest.verify
+
     def _key(self, rank: int, generation: int) -> str:
         r = self.plan.ranks[rank]
         return keys.descriptor(self.kind, r.instance, r.local_rank, generation)

@@ -370,13 +370,13 @@ class SyncSession:
         link = self._link
         if link is None:
             raise RuntimeError(f"{self.instance}:{self.local_rank}: verify before any transfer")
-        if self._verifier is None:
-            self._verifier = Verifier(self.client)
+        self._verifier = self._verifier or Verifier(self.client)
         with self.phases("verify"):
             if link.plan.ranks[link.rank].role.value == "trainer":
                 self._verifier.publish(link.plan, link.rank, manifest, shards)
-            else:
-                self._verifier.check(link.plan, link.rank, manifest, shards, deadline, link.check_senders)
+            else:  # with what the transport digested as it copied, where it did
+                taken, plan = self._transports[link.kind].received_digests(), link.plan
+                self._verifier.check(plan, link.rank, manifest, shards, deadline, link.check_senders, taken)
 
     @property
     def plan(self) -> Plan | None:

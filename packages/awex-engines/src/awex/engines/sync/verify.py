@@ -180,11 +180,17 @@ class Verifier:
         shards: LocalShards,
         deadline: float,
         check_senders: Callable[[Sequence[int]], None] | None = None,
+        taken: Mapping[int, Digest] | None = None,
     ) -> None:
         """A receiving rank, after its transfer: digest what it holds per origin and compare with each origin's
         record (waiting for it until ``deadline``, ``time.monotonic()``; ``check_senders(origins)`` every second
-        raises if one on this host is gone). Raises :class:`VerifyError` naming each origin whose regions differ."""
-        mine = self._digests(plan, shards, self._of(plan, rank).receives)
+        raises if one on this host is gone). Raises :class:`VerifyError` naming each origin whose regions differ.
+        ``taken``: the digests the transport took of what it wrote as it copied
+        (``Transport.received_digests``), used where they name the same origins."""
+        receives = self._of(plan, rank).receives
+        mine = taken if taken is not None and set(taken) == set(receives) else None
+        if mine is None:
+            mine = self._digests(plan, shards, receives)
         wrong = []
         for origin, got in sorted(mine.items()):
             o = plan.ranks[origin]

@@ -14,6 +14,8 @@ from awex.transport.base import TransferStats, TransferTimeout
 from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable, triton_available
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
+from awex.transport.digest import Digest
+from awex.transport.ipc.digesting import ReceivedDigests
 from awex.transport.ipc.fp8_on_copy import Piece, Quantize, quantize_pieces, quantizers
 from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
@@ -62,7 +64,8 @@ class IpcExecutor:
     NVLink, their blocks spread among the local ones (the copy engines' writes into a GPU whose memory a kernel
     saturates stall it more than the same bytes read by the kernel). Pieces
     that go as their own DMA are dealt to ``direct_streams`` streams (balanced by bytes). The defaults were
-    measured: docs/performance.md.
+    measured: docs/performance.md. With ``digest`` (verify mode) the run also digests what it copied, per origin
+    (:meth:`received_digests`): the batched copies as they write (:mod:`awex.transport.ipc.digesting`).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class IpcExecutor:
         sources: dict[int, LocalShards],
         options: IpcOptions | None = None,
         quantize: Quantize | None = None,
+        digest: bool = False,
     ):
         o = options or IpcOptions()
         cuda_graph, bounce_bytes, bounce_buffers, max_gap_bytes = (
@@ -92,6 +96,8 @@ class IpcExecutor:
         names = [t.name for t in plan.tensors]
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.bytes_received = 0
+        origins = sorted({s.peer for s in plan.schedule(rank)})
+        self.digest = ReceivedDigests(self.device, origins) if digest else None
         quantised = {q[0]: (q[2], q[3]) for q in plan.quantized}  # weight -> (scale tensor, tile block)
         to_quantize: dict[tuple[int, int], list[Piece]] = {}  # FP8 on the copy, by tile block
         if quantised and quantize is None:
@@ -110,11 +116,14 @@ class IpcExecutor:
                     )
                     self.bytes_received += t.nbytes
                     continue
-                self.copies.extend((d, s) for d, s, _ in paired_pieces(names[t.tensor], t, shards, src))
+                for d, s, within in paired_pieces(names[t.tensor], t, shards, src):
+                    self.copies.append((d, s))
+                    if self.digest is not None:  # each piece digested on its own: not merged
+                        self.digest.note(d, step.peer, plan.tensors[t.tensor], t.offsets, within)
                 self.bytes_received += t.nbytes
         # read the source, write tiles and scales: one launch per tile block
         self._quantize: list[Callable[[], None]] = quantizers(to_quantize, quantize) if to_quantize else []
-        self.copies = merge_copies(self.copies)
+        self.copies = merge_copies(self.copies) if self.digest is None else self.copies
         self._remote = [(d, s) for d, s in self.copies if s.device != d.device]  # from another GPU: peer DMAs
         self._local = [(d, s) for d, s in self.copies if s.device == d.device]
         if self._remote and self.device.type != "cuda":
@@ -160,9 +169,7 @@ class IpcExecutor:
                     if not self._local_batched  # not paced:
                     else ([], [])
                 )  # one chunk
-                self._local_batched.append(
-                    BatchedCopy(together, spread=far, spread_sources=at) if together or far else None
-                )
+                self._local_batched.append(self._batched(together, far, at))
                 self._local_chunks.append(balance(apart, len(self._branches)))
             self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
         self._whole: torch.cuda.CUDAGraph | None = None
@@ -201,12 +208,26 @@ class IpcExecutor:
             )
         for stream in used:
             compute.wait_stream(stream)
+        if self.digest is not None:
+            self.digest.fresh = True
         seconds = time.monotonic() - started
         self._last_seconds = seconds
         return TransferStats(bytes_received=self.bytes_received, buckets=self.buckets, waves=1, seconds=seconds)
 
+    def received_digests(self) -> dict[int, Digest] | None:
+        """With ``digest``: per origin sync rank, the digest of what the last run copied into this rank's views
+        (once per run); else ``None``."""
+        return self.digest.read() if self.digest is not None and self.digest.fresh else None
+
+    def _batched(self, copies, spread, spread_sources) -> Callable[[], None] | None:
+        if self.digest is not None:
+            return self.digest.batched(copies, spread, spread_sources)
+        return BatchedCopy(copies, spread=spread, spread_sources=spread_sources) if copies or spread else None
+
     def _issue(self, compute: torch.cuda.Stream) -> list[torch.cuda.Stream]:
-        """Enqueue the whole sync after ``compute``'s work; returns the streams it ran on."""
+        """Enqueue the whole sync after ``compute``'s work (current); returns the streams it ran on."""
+        if self.digest is not None:
+            self.digest.zero()
         used = []
         for stream, lane in zip(self._direct_streams, self._direct_lanes):
             stream.wait_stream(compute)

@@ -75,6 +75,8 @@ class IpcTransport(Transport):
                 return stats
             return TransferStats(bytes_sent=self.bytes_sent or 0)
         plan, changed = self.plan, self.executor is None or self._built_from is not shards  # views re-bound
+        digest = bool(link.digests) and not self.delta  # verify mode: digest as the copies write
+        changed = changed or (getattr(self.executor, "digest", None) is not None) != digest
         with timed(phases, "ready_wait"):  # until every sender said this version's bytes are ready
             generations = link.await_ready(self.peers, deadline)
         with timed(phases, "open"):
@@ -104,7 +106,7 @@ class IpcTransport(Transport):
                 if self.delta:
                     self.executor = IpcDeltaReceiver(plan, self.rank, shards, sources)
                 else:
-                    self.executor = IpcExecutor(plan, self.rank, shards, sources, quantize=self.quantize)
+                    self.executor = IpcExecutor(plan, self.rank, shards, sources, quantize=self.quantize, digest=digest)
                 self._built_from = shards
         executor = self.executor
         link.moving()
@@ -163,6 +165,10 @@ class IpcTransport(Transport):
         """Every receiver applied this version: a delta sender's encoded words become its baseline."""
         if self.sender is not None:
             self.sender.confirm()
+
+    def received_digests(self) -> dict[int, tuple[int, int]] | None:
+        executor = self.executor
+        return executor.received_digests() if isinstance(executor, IpcExecutor) else None
 
     @property
     def held_bytes(self) -> int:
