@@ -10,9 +10,10 @@ from conftest import full_only
 from awex_integration.faults.etcd_cases import available, etcd_cases
 from awex_integration.faults.fault_cases import cases, rdma_cases, shm_cases
 from awex_integration.faults.fault_suite import run_case, run_on_server
+from awex_integration.faults.name_cases import name_cases
 from awex_integration.faults.server_load import load_cases
 
-CASES = {case.name: case for case in cases() + shm_cases() + rdma_cases() + etcd_cases()}
+CASES = {case.name: case for case in cases() + name_cases() + shm_cases() + rdma_cases() + etcd_cases()}
 NO_ETCD = available()
 # etcd cases CI leaves to the full matrix: packages/awex-meta/tests/test_server_etcd.py checks the same of the servers
 # (a frozen leader, applied names across a hand-over) without sync ranks

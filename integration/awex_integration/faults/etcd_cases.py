@@ -10,6 +10,7 @@ from pathlib import Path
 
 from awex_integration.faults.fault_cases import Case, _cases, _freeze, _server_restart, _steps, freed_parameter
 from awex_integration.faults.fault_checks import reported, reuse_refused_then
+from awex_integration.faults.name_cases import name_cases
 
 
 def available() -> str | None:
@@ -45,7 +46,7 @@ def etcd_cases() -> list[Case]:
     stale = next(c for c in _cases() if c.name == "stale_writer_fenced")
     two = [_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]]
     first = [[{"version": "v-1", "pause": True}, {"version": "v-2"}]]
-    return [
+    return name_cases("etcd") + [
         freed_parameter("etcd"),
         Case(
             "etcd_leader_killed_during_first_sync",

@@ -43,6 +43,7 @@ class Case:
     zombie: list[dict] | None = None  # a second trainer process (rank 0 of the same instance) started at "go"
     transport: str = "p2p"  # the writers' (gloo on CPU; run_case may override it)
     verify: bool = False  # the writers' verify mode
+    zombie_instance: str = "trainer"  # the second trainer process's Awex instance
 
 
 def _steps(*versions: str, **faults: str) -> list[dict]:

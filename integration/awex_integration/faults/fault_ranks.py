@@ -29,12 +29,12 @@ def _tensors():
     return canonical_tensors(json.loads(MODEL.read_text()), dtype="float32")
 
 
-def layouts(train_tp: int, infer_tp: int, instance: str = "eng"):
+def layouts(train_tp: int, infer_tp: int, instance: str = "eng", trainer: str = "trainer"):
     from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 
     tensors = _tensors()
     return (
-        megatron_layout(tensors, MegatronParallel(tp=train_tp), instance="trainer"),
+        megatron_layout(tensors, MegatronParallel(tp=train_tp), instance=trainer),
         vllm_layout(tensors, VllmParallel(tp=infer_tp), instance=instance),
     )
 
@@ -98,6 +98,7 @@ class RankJob:
     transport: str = "auto"  # a trainer's writer's
     instance: str = "eng"  # the engine's Awex instance (a trainer's one destination)
     verify: bool = False  # a trainer's writer's verify mode
+    trainer_instance: str = "trainer"  # a trainer's Awex instance
 
 
 def trainer_rank(job: RankJob) -> list[dict]:
@@ -115,7 +116,7 @@ def trainer_rank(job: RankJob) -> list[dict]:
     from awex.engines.writer import WeightsWriter
     from awex.meta.client import MetaClient
 
-    layout, _ = layouts(tp, infer_tp)
+    layout, _ = layouts(tp, infer_tp, trainer=job.trainer_instance)
     held, view_of = plain_views(layout, rank, rank_device(device, "trainer", rank, tp))
     writer = WeightsWriter(
         MetaClient(address, job=job.job, timeout=timeout),
@@ -161,6 +162,8 @@ def trainer_rank(job: RankJob) -> list[dict]:
                 os._exit(EXIT_CODE)
 
             shm.ShmSender.fill = fill_half
+        if fault == "lose_report":  # the version's report (served versions, the claim applied) never arrives
+            _lose_reports()
         if fault == "alter_segment":  # shm: one byte of the filled segment altered before the receivers copy it
             _alter_segment_once(writer)
         freed = None
@@ -322,6 +325,17 @@ def receiver_rank(job: RankJob) -> list[dict]:
     reader.flush()
     reader.close()
     return list(out)
+
+
+def _lose_reports() -> None:
+    """This process's version reports are lost on the way: the MetaServer never learns what they say."""
+    from awex.meta.client import MetaClient, MetaServerError
+
+    def lost(self, reports):
+        raise MetaServerError("the report was lost (fault injected)")
+
+    MetaClient.report_versions_sent = lost
+    MetaClient.report_versions = lost
 
 
 def _corrupt_after(reader):

@@ -30,6 +30,7 @@ from typing import Any
 
 from awex_integration.faults import etcd_cases, fault_ranks
 from awex_integration.faults.fault_cases import RECEIVER_DEADLINES, Case, cases, rdma_cases, shm_cases
+from awex_integration.faults.name_cases import name_cases
 from awex_integration.faults.server_load import LoadCase, load_cases, run_load_case
 from awex_integration.faults.servers import server_for
 
@@ -91,6 +92,7 @@ def _run_case(case: Case, timeout: float, device: str, transport: str | None, wo
             device,
             transport,
             verify=case.verify,
+            trainer_instance=case.zombie_instance if role == "zombie" else "trainer",
         )
         fn, args = (fault_ranks.trainer_rank if trainer else fault_ranks.receiver_rank), (job,)
         p = ctx.Process(target=_run_rank, args=(fn, (role, rank, life), args, results), daemon=False)
@@ -289,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = etcd_cases.available()
     if missing:
         print(f"the etcd cases do not run: {missing}", flush=True)
-    every = cases() + shm_cases() + rdma_cases() + ([] if missing else etcd_cases.etcd_cases()) + load_cases()
+    every = cases() + name_cases() + shm_cases() + rdma_cases() + ([] if missing else etcd_cases.etcd_cases())
+    every += load_cases()
     chosen = [c for c in every if not args.cases or c.name in args.cases.split(",")]
     started = time.monotonic()
     results = []
