@@ -118,6 +118,10 @@ def trainer_rank(job: RankJob) -> list[dict]:
 
     layout, _ = layouts(tp, infer_tp, trainer=job.trainer_instance)
     held, view_of = plain_views(layout, rank, rank_device(device, "trainer", rank, tp))
+    if script and script[0].get("fault") == "wrong_address":  # nothing listens there: said within seconds, then gone
+        _wrong_address(
+            workdir, script[0]["version"], lambda a: WeightsWriter(MetaClient(a, job=job.job), layout, rank, view_of)
+        )
     writer = WeightsWriter(
         MetaClient(address, job=job.job, timeout=timeout),
         layout,
@@ -325,6 +329,24 @@ def receiver_rank(job: RankJob) -> list[dict]:
     reader.flush()
     reader.close()
     return list(out)
+
+
+def _wrong_address(workdir: str, version: str, make_writer) -> None:
+    """``make_writer(address)`` with an address where nothing listens: record how it failed as the attempt at
+    ``version``, and exit as a killed rank would (the harness restarts it)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        wrong = f"http://127.0.0.1:{s.getsockname()[1]}"
+    started = time.monotonic()
+    try:
+        make_writer(wrong)
+        record = {"version": version, "ok": True, "error": f"a writer was made against {wrong}"}
+    except Exception as e:
+        record = {"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:1500]}
+    Records(workdir).append(dict(record, seconds=time.monotonic() - started))
+    os._exit(EXIT_CODE)
 
 
 def _lose_reports() -> None:

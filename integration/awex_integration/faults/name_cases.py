@@ -5,7 +5,7 @@ embedded MetaServer (restarted on its journal) and on two MetaServers on etcd (t
 from __future__ import annotations
 
 from awex_integration.faults.fault_cases import Case, _server_restart, _steps
-from awex_integration.faults.fault_checks import reported
+from awex_integration.faults.fault_checks import failed_fast, refused_naming, reported
 
 
 def refused_again(version: str, party: str, why: str, then=None):
@@ -38,6 +38,17 @@ def name_cases(server: str = "embedded") -> list[Case]:
             server=server,
             between=_server_restart,
             check=refused_again("v-2", "trainer", "written once", then=reported("v-3")),
+        ),
+        Case(
+            "wrong_address_said_then_served" + suffix,
+            "the trainer's first writer is given a MetaServer address where nothing listens: it fails within "
+            "seconds saying the address was never reached, the trainer restarts with the right one, and v-1 and "
+            "v-2 are served" + where,
+            trainer=[[{"version": "v-1", "fault": "wrong_address"}]],
+            engine=[_steps("v-1", "v-2")] * 2,
+            restart={("trainer", 0): _steps("v-1", "v-2")},
+            server=server,  # (no event: the MetaServer was never reached)
+            check=failed_fast("v-1", 7.0, side="trainer", then=refused_naming("v-1", "never reached", reported("v-2"))),
         ),
         Case(
             "name_reused_by_another_instance" + suffix,
