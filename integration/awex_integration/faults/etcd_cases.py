@@ -44,10 +44,17 @@ def _all_first_time(*versions: str):
 
 def etcd_cases() -> list[Case]:
     stale = next(c for c in _cases() if c.name == "stale_writer_fenced")
+    relay = next(c for c in _cases() if c.name == "relay_peer_dies_mid_transfer")
     two = [_steps("v-1") + [{"version": "v-2", "pause": True}, {"version": "v-3"}]]
     first = [[{"version": "v-1", "pause": True}, {"version": "v-2"}]]
     return name_cases("etcd") + [
         freed_parameter("etcd"),
+        replace(
+            relay,
+            name="relay_peer_dies_mid_transfer_etcd",
+            what=relay.what + " (two MetaServers on etcd)",
+            server="etcd",
+        ),
         Case(
             "etcd_leader_killed_during_first_sync",
             "the leading MetaServer of two on etcd is killed (SIGKILL) as the first sync starts; the other takes the "

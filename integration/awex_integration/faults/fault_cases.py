@@ -117,6 +117,18 @@ def _cases() -> list[Case]:
             check=reported("v-3"),
         ),
         Case(
+            "relay_peer_dies_mid_transfer",
+            "the engine rank that forwards replicated tensors to the other (a relay, gloo) dies as it starts "
+            "forwarding: the other rank fails within seconds, not at its deadline; the restarted rank and the retry "
+            "succeed",
+            trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", v_2="die_relaying"), _steps("v-1", "v-2", "v-2", "v-3")],
+            restart={("engine", 0): _steps("v-2", "v-3")},
+            restart_delay=2.0,
+            expect_failed={"v-2"},
+            check=failed_fast("v-2", 5.0, then=reported("v-3")),
+        ),
+        Case(
             "receiver_raises_in_apply",
             "a receiver rank's load step raises after its bytes arrived (weights changed part-way)",
             trainer=[_steps("v-1", "v-2", "v-2", "v-3")],

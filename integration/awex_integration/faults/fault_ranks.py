@@ -300,6 +300,8 @@ def receiver_rank(job: RankJob) -> list[dict]:
             reader._session.transfer = _die_after_prepare(reader._session)
         elif fault == "corrupt_after_transfer":  # one bit of what arrived flipped (a transport or memory fault)
             reader._session.transfer = _corrupt_after(reader)
+        elif fault == "die_relaying":  # gloo: dies as it starts forwarding to another engine rank (a relay)
+            _die_relaying()
         reader.timeout = WAIT_TOO_SHORT if fault == "time_out_waiting" else timeout  # gives up before it is written
         if step.get("delay"):  # a slow engine: reaches its update call late
             time.sleep(step["delay"])
@@ -347,6 +349,20 @@ def _wrong_address(workdir: str, version: str, make_writer) -> None:
         record = {"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:1500]}
     Records(workdir).append(dict(record, seconds=time.monotonic() - started))
     os._exit(EXIT_CODE)
+
+
+def _die_relaying() -> None:
+    """This process dies as its first wave that sends to a rank other than a trainer's is posted."""
+    from awex.transport.p2p import waves
+
+    post = waves.WaveExecutor._post
+
+    def dying(self, wave, deadline, timeout):
+        if any(self.plan.ranks[p].role.value != "trainer" for p, _, _ in wave.sends):
+            os._exit(EXIT_CODE)
+        return post(self, wave, deadline, timeout)
+
+    waves.WaveExecutor._post = dying
 
 
 def _lose_reports() -> None:
