@@ -287,3 +287,33 @@ def test_cuda_views_that_moved_are_digested_where_they_are_now(server):
         sent[name] = (sent[name] + 1).clone()
     assert _sync(writer, readers, "v2") == (None, {}) and _equal(sent, readers)
     _close(writer, readers)
+
+
+def test_digests_a_transport_took_as_it_copied_decide_and_a_wrong_one_fails(server):
+    """What the receiving transport digested as it copied (``Transport.received_digests``: CUDA IPC) is compared in
+    place of the receiver's own digest: equal to the origin's, the version passes; one word off, it fails; digests
+    naming other origins than the plan's are not used (the receiver digests its views itself)."""
+    from types import SimpleNamespace
+
+    from awex.engines.sync.verify import Verifier, digests
+    from awex.transport import LocalShards
+
+    trainer = hf_layout(TENSORS, "trainer", "trainer")
+    engine = vllm_layout(TENSORS, VllmParallel(tp=2), instance="eng")
+    plan = plan_transfers([trainer], [engine], PlanOptions(relay=False))
+    weights = _weights(TENSORS, 3)
+    sent = LocalShards.from_layout(trainer, 0, views(weights))
+    rank = next(r.rank for r in plan.ranks if r.instance == "eng" and r.local_rank == 1)
+    held = LocalShards.from_layout(engine, 1, views({n: w.clone() for n, w in weights.items()}))
+    client = MetaClient(server.address, job="taken", timeout=10)
+    manifest = SimpleNamespace(version="v1", seq=1)
+    Verifier(client).publish(plan, 0, manifest, sent)
+    receives = regions(plan, rank).receives
+    right = digests(plan, held, receives)
+    check = Verifier(client).check
+    check(plan, rank, manifest, held, time.monotonic() + 5, taken=right)
+    wrong = {o: ((a + 1) % (1 << 32), b) for o, (a, b) in right.items()}
+    with pytest.raises(VerifyError, match="hold other bytes than it sent"):
+        check(plan, rank, manifest, held, time.monotonic() + 5, taken=wrong)
+    check(plan, rank, manifest, held, time.monotonic() + 5, taken={99: (0, 0)})  # not the plan's origins: its own
+    client.close()
