@@ -4,6 +4,7 @@
   and ``tools/``; README.md under 15,000 characters.
 - ``docs``: every file path, ``awex.*`` name, nox session, ``python -m`` module and command-line flag that README.md,
   ``docs/`` and the package and example READMEs mention in backticks exists in the code.
+- ``defaults``: every default or constant the docs state in a row of ``tools/house_defaults.py`` is the code's.
 - ``imports``: each package declares exactly what it imports (``tools/house_imports.py``).
 
 Import circles and layers are import-linter's (``.importlinter``), run beside this by the same nox session.
@@ -19,7 +20,8 @@ import re
 import sys
 from pathlib import Path
 
-from house_imports import check_imports  # tools/ is this script's folder
+from house_defaults import check_defaults  # tools/ is this script's folder
+from house_imports import check_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 450
@@ -185,7 +187,7 @@ def _check_token(token: str, doc: Path, code: _Code, names: set[str]) -> str | N
     return None
 
 
-CHECKS = {"sizes": check_sizes, "docs": check_docs, "imports": check_imports}
+CHECKS = {"sizes": check_sizes, "docs": check_docs, "defaults": check_defaults, "imports": check_imports}
 
 
 def main(argv: list[str]) -> int:
