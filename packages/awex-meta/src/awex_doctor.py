@@ -6,7 +6,7 @@ ships ``awex/__init__.py``. PyPI's upstream ``awex`` distribution (inclusionAI's
 take the place of ours: ``import awex.meta`` then runs upstream's code and fails with an error that says nothing
 about the clash. This module lives outside ``awex`` so that it can say so; the ``awex-meta`` command runs it first.
 
-    python -m awex_doctor          # prints the Awex packages installed, exits 1 on a clash
+    python -m awex_doctor          # prints the Awex packages installed, exits 1 on a clash or a package found twice
 """
 
 from __future__ import annotations
@@ -60,6 +60,35 @@ def clash() -> str | None:
     )
 
 
+SUBPACKAGES = ("meta", "convert", "transport", "engines")
+
+
+def copies() -> str | None:
+    """Where one of Awex's packages is found twice (an editable checkout and an install, two site folders, a
+    distribution's metadata twice): the first on the path is the one imported, the others are shadowed, and the two
+    may differ. What to do; ``None`` if each is found once."""
+    spec = importlib.util.find_spec("awex")
+    places = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+    found = []
+    for sub in SUBPACKAGES:
+        where = [p / sub for p in places if (p / sub / "__init__.py").is_file()]
+        if len(where) > 1:
+            found.append(f"awex.{sub} in {len(where)} places: {where[0]} (imported), " + ", ".join(map(str, where[1:])))
+    seen: dict[str, list[str]] = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in OURS:
+            seen.setdefault(name, []).append(str(dist.locate_file("")))
+    found += [f"{name} installed {len(at)} times: {', '.join(at)}" for name, at in sorted(seen.items()) if len(at) > 1]
+    if not found:
+        return None
+    return (
+        "; ".join(found) + ". The one first on the path is used and may not be the one you changed or upgraded: "
+        "pip uninstall each twice-installed package until none is left, then install it once "
+        "(an editable checkout or a wheel, not both)"
+    )
+
+
 def check() -> None:
     """Raise :class:`AwexInstallClash` saying what clashes and what to do, if anything does."""
     problem = clash()
@@ -77,10 +106,12 @@ def report() -> tuple[str, int]:
     if spec is not None:
         places = list(spec.submodule_search_locations or [])
         lines.append(f"awex namespace: {', '.join(str(Path(p)) for p in places) or spec.origin}")
-    problem = clash()
+    problem, twice = clash(), copies()
+    if twice is not None:
+        lines.append(f"TWO COPIES: {twice}")
     if problem is None:
         lines.append("no clash: the awex namespace holds only Awex's packages")
-        return "\n".join(lines), 0
+        return "\n".join(lines), 1 if twice else 0
     lines.append(f"CLASH: {problem}")
     return "\n".join(lines), 1
 

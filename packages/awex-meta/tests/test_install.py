@@ -60,6 +60,24 @@ def test_a_clean_environment_has_no_clash():
     assert status == 0 and "no clash" in text
 
 
+def test_a_package_found_twice_is_named_with_what_to_do(tmp_path):
+    """A second copy of awex.meta (and its metadata) in a folder that comes first on the path: the doctor names
+    both places, says which is imported, and exits 1; without the copy it says nothing of copies."""
+    site = tmp_path / "site"
+    (site / "awex" / "meta").mkdir(parents=True)  # a namespace portion: no awex/__init__.py, so no clash
+    (site / "awex" / "meta" / "__init__.py").write_text("")
+    info = site / "awex_meta-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: awex-meta\nVersion: 0.0.1\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), DOCTOR_DIR, *sys.path[1:]])}
+    doctor = subprocess.run([sys.executable, "-m", "awex_doctor"], capture_output=True, text=True, env=env, timeout=120)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    assert "TWO COPIES" in doctor.stdout and "awex.meta in 2 places" in doctor.stdout, doctor.stdout
+    assert f"{site / 'awex' / 'meta'} (imported)" in doctor.stdout, doctor.stdout
+    assert "awex-meta installed 2 times" in doctor.stdout, doctor.stdout
+    assert awex_doctor.copies() is None  # this environment: each package once
+
+
 def _upstream_stand_in(site: Path) -> None:
     """Laid out as PyPI's awex 0.9.0 is: awex/__init__.py that imports its engines, its own awex/meta/."""
     (site / "awex" / "meta").mkdir(parents=True)
