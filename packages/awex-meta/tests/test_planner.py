@@ -328,17 +328,27 @@ def test_dtype_policy_widening_is_allowed_and_recorded_narrowing_needs_an_explic
 
 
 def test_many_missing_tensors_or_narrowing_casts_are_told_in_a_few_lines_naming_the_cause():
-    """Another model on one side: a few tensors named, then one line saying how many more and how much the two
-    sides share; narrowing casts likewise, naming the option on the writer."""
+    """Another model on one side: one line naming both models (as their tensors tell them); a few tensors missing
+    from a model otherwise alike: a few named, then one line saying how many more and how much the two sides share;
+    narrowing casts likewise, naming the option on the writer."""
     src = _many("t", Role.TRAINER, [TensorSpec(f"a{i}", (4,), "float32") for i in range(20)])
     dst = _many("v", Role.INFERENCE, [TensorSpec(f"b{i}", (4,), "float32") for i in range(27)])
     with pytest.raises(PlanError) as err:
         plan_transfers([src], [dst])
+    assert err.value.problems == [
+        "t and v hold different models: t has 20 tensors; v needs 27 tensors; 0 tensor names in common, 27 that v "
+        "needs and t lacks (e.g. b0): load the same model on both sides"
+    ]
+    alike = [TensorSpec(f"c{i}", (4,), "float32") for i in range(40)]
+    src = _many("t", Role.TRAINER, alike[:32])
+    dst = _many("v", Role.INFERENCE, alike)
+    with pytest.raises(PlanError) as err:
+        plan_transfers([src], [dst])
     assert len(err.value.problems) == 6
-    assert "b0: needed by the destination but held by no source" in str(err.value)
+    assert "c32: needed by the destination but held by no source" in str(err.value)
     assert (
-        "22 more tensors the destination needs are held by no source: are the trainer and the engine the same "
-        "model? (the trainer has 20 tensors, the engine 27, 0 of them alike by name)" in str(err.value)
+        "3 more tensors the destination needs are held by no source: are the trainer and the engine the same "
+        "model? (the trainer has 32 tensors, the engine 40, 32 of them alike by name)" in str(err.value)
     )
     src = _many("t", Role.TRAINER, [TensorSpec(f"w{i}", (4,), "float32") for i in range(9)])
     dst = _many("v", Role.INFERENCE, [TensorSpec(f"w{i}", (4,), "bfloat16") for i in range(9)])

@@ -362,7 +362,8 @@ def _check_tensors(
                 casts.append((name, s.dtype, d.dtype))
             else:
                 narrowing.append((name, s.dtype, d.dtype))
-    problems += missing_lines(absent, len(src), len(dst), len(src.keys() & dst.keys()))
+    names = tuple(sorted({x.instance for x, _ in sources})), tuple(sorted({x.instance for x, _ in destinations}))
+    problems += missing_lines(absent, src, dst, names)
     problems += narrowed_lines(narrowing)
     if problems:
         raise PlanError(problems)
