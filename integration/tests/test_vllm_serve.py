@@ -7,7 +7,8 @@ they continue on the new version): each completion that was running is checked t
 version's greedy output up to one point and the new version's from there on (recomputed, nothing stale), and the
 stall (paused -> resumed) stays within the sync time plus 50 ms. A version that fails on the engine after bytes
 landed in place is not applied: ``send_weights`` raises ``SyncFailedError`` naming the engine, the engine stays
-paused and names the failed version, and the next version goes through and resumes it.
+paused and names the failed version, and the next version goes through and resumes it. An engine the user paused
+before a version is updated and left paused.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from awex.meta.server import start_embedded  # noqa: E402
 from awex_integration.engines.tiny_model import PROMPTS, hf_greedy, perturb_, version_boundary  # noqa: E402
-from awex_integration.engines.vllm_http import InFlight, get  # noqa: E402
+from awex_integration.engines.vllm_http import InFlight, get, post  # noqa: E402
 
 STALL_SLACK = 0.05  # seconds: the stall's goal is the sync time plus 50 ms
 
@@ -98,6 +99,14 @@ def test_trainer_drives_vllm_serve_through_vllms_trainer_api(vllm_server, tmp_pa
         assert get(base, "/weight_info")["weight_version"] == "step-4"
         assert get(base, "/is_paused")["is_paused"] is False
         assert served() == hf_greedy(trainer, tok) != step1
+
+        post(base, "/pause?mode=keep")  # the user pauses the engine: a version updates it and leaves it paused
+        perturb_(trainer, 5)
+        assert engine.send_weights() == "step-5" and engine.paused_engines == []
+        assert get(base, "/is_paused")["is_paused"] is True
+        assert get(base, "/weight_info")["weight_version"] == "step-5"
+        post(base, "/resume")  # the user's own resume
+        assert served() == hf_greedy(trainer, tok)
     finally:
         if engine is not None:
             engine.shutdown()

@@ -126,6 +126,10 @@ class HttpPauser:
         query = urllib.parse.urlencode({"mode": mode, "clear_cache": "true"})
         self._call("POST", f"/pause?{query}")
 
+    def paused(self) -> bool:
+        """Whether the server is paused now (``GET /is_paused``)."""
+        return bool(self._call("GET", "/is_paused", timeout=min(30.0, self.timeout)).get("is_paused"))
+
     def resume(self) -> None:
         self._call("POST", "/resume")
 
@@ -160,6 +164,14 @@ class RayPauser:
         ray.get([h.sleep.remote(level=0, mode=mode) for h in llms])
         ray.get([h.reset_prefix_cache.remote(reset_running_requests=True) for h in llms])
 
+    def paused(self) -> bool | None:
+        """Whether every handle's engine is paused now, where each can say (``AsyncLLM.is_paused``); else ``None``."""
+        import ray
+
+        if not all(self._is_async(h) and _has(h, "is_paused") for h in self.handles):
+            return None
+        return all(ray.get([h.is_paused.remote() for h in self.handles]))
+
     def resume(self) -> None:
         import ray
 
@@ -169,6 +181,13 @@ class RayPauser:
                 for h in self.handles
             ]
         )
+
+
+def paused_now(pauser: Pauser) -> bool | None:
+    """Whether the engine behind ``pauser`` is paused now, where its pauser can say (a ``paused()`` method: vLLM's
+    ``GET /is_paused``, an ``AsyncLLM`` actor's ``is_paused``); ``None`` where it cannot."""
+    ask = getattr(pauser, "paused", None)
+    return ask() if callable(ask) else None
 
 
 def _http(base_url: str, method: str, route: str, body: dict | None = None, timeout: float = 300.0) -> dict:

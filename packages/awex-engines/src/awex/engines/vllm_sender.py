@@ -14,6 +14,8 @@ The order, per version:
    ``staged``, or every one of its ranks reported failing before changing anything. Otherwise it stays paused,
    its weight version reads ``awex-failed:<version>``, a ``engine_paused`` event names it on the MetaServer, and
    it resumes when a later version applies.
+5. An engine that was paused before the version by someone else (the user, where it can say so:
+   ``awex.engines.pause.paused_now``) is paused again for its caches, updated, and left paused.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from awex.engines.errors import SyncFailedError
-from awex.engines.pause import FAILED_VERSION_PREFIX, Pauser, VersionStall, set_weight_version
+from awex.engines.pause import FAILED_VERSION_PREFIX, Pauser, VersionStall, paused_now, set_weight_version
 from awex.engines.sync import keys
 from awex.meta import Layout, PlanError, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
@@ -121,6 +123,7 @@ class VersionSender:
         self.staged = staged
         self.timeout = timeout
         self.left_paused: set[str] = set()  # engines a failed version left paused on changed weights
+        self.user_paused: set[str] = set()  # engines paused before the version, not by Awex: not resumed
         self.unstaged: dict[str, str] = {}  # staged: engines whose ranks cannot stage (budget), and why
         self._worlds: dict[str, int] = {}
 
@@ -157,7 +160,7 @@ class VersionSender:
         started = time.monotonic()
         engines = [self.engines[name] for name in instances]
         paused_at, pause_errors = _concurrently(
-            {e.instance: (lambda e=e: e.pauser.pause(self.mode)) for e in engines}, started + self.timeout, "pause"
+            {e.instance: (lambda e=e: self._pause(e)) for e in engines}, started + self.timeout, "pause"
         )
         if pause_errors:
             causes = {f"{name} (pause)": _describe(e) for name, e in pause_errors.items()}
@@ -220,7 +223,7 @@ class VersionSender:
         paused_at: dict[str, float] = {}
         if staged_at is not None:  # every rank holds it: pause for the commit alone
             paused_at, pause_errors = _concurrently(
-                {e.instance: (lambda e=e: e.pauser.pause(self.mode)) for e in engines}, deadline, "pause"
+                {e.instance: (lambda e=e: self._pause(e)) for e in engines}, deadline, "pause"
             )
             errors.update({f"{name} (pause)": e for name, e in pause_errors.items()})
         commit = staged_at is not None and not errors
@@ -323,7 +326,18 @@ class VersionSender:
             self._worlds[instance] = layout.world_size
         return self._worlds[instance]
 
+    def _pause(self, engine: Engine) -> None:
+        """Pause ``engine``, noting first whether someone else had paused it (then it is not resumed after)."""
+        if paused_now(engine.pauser) and engine.instance not in self.left_paused:
+            self.user_paused.add(engine.instance)
+            log.info("awex: %s was paused before the version: it stays paused after it", engine.instance)
+        else:
+            self.user_paused.discard(engine.instance)
+        engine.pauser.pause(self.mode)
+
     def _resume(self, engines: list[Engine]) -> tuple[dict[str, float], dict[str, BaseException]]:
+        """Resume ``engines`` but those someone else paused before the version; when each was resumed."""
+        engines = [e for e in engines if e.instance not in self.user_paused]
         done, errors = _concurrently(
             {e.instance: e.pauser.resume for e in engines}, time.monotonic() + self.timeout, "resume"
         )
