@@ -74,6 +74,7 @@ def _run_case(case: Case, timeout: float, device: str, transport: str | None, wo
     server = server_for(case.server)
     job_name = case.name.replace("_", "-")
     ctx = mp.get_context("spawn")
+    os.environ.setdefault("AWEX_LOGGING_LEVEL", "WARNING")  # the ranks' per-version INFO lines: not in the summary
     results = ctx.Queue()
     procs: dict[tuple[str, int, int], Any] = {}  # (role, rank, life) -> process
 

@@ -9,13 +9,17 @@ engines.
 - Sources and receivers per engine: :mod:`awex.engines.megatron`, :mod:`awex.engines.fsdp`, :mod:`awex.engines.hf`;
   vLLM's ``awex`` weight-transfer backend (:mod:`awex.engines.vllm_backend`) and trainer engine
   (:mod:`awex.engines.vllm_trainer`). Engines themselves are optional extras: importing this package imports none.
+- Where logging is not set up, its lines go to standard error at ``AWEX_LOGGING_LEVEL`` (:mod:`awex.engines.logs`).
 """
 
+from awex.engines import logs
 from awex.engines.errors import SyncFailedError
 from awex.engines.reader import WeightsReader
 from awex.engines.source import TrainerSource
 from awex.engines.writer import WeightsWriter
 
 __version__ = "0.1.0"
+
+logs.configure()  # where logging is not set up (a Ray actor, an engine's worker): see awex.engines.logs
 
 __all__ = ["SyncFailedError", "TrainerSource", "WeightsReader", "WeightsWriter"]
