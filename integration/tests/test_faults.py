@@ -83,7 +83,8 @@ def test_receiver_with_a_different_model_is_refused_before_any_byte_moves():
     assert result["ok"] is False and result["failed_step"] == 1, result
     error = result["error"]
     assert "cannot plan weight transfer" in error
-    assert "model.layers.0.self_attn.q_norm.weight: needed by the destination but held by no source" in error
+    assert "hold different models" in error and "2 layers" in error and "4 layers" in error  # both named, one line
+    assert "e.g. model.layers.0.self_attn.k_norm.weight" in error
     assert "shape mismatch" in error
     assert result["kept_previous_output"] is True
     assert result["reported_versions"]["vllm-0"] is None  # never received a version
