@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from house_defaults import check_defaults  # tools/ is this script's folder
+from house_defaults import PACKAGE_OF, check_defaults  # tools/ is this script's folder
 from house_imports import check_imports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,6 @@ MAX_README = 15_000
 CODE_DIRS = ["packages/awex-meta/src", "packages/awex-convert/src", "packages/awex-transport/src"]
 CODE_DIRS += ["packages/awex-engines/src", "integration", "examples", "tools"]
 DOCS = ["README.md", "CONTRIBUTING.md", "docs/*.md", "packages/*/README.md", "integration/*.md", "examples/*.md"]
-PACKAGE_OF = {"meta": "awex-meta", "convert": "awex-convert", "transport": "awex-transport", "engines": "awex-engines"}
 SKIP_PARTS = {".nox", ".tox", "__pycache__", "build", ".venv-nox"}
 PATH_ROOTS = ("packages/", "integration/", "docs/", "examples/", "tools/", ".ci/", "noxfile.py", "noxw")
 OTHERS_FLAGS = {"--transformer-impl", "--moe-tp-extend-ep"}  # Megatron-LM's and MindSpeed's, named in docs/usage.md

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINES = "packages/awex-engines/src/awex/engines"
 META = "packages/awex-meta/src/awex/meta"
 TRANSPORT = "packages/awex-transport/src/awex/transport"
+PACKAGE_OF = {"meta": "awex-meta", "convert": "awex-convert", "transport": "awex-transport", "engines": "awex-engines"}
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,8 @@ class Code:
 
 
 def _source_of(module: str) -> str:
-    package = {"meta": "awex-meta", "convert": "awex-convert", "transport": "awex-transport", "engines": "awex-engines"}
     parts = module.split(".")
-    return f"packages/{package[parts[1]]}/src/{'/'.join(parts)}.py"
+    return f"packages/{PACKAGE_OF[parts[1]]}/src/{'/'.join(parts)}.py"
 
 
 def _field(path: str, cls: str, name: str) -> Callable[[Code], object]:

@@ -53,21 +53,28 @@ def split_batchable(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]):
     return yes, no
 
 
+def cut(nbytes: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``nbytes`` bytes each (int64) cut into blocks of at most ``block_bytes``: per block, the copy it
+    belongs to and its byte offset within it (each copy's blocks in order)."""
+    if block_bytes <= 0 or block_bytes % ALIGN:
+        raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
+    if bool((nbytes <= 0).any()):
+        raise ValueError("every copy must move at least one byte")
+    counts = -(-nbytes // block_bytes)
+    which = torch.repeat_interleave(torch.arange(len(nbytes)), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return which, (torch.arange(int(counts.sum())) - first) * block_bytes
+
+
 def copy_blocks(copies: Sequence[tuple[int, int, int]], base: int, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
     """``(destination address, source address, bytes)`` copies cut into blocks of at most ``block_bytes``: an
     int64 tensor of ``(destination offset, source offset, bytes)`` rows, offsets from address ``base``
     (negative where below it), each copy's blocks in order."""
-    if block_bytes <= 0 or block_bytes % ALIGN:
-        raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
     if not copies:
+        cut(torch.empty(0, dtype=torch.int64), block_bytes)  # (checks block_bytes)
         return torch.empty((0, 3), dtype=torch.int64)
     dst, src, nbytes = (torch.tensor(col, dtype=torch.int64) for col in zip(*copies))
-    if bool((nbytes <= 0).any()):
-        raise ValueError("every copy must move at least one byte")
-    counts = -(-nbytes // block_bytes)
-    which = torch.repeat_interleave(torch.arange(len(copies)), counts)
-    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    at = (torch.arange(int(counts.sum())) - first) * block_bytes
+    which, at = cut(nbytes, block_bytes)
     return torch.stack(
         [dst[which] + at - base, src[which] + at - base, torch.clamp(nbytes[which] - at, max=block_bytes)], dim=1
     )

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from awex.transport.batched_copy import ALIGN, BLOCK_BYTES, batchable, spread_evenly
+from awex.transport.batched_copy import ALIGN, BLOCK_BYTES, batchable, cut, spread_evenly
 from awex.transport.checksum import MASK, MIX_A, POS, SEED
 from awex.transport.digest import _rows, triton_words
 
@@ -67,10 +67,7 @@ def digest_blocks(
     dst, src, nbytes, pos, out = (
         torch.tensor(col, dtype=torch.int64) for col in zip(*((d, s, n, h.pos, h.out) for d, s, n, h in copies))
     )
-    counts = -(-nbytes // block_bytes)
-    which = torch.repeat_interleave(torch.arange(len(copies)), counts)
-    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    at = (torch.arange(int(counts.sum())) - first) * block_bytes
+    which, at = cut(nbytes, block_bytes)
     return torch.stack(
         [
             (dst[which] + at - base) // unit,
