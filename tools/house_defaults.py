@@ -154,6 +154,24 @@ SAID = [
     ),
     Said(
         "docs/usage.md",
+        '`"device"` (the default) in the engine\'s GPU memory',
+        _field(ENGINE_INFO, "AwexInitInfo", "staging"),
+        "device",
+    ),
+    Said(
+        "docs/usage.md",
+        '`"device"` (the default) in the engine\'s GPU memory',
+        _field(TRAINER_INFO, "AwexTrainerInitInfo", "staging"),
+        "device",
+    ),
+    Said(
+        "docs/usage.md",
+        "back to the GPU in 64 MiB pieces",
+        lambda c: c.const(f"{TRANSPORT}/digest.py", "HOST_CHUNK_BYTES"),
+        64 << 20,
+    ),
+    Said(
+        "docs/usage.md",
         '(`"layout": "auto"` in the init info, the default;',
         _field(ENGINE_INFO, "AwexInitInfo", "layout"),
         "auto",

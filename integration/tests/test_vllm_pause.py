@@ -167,6 +167,8 @@ def test_bad_input_is_refused_before_any_byte_moves_and_the_engine_keeps_serving
         ({"wave_bytes": 0}, "wave_bytes"),
         ({"instances": ("a", "a")}, "twice"),
         ({"receive": "lazy"}, "receive"),
+        ({"receive": "staged", "staging": "gpu"}, "staging='gpu'; use 'device'"),
+        ({"staging": "host"}, "staging='host' is for receive='staged'"),
     ):
         with pytest.raises(ValueError, match=match):
             AwexTrainerInitInfo(rank=0, meta_address=setup.meta.address, **bad)
@@ -201,10 +203,16 @@ def test_bad_input_is_refused_before_any_byte_moves_and_the_engine_keeps_serving
 def test_an_offline_llm_receiving_staged_is_paused_for_the_commit_alone(setup):
     """``receive="staged"`` through the offline ``LLM`` client: the version goes into staging unpaused (the worker
     receives on a thread of its own), the engine is paused for the commit, and serves exactly the trainer's weights
-    after it; the stall is the commit's plus the pause and resume."""
+    after it; the stall is the commit's plus the pause and resume. ``staging="host"`` reaches the worker, which says
+    where it stages and how much (on this CPU engine host memory either way; pinned host memory behind a GPU is
+    ``awex-transport``'s ``test_host_views`` and the GPU benchmark's ``--staged host``)."""
     trainer = _trainer(setup)
-    engine = _engine(setup, "staged-offline", trainer, timeout=60, receive="staged")
+    engine = _engine(setup, "staged-offline", trainer, timeout=60, receive="staged", staging="host")
     try:
+        said = MetaClient(setup.meta.address, job="staged-offline").get("staging/vllm-0:0", timeout=5)
+        shard = sum(p.numel() * p.element_size() for p in trainer.state_dict().values())
+        assert said["staged"] and said["where"] == "host" and said["budget"] is None, said
+        assert 0.5 * shard <= said["bytes"] <= shard, (said, shard)  # the shard (tied weights held once)
         for step in (1, 2):
             perturb_(trainer, 10 + step)
             assert engine.send_weights() == f"step-{step}"

@@ -101,10 +101,13 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--staged",
-        action="store_true",
+        nargs="?",
+        const="device",
+        choices=("device", "host"),
         help="public path: receivers take each version into staging (as vLLM's engines do with receive='staged', "
-        "receiving while they generate) and apply it by a copy into their live weights once it arrived; reports the "
-        "sync until staged and the commit (the stall a generating engine would see) per version",
+        "receiving while they generate), on the GPU ('device', the default) or in pinned host memory ('host'), and "
+        "apply it by a copy into their live weights once it arrived; reports the sync until staged and the commit "
+        "(the stall a generating engine would see) per version",
     )
     ap.add_argument(
         "--meta-server",

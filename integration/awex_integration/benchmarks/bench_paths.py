@@ -171,7 +171,7 @@ def _public_path(
         )
         step = lambda version: side.write(version, dests)  # noqa: E731
     elif a.extra.get("staged"):
-        side, step, live = _staged_reader(client, layout, a.local_rank, view_of, result)
+        side, step, live = _staged_reader(client, layout, a.local_rank, view_of, result, a.extra["staged"])
     else:
         side = WeightsReader(client, layout, a.local_rank, view_of)
         step = side.receive
@@ -234,13 +234,14 @@ def _public_path(
     return plan, shards
 
 
-def _staged_reader(client, layout, local_rank, view_of, result):
-    """A receiver that takes each version into staging and applies it by a copy into its live weights once the
-    whole version arrived (as vLLM's engines do with ``receive="staged"``; here with nothing to pause): the reader,
-    its step, and the live weights. Records per version the seconds until staged and the commit's."""
-    import torch
-
+def _staged_reader(client, layout, local_rank, view_of, result, where: str):
+    """A receiver that takes each version into staging (on the GPU or in pinned host memory: ``where``) and applies
+    it by a copy into its live weights once the whole version arrived, as vLLM's engines do with
+    ``receive="staged"`` (``awex.engines.staging``; here with nothing to pause): the reader, its step, and the live
+    weights. Records per version the seconds until staged and the commit's."""
+    from awex.convert.live import fingerprinted
     from awex.engines.reader import WeightsReader
+    from awex.engines.staging import buffer, commit_copy, committed, transport_device
     from awex.transport import LocalShards
 
     live = LocalShards.from_layout(layout, local_rank, view_of)
@@ -250,18 +251,19 @@ def _staged_reader(client, layout, local_rank, view_of, result):
         held = buffers.get((name, box))
         if held is None:
             like = dict(live.pairs(name))[box]
-            held = buffers[(name, box)] = torch.empty(box.sizes, dtype=like.dtype, device=like.device)
+            held = buffers[(name, box)] = buffer(box.sizes, like.dtype, where, like.device)
         return held
 
-    reader = WeightsReader(client, layout, local_rank, staging)
+    staging = fingerprinted(staging)  # the buffers never move: a constant fingerprint, as vLLM's staged views have
+    reader = WeightsReader(client, layout, local_rank, staging, device=transport_device(where, live.device))
     marks: dict[str, float] = {}
     result["staged_seconds"], result["commit_seconds"] = [], []
 
     def apply(shards) -> None:
         for name in live.names():
             for box, view in live.pairs(name):
-                shards.copy_out(name, box.offsets, box.sizes, view)
-        torch.cuda.synchronize()
+                commit_copy(shards, name, box, view)
+        committed(live.device)
 
     def step(version):
         started = time.perf_counter()

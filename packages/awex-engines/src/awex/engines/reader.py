@@ -48,6 +48,7 @@ class WeightsReader:
         timeout: float = 300.0,
         publish: bool = True,
         verify: bool = False,
+        device: torch.device | None = None,
     ):
         if not isinstance(verify, bool):
             raise ValueError(f"verify={verify!r}: True or False")
@@ -62,7 +63,8 @@ class WeightsReader:
         self._applied: dict[str, tuple] = {}
         self.last_validation = None
         self._view_of = view_of  # asked again before each receive: weights the engine re-allocated are re-bound
-        self._shards = LocalShards.from_layout(layout, local_rank, view_of)
+        # device: the GPU whose copies fill views in pinned host memory (a version staged on the host)
+        self._shards = LocalShards.from_layout(layout, local_rank, view_of, device)
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
         self._background = Background(f"{layout.instance}-{local_rank}")  # version reports
         if publish and local_rank == 0:

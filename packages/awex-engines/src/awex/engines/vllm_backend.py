@@ -60,6 +60,7 @@ from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
 from awex.engines.receive_report import ReceiveReport, publish_report
 from awex.engines.staged_version import StagedVersion
+from awex.engines.staging import Staging, buffer, check_staging, commit_copy, committed, transport_device
 from awex.engines.sync import keys
 from awex.engines.vllm_fixups import (
     check_cpu_moe_reloadable,
@@ -93,6 +94,7 @@ class AwexInitInfo(WeightTransferInitInfo):
     receive: str = "in_place"  # or "staged": receive everything first, then load (atomic, a shard's memory more)
     layout: str = "auto"  # "table", "learned" (from vLLM's loaders), or "auto": the table where there is one
     staging_budget_bytes: int | None = None  # staged: the most staging may hold; a larger shard receives in place
+    staging: str = "device"  # staged: where the version is held, "device" or "host" (pinned; awex.engines.staging)
 
 
 @dataclass
@@ -150,6 +152,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
     def init_transfer_engine(self, init_info: AwexInitInfo) -> None:
         if init_info.receive not in ("in_place", "staged"):
             raise ValueError(f"awex backend: receive={init_info.receive!r}; use 'in_place' or 'staged'")
+        check_staging(init_info.staging, init_info.staging_budget_bytes, init_info.receive, "awex backend")
         if self.reader is not None:  # set up again (a trainer reconnecting, another job): the old reader goes
             self.shutdown()
         if init_info.layout not in ("auto", "table", "learned"):
@@ -169,18 +172,15 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
                 for name, boxes in layout.rank_boxes(local_rank).items()
                 for box in boxes
             )
-            budget = init_info.staging_budget_bytes
-            if budget is not None and (type(budget) is not int or budget < 0):
-                raise ValueError(f"awex backend: staging_budget_bytes={budget!r}; a number of bytes, 0 or more")
-            fits = budget is None or need <= budget
-            reason = None if fits else f"its shard ({need:,} bytes) does not fit the staging budget ({budget:,} bytes)"
-            client.put(
-                keys.staging(init_info.instance, local_rank),
-                {"staged": fits, "bytes": need, "budget": budget, "reason": reason},
-            )
-            if not fits:
-                log.warning("awex backend: %s rank %d receives in place: %s", init_info.instance, local_rank, reason)
-                return self.init_transfer_engine(replace(init_info, receive="in_place", staging_budget_bytes=None))
+            staging = Staging.decide(need, init_info.staging_budget_bytes, init_info.staging)
+            client.put(keys.staging(init_info.instance, local_rank), staging.record())
+            if not staging.staged:
+                log.warning(
+                    "awex backend: %s rank %d receives in place: %s", init_info.instance, local_rank, staging.reason
+                )
+                return self.init_transfer_engine(
+                    replace(init_info, receive="in_place", staging_budget_bytes=None, staging="device")
+                )
         check_mla_reloadable(self.model)  # refuse now what could not be reloaded later
         if self.destinations.loader:
             check_cpu_moe_reloadable(self.model)
@@ -192,13 +192,16 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
                 return live(name, box)
             t = staging.get((name, box))  # kept between versions: asked again, the same buffer
             if t is None:
-                t = staging[(name, box)] = torch.empty(
-                    box.sizes, dtype=torch_dtype(layout.tensor(name).spec.dtype), device=self.device
-                )
+                dtype = torch_dtype(layout.tensor(name).spec.dtype)
+                t = staging[(name, box)] = buffer(box.sizes, dtype, init_info.staging, self.device)
             return t
 
+        for attr in ("fingerprint", "addresses", "forms"):  # staging never moves: the views move where live's do
+            if callable(getattr(live, attr, None)):
+                setattr(view_of, attr, getattr(live, attr))
         self.timeout, self._mode, self._live = init_info.timeout, init_info.receive, live
-        self.reader = WeightsReader(client, layout, local_rank, view_of, timeout=init_info.timeout)
+        where = transport_device(init_info.staging, self.device)  # staging in host memory: the GPU copies there
+        self.reader = WeightsReader(client, layout, local_rank, view_of, timeout=init_info.timeout, device=where)
         shards = self.reader.shards
         nbytes = {name: sum(view.nbytes for _, view in shards.pairs(name)) for name in shards.names()}
         self._bytes = (
@@ -385,11 +388,10 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         if commit is None:
             self._load_through_vllm(shards, self.destinations)
             return
-        for name in commit.in_place:
+        for name in commit.in_place:  # enqueued (from pinned host memory too), waited for once
             for box, _ in shards.pairs(name):
-                got = self._live(name, box)
-                for piece, t in [(box, got)] if isinstance(got, torch.Tensor) else got:
-                    shards.copy_out(name, piece.offsets, piece.sizes, t)
+                commit_copy(shards, name, box, self._live(name, box))
+        committed(self.device)
         if commit.loader:
             self._load_through_vllm(shards, commit)
 

@@ -25,6 +25,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from awex.convert.live import fingerprinted
 from awex.convert.recorded import Landing, UnsupportedLoad, landing_view, record_loads
 from awex.engines.hf import checkpoint_specs
 from awex.meta import Box, TensorSpec
@@ -265,4 +266,4 @@ def learned_views(params: Mapping[str, torch.Tensor], learned: LearnedLayout) ->
             )
         return landing_view(param, landing)
 
-    return view_of
+    return fingerprinted(view_of, params)  # a steady version re-derives its views only where a parameter moved

@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, Tr
 from awex.engines.errors import SyncFailedError
 from awex.engines.pause import VersionStall, check_pause_mode, pauser_for
 from awex.engines.source import TrainerSource
+from awex.engines.staging import check_staging
 from awex.engines.sync import keys
 from awex.engines.sync.options import SyncOptions
 from awex.engines.vllm_sender import SLACK, Engine, VersionSender
@@ -156,6 +157,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     receive: str = "in_place"  # the engines' receive mode: "in_place", or "staged" (atomic; received while they
     # generate, paused for the commit alone)
     staging_budget_bytes: int | None = None  # staged: the most each engine rank may stage (a larger shard: in place)
+    staging: str = "device"  # staged: where the engines hold it, "device" (their GPU) or "host" (pinned host memory)
     version_prefix: str = "step-"  # send_weights() without a version names them step-1, step-2, ...
     pause: str = "keep"  # generation around each version: "keep", "abort", "wait" or "none" (awex.engines.pause)
     allow_cast: tuple[str, ...] = ()  # globs of tensors that may narrow (("*",): fp32 trainer into a bf16 engine)
@@ -171,11 +173,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
         check_pause_mode(self.pause)
         if self.receive not in ("in_place", "staged"):
             raise ValueError(f"awex: receive={self.receive!r}; use 'in_place' or 'staged'")
-        budget = self.staging_budget_bytes
-        if budget is not None and (type(budget) is not int or budget < 0 or self.receive != "staged"):
-            raise ValueError(
-                f"awex: staging_budget_bytes={budget!r}: a number of bytes (0 or more), with receive='staged'"
-            )
+        check_staging(self.staging, self.staging_budget_bytes, self.receive)
         try:  # the writer's own rules (awex.engines.sync.options), before any engine is touched
             self.sync_options().check()
         except ValueError as e:
@@ -302,6 +300,7 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
                             if init_info.staging_budget_bytes is not None
                             else {}
                         ),
+                        **({"staging": init_info.staging} if init_info.staging != "device" else {}),
                     }
                 )
             options = PlanOptions(allow_cast=init_info.allow_cast, quantize_on_receive=init_info.quantize_on_receive)

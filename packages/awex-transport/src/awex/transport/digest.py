@@ -67,6 +67,9 @@ def region_digest(
     return digest_of(sums)
 
 
+HOST_CHUNK_BYTES = 64 << 20  # a piece in host memory digested on a GPU: read up this much at a time
+
+
 def region_sums(
     shards: LocalShards,
     name: str,
@@ -96,8 +99,19 @@ def piece_digest(piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int
 def piece_sums(
     piece: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], key: int, out: torch.Tensor
 ) -> None:
-    """Add :func:`piece_digest`'s two sums to ``out`` (on the piece's device): the kernel on CUDA, else torch."""
+    """Add :func:`piece_digest`'s two sums to ``out`` (on the piece's device): the kernel on CUDA, else torch. A
+    piece in host memory with ``out`` on a GPU (a version staged on the host) is read up to that GPU and digested
+    there, :data:`HOST_CHUNK_BYTES` of whole rows at a time."""
     if piece.numel() == 0:
+        return
+    if piece.device != out.device:
+        if piece.dim() == 0:
+            piece_sums(piece.to(out.device), offsets, shape, key, out)
+            return
+        rows = max(1, HOST_CHUNK_BYTES // piece[0].nbytes)
+        for i in range(0, piece.shape[0], rows):
+            chunk = piece[i : i + rows].to(out.device, non_blocking=True)  # stream-ordered with the kernel below
+            piece_sums(chunk, (offsets[0] + i, *offsets[1:]), shape, key, out)
         return
     if piece.is_cuda and _kernel() is not None:
         _kernel_sums(_rows(piece, offsets, shape), key, out)

@@ -56,7 +56,10 @@ class LocalShards:
     ``q_proj`` is one piece per local group); they must not overlap.
     """
 
-    def __init__(self, shards: Mapping[str, Sequence[tuple[Box, torch.Tensor]]]):
+    def __init__(self, shards: Mapping[str, Sequence[tuple[Box, torch.Tensor]]], device: torch.device | None = None):
+        """``device``: the GPU this rank's transport works on where its views are all in pinned host memory
+        (``on_host``: a receiver staging a version on the host; the copies land there from that GPU); by default
+        the views' own device."""
         self._shards = {name: tuple(pairs) for name, pairs in shards.items()}
         for name, pairs in self._shards.items():
             for box, view in pairs:
@@ -75,8 +78,25 @@ class LocalShards:
                 "they are sent"
             )
         self.device = next(iter(devices), torch.device("cpu"))
+        self.on_host = False  # views in pinned host memory, the rank's transport on the GPU ``device``
+        if device is not None and torch.device(device) != self.device:
+            self._put_on(torch.device(device))
         self.fingerprint: tuple | None = None  # where the tensors the views come from were (see rebound)
         self.unconfirmed = False  # kept by rebound(quick=True) on their addresses alone: see confirm_bound
+
+    def _put_on(self, device: torch.device) -> None:
+        if device.type == "cpu" or self.device.type != "cpu":
+            raise ShardMismatchError(
+                f"views on {self.device} for a rank on {device}: a rank's views are on its device, or all in pinned "
+                "host memory for a rank on a GPU"
+            )
+        unpinned = next((n for n, pairs in self._shards.items() for _, v in pairs if not v.is_pinned()), None)
+        if unpinned is not None:
+            raise ShardMismatchError(
+                f"{unpinned}: its view is in host memory that is not pinned; a rank on {device} takes views in "
+                "pinned host memory only (torch.empty(..., pin_memory=True)): its GPU copies into them"
+            )
+        self.device, self.on_host = device, True
 
     @classmethod
     def from_layout(
@@ -84,8 +104,10 @@ class LocalShards:
         layout: Layout,
         local_rank: int,
         view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
+        device: torch.device | None = None,
     ) -> LocalShards:
-        """Ask ``view_of(name, box)`` for every box the layout gives ``local_rank``, and check each answer.
+        """Ask ``view_of(name, box)`` for every box the layout gives ``local_rank``, and check each answer
+        (``device``: as in the constructor).
 
         ``view_of`` returns one view of the box's shape, or ``(sub_box, view)`` pieces that tile the box.
         Every problem (missing tensor, wrong shape, wrong dtype, pieces that do not tile) is collected and
@@ -136,7 +158,7 @@ class LocalShards:
             raise ShardMismatchError(
                 f"{layout.instance} rank {local_rank}: {len(problems)} shard(s) do not match the layout:\n  {shown}"
             )
-        return cls(shards)
+        return cls(shards, device)
 
     def names(self) -> Iterable[str]:
         return self._shards.keys()
@@ -210,7 +232,7 @@ def rebound(
     held.unconfirmed = False
     if now_print is not None and now_print == held.fingerprint:
         return held, []
-    now = LocalShards.from_layout(layout, local_rank, view_of)
+    now = LocalShards.from_layout(layout, local_rank, view_of, held.device if held.on_host else None)
     now.fingerprint = now_print
     moved = now.moved(held)
     if not moved:
@@ -238,7 +260,9 @@ def confirm_bound(layout: Layout, local_rank: int, view_of: Callable, held: Loca
         return
     held.fingerprint = None  # the next rebound derives the views again
     try:
-        changed = LocalShards.from_layout(layout, local_rank, view_of).moved(held) or ["a tensor"]
+        changed = LocalShards.from_layout(layout, local_rank, view_of, held.device if held.on_host else None).moved(
+            held
+        ) or ["a tensor"]
     except ShardMismatchError as e:  # views that no longer fit the layout at all
         changed = [str(e)]
     raise ShardMismatchError(

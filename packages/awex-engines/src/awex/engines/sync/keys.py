@@ -101,7 +101,8 @@ def received(version: str, instance: str, local_rank: int) -> str:
 
 
 def staging(instance: str, local_rank: int) -> str:
-    """A vLLM worker asked to receive staged: whether it stages (``{"staged": bool, "bytes", "budget", "reason"}``),
+    """A vLLM worker asked to receive staged: whether it stages and where
+    (``{"staged": bool, "where": "device" | "host", "bytes", "budget", "reason"}``, ``awex.engines.staging``),
     or falls back to receiving in place because its staging budget cannot hold its shard."""
     return f"staging/{instance}:{local_rank}"
 

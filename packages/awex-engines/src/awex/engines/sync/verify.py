@@ -158,7 +158,7 @@ class Verifier:
         return self._regions[2]
 
     def _digests(self, plan: Plan, shards: LocalShards, groups: Mapping[int, Sequence[RegionKey]]) -> dict[int, Digest]:
-        if shards.device.type != "cuda" or not digest_batch.available():
+        if shards.device.type != "cuda" or shards.on_host or not digest_batch.available():
             return digests(plan, shards, groups)
         if self._batch is None or self._batch[0] is not plan or self._batch[1] is not shards:
             index = _order(groups)

@@ -147,6 +147,11 @@ class IpcDeltaReceiver:
     ``bytes_dense`` and ``buckets_resent``."""
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, sources: dict[int, LocalShards]):
+        if shards.on_host:
+            raise ValueError(
+                f"rank {rank}: delta syncs apply on the GPU; this rank's views are in host memory (stage on the GPU "
+                "or send whole versions)"
+            )
         self.plan, self.rank, self.device = plan, rank, shards.device
         self.buckets = [i for i, b in enumerate(plan.buckets) if b.dst == rank]
         self.sizes = [_bucket_bytes(plan, i) for i in self.buckets]

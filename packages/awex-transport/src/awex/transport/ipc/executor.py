@@ -100,6 +100,11 @@ class IpcExecutor:
         self.digest = ReceivedDigests(self.device, origins) if digest else None
         quantised = {q[0]: (q[2], q[3]) for q in plan.quantized}  # weight -> (scale tensor, tile block)
         to_quantize: dict[tuple[int, int], list[Piece]] = {}  # FP8 on the copy, by tile block
+        if quantised and shards.on_host:
+            raise ValueError(
+                f"rank {rank}: the plan quantises {len(quantised)} weight(s) on receive, into views in host memory: "
+                "quantising on receive writes on the GPU (stage on the GPU, or quantise on the sender)"
+            )
         if quantised and quantize is None:
             raise ValueError(f"rank {rank}: the plan quantises {len(quantised)} weight(s) on receive: give quantize=")
         for step in plan.schedule(rank):
@@ -124,8 +129,9 @@ class IpcExecutor:
         # read the source, write tiles and scales: one launch per tile block
         self._quantize: list[Callable[[], None]] = quantizers(to_quantize, quantize) if to_quantize else []
         self.copies = merge_copies(self.copies) if self.digest is None else self.copies
-        self._remote = [(d, s) for d, s in self.copies if s.device != d.device]  # from another GPU: peer DMAs
-        self._local = [(d, s) for d, s in self.copies if s.device == d.device]
+        # from another GPU: peer DMAs; views in pinned host memory (shards.on_host) take this GPU's copies
+        self._remote = [(d, s) for d, s in self.copies if s.device != self.device]
+        self._local = [(d, s) for d, s in self.copies if s.device == self.device]
         if self._remote and self.device.type != "cuda":
             raise ValueError(f"rank {rank}: copies between devices need CUDA, this rank is on {self.device}")
         for peer in {s.device for _, s in self._remote}:

@@ -30,6 +30,11 @@ class DeltaExecutor:
     """One rank's share of a relay-free plan as delta buckets, built once; keeps the sender's last versions."""
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, budget_bytes: int | None = None):
+        if shards.on_host:
+            raise ValueError(
+                f"rank {rank}: delta syncs apply on the GPU; this rank's views are in host memory (stage on the GPU "
+                "or send whole versions)"
+            )
         if plan.quantized:
             raise ValueError(
                 f"this plan has receivers quantise {len(plan.quantized)} weight(s) on the copy: CUDA IPC only "

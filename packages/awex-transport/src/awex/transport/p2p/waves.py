@@ -189,8 +189,8 @@ class WaveExecutor:
         here, view = pieces[0]
         if here and any(s != slice(0, n) for s, n in zip(here, t.sizes)):
             return None
-        if view.dtype != wire or not view.is_contiguous() or view.dim() == 0:
-            return None
+        if view.dtype != wire or not view.is_contiguous() or view.dim() == 0 or view.device != shards.device:
+            return None  # (views in pinned host memory: through the staging on the rank's GPU)
         return view.view(torch.uint8).view(-1)
 
     @property
