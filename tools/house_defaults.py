@@ -186,7 +186,7 @@ SAID = [
     Said(
         "docs/usage.md",
         '`"keep"` (the default; SGLang',
-        _param(f"{ENGINES}/sglang.py", "SglangHttpUpdater.__init__", "pause"),
+        _param(f"{ENGINES}/sglang_updaters.py", "SglangHttpUpdater.__init__", "pause"),
         "keep",
     ),
     Said(

@@ -20,6 +20,11 @@ receives every box straight into the storage of SGLang's parameters (``awex.conv
 loader call. The reader is kept between versions (one per model in the process); each version's
 :class:`~awex.engines.receive_report.ReceiveReport` is published like the vLLM binding's.
 
+With ``AwexSglangInfo(receive="staged")`` the workers receive each version into staging (on the GPU or in pinned
+host memory: ``staging``, ``staging_budget_bytes``, ``awex.engines.staging``) on a thread of their own while SGLang
+keeps generating, and apply it by a copy only when :class:`SglangHttpUpdater` commits it, SGLang paused for that
+alone (the request's steps: ``awex.engines.sglang_request``).
+
 Verified on CPU against SGLang 0.5.23's own model classes (``sglang_layout`` nox session: layouts, loaders, and a
 sync from an HF trainer into SGLang models built by SGLang's classes, through this function). A running SGLang
 server needs CUDA here: ``integration/tests/test_sglang_server.py`` runs where SGLang and a GPU are present.
@@ -27,22 +32,30 @@ server needs CUDA here: ``integration/tests/test_sglang_server.py`` runs where S
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from awex.convert.sglang import sglang_param_dtypes, sglang_param_shapes, sglang_views
 from awex.engines.memory import PeakMemory
-from awex.engines.pause import check_pause_mode
 from awex.engines.reader import WeightsReader
 from awex.engines.receive_report import ReceiveReport, publish_report
+from awex.engines.sglang_request import (  # noqa: F401  (LOADER, REQUEST_PREFIX: re-exported, as before the split)
+    LOADER,
+    REQUEST_PREFIX,
+    AwexSglangInfo,
+    SglangUpdateRequest,
+)
+from awex.engines.sglang_updaters import SglangEngineUpdater, SglangHttpUpdater
+from awex.engines.staged_version import DROP_WAIT_SECONDS, StagedVersion
+from awex.engines.staging import Staging, StagingBuffers, commit_copy, committed, shard_bytes, transport_device
+from awex.engines.sync import keys
 from awex.meta.client import MetaClient
 from awex.meta.layouts import SglangParallel, sglang_engine_layout
 from awex.meta.models import model_dims
+from awex.transport import LocalShards
 
 __all__ = [
     "AwexSglangInfo",
@@ -56,69 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("awex.engines.sglang")
-
-LOADER = "awex.engines.sglang.receive_weights"  # the value of SGLang's --custom-weight-loader and load_format
-REQUEST_PREFIX = "awex-request:"  # the request tensor's name starts with this; the JSON follows
-
-
-@dataclass(frozen=True)
-class AwexSglangInfo:
-    """Where the MetaServer is and which instance this engine is (constant across versions)."""
-
-    meta_address: str
-    instance: str = "sglang"
-    job: str = "default"
-    token: str | None = None
-    timeout: float = 300.0
-
-
-@dataclass(frozen=True)
-class SglangUpdateRequest:
-    """One version to receive, as it crosses into SGLang's workers (JSON in a tensor name)."""
-
-    version: str
-    info: AwexSglangInfo
-    validate: str | None = None  # an HF safetensors checkpoint to compare every received tensor with
-
-    def to_named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        body = {"version": self.version, "validate": self.validate, **asdict(self.info)}
-        return [(REQUEST_PREFIX + json.dumps(body, sort_keys=True), torch.empty(0, dtype=torch.uint8))]
-
-    @classmethod
-    def from_named_tensors(cls, named_tensors: Sequence[tuple[str, Any]]) -> SglangUpdateRequest:
-        """Parse and check the request (``ValueError`` naming what is wrong, before anything else happens)."""
-        if len(named_tensors) != 1 or not str(named_tensors[0][0]).startswith(REQUEST_PREFIX):
-            names = [str(n)[:60] for n, _ in list(named_tensors)[:3]]
-            raise ValueError(
-                f"{LOADER} expects one request made by SglangUpdateRequest.to_named_tensors(), got {names} "
-                f"({len(named_tensors)} tensors)"
-            )
-        try:
-            body = json.loads(named_tensors[0][0][len(REQUEST_PREFIX) :])
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{LOADER}: the request is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ValueError(f"{LOADER}: the request must be a JSON object")
-        expected = {
-            "version": str,
-            "validate": (str, type(None)),
-            "meta_address": str,
-            "instance": str,
-            "job": str,
-            "token": (str, type(None)),
-            "timeout": (int, float),
-        }
-        unknown = sorted(set(body) - set(expected))
-        missing = sorted({"version", "meta_address"} - set(body))
-        if unknown or missing:
-            raise ValueError(f"{LOADER}: request fields unknown {unknown}, missing {missing}")
-        for key, kind in expected.items():
-            if key in body and not isinstance(body[key], kind):
-                raise ValueError(f"{LOADER}: request field {key!r} has type {type(body[key]).__name__}")
-        if not body["version"] or body.get("timeout", 1) <= 0:
-            raise ValueError(f"{LOADER}: the version must be non-empty and the timeout positive")
-        info = AwexSglangInfo(**{f.name: body[f.name] for f in fields(AwexSglangInfo) if f.name in body})
-        return cls(body["version"], info, body.get("validate"))
 
 
 def sglang_runtime_parallel() -> tuple[SglangParallel, int]:
@@ -155,7 +105,8 @@ def check_params(params: Mapping[str, torch.Tensor], want: Mapping[str, tuple[tu
 
 
 class SglangReceiver:
-    """One SGLang worker's side of Awex syncs: its reader over views of the model's live parameters."""
+    """One SGLang worker's side of Awex syncs: its reader over views of the model's live parameters, or, with
+    ``receive="staged"``, over staging buffers (``awex.engines.staging``) that a commit copies into them."""
 
     def __init__(
         self,
@@ -174,21 +125,93 @@ class SglangReceiver:
         dtypes = sglang_param_dtypes(shapes, dtype)
         check_params(params, {n: (s, dtypes[n]) for n, s in shapes.items()})
         client = MetaClient(info.meta_address, job=info.job, token=info.token, timeout=info.timeout)
-        self.info = info
+        self.info, self.rank = info, rank
         self.device = next(iter(params.values())).device
-        self.reader = WeightsReader(
-            client, layout, rank, sglang_views(params, dims, parallel, rank), timeout=info.timeout
-        )
+        self._live = views = sglang_views(params, dims, parallel, rank)
+        self._staging: StagingBuffers | None = None
+        self._pending: StagedVersion | None = None
+        self.unstaged: str | None = None  # receive="staged" but this rank's shard exceeds the budget: why
+        device = None
+        if info.receive == "staged":  # within the budget; else in place, said at staging/<instance>:<rank>
+            staging = Staging.decide(shard_bytes(layout, rank), info.staging_budget_bytes, info.staging)
+            client.put(keys.staging(info.instance, rank), staging.record())
+            if staging.staged:
+                self._staging = views = StagingBuffers(layout, info.staging, self.device)
+                device = transport_device(info.staging, self.device)
+            else:
+                self.unstaged = staging.reason
+                log.warning("awex sglang: %s rank %d receives in place: %s", info.instance, rank, staging.reason)
+        self.reader = WeightsReader(client, layout, rank, views, timeout=info.timeout, device=device)
         shards = self.reader.shards
         self.bytes = sum(view.nbytes for name in shards.names() for _, view in shards.pairs(name))
         self.tensors = len(shards.names())
         self.last_report: ReceiveReport | None = None
-        log.info("awex sglang receiver ready: %s rank %d, %d tensors in place", info.instance, rank, self.tensors)
+        how = "in place" if self._staging is None else f"staged ({info.staging})"
+        log.info("awex sglang receiver ready: %s rank %d, %d tensors %s", info.instance, rank, self.tensors, how)
 
-    def receive(self, version: str, validate: str | None = None) -> ReceiveReport:
+    def receive(self, version: str, validate: str | None = None, step: str | None = None) -> ReceiveReport | None:
+        """Receive ``version`` and apply it (``step=None``); or one step of the staged protocol
+        (``awex.engines.sglang_request``): ``"stage"`` starts receiving it on a thread and returns at once (SGLang
+        keeps generating), ``"commit"`` applies it once held (waiting for it), ``"drop"`` drops it (nothing
+        changes; a version not staged here is nothing to drop); ``"prepare"`` does nothing more than set up."""
+        pending = self._pending
+        if step in ("commit", "drop"):
+            if pending is None or pending.version != version:
+                if step == "drop":
+                    return None
+                held = None if pending is None else pending.version
+                raise ValueError(f"sglang: no staged version {version!r} to commit (staged: {held!r})")
+            if step == "commit":
+                self._pending = None
+                pending.decide(True, timeout=self.reader.timeout)
+                return self.last_report
+            try:
+                pending.decide(False, timeout=DROP_WAIT_SECONDS)
+            except TimeoutError as e:  # kept: a new version is refused until this receive ends (applying nothing)
+                log.warning("%s; it ends at its own deadline, applying nothing", e)
+                return None
+            self._pending = None
+            return None
+        if step == "prepare":
+            return None
+        if pending is not None and pending.running:
+            raise RuntimeError(
+                f"sglang: version {pending.version!r} is staged and not yet committed or dropped; {version!r} "
+                "cannot be received before (never mixed)"
+            )
+        self._pending = None
+        if step != "stage":
+            return self._receive(version, validate, None)
+        if self._staging is None:
+            why = self.unstaged or "receive='in_place'"
+            raise ValueError(f"sglang: {self.info.instance} rank {self.rank} does not stage ({why})")
+        where = keys.staged(version, self.info.instance, self.rank)
+        self._pending = StagedVersion(
+            version,
+            lambda gate: self._receive(version, validate, gate),
+            lambda: self.reader.client.put(where, {"version": version}),
+        )
+        self._pending.start(self.reader.timeout)
+        return None
+
+    def _apply(self, shards: LocalShards) -> None:
+        """A staged version's commit: every box copied from staging into the live parameters."""
+        for name in shards.names():
+            for box, _ in shards.pairs(name):
+                commit_copy(shards, name, box, self._live(name, box))
+        committed(self.device)
+
+    def _receive(self, version: str, validate: str | None, gate: Callable[[], None] | None) -> ReceiveReport:
         started = time.monotonic()
+        staged = self._staging is not None
         with PeakMemory(self.device) as peak:
-            self.reader.receive(version, validate=validate, in_place=True)
+            self.reader.receive(
+                version,
+                validate=validate,
+                in_place=not staged,
+                apply=self._apply if staged else None,
+                before_apply=gate,
+            )
         report = ReceiveReport(
             version,
             self.reader.layout.instance,
@@ -199,14 +222,15 @@ class SglangReceiver:
             0,
             round(time.monotonic() - started, 6),
             peak.extra_bytes,
-            self.reader.held_bytes(),
+            self.reader.held_bytes() + (self._staging.nbytes if staged else 0),
         )
         self.last_report = report
         log.info(
-            "awex sglang: %s:%d received %s in place (%d bytes), %.3f s",
+            "awex sglang: %s:%d received %s %s (%d bytes), %.3f s",
             report.instance,
             report.rank,
             version,
+            "staged, committed" if staged else "in place",
             report.in_place_bytes,
             report.seconds,
         )
@@ -214,6 +238,12 @@ class SglangReceiver:
         return report
 
     def close(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.running:
+            try:
+                pending.decide(False, timeout=5.0)
+            except TimeoutError as e:
+                log.error("%s", e)
         self.reader.close()
 
 
@@ -236,99 +266,10 @@ def receive_weights(
     if receiver is None:
         parallel, rank = runtime()
         receiver = _RECEIVERS[id(model)] = SglangReceiver(model, request.info, parallel, rank)
-    receiver.receive(request.version, request.validate)
+    receiver.receive(request.version, request.validate, request.step)
 
 
 def close_receivers() -> None:
     """Close every receiver of this process (before the trainer's processes exit, for CUDA IPC)."""
     while _RECEIVERS:
         _RECEIVERS.popitem()[1].close()
-
-
-class SglangEngineUpdater:
-    """Drives an in-process ``sglang.Engine`` through one version (its ``update_weights_from_tensor`` with Awex's
-    loader; SGLang pauses scheduling of the update against generation itself and flushes the cache)."""
-
-    def __init__(self, engine: Any, info: AwexSglangInfo):
-        self.engine, self.info = engine, info
-
-    def update(self, version: str, validate: str | None = None) -> None:
-        request = SglangUpdateRequest(version, self.info, validate)
-        out = self.engine.update_weights_from_tensor(request.to_named_tensors(), load_format=LOADER, flush_cache=True)
-        _check_result(out, version, self.info.instance)
-
-
-SGLANG_PAUSE = {"keep": "retract", "abort": "abort"}  # Awex's pause policy -> SGLang's /pause_generation mode
-
-
-class SglangHttpUpdater:
-    """Drives an SGLang server through one version as SGLang documents it for RL: ``/pause_generation``,
-    ``/update_weights_from_tensor`` (Awex's loader, cache flushed, ``weight_version`` set), ``/continue_generation``.
-
-    ``pause`` takes the policy names of the vLLM path: ``"keep"`` (SGLang's ``retract``: running requests go back
-    to the queue, their caches freed, and continue on the new version), ``"abort"``, or ``"none"`` for stacks that
-    pause the server themselves; SGLang has no mode that lets running requests finish first, so ``"wait"`` is
-    refused. A failed update leaves the server paused (the version lands in place: its weights may mix two
-    versions) until a later version applies; :attr:`left_paused` says so. Needs ``sglang`` importable here for its
-    tensor serializer."""
-
-    def __init__(
-        self, url: str, info: AwexSglangInfo, tp_size: int = 1, pause: str = "keep", api_key: str | None = None
-    ):
-        check_pause_mode(pause)
-        if pause == "wait":
-            raise ValueError("sglang: pause='wait' has no SGLang mode; use 'keep' (SGLang's retract), 'abort', 'none'")
-        self.url, self.info, self.tp_size = url.rstrip("/"), info, tp_size
-        self.pause, self.api_key = pause, api_key
-        self.left_paused = False
-
-    def _post(self, path: str, body: dict, timeout: float) -> Any:
-        import urllib.request
-
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), headers, method="POST")
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"null")
-
-    @staticmethod
-    def _serialize(named: list) -> str:
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        return MultiprocessingSerializer.serialize(named, output_str=True)
-
-    def update(self, version: str, validate: str | None = None) -> None:
-        payload = self._serialize(SglangUpdateRequest(version, self.info, validate).to_named_tensors())
-        if self.pause != "none":
-            self._post("/pause_generation", {"mode": SGLANG_PAUSE[self.pause]}, 60.0)
-        try:
-            out = self._post(
-                "/update_weights_from_tensor",
-                {
-                    "serialized_named_tensors": [payload] * self.tp_size,  # one per TP rank
-                    "load_format": LOADER,
-                    "flush_cache": True,
-                    "weight_version": version,
-                },
-                self.info.timeout + 60.0,
-            )
-            _check_result(out, version, self.info.instance)
-        except Exception as e:
-            if self.pause != "none":
-                self.left_paused = True
-                log.error("sglang: %s left paused after %s failed in place: %s", self.info.instance, version, e)
-                raise RuntimeError(
-                    f"sglang: {self.info.instance} did not apply {version} and stays paused (its weights may mix "
-                    f"two versions) until a later version applies: {e}"
-                ) from e
-            raise
-        if self.pause != "none":
-            self._post("/continue_generation", {}, 60.0)
-        self.left_paused = False
-
-
-def _check_result(out: Any, version: str, instance: str) -> None:
-    success, message = (out.get("success"), out.get("message")) if isinstance(out, dict) else (out[0], out[1])
-    if not success:
-        raise RuntimeError(f"sglang: {instance} did not apply {version}: {message}")

@@ -20,6 +20,8 @@ from typing import Callable
 
 log = logging.getLogger("awex.engines.vllm")
 
+DROP_WAIT_SECONDS = 5.0  # a staged version dropped: how long to wait for its receive to end (its own deadline)
+
 
 class VersionDroppedError(RuntimeError):
     """A staged version was dropped before anything was applied (the trainer's decision, or none by the deadline)."""

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from awex.meta import Box
+from awex.meta import Box, Layout
 from awex.transport import LocalShards
+from awex.transport.shards import torch_dtype
 
 PLACES = ("device", "host")
 
@@ -66,6 +67,45 @@ class Staging:
             "budget": self.budget,
             "reason": self.reason,
         }
+
+
+def shard_bytes(layout: Layout, rank: int) -> int:
+    """Bytes of the boxes ``layout`` gives ``rank``: what staging its whole shard takes."""
+    return sum(
+        box.numel * layout.tensor(name).spec.itemsize
+        for name, boxes in layout.rank_boxes(rank).items()
+        for box in boxes
+    )
+
+
+class StagingBuffers:
+    """``view_of(name, box)`` answering one staging tensor per box (made at the first ask, kept between versions:
+    :func:`buffer`). They never move: its fingerprint is constant (a steady version derives no view again)."""
+
+    def __init__(self, layout: Layout, where: str, device: torch.device):
+        self.layout, self.where, self.device = layout, where, device
+        self.held: dict[tuple[str, Box], torch.Tensor] = {}
+
+    def __call__(self, name: str, box: Box) -> torch.Tensor:
+        t = self.held.get((name, box))
+        if t is None:
+            t = self.held[(name, box)] = buffer(
+                box.sizes, torch_dtype(self.layout.tensor(name).spec.dtype), self.where, self.device
+            )
+        return t
+
+    def fingerprint(self) -> tuple:
+        return (), ()
+
+    def addresses(self) -> tuple:
+        return ()
+
+    def forms(self) -> tuple:
+        return ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.held.values())
 
 
 def buffer(sizes: Sequence[int], dtype: torch.dtype, where: str, device: torch.device) -> torch.Tensor:

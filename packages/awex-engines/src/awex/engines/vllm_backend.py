@@ -59,8 +59,16 @@ from awex.convert.vllm import vllm_param_dtypes, vllm_param_shapes, vllm_views
 from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
 from awex.engines.receive_report import ReceiveReport, publish_report
-from awex.engines.staged_version import StagedVersion
-from awex.engines.staging import Staging, buffer, check_staging, commit_copy, committed, transport_device
+from awex.engines.staged_version import DROP_WAIT_SECONDS, StagedVersion
+from awex.engines.staging import (
+    Staging,
+    buffer,
+    check_staging,
+    commit_copy,
+    committed,
+    shard_bytes,
+    transport_device,
+)
 from awex.engines.sync import keys
 from awex.engines.vllm_fixups import (
     check_cpu_moe_reloadable,
@@ -78,8 +86,6 @@ from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
 
 log = logging.getLogger("awex.engines.vllm")
-
-DROP_WAIT_SECONDS = 5.0  # a staged version dropped without the trainer: how long to wait for its receive to end
 
 
 @dataclass
@@ -167,11 +173,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         else:
             layout, live, tied = self._table(init_info, local_rank, hf_config, dtype)
         if init_info.receive == "staged":  # staging within the budget, or in place (said, never silently)
-            need = sum(
-                box.numel * layout.tensor(name).spec.itemsize
-                for name, boxes in layout.rank_boxes(local_rank).items()
-                for box in boxes
-            )
+            need = shard_bytes(layout, local_rank)
             staging = Staging.decide(need, init_info.staging_budget_bytes, init_info.staging)
             client.put(keys.staging(init_info.instance, local_rank), staging.record())
             if not staging.staged:
