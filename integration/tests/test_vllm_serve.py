@@ -199,3 +199,70 @@ def test_a_staged_version_arrives_while_vllm_serve_generates_and_only_its_commit
         if engine is not None:
             engine.shutdown()
         meta.stop()
+
+
+def test_an_engine_killed_with_a_version_staged_fails_it_and_the_other_engine_keeps_serving_its_weights(vllm_server):
+    """Two engines receiving staged (the shared `vllm serve` and one started here): once every rank of both holds a
+    version staged, the second is killed before either is paused for the commit. The version fails naming the killed
+    engine; the engine still running drops what it staged: it is resumed (not left paused), serves the previous
+    version untouched, and takes the next version, sent to it alone."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from awex.engines import SyncFailedError
+    from awex.engines.vllm_trainer import AwexSource, AwexTrainerInitInfo
+    from awex_integration.engines.vllm_http import VllmServer
+
+    server = vllm_server
+    meta = start_embedded()
+    engine = None
+    doomed = VllmServer(server.model)
+    try:
+        tok = AutoTokenizer.from_pretrained(server.model)
+        trainer = AutoModelForCausalLM.from_pretrained(server.model, dtype=torch.float32).eval()
+        clients = {"vllm-kept": server.base, "vllm-doomed": doomed.base}
+        engine = WeightTransferTrainerFactory.trainer_init(
+            AwexTrainerInitInfo(
+                rank=0,
+                meta_address=meta.address,
+                job="killed-staged",
+                instances=tuple(clients),
+                timeout=30,
+                receive="staged",
+            ),
+            client={name: HTTPVLLMWeightSyncClient(base, timeout=60) for name, base in clients.items()},
+            source=AwexSource.hf(trainer),
+        )
+
+        def served(s) -> list[list[int]]:
+            return [s.complete(p, 16)["token_ids"] for p in PROMPTS]
+
+        perturb_(trainer, 31)
+        assert engine.send_weights() == "step-1"
+        before = hf_greedy(trainer, tok)
+        assert served(server) == before and served(doomed) == before
+
+        pause = engine.sender._pause
+
+        def killed_first(e):  # every rank of both engines holds step-2 staged; no engine paused yet
+            if doomed.process.poll() is None:
+                doomed.process.kill()
+            doomed.process.wait(30)
+            return pause(e)
+
+        engine.sender._pause = killed_first
+        perturb_(trainer, 32)
+        with pytest.raises(SyncFailedError, match=r"'step-2' was not applied.*vllm-doomed"):
+            engine.send_weights()
+        engine.sender._pause = pause
+        assert get(server.base, "/is_paused")["is_paused"] is False and engine.paused_engines == []
+        assert get(server.base, "/weight_info")["weight_version"] == "step-1" and served(server) == before
+
+        perturb_(trainer, 33)  # the next version, to the engine still running, goes
+        assert engine.send_weights(instances=["vllm-kept"]) == "step-3"
+        assert served(server) == hf_greedy(trainer, tok)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        doomed.close()
+        meta.stop()
