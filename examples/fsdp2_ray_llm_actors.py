@@ -1,7 +1,8 @@
 """
 An FSDP2 trainer (two ranks, Ray actors) updates two vLLM `LLM` engines (Ray actors) through vLLM's own RL API
 with backend "awex": each trainer rank sends its local shards (nothing is gathered), one RayVLLMWeightSyncClient
-drives both engines, and generation is paused around each version.
+drives both engines, and each version arrives while the engines keep generating (receive="staged"): they are paused
+for its commit alone, once every rank of both holds it.
 
 Each step is a real training step (next-token loss on a few sentences, Adam), then the new weights are sent; after
 each version both engines' greedy output must equal the trained model's (gathered once, here, only to check).
@@ -57,7 +58,7 @@ class Trainer:
         from awex.engines.vllm_trainer import AwexTrainerInitInfo
 
         self.engine = WeightTransferTrainerFactory.trainer_init(
-            AwexTrainerInitInfo(rank=self.rank, meta_address=meta_address, instances=ENGINES),
+            AwexTrainerInitInfo(rank=self.rank, meta_address=meta_address, instances=ENGINES, receive="staged"),
             client=RayVLLMWeightSyncClient(engines),  # one engine per name in instances
             source=ModuleSource(self.model),  # FSDP2: each rank sends its own DTensor shards
         )
@@ -70,8 +71,10 @@ class Trainer:
         self.optimizer.step()
         return loss.item()
 
-    def send_weights(self) -> str:
-        return self.engine.send_weights()  # on every trainer rank
+    def send_weights(self) -> tuple[str, dict]:
+        version = self.engine.send_weights()  # on every trainer rank
+        stalls = self.engine.last_stalls if self.rank == 0 else {}  # rank 0 drives the engines
+        return version, {k: (s.stall_seconds, s.commit_seconds) for k, s in stalls.items()}
 
     @torch.no_grad()
     def reference_greedy(self) -> list[list[int]] | None:
@@ -125,13 +128,15 @@ def main() -> None:
 
     for step in range(1, STEPS + 1):
         losses = ray.get([t.train_step.remote() for t in trainers])
-        versions = ray.get([t.send_weights.remote() for t in trainers])
+        versions, stalls = zip(*ray.get([t.send_weights.remote() for t in trainers]))
         expected = ray.get([t.reference_greedy.remote() for t in trainers])[0]
         for name, engine in zip(ENGINES, engines):
             outputs = ray.get(engine.generate.remote(PROMPTS, params, use_tqdm=False))
             served = [list(o.outputs[0].token_ids) for o in outputs]
             assert served == expected, f"{versions[0]}: {name}'s greedy output differs from the trained model's"
         print(f"PASS step {step} (loss {losses[0]:.3f}): {versions[0]} on {', '.join(ENGINES)}, greedy = trainer's")
+        ms = {k: f"{stall * 1e3:.0f} ms (commit {commit * 1e3:.0f} ms)" for k, (stall, commit) in stalls[0].items()}
+        print(f"  generation stalled {ms} (the commit alone)")
 
     for engine in engines:
         ray.get(engine.__ray_call__.remote(lambda llm: llm.llm_engine.engine_core.shutdown()))

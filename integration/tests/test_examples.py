@@ -26,6 +26,7 @@ SCRIPTS = {  # script: what it prints once per version (or request) that passed 
 HELPERS = {"tiny.py"}
 STALLS = {  # what each script prints of the generation stall per version (staged: the commit alone), and how often
     "rlhf_async.py": ("(the commit", 1),
+    "fsdp2_ray_llm_actors.py": ("(the commit alone)", 2),
     "megatron_vllm_serve.py": ("(generation stalls for the commit alone)", 2),
     "colocated.py": ("generation stalled", 3),
 }
