@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from house_defaults import PACKAGE_OF, check_defaults  # tools/ is this script's folder
+from house_errors import check_errors
 from house_imports import check_imports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +187,13 @@ def _check_token(token: str, doc: Path, code: _Code, names: set[str]) -> str | N
     return None
 
 
-CHECKS = {"sizes": check_sizes, "docs": check_docs, "defaults": check_defaults, "imports": check_imports}
+CHECKS = {
+    "sizes": check_sizes,
+    "docs": check_docs,
+    "defaults": check_defaults,
+    "imports": check_imports,
+    "errors": check_errors,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -250,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--barrier", default=None, help="a folder where the worker processes meet before closing")
     args = ap.parse_args(argv)
-    from awex.transport.registry import TRANSPORTS
+    from awex.transport.registry import register
 
-    TRANSPORTS["null"] = f"{__name__}:NullTransport"
+    register("null", f"{__name__}:NullTransport", replace=True)
     simulate_hosts()
     share_plans()
     index, _, count = args.slice.partition("/")

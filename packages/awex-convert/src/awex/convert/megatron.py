@@ -49,6 +49,7 @@ from awex.convert.fused import gate_or_up
 from awex.convert.live import LiveTensors, fingerprinted
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
+from awex.meta.errors import AwexValueError
 from awex.meta.layouts import MegatronParallel
 from awex.meta.layouts.megatron import pipeline_stages
 from awex.meta.models import ARCHITECTURES, ModelDims
@@ -105,7 +106,7 @@ def megatron_views(
         for local, layer in enumerate(layers):
             layer_home[layer] = (v, local)
     if len(chunks) != max(1, p.vpp):
-        raise ValueError(f"megatron: expected {p.vpp} model chunk(s), got {len(chunks)}")
+        raise AwexValueError(f"megatron: expected {p.vpp} model chunk(s), got {len(chunks)}")
     groups_local = dims.kv_heads // p.tp
     per_group_q = dims.heads // dims.kv_heads * dims.head_dim
     group_rows = per_group_q + 2 * dims.head_dim
@@ -136,7 +137,7 @@ def megatron_views(
             start = j * group_rows + skip
             pieces.append((sub, native[start : start + rows]))
         if box.sizes[0] != groups_local * rows or first_group != where.tp_rank * groups_local:
-            raise ValueError(f"megatron: {part} box {box} does not match rank {where.tp_rank}'s query groups")
+            raise AwexValueError(f"megatron: {part} box {box} does not match rank {where.tp_rank}'s query groups")
         return pieces
 
     def view_of(name: str, box: Box):

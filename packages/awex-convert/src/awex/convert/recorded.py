@@ -23,13 +23,14 @@ from torch.utils._pytree import tree_map
 
 from awex.convert.strided import region_box
 from awex.meta import Box, TensorSpec
+from awex.meta.errors import AwexValueError
 
 
 class UnsupportedLoad(Exception):
     """A loader did something to a probe that no box of a parameter can express."""
 
 
-class AmbiguousLoadError(ValueError):
+class AmbiguousLoadError(AwexValueError):
     """What the loaders did cannot be a layout: one element lands twice, or two land in one place."""
 
 
@@ -225,7 +226,9 @@ def record_loads(
             out.unsupported[spec.name] = str(e)
             continue
         except Exception as e:
-            raise ValueError(f"the engine's loader for {spec.name} {tuple(spec.shape)} failed on a probe: {e}") from e
+            raise AwexValueError(
+                f"the engine's loader for {spec.name} {tuple(spec.shape)} failed on a probe: {e}"
+            ) from e
         if sink.landings:
             out.landings[spec.name] = tuple(sink.landings)
     _check(out)

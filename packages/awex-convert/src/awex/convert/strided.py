@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from math import prod
 
 from awex.meta import Box
+from awex.meta.errors import AwexValueError
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def region_box(
     element, with the strides ``other_strides`` (one per view dim; default ``strides``) regrouped per base dim;
     ``None`` when the view is no box (steps, repeated elements, a dim spanning a partial row)."""
     if len(sizes) != len(strides) or (other_strides is not None and len(other_strides) != len(sizes)):
-        raise ValueError("region_box: sizes and strides differ in length")
+        raise AwexValueError("region_box: sizes and strides differ in length")
     other = strides if other_strides is None else other_strides
     base = contiguous_strides(base_shape)
     # (size, stride in the base, stride in the other region) per view dim, size-1 dims dropped

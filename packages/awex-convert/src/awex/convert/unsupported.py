@@ -9,6 +9,7 @@ naming the feature, while plans and dry runs still place it.
 
 from __future__ import annotations
 
+from awex.meta.errors import AwexValueError
 from awex.meta.models import ARCHITECTURES, ModelDims
 
 
@@ -24,7 +25,7 @@ def refuse_unconverted(dims: ModelDims, engine: str, mapped: tuple[str, ...] = (
         what = "DeepSeek-style MoE (shared experts, router score bias)"
     else:
         return
-    raise ValueError(
+    raise AwexValueError(
         f"{engine}: {dims.architecture}: Awex does not map {engine}'s parameters of {what} yet; "
         f"plans and dry runs work (awex-meta plan), a live {engine} sync does not (HF engines and trainers do)"
     )

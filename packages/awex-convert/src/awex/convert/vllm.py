@@ -54,6 +54,7 @@ from awex.convert.fused import fused_mlp_view, kv_heads_per_rank, param_finder, 
 from awex.convert.live import fingerprinted
 from awex.convert.unsupported import refuse_unconverted
 from awex.meta import Box
+from awex.meta.errors import AwexValueError
 from awex.meta.layouts import VllmParallel
 from awex.meta.layouts.vllm import FP32_ROUTERS, expert_owner, pp_layer_ranges
 from awex.meta.models import ARCHITECTURES, ModelDims
@@ -114,7 +115,7 @@ def vllm_param_shapes(
     refuse_unconverted(dims, "vllm", MAPPED)
     arch = ARCHITECTURES[dims.architecture]
     if quant is not None and arch.attention == "mla":
-        raise ValueError("vllm: FP8 engines of multi-head latent attention models are not mapped yet")
+        raise AwexValueError("vllm: FP8 engines of multi-head latent attention models are not mapped yet")
     tp = parallel.tp
     padded = -(-dims.vocab // parallel.vocab_pad) * parallel.vocab_pad
     hd = dims.head_dim

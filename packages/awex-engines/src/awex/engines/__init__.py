@@ -17,9 +17,10 @@ from awex.engines.errors import SyncFailedError
 from awex.engines.reader import WeightsReader
 from awex.engines.source import TrainerSource
 from awex.engines.writer import WeightsWriter
+from awex.meta.errors import AwexError, AwexValueError
 
 __version__ = "0.1.0"
 
 logs.configure()  # where logging is not set up (a Ray actor, an engine's worker): see awex.engines.logs
 
-__all__ = ["SyncFailedError", "TrainerSource", "WeightsReader", "WeightsWriter"]
+__all__ = ["AwexError", "AwexValueError", "SyncFailedError", "TrainerSource", "WeightsReader", "WeightsWriter"]

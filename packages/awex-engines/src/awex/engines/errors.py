@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from awex.meta.errors import MetaServerError
+from awex.meta.errors import AwexValueError, MetaServerError
 from awex.transport.base import TransferError
 
 
@@ -33,7 +33,7 @@ class SyncFailedError(TransferError):
         )
 
 
-class VersionRefusedError(ValueError):
+class VersionRefusedError(AwexValueError):
     """The trainer refused a version before announcing it (its name taken, or the writer fenced): a receiver
     waiting for it learns so at once instead of at its deadline; nothing moved."""
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor import Shard as DShard
 
 from awex.engines.hf import model_tensors
 from awex.meta import Box, Layout
+from awex.meta.errors import AwexValueError
 from awex.meta.layout import Mesh, MeshSharding, Pin, Shard, TensorLayout
 from awex.meta.spec import Role
 
@@ -55,7 +56,9 @@ def _expert_block(p: DTensor, dims: tuple[str, ...]) -> tuple[str, int] | None:
     if not sharded:
         return None
     if len(sharded) > 1 or type(sharded[0][1]) is not DShard or sharded[0][1].dim != 0:
-        raise ValueError(f"fused experts sharded as {p.placements}: only Shard(0) over one mesh dimension is supported")
+        raise AwexValueError(
+            f"fused experts sharded as {p.placements}: only Shard(0) over one mesh dimension is supported"
+        )
     size = p.device_mesh.size(dims.index(sharded[0][0]))
     return sharded[0][0], -(-p.shape[0] // size)
 
@@ -67,7 +70,7 @@ def dtensor_local_rank(model: torch.nn.Module) -> int:
         return 0
     coord = mesh.get_coordinate()
     if coord is None:
-        raise ValueError("this rank is not part of the parameters' device mesh")
+        raise AwexValueError("this rank is not part of the parameters' device mesh")
     index = 0
     for c, size in zip(coord, mesh.shape):
         index = index * size + c
@@ -77,7 +80,7 @@ def dtensor_local_rank(model: torch.nn.Module) -> int:
 def _mesh_of(params: Mapping[str, torch.Tensor]):
     meshes = {id(p.device_mesh): p.device_mesh for p in params.values() if isinstance(p, DTensor)}
     if len(meshes) > 1:
-        raise ValueError(f"parameters live on {len(meshes)} different device meshes; one is supported")
+        raise AwexValueError(f"parameters live on {len(meshes)} different device meshes; one is supported")
     return next(iter(meshes.values()), None)
 
 
@@ -129,7 +132,9 @@ def dtensor_model_layout(model: torch.nn.Module, instance: str, dtype: str | Non
                     problems.append(f"{t.name}: placement {pl} is not supported (only Shard and Replicate)")
         layouts.append(TensorLayout(t.spec, MeshSharding("dtensor", tuple(placements))))
     if problems:
-        raise ValueError(f"{instance}: cannot describe this model's DTensor parameters:\n  " + "\n  ".join(problems))
+        raise AwexValueError(
+            f"{instance}: cannot describe this model's DTensor parameters:\n  " + "\n  ".join(problems)
+        )
     world = 1
     for n in shape:
         world *= n

@@ -8,6 +8,7 @@ import torch
 
 from awex.convert.hf import hf_checkpoint_tensors, hf_views
 from awex.meta import Box, Layout, TensorSpec, canonical_tensors
+from awex.meta.errors import AwexValueError
 from awex.meta.layouts import hf_layout
 from awex.meta.models import CanonicalTensor, UnknownModelError
 from awex.meta.spec import Role
@@ -33,7 +34,7 @@ def hf_model_layout(model: torch.nn.Module, role: Role | str, instance: str, dty
             missing.append(t.name)
         held.append(t)
     if missing:
-        raise ValueError(f"{type(model).__name__} lacks canonical tensors {missing[:10]}")
+        raise AwexValueError(f"{type(model).__name__} lacks canonical tensors {missing[:10]}")
     return hf_layout(held, role, instance)
 
 

@@ -7,10 +7,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from awex.meta.errors import AwexValueError
 from awex.meta.layouts import MegatronParallel
 
 
-class ParallelMismatchError(ValueError):
+class ParallelMismatchError(AwexValueError):
     """Sizes given by hand differ from the running Megatron job's."""
 
 

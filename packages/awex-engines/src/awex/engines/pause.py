@@ -27,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+from awex.meta.errors import AwexValueError
+
 PAUSE_MODES = ("keep", "abort", "wait", "none")
 FAILED_VERSION_PREFIX = "awex-failed:"  # the weight version an engine left paused on mixed weights names
 
@@ -34,7 +36,7 @@ FAILED_VERSION_PREFIX = "awex-failed:"  # the weight version an engine left paus
 def check_pause_mode(mode: Any) -> str:
     """``mode`` if it is one of :data:`PAUSE_MODES`, else a ``ValueError`` saying which are."""
     if mode not in PAUSE_MODES:
-        raise ValueError(f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)} (awex.engines.pause)")
+        raise AwexValueError(f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)} (awex.engines.pause)")
     return mode
 
 

@@ -21,6 +21,7 @@ from awex.engines.sync.session import SyncSession
 from awex.engines.sync.verify import VerifyError
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient, seconds
+from awex.meta.errors import AwexValueError
 from awex.transport import LocalShards
 from awex.transport.base import TransferStats
 from awex.transport.shards import confirm_bound, rebound
@@ -51,7 +52,7 @@ class WeightsReader:
         device: torch.device | None = None,
     ):
         if not isinstance(verify, bool):
-            raise ValueError(f"verify={verify!r}: True or False")
+            raise AwexValueError(f"verify={verify!r}: True or False")
         self.client = client
         self.layout = layout
         self.local_rank = local_rank
@@ -145,7 +146,7 @@ class WeightsReader:
         try:
             manifest = self._session.fetch_manifest(version, self.timeout)
             if self.layout.instance not in manifest.destinations:
-                raise ValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
+                raise AwexValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
             if self.verify and not manifest.verify:
                 raise VerifyError(
                     f"{self.layout.instance}:{self.local_rank} requires verified versions (verify=True), and the "
@@ -156,7 +157,7 @@ class WeightsReader:
                 raise unfit
             held = self._applied.get(version)
             if held is not None and held != (manifest.sources, manifest.epoch):
-                raise ValueError(
+                raise AwexValueError(
                     f"{self.layout.instance}:{self.local_rank} applied version {version!r} already, from "
                     f"{'/'.join(held[0])} at epoch {held[1]}; writer epoch {manifest.epoch} may not write that name "
                     "again (its bytes may differ): version names are written once, name the version anew"

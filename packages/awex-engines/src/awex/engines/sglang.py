@@ -53,6 +53,7 @@ from awex.engines.staged_version import DROP_WAIT_SECONDS, StagedVersion
 from awex.engines.staging import Staging, StagingBuffers, commit_copy, committed, shard_bytes, transport_device
 from awex.engines.sync import keys
 from awex.meta.client import MetaClient
+from awex.meta.errors import AwexValueError
 from awex.meta.layouts import SglangParallel, sglang_engine_layout
 from awex.meta.models import model_dims
 from awex.transport import LocalShards
@@ -98,7 +99,7 @@ def check_params(params: Mapping[str, torch.Tensor], want: Mapping[str, tuple[tu
         for n in sorted(set(have) | set(want))
         if have.get(n) != want.get(n)
     ]
-    raise ValueError(
+    raise AwexValueError(
         f"sglang: the model's parameters are not the ones Awex maps ({len(diffs)} differ; first: {diffs[:5]}); "
         "a quantised or unmapped model class? nothing was received"
     )
@@ -160,7 +161,7 @@ class SglangReceiver:
                 if step == "drop":
                     return None
                 held = None if pending is None else pending.version
-                raise ValueError(f"sglang: no staged version {version!r} to commit (staged: {held!r})")
+                raise AwexValueError(f"sglang: no staged version {version!r} to commit (staged: {held!r})")
             if step == "commit":
                 self._pending = None
                 pending.decide(True, timeout=self.reader.timeout)
@@ -184,7 +185,7 @@ class SglangReceiver:
             return self._receive(version, validate, None)
         if self._staging is None:
             why = self.unstaged or "receive='in_place'"
-            raise ValueError(f"sglang: {self.info.instance} rank {self.rank} does not stage ({why})")
+            raise AwexValueError(f"sglang: {self.info.instance} rank {self.rank} does not stage ({why})")
         where = keys.staged(version, self.info.instance, self.rank)
         self._pending = StagedVersion(
             version,

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from awex.engines.staging import check_staging
+from awex.meta.errors import AwexValueError
 
 LOADER = "awex.engines.sglang.receive_weights"  # the value of SGLang's --custom-weight-loader and load_format
 REQUEST_PREFIX = "awex-request:"  # the request tensor's name starts with this; the JSON follows
@@ -37,7 +38,7 @@ class AwexSglangInfo:
 
     def __post_init__(self) -> None:
         if self.receive not in ("in_place", "staged"):
-            raise ValueError(f"sglang: receive={self.receive!r}; use 'in_place' or 'staged'")
+            raise AwexValueError(f"sglang: receive={self.receive!r}; use 'in_place' or 'staged'")
         check_staging(self.staging, self.staging_budget_bytes, self.receive, "sglang")
 
 
@@ -62,16 +63,16 @@ class SglangUpdateRequest:
         """Parse and check the request (``ValueError`` naming what is wrong, before anything else happens)."""
         if len(named_tensors) != 1 or not str(named_tensors[0][0]).startswith(REQUEST_PREFIX):
             names = [str(n)[:60] for n, _ in list(named_tensors)[:3]]
-            raise ValueError(
+            raise AwexValueError(
                 f"{LOADER} expects one request made by SglangUpdateRequest.to_named_tensors(), got {names} "
                 f"({len(named_tensors)} tensors)"
             )
         try:
             body = json.loads(named_tensors[0][0][len(REQUEST_PREFIX) :])
         except json.JSONDecodeError as e:
-            raise ValueError(f"{LOADER}: the request is not JSON: {e}") from None
+            raise AwexValueError(f"{LOADER}: the request is not JSON: {e}") from None
         if not isinstance(body, dict):
-            raise ValueError(f"{LOADER}: the request must be a JSON object")
+            raise AwexValueError(f"{LOADER}: the request must be a JSON object")
         expected = {
             "version": str,
             "validate": (str, type(None)),
@@ -88,13 +89,13 @@ class SglangUpdateRequest:
         unknown = sorted(set(body) - set(expected))
         missing = sorted({"version", "meta_address"} - set(body))
         if unknown or missing:
-            raise ValueError(f"{LOADER}: request fields unknown {unknown}, missing {missing}")
+            raise AwexValueError(f"{LOADER}: request fields unknown {unknown}, missing {missing}")
         for key, kind in expected.items():
             if key in body and not isinstance(body[key], kind):
-                raise ValueError(f"{LOADER}: request field {key!r} has type {type(body[key]).__name__}")
+                raise AwexValueError(f"{LOADER}: request field {key!r} has type {type(body[key]).__name__}")
         if not body["version"] or body.get("timeout", 1) <= 0:
-            raise ValueError(f"{LOADER}: the version must be non-empty and the timeout positive")
+            raise AwexValueError(f"{LOADER}: the version must be non-empty and the timeout positive")
         if body.get("step") not in STEPS:
-            raise ValueError(f"{LOADER}: request step {body.get('step')!r}; one of {STEPS}")
+            raise AwexValueError(f"{LOADER}: request step {body.get('step')!r}; one of {STEPS}")
         info = AwexSglangInfo(**{f.name: body[f.name] for f in fields(AwexSglangInfo) if f.name in body})
         return cls(body["version"], info, body.get("validate"), body.get("step"))

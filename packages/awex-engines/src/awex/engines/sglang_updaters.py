@@ -14,6 +14,7 @@ from awex.engines.pause import VersionStall, check_pause_mode
 from awex.engines.sglang_request import LOADER, AwexSglangInfo, SglangUpdateRequest
 from awex.engines.sync import keys
 from awex.meta.client import MetaClient
+from awex.meta.errors import AwexValueError
 
 log = logging.getLogger("awex.engines.sglang")
 
@@ -24,7 +25,7 @@ class SglangEngineUpdater:
 
     def __init__(self, engine: Any, info: AwexSglangInfo):
         if info.receive != "in_place":
-            raise ValueError(
+            raise AwexValueError(
                 "sglang: receive='staged' is driven over HTTP (SglangHttpUpdater: it pauses the server for the commit "
                 "alone); an in-process engine updates in place"
             )
@@ -55,7 +56,9 @@ class SglangHttpUpdater:
     ):
         check_pause_mode(pause)
         if pause == "wait":
-            raise ValueError("sglang: pause='wait' has no SGLang mode; use 'keep' (SGLang's retract), 'abort', 'none'")
+            raise AwexValueError(
+                "sglang: pause='wait' has no SGLang mode; use 'keep' (SGLang's retract), 'abort', 'none'"
+            )
         self.url, self.info, self.tp_size = url.rstrip("/"), info, tp_size
         self.pause, self.api_key = pause, api_key
         self.left_paused = False

@@ -18,12 +18,14 @@ import threading
 import time
 from typing import Callable
 
+from awex.meta.errors import AwexError
+
 log = logging.getLogger("awex.engines.vllm")
 
 DROP_WAIT_SECONDS = 5.0  # a staged version dropped: how long to wait for its receive to end (its own deadline)
 
 
-class VersionDroppedError(RuntimeError):
+class VersionDroppedError(AwexError, RuntimeError):
     """A staged version was dropped before anything was applied (the trainer's decision, or none by the deadline)."""
 
 

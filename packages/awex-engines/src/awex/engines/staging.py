@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from awex.meta import Box, Layout
+from awex.meta.errors import AwexValueError
 from awex.transport import LocalShards
 from awex.transport.shards import torch_dtype
 
@@ -30,12 +31,14 @@ PLACES = ("device", "host")
 def check_staging(where: object, budget: object, receive: str, who: str = "awex") -> None:
     """Refuse a staging place or budget that is not one, or that is given without ``receive="staged"``."""
     if where not in PLACES:
-        raise ValueError(f"{who}: staging={where!r}; use 'device' (the engine's GPU) or 'host' (pinned host memory)")
+        raise AwexValueError(
+            f"{who}: staging={where!r}; use 'device' (the engine's GPU) or 'host' (pinned host memory)"
+        )
     if budget is not None and (type(budget) is not int or budget < 0):
-        raise ValueError(f"{who}: staging_budget_bytes={budget!r}: a number of bytes (0 or more)")
+        raise AwexValueError(f"{who}: staging_budget_bytes={budget!r}: a number of bytes (0 or more)")
     if receive != "staged" and (budget is not None or where != "device"):
         given = "staging_budget_bytes" if budget is not None else "staging='host'"
-        raise ValueError(f"{who}: {given} is for receive='staged' (receive={receive!r})")
+        raise AwexValueError(f"{who}: {given} is for receive='staged' (receive={receive!r})")
 
 
 @dataclass(frozen=True)

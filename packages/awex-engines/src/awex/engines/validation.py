@@ -14,10 +14,11 @@ from typing import Mapping
 
 import torch
 
+from awex.meta.errors import AwexError, AwexValueError
 from awex.transport import LocalShards
 
 
-class ValidationError(AssertionError):
+class ValidationError(AwexError):
     """Received tensors differ from the reference checkpoint (raised only when asked to be strict)."""
 
 
@@ -59,7 +60,7 @@ class _StoredTensor:
     def __init__(self, path: Path, header_end: int, entry: dict):
         dtype = _DTYPES.get(entry.get("dtype"))
         if dtype is None:
-            raise ValueError(f"{path}: unsupported safetensors dtype {entry.get('dtype')!r}")
+            raise AwexValueError(f"{path}: unsupported safetensors dtype {entry.get('dtype')!r}")
         self.dtype = dtype
         self.shape = tuple(int(n) for n in entry["shape"])
         begin, end = (int(n) for n in entry["data_offsets"])
@@ -68,7 +69,7 @@ class _StoredTensor:
         for n in self.shape:
             numel *= n
         if end - begin != numel * dtype.itemsize:
-            raise ValueError(
+            raise AwexValueError(
                 f"{path}: tensor holds {end - begin} bytes, its shape and dtype need {numel * dtype.itemsize}"
             )
 
@@ -78,7 +79,7 @@ class _StoredTensor:
             return self._read(0, 1).reshape(())
         rows = range(*(index[0] if index else slice(None)).indices(self.shape[0]))
         if rows.step != 1:
-            raise ValueError("only contiguous row ranges are read")
+            raise AwexValueError("only contiguous row ranges are read")
         return self._read(rows.start, len(rows)).reshape(len(rows), *self.shape[1:])[(slice(None), *index[1:])]
 
     def _read(self, row: int, count: int) -> torch.Tensor:
@@ -89,7 +90,7 @@ class _StoredTensor:
         with open(self._path, "rb") as f:
             f.seek(self._start + row * per_row)
             if f.readinto(data) != len(data):
-                raise ValueError(f"{self._path}: truncated")
+                raise AwexValueError(f"{self._path}: truncated")
         return torch.frombuffer(data, dtype=self.dtype) if data else torch.empty(0, dtype=self.dtype)
 
 

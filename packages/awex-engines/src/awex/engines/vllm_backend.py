@@ -80,6 +80,7 @@ from awex.engines.vllm_learned import LearnedLayout, learn_vllm_layout, learned_
 from awex.engines.vllm_params import Destinations, route, transformed_reason
 from awex.meta import Box, Fp8BlockQuant
 from awex.meta.client import MetaClient
+from awex.meta.errors import AwexValueError
 from awex.meta.layouts import VllmParallel, vllm_engine_layout
 from awex.meta.models import model_dims, table_architecture
 from awex.transport import LocalShards
@@ -157,12 +158,12 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
 
     def init_transfer_engine(self, init_info: AwexInitInfo) -> None:
         if init_info.receive not in ("in_place", "staged"):
-            raise ValueError(f"awex backend: receive={init_info.receive!r}; use 'in_place' or 'staged'")
+            raise AwexValueError(f"awex backend: receive={init_info.receive!r}; use 'in_place' or 'staged'")
         check_staging(init_info.staging, init_info.staging_budget_bytes, init_info.receive, "awex backend")
         if self.reader is not None:  # set up again (a trainer reconnecting, another job): the old reader goes
             self.shutdown()
         if init_info.layout not in ("auto", "table", "learned"):
-            raise ValueError(f"awex backend: layout={init_info.layout!r}; use 'auto', 'table' or 'learned'")
+            raise AwexValueError(f"awex backend: layout={init_info.layout!r}; use 'auto', 'table' or 'learned'")
         pc = self.parallel_config
         local_rank = pc.data_parallel_index * pc.world_size + pc.rank
         client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token, timeout=init_info.timeout)
@@ -304,7 +305,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         if update_info.commit is not None:
             if pending is None or pending.version != update_info.version:
                 held = "none" if pending is None else repr(pending.version)
-                raise ValueError(
+                raise AwexValueError(
                     f"awex backend: no staged version {update_info.version!r} to decide on (staged: {held})"
                 )
             self._pending = None
@@ -321,7 +322,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             self._receive(update_info, None)
             return
         if self._mode != "staged":
-            raise ValueError(
+            raise AwexValueError(
                 "awex backend: stage=True receives while the engine generates into staging, which needs "
                 f"receive='staged' (this engine receives {self._mode!r})"
             )

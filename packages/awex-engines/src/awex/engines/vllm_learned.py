@@ -29,13 +29,14 @@ from awex.convert.live import fingerprinted
 from awex.convert.recorded import Landing, UnsupportedLoad, landing_view, record_loads
 from awex.engines.hf import checkpoint_specs
 from awex.meta import Box, TensorSpec
+from awex.meta.errors import AwexValueError
 from awex.meta.layout import ExplicitSharding, Layout, TensorLayout
 from awex.meta.spec import Role
 
 log = logging.getLogger("awex.engines.vllm")
 
 
-class UnlearnableLayoutError(ValueError):
+class UnlearnableLayoutError(AwexValueError):
     """The engine's loaders cannot give a layout: a tensor lands nowhere, or ranks disagree on its shape."""
 
 
@@ -261,7 +262,7 @@ def learned_views(params: Mapping[str, torch.Tensor], learned: LearnedLayout) ->
             raise KeyError(f"{name} {box}: not a box this rank's loaders fill")
         param = params[landing.param]
         if not Box.full(tuple(param.shape)).contains(landing.param_box) or param.dtype != landing.dtype:
-            raise ValueError(
+            raise AwexValueError(
                 f"{landing.param} changed since its layout was learned (now {tuple(param.shape)} {param.dtype})"
             )
         return landing_view(param, landing)

@@ -22,6 +22,7 @@ from typing import Mapping
 import torch
 
 from awex.convert.vllm import vllm_param_name
+from awex.meta.errors import AwexValueError
 
 # Quantisation methods whose parameters are what the kernels read (no repacking after loading).
 PLAIN_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod"})
@@ -155,7 +156,7 @@ def route(
             out.in_place.append(name)
     if problems:
         shown = "\n  ".join(sorted(set(problems))[:20])
-        raise ValueError(
+        raise AwexValueError(
             f"vLLM's live parameters do not match the layout Awex computes for this rank "
             f"({len(set(problems))} problem(s)):\n  {shown}"
         )

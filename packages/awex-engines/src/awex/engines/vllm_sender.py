@@ -31,7 +31,7 @@ from awex.engines.pause import FAILED_VERSION_PREFIX, Pauser, VersionStall, paus
 from awex.engines.sync import keys
 from awex.meta import Layout, PlanError, PlanOptions, plan_transfers
 from awex.meta.client import MetaClient
-from awex.meta.errors import MetaTimeoutError
+from awex.meta.errors import AwexValueError, MetaTimeoutError
 
 log = logging.getLogger("awex.engines.vllm")
 
@@ -148,7 +148,7 @@ class VersionSender:
         try:
             plan_transfers([trainer], engines, options)
         except PlanError as e:
-            raise ValueError(f"awex: the engines cannot receive this trainer's weights: {e}") from None
+            raise AwexValueError(f"awex: the engines cannot receive this trainer's weights: {e}") from None
 
     def send(
         self, version: str, call: int, instances: list[str], write: Callable[[], None], validate: str | None

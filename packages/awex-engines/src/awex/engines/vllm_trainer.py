@@ -54,6 +54,7 @@ from awex.engines.vllm_sender import SLACK, Engine, VersionSender
 from awex.engines.writer import WeightsWriter
 from awex.meta import Box, Layout, PlanOptions
 from awex.meta.client import MetaClient
+from awex.meta.errors import AwexValueError
 from awex.transport.shards import torch_dtype
 
 __all__ = ["AwexSource", "AwexTrainerEngine", "AwexTrainerInitInfo"]
@@ -136,7 +137,7 @@ class AwexSource(WeightSource):
 def _names(value: Any, what: str) -> tuple[str, ...]:
     items = (value,) if isinstance(value, str) else tuple(value)
     if not all(isinstance(v, str) and v for v in items):
-        raise ValueError(f"awex: {what} must be non-empty strings, got {value!r}")
+        raise AwexValueError(f"awex: {what} must be non-empty strings, got {value!r}")
     return items
 
 
@@ -168,18 +169,18 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     def __post_init__(self) -> None:
         self.instances = _names(self.instances, "instances")
         if len(set(self.instances)) != len(self.instances):
-            raise ValueError(f"awex: instances {list(self.instances)} name an engine twice")
+            raise AwexValueError(f"awex: instances {list(self.instances)} name an engine twice")
         self.allow_cast = () if not self.allow_cast else _names(self.allow_cast, "allow_cast patterns")
         check_pause_mode(self.pause)
         if self.receive not in ("in_place", "staged"):
-            raise ValueError(f"awex: receive={self.receive!r}; use 'in_place' or 'staged'")
+            raise AwexValueError(f"awex: receive={self.receive!r}; use 'in_place' or 'staged'")
         check_staging(self.staging, self.staging_budget_bytes, self.receive)
         try:  # the writer's own rules (awex.engines.sync.options), before any engine is touched
             self.sync_options().check()
         except ValueError as e:
-            raise ValueError(f"awex: {e}") from None
+            raise AwexValueError(f"awex: {e}") from None
         if not isinstance(self.version_prefix, str) or "/" in self.version_prefix:
-            raise ValueError(f"awex: version_prefix={self.version_prefix!r}; a string without '/'")
+            raise AwexValueError(f"awex: version_prefix={self.version_prefix!r}; a string without '/'")
 
     def sync_options(self) -> SyncOptions:
         """The writer options this carries (unchecked)."""
@@ -200,20 +201,20 @@ def _split_clients(info: AwexTrainerInitInfo, client: Any) -> dict[str, Any]:
     Ray client over as many actor handles as instances (split, one handle each)."""
     if isinstance(client, Mapping):
         if set(client) != set(info.instances):
-            raise ValueError(
+            raise AwexValueError(
                 f"awex: one client per instance: instances {list(info.instances)}, clients for {sorted(client)}"
             )
         return dict(client)
     handles = getattr(client, "handles", None) if type(client).__name__ == "RayVLLMWeightSyncClient" else None
     if handles is not None and len(handles) > 1:
         if len(handles) != len(info.instances):
-            raise ValueError(
+            raise AwexValueError(
                 f"awex: the Ray client drives {len(handles)} engines but instances names {len(info.instances)}: "
                 "each engine is an Awex instance of its own; pass one name per actor handle in instances"
             )
         return {name: type(client)(h) for name, h in zip(info.instances, handles)}
     if len(info.instances) != 1:
-        raise ValueError(f"awex: {len(info.instances)} instances need a {{instance: client}} mapping")
+        raise AwexValueError(f"awex: {len(info.instances)} instances need a {{instance: client}} mapping")
     return {info.instances[0]: client}
 
 
@@ -337,11 +338,15 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
             targets = list(self.info.instances) if instances is None else list(_names(instances, "instances"))
             unknown = sorted(set(targets) - set(self.info.instances))
             if unknown:
-                raise ValueError(f"awex: unknown engine(s) {unknown}; this trainer updates {list(self.info.instances)}")
+                raise AwexValueError(
+                    f"awex: unknown engine(s) {unknown}; this trainer updates {list(self.info.instances)}"
+                )
             self.sent += 1
             version = version or f"{self.info.version_prefix}{self.numbered_after + self.sent}"
             if version in self._names:
-                raise ValueError(f"awex: version {version!r} was already sent by this trainer: name each version anew")
+                raise AwexValueError(
+                    f"awex: version {version!r} was already sent by this trainer: name each version anew"
+                )
             self._names.add(version)
             started = time.monotonic()
             if self.is_sender:

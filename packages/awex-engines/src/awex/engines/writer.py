@@ -30,6 +30,7 @@ from awex.engines.sync.outcomes import to_record
 from awex.engines.sync.session import Region, SyncSession
 from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
+from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferStats
 from awex.transport.registry import transport_class
 from awex.transport.shards import LocalShards, confirm_bound, rebound
@@ -175,7 +176,7 @@ class WeightsWriter:
         self._view_of = view_of  # asked again before each write: memory that moved is re-bound, never read stale
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
         if transport != "auto" and transport_class(transport).needs_cuda and self._shards.device.type != "cuda":
-            raise ValueError(
+            raise AwexValueError(
                 f"transport={transport!r} needs CUDA views; {layout.instance} holds its weights on "
                 f"{self._shards.device}"
             )
@@ -237,7 +238,7 @@ class WeightsWriter:
         where every rank applied it, none (no consistent version) where some ranks changed their weights and
         others did not finish, and publishes a ``sync_failed`` event naming who failed and why."""
         if version in self._applied:
-            raise ValueError(
+            raise AwexValueError(
                 f"version {version!r} was already written by this writer: version names are written once "
                 "(name each version anew, e.g. after the training step)"
             )

@@ -14,6 +14,7 @@ Typical use::
 """
 
 from awex.meta.box import Box
+from awex.meta.errors import AwexError, AwexValueError
 from awex.meta.layout import (
     ExplicitSharding,
     Layout,
@@ -38,6 +39,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ARCHITECTURES",
     "SCHEMA_VERSION",
+    "AwexError",
+    "AwexValueError",
     "Box",
     "Bucket",
     "CanonicalTensor",

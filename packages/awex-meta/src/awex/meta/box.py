@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from awex.meta.errors import AwexValueError
+
 
 @dataclass(frozen=True, slots=True)
 class Box:
@@ -22,9 +24,9 @@ class Box:
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):
-            raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in rank")
+            raise AwexValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in rank")
         if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
-            raise ValueError(f"box offsets and sizes must be non-negative, got {self.offsets} / {self.sizes}")
+            raise AwexValueError(f"box offsets and sizes must be non-negative, got {self.offsets} / {self.sizes}")
 
     @classmethod
     def full(cls, shape: tuple[int, ...]) -> Box:
@@ -60,7 +62,7 @@ class Box:
     def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of ``outer`` (which must contain it): the local view a rank slices."""
         if not outer.contains(self):
-            raise ValueError(f"{self} does not lie inside {outer}")
+            raise AwexValueError(f"{self} does not lie inside {outer}")
         return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes)
 
     def slices(self) -> tuple[slice, ...]:
@@ -101,7 +103,7 @@ def split_box(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
     Pieces are returned in row-major order and together cover ``box`` exactly once.
     """
     if max_bytes <= 0:
-        raise ValueError("max_bytes must be positive")
+        raise AwexValueError("max_bytes must be positive")
     if box.numel * itemsize <= max_bytes or box.ndim == 0:
         return [box]
     dim = next((d for d, s in enumerate(box.sizes) if s > 1), None)

@@ -19,7 +19,7 @@ import time
 from typing import Sequence
 
 from awex.meta.cli_serve import add_serve, serve, token_of
-from awex.meta.errors import MetaServerError
+from awex.meta.errors import AwexValueError, MetaServerError
 from awex.meta.models import UnknownModelError
 
 
@@ -215,7 +215,7 @@ def _plan(args: argparse.Namespace) -> int:
 
         quant = Fp8BlockQuant.from_hf_config(config)
         if quant is None:
-            raise ValueError("--fp8: the config declares no quantization_config (FP8 block quantisation)")
+            raise AwexValueError("--fp8: the config declares no quantization_config (FP8 block quantisation)")
         sources = [quantize_layout(x, quant, sender=True) for x in sources]
         destinations = [quantize_layout(x, quant, sender=False) for x in destinations]
     options = PlanOptions(
@@ -246,10 +246,10 @@ def _plan(args: argparse.Namespace) -> int:
     summary["hot_sender"] = _rank_name(plan, hot_send)
     summary["hot_receiver"] = _rank_name(plan, hot_recv)
     if args.link_gbps and args.topology:
-        raise ValueError("--link-gbps and --topology both estimate the sync: give one")
+        raise AwexValueError("--link-gbps and --topology both estimate the sync: give one")
     if args.link_gbps is not None:
         if args.link_gbps <= 0:
-            raise ValueError(f"--link-gbps {args.link_gbps:g}: a rate in gigabits per second, above zero")
+            raise AwexValueError(f"--link-gbps {args.link_gbps:g}: a rate in gigabits per second, above zero")
         bw = args.link_gbps * 1e9 / 8  # bytes per second
         summary["link_gbps"] = args.link_gbps
         summary["lower_bound_seconds"] = round(summary["lower_bound_bytes"] / bw, 4)

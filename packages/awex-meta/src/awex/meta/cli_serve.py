@@ -7,6 +7,8 @@ import logging
 import math
 import os
 
+from awex.meta.errors import AwexValueError
+
 
 def add_serve(parser: argparse.ArgumentParser) -> None:
     """The options of ``awex-meta serve``."""
@@ -68,7 +70,7 @@ def serve(args: argparse.Namespace) -> int:
     token = token_of(args, args.token)
     if not token and not _loopback(args.host):
         if not args.allow_no_token:
-            raise ValueError(
+            raise AwexValueError(
                 f"--host {args.host} without a token lets anyone who reaches the port read and change "
                 "every job: pass --token-env VAR (or --allow-no-token on a trusted network)"
             )
@@ -86,10 +88,10 @@ def serve(args: argparse.Namespace) -> int:
         leader_ttl=args.leader_ttl,
     )
     if args.store and (args.journal or args.no_journal):
-        raise ValueError("--store keeps the state in etcd: no --journal or --no-journal with it")
+        raise AwexValueError("--store keeps the state in etcd: no --journal or --no-journal with it")
     if args.store:  # (a malformed address is refused by the store itself, before it waits for the lead)
         if not 2 <= args.leader_ttl <= 3600:
-            raise ValueError(f"--leader-ttl {args.leader_ttl}: 2 to 3600 seconds")
+            raise AwexValueError(f"--leader-ttl {args.leader_ttl}: 2 to 3600 seconds")
     elif config.journal is None:
         logging.getLogger("awex.meta.server").warning(
             "no journal: fences and claimed version names are forgotten if this server restarts"
@@ -104,10 +106,12 @@ def serve(args: argparse.Namespace) -> int:
             return 3
     except JournalError as e:
         if args.store:
-            raise ValueError(str(e)) from None
-        raise ValueError(f"{e} (--journal PATH for another file, --no-journal to keep that state in memory)") from None
+            raise AwexValueError(str(e)) from None
+        raise AwexValueError(
+            f"{e} (--journal PATH for another file, --no-journal to keep that state in memory)"
+        ) from None
     except OSError as e:
-        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        raise AwexValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     except KeyboardInterrupt:
         pass
     return 0
@@ -119,7 +123,7 @@ def token_of(args: argparse.Namespace, default: str | None) -> str | None:
         return default
     token = os.environ.get(args.token_env)
     if not token:
-        raise ValueError(f"--token-env {args.token_env}: the variable is empty or unset")
+        raise AwexValueError(f"--token-env {args.token_env}: the variable is empty or unset")
     return token
 
 
@@ -153,7 +157,7 @@ def _journal(args: argparse.Namespace) -> str | None:
     """The journal ``serve`` keeps: the one given, none, or the default for its port."""
     if args.no_journal:
         if args.journal:
-            raise ValueError("--journal and --no-journal: pick one")
+            raise AwexValueError("--journal and --no-journal: pick one")
         return None
     if args.journal or args.port == 0:
         return args.journal

@@ -27,6 +27,7 @@ from awex.meta.agreement_calls import POLL_SLICE as _POLL_SLICE
 from awex.meta.agreement_calls import Agreements
 from awex.meta.durations import seconds as seconds  # re-exported: how timeouts are checked
 from awex.meta.errors import (
+    AwexValueError,
     MetaBusyError,
     MetaNotRegisteredError,
     MetaServerError,
@@ -56,7 +57,7 @@ class MetaClient(Agreements):
         servers = server_addresses(address)
         self.address = ",".join(s[0] for s in servers)
         if not isinstance(job, str) or not _JOB.fullmatch(job):
-            raise ValueError(f"job name {job!r}: 1 to 128 letters, digits, _ . : @ -")
+            raise AwexValueError(f"job name {job!r}: 1 to 128 letters, digits, _ . : @ -")
         self.job = job
         self.token = token
         self.timeout = seconds(timeout, "timeout", positive=True)

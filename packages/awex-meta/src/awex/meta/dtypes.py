@@ -6,6 +6,8 @@ Dtypes cross process boundaries as strings spelled as torch spells them without 
 
 from __future__ import annotations
 
+from awex.meta.errors import AwexValueError
+
 ITEMSIZE: dict[str, int] = {
     "float64": 8,
     "float32": 4,
@@ -47,7 +49,7 @@ def normalize_dtype(name: str) -> str:
     key = _ALIASES.get(key, key)
     if key not in ITEMSIZE:
         known = ", ".join(sorted(ITEMSIZE))
-        raise ValueError(f"unknown dtype {name!r}; known dtypes: {known}")
+        raise AwexValueError(f"unknown dtype {name!r}; known dtypes: {known}")
     return key
 
 

@@ -1,9 +1,21 @@
-"""Errors raised by the MetaServer client (and mirrored by the server's HTTP status codes)."""
+"""Awex's errors: every error a package of Awex raises on purpose derives from :class:`AwexError` (``except
+AwexError`` catches them all); a value Awex was given that it cannot use raises :class:`AwexValueError` (also a
+``ValueError``). Then the MetaServer client's errors (mirrored by the server's HTTP status codes); the other packages
+define theirs beside the code that raises them, on these bases."""
 
 from __future__ import annotations
 
 
-class MetaServerError(RuntimeError):
+class AwexError(Exception):
+    """Base class of every error Awex raises on purpose."""
+
+
+class AwexValueError(AwexError, ValueError):
+    """A value Awex was given (an option, a layout, a model, a request) that it cannot use: said before any byte
+    moves where it can be known then."""
+
+
+class MetaServerError(AwexError, RuntimeError):
     """Base class: the MetaServer could not do what was asked."""
 
 

@@ -16,6 +16,7 @@ import urllib.parse
 from typing import Callable
 
 from awex.meta.errors import (
+    AwexValueError,
     MetaAuthError,
     MetaConflictError,
     MetaConnectionError,
@@ -50,9 +51,9 @@ def server_address(address: str) -> tuple[str, str, int]:
         address = "http://" + address
     parsed = urllib.parse.urlsplit(address)
     if parsed.username is not None or parsed.password is not None:
-        raise ValueError("MetaServer address: no user or password in it (pass the token as token=...)")
+        raise AwexValueError("MetaServer address: no user or password in it (pass the token as token=...)")
     if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
-        raise ValueError(f"MetaServer address must look like http://host:port, got {address!r}")
+        raise AwexValueError(f"MetaServer address must look like http://host:port, got {address!r}")
     return f"http://{parsed.netloc}", parsed.hostname, parsed.port
 
 
@@ -61,7 +62,7 @@ def server_addresses(address: str) -> list[tuple[str, str, int]]:
     leads at a time); duplicates refused."""
     servers = [server_address(part.strip()) for part in address.split(",")]
     if len({s[0] for s in servers}) != len(servers):
-        raise ValueError(f"MetaServer addresses: one given twice in {address!r}")
+        raise AwexValueError(f"MetaServer addresses: one given twice in {address!r}")
     return servers
 
 

@@ -18,6 +18,7 @@ from math import prod
 from typing import Union
 
 from awex.meta.box import Box
+from awex.meta.errors import AwexValueError
 from awex.meta.spec import Role, TensorSpec
 
 
@@ -42,11 +43,11 @@ class Shard:
 
     def __post_init__(self) -> None:
         if self.dim < 0:
-            raise ValueError(f"Shard.dim must be non-negative, got {self.dim}")
+            raise AwexValueError(f"Shard.dim must be non-negative, got {self.dim}")
         if self.parts is not None and self.parts < 1:
-            raise ValueError(f"Shard.parts must be positive, got {self.parts}")
+            raise AwexValueError(f"Shard.parts must be positive, got {self.parts}")
         if self.block is not None and self.block < 1:
-            raise ValueError(f"Shard.block must be positive, got {self.block}")
+            raise AwexValueError(f"Shard.block must be positive, got {self.block}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,7 @@ class Pin:
     def __post_init__(self) -> None:
         object.__setattr__(self, "indices", tuple(sorted(set(int(i) for i in self.indices))))
         if not self.indices or self.indices[0] < 0:
-            raise ValueError(f"Pin needs non-negative indices, got {self.indices}")
+            raise AwexValueError(f"Pin needs non-negative indices, got {self.indices}")
 
 
 Placement = Union[Replicate, Shard, Pin]
@@ -76,9 +77,9 @@ class Mesh:
         object.__setattr__(self, "dims", dims)
         names = [n for n, _ in dims]
         if len(set(names)) != len(names):
-            raise ValueError(f"mesh {self.name!r} repeats a dimension name: {names}")
+            raise AwexValueError(f"mesh {self.name!r} repeats a dimension name: {names}")
         if any(s < 1 for _, s in dims):
-            raise ValueError(f"mesh {self.name!r} has a dimension of size < 1: {dims}")
+            raise AwexValueError(f"mesh {self.name!r} has a dimension of size < 1: {dims}")
 
     @property
     def size(self) -> int:
@@ -121,7 +122,7 @@ class MeshSharding:
         cleaned = tuple((str(n), p) for n, p in self.placements if not isinstance(p, Replicate))
         names = [n for n, _ in cleaned]
         if len(set(names)) != len(names):
-            raise ValueError(f"sharding over mesh {self.mesh!r} lists a dimension twice: {names}")
+            raise AwexValueError(f"sharding over mesh {self.mesh!r} lists a dimension twice: {names}")
         object.__setattr__(self, "placements", cleaned)
         object.__setattr__(self, "_hash", hash((self.mesh, cleaned)))
 
@@ -174,17 +175,17 @@ class Layout:
 
     def __post_init__(self) -> None:
         if not self.instance:
-            raise ValueError("layout needs a non-empty instance name")
+            raise AwexValueError("layout needs a non-empty instance name")
         object.__setattr__(self, "role", Role(self.role))
         if self.world_size < 1:
-            raise ValueError(f"{self.instance}: world_size must be positive")
+            raise AwexValueError(f"{self.instance}: world_size must be positive")
         mesh_names = [m.name for m in self.meshes]
         if len(set(mesh_names)) != len(mesh_names):
-            raise ValueError(f"{self.instance}: duplicate mesh names {mesh_names}")
+            raise AwexValueError(f"{self.instance}: duplicate mesh names {mesh_names}")
         meshes = {m.name: m for m in self.meshes}
         for m in self.meshes:
             if m.size != self.world_size:
-                raise ValueError(
+                raise AwexValueError(
                     f"{self.instance}: mesh {m.name!r} has {m.size} ranks but the instance has {self.world_size}"
                 )
         tensors = self.tensors if isinstance(self.tensors, tuple) else tuple(self.tensors)
@@ -195,7 +196,7 @@ class Layout:
         checked: set[tuple] = set()
         for i, t in enumerate(tensors):
             if t.spec.name in index:
-                raise ValueError(f"{self.instance}: tensor {t.spec.name!r} listed twice")
+                raise AwexValueError(f"{self.instance}: tensor {t.spec.name!r} listed twice")
             index[t.spec.name] = i
             key = (t.sharding, t.spec.shape)
             if key not in checked:
@@ -206,7 +207,7 @@ class Layout:
     def renamed(self, instance: str) -> Layout:
         """The same layout for another instance (shares the validated tensor table; no re-validation)."""
         if not instance:
-            raise ValueError("layout needs a non-empty instance name")
+            raise AwexValueError("layout needs a non-empty instance name")
         clone = object.__new__(Layout)
         for f in ("role", "world_size", "meshes", "tensors", "_index"):
             object.__setattr__(clone, f, getattr(self, f))
@@ -244,7 +245,7 @@ class Layout:
     def rank_boxes(self, local_rank: int) -> dict[str, tuple[Box, ...]]:
         """What one rank holds: canonical tensor name -> its boxes (what a rank needs to bind native memory)."""
         if not 0 <= local_rank < self.world_size:
-            raise ValueError(f"{self.instance}: local rank {local_rank} outside [0, {self.world_size})")
+            raise AwexValueError(f"{self.instance}: local rank {local_rank} outside [0, {self.world_size})")
         out: dict[str, tuple[Box, ...]] = {}
         for t in self.tensors:
             boxes = tuple(box for box, ranks in self.holdings(t.spec.name) if local_rank in ranks)
@@ -264,32 +265,32 @@ def _validate_sharding(instance: str, t: TensorLayout, meshes: dict[str, Mesh], 
     if isinstance(s, ExplicitSharding):
         for rank, boxes in s.boxes:
             if not 0 <= rank < world:
-                raise ValueError(f"{instance}: {name}: explicit box for rank {rank} outside [0, {world})")
+                raise AwexValueError(f"{instance}: {name}: explicit box for rank {rank} outside [0, {world})")
             full = Box.full(t.spec.shape)
             for i, b in enumerate(boxes):
                 if b.ndim != len(t.spec.shape) or not full.contains(b):
-                    raise ValueError(f"{instance}: {name}: box {b} does not fit shape {t.spec.shape}")
+                    raise AwexValueError(f"{instance}: {name}: box {b} does not fit shape {t.spec.shape}")
                 for other in boxes[:i]:
                     if b.intersect(other) is not None:
-                        raise ValueError(f"{instance}: {name}: rank {rank} lists overlapping boxes {other} and {b}")
+                        raise AwexValueError(f"{instance}: {name}: rank {rank} lists overlapping boxes {other} and {b}")
         return
     if s.mesh not in meshes:
-        raise ValueError(f"{instance}: {name}: unknown mesh {s.mesh!r}")
+        raise AwexValueError(f"{instance}: {name}: unknown mesh {s.mesh!r}")
     mesh = meshes[s.mesh]
     for dim_name, p in s.placements:
         size = mesh.dims[mesh.dim_index(dim_name)][1]
         if isinstance(p, Shard):
             if p.dim >= len(t.spec.shape):
-                raise ValueError(f"{instance}: {name}: Shard(dim={p.dim}) but the tensor has shape {t.spec.shape}")
+                raise AwexValueError(f"{instance}: {name}: Shard(dim={p.dim}) but the tensor has shape {t.spec.shape}")
             parts = p.parts or size
             if size % parts:
-                raise ValueError(
+                raise AwexValueError(
                     f"{instance}: {name}: {parts} parts cannot be spread over mesh dimension {dim_name!r} "
                     f"of size {size}"
                 )
         elif isinstance(p, Pin):
             if p.indices[-1] >= size:
-                raise ValueError(
+                raise AwexValueError(
                     f"{instance}: {name}: Pin{p.indices} outside mesh dimension {dim_name!r} of size {size}"
                 )
         else:

@@ -20,6 +20,7 @@ from os import PathLike
 from typing import Any, Callable, Mapping
 
 from awex.meta.dtypes import normalize_dtype
+from awex.meta.errors import AwexValueError
 from awex.meta.spec import TensorSpec
 
 KINDS = (
@@ -47,7 +48,7 @@ class CanonicalTensor:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"{self.spec.name}: unknown tensor kind {self.kind!r} (one of {', '.join(KINDS)})")
+            raise AwexValueError(f"{self.spec.name}: unknown tensor kind {self.kind!r} (one of {', '.join(KINDS)})")
 
     @property
     def name(self) -> str:
@@ -126,7 +127,7 @@ MODEL_TYPES = {
 }
 
 
-class UnknownModelError(ValueError):
+class UnknownModelError(AwexValueError):
     """The config names an architecture Awex has no table for."""
 
 
@@ -142,7 +143,7 @@ def load_config(path: str | PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise FileNotFoundError(f"no model config at {p}") from None
     except ValueError as e:
-        raise ValueError(f"{p} is not valid JSON: {e}") from None
+        raise AwexValueError(f"{p} is not valid JSON: {e}") from None
 
 
 def table_architecture(config: Mapping[str, Any]) -> str | None:
@@ -167,7 +168,7 @@ def model_dims(config: Mapping[str, Any], dtype: str | None = None) -> ModelDims
 
     def need(key: str) -> int:
         if key not in config or config[key] is None:
-            raise ValueError(f"{arch_name} config lacks {key!r}")
+            raise AwexValueError(f"{arch_name} config lacks {key!r}")
         return int(config[key])
 
     hidden = need("hidden_size")

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 from awex.meta.balance import PairTransfers, Piece, assign_sources
 from awex.meta.box import Box, intersect
 from awex.meta.dtypes import is_exact_cast
+from awex.meta.errors import AwexValueError
 from awex.meta.fanout import NodeFanout, take_local
 from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats, Transfer
@@ -98,18 +99,18 @@ class PlanOptions:
         if self.broadcast:
             object.__setattr__(self, "relay", False)
             if self.topology is not None:
-                raise ValueError("broadcast and topology do not combine: a topology fans out by node relays")
+                raise AwexValueError("broadcast and topology do not combine: a topology fans out by node relays")
         if self.wave_bytes <= 0 or self.split_bytes <= 0:
-            raise ValueError("wave_bytes and split_bytes must be positive")
+            raise AwexValueError("wave_bytes and split_bytes must be positive")
         if self.direct_bytes is not None and self.direct_bytes <= 0:
-            raise ValueError("direct_bytes must be positive (None: no direct messages)")
+            raise AwexValueError("direct_bytes must be positive (None: no direct messages)")
         if isinstance(self.allow_cast, str):
             object.__setattr__(self, "allow_cast", (self.allow_cast,))
         object.__setattr__(self, "devices", tuple(sorted((str(i), int(r), str(d)) for i, r, d in self.devices)))
         object.__setattr__(self, "hosts", tuple(sorted((str(i), int(r), str(h)) for i, r, h in self.hosts)))
 
 
-class PlanError(ValueError):
+class PlanError(AwexValueError):
     """The layouts cannot be served: lists every problem found (missing tensors, shape or dtype mismatches)."""
 
     def __init__(self, problems: list[str]):

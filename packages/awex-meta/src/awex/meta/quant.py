@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from awex.meta.box import Box
+from awex.meta.errors import AwexValueError
 from awex.meta.layout import ExplicitSharding, Layout, MeshSharding, Shard, TensorLayout, expand_mesh_sharding
 from awex.meta.spec import TensorSpec
 
@@ -58,9 +59,9 @@ class Fp8BlockQuant:
     def __post_init__(self) -> None:
         block = tuple(int(b) for b in self.block)
         if len(block) != 2 or min(block) < 1:
-            raise ValueError(f"FP8 block must be two positive sizes, got {self.block}")
+            raise AwexValueError(f"FP8 block must be two positive sizes, got {self.block}")
         if self.dtype not in FP8_DTYPES:
-            raise ValueError(f"FP8 dtype must be one of {FP8_DTYPES}, got {self.dtype!r}")
+            raise AwexValueError(f"FP8 dtype must be one of {FP8_DTYPES}, got {self.dtype!r}")
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "skip", tuple(str(s) for s in self.skip))
 
@@ -75,20 +76,20 @@ class Fp8BlockQuant:
             return None
         method = str(q.get("quant_method", "")).lower()
         if method != "fp8":
-            raise ValueError(
+            raise AwexValueError(
                 f"quantization_config.quant_method={method!r}: awex moves FP8 block-quantised "
                 "weights ('fp8' with weight_block_size) or unquantised ones only"
             )
         block = q.get("weight_block_size")
         if not block:
-            raise ValueError(
+            raise AwexValueError(
                 "quantization_config: FP8 without weight_block_size (per-tensor scales) is not "
                 "supported; use block quantisation, e.g. weight_block_size [128, 128]"
             )
         fmt = str(q.get("fmt", "e4m3")).lower()
         dtype = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}.get(fmt)
         if dtype is None:
-            raise ValueError(f"quantization_config.fmt={fmt!r}: expected 'e4m3' or 'e5m2'")
+            raise AwexValueError(f"quantization_config.fmt={fmt!r}: expected 'e4m3' or 'e5m2'")
         skip = tuple(q.get("modules_to_not_convert") or ()) + tuple(q.get("ignored_layers") or ())
         return cls(block=tuple(block), dtype=dtype, skip=skip)
 
@@ -162,7 +163,7 @@ def quantize_layout(layout: Layout, quant: Fp8BlockQuant, *, sender: bool | None
         out.append(TensorLayout(scale, _scale_sharding(layout, t, holdings, quant, scale.shape)))
     if problems:
         shown = "; ".join(problems[:5]) + (f"; ... ({len(problems) - 5} more)" if len(problems) > 5 else "")
-        raise ValueError(f"{layout.instance}: cannot lay out FP8 block quantisation: {shown}")
+        raise AwexValueError(f"{layout.instance}: cannot lay out FP8 block quantisation: {shown}")
     return Layout(layout.instance, layout.role, layout.world_size, layout.meshes, tuple(out))
 
 
@@ -232,5 +233,5 @@ def tile_block(size: int, tiles: int) -> int:
     while -(-size // edge) > tiles:
         edge *= 2
     if tiles < 1 or -(-size // edge) != tiles:
-        raise ValueError(f"{tiles} tiles cannot cover {size} elements with a power-of-two tile edge")
+        raise AwexValueError(f"{tiles} tiles cannot cover {size} elements with a power-of-two tile edge")
     return edge

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from awex.meta.box import Box
+from awex.meta.errors import AwexValueError
 from awex.meta.layout import (
     ExplicitSharding,
     Layout,
@@ -29,7 +30,7 @@ SCHEMA_VERSION = 1
 KNOWN_LAYOUTS = 16  # distinct layouts a reader keeps by content (layout_from_wire's ``known``)
 
 
-class SchemaError(ValueError):
+class SchemaError(AwexValueError):
     """A metadata document that does not parse, has the wrong schema version or the wrong structure."""
 
 

@@ -7,6 +7,7 @@ from enum import Enum
 from math import prod
 
 from awex.meta.dtypes import itemsize, normalize_dtype
+from awex.meta.errors import AwexValueError
 
 
 class Role(str, Enum):
@@ -29,10 +30,10 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
-            raise ValueError("tensor name must be a non-empty string")
+            raise AwexValueError("tensor name must be a non-empty string")
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         if any(s < 0 for s in self.shape):
-            raise ValueError(f"{self.name}: negative dimension in shape {self.shape}")
+            raise AwexValueError(f"{self.name}: negative dimension in shape {self.shape}")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
 
     @property

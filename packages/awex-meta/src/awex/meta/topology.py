@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable, Hashable, Sequence
 
+from awex.meta.errors import AwexValueError
 from awex.meta.spec import RankDescriptor, Role
 
 PLACEMENTS = ("apart", "shared")
@@ -41,12 +42,12 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
-            raise ValueError("topology: gpus-per-node must be positive")
+            raise AwexValueError("topology: gpus-per-node must be positive")
         for name in ("nic_gbps", "nvlink_gbps", "copy_gbps"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"topology: {name.replace('_', '-')} must be positive")
+                raise AwexValueError(f"topology: {name.replace('_', '-')} must be positive")
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"topology: placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+            raise AwexValueError(f"topology: placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
 
     @classmethod
     def parse(cls, text: str) -> Topology:
@@ -57,12 +58,12 @@ class Topology:
             key, eq, value = item.partition("=")
             key = key.strip().lower()
             if not eq or key not in known:
-                raise ValueError(f"topology: expected one of {', '.join(known)} as key=value, got {item!r}")
+                raise AwexValueError(f"topology: expected one of {', '.join(known)} as key=value, got {item!r}")
             f = known[key]
             try:
                 values[f.name] = value.strip() if f.name == "placement" else (int if f.type == "int" else float)(value)
             except ValueError:
-                raise ValueError(f"topology: {key} must be a number, got {value!r}") from None
+                raise AwexValueError(f"topology: {key} must be a number, got {value!r}") from None
         return cls(**values)
 
     def rate(self, link: str) -> float:

@@ -39,6 +39,7 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from awex.meta.errors import AwexValueError
 from awex.meta.plan import Plan
 
 IPC_RATE_MARGIN = 1.05
@@ -58,7 +59,7 @@ Reach = Mapping[tuple[str, int], Collection[str]]
 own and the visible GPUs it has peer access to. A rank missing here is assumed to reach its own device only."""
 
 
-class TransportError(ValueError):
+class TransportError(AwexValueError):
     """No transport can serve these ranks where they run (raised before any byte moves)."""
 
 

@@ -27,7 +27,7 @@
 from awex.transport.base import PeerLink, TransferError, TransferStats, TransferTimeout, Transport
 from awex.transport.group import SyncGroup, create_sync_group
 from awex.transport.p2p import WaveExecutor, run_p2p
-from awex.transport.registry import TRANSPORTS, make_transport, transport_class
+from awex.transport.registry import TRANSPORTS, make_transport, register, transport_class
 from awex.transport.shards import LocalShards, ShardMismatchError
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "WaveExecutor",
     "create_sync_group",
     "make_transport",
+    "register",
     "run_p2p",
     "transport_class",
 ]

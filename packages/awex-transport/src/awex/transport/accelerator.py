@@ -12,6 +12,8 @@ from types import ModuleType
 
 import torch
 
+from awex.meta.errors import AwexValueError
+
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 GROUPED = ("nccl", "hccl")  # backends whose sends and receives post as one group (and run on device streams)
 
@@ -27,7 +29,7 @@ def p2p_backend(device: torch.device | str | None) -> str:
     """The collective backend for views on ``device``: ``nccl`` (CUDA), ``hccl`` (NPU) or ``gloo`` (CPU)."""
     kind = device_kind(device)
     if kind not in BACKENDS:
-        raise ValueError(f"no point-to-point backend for {kind} devices (known: {', '.join(BACKENDS)})")
+        raise AwexValueError(f"no point-to-point backend for {kind} devices (known: {', '.join(BACKENDS)})")
     return BACKENDS[kind]
 
 
@@ -48,5 +50,5 @@ def device_api(device: torch.device | str) -> ModuleType:
                 "NPU views need torch-npu (pip install awex-transport[npu]; it needs Ascend's CANN toolkit)"
             ) from e
     if kind not in ("cuda", "npu"):
-        raise ValueError(f"{kind} devices have no stream API (CUDA or NPU only)")
+        raise AwexValueError(f"{kind} devices have no stream API (CUDA or NPU only)")
     return torch.get_device_module(kind)

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from awex.meta import Plan
+from awex.meta.errors import AwexError
 from awex.transport.shards import LocalShards
 
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
 RefreshByWave = Callable[[Sequence[Sequence[Region]]], Callable[[int], None]]
 
 
-class TransferError(RuntimeError):
+class TransferError(AwexError, RuntimeError):
     """A send or receive failed (peer gone, connection closed, backend error)."""
 
 

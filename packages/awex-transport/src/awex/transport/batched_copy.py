@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from awex.meta.errors import AwexValueError
+
 log = logging.getLogger("awex.transport")
 
 ALIGN = 16
@@ -57,9 +59,9 @@ def cut(nbytes: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, torch.Ten
     """Copies of ``nbytes`` bytes each (int64) cut into blocks of at most ``block_bytes``: per block, the copy it
     belongs to and its byte offset within it (each copy's blocks in order)."""
     if block_bytes <= 0 or block_bytes % ALIGN:
-        raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
+        raise AwexValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
     if bool((nbytes <= 0).any()):
-        raise ValueError("every copy must move at least one byte")
+        raise AwexValueError("every copy must move at least one byte")
     counts = -(-nbytes // block_bytes)
     which = torch.repeat_interleave(torch.arange(len(nbytes)), counts)
     first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
@@ -142,22 +144,22 @@ class BatchedCopy:
     ):
         everything = [*copies, *spread]
         if not everything:
-            raise ValueError("BatchedCopy needs at least one copy")
+            raise AwexValueError("BatchedCopy needs at least one copy")
         bad = [i for i, (d, s) in enumerate(copies) if not batchable(d, s)] + [
             len(copies) + i for i, (d, s) in enumerate(spread) if not batchable(d, s, peer=True)
         ]
         if bad:
-            raise ValueError(
+            raise AwexValueError(
                 f"copies {bad[:5]} are not batchable (contiguous, CUDA, 16-byte aligned; only "
                 "spread copies may read another GPU)"
             )
         self.device = everything[0][0].device
         if any(d.device != self.device for d, _ in everything):
-            raise ValueError("BatchedCopy copies into one GPU")
+            raise AwexValueError("BatchedCopy copies into one GPU")
         if spread_sources is None:
             spread_sources = [s.data_ptr() for _, s in spread]
         if len(spread_sources) != len(spread) or any(a % ALIGN for a in spread_sources):
-            raise ValueError(f"spread_sources: one {ALIGN}-byte aligned address per spread copy")
+            raise AwexValueError(f"spread_sources: one {ALIGN}-byte aligned address per spread copy")
         self._base = everything[0][0]  # kept alive: its address is the kernel's base pointer
         base = self._base.data_ptr()
         blocks = spread_evenly(

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from awex.meta.errors import AwexValueError
+
 SEED = 0x3C6EF372  # positions are keyed from i + SEED (mod 2^32)
 MASK = 0xFFFFFFFF
 POS = 0x61C88647  # odd: (i + SEED) * POS is a bijection of positions mod 2^32
@@ -35,9 +37,9 @@ def checksum(words: torch.Tensor, chunk: int = CHUNK) -> tuple[int, int]:
     flattened); exact below 2^31 words. ``chunk``: words at a time on the torch path."""
     flat = words.reshape(-1)
     if flat.element_size() != 2:
-        raise ValueError(f"checksum of 16-bit words, got {flat.dtype}")
+        raise AwexValueError(f"checksum of 16-bit words, got {flat.dtype}")
     if flat.numel() >= 1 << 31:
-        raise ValueError(f"checksum of at most 2^31 - 1 words, got {flat.numel()}")
+        raise AwexValueError(f"checksum of at most 2^31 - 1 words, got {flat.numel()}")
     if flat.is_cuda and flat.numel() and _kernel() is not None:
         return checksum_kernel(flat)
     return checksum_torch(flat, chunk)

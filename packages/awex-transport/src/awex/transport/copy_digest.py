@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from awex.meta.errors import AwexValueError
 from awex.transport.batched_copy import ALIGN, BLOCK_BYTES, batchable, cut, spread_evenly
 from awex.transport.checksum import MASK, MIX_A, POS, SEED
 from awex.transport.digest import _rows, triton_words
@@ -148,22 +149,24 @@ class DigestingCopy:
     ):
         everything = [*copies, *spread]
         if not everything:
-            raise ValueError("DigestingCopy needs at least one copy")
+            raise AwexValueError("DigestingCopy needs at least one copy")
         bad = [i for i, (d, s, _) in enumerate(copies) if not hashable(d, s)] + [
             len(copies) + i for i, (d, s, _) in enumerate(spread) if not hashable(d, s, peer=True)
         ]
         if bad:
-            raise ValueError(f"copies {bad[:5]} cannot be digested as they copy (contiguous, CUDA, aligned, one dtype)")
+            raise AwexValueError(
+                f"copies {bad[:5]} cannot be digested as they copy (contiguous, CUDA, aligned, one dtype)"
+            )
         self.device = everything[0][0].device
         if any(d.device != self.device for d, _, _ in everything) or sums.device != self.device:
-            raise ValueError("DigestingCopy copies into one GPU, its sums on it")
+            raise AwexValueError("DigestingCopy copies into one GPU, its sums on it")
         rows = sums.shape[0]
         if any(not 0 <= h.out < rows or not 0 <= h.pos <= MASK for _, _, h in everything):
-            raise ValueError(f"every copy's out must index the {rows} sums rows, its pos fit 32 bits")
+            raise AwexValueError(f"every copy's out must index the {rows} sums rows, its pos fit 32 bits")
         if spread_sources is None:
             spread_sources = [s.data_ptr() for _, s, _ in spread]
         if len(spread_sources) != len(spread) or any(a % ALIGN for a in spread_sources):
-            raise ValueError(f"spread_sources: one {ALIGN}-byte aligned address per spread copy")
+            raise AwexValueError(f"spread_sources: one {ALIGN}-byte aligned address per spread copy")
         self.sums = sums
         self._keep = everything
         self._launches: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (pointer, table, unit)

@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from awex.meta.errors import AwexValueError
 from awex.transport.accelerator import GROUPED, device_api
 from awex.transport.base import TransferError
 from awex.transport.group_auth import gather_tags, intruders
@@ -120,7 +121,7 @@ class SyncGroup:
         if pg is not None:
             return pg
         if self.rank not in members or list(members) != sorted(set(members)):
-            raise ValueError(f"rank {self.rank}: subgroup {members} must be sorted, distinct and include this rank")
+            raise AwexValueError(f"rank {self.rank}: subgroup {members} must be sorted, distinct and include this rank")
         store = dist.PrefixStore("sub/" + ",".join(map(str, members)), self.store)
         wait = timedelta(seconds=self.timeout)
         me = members.index(self.rank)
@@ -185,9 +186,9 @@ def create_sync_group(
     others waiting for the communicator.
     """
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside [0, {world_size})")
+        raise AwexValueError(f"rank {rank} outside [0, {world_size})")
     if backend not in ("gloo", *GROUPED):
-        raise ValueError(f"unknown backend {backend!r}: use 'gloo', 'nccl' or 'hccl'")
+        raise AwexValueError(f"unknown backend {backend!r}: use 'gloo', 'nccl' or 'hccl'")
     if backend == "hccl":
         device_api("npu")  # torch-npu is there, or an ImportError saying so, before the store is formed
     deadline = time.monotonic() + timeout

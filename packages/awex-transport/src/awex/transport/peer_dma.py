@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+from awex.meta.errors import AwexError, AwexValueError
+
 _PEER_ACCESS_ALREADY_ENABLED = 704
 _IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 
@@ -26,7 +28,7 @@ class _IpcMemHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
-class PeerDmaError(RuntimeError):
+class PeerDmaError(AwexError, RuntimeError):
     """The CUDA driver refused a peer DMA or peer access."""
 
 
@@ -77,7 +79,7 @@ def pull(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> Non
     """Copy contiguous ``src`` (any GPU) into contiguous ``dst`` on ``stream`` (a stream of ``dst``'s GPU)."""
     nbytes = dst.nbytes
     if not (dst.is_contiguous() and src.is_contiguous()) or src.nbytes != nbytes:
-        raise ValueError("peer DMA needs two contiguous tensors of equal byte size")
+        raise AwexValueError("peer DMA needs two contiguous tensors of equal byte size")
     pull_bytes(dst.data_ptr(), src.data_ptr(), nbytes, stream)
 
 
@@ -95,7 +97,7 @@ def open_ipc_memory(handle: bytes, device: torch.device) -> int:
     fault with an illegal address (seen on H200). Close with :func:`close_ipc_memory`.
     """
     if len(handle) != 64:
-        raise ValueError(f"a CUDA IPC memory handle has 64 bytes, got {len(handle)}")
+        raise AwexValueError(f"a CUDA IPC memory handle has 64 bytes, got {len(handle)}")
     lib = _libcuda()
     raw = _IpcMemHandle()
     ctypes.memmove(ctypes.byref(raw), handle, 64)

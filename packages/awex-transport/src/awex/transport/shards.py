@@ -16,11 +16,12 @@ import torch
 
 from awex.meta import Box, Layout
 from awex.meta.box import intersect
+from awex.meta.errors import AwexValueError
 
 log = logging.getLogger("awex.transport")
 
 
-class ShardMismatchError(ValueError):
+class ShardMismatchError(AwexValueError):
     """A rank's views do not match its layout (missing or extra tensors, wrong shape or dtype)."""
 
 
@@ -28,7 +29,7 @@ def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a dtype name as awex.meta spells it."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"torch has no dtype {name!r}")
+        raise AwexValueError(f"torch has no dtype {name!r}")
     return dtype
 
 

@@ -10,6 +10,7 @@ import torch
 
 from awex.convert.fp8.blocks import fp8_max, quantize_fp8_blocks
 from awex.convert.fp8.kernels import kernels
+from awex.meta.errors import AwexValueError
 
 log = logging.getLogger("awex.convert.fp8")
 
@@ -58,15 +59,17 @@ class BatchedFp8Quantizer:
 
 def _check_outputs(source: torch.Tensor, block: tuple[int, int], out: torch.Tensor, scale_out: torch.Tensor) -> None:
     if source.dim() != 2:
-        raise ValueError(f"FP8 block quantisation needs a 2-D weight, got shape {tuple(source.shape)}")
+        raise AwexValueError(f"FP8 block quantisation needs a 2-D weight, got shape {tuple(source.shape)}")
     rows, cols = source.shape
     tiles = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(out.shape) != (rows, cols) or out.element_size() != 1 or not out.dtype.is_floating_point:
-        raise ValueError(f"out must be an FP8 tensor of shape {(rows, cols)}, got {out.dtype} {tuple(out.shape)}")
+        raise AwexValueError(f"out must be an FP8 tensor of shape {(rows, cols)}, got {out.dtype} {tuple(out.shape)}")
     if tuple(scale_out.shape) != tiles or scale_out.dtype != torch.float32:
-        raise ValueError(f"scale_out must be float32 of shape {tiles}, got {scale_out.dtype} {tuple(scale_out.shape)}")
+        raise AwexValueError(
+            f"scale_out must be float32 of shape {tiles}, got {scale_out.dtype} {tuple(scale_out.shape)}"
+        )
     if not (source.device == out.device == scale_out.device):
-        raise ValueError(
+        raise AwexValueError(
             f"source, out and scale_out on one device, got {source.device}, {out.device}, {scale_out.device}"
         )
 

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from awex.convert.fp8.kernels import quantize_cuda, triton_kernel
+from awex.meta.errors import AwexValueError
 
 log = logging.getLogger("awex.convert.fp8")
 
@@ -35,16 +36,16 @@ def quantize_fp8_blocks(
     kernel does it in one pass (bit-identical to the portable path, checked by the GPU tests).
     """
     if weight.dim() != 2:
-        raise ValueError(f"FP8 block quantisation needs a 2-D weight, got shape {tuple(weight.shape)}")
+        raise AwexValueError(f"FP8 block quantisation needs a 2-D weight, got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
     br, bc = block
     n_r, n_c = -(-rows // br), -(-cols // bc)
     q = out if out is not None else torch.empty((rows, cols), dtype=dtype, device=weight.device)
     s = scale_out if scale_out is not None else torch.empty((n_r, n_c), dtype=torch.float32, device=weight.device)
     if tuple(q.shape) != (rows, cols) or q.dtype != dtype:
-        raise ValueError(f"out must be {dtype} of shape {(rows, cols)}, got {q.dtype} {tuple(q.shape)}")
+        raise AwexValueError(f"out must be {dtype} of shape {(rows, cols)}, got {q.dtype} {tuple(q.shape)}")
     if tuple(s.shape) != (n_r, n_c) or s.dtype != torch.float32:
-        raise ValueError(f"scale_out must be float32 of shape {(n_r, n_c)}, got {s.dtype} {tuple(s.shape)}")
+        raise AwexValueError(f"scale_out must be float32 of shape {(n_r, n_c)}, got {s.dtype} {tuple(s.shape)}")
     fmax = fp8_max(dtype)
     tiny = torch.finfo(torch.float32).tiny
     if weight.is_cuda and rows and cols and not (br & (br - 1) or bc & (bc - 1)) and triton_kernel() is not None:
@@ -78,7 +79,7 @@ def dequantize_fp8_blocks(
     br, bc = block
     expected = (-(-rows // br), -(-cols // bc))
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(
+        raise AwexValueError(
             f"scale_inv of shape {tuple(scale_inv.shape)} does not tile a {rows}x{cols} weight "
             f"in {br}x{bc} blocks (expected {expected})"
         )

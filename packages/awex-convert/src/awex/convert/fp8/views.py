@@ -26,6 +26,7 @@ import torch
 from awex.convert.fp8.batched import BatchedFp8Quantizer, Piece
 from awex.convert.fp8.blocks import quantize_fp8_blocks
 from awex.meta import Box, Layout
+from awex.meta.errors import AwexValueError
 from awex.meta.quant import Fp8BlockQuant, scale_name
 
 log = logging.getLogger("awex.convert.fp8")
@@ -68,7 +69,7 @@ class Fp8Views:
                 continue
             for box in boxes:
                 if not quant.whole_tiles(box, spec.shape):
-                    raise ValueError(
+                    raise AwexValueError(
                         f"{layout.instance} rank {local_rank}: {name} {box} cuts through "
                         f"{quant.block} FP8 tiles; a sender must hold whole tiles"
                     )

@@ -23,7 +23,7 @@ from awex.engines.sync.options import SyncOptions
 from awex.engines.sync.session import SyncSession
 from awex.meta import Plan
 from awex.meta.client import MetaClient
-from awex.meta.errors import MetaConflictError, MetaFencedError, MetaNotRegisteredError, MetaServerError
+from awex.meta.errors import AwexValueError, MetaConflictError, MetaFencedError, MetaNotRegisteredError, MetaServerError
 from awex.transport.net import free_port
 from awex.transport.registry import TRANSPORTS
 
@@ -270,7 +270,7 @@ class Announcer:
                 raise
             except MetaConflictError:
                 if not self._may_take_over(version):
-                    raise ValueError(
+                    raise AwexValueError(
                         f"version {version!r} was already announced on the MetaServer (by another writer, "
                         "or an earlier run of this job): version names are written once"
                     ) from None

@@ -29,6 +29,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from awex.meta.errors import AwexError, AwexValueError
 from awex.transport.pull.segments import owned_name, sweep_stale
 
 MAGIC = 0x41574558424F4152  # "AWEXBOAR"
@@ -64,7 +65,7 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{_boot_id()}/{net}"
 
 
-class BoardTimeout(TimeoutError):
+class BoardTimeout(AwexError, TimeoutError):
     """What was awaited on the board did not happen within the deadline."""
 
 
@@ -100,10 +101,10 @@ class HostBoard:
     def attach(cls, path: str) -> HostBoard:
         """Open the board at ``path``; ``OSError`` or ``ValueError`` when this process cannot use it."""
         if not os.path.basename(path).startswith("awex-board-") or os.path.getsize(path) != _SIZE:
-            raise ValueError(f"{path} is not an awex board")
+            raise AwexValueError(f"{path} is not an awex board")
         board = cls(path, os.open(path, os.O_RDWR), owner=False)
         if board._get(0) != MAGIC or board._get(1) != SLOTS:
-            raise ValueError(f"{path} is not an awex board")
+            raise AwexValueError(f"{path} is not an awex board")
         return board
 
     # -- the manifest ------------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ class HostBoard:
         """Publish the current version's manifest (the writer's first rank)."""
         raw = json.dumps(doc).encode()
         if len(raw) > MANIFEST_BYTES:
-            raise ValueError(f"manifest of {len(raw)} bytes exceeds the board's {MANIFEST_BYTES}")
+            raise AwexValueError(f"manifest of {len(raw)} bytes exceeds the board's {MANIFEST_BYTES}")
         seq = self._get(2)
         self._set(2, seq + 1)  # odd: being written
         self._map[_MANIFEST : _MANIFEST + len(raw)] = raw
@@ -146,7 +147,7 @@ class HostBoard:
     def ring(self, slot: int, seq: int, detail: int = 0) -> None:
         """Sync rank ``slot`` signals version ``seq`` (``detail``: 0 to 2**20 - 1)."""
         if not 0 <= slot < SLOTS or not 0 <= detail < DETAIL:
-            raise ValueError(f"board slot {slot} / detail {detail} out of range")
+            raise AwexValueError(f"board slot {slot} / detail {detail} out of range")
         self._set(_HEADER + slot, seq * DETAIL + detail)
 
     def wait(self, slots: list[int], seq: int, timeout: float, expect: float = 0.0) -> list[int]:
@@ -158,7 +159,7 @@ class HostBoard:
         spin_from = now + max(0.0, expect - SPIN_SECONDS) if expect > 2 * SPIN_SECONDS else now
         spin_until = spin_from + (2 * SPIN_SECONDS if expect > 2 * SPIN_SECONDS else SPIN_SECONDS)
         if any(not 0 <= s < SLOTS for s in slots):
-            raise ValueError(f"board slots {slots[:8]} out of range")
+            raise AwexValueError(f"board slots {slots[:8]} out of range")
         floor = seq * DETAIL
         while True:
             words = [self._get(_HEADER + s) for s in slots]

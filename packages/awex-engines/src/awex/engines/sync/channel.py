@@ -31,21 +31,22 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from awex.meta.errors import AwexError, AwexValueError
 from awex.transport.group import bound_store
 
 log = logging.getLogger("awex.engines")
 MAC_BYTES = 64  # hex digits of an HMAC-SHA256, ahead of the JSON value
 
 
-class ChannelError(RuntimeError):
+class ChannelError(AwexError, RuntimeError):
     """The channel's host cannot be reached (gone, or never there)."""
 
 
-class ChannelTimeout(TimeoutError):
+class ChannelTimeout(AwexError, TimeoutError):
     """What was awaited on the channel did not arrive within the deadline."""
 
 
-class Forged(ValueError):
+class Forged(AwexValueError):
     """A value on the channel that fails its check (written without the secret, or altered)."""
 
 

@@ -19,7 +19,7 @@ import threading
 import time
 
 from awex.meta.client import MetaClient
-from awex.meta.errors import MetaFencedError, MetaServerError
+from awex.meta.errors import AwexValueError, MetaFencedError, MetaServerError
 from awex.meta.protocol import claim_digest
 
 log = logging.getLogger("awex.engines")
@@ -31,7 +31,7 @@ MARGIN = 1.0  # seconds of a lease not used here: a claim sent on the lease reac
 def checked(seconds: object) -> float:
     """A claim lease's length as ``WeightsWriter(claim_lease=...)`` accepts it, else ``ValueError``."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not MARGIN * 2 < seconds <= 60:
-        raise ValueError(f"claim_lease={seconds!r}: seconds, more than {MARGIN * 2:g} and at most 60 (or None)")
+        raise AwexValueError(f"claim_lease={seconds!r}: seconds, more than {MARGIN * 2:g} and at most 60 (or None)")
     return float(seconds)
 
 

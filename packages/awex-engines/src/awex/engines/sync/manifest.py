@@ -7,6 +7,8 @@ import hmac
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from awex.meta.errors import AwexValueError
+
 
 @dataclass(frozen=True)
 class Attempt:
@@ -91,7 +93,7 @@ class SyncManifest:
                 epoch=_count(d.get("epoch", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed sync manifest: {e}") from None
+            raise AwexValueError(f"malformed sync manifest: {e}") from None
 
     @property
     def attempt(self) -> Attempt:
@@ -108,7 +110,7 @@ class SyncManifest:
 
 def _flag(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"a flag must be true or false, not {value!r}")
+        raise AwexValueError(f"a flag must be true or false, not {value!r}")
     return value
 
 
@@ -117,7 +119,7 @@ def _channel_address(value: Any) -> str | None:
         return None
     host, _, port = str(value).rpartition(":")
     if not host or not 0 < int(port) < 65536:
-        raise ValueError(f"channel address {value!r} is not host:port")
+        raise AwexValueError(f"channel address {value!r} is not host:port")
     return f"{host}:{int(port)}"
 
 
@@ -126,19 +128,19 @@ def _channel_secret(d: dict) -> str | None:
     if d.get("channel") is None:
         return None
     if not isinstance(secret, str) or not 16 <= len(secret) <= 128 or not secret.isalnum():
-        raise ValueError("a channel needs its secret (16 to 128 letters and digits)")
+        raise AwexValueError("a channel needs its secret (16 to 128 letters and digits)")
     return secret
 
 
 def _count(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 40:
-        raise ValueError(f"{value!r} is not a version count")
+        raise AwexValueError(f"{value!r} is not a version count")
     return value
 
 
 def _optional_str(value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or len(value) > 1024):
-        raise ValueError(f"{str(value)[:80]!r} is not a short string")
+        raise AwexValueError(f"{str(value)[:80]!r} is not a short string")
     return value
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from awex.meta.client import seconds
+from awex.meta.errors import AwexValueError
 from awex.transport.registry import TRANSPORTS, transport_class
 
 
@@ -37,30 +38,30 @@ class SyncOptions:
     def check(self) -> SyncOptions:
         """These options, or ``ValueError`` saying what to pass instead: each option alone, then together."""
         if not isinstance(self.host, str) or not self.host:
-            raise ValueError(f"host={self.host!r}: an address every rank reaches")
+            raise AwexValueError(f"host={self.host!r}: an address every rank reaches")
         if not _whole(self.wave_bytes) or self.wave_bytes <= 0:
-            raise ValueError(f"wave_bytes={self.wave_bytes!r}: a positive byte count")
+            raise AwexValueError(f"wave_bytes={self.wave_bytes!r}: a positive byte count")
         seconds(self.timeout, "timeout", positive=True)
         if not isinstance(self.allow_cast, tuple) or any(not isinstance(p, str) or not p for p in self.allow_cast):
-            raise ValueError(f"allow_cast={list(self.allow_cast)!r}: glob patterns (non-empty strings)")
+            raise AwexValueError(f"allow_cast={list(self.allow_cast)!r}: glob patterns (non-empty strings)")
         if not _whole(self.keep_versions) or self.keep_versions < 1:
-            raise ValueError("keep_versions must be at least 1")
+            raise AwexValueError("keep_versions must be at least 1")
         for flag in ("delta", "quantize_on_receive", "verify"):
             if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag}={getattr(self, flag)!r}: True or False")
+                raise AwexValueError(f"{flag}={getattr(self, flag)!r}: True or False")
         wrong = combination_error(self.transport, self.delta, self.quantize_on_receive, self.verify)
         if wrong:
-            raise ValueError(wrong)
+            raise AwexValueError(wrong)
         if self.refresh_by_wave is not None and self.refresh is None:
-            raise ValueError(
+            raise AwexValueError(
                 "refresh_by_wave needs refresh too: CUDA IPC receivers read whole buffers, refreshed "
                 "all at once (pass refresh=fp8.quantize, refresh_by_wave=fp8.by_wave)"
             )
         if self.delta and self.refresh_by_wave is not None:
-            raise ValueError("delta=True with FP8 on the fly (refresh_by_wave) is not built yet")
+            raise AwexValueError("delta=True with FP8 on the fly (refresh_by_wave) is not built yet")
         budget = self.delta_budget_bytes
         if budget is not None and (not self.delta or not _whole(budget) or budget < 0):
-            raise ValueError("delta_budget_bytes: a non-negative byte count, with delta=True")
+            raise AwexValueError("delta_budget_bytes: a non-negative byte count, with delta=True")
         return self
 
 

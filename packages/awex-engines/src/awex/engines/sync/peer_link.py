@@ -16,6 +16,7 @@ from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.signals import Signals
 from awex.meta import Plan
 from awex.meta.client import MetaClient
+from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferError
 from awex.transport.pull.segments import alive
 
@@ -104,7 +105,7 @@ class SyncPeerLink:
                 self.check_senders(peers)
         for src, generation in zip(senders, generations):
             if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
-                raise ValueError(
+                raise AwexValueError(
                     f"ready signal of {src.instance}:{src.local_rank} for {self.manifest.version!r}: {generation!r} "
                     "is not an export generation"
                 )

@@ -19,7 +19,7 @@ from awex.engines.sync.board import host_identity
 from awex.engines.sync.manifest import SyncManifest
 from awex.meta import Layout
 from awex.meta.client import MetaClient, MetaTimeoutError
-from awex.meta.errors import AgreementAbortedError
+from awex.meta.errors import AgreementAbortedError, AwexValueError
 from awex.transport.pull.segments import SEGMENT_DIR, start_time
 
 log = logging.getLogger("awex.engines")
@@ -113,7 +113,7 @@ def exchange(
         elif f"{name}:{rank}" in records:
             got = records[f"{name}:{rank}"]
         else:
-            raise ValueError(
+            raise AwexValueError(
                 f"the device records of {attempt} have none of {name}:{rank} (another rank took its place)"
             )
         got = got if isinstance(got, dict) else {"device": got}

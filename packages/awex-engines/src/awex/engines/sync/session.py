@@ -31,7 +31,7 @@ from awex.engines.sync.verify import Verifier
 from awex.engines.sync.version_plan import PlanKey, plan_version
 from awex.meta import Layout, Plan
 from awex.meta.client import MetaClient
-from awex.meta.errors import AgreementAbortedError
+from awex.meta.errors import AgreementAbortedError, AwexValueError
 from awex.transport import LocalShards
 from awex.transport.base import Setup, TransferStats, Transport
 from awex.transport.registry import make_transport
@@ -194,7 +194,7 @@ class SyncSession:
                 try:
                     return last[1].renamed(str(doc["version"]), _count(doc.get("seq", 0)))
                 except ValueError as e:
-                    raise ValueError(f"malformed sync manifest: {e}") from None
+                    raise AwexValueError(f"malformed sync manifest: {e}") from None
             manifest = SyncManifest.from_json(doc)
             self._parsed = (same, manifest)
             return manifest
@@ -277,7 +277,7 @@ class SyncSession:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
         wrong = combination_error(manifest.transport, manifest.delta, manifest.quantize_on_receive, manifest.verify)
         if wrong:
-            raise ValueError(f"sync {manifest.version!r}: {wrong}")
+            raise AwexValueError(f"sync {manifest.version!r}: {wrong}")
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
             where = self._devices(manifest.attempt.name, names, layouts, deadline, manifest.transport != "p2p")
         self._processes = where.processes

@@ -21,6 +21,7 @@ from awex.engines.sync.channel import ChannelError, VersionChannel
 from awex.engines.sync.manifest import SyncManifest
 from awex.meta import RankDescriptor
 from awex.meta.client import MetaClient
+from awex.meta.errors import AwexValueError
 
 log = logging.getLogger("awex.engines")
 
@@ -225,5 +226,5 @@ def signals_for(
             raise RuntimeError("per-version signals on the version channel, but this rank has none")
         return ChannelSignals(channel, client)
     if medium != "meta":
-        raise ValueError(f"unknown signal medium {medium!r}")
+        raise AwexValueError(f"unknown signal medium {medium!r}")
     return MetaSignals(client)

@@ -26,6 +26,7 @@ from awex.engines.sync import keys
 from awex.engines.sync.manifest import SyncManifest
 from awex.meta import Plan
 from awex.meta.client import MetaClient, MetaTimeoutError
+from awex.meta.errors import AwexValueError
 from awex.meta.spec import Role
 from awex.transport import digest_batch
 from awex.transport.base import TransferError
@@ -69,7 +70,7 @@ def regions(plan: Plan, rank: int) -> Regions:
             else:
                 o = origin.get((b.src, t), -1)
                 if o < 0:
-                    raise ValueError(
+                    raise AwexValueError(
                         f"plan {plan.digest[:12]}: sync rank {b.src} relays {plan.tensors[t.tensor].name} "
                         f"{t.region} in wave {b.wave} before receiving it"
                     )

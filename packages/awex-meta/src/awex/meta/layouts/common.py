@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from awex.meta.errors import AwexValueError
 from awex.meta.layout import Shard
 
 
@@ -12,7 +13,7 @@ def pad_to(n: int, multiple: int) -> int:
 
 def check_divides(what: str, part: int, whole: int) -> None:
     if part <= 0 or whole % part:
-        raise ValueError(f"{what}: {whole} is not divisible by {part}")
+        raise AwexValueError(f"{what}: {whole} is not divisible by {part}")
 
 
 def kv_head_shard(what: str, kv_heads: int, tp: int, tp_name: str = "tp") -> Shard:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from awex.meta.errors import AwexValueError
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
 from awex.meta.layouts.common import check_divides, pad_to
 from awex.meta.models import CanonicalTensor
@@ -67,7 +68,7 @@ def megatron_layout(
     p = parallel
     for name in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "vocab_pad"):
         if getattr(p, name) < 1:
-            raise ValueError(f"megatron: {name} must be positive")
+            raise AwexValueError(f"megatron: {name} must be positive")
     check_divides("megatron: tp*cp*dp must be divisible by etp*ep", p.etp * p.ep, p.tp * p.cp * p.dp)
     layers = 1 + max((t.layer for t in tensors if t.layer is not None), default=-1)
     stage = pipeline_stages(layers, p)
@@ -111,7 +112,7 @@ def megatron_layout(
             if t.layer is None and t.name == "model.norm.weight":
                 pl.append(("pp", Pin((p.pp - 1,))))
         else:
-            raise ValueError(f"megatron: no placement for kind {t.kind!r} ({t.name})")
+            raise AwexValueError(f"megatron: no placement for kind {t.kind!r} ({t.name})")
         sharding = MeshSharding(mesh, tuple(_merge_pins(pl)))
         out.append(TensorLayout(t.spec, interned.setdefault(sharding, sharding)))
     return Layout(instance, Role.TRAINER, p.world_size, (dense, expert), tuple(out))
@@ -124,13 +125,13 @@ def pipeline_stages(layers: int, p: MegatronParallel):
     """A function from decoder layer to pipeline stage, following Megatron's rules."""
     if p.first or p.last:
         if p.vpp != 1:
-            raise ValueError("megatron: first=/last= (uneven pipeline) with vpp>1 is not supported")
+            raise AwexValueError("megatron: first=/last= (uneven pipeline) with vpp>1 is not supported")
         if p.pp < 2:
-            raise ValueError("megatron: first=/last= need pp >= 2")
+            raise AwexValueError("megatron: first=/last= need pp >= 2")
         middle_stages = p.pp - (1 if p.first else 0) - (1 if p.last else 0)
         rest = layers - p.first - p.last
         if rest < 0 or (middle_stages and rest % middle_stages) or (not middle_stages and rest):
-            raise ValueError(
+            raise AwexValueError(
                 f"megatron: {layers} layers do not split as first={p.first}, last={p.last} "
                 f"and {middle_stages} even middle stage(s)"
             )
@@ -144,7 +145,7 @@ def pipeline_stages(layers: int, p: MegatronParallel):
         return lambda layer: max(i for i, s in enumerate(starts) if s <= layer)
     chunks = p.pp * p.vpp
     if layers % chunks:
-        raise ValueError(
+        raise AwexValueError(
             f"megatron: {layers} layers do not divide into pp*vpp={chunks} equal chunks; "
             f"give an uneven pipeline, e.g. first={_suggest(layers, p.pp)}"
         )

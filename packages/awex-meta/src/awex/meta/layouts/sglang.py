@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from awex.meta.errors import AwexValueError
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
 from awex.meta.layouts.common import check_divides, kv_head_shard, pad_to
 from awex.meta.models import CanonicalTensor, canonical_tensors
@@ -66,11 +67,11 @@ class SglangParallel:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "attn_dp", "moe_dp", "vocab_pad"):
             if getattr(self, name) < 1:
-                raise ValueError(f"sglang: {name} must be positive, got {getattr(self, name)}")
+                raise AwexValueError(f"sglang: {name} must be positive, got {getattr(self, name)}")
         check_divides("sglang: tp must divide by attn_dp", self.attn_dp, self.tp)
         check_divides("sglang: tp must divide by ep * moe_dp", self.ep * self.moe_dp, self.tp)
         if self.dp_lm_head and self.attn_dp == 1:
-            raise ValueError("sglang: dp_lm_head needs DP attention (attn_dp > 1)")
+            raise AwexValueError("sglang: dp_lm_head needs DP attention (attn_dp > 1)")
 
     @property
     def world_size(self) -> int:
@@ -88,7 +89,7 @@ class SglangParallel:
         """A rank's coordinates in SGLang's groups (``derive_spawn_ranks``): pp, tp, attention DP/TP, MoE
         DP/EP/TP."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"sglang: rank {rank} outside the engine's {self.world_size} ranks")
+            raise AwexValueError(f"sglang: rank {rank} outside the engine's {self.world_size} ranks")
         tp_rank = rank % self.tp
         per_moe_dp = self.tp // self.moe_dp
         return {
@@ -106,7 +107,7 @@ def pp_layer_ranges(layers: int, pp: int, partition: Sequence[int] | None = None
     """SGLang's split of decoder layers over pipeline stages (``get_pp_indices``): ``[(start, end), ...]``."""
     if partition is not None:
         if len(partition) != pp or sum(partition) != layers:
-            raise ValueError(f"sglang: pp_layers {list(partition)} must be {pp} counts summing to {layers}")
+            raise AwexValueError(f"sglang: pp_layers {list(partition)} must be {pp} counts summing to {layers}")
         per = list(partition)
     else:
         base, extra = divmod(layers, pp)
@@ -127,12 +128,12 @@ def expert_owner(expert: int, experts: int, ep: int) -> int:
 def check_mapped(architecture: str, parallel: SglangParallel) -> None:
     """Raise ``ValueError`` for what this module does not map (before any byte moves)."""
     if architecture not in MAPPED_ARCHITECTURES:
-        raise ValueError(
+        raise AwexValueError(
             f"sglang: {architecture or 'a model without an architecture'} is not mapped for SGLang "
             f"(mapped: {', '.join(MAPPED_ARCHITECTURES)})"
         )
     if parallel.attn_dp > 1 and architecture not in DP_ATTENTION_ARCHITECTURES:
-        raise ValueError(
+        raise AwexValueError(
             f"sglang: DP attention (attn_dp={parallel.attn_dp}) is not mapped for {architecture}: SGLang builds its "
             f"attention on the whole TP group (mapped with DP attention: {', '.join(DP_ATTENTION_ARCHITECTURES)})"
         )
@@ -147,7 +148,7 @@ def sglang_layout(
     check_mapped(architecture, p)
     layers = 1 + max((t.layer for t in tensors if t.layer is not None), default=-1)
     if layers and p.pp > layers:
-        raise ValueError(f"sglang: pp={p.pp} exceeds the model's {layers} layers")
+        raise AwexValueError(f"sglang: pp={p.pp} exceeds the model's {layers} layers")
     stage_of = {}
     for s, (a, b) in enumerate(pp_layer_ranges(layers, p.pp, p.pp_layers) if layers else []):
         for layer in range(a, b):
@@ -196,7 +197,7 @@ def sglang_layout(
             if t.layer is None and t.name == "model.norm.weight":
                 pl["pp"] = Pin((p.pp - 1,))
         else:
-            raise ValueError(f"sglang: no placement for kind {t.kind!r} ({t.name})")
+            raise AwexValueError(f"sglang: no placement for kind {t.kind!r} ({t.name})")
         sharding = MeshSharding(mesh, tuple(pl.items()))
         out.append(TensorLayout(t.spec, interned.setdefault(sharding, sharding)))
     return Layout(instance, Role.INFERENCE, p.world_size, (tp_mesh, attn, moe), tuple(out))
@@ -208,6 +209,6 @@ def sglang_engine_layout(
     """The layout of an SGLang engine from its HF config (canonical tensors in ``dtype``). FP8 and other
     quantised checkpoints raise ``ValueError``: SGLang's quantised parameters are not mapped yet."""
     if Fp8BlockQuant.from_hf_config(hf_config) or hf_config.get("quantization_config"):
-        raise ValueError("sglang: quantised engines are not mapped for SGLang yet (bf16/fp16/fp32 only)")
+        raise AwexValueError("sglang: quantised engines are not mapped for SGLang yet (bf16/fp16/fp32 only)")
     architecture = (hf_config.get("architectures") or [""])[0]
     return sglang_layout(canonical_tensors(hf_config, dtype=dtype), parallel, architecture, instance)

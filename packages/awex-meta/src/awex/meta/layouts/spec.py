@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
+from awex.meta.errors import AwexValueError
 from awex.meta.layout import Layout
 from awex.meta.layouts.hf import hf_layout
 from awex.meta.layouts.megatron import MegatronParallel, megatron_layout
@@ -36,21 +37,21 @@ def parse_engine_spec(text: str) -> EngineSpec:
     engine, _, rest = text.strip().partition(":")
     engine = engine.strip().lower()
     if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r} in {text!r}; known: {', '.join(ENGINES)}")
+        raise AwexValueError(f"unknown engine {engine!r} in {text!r}; known: {', '.join(ENGINES)}")
     options: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
-            raise ValueError(f"{text!r}: expected key=value, got {item!r}")
+            raise AwexValueError(f"{text!r}: expected key=value, got {item!r}")
         if key.strip() in options or (key.strip() == "instances" and "instances" in options):
-            raise ValueError(f"{text!r}: {key.strip()} given twice")
+            raise AwexValueError(f"{text!r}: {key.strip()} given twice")
         try:
             options[key.strip()] = int(value)
         except ValueError:
-            raise ValueError(f"{text!r}: {key.strip()} must be an integer, got {value!r}") from None
+            raise AwexValueError(f"{text!r}: {key.strip()} must be an integer, got {value!r}") from None
     instances = options.pop("instances", 1)
     if instances < 1:
-        raise ValueError(f"{text!r}: instances must be positive")
+        raise AwexValueError(f"{text!r}: instances must be positive")
     allowed = {
         "megatron": {f.name for f in fields(MegatronParallel)},
         "vllm": {"tp", "pp", "dp", "ep", "vocab_pad"},
@@ -59,9 +60,9 @@ def parse_engine_spec(text: str) -> EngineSpec:
     }[engine]
     unknown = sorted(set(options) - allowed)
     if unknown:
-        raise ValueError(f"{text!r}: unknown option(s) {unknown} for {engine} ({ENGINES[engine]})")
+        raise AwexValueError(f"{text!r}: unknown option(s) {unknown} for {engine} ({ENGINES[engine]})")
     if engine == "megatron" and instances != 1:
-        raise ValueError(f"{text!r}: a Megatron job is one instance; use dp= for replicas")
+        raise AwexValueError(f"{text!r}: a Megatron job is one instance; use dp= for replicas")
     return EngineSpec(engine, options, instances)
 
 
@@ -79,25 +80,25 @@ def layouts_for(
     parallel_experts = {k: v for k, v in spec.options.items() if k in ("ep", "etp", "moe_dp") and v > 1}
     if parallel_experts and not any(t.expert is not None for t in tensors):
         given = ", ".join(f"{k}={v}" for k, v in parallel_experts.items())
-        raise ValueError(f"{spec.engine}: {given} splits experts, and this model has none (a dense model)")
+        raise AwexValueError(f"{spec.engine}: {given} splits experts, and this model has none (a dense model)")
     if spec.engine == "megatron":
         if role != Role.TRAINER:
-            raise ValueError("megatron is a trainer engine")
+            raise AwexValueError("megatron is a trainer engine")
         return [megatron_layout(tensors, MegatronParallel(**spec.options), instance=prefix)]
     if spec.engine == "vllm":
         if role != Role.INFERENCE:
-            raise ValueError("vllm is an inference engine")
+            raise AwexValueError("vllm is an inference engine")
         opts = dict(spec.options)
         tp, dp = opts.get("tp", 1), opts.get("dp", 1)
         ep = opts.pop("ep", 1)
         if ep not in (1, tp * dp):
-            raise ValueError(f"vllm: ep={ep} must be 1 or dp*tp={tp * dp} (vLLM's expert parallelism spans dp*tp)")
+            raise AwexValueError(f"vllm: ep={ep} must be 1 or dp*tp={tp * dp} (vLLM's expert parallelism spans dp*tp)")
         par = VllmParallel(ep=ep > 1, **opts)
         first = vllm_layout(tensors, par, instance=_name(prefix, 0, spec.instances))
         return [first] + [_renamed(first, _name(prefix, i, spec.instances)) for i in range(1, spec.instances)]
     if spec.engine == "sglang":
         if role != Role.INFERENCE:
-            raise ValueError("sglang is an inference engine")
+            raise AwexValueError("sglang is an inference engine")
         opts = dict(spec.options)
         par = SglangParallel(dp_lm_head=bool(opts.pop("dp_lm_head", 0)), **opts)
         first = sglang_layout(tensors, par, architecture, instance=_name(prefix, 0, spec.instances))

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
+from awex.meta.errors import AwexValueError
 from awex.meta.layout import Layout, Mesh, MeshSharding, Pin, Shard, TensorLayout
 from awex.meta.layouts.common import check_divides, kv_head_shard, pad_to
 from awex.meta.models import CanonicalTensor, canonical_tensors
@@ -76,10 +77,10 @@ def vllm_layout(tensors: Sequence[CanonicalTensor], parallel: VllmParallel, inst
     p = parallel
     for name in ("tp", "pp", "dp", "vocab_pad"):
         if getattr(p, name) < 1:
-            raise ValueError(f"vllm: {name} must be positive")
+            raise AwexValueError(f"vllm: {name} must be positive")
     layers = 1 + max((t.layer for t in tensors if t.layer is not None), default=-1)
     if layers and p.pp > layers:
-        raise ValueError(f"vllm: pp={p.pp} exceeds the model's {layers} layers")
+        raise AwexValueError(f"vllm: pp={p.pp} exceeds the model's {layers} layers")
     stage_of = {}
     for s, (a, b) in enumerate(pp_layer_ranges(layers, p.pp) if layers else []):
         for layer in range(a, b):
@@ -121,7 +122,7 @@ def vllm_layout(tensors: Sequence[CanonicalTensor], parallel: VllmParallel, inst
             if t.layer is None and t.name == "model.norm.weight":
                 pl["pp"] = Pin((p.pp - 1,))
         else:
-            raise ValueError(f"vllm: no placement for kind {t.kind!r} ({t.name})")
+            raise AwexValueError(f"vllm: no placement for kind {t.kind!r} ({t.name})")
         sharding = MeshSharding("dense", tuple(pl.items()))
         out.append(TensorLayout(t.spec, interned.setdefault(sharding, sharding)))
     return Layout(instance, Role.INFERENCE, p.world_size, (mesh,), tuple(out))

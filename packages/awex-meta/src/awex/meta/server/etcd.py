@@ -15,10 +15,12 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from awex.meta.errors import AwexError, AwexValueError
+
 CALL_SECONDS = 5.0  # one call, over every endpoint, at most this long unless told otherwise
 
 
-class EtcdError(RuntimeError):
+class EtcdError(AwexError, RuntimeError):
     """No endpoint of the cluster answered the call in time, or one answered an error."""
 
 
@@ -26,13 +28,13 @@ def endpoints_of(url: str) -> tuple[list[str], str]:
     """``etcd://host:port[,host:port...][/prefix]`` as ``(["http://host:port", ...], "/prefix")`` (prefix ``/awex``
     when none is given); ``ValueError`` for anything else."""
     if not url.startswith("etcd://"):
-        raise ValueError(f"an etcd store looks like etcd://host:port[,host:port...][/prefix], got {url!r}")
+        raise AwexValueError(f"an etcd store looks like etcd://host:port[,host:port...][/prefix], got {url!r}")
     hosts, slash, prefix = url[len("etcd://") :].partition("/")
     endpoints = []
     for host in hosts.split(","):
         parsed = urllib.parse.urlsplit("http://" + host.strip())
         if not parsed.hostname or parsed.port is None or parsed.path or parsed.username:
-            raise ValueError(f"etcd endpoint {host!r} in {url!r}: host:port")
+            raise AwexValueError(f"etcd endpoint {host!r} in {url!r}: host:port")
         endpoints.append(f"http://{host.strip()}")
     prefix = "/" + prefix.strip("/") if slash and prefix.strip("/") else "/awex"
     return endpoints, prefix
@@ -56,7 +58,7 @@ class Etcd:
 
     def __init__(self, endpoints: list[str], timeout: float = CALL_SECONDS):
         if not endpoints:
-            raise ValueError("etcd: no endpoint")
+            raise AwexValueError("etcd: no endpoint")
         self.endpoints = list(endpoints)
         self.timeout = timeout
         self._first = 0  # the endpoint that answered last: asked first next time

@@ -28,6 +28,7 @@ import time
 import urllib.parse
 from typing import Any, Callable
 
+from awex.meta.errors import AwexValueError
 from awex.meta.server.etcd import Etcd, EtcdError, created, delete, endpoints_of, get, put, ranged, revision_of
 from awex.meta.server.journal import JournalError, Kept
 
@@ -50,7 +51,7 @@ class EtcdStore:
 
     def __init__(self, url: str, address: str = "", ttl: int = LEADER_TTL, lost: Callable[[], None] | None = None):
         if not 2 <= ttl <= 3600:
-            raise ValueError(f"leader lease of {ttl} s: 2 to 3600")
+            raise AwexValueError(f"leader lease of {ttl} s: 2 to 3600")
         endpoints, self.prefix = endpoints_of(url)
         self.url, self.ttl, self.address = url, int(ttl), address
         self.etcd = Etcd(endpoints)
@@ -134,7 +135,7 @@ class EtcdStore:
             try:
                 record = json.loads(kv.value)
                 if not isinstance(record, dict) or record.get("op") not in _ORDER:
-                    raise ValueError("not a record")
+                    raise AwexValueError("not a record")
                 records.append(record)
             except ValueError as e:
                 raise JournalError(

@@ -26,12 +26,14 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from awex.meta.errors import AwexError, AwexValueError
+
 log = logging.getLogger("awex.meta.server")
 
 COMPACT_AFTER = 10_000  # records appended before the journal is rewritten (at least; and 4x the state's)
 
 
-class JournalError(RuntimeError):
+class JournalError(AwexError, RuntimeError):
     """The journal cannot be used: damaged, held by another server, or not writable."""
 
 
@@ -61,7 +63,7 @@ class Kept:
         elif op == "lease":
             seconds = r.get("seconds")
             if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= 3600:
-                raise ValueError("seconds is not a lease's length")
+                raise AwexValueError("seconds is not a lease's length")
             self.lease = (_text(r, "id"), float(seconds), _text(r, "prefix"))
         elif op == "unlease":
             self.lease = None
@@ -78,7 +80,7 @@ class Kept:
             entry.setdefault("world_size", 1)
             entry["serves"] = _optional(r, "version")
         else:
-            raise ValueError(f"unknown record {op!r}")
+            raise AwexValueError(f"unknown record {op!r}")
 
     def records(self, job: str) -> list[dict[str, Any]]:
         """This state as the records that rebuild it."""
@@ -98,7 +100,7 @@ class Kept:
 def _text(r: dict, name: str) -> str:
     value = r.get(name)
     if not isinstance(value, str):
-        raise ValueError(f"{name} is not a string")
+        raise AwexValueError(f"{name} is not a string")
     return value
 
 
@@ -109,7 +111,7 @@ def _optional(r: dict, name: str) -> str | None:
 def _count(r: dict, name: str) -> int:
     value = r.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} is not a non-negative integer")
+        raise AwexValueError(f"{name} is not a non-negative integer")
     return value
 
 
@@ -122,10 +124,10 @@ def decode(line: bytes, number: int, path: str) -> dict[str, Any]:
     crc, _, body = line.partition(b" ")
     try:
         if len(crc) != 8 or int(crc, 16) != zlib.crc32(body):
-            raise ValueError("its checksum does not match")
+            raise AwexValueError("its checksum does not match")
         record = json.loads(body)
         if not isinstance(record, dict) or not isinstance(record.get("job"), str):
-            raise ValueError("not a record of a job")
+            raise AwexValueError("not a record of a job")
     except ValueError as e:
         raise JournalError(
             f"the MetaServer journal {path} is damaged at line {number} ({e}); refusing to serve on a state that may "

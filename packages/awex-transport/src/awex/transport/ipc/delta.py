@@ -23,6 +23,7 @@ import time
 import torch
 
 from awex.meta import Box, Plan
+from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.checksum import checksum
 from awex.transport.copies import copier, merge_copies
@@ -64,7 +65,7 @@ class IpcDeltaSender:
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, budget_bytes: int | None = None):
         if plan.quantized:
-            raise ValueError("delta syncs with FP8 quantised on the copy are not built: pick one of the two")
+            raise AwexValueError("delta syncs with FP8 quantised on the copy are not built: pick one of the two")
         self.plan, self.rank, self.device, self.budget_bytes = plan, rank, shards.device, budget_bytes
         self.buckets = _buckets_from(plan, rank)
         self.sizes = [_bucket_bytes(plan, i) for i in self.buckets]
@@ -148,7 +149,7 @@ class IpcDeltaReceiver:
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, sources: dict[int, LocalShards]):
         if shards.on_host:
-            raise ValueError(
+            raise AwexValueError(
                 f"rank {rank}: delta syncs apply on the GPU; this rank's views are in host memory (stage on the GPU "
                 "or send whole versions)"
             )
@@ -161,7 +162,7 @@ class IpcDeltaReceiver:
         for peer in sorted({plan.buckets[i].src for i in self.buckets}):
             pairs = sources[peer].pairs(BOARD)
             if len(pairs) != 1:
-                raise ValueError(
+                raise AwexValueError(
                     f"rank {rank}: sync rank {peer} exported no delta board (is its writer started with delta=True?)"
                 )
             self._boards[peer] = pairs[0][1]

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from awex.meta import Plan
+from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferStats, TransferTimeout
 from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable, triton_available
 from awex.transport.copies import copier, merge_copies
@@ -101,15 +102,19 @@ class IpcExecutor:
         quantised = {q[0]: (q[2], q[3]) for q in plan.quantized}  # weight -> (scale tensor, tile block)
         to_quantize: dict[tuple[int, int], list[Piece]] = {}  # FP8 on the copy, by tile block
         if quantised and shards.on_host:
-            raise ValueError(
+            raise AwexValueError(
                 f"rank {rank}: the plan quantises {len(quantised)} weight(s) on receive, into views in host memory: "
                 "quantising on receive writes on the GPU (stage on the GPU, or quantise on the sender)"
             )
         if quantised and quantize is None:
-            raise ValueError(f"rank {rank}: the plan quantises {len(quantised)} weight(s) on receive: give quantize=")
+            raise AwexValueError(
+                f"rank {rank}: the plan quantises {len(quantised)} weight(s) on receive: give quantize="
+            )
         for step in plan.schedule(rank):
             if step.op != "recv":
-                raise ValueError(f"rank {rank} would send over CUDA IPC (a relay): plan CUDA IPC syncs without relay")
+                raise AwexValueError(
+                    f"rank {rank} would send over CUDA IPC (a relay): plan CUDA IPC syncs without relay"
+                )
             src = sources.get(step.peer)
             if src is None:
                 raise KeyError(f"rank {rank}: no IPC export of source rank {step.peer}")
@@ -133,7 +138,7 @@ class IpcExecutor:
         self._remote = [(d, s) for d, s in self.copies if s.device != self.device]
         self._local = [(d, s) for d, s in self.copies if s.device == self.device]
         if self._remote and self.device.type != "cuda":
-            raise ValueError(f"rank {rank}: copies between devices need CUDA, this rank is on {self.device}")
+            raise AwexValueError(f"rank {rank}: copies between devices need CUDA, this rank is on {self.device}")
         for peer in {s.device for _, s in self._remote}:
             enable_peer_access(self.device, peer)
         if batched_copy is None:

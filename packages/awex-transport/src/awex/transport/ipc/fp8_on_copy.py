@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from awex.meta import Box
+from awex.meta.errors import AwexValueError
 from awex.meta.plan import Transfer
 from awex.meta.spec import TensorSpec
 from awex.transport.ipc.spans import paired_pieces
@@ -34,7 +35,7 @@ def quantize_pieces(
     out = []
     for d, s, both in paired_pieces(spec.name, t, shards, source):
         if s.device != d.device:
-            raise ValueError(
+            raise AwexValueError(
                 f"{spec.name}: quantising on receive reads the source on this GPU; it is on {s.device} "
                 f"(quantise on the sender where engines read over NVLink)"
             )
@@ -44,14 +45,14 @@ def quantize_pieces(
         if any(o % b for o, b in zip(offsets, block)) or any(
             n % b and o + n != full for o, n, b, full in zip(offsets, sizes, block, spec.shape)
         ):
-            raise ValueError(
+            raise AwexValueError(
                 f"{spec.name}: the piece {box} cuts through {block[0]}x{block[1]} tiles: a receiver "
                 "quantises whole tiles only"
             )
         tiles = Box(tuple(o // b for o, b in zip(offsets, block)), tuple(-(-n // b) for n, b in zip(sizes, block)))
         pieces = shards.pieces(scale, tiles.offsets, tiles.sizes)
         if len(pieces) != 1 or (pieces[0][0] and any(sl != slice(0, n) for sl, n in zip(pieces[0][0], tiles.sizes))):
-            raise ValueError(f"{scale}: this rank's scales of {box} are not one view")
+            raise AwexValueError(f"{scale}: this rank's scales of {box} are not one view")
         scale_view = pieces[0][1]
         out.append((s, d, scale_view))
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from awex.meta.errors import AwexValueError
+
 
 @dataclass(frozen=True)
 class IpcOptions:
@@ -22,9 +24,9 @@ class IpcOptions:
 
     def __post_init__(self) -> None:
         if min(self.bounce_buffers, self.dma_streams, self.local_branches, self.direct_streams) < 1:
-            raise ValueError("bounce_buffers, dma_streams, local_branches and direct_streams must be at least 1")
+            raise AwexValueError("bounce_buffers, dma_streams, local_branches and direct_streams must be at least 1")
         if self.bounce_bytes < 1 or self.max_gap_bytes < 0:
-            raise ValueError("bounce_bytes must be positive and max_gap_bytes at least 0")
+            raise AwexValueError("bounce_bytes must be positive and max_gap_bytes at least 0")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IpcOptions:
@@ -32,5 +34,5 @@ class IpcOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown CUDA IPC options {unknown}: known are {sorted(known)}")
+            raise AwexValueError(f"unknown CUDA IPC options {unknown}: known are {sorted(known)}")
         return cls(**d)

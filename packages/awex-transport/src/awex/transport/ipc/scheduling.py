@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
+from awex.meta.errors import AwexValueError
+
 T = TypeVar("T")
 
 COPY_OVER_LINK = 5.0
@@ -34,7 +36,7 @@ def ring_slots(sizes: Sequence[int], capacity: int, align: int = 16) -> list[tup
     pos = 0
     for i, n in enumerate(sizes):
         if n > capacity:
-            raise ValueError(f"a span of {n} bytes does not fit a ring of {capacity} bytes")
+            raise AwexValueError(f"a span of {n} bytes does not fit a ring of {capacity} bytes")
         if pos + n > capacity:
             pos = 0
         start, end = pos, pos + n

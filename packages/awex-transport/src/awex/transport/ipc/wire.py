@@ -12,6 +12,7 @@ import torch
 
 from awex.meta import Box
 from awex.meta.dtypes import ITEMSIZE
+from awex.meta.errors import AwexValueError
 from awex.transport.shards import LocalShards
 
 log = logging.getLogger("awex.transport")
@@ -58,7 +59,7 @@ class IpcExport:
         try:
             return cls._from_wire(doc)
         except (KeyError, TypeError, ValueError, IndexError, binascii.Error) as e:
-            raise ValueError(f"malformed IPC export: {e}") from None
+            raise AwexValueError(f"malformed IPC export: {e}") from None
 
     @classmethod
     def _from_wire(cls, doc: dict) -> IpcExport:
@@ -66,7 +67,7 @@ class IpcExport:
             if isinstance(x, dict):
                 raw = base64.b64decode(_checked(x["b64"], str, "handle"), validate=True)
                 if len(raw) > _MAX_HANDLE_BYTES:
-                    raise ValueError(f"a handle of {len(raw)} bytes")
+                    raise AwexValueError(f"a handle of {len(raw)} bytes")
                 return raw
             if x is None or isinstance(x, bool):
                 return x
@@ -81,48 +82,52 @@ class IpcExport:
             ("pointers", raw_pointers, _MAX_STORAGES),
         ):
             if not isinstance(items, list) or len(items) > limit:
-                raise ValueError(f"{what}: a list of at most {limit}")
+                raise AwexValueError(f"{what}: a list of at most {limit}")
         storages = []
         for s in raw_storages:
             if not isinstance(s, list) or len(s) != len(_STORAGE_FIELDS):
-                raise ValueError(f"a storage is a list of {len(_STORAGE_FIELDS)} fields: {', '.join(_STORAGE_FIELDS)}")
+                raise AwexValueError(
+                    f"a storage is a list of {len(_STORAGE_FIELDS)} fields: {', '.join(_STORAGE_FIELDS)}"
+                )
             fields_ = tuple(dec(x) for x in s)
             for what, value, kind in zip(_STORAGE_FIELDS, fields_, _STORAGE_KINDS):
                 if type(value) is not kind:  # bool is not an int here: device True is refused
-                    raise ValueError(f"storage field {what}: {type(value).__name__} where a {kind.__name__} belongs")
+                    raise AwexValueError(
+                        f"storage field {what}: {type(value).__name__} where a {kind.__name__} belongs"
+                    )
             device, _, size, offset, _, ref_offset, _, _ = fields_
             if device >= _MAX_DEVICES or max(size, offset, ref_offset) >= _MAX_BYTES:
-                raise ValueError(
+                raise AwexValueError(
                     f"storage fields out of range: device {device} (< {_MAX_DEVICES}), size, offset and "
                     f"reference-counter offset {size}, {offset}, {ref_offset} (< 2**{_MAX_BYTES.bit_length() - 1})"
                 )
             storages.append(fields_)
         pointers = tuple(_count(p, "pointer") for p in raw_pointers)
         if len(pointers) != len(storages):
-            raise ValueError(f"{len(pointers)} pointers for {len(storages)} storages")
+            raise AwexValueError(f"{len(pointers)} pointers for {len(storages)} storages")
         views = []
         for v in raw_views:
             if not isinstance(v, list) or len(v) != 7:
-                raise ValueError("a view is [name, offsets, sizes, storage, offset, strides, dtype]")
+                raise AwexValueError("a view is [name, offsets, sizes, storage, offset, strides, dtype]")
             name, offsets, sizes, storage, offset, strides, dtype = v
             name = _checked(name, str, "name")
             if not 0 < len(name) <= 1024:
-                raise ValueError("a view's name has 1 to 1024 characters")
+                raise AwexValueError("a view's name has 1 to 1024 characters")
             offsets, sizes, strides = (
                 tuple(_count(x, what) for x in _checked(xs, list, what))
                 for xs, what in ((offsets, "offset"), (sizes, "size"), (strides, "stride"))
             )
             if not len(offsets) == len(sizes) == len(strides) <= _MAX_DIMS:
-                raise ValueError(f"view {name!r}: offsets, sizes and strides of different lengths")
+                raise AwexValueError(f"view {name!r}: offsets, sizes and strides of different lengths")
             storage, offset = _count(storage, "storage index"), _count(offset, "element offset")
             if storage >= len(storages):
-                raise ValueError(f"view {name!r} names storage {storage} of {len(storages)}")
+                raise AwexValueError(f"view {name!r} names storage {storage} of {len(storages)}")
             dtype = _checked(dtype, str, "dtype")
             if dtype not in ITEMSIZE:
-                raise ValueError(f"view {name!r}: unknown dtype {dtype!r}")
+                raise AwexValueError(f"view {name!r}: unknown dtype {dtype!r}")
             last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides)) if all(sizes) else offset
             if (last + (1 if all(sizes) else 0)) * ITEMSIZE[dtype] > storages[storage][2]:
-                raise ValueError(f"view {name!r} reaches beyond its storage ({storages[storage][2]} bytes)")
+                raise AwexValueError(f"view {name!r} reaches beyond its storage ({storages[storage][2]} bytes)")
             views.append(ExportedView(name, Box(offsets, sizes), storage, offset, strides, dtype))
         return cls(tuple(storages), pointers, tuple(views))
 
@@ -152,7 +157,7 @@ def _checked(value, kind: type, what: str):
 def _count(value, what: str) -> int:
     """A non-negative integer below 2**62 (JSON numbers from another process)."""
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_COUNT:
-        raise ValueError(f"{what} {str(value)[:40]!r} is not a count")
+        raise AwexValueError(f"{what} {str(value)[:40]!r} is not a count")
     return value
 
 
@@ -171,7 +176,7 @@ def _storage_pointers(shards: LocalShards) -> tuple[tuple[int, ...], list[torch.
 def export_shards(shards: LocalShards) -> IpcExport:
     """Export a trainer rank's CUDA views for receivers on this host (call once; re-export when they move)."""
     if shards.device.type != "cuda":
-        raise ValueError(f"CUDA IPC needs CUDA views, these are on {shards.device}")
+        raise AwexValueError(f"CUDA IPC needs CUDA views, these are on {shards.device}")
     pointers, storages = _storage_pointers(shards)
     index = {p: i for i, p in enumerate(pointers)}
     handles = tuple(tuple(st._share_cuda_()) for st in storages)

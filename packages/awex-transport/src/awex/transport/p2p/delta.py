@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 
 from awex.meta import Plan, Role
+from awex.meta.errors import AwexValueError
 from awex.transport.accelerator import device_api, is_accelerator
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.checksum import checksum
@@ -31,19 +32,19 @@ class DeltaExecutor:
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, budget_bytes: int | None = None):
         if shards.on_host:
-            raise ValueError(
+            raise AwexValueError(
                 f"rank {rank}: delta syncs apply on the GPU; this rank's views are in host memory (stage on the GPU "
                 "or send whole versions)"
             )
         if plan.quantized:
-            raise ValueError(
+            raise AwexValueError(
                 f"this plan has receivers quantise {len(plan.quantized)} weight(s) on the copy: CUDA IPC only "
                 "(quantise on the sender for point to point)"
             )
         holders = {r.rank for r in plan.ranks_of(Role.TRAINER)}
         relays = [b for b in plan.buckets if b.src not in holders]
         if relays:
-            raise ValueError(
+            raise AwexValueError(
                 f"delta syncs need a plan without relays ({len(relays)} relayed bucket(s), first from rank "
                 f"{relays[0].src}); plan with PlanOptions(relay=False)"
             )

@@ -8,6 +8,7 @@ import time
 from collections.abc import MutableMapping
 
 from awex.meta import Plan
+from awex.meta.errors import AwexValueError
 from awex.transport.accelerator import GROUPED, p2p_backend
 from awex.transport.base import PeerLink, RefreshByWave, Setup, TransferStats, Transport, timed
 from awex.transport.group import SyncGroup, create_sync_group
@@ -84,7 +85,7 @@ class P2pTransport(Transport):
 
     def _run_delta(self, shards, link: PeerLink, deadline: float, phases, refresh_by_wave) -> TransferStats:
         if refresh_by_wave is not None:
-            raise ValueError("delta syncs need no FP8 on the fly")
+            raise AwexValueError("delta syncs need no FP8 on the fly")
         if self._executor is None or self._built_from is not shards:
             with timed(phases, "executor"):
                 self._executor = DeltaExecutor(self.plan, self.rank, shards, self.group, self._delta[1])

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 
 from awex.meta import Bucket, Plan
+from awex.meta.errors import AwexValueError
 from awex.meta.plan import RELAY_LAG, Step, Transfer
 from awex.transport.accelerator import GROUPED, device_api, is_accelerator
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
@@ -87,7 +88,7 @@ class WaveExecutor:
 
     def __init__(self, plan: Plan, rank: int, shards: LocalShards, group: SyncGroup):
         if plan.quantized:
-            raise ValueError(
+            raise AwexValueError(
                 f"this plan has receivers quantise {len(plan.quantized)} weight(s) on the copy: CUDA IPC only "
                 "(quantise on the sender for point to point)"
             )

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from awex.meta import Plan
+from awex.meta.errors import AwexError, AwexValueError
 from awex.transport.base import PeerLink, Setup, TransferError, TransferStats, TransferTimeout, timed
 from awex.transport.net import local_address
 from awex.transport.pull.base import PullTransport
@@ -45,7 +46,7 @@ PROTOCOL_ENV = "AWEX_RDMA_PROTOCOL"  # "rdma" or "tcp"; default: rdma where the 
 HOSTNAME_ENV = "AWEX_RDMA_HOSTNAME"  # the address peers reach this process's transfer engine at
 
 
-class RdmaUnavailable(RuntimeError):
+class RdmaUnavailable(AwexError, RuntimeError):
     """Mooncake's transfer engine cannot be used in this process (not installed, or it failed to start)."""
 
 
@@ -110,7 +111,7 @@ def default_protocol() -> str:
     given = os.environ.get(PROTOCOL_ENV)
     if given:
         if given not in ("rdma", "tcp"):
-            raise ValueError(f"{PROTOCOL_ENV}={given!r}: use 'rdma' or 'tcp'")
+            raise AwexValueError(f"{PROTOCOL_ENV}={given!r}: use 'rdma' or 'tcp'")
         return given
     from awex.meta.rdma_devices import active_ports
 
@@ -145,13 +146,13 @@ class BufferInfo:
     @classmethod
     def from_wire(cls, doc: Any, plan: Plan, peer: int) -> BufferInfo:
         if not isinstance(doc, Mapping) or set(doc) != {"address", "base", "nbytes", "digest", "rank"}:
-            raise ValueError(f"malformed RDMA buffer record: {str(doc)[:200]}")
+            raise AwexValueError(f"malformed RDMA buffer record: {str(doc)[:200]}")
         address, base, nbytes, digest, rank = (doc[k] for k in ("address", "base", "nbytes", "digest", "rank"))
         if not isinstance(address, str) or not isinstance(digest, str):
-            raise ValueError("malformed RDMA buffer record: address and digest must be strings")
+            raise AwexValueError("malformed RDMA buffer record: address and digest must be strings")
         for value in (base, nbytes, rank):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError("malformed RDMA buffer record: base, nbytes and rank must be integers >= 0")
+                raise AwexValueError("malformed RDMA buffer record: base, nbytes and rank must be integers >= 0")
         host, sep, port = address.rpartition(":")
         try:
             ipaddress.ip_address(host.strip("[]"))
@@ -159,15 +160,15 @@ class BufferInfo:
         except ValueError:
             ok = False
         if not ok:
-            raise ValueError(f"malformed RDMA buffer record: {address!r} is not an IP address and port")
+            raise AwexValueError(f"malformed RDMA buffer record: {address!r} is not an IP address and port")
         if digest != plan.digest or rank != peer:
-            raise ValueError(
+            raise AwexValueError(
                 f"the RDMA buffer of sync rank {rank} was laid out for plan {digest[:12]}, not for this rank's plan "
                 f"{plan.digest[:12]} and sync rank {peer}"
             )
         expected = segment_layout(plan, peer)[1]
         if nbytes != expected:
-            raise ValueError(
+            raise AwexValueError(
                 f"the RDMA buffer of sync rank {peer} holds {nbytes} bytes; the plan puts {expected} there"
             )
         return cls(address, base, nbytes, digest, rank)
@@ -243,7 +244,7 @@ class RdmaReceiver:
         reads, local, nbytes = read_ranges(plan, rank)
         missing = sorted(set(reads) - set(senders))
         if missing:
-            raise ValueError(f"sync rank {rank}: no RDMA buffer of sync rank(s) {missing}")
+            raise AwexValueError(f"sync rank {rank}: no RDMA buffer of sync rank(s) {missing}")
         self.buffer = staging_buffer(nbytes, shards.device)
         engine.register(self.buffer)
         base = self.buffer.data_ptr()

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from awex.meta.errors import AwexValueError
+
 log = logging.getLogger("awex.transport")
 
 SEGMENT_DIR = Path("/dev/shm")
@@ -154,16 +156,16 @@ class Segment:
         otherwise."""
         p = Path(path)
         if p.parent != directory or _NAME.match(p.name) is None or not p.name.startswith(PREFIX + "-"):
-            raise ValueError(f"{path!r} is not an Awex shared-memory segment in {directory}")
+            raise AwexValueError(f"{path!r} is not an Awex shared-memory segment in {directory}")
         fd = os.open(p, os.O_RDWR)
         size = os.fstat(fd).st_size
         if size != HEADER + nbytes:
             os.close(fd)
-            raise ValueError(f"segment {p.name} holds {size - HEADER} bytes; this rank's plan puts {nbytes} there")
+            raise AwexValueError(f"segment {p.name} holds {size - HEADER} bytes; this rank's plan puts {nbytes} there")
         segment = cls(p, nbytes, fd, owner=False)
         if segment._map[_MAGIC_AT : _SEAL_AT + 32] != MAGIC + sealed:
             segment.close()
-            raise ValueError(
+            raise AwexValueError(
                 f"segment {p.name} is not this sender's of this job and plan (its header is sealed for another job, "
                 "plan or sender, or it is no Awex segment of this release)"
             )

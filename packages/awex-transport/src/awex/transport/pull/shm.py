@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from awex.meta import Plan
+from awex.meta.errors import AwexValueError
 from awex.transport.base import PeerLink, TransferError, TransferStats, TransferTimeout, timed
 from awex.transport.copies import copier
 from awex.transport.deadline import wait_event
@@ -147,25 +148,27 @@ class SegmentInfo:
     @classmethod
     def from_wire(cls, doc: Any, plan: Plan, peer: int) -> SegmentInfo:
         if not isinstance(doc, Mapping) or set(doc) != {"path", "nbytes", "digest", "rank"}:
-            raise ValueError(f"malformed shared-memory segment record: {str(doc)[:200]}")
+            raise AwexValueError(f"malformed shared-memory segment record: {str(doc)[:200]}")
         path, nbytes, digest, rank = doc["path"], doc["nbytes"], doc["digest"], doc["rank"]
         if not isinstance(path, str) or not isinstance(digest, str):
-            raise ValueError("malformed shared-memory segment record: path and digest must be strings")
+            raise AwexValueError("malformed shared-memory segment record: path and digest must be strings")
         if (
             not isinstance(nbytes, int)
             or isinstance(nbytes, bool)
             or not isinstance(rank, int)
             or isinstance(rank, bool)
         ):
-            raise ValueError("malformed shared-memory segment record: nbytes and rank must be integers")
+            raise AwexValueError("malformed shared-memory segment record: nbytes and rank must be integers")
         if digest != plan.digest or rank != peer:
-            raise ValueError(
+            raise AwexValueError(
                 f"the segment of sync rank {rank} was laid out for plan {digest[:12]}, not for this "
                 f"rank's plan {plan.digest[:12]} and sync rank {peer}"
             )
         expected = segment_layout(plan, peer)[1]
         if nbytes != expected:
-            raise ValueError(f"the segment of sync rank {peer} holds {nbytes} bytes; the plan puts {expected} there")
+            raise AwexValueError(
+                f"the segment of sync rank {peer} holds {nbytes} bytes; the plan puts {expected} there"
+            )
         return cls(path, nbytes, digest, rank)
 
 
@@ -178,7 +181,7 @@ class ShmReceiver:
         steps = [s for s in plan.schedule(rank) if s.op == "recv"]
         missing = sorted({s.peer for s in steps} - set(segments))
         if missing:
-            raise ValueError(f"sync rank {rank}: no segment of sync rank(s) {missing}")
+            raise AwexValueError(f"sync rank {rank}: no segment of sync rank(s) {missing}")
         self.segments = {}
         try:
             for peer, info in segments.items():
