@@ -125,7 +125,7 @@ def awex_meta() -> int:
         return 2
     from awex.meta.cli import main
 
-    return main()
+    return main(installed=installed())
 
 
 def main() -> int:

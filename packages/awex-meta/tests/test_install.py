@@ -54,6 +54,22 @@ def test_version_names_the_installed_packages():
             assert f"{name} {version}" in out.stdout
 
 
+def test_nothing_in_the_awex_namespace_imports_the_doctor():
+    """The doctor sits above the namespace (it must run when ``awex`` is broken): ``awex-meta`` passes the packages it
+    found to ``awex.meta.cli.main``, which never imports it back (no circle)."""
+    import ast
+
+    root = Path(awex.meta.__file__).resolve().parents[1]
+    importers = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] == "awex_doctor" for n in names):
+                importers.append(str(path.relative_to(root)))
+    assert importers == []
+
+
 def test_a_clean_environment_has_no_clash():
     assert awex_doctor.clash() is None
     text, status = awex_doctor.report()

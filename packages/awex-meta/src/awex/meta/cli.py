@@ -23,25 +23,23 @@ from awex.meta.errors import AwexValueError, MetaServerError
 from awex.meta.models import UnknownModelError
 
 
-def _versions() -> str:
-    """``awex-meta X`` and the other Awex packages installed beside it."""
+def _versions(others: dict[str, str]) -> str:
+    """``awex-meta X`` and the other Awex packages installed beside it (``others``: name -> version)."""
     from awex.meta import __version__
 
-    try:
-        from awex_doctor import installed
-
-        others = {k: v for k, v in installed().items() if k != "awex-meta"}
-    except ImportError:  # awex.meta from a source tree, without its installation check
-        others = {}
-    extra = f" ({', '.join(f'{k} {v}' for k, v in others.items())})" if others else ""
+    rest = {k: v for k, v in others.items() if k != "awex-meta"}
+    extra = f" ({', '.join(f'{k} {v}' for k, v in rest.items())})" if rest else ""
     return f"awex-meta {__version__}{extra}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, installed: dict[str, str] | None = None) -> int:
+    """The ``awex-meta`` command; ``installed``: the Awex packages installed here, for ``--version`` (the ``awex-meta``
+    entry point, ``awex_doctor.awex_meta``, checks the installation first and passes them: this module never imports
+    the doctor)."""
     parser = argparse.ArgumentParser(
         prog="awex-meta", description="awex-meta: the MetaServer (serve, status) and the planner dry run (plan)."
     )
-    parser.add_argument("--version", action="version", version=_versions())
+    parser.add_argument("--version", action="version", version=_versions(installed or {}))
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_serve(sub.add_parser("serve", help="run a standalone MetaServer"))
