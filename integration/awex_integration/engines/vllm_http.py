@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,7 @@ class VllmServer:
             env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,  # its engine core and workers in its group: kill() ends them all
         )
         try:
             self._wait_up(deadline)
@@ -101,13 +103,22 @@ class VllmServer:
                     first.set()
         return tokens, logprobs
 
+    def kill(self) -> None:
+        """End the server as a crash would: SIGKILL to every process of it (the API server, its engine core and
+        workers), at once."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(30)
+
     def close(self) -> None:
         self.process.terminate()
         try:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(30)
+            pass
+        self.kill()  # what its shutdown left behind (and a server that did not stop)
         self.log.close()
 
     def __enter__(self) -> VllmServer:
