@@ -199,3 +199,52 @@ def test_plan_cli_into_a_closed_pipe_ends_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_plan_from_a_running_jobs_published_layouts_for_a_model_without_a_table(capsys):
+    """``--from-job``: the layouts a job published (a trainer's, and an engine's as a vLLM receiver publishes the one
+    it learned from its loaders: explicit boxes, here two ranks each holding half of each tensor's rows) are planned as
+    that job would plan them, for a model Awex has no table of; bad combinations and an empty job are refused."""
+    from awex.meta import Box, ExplicitSharding, Layout, Role, TensorLayout, TensorSpec
+    from awex.meta.client import MetaClient
+    from awex.meta.server import start_embedded
+
+    specs = [TensorSpec(f"decoder.layers.{i}.fc1.weight", (64, 32), "bfloat16") for i in range(3)]
+    specs.append(TensorSpec("decoder.embed_tokens.weight", (100, 32), "bfloat16"))
+    trainer = Layout(
+        "trainer",
+        Role.TRAINER,
+        1,
+        (),
+        tuple(TensorLayout(s, ExplicitSharding(((0, (Box.full(s.shape),)),))) for s in specs),
+    )
+    halves = [
+        TensorLayout(
+            s,
+            ExplicitSharding(
+                tuple((r, (Box((r * s.shape[0] // 2, 0), (s.shape[0] // 2, s.shape[1])),)) for r in range(2))
+            ),
+        )
+        for s in specs
+    ]
+    engine = Layout("vllm-0", Role.INFERENCE, 2, (), tuple(halves))
+    server = start_embedded()
+    try:
+        client = MetaClient(server.address, job="opt-job", timeout=10)
+        code = main(["plan", "--from-job", server.address, "--job", "opt-job"])
+        assert code == 2 and "published no layout" in capsys.readouterr().err
+        client.publish_layout(trainer)
+        code = main(["plan", "--from-job", server.address, "--job", "opt-job"])
+        assert code == 2 and "published no engine layout (instances: trainer)" in capsys.readouterr().err
+        client.publish_layout(engine)
+        code, out, doc = run_plan(capsys, "--from-job", server.address, "--job", "opt-job")
+        assert code == 0 and doc["coverage_ok"] and doc["model"] == "job opt-job", doc
+        assert doc["trainer_ranks"] == 1 and doc["inference_ranks"] == 2 and doc["tensors"] == 4, doc
+        assert doc["total_bytes"] == sum(s.nbytes for s in specs), doc
+        assert out[1] == "trainer    trainer: 1 rank(s)" and out[2] == "inference  vllm-0: 2 rank(s)", out
+        code = main(["plan", "--from-job", server.address, "--model", str(MODELS / "qwen3-8b.json")])
+        assert code == 2 and "--from-job plans the job's own layouts: drop --model" in capsys.readouterr().err
+        code = main(["plan", "--trainer", "hf", "--inference", "vllm"])
+        assert code == 2 and "give --model (or --from-job ADDRESS" in capsys.readouterr().err
+    finally:
+        server.stop()

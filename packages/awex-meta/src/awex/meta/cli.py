@@ -52,18 +52,26 @@ def main(argv: Sequence[str] | None = None, installed: dict[str, str] | None = N
     p_status.add_argument("--job", default=None, help="this job alone, every participant (default: every job)")
 
     p_plan = sub.add_parser("plan", help="plan a sync for a model and layouts without moving any byte")
-    p_plan.add_argument("--model", required=True, help="HF config.json (or a directory holding one)")
+    p_plan.add_argument("--model", default=None, help="HF config.json (or a directory holding one)")
+    p_plan.add_argument(
+        "--from-job",
+        default=None,
+        metavar="ADDRESS",
+        help="plan with the layouts a running job published on this MetaServer instead of --model, --trainer and "
+        "--inference (any model the job syncs, engines' learned layouts included)",
+    )
+    p_plan.add_argument("--job", default="default", help="with --from-job: the job (default: default)")
+    p_plan.add_argument("--token", default=None, help="with --from-job: bearer token (default: $AWEX_META_TOKEN)")
+    p_plan.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
     p_plan.add_argument(
         "--trainer",
         action="append",
-        required=True,
         metavar="SPEC",
         help="trainer layout, e.g. megatron:tp=4,pp=8,ep=8,dp=4 or hf (repeatable)",
     )
     p_plan.add_argument(
         "--inference",
         action="append",
-        required=True,
         metavar="SPEC",
         help="inference layout, e.g. vllm:tp=8,ep=8,instances=16 or hf:instances=2 (repeatable)",
     )
@@ -121,7 +129,8 @@ def _run(args: argparse.Namespace) -> int:
         if isinstance(e, UnknownModelError):  # such a model may still sync: the engine learns its layout
             hint = (
                 "; an HF or FSDP2 trainer and a vLLM engine still sync it (the engine learns its layout from its "
-                "own loaders when it starts), which a dry run without an engine cannot plan"
+                "own loaders when it starts): `awex-meta plan --from-job ADDRESS --job JOB` plans a running job's "
+                "published layouts"
             )
         print(f"awex-meta {args.command}: error: {e}{hint}", file=sys.stderr)
         return 2
@@ -189,10 +198,28 @@ def _plan(args: argparse.Namespace) -> int:
     from awex.meta.layouts import layouts_for, parse_engine_spec
     from awex.meta.layouts.vllm import vllm_tensors
     from awex.meta.models import canonical_tensors, load_config, model_dims
-    from awex.meta.planner import PlanOptions, plan_transfers
-    from awex.meta.topology import Topology, estimate_seconds
-    from awex.meta.verify import verify_plan
+    from awex.meta.topology import Topology
 
+    if args.from_job:
+        given = [
+            f
+            for f, v in (
+                ("--model", args.model),
+                ("--trainer", args.trainer),
+                ("--inference", args.inference),
+                ("--dtype", args.dtype),
+                ("--fp8", args.fp8),
+            )
+            if v
+        ]
+        if given:
+            raise AwexValueError(f"--from-job plans the job's own layouts: drop {', '.join(given)}")
+        return _plan_job(args)
+    missing = [
+        f for f, v in (("--model", args.model), ("--trainer", args.trainer), ("--inference", args.inference)) if not v
+    ]
+    if missing:
+        raise AwexValueError(f"give {', '.join(missing)} (or --from-job ADDRESS to plan a running job's layouts)")
     config = load_config(args.model)
     dims = model_dims(config, args.dtype)
     tensors = canonical_tensors(dims)
@@ -216,17 +243,40 @@ def _plan(args: argparse.Namespace) -> int:
             raise AwexValueError("--fp8: the config declares no quantization_config (FP8 block quantisation)")
         sources = [quantize_layout(x, quant, sender=True) for x in sources]
         destinations = [quantize_layout(x, quant, sender=False) for x in destinations]
+    described = (" + ".join(args.trainer), " + ".join(args.inference))
+    model = (dims.architecture, f"({dims.dtype})")
+    return _plan_and_report(args, sources, destinations, [t.spec for t in tensors], model, described, topology)
+
+
+def _plan_job(args: argparse.Namespace) -> int:
+    from awex.meta.cli_job import job_layouts
+    from awex.meta.topology import Topology
+
+    token = token_of(args, args.token or os.environ.get("AWEX_META_TOKEN"))
+    sources, destinations = job_layouts(args.from_job, args.job, token)
+    specs = {t.spec.name: t.spec for layout in sources for t in layout.tensors}
+    described = tuple(", ".join(x.instance for x in side) for side in (sources, destinations))
+    topology = Topology.parse(args.topology) if args.topology else None
+    model = (f"job {args.job}", "(its published layouts)")
+    return _plan_and_report(args, sources, destinations, list(specs.values()), model, described, topology)
+
+
+def _plan_and_report(args, sources, destinations, specs, model, described, topology) -> int:
+    from awex.meta.planner import PlanOptions, plan_transfers
+    from awex.meta.topology import estimate_seconds
+    from awex.meta.verify import verify_plan
+
     options = PlanOptions(
         wave_bytes=int(args.wave_mb * (1 << 20)),
         split_bytes=int(args.split_mb * (1 << 20)),
         relay=not args.no_relay,
         topology=topology,
     )
-    progress = PlanProgress(f"{len(sources) + len(destinations)} layouts, {len(tensors):,} tensors")
+    progress = PlanProgress(f"{len(sources) + len(destinations)} layouts, {len(specs):,} tensors")
     plan = plan_transfers(sources, destinations, options, progress=progress)
     summary = plan.summary()
-    summary["model"] = dims.architecture
-    summary["model_bytes"] = sum(t.spec.nbytes for t in tensors)
+    summary["model"] = model[0]
+    summary["model_bytes"] = sum(s.nbytes for s in specs)
     if args.no_verify:
         summary["coverage_ok"] = None
     else:
@@ -258,7 +308,7 @@ def _plan(args: argparse.Namespace) -> int:
     if topology:
         summary["topology"] = {k: v for k, v in vars(topology).items()}
         summary.update(estimate_seconds(plan, topology).as_dict())
-    _print_human(summary, args, dims)
+    _print_human(summary, described, model[1])
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     return 0 if summary["coverage_ok"] in (True, None) else 1
@@ -293,12 +343,12 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
 
-def _print_human(s: dict, args: argparse.Namespace, dims) -> None:
+def _print_human(s: dict, described: tuple[str, str], note: str) -> None:
     ratio = s["max_rank_send_bytes"] / s["lower_bound_send_bytes"] if s["lower_bound_send_bytes"] else 1.0
     lines = [
-        f"model      {s['model']}: {s['tensors']:,} tensors, {_gb(s['model_bytes'])} ({dims.dtype})",
-        f"trainer    {' + '.join(args.trainer)}: {s['trainer_ranks']} rank(s)",
-        f"inference  {' + '.join(args.inference)}: {s['inference_ranks']} rank(s)",
+        f"model      {s['model']}: {s['tensors']:,} tensors, {_gb(s['model_bytes'])} {note}",
+        f"trainer    {described[0]}: {s['trainer_ranks']} rank(s)",
+        f"inference  {described[1]}: {s['inference_ranks']} rank(s)",
         f"plan       {s['ops']:,} transfers in {s['buckets']:,} buckets, {s['waves']} waves, "
         f"planned in {s['plan_seconds']:.2f} s (digest {s['digest'][:12]})",
         f"traffic    {_gb(s['total_bytes'])} in all; busiest sender {s['hot_sender']} {_gb(s['max_rank_send_bytes'])} "
