@@ -134,18 +134,11 @@ def _const(path: str, name: str) -> Callable[[Code], object]:
 
 TRAINER_INFO, ENGINE_INFO = f"{ENGINES}/vllm_trainer.py", f"{ENGINES}/vllm_backend.py"
 WRITER, IPC = f"{ENGINES}/writer.py", f"{TRANSPORT}/ipc/options.py"
+OPTIONS = f"{ENGINES}/sync/options.py"  # the writer's options: WeightsWriter and AwexTrainerInitInfo take its defaults
 
 SAID = [
     Said("README.md", 'pause="keep"` by default', _field(TRAINER_INFO, "AwexTrainerInitInfo", "pause"), "keep"),
-    Said(
-        "README.md", '`transport="auto"` (the default)', _param(WRITER, "WeightsWriter.__init__", "transport"), "auto"
-    ),
-    Said(
-        "README.md",
-        '`transport="auto"` (the default)',
-        _field(TRAINER_INFO, "AwexTrainerInitInfo", "transport"),
-        "auto",
-    ),
+    Said("README.md", '`transport="auto"` (the default)', _field(OPTIONS, "SyncOptions", "transport"), "auto"),
     Said(
         "docs/usage.md",
         'By default (`"receive": "in_place"` in the init info)',
@@ -188,7 +181,7 @@ SAID = [
         _field(ENGINE_INFO, "AwexInitInfo", "layout"),
         "auto",
     ),
-    Said("docs/usage.md", "(`127.0.0.1`, the default,", _param(WRITER, "WeightsWriter.__init__", "host"), "127.0.0.1"),
+    Said("docs/usage.md", "(`127.0.0.1`, the default,", _field(OPTIONS, "SyncOptions", "host"), "127.0.0.1"),
     Said(
         "docs/usage.md",
         "(`WeightsWriter(claim_lease=10)`, seconds, the default;",

@@ -157,9 +157,16 @@ def test_a_trainer_that_reconnects_continues_the_version_names(setup, caplog):
 
 
 def test_bad_input_is_refused_before_any_byte_moves_and_the_engine_keeps_serving(setup):
+    from dataclasses import fields
+
     from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
+    from awex.engines.sync.options import SyncOptions
     from awex.engines.vllm_trainer import AwexTrainerInitInfo
+
+    info = AwexTrainerInitInfo(rank=0, meta_address=setup.meta.address)  # the writer's options: SyncOptions' defaults
+    given = info.sync_options()
+    assert {f.name: getattr(given, f.name) for f in fields(given)} == {f.name: f.default for f in fields(SyncOptions)}
 
     for bad, match in (
         ({"pause": "retract"}, "pause mode"),

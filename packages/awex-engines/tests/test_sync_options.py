@@ -168,3 +168,18 @@ def test_a_reader_timeout_that_is_not_a_finite_positive_number_is_refused_at_con
 
     with pytest.raises(ValueError, match=r"WeightsReader\(timeout\)"):
         WeightsReader(None, hf_layout(TENSORS, "inference", "x"), 0, views(tensors(0.0)), timeout=bad)
+
+
+def test_the_writers_defaults_are_the_options_record_s():
+    """One set of defaults: every option ``WeightsWriter`` takes defaults to ``SyncOptions``' (``AwexTrainerInitInfo``'s
+    too: integration/tests/test_vllm_pause.py), so a default changes in one place."""
+    import inspect
+    from dataclasses import fields
+
+    from awex.engines.sync.options import SyncOptions
+    from awex.engines.writer import WeightsWriter
+
+    params = inspect.signature(WeightsWriter.__init__).parameters
+    shared = [f.name for f in fields(SyncOptions)]
+    assert set(shared) <= set(params)
+    assert {n: params[n].default for n in shared} == {n: getattr(SyncOptions, n) for n in shared}

@@ -151,20 +151,22 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     instances: tuple[str, ...] = ("vllm",)  # the engines' Awex instance names (one per client)
     job: str = "default"
     token: str | None = None
-    timeout: float = 300.0  # per version
-    wave_bytes: int = 256 << 20
-    transport: str = "auto"
-    host: str = "127.0.0.1"  # where the trainer's sync group and version channel listen: an address every rank reaches
+    timeout: float = SyncOptions.timeout  # per version (the writer's options take SyncOptions' defaults, as here)
+    wave_bytes: int = SyncOptions.wave_bytes
+    transport: str = SyncOptions.transport
+    host: str = (
+        SyncOptions.host
+    )  # where the trainer's sync group and version channel listen: an address every rank reaches
     receive: str = "in_place"  # the engines' receive mode: "in_place", or "staged" (atomic; received while they
     # generate, paused for the commit alone)
     staging_budget_bytes: int | None = None  # staged: the most each engine rank may stage (a larger shard: in place)
     staging: str = "device"  # staged: where the engines hold it, "device" (their GPU) or "host" (pinned host memory)
     version_prefix: str = "step-"  # send_weights() without a version names them step-1, step-2, ...
     pause: str = "keep"  # generation around each version: "keep", "abort", "wait" or "none" (awex.engines.pause)
-    allow_cast: tuple[str, ...] = ()  # globs of tensors that may narrow (("*",): fp32 trainer into a bf16 engine)
-    delta: bool = False  # only the words that changed (transport "p2p" or "ipc"; see WeightsWriter)
-    quantize_on_receive: bool = False  # FP8 engines on the trainer's GPUs quantise the copy (transport "ipc")
-    verify: bool = False  # engines compare digests of what they got with the trainer's before a version counts
+    allow_cast: tuple[str, ...] = SyncOptions.allow_cast  # globs that may narrow (("*",): fp32 into a bf16 engine)
+    delta: bool = SyncOptions.delta  # only the words that changed (transport "p2p" or "ipc"; see WeightsWriter)
+    quantize_on_receive: bool = SyncOptions.quantize_on_receive  # FP8 engines on the trainer's GPUs quantise the copy
+    verify: bool = SyncOptions.verify  # engines compare digests of what they got with the trainer's
 
     def __post_init__(self) -> None:
         self.instances = _names(self.instances, "instances")
@@ -274,14 +276,7 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
         writer = WeightsWriter.from_source(
             meta,
             TrainerSource(awex_source.layout, awex_source.local_rank, awex_source.view_of, awex_source.refresh),
-            wave_bytes=init_info.wave_bytes,
-            timeout=init_info.timeout,
-            transport=init_info.transport,
-            host=init_info.host,
-            allow_cast=init_info.allow_cast,
-            delta=init_info.delta,
-            quantize_on_receive=init_info.quantize_on_receive,
-            verify=init_info.verify,
+            **init_info.sync_options().given(),
         )
         if init_info.is_sender:
             sender = VersionSender(

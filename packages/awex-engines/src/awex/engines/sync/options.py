@@ -6,7 +6,7 @@ by the same rules (:func:`combination_error`) before it plans."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from awex.meta.client import seconds
@@ -34,6 +34,12 @@ class SyncOptions:
     def __post_init__(self) -> None:
         if isinstance(self.allow_cast, (list, set, frozenset)):  # the one coercion: a list of globs is a tuple
             object.__setattr__(self, "allow_cast", tuple(self.allow_cast))
+
+    def given(self) -> dict[str, Any]:
+        """These options as a writer's keyword arguments, but ``refresh`` and ``refresh_by_wave`` where unset (a
+        trainer source's own, ``WeightsWriter.from_source``, then apply)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in out.items() if v is not None or k not in ("refresh", "refresh_by_wave")}
 
     def check(self) -> SyncOptions:
         """These options, or ``ValueError`` saying what to pass instead: each option alone, then together."""
