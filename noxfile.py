@@ -42,6 +42,7 @@ RUFF = "ruff==0.17.6"
 IMPORT_LINTER = "import-linter==2.17"  # the import contracts in .importlinter
 RAY = "ray==2.60.0"  # the Ray tests: trainer ranks and engines placed by placement groups
 MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda==0.3.13.post1"  # Mooncake's transfer engine without CUDA
+VERL = ["verl==0.9.1", "transformers>=5.5.3,<5.11", "uvicorn", "fastapi"]  # verl imports the last two undeclared
 SGLANG = "sglang==0.5.23"  # installed without its dependencies: the layout check imports its model classes only
 SGLANG_IMPORTS = [  # what importing SGLang's model classes needs on CPU (its CUDA kernels and server are not used)
     "transformers==5.19.0",
@@ -195,6 +196,7 @@ def tests(session: nox.Session) -> None:
         _pytest(session, f"{pkg.removeprefix('./')}/tests")
     _pytest(session, "integration/tests", env={"AWEX_MEGATRON_012": megatron_012})
     session.notify("sglang_layout")
+    session.notify("verl")
 
 
 @nox.session
@@ -216,6 +218,16 @@ def sglang_layout(session: nox.Session) -> None:
         *args,
         env={"PYTHONPATH": "integration"},
     )
+
+
+@nox.session
+def verl(session: nox.Session) -> None:
+    """Awex in verl's checkpoint-engine slot (``awex.engines.verl_engine``), driven as verl drives a backend
+    (``integration/tests/test_verl_engine.py``; ``tests`` runs it after its own run). An environment of its own: verl
+    pins transformers below the version the tests session runs."""
+    session.install(*_torch(), *VERL, "pytest>=8")
+    session.install(*PACKAGES)
+    _pytest(session, "integration/tests/test_verl_engine.py")
 
 
 @nox.session

@@ -29,6 +29,7 @@ DISTRIBUTIONS = {  # import name -> the distributions that provide it (any one w
     "transformers": {"transformers"},
     "sglang": {"sglang"},
     "ray": {"ray"},
+    "verl": {"verl"},
     **{f"awex.{p.removeprefix('awex-')}": {p} for p in PACKAGES},
 }
 NOT_DECLARED = {  # imported where present, never declared, and why
