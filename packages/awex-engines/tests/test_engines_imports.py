@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-ENGINES = ("vllm", "megatron", "sglang", "transformers", "torch_npu", "pyverbs")
+ENGINES = ("vllm", "megatron", "sglang", "transformers", "torch_npu", "pyverbs", "verl", "ray")
 
 
 def test_import_pulls_in_no_engine():
