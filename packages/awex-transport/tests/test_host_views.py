@@ -28,6 +28,8 @@ def test_views_on_one_device_for_a_rank_on_another_are_refused():
         LocalShards(views, device=torch.device("cuda", 0))
     same = LocalShards({"w": [(Box((0,), (4,)), torch.zeros(4))]}, device=torch.device("cpu"))
     assert same.device == torch.device("cpu") and not same.on_host  # the views' own device: nothing to say
+    meta = LocalShards(views, device="meta")  # a device without its index names the views' own too
+    assert meta.device == torch.device("meta") and not meta.on_host
 
 
 @CUDA
@@ -37,6 +39,8 @@ def test_host_views_must_be_pinned():
         LocalShards(unpinned, device=torch.device("cuda", 0))
     pinned = LocalShards({"w": [(Box((0,), (4,)), torch.zeros(4).pin_memory())]}, device=torch.device("cuda", 0))
     assert pinned.on_host and pinned.device == torch.device("cuda", 0)
+    own = LocalShards({"w": [(Box((0,), (4,)), torch.zeros(4, device="cuda:0"))]}, device="cuda")
+    assert not own.on_host and own.device == torch.device("cuda", 0)  # "cuda" names the views' own device
 
 
 def _host_engine(tp: int, rank: int, tensors):

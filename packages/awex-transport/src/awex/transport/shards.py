@@ -80,8 +80,9 @@ class LocalShards:
             )
         self.device = next(iter(devices), torch.device("cpu"))
         self.on_host = False  # views in pinned host memory, the rank's transport on the GPU ``device``
-        if device is not None and torch.device(device) != self.device:
-            self._put_on(torch.device(device))
+        given = None if device is None else torch.device(device)
+        if given is not None and not (given.type == self.device.type and given.index in (None, self.device.index)):
+            self._put_on(given)  # ("cuda" for views on cuda:0 is their own device)
         self.fingerprint: tuple | None = None  # where the tensors the views come from were (see rebound)
         self.unconfirmed = False  # kept by rebound(quick=True) on their addresses alone: see confirm_bound
 
