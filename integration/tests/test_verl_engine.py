@@ -35,7 +35,13 @@ async def _step(actors, rollouts, state, step):
     async def take(engine):
         return {name: t.clone() async for name, t in engine.receive_weights(global_steps=step)}
 
-    sends = [a.send_weights(iter(list(state.items())), global_steps=step) for a in actors]
+    async def streamed():  # verl's actors may yield asynchronously too
+        for pair in state.items():
+            yield pair
+
+    sends = [
+        a.send_weights(iter(list(state.items())) if i else streamed(), global_steps=step) for i, a in enumerate(actors)
+    ]
     results = await asyncio.gather(*sends, *[take(r) for r in rollouts])
     return results[: len(actors)], results[len(actors) :]
 

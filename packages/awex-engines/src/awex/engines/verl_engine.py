@@ -107,12 +107,13 @@ class AwexCheckpointEngine(CheckpointEngine):
         if self.role != "actor":
             raise AwexValueError("awex checkpoint engine: send_weights on a worker that is not an actor rank")
         version = self._version(global_steps)
+        pairs = weights if hasattr(weights, "__aiter__") else _aiter(weights)  # verl's actors yield either way
         if self.rank != 0:
-            for _ in weights:
+            async for _ in pairs:
                 pass
             return {}
         seen = []
-        for name, tensor in weights:
+        async for name, tensor in pairs:
             held = self._held.get(name)
             if held is None and self._writer is not None:
                 raise AwexValueError(
@@ -159,6 +160,11 @@ class AwexCheckpointEngine(CheckpointEngine):
         for side in (self._writer, self._reader):
             if side is not None:
                 side.close()
+
+
+async def _aiter(pairs):
+    for pair in pairs:
+        yield pair
 
 
 def _tensors(held: dict[str, torch.Tensor]) -> list[CanonicalTensor]:
