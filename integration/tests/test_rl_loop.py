@@ -9,7 +9,9 @@ Each step checks what makes the loop correct, not only that it ran:
 - the requests running at each sync are the old version's greedy output up to one switch point and the new
   version's from there on, token for token and logprob for logprob (nothing mixed, no stale cache), and each one
   really ran across the sync;
-- the stall (paused -> resumed) stays within the commit's time plus 50 ms;
+- each version was received while generating and paused for its commit (the stall, paused -> resumed, holds the
+  commit); that the pause leaves the transfer out is timed where the margin is wide (a sync held back two seconds,
+  ``test_vllm_serve.py``), not here, where a loaded machine's HTTP round trips are of the commit's order;
 - the reward rises over the run (the policy learns from the engine's samples, so stale weights would show).
 
 The task: the share of completion tokens in the lower half of the vocabulary, from 0.5 at random weights; eight
@@ -36,7 +38,6 @@ GROUP = 8  # samples per prompt (GRPO's group)
 TOKENS = 12  # per sample
 LR = 1e-2
 RISE = 0.15  # the last two steps' mean reward over the first two's (measured: +0.3 to +0.4 at these settings)
-STALL_SLACK = 0.05  # seconds: the stall's goal is the commit's time plus 50 ms
 IN_FLIGHT_TOKENS = 160  # long enough to be running when the sync starts and after it ends
 RL_PROMPTS = [*PROMPTS, "hello world"]
 
@@ -118,7 +119,7 @@ def test_grpo_loop_through_vllms_rl_api(vllm_server):
                 stall = engine.last_stalls["vllm-http"]
                 stalls.append(stall)
                 assert stall.commit_seconds is not None, stall  # received while generating, paused to commit
-                assert stall.commit_seconds <= stall.stall_seconds <= stall.commit_seconds + STALL_SLACK, stall
+                assert 0 < stall.commit_seconds <= stall.stall_seconds, stall
                 for i, (tokens, logprobs) in flight.results.items():
                     assert len(tokens) == len(logprobs) == IN_FLIGHT_TOKENS
                     k = version_boundary(old, served, prompts[i], tokens, logprobs)
