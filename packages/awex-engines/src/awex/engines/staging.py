@@ -4,7 +4,8 @@ engine bindings share.
 - ``staging="device"`` (the default): the version is held in the engine's own device memory (the GPU); its commit
   is a copy on the GPU (a Qwen3-8B shape: about 16 GB more on the GPU, a commit of about 12 ms on an H200).
 - ``staging="host"``: the version is held in pinned host memory; the transport's copies land there from the
-  rank's GPU (CUDA IPC: copies from the trainer's memory; NCCL: through its wave staging on the GPU), and the
+  rank's GPU (CUDA IPC: copies from the trainer's memory, measured on an H200; NCCL: through its wave staging on the
+  GPU, not yet run on two GPUs), and the
   commit copies it up to the GPU, so the GPU holds no second copy and the stall is a host-to-device copy of the
   shard (about 16 GB at 50 GB/s: about 0.3 s). On an engine that runs on the CPU both are host memory.
 
