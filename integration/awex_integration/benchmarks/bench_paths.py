@@ -239,31 +239,19 @@ def _staged_reader(client, layout, local_rank, view_of, result, where: str):
     it by a copy into its live weights once the whole version arrived, as vLLM's engines do with
     ``receive="staged"`` (``awex.engines.staging``; here with nothing to pause): the reader, its step, and the live
     weights. Records per version the seconds until staged and the commit's."""
-    from awex.convert.live import fingerprinted
     from awex.engines.reader import WeightsReader
-    from awex.engines.staging import buffer, commit_copy, committed, transport_device
+    from awex.engines.staging import StagingBuffers, commit, transport_device
     from awex.transport import LocalShards
 
     live = LocalShards.from_layout(layout, local_rank, view_of)
-    buffers: dict = {}
-
-    def staging(name, box):
-        held = buffers.get((name, box))
-        if held is None:
-            like = dict(live.pairs(name))[box]
-            held = buffers[(name, box)] = buffer(box.sizes, like.dtype, where, like.device)
-        return held
-
-    staging = fingerprinted(staging)  # the buffers never move: a constant fingerprint, as vLLM's staged views have
+    staging = StagingBuffers(layout, where, live.device)  # as vLLM's and SGLang's bindings stage
     reader = WeightsReader(client, layout, local_rank, staging, device=transport_device(where, live.device))
+    targets = {(name, box): view for name in live.names() for box, view in live.pairs(name)}
     marks: dict[str, float] = {}
     result["staged_seconds"], result["commit_seconds"] = [], []
 
     def apply(shards) -> None:
-        for name in live.names():
-            for box, view in live.pairs(name):
-                commit_copy(shards, name, box, view)
-        committed(live.device)
+        commit(shards, live.names(), lambda name, box: targets[(name, box)], live.device)
 
     def step(version):
         started = time.perf_counter()

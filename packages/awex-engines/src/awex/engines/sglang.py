@@ -50,7 +50,8 @@ from awex.engines.sglang_request import (  # noqa: F401  (LOADER, REQUEST_PREFIX
 )
 from awex.engines.sglang_updaters import SglangEngineUpdater, SglangHttpUpdater
 from awex.engines.staged_version import DROP_WAIT_SECONDS, StagedVersion
-from awex.engines.staging import Staging, StagingBuffers, commit_copy, committed, shard_bytes, transport_device
+from awex.engines.staging import Staging, StagingBuffers, shard_bytes, transport_device
+from awex.engines.staging import commit as commit_staged
 from awex.engines.sync import keys
 from awex.meta.client import MetaClient
 from awex.meta.errors import AwexValueError
@@ -197,10 +198,7 @@ class SglangReceiver:
 
     def _apply(self, shards: LocalShards) -> None:
         """A staged version's commit: every box copied from staging into the live parameters."""
-        for name in shards.names():
-            for box, _ in shards.pairs(name):
-                commit_copy(shards, name, box, self._live(name, box))
-        committed(self.device)
+        commit_staged(shards, shards.names(), self._live, self.device)
 
     def _receive(self, version: str, validate: str | None, gate: Callable[[], None] | None) -> ReceiveReport:
         started = time.monotonic()

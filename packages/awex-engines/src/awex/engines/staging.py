@@ -16,8 +16,9 @@ record) and in a warning, never silently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -125,16 +126,15 @@ def transport_device(where: str, device: torch.device) -> torch.device | None:
     return device if where == "host" and device.type != "cpu" else None
 
 
-def commit_copy(staged: LocalShards, name: str, box: Box, target: torch.Tensor | Sequence[tuple[Box, torch.Tensor]]):
-    """Enqueue the commit's copy of ``name``'s ``box`` from the staged views into ``target`` (a view of the box's
-    shape, or ``(sub-box, view)`` pieces that tile it) on the current stream; :func:`committed` waits for them all."""
-    for piece, t in [(box, target)] if isinstance(target, torch.Tensor) else target:
-        for here, held in staged.pieces(name, piece.offsets, piece.sizes):
-            (t[here] if here else t).copy_(held, non_blocking=True)
-
-
-def committed(device: torch.device) -> None:
-    """Wait until the commit's copies enqueued on ``device``'s current stream are done (from pinned host memory they
-    run asynchronously; the staging is not written again before)."""
+def commit(staged: LocalShards, names: Iterable[str], target_of: Callable[[str, Box], Any], device: torch.device):
+    """A staged version's commit: every box of ``names`` copied from the staged views into ``target_of(name, box)``
+    (a view of the box's shape, or ``(sub-box, view)`` pieces that tile it), enqueued on the current stream and waited
+    for once (from pinned host memory the copies run asynchronously; the staging is not written again before)."""
+    for name in names:
+        for box, _ in staged.pairs(name):
+            target = target_of(name, box)
+            for piece, t in [(box, target)] if isinstance(target, torch.Tensor) else target:
+                for here, held in staged.pieces(name, piece.offsets, piece.sizes):
+                    (t[here] if here else t).copy_(held, non_blocking=True)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()

@@ -60,15 +60,8 @@ from awex.engines.memory import PeakMemory
 from awex.engines.reader import WeightsReader
 from awex.engines.receive_report import ReceiveReport, publish_report
 from awex.engines.staged_version import DROP_WAIT_SECONDS, StagedVersion
-from awex.engines.staging import (
-    Staging,
-    buffer,
-    check_staging,
-    commit_copy,
-    committed,
-    shard_bytes,
-    transport_device,
-)
+from awex.engines.staging import Staging, StagingBuffers, check_staging, shard_bytes, transport_device
+from awex.engines.staging import commit as commit_staged
 from awex.engines.sync import keys
 from awex.engines.vllm_fixups import (
     check_cpu_moe_reloadable,
@@ -147,7 +140,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         self.last_report: ReceiveReport | None = None
         self.learned: LearnedLayout | None = None  # the layout learned from vLLM's loaders, where one was
         self.timeout = 300.0
-        self._staging: dict[tuple[str, Box], torch.Tensor] = {}
+        self._staging: StagingBuffers | None = None
         self._bytes = (0, 0)  # in place, through the loaders (per version)
         self._tied = False
         self._staged_bytes = 0  # receive buffers of the loader path, kept between versions
@@ -188,16 +181,10 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         if self.destinations.loader:
             check_cpu_moe_reloadable(self.model)
         through_loader = set(self.destinations.loader)
-        staging = self._staging
+        staging = self._staging = StagingBuffers(layout, init_info.staging, self.device)  # kept between versions
 
         def view_of(name: str, box: Box) -> torch.Tensor:
-            if name not in through_loader:
-                return live(name, box)
-            t = staging.get((name, box))  # kept between versions: asked again, the same buffer
-            if t is None:
-                dtype = torch_dtype(layout.tensor(name).spec.dtype)
-                t = staging[(name, box)] = buffer(box.sizes, dtype, init_info.staging, self.device)
-            return t
+            return staging(name, box) if name in through_loader else live(name, box)
 
         for attr in ("fingerprint", "addresses", "forms"):  # staging never moves: the views move where live's do
             if callable(getattr(live, attr, None)):
@@ -212,7 +199,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             sum(nbytes[n] for n in self.destinations.loader),
         )
         self._tied = tied
-        self._staged_bytes = sum(t.nbytes for t in staging.values())
+        self._staged_bytes = staging.nbytes
         log.info("awex backend ready: %s rank %d: %s", layout.instance, local_rank, self.destinations.summary())
 
     def _table(self, init_info: AwexInitInfo, local_rank: int, hf_config: dict, dtype: str):
@@ -391,10 +378,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         if commit is None:
             self._load_through_vllm(shards, self.destinations)
             return
-        for name in commit.in_place:  # enqueued (from pinned host memory too), waited for once
-            for box, _ in shards.pairs(name):
-                commit_copy(shards, name, box, self._live(name, box))
-        committed(self.device)
+        commit_staged(shards, commit.in_place, self._live, self.device)
         if commit.loader:
             self._load_through_vllm(shards, commit)
 
@@ -434,4 +418,4 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         if self.reader is not None:
             self.reader.close()
         self.reader = None
-        self._staging.clear()
+        self._staging = None
