@@ -107,23 +107,34 @@ class SglangHttpUpdater:
         if self.info.receive == "staged" and self.staged:
             self.last_stall = self._update_staged(version, validate)
             return self.last_stall
+        self._paused_update(
+            SglangUpdateRequest(version, self.info, validate), "apply", " (its weights may mix two versions)"
+        )
+        return None
+
+    def _paused_update(self, request: SglangUpdateRequest, what: str, risk: str = "") -> tuple[float, float]:
+        """``request`` (cache flushed, ``weight_version`` set) with the server paused in the policy's mode around it:
+        when it was paused and when the update returned (monotonic). A failure leaves the server paused
+        (:attr:`left_paused`: ``what`` did not happen, ``risk`` says what that may mean) and raises."""
         if self.pause != "none":
             self._post("/pause_generation", {"mode": SGLANG_PAUSE[self.pause]}, 60.0)
+        paused = time.monotonic()
         try:
-            self._update(SglangUpdateRequest(version, self.info, validate), flush=True)
+            self._update(request, flush=True)
         except Exception as e:
             if self.pause != "none":
                 self.left_paused = True
-                log.error("sglang: %s left paused after %s failed in place: %s", self.info.instance, version, e)
+                log.error("sglang: %s left paused after %s failed: %s", self.info.instance, request.version, e)
                 raise RuntimeError(
-                    f"sglang: {self.info.instance} did not apply {version} and stays paused (its weights may mix "
-                    f"two versions) until a later version applies: {e}"
+                    f"sglang: {self.info.instance} did not {what} {request.version} and stays paused{risk} until a "
+                    f"later version applies: {e}"
                 ) from e
             raise
+        applied = time.monotonic()
         if self.pause != "none":
             self._post("/continue_generation", {}, 60.0)
         self.left_paused = False
-        return None
+        return paused, applied
 
     def _meta(self) -> MetaClient:
         i = self.info
@@ -173,23 +184,7 @@ class SglangHttpUpdater:
                 f"it serves its previous weights: {e}"
             ) from e
         staged = time.monotonic()
-        if self.pause != "none":
-            self._post("/pause_generation", {"mode": SGLANG_PAUSE[self.pause]}, 60.0)
-        paused = time.monotonic()
-        try:
-            self._update(SglangUpdateRequest(version, self.info, step="commit"), flush=True)
-        except Exception as e:
-            if self.pause != "none":
-                self.left_paused = True
-                raise RuntimeError(
-                    f"sglang: {self.info.instance} did not commit {version} and stays paused until a later version "
-                    f"applies: {e}"
-                ) from e
-            raise
-        committed = time.monotonic()
-        if self.pause != "none":
-            self._post("/continue_generation", {}, 60.0)
-        self.left_paused = False
+        paused, committed = self._paused_update(SglangUpdateRequest(version, self.info, step="commit"), "commit")
         resumed = time.monotonic()
         return VersionStall(
             version,
