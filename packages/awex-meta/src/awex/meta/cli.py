@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Sequence
 
-from awex.meta.cli_serve import add_serve, serve, token_of
+from awex.meta.cli_serve import add_client_token, add_serve, client_token, serve
 from awex.meta.errors import AwexValueError, MetaServerError
 from awex.meta.models import UnknownModelError
 
@@ -46,8 +46,7 @@ def main(argv: Sequence[str] | None = None, installed: dict[str, str] | None = N
 
     p_status = sub.add_parser("status", help="show who registered, their weight versions and recent events")
     p_status.add_argument("address", help="http://host:port of the MetaServer")
-    p_status.add_argument("--token", default=None, help="bearer token (default: $AWEX_META_TOKEN)")
-    p_status.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
+    add_client_token(p_status)
     p_status.add_argument("--json", action="store_true", help="print the raw status document")
     p_status.add_argument("--job", default=None, help="this job alone, every participant (default: every job)")
 
@@ -61,8 +60,7 @@ def main(argv: Sequence[str] | None = None, installed: dict[str, str] | None = N
         "--inference (any model the job syncs, engines' learned layouts included)",
     )
     p_plan.add_argument("--job", default="default", help="with --from-job: the job (default: default)")
-    p_plan.add_argument("--token", default=None, help="with --from-job: bearer token (default: $AWEX_META_TOKEN)")
-    p_plan.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
+    add_client_token(p_plan, "with --from-job: ")
     p_plan.add_argument(
         "--trainer",
         action="append",
@@ -139,8 +137,7 @@ def _run(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from awex.meta.client import MetaClient
 
-    token = token_of(args, args.token or os.environ.get("AWEX_META_TOKEN"))  # --token-env as serve takes it
-    client = MetaClient(args.address, token=token, timeout=10.0)
+    client = MetaClient(args.address, token=client_token(args), timeout=10.0)
     doc = client.status(job=args.job)
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
@@ -252,8 +249,7 @@ def _plan_job(args: argparse.Namespace) -> int:
     from awex.meta.cli_job import job_layouts
     from awex.meta.topology import Topology
 
-    token = token_of(args, args.token or os.environ.get("AWEX_META_TOKEN"))
-    sources, destinations = job_layouts(args.from_job, args.job, token)
+    sources, destinations = job_layouts(args.from_job, args.job, client_token(args))
     specs = {t.spec.name: t.spec for layout in sources for t in layout.tensors}
     described = tuple(", ".join(x.instance for x in side) for side in (sources, destinations))
     topology = Topology.parse(args.topology) if args.topology else None

@@ -117,6 +117,17 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_client_token(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """A client verb's token options (``status``, ``plan --from-job``): read by :func:`client_token`."""
+    parser.add_argument("--token", default=None, help=f"{note}bearer token (default: $AWEX_META_TOKEN)")
+    parser.add_argument("--token-env", default=None, metavar="VAR", help="read the token from this env variable")
+
+
+def client_token(args: argparse.Namespace) -> str | None:
+    """The token of a client verb: ``--token-env VAR``, else ``--token``, else ``$AWEX_META_TOKEN``."""
+    return token_of(args, args.token or os.environ.get("AWEX_META_TOKEN"))
+
+
 def token_of(args: argparse.Namespace, default: str | None) -> str | None:
     """The token ``--token-env VAR`` names (set and not empty), else ``default``."""
     if not args.token_env:
