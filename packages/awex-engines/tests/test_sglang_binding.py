@@ -78,16 +78,13 @@ def test_http_updater_takes_the_shared_pause_policy_names(pause, error):
     assert LOADER == "awex.engines.sglang.receive_weights"
 
 
-class _Sglang(http.server.BaseHTTPRequestHandler):
-    """SGLang's RL routes as a stub: records each call; the update succeeds unless the version says ``bad``."""
+class JsonRoutes(http.server.BaseHTTPRequestHandler):
+    """HTTP routes taking and answering JSON, quietly (the stand-ins of SGLang's server in these tests)."""
 
-    calls: list = []
+    def body(self) -> dict:
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
 
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.calls.append((self.path, body.get("mode", body.get("weight_version"))))
-        ok = "bad" not in str(body.get("weight_version"))
-        out = {"success": ok, "message": "" if ok else "loader raised"} if "update" in self.path else {}
+    def answer(self, out: dict) -> None:
         data = json.dumps(out).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
@@ -96,6 +93,18 @@ class _Sglang(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class _Sglang(JsonRoutes):
+    """SGLang's RL routes as a stub: records each call; the update succeeds unless the version says ``bad``."""
+
+    calls: list = []
+
+    def do_POST(self):
+        body = self.body()
+        self.calls.append((self.path, body.get("mode", body.get("weight_version"))))
+        ok = "bad" not in str(body.get("weight_version"))
+        self.answer({"success": ok, "message": "" if ok else "loader raised"} if "update" in self.path else {})
 
 
 @pytest.fixture

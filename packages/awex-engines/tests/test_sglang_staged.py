@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_sglang_binding import JsonRoutes
+from test_staged_version import _write
 from test_version_signals import CONFIG, TENSORS, views
 
 from awex.convert.sglang import sglang_param_shapes, sglang_views
@@ -61,7 +63,7 @@ class Model:
         return all(torch.equal(self.params[n], t) for n, t in snap.items())
 
 
-class _Sglang(http.server.BaseHTTPRequestHandler):
+class _Sglang(JsonRoutes):
     """SGLang's RL routes: pause and continue are recorded (``paused``), an update calls Awex's loader on ``model``
     with the request as SGLang's scheduler would, and answers SGLang's ``success``/``message``."""
 
@@ -70,7 +72,7 @@ class _Sglang(http.server.BaseHTTPRequestHandler):
     paused: list
 
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.body()
         out: dict = {}
         if self.path == "/pause_generation":
             self.paused.append(body["mode"])
@@ -85,14 +87,7 @@ class _Sglang(http.server.BaseHTTPRequestHandler):
                 out = {"success": True, "message": ""}
             except Exception as e:
                 out = {"success": False, "message": f"{type(e).__name__}: {e}"}
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.answer(out)
 
 
 @pytest.fixture
@@ -123,16 +118,7 @@ def _trainer(meta, job: str, seed: int):
 
 def _writing(writer, version: str) -> tuple[threading.Thread, dict]:
     out: dict = {}
-
-    def run():
-        try:
-            out["stats"] = writer.write(version, ["sglang"])
-        except Exception as e:  # asserted by the tests
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
+    return _write(writer, version, out, ["sglang"]), out
 
 
 def test_a_staged_version_arrives_unpaused_and_only_its_commit_pauses(sglang, meta):

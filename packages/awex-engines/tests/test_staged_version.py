@@ -68,10 +68,10 @@ def _trainer(server, job: str):
     return weights, writer
 
 
-def _write(writer, version: str, out: dict) -> threading.Thread:
+def _write(writer, version: str, out: dict, destinations=("eng",)) -> threading.Thread:
     def run():
         try:
-            out["stats"] = writer.write(version, ["eng"])
+            out["stats"] = writer.write(version, list(destinations))
         except Exception as e:  # asserted by the test
             out["error"] = e
 
