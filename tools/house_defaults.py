@@ -157,12 +157,14 @@ SAID = [
         lambda c: c.const("noxfile.py", "MEGATRON"),
         "megatron-core==0.19.2",
     ),
+    Said("docs/compatibility.md", "pip install peft==0.21.2", lambda c: c.const("noxfile.py", "PEFT"), "peft==0.21.2"),
     Said(
         "docs/usage.md",
         '`"device"` (the default) in the engine\'s GPU memory',
         _field(ENGINE_INFO, "AwexInitInfo", "staging"),
         "device",
     ),
+    Said("docs/compatibility.md", "pip install peft==0.21.2", lambda c: c.const("noxfile.py", "PEFT"), "peft==0.21.2"),
     Said(
         "docs/usage.md",
         '`"device"` (the default) in the engine\'s GPU memory',

@@ -30,6 +30,7 @@ DISTRIBUTIONS = {  # import name -> the distributions that provide it (any one w
     "sglang": {"sglang"},
     "ray": {"ray"},
     "verl": {"verl"},
+    "peft": {"peft"},
     **{f"awex.{p.removeprefix('awex-')}": {p} for p in PACKAGES},
 }
 NOT_DECLARED = {  # imported where present, never declared, and why

@@ -22,6 +22,7 @@ SCRIPTS = {  # script: what it prints once per version (or request) that passed 
     "megatron_vllm_serve.py": ("PASS step-", 2),
     "fsdp2_ray_llm_actors.py": ("PASS step ", 2),
     "colocated.py": ("PASS step-", 3),
+    "lora.py": ("PASS step-", 3),
 }
 HELPERS = {"tiny.py"}
 STALLS = {  # what each script prints of the generation stall per version (staged: the commit alone), and how often
@@ -29,6 +30,7 @@ STALLS = {  # what each script prints of the generation stall per version (stage
     "fsdp2_ray_llm_actors.py": ("(the commit alone)", 2),
     "megatron_vllm_serve.py": ("(generation stalls for the commit alone)", 2),
     "colocated.py": ("generation stalled", 3),
+    "lora.py": ("generation stalled", 3),
 }
 
 

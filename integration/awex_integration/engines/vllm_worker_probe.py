@@ -145,7 +145,22 @@ class WorkerProbe:
         """How many canonical tensors this worker's learned layout holds."""
         return len(self.weight_transfer_engine.learned.layout.names)
 
+    def awex_probe_lora(self, adapters: dict[str, int]) -> dict:
+        """A digest of each adapter tensor the engine holds (``awex.engines.vllm_lora``'s names), and which adapter
+        id each GPU slot serves (``slots``); what the slots compute is checked by the engine's output."""
+        from awex.engines.vllm_lora import AdapterTensors
+
+        manager = self.model_runner.model.lora_manager
+        out = {name: _digest(t) for name, t in AdapterTensors(manager, adapters).items()}
+        out["slots"] = list(manager.lora_index_to_id)
+        return out
+
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
     """Strides that matter (a dim of size 1 is never stepped)."""
     return tuple(s for s, n in zip(t.stride(), t.shape) if n != 1)
+
+
+def _digest(t: torch.Tensor) -> str:
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return f"{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]}"

@@ -65,7 +65,12 @@ def _expert_block(p: DTensor, dims: tuple[str, ...]) -> tuple[str, int] | None:
 
 def dtensor_local_rank(model: torch.nn.Module) -> int:
     """This rank's index in the layout: its row-major coordinate on the parameters' device mesh."""
-    mesh = _mesh_of(_params(model))
+    return mesh_local_rank(_params(model))
+
+
+def mesh_local_rank(params: Mapping[str, torch.Tensor]) -> int:
+    """This rank's row-major coordinate on the device mesh of ``params`` (0 where none is a DTensor)."""
+    mesh = _mesh_of(params)
     if mesh is None:
         return 0
     coord = mesh.get_coordinate()
@@ -90,10 +95,8 @@ def dtensor_model_layout(model: torch.nn.Module, instance: str, dtype: str | Non
     first = next(iter(params.values()))
     local_dtype = (first.to_local() if isinstance(first, DTensor) else first).dtype
     tensors = model_tensors(model, dtype or str(local_dtype).removeprefix("torch."))
-    mesh = _mesh_of(params)
-    dims = tuple(mesh.mesh_dim_names or [f"d{i}" for i in range(mesh.ndim)]) if mesh is not None else ("world",)
-    shape = tuple(mesh.shape) if mesh is not None else (1,)
-    problems = []
+    dims, shape = mesh_dims(params)
+    problems: list[str] = []
     layouts = []
     for t in tensors:
         p = params.get(t.name)
@@ -117,20 +120,41 @@ def dtensor_model_layout(model: torch.nn.Module, instance: str, dtype: str | Non
         if tuple(p.shape) != tuple(t.spec.shape):
             problems.append(f"{t.name}: global shape {tuple(p.shape)}, the config says {tuple(t.spec.shape)}")
             continue
-        placements = []
-        if isinstance(p, DTensor):
-            seen_dims = set()
-            for dim_name, pl in zip(dims, p.placements):
-                if isinstance(pl, Replicate):
-                    continue
-                if type(pl) is DShard:
-                    if pl.dim in seen_dims:
-                        problems.append(f"{t.name}: two mesh dimensions shard tensor dimension {pl.dim}")
-                    seen_dims.add(pl.dim)
-                    placements.append((dim_name, Shard(pl.dim)))
-                else:
-                    problems.append(f"{t.name}: placement {pl} is not supported (only Shard and Replicate)")
-        layouts.append(TensorLayout(t.spec, MeshSharding("dtensor", tuple(placements))))
+        layouts.append(TensorLayout(t.spec, dtensor_sharding(t.name, p, dims, problems)))
+    return dtensor_layout(instance, layouts, dims, shape, problems)
+
+
+def mesh_dims(params: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The names and sizes of the parameters' device mesh (one rank, ``("world",)``, where none is a DTensor)."""
+    mesh = _mesh_of(params)
+    if mesh is None:
+        return ("world",), (1,)
+    return tuple(mesh.mesh_dim_names or [f"d{i}" for i in range(mesh.ndim)]), tuple(mesh.shape)
+
+
+def dtensor_sharding(name: str, p: torch.Tensor, dims: tuple[str, ...], problems: list[str]) -> MeshSharding:
+    """How the parameter ``p`` (a DTensor, or a plain tensor: replicated) is placed over the ``dtensor`` mesh; what
+    cannot be described is added to ``problems``."""
+    placements = []
+    if isinstance(p, DTensor):
+        seen_dims = set()
+        for dim_name, pl in zip(dims, p.placements):
+            if isinstance(pl, Replicate):
+                continue
+            if type(pl) is DShard:
+                if pl.dim in seen_dims:
+                    problems.append(f"{name}: two mesh dimensions shard tensor dimension {pl.dim}")
+                seen_dims.add(pl.dim)
+                placements.append((dim_name, Shard(pl.dim)))
+            else:
+                problems.append(f"{name}: placement {pl} is not supported (only Shard and Replicate)")
+    return MeshSharding("dtensor", tuple(placements))
+
+
+def dtensor_layout(
+    instance: str, layouts: list[TensorLayout], dims: tuple[str, ...], shape: tuple[int, ...], problems: list[str]
+) -> Layout:
+    """The trainer layout of ``layouts`` over the ``dtensor`` mesh, or the ``problems`` found describing them."""
     if problems:
         raise AwexValueError(
             f"{instance}: cannot describe this model's DTensor parameters:\n  " + "\n  ".join(problems)
@@ -171,4 +195,12 @@ def dtensor_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
     return view_of
 
 
-__all__ = ["dtensor_local_rank", "dtensor_model_layout", "dtensor_views"]
+__all__ = [
+    "dtensor_layout",
+    "dtensor_local_rank",
+    "dtensor_model_layout",
+    "dtensor_sharding",
+    "dtensor_views",
+    "mesh_dims",
+    "mesh_local_rank",
+]

@@ -3,6 +3,7 @@ of its own parameters by canonical box, and (optionally) what to refresh before 
 for Megatron-core, FSDP2 and HF models; :meth:`awex.engines.writer.WeightsWriter.from_source` makes the writer.
 
     source = TrainerSource.megatron(model, config)   # sizes from parallel_state; or .fsdp(model), .hf(model)
+    source = TrainerSource.lora(peft_model, "math")  # a LoRA adapter alone (awex.engines.lora)
     writer = WeightsWriter.from_source(client, source, transport="auto")
 """
 
@@ -42,6 +43,21 @@ class TrainerSource:
         from awex.engines.fsdp import dtensor_local_rank, dtensor_model_layout, dtensor_views
 
         return cls(dtensor_model_layout(model, instance, dtype), dtensor_local_rank(model), dtensor_views(model))
+
+    @classmethod
+    def lora(
+        cls,
+        model: torch.nn.Module,
+        adapters: str | Sequence[str] | Mapping[str, str],
+        instance: str = "trainer",
+    ) -> TrainerSource:
+        """A PEFT LoRA model's adapters alone (whole, or FSDP2-sharded): ``adapters`` is the name the model's one
+        adapter is served under, a list of its adapters, or ``{peft_name: served_name}`` (``awex.engines.lora``).
+        Each write sends B times its scale, recomputed by ``refresh``."""
+        from awex.engines.lora import lora_source_parts
+
+        layout, local_rank, view_of, refresh = lora_source_parts(model, adapters, instance)
+        return cls(layout, local_rank, view_of, refresh)
 
     @classmethod
     def megatron(

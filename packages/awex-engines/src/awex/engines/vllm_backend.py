@@ -95,6 +95,7 @@ class AwexInitInfo(WeightTransferInitInfo):
     layout: str = "auto"  # "table", "learned" (from vLLM's loaders), or "auto": the table where there is one
     staging_budget_bytes: int | None = None  # staged: the most staging may hold; a larger shard receives in place
     staging: str = "device"  # staged: where the version is held, "device" or "host" (pinned; awex.engines.staging)
+    lora: dict[str, int] | None = None  # receive LoRA adapters, {served name: lora_int_id} (awex.engines.vllm_lora)
 
 
 @dataclass
@@ -148,6 +149,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         self._pending: StagedVersion | None = None  # a version received while generating, awaiting its word
         self._commit: Destinations | None = None  # staged: how an arrived version is applied (see _route)
         self._live = None  # the live parameters' views (what in-place receives and staged commits write)
+        self._after_apply = None  # what a version needs once it is whole in the live tensors (LoRA: the GPU slots)
 
     def init_transfer_engine(self, init_info: AwexInitInfo) -> None:
         if init_info.receive not in ("in_place", "staged"):
@@ -162,7 +164,10 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         client = MetaClient(init_info.meta_address, job=init_info.job, token=init_info.token, timeout=init_info.timeout)
         hf_config = self.model_config.hf_config.to_dict()
         dtype = str(self.model_config.dtype).removeprefix("torch.")
-        if init_info.layout == "learned" or (init_info.layout == "auto" and table_architecture(hf_config) is None):
+        self._after_apply = None
+        if init_info.lora is not None:
+            layout, live, tied = self._lora(init_info, local_rank)
+        elif init_info.layout == "learned" or (init_info.layout == "auto" and table_architecture(hf_config) is None):
             layout, live, tied = self._learn(client, init_info, local_rank, dtype)
         else:
             layout, live, tied = self._table(init_info, local_rank, hf_config, dtype)
@@ -178,7 +183,7 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
                     replace(init_info, receive="in_place", staging_budget_bytes=None, staging="device")
                 )
         check_mla_reloadable(self.model)  # refuse now what could not be reloaded later
-        if self.destinations.loader:
+        if self.loaded_through_vllm:
             check_cpu_moe_reloadable(self.model)
         through_loader = set(self.destinations.loader)
         staging = self._staging = StagingBuffers(layout, init_info.staging, self.device)  # kept between versions
@@ -190,7 +195,8 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             if callable(getattr(live, attr, None)):
                 setattr(view_of, attr, getattr(live, attr))
         self.timeout, self._mode, self._live = init_info.timeout, init_info.receive, live
-        where = transport_device(init_info.staging, self.device)  # staging in host memory: the GPU copies there
+        lora_in_place = init_info.lora is not None and init_info.receive == "in_place"  # vLLM holds adapters on host
+        where = transport_device("host" if lora_in_place else init_info.staging, self.device)  # the GPU copies there
         self.reader = WeightsReader(client, layout, local_rank, view_of, timeout=init_info.timeout, device=where)
         shards = self.reader.shards
         nbytes = {name: sum(view.nbytes for _, view in shards.pairs(name)) for name in shards.names()}
@@ -241,6 +247,19 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         except ValueError as e:
             log.info("awex backend: a staged version is applied through vLLM's loaders alone: %s", e)
         return route(*args, in_place=False, **kwargs)
+
+    def _lora(self, init_info: AwexInitInfo, local_rank: int):
+        """The LoRA adapters the engine serves (``awex.engines.vllm_lora``): each version lands in the adapters'
+        tensors, then in their GPU slots."""
+        from awex.engines.vllm_lora import lora_receiver
+
+        world = _vllm_parallel(self.vllm_config).world_size
+        layout, live, self._after_apply = lora_receiver(self.model, init_info.lora, init_info.instance, world)
+        names = [t.spec.name for t in layout.tensors]
+        staged = init_info.receive == "staged"
+        self._commit = Destinations(in_place=names) if staged else None
+        self.destinations = Destinations(loader=names) if staged else Destinations(in_place=names)
+        return layout, live, False
 
     def _learn(self, client: MetaClient, init_info: AwexInitInfo, local_rank: int, dtype: str):
         """The layout and views learned from vLLM's own loaders (``awex.engines.vllm_learned``)."""
@@ -343,6 +362,8 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
                 in_place=bool(dest.in_place),
                 before_apply=before_apply,
             )
+            if self._after_apply is not None and not dest.loader:  # in place: the version is whole now
+                self._after_apply()
         report = ReceiveReport(
             update_info.version,
             self.reader.layout.instance,
@@ -381,6 +402,8 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         commit_staged(shards, commit.in_place, self._live, self.device)
         if commit.loader:
             self._load_through_vllm(shards, commit)
+        if self._after_apply is not None:
+            self._after_apply()
 
     def _load_through_vllm(self, shards: LocalShards, dest: Destinations) -> None:
         """Load the tensors ``dest`` routes through vLLM's loaders, one module at a time (a layerwise

@@ -45,6 +45,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
 from awex.engines.errors import SyncFailedError
+from awex.engines.lora import check_adapters
 from awex.engines.pause import VersionStall, check_pause_mode, pauser_for
 from awex.engines.source import TrainerSource
 from awex.engines.staging import check_staging
@@ -97,6 +98,12 @@ class AwexSource(WeightSource):
         """An FSDP2 (``fully_shard``) model, each rank's local DTensor shards its boxes: :meth:`TrainerSource.fsdp
         <awex.engines.source.TrainerSource.fsdp>`'s arguments."""
         return cls.of(TrainerSource.fsdp(*args, **kwargs))
+
+    @classmethod
+    def lora(cls, *args: Any, **kwargs: Any) -> AwexSource:
+        """A PEFT LoRA model's adapters alone: :meth:`TrainerSource.lora <awex.engines.source.TrainerSource.lora>`'s
+        arguments (the engines serve the adapters and receive with ``lora=`` in their init info)."""
+        return cls.of(TrainerSource.lora(*args, **kwargs))
 
     @classmethod
     def megatron(cls, *args: Any, **kwargs: Any) -> AwexSource:
@@ -167,6 +174,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     delta: bool = SyncOptions.delta  # only the words that changed (transport "p2p" or "ipc"; see WeightsWriter)
     quantize_on_receive: bool = SyncOptions.quantize_on_receive  # FP8 engines on the trainer's GPUs quantise the copy
     verify: bool = SyncOptions.verify  # engines compare digests of what they got with the trainer's
+    lora: dict[str, int] | None = None  # the engines receive LoRA adapters: {served name: lora_int_id} (source: .lora)
 
     def __post_init__(self) -> None:
         self.instances = _names(self.instances, "instances")
@@ -181,6 +189,8 @@ class AwexTrainerInitInfo(TrainerInitInfo):
             self.sync_options().check()
         except ValueError as e:
             raise AwexValueError(f"awex: {e}") from None
+        if self.lora is not None:
+            self.lora = check_adapters(self.lora)
         if not isinstance(self.version_prefix, str) or "/" in self.version_prefix:
             raise AwexValueError(f"awex: version_prefix={self.version_prefix!r}; a string without '/'")
 
@@ -297,6 +307,7 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
                             else {}
                         ),
                         **({"staging": init_info.staging} if init_info.staging != "device" else {}),
+                        **({"lora": dict(init_info.lora)} if init_info.lora is not None else {}),
                     }
                 )
             options = PlanOptions(allow_cast=init_info.allow_cast, quantize_on_receive=init_info.quantize_on_receive)
