@@ -27,7 +27,9 @@ TOKENS = 12
 MODELS = Path(__file__).parents[1] / "models"
 
 
-def _peft(model_dir, seed: int = 0, code_rank: int = 8):
+def _peft(
+    model_dir, seed: int = 0, code_rank: int = 8, code_modules: tuple[str, ...] = ("q_proj", "v_proj", "down_proj")
+):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -36,7 +38,7 @@ def _peft(model_dir, seed: int = 0, code_rank: int = 8):
     model = get_peft_model(
         base, LoraConfig(r=4, lora_alpha=8, target_modules=MODULES, init_lora_weights=False), adapter_name="math"
     )
-    code = LoraConfig(r=code_rank, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"])
+    code = LoraConfig(r=code_rank, lora_alpha=8, use_rslora=True, target_modules=list(code_modules))
     model.add_adapter("code", code)
     return model
 
@@ -134,10 +136,10 @@ def _whole(source, name):
     return Box.full(tuple(source.layout.tensor(name).spec.shape))
 
 
-def test_adapters_synced_in_place_equal_the_merged_model(lora_engine):
+def test_adapters_synced_in_place_equal_the_merged_model(lora_engine, model_dir):
     """Two versions in place (the second after vLLM dropped every adapter at the end of the first update: Awex keeps
     them served from what it received, not from the files); only the adapters' bytes move, to both ranks."""
-    model = _peft(lora_engine[2], seed=1)
+    model = _peft(model_dir, seed=1)
     engine = _trainer(lora_engine, model)
     source = engine.source
     adapter_bytes = sum(source.view_of(n, _whole(source, n)).nbytes for n in source.layout.names)
@@ -149,13 +151,16 @@ def test_adapters_synced_in_place_equal_the_merged_model(lora_engine):
     engine.shutdown()
 
 
-def test_staged_with_verify_after_an_adapter_of_another_rank_was_refused(lora_engine):
-    """An adapter of another rank than the engine serves is refused before any byte moves, naming it; then staged
-    receive with verify applies a version whole."""
-    model = _peft(lora_engine[2], seed=2)
+def test_staged_with_verify_after_adapters_unlike_the_engines_were_refused(lora_engine, model_dir):
+    """An adapter of another rank, or on more modules, than the engine serves is refused before any byte moves,
+    naming it; then staged receive with verify applies a version whole."""
+    model = _peft(model_dir, seed=2)
     with pytest.raises(AwexValueError) as wrong_rank:
-        _trainer(lora_engine, _peft(lora_engine[2], seed=2, code_rank=6))
+        _trainer(lora_engine, _peft(model_dir, seed=2, code_rank=6))
     assert "code/" in str(wrong_rank.value), wrong_rank.value  # names an adapter tensor whose shape differs
+    more = _peft(model_dir, seed=2, code_modules=("q_proj", "v_proj", "down_proj", "o_proj"))
+    with pytest.raises(AwexValueError, match=r"does not hold 4 tensor\(s\) this trainer sends.*code/"):
+        _trainer(lora_engine, more)  # the engine's adapter lacks o_proj: refused, never left out unsaid
     engine = _trainer(lora_engine, model, receive="staged", verify=True)
     _perturb(model)
     version = engine.send_weights()

@@ -127,11 +127,19 @@ class VersionSender:
         self.unstaged: dict[str, str] = {}  # staged: engines whose ranks cannot stage (budget), and why
         self._worlds: dict[str, int] = {}
 
-    def preflight(self, trainer: Layout, options: PlanOptions) -> None:
+    def preflight(self, trainer: Layout, options: PlanOptions, exact: bool = False) -> None:
         """Plan once against every engine's published layout (set up by ``init_weight_transfer_engine``), so that a
         trainer an engine cannot receive from (another model, a narrowing cast not allowed) is refused at set-up,
-        before any engine is paused or any byte moves."""
+        before any engine is paused or any byte moves. ``exact``: each engine must hold every tensor the trainer sends
+        (LoRA adapters: a module the engine's adapter lacks would otherwise be left out unsaid)."""
         engines = [self.meta.fetch_layout(name, "current", timeout=self.timeout) for name in sorted(self.engines)]
+        for layout in engines if exact else ():
+            extra = sorted(set(trainer.names) - set(layout.names))
+            if extra:
+                raise AwexValueError(
+                    f"awex: {layout.instance} does not hold {len(extra)} tensor(s) this trainer sends, e.g. "
+                    f"{extra[:3]}: its adapters target other modules (serve the trainer's adapters)"
+                )
         for layout in engines:
             self._worlds[layout.instance] = layout.world_size
             for rank in range(layout.world_size) if self.staged else ():

@@ -311,7 +311,7 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
                     }
                 )
             options = PlanOptions(allow_cast=init_info.allow_cast, quantize_on_receive=init_info.quantize_on_receive)
-            sender.preflight(awex_source.layout, options)
+            sender.preflight(awex_source.layout, options, exact=init_info.lora is not None)
         engine = cls(
             client=clients,
             source=awex_source,
