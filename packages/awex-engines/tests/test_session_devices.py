@@ -8,6 +8,7 @@ from pathlib import Path
 from awex.engines.sync import keys, places
 from awex.engines.sync.keys import version_records
 from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.options import SyncOptions
 from awex.engines.sync.session import SyncSession
 from awex.meta import canonical_tensors
 from awex.meta.client import MetaClient
@@ -44,7 +45,8 @@ def _plans(transport: str, gpus: dict = COLOCATED, reach: dict | None = None, fa
         client = MetaClient(server.address, job="devices", timeout=20)
         for layout in layouts:
             client.publish_layout(layout, "current")
-        manifest = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", free_port(), transport=transport)
+        options = SyncOptions(transport=transport)
+        manifest = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", free_port(), options)
         plans, errors, transports, sessions = {}, [], {}, []
 
         def rank(instance: str, local_rank: int) -> None:

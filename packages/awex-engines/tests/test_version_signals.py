@@ -219,9 +219,14 @@ def test_a_manifest_says_its_transport_and_its_default_is_the_writers():
     from awex.engines.sync.manifest import SyncManifest
     from awex.engines.sync.options import SyncOptions
 
-    assert SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000).transport == SyncOptions().transport == "auto"
-    doc = SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000, transport="ipc").to_json()
-    assert SyncManifest.from_json(doc).transport == "ipc"
-    del doc["transport"]
+    assert SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000).options == SyncOptions()  # one set of defaults
+    ipc = SyncOptions(transport="ipc", verify=True, allow_cast=("*.weight",), timeout=7)
+    doc = SyncManifest("v1", ("t",), ("r",), "127.0.0.1", 5000, ipc).to_json()
+    assert SyncManifest.from_json(doc).options == ipc  # the writer's record, as every rank reads it
+    for name, bad in (("transport", None), ("verify", 1), ("wave_bytes", "8"), ("allow_cast", "*")):
+        wrong = {**doc, "options": {**doc["options"], name: bad}}
+        with pytest.raises(ValueError, match=f"malformed sync manifest: options: {name}="):
+            SyncManifest.from_json(wrong)
+    del doc["options"]["transport"]  # every writer says each option: no default to disagree with its own
     with pytest.raises(ValueError, match="malformed sync manifest"):
         SyncManifest.from_json(doc)

@@ -147,7 +147,7 @@ class WeightsReader:
             manifest = self._session.fetch_manifest(version, self.timeout)
             if self.layout.instance not in manifest.destinations:
                 raise AwexValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
-            if self.verify and not manifest.verify:
+            if self.verify and not manifest.options.verify:
                 raise VerifyError(
                     f"{self.layout.instance}:{self.local_rank} requires verified versions (verify=True), and the "
                     f"writer of {version!r} does not verify: pass verify=True to the writer"
@@ -166,7 +166,7 @@ class WeightsReader:
             stats = self._session.transfer(
                 manifest, self._shards, self.timeout - (time.monotonic() - started), beside=confirm
             )
-            if manifest.verify:  # before validation and the load step: nothing unverified is applied
+            if manifest.options.verify:  # before validation and the load step: nothing unverified is applied
                 self._session.verify(manifest, self._shards, started + self.timeout)
             self._session.phases.update(
                 fingerprint=bound - started, manifest=fetched - bound, transferred=time.monotonic() - started

@@ -274,7 +274,7 @@ class WeightsWriter:
                 refresh_by_wave=self.refresh_by_wave,
                 beside=partial(self._beside, self._shards),
             )
-            if manifest.verify:  # what this rank sent, digested while the receivers digest what they got
+            if manifest.options.verify:  # what this rank sent, digested while the receivers digest what they got
                 self._session.verify(manifest, self._shards, deadline)
             outcomes = self._session.await_outcomes(manifest, deadline)
             if self._announcer is not None:  # a claim sent under the lease: its answer, read once the receivers

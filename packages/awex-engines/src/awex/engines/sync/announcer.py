@@ -61,6 +61,8 @@ class Announcer:
         self._written: deque[tuple[str, int]] = deque()  # (version, attempt count) written, oldest first
         self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write
         self._manifest: SyncManifest | None = None  # the last manifest, and as JSON
+        self._options_given: SyncOptions | None = None  # the writer's options last announced, and as read
+        self._options_wire = SyncOptions()
         self._manifest_doc: dict | None = None
         self.last_phases: dict[str, float] = {}  # seconds of the last announcement's steps: claim, post
 
@@ -281,6 +283,12 @@ class Announcer:
             self._refuse(version, str(e))
             raise
 
+    def _wire(self, options: SyncOptions) -> SyncOptions:
+        """The writer's options as every rank reads them from its manifest (made again only when they change)."""
+        if options is not self._options_given:
+            self._options_given, self._options_wire = options, SyncOptions.from_wire(options.to_wire())
+        return self._options_wire
+
     def _manifest_for(self, version: str, destinations: Sequence[str], options: SyncOptions) -> SyncManifest:
         return SyncManifest(
             version,
@@ -288,19 +296,13 @@ class Announcer:
             tuple(sorted(destinations)),
             options.host,
             self._port,
-            options.wave_bytes,
-            options.timeout,
-            options.transport,
-            options.allow_cast,
+            self._wire(options),
             refresh_by_wave=options.refresh_by_wave is not None,
             channel=self._channel.address,
             channel_secret=self._channel.secret,
             seq=self._seq,
             board=self._board.path if self._board else None,
             board_host=host_identity() if self._board else None,
-            delta=options.delta,
-            quantize_on_receive=options.quantize_on_receive,
-            verify=options.verify,
             epoch=self.epoch,
         )
 

@@ -7,6 +7,7 @@ import hmac
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from awex.engines.sync.options import SyncOptions
 from awex.meta.errors import AwexValueError
 
 
@@ -38,31 +39,23 @@ class SyncManifest:
     destinations: tuple[str, ...]
     host: str
     port: int
-    wave_bytes: int = 256 << 20
-    timeout: float = 300.0
-    # "p2p": NCCL on CUDA, gloo on CPU; "ipc": CUDA engines on one host (sharing GPUs or not), receivers pull
-    # from the trainers' memory with their copy engines (fastest where no region goes to several instances);
-    # "shm": ranks on one host, CPU views; senders write each version once into shared memory, receivers copy
-    # out (awex.transport.pull.shm); "auto": every rank publishes its device and all choose the same
-    # (awex.meta.transport_choice); the writer's default, as WeightsWriter's
-    transport: str = "auto"
-    allow_cast: tuple[str, ...] = ()  # glob patterns of tensors that may be narrowed to the receiver's dtype
+    # what the writer asks of the version: one record (awex.engines.sync.options), its defaults the writer's; the
+    # transport: "p2p" (NCCL on CUDA, gloo on CPU), "ipc" (CUDA engines on one host), "shm" (CPU ranks on one host),
+    # "rdma", or "auto" (every rank publishes its device and all choose the same: awex.meta.transport_choice)
+    options: SyncOptions = SyncOptions()
     refresh_by_wave: bool = False  # the senders derive what they send wave by wave (FP8 on the fly): for "auto"
     channel: str | None = None  # the version channel ("host:port", awex.engines.sync.channel) and its key secret
     channel_secret: str | None = None
     seq: int = 0  # the writer's count of versions written (signals on the host board carry it)
     board: str | None = None  # the host board (awex.engines.sync.board) and the host it is on
     board_host: str | None = None
-    delta: bool = False  # buckets travel as the words that changed since the last version (awex.transport.delta)
-    quantize_on_receive: bool = False  # FP8 receivers quantise from the trainer's memory (CUDA IPC, one GPU)
-    verify: bool = False  # receivers compare digests of what they got with the senders' (awex.engines.sync.verify)
     epoch: int = 0  # the announcing writer's epoch (its fence on the MetaServer): a newer writer may take over
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["sources"] = list(self.sources)
         d["destinations"] = list(self.destinations)
-        d["allow_cast"] = list(self.allow_cast)
+        d["options"] = self.options.to_wire()
         for name in ("channel", "channel_secret", "board", "board_host"):
             if d[name] is None:
                 del d[name]
@@ -77,19 +70,13 @@ class SyncManifest:
                 destinations=tuple(d["destinations"]),
                 host=str(d["host"]),
                 port=int(d["port"]),
-                wave_bytes=int(d["wave_bytes"]),
-                timeout=float(d["timeout"]),
-                transport=str(d["transport"]),  # every writer says which: no default to disagree with its own
-                allow_cast=tuple(str(p) for p in d.get("allow_cast", ())),
-                refresh_by_wave=bool(d.get("refresh_by_wave", False)),
+                options=SyncOptions.from_wire(d["options"]),  # every writer says each: none to disagree with
+                refresh_by_wave=_flag(d.get("refresh_by_wave", False)),
                 channel=_channel_address(d.get("channel")),
                 channel_secret=_channel_secret(d),
                 seq=_count(d.get("seq", 0)),
                 board=_optional_str(d.get("board")),
                 board_host=_optional_str(d.get("board_host")),
-                delta=_flag(d.get("delta", False)),
-                quantize_on_receive=_flag(d.get("quantize_on_receive", False)),
-                verify=_flag(d.get("verify", False)),
                 epoch=_count(d.get("epoch", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -105,7 +92,7 @@ class SyncManifest:
         return replace(self, version=version, seq=seq)
 
     def rendezvous(self) -> tuple:
-        return (self.host, self.port, self.sources, self.destinations, self.transport)
+        return (self.host, self.port, self.sources, self.destinations, self.options.transport)
 
 
 def _flag(value: Any) -> bool:

@@ -41,6 +41,30 @@ class SyncOptions:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         return {k: v for k, v in out.items() if v is not None or k not in ("refresh", "refresh_by_wave")}
 
+    def to_wire(self) -> dict[str, Any]:
+        """The options every rank of a version reads from its manifest (:data:`WIRE`), as plain data."""
+        out = {name: getattr(self, name) for name in WIRE}
+        out["allow_cast"] = list(self.allow_cast)
+        return out
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> SyncOptions:
+        """Options read from a manifest: exactly the :data:`WIRE` fields, each of its type (untrusted: nothing is
+        coerced); the rules between them are :meth:`check`'s, which every rank applies before it plans."""
+        if not isinstance(doc, dict) or set(doc) != set(WIRE):
+            keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+            raise AwexValueError(f"options {keys}: the writer's options are {list(WIRE)}")
+        typed = {"wave_bytes": int, "timeout": (int, float), "transport": str, "allow_cast": list}
+        for name, kind in typed.items():
+            if not isinstance(doc[name], kind) or isinstance(doc[name], bool):
+                raise AwexValueError(f"options: {name}={doc[name]!r} is not a {name} value")
+        for name in ("delta", "quantize_on_receive", "verify"):
+            if not isinstance(doc[name], bool):
+                raise AwexValueError(f"options: {name}={doc[name]!r}: true or false")
+        if len(doc["allow_cast"]) > 1024 or any(not isinstance(p, str) or len(p) > 1024 for p in doc["allow_cast"]):
+            raise AwexValueError("options: allow_cast holds glob patterns (short strings)")
+        return cls(**{**doc, "timeout": float(doc["timeout"]), "allow_cast": tuple(doc["allow_cast"])})
+
     def check(self) -> SyncOptions:
         """These options, or ``ValueError`` saying what to pass instead: each option alone, then together."""
         if not isinstance(self.host, str) or not self.host:
@@ -69,6 +93,11 @@ class SyncOptions:
         if budget is not None and (not self.delta or not _whole(budget) or budget < 0):
             raise AwexValueError("delta_budget_bytes: a non-negative byte count, with delta=True")
         return self
+
+
+WIRE = ("wave_bytes", "timeout", "transport", "allow_cast", "delta", "quantize_on_receive", "verify")
+"""What a manifest carries of a writer's options: the rest are the writer's own (its address is the manifest's
+``host``; ``refresh``, ``keep_versions`` and the delta budget stay with the senders)."""
 
 
 def combination_error(transport: str, delta: bool, quantize_on_receive: bool, verify: bool = False) -> str | None:

@@ -59,7 +59,7 @@ class SyncPeerLink:
 
     @property
     def digests(self) -> bool:
-        return self.manifest.verify
+        return self.manifest.options.verify
 
     def _key(self, rank: int, generation: int) -> str:
         r = self.plan.ranks[rank]

@@ -24,7 +24,6 @@ from awex.engines.sync import keys, outcomes, places
 from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import ChannelError, VersionChannel
 from awex.engines.sync.manifest import Attempt, SyncManifest, _count, group_secret
-from awex.engines.sync.options import combination_error
 from awex.engines.sync.peer_link import SyncPeerLink
 from awex.engines.sync.signals import Signals, signals_for
 from awex.engines.sync.verify import Verifier
@@ -275,11 +274,12 @@ class SyncSession:
         key = PlanKey.of(manifest, tuple(id(layouts[n]) for n in names))
         if key == self._key and self._plan is not None:
             return self._plan, self._plan.rank(self.instance, self.local_rank).rank, False
-        wrong = combination_error(manifest.transport, manifest.delta, manifest.quantize_on_receive, manifest.verify)
-        if wrong:
-            raise AwexValueError(f"sync {manifest.version!r}: {wrong}")
+        try:  # the writer's own rules, alone and together, as its check() applied them
+            manifest.options.check()
+        except ValueError as e:
+            raise AwexValueError(f"sync {manifest.version!r}: {e}") from None
         with phase("devices"):  # also finds where every rank can take per-version signals (all transports)
-            where = self._devices(manifest.attempt.name, names, layouts, deadline, manifest.transport != "p2p")
+            where = self._devices(manifest.attempt.name, names, layouts, deadline, manifest.options.transport != "p2p")
         self._processes = where.processes
 
         plan_started = time.perf_counter()
@@ -307,7 +307,7 @@ class SyncSession:
             deadline,
             self.device,
             manifest.rendezvous(),
-            delta=manifest.delta,
+            delta=manifest.options.delta,
             delta_budget_bytes=self.delta_budget_bytes,
             quantize=_fp8_quantizer() if plan.quantized else None,
             job=self.client.job,

@@ -28,10 +28,10 @@ class PlanKey:
     def of(cls, manifest: SyncManifest, layouts: tuple[int, ...] = ()) -> PlanKey:
         return cls(
             manifest.rendezvous(),
-            manifest.wave_bytes,
-            tuple(manifest.allow_cast),
-            manifest.delta,
-            manifest.quantize_on_receive,
+            manifest.options.wave_bytes,
+            tuple(manifest.options.allow_cast),
+            manifest.options.delta,
+            manifest.options.quantize_on_receive,
             layouts,
         )
 
@@ -56,17 +56,17 @@ def plan_version(
             [layouts[n] for n in manifest.sources],
             [layouts[n] for n in manifest.destinations],
             PlanOptions(
-                wave_bytes=manifest.wave_bytes,
-                relay=transport == "p2p" and not manifest.delta,  # a delta bucket is checked by its receiver
-                allow_cast=manifest.allow_cast,
+                wave_bytes=manifest.options.wave_bytes,
+                relay=transport == "p2p" and not manifest.options.delta,  # a delta bucket is checked by its receiver
+                allow_cast=manifest.options.allow_cast,
                 devices=devices if transport == "ipc" else (),
                 topology=Topology() if nodes else None,
                 hosts=host_of if nodes else (),
-                quantize_on_receive=manifest.quantize_on_receive,
+                quantize_on_receive=manifest.options.quantize_on_receive,
             ),
         )
 
-    transport = manifest.transport
+    transport = manifest.options.transport
     if transport == "auto":
         ipc_plan, p2p_plan = plan_for("ipc"), plan_for("p2p")
         choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave, reach, shm_ok=where.shm_ok)
