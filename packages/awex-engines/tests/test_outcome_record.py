@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from awex.engines.outcome import APPLIED, Outcome
 from awex.engines.sync import outcomes
 from awex.engines.sync.manifest import SyncManifest
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
@@ -70,7 +71,8 @@ def test_the_first_trainer_rank_reads_every_receiver_and_the_others_one_record()
     other = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 1.0, rank=1)
     assert signals.reads == before + 1  # one read, whatever the number of receivers
     assert other == first
-    assert other[RECEIVERS[1]] == failed and other[RECEIVERS[2]] is None and other[RECEIVERS[0]] == {"ok": True}
+    assert other[RECEIVERS[1]] == Outcome(False, "RuntimeError: boom", True)
+    assert other[RECEIVERS[2]] is None and other[RECEIVERS[0]] == APPLIED
 
 
 @pytest.mark.parametrize(
@@ -91,8 +93,9 @@ def test_a_missing_or_malformed_record_counts_every_receiver_as_silent(record):
 
 
 def test_the_record_round_trips_every_outcome():
-    got = {who: {"ok": True} for who in RECEIVERS}
-    got[RECEIVERS[0]] = {"ok": False, "cause": None, "partial": False}
+    got = {who: APPLIED for who in RECEIVERS}
+    got[RECEIVERS[0]] = Outcome(False, None, False)
+    got[RECEIVERS[1]] = Outcome(False, "RuntimeError: apply", True)
     got[RECEIVERS[3]] = None
     receivers = [r for r in PLAN.ranks if r.role.value != "trainer"]
     assert outcomes.from_record(json.loads(json.dumps(outcomes.to_record(got))), receivers) == got
@@ -113,7 +116,7 @@ def test_the_first_trainer_rank_reads_one_record_per_instance():
     signals.reads = 0
     got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 1.0, rank=0)
     assert signals.reads == 2  # one per instance, not one per rank
-    assert got == {who: {"ok": True} for who in RECEIVERS[:3]} | {RECEIVERS[3]: docs[RECEIVERS[3]]}
+    assert got == {who: APPLIED for who in RECEIVERS[:3]} | {RECEIVERS[3]: Outcome(False, "ValueError: views")}
 
 
 def test_ranks_a_record_does_not_vouch_for_are_read_one_by_one():
@@ -124,7 +127,7 @@ def test_ranks_a_record_does_not_vouch_for_are_read_one_by_one():
     signals.docs[RECEIVERS[1]] = late  # reported before the trainer's deadline
     signals.by_instance["vllm-1"] = {"failed": {"vllm-0:0": {"ok": False}}, "silent": []}  # names another instance
     got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 1.0, rank=0)
-    assert got == {who: {"ok": True} for who in RECEIVERS}  # vllm-0:1 and vllm-1's ranks read one by one
+    assert got == {who: APPLIED for who in RECEIVERS}  # vllm-0:1 and vllm-1's ranks read one by one
     signals.by_instance["vllm-1"] = {"failed": {}, "silent": []}  # "all applied"
     del signals.docs[RECEIVERS[2]]
     signals.by_instance["vllm-1"]["silent"] = ["vllm-1:0"]
@@ -156,7 +159,8 @@ def test_instance_records_travel_on_the_version_channel():
             outcomes.aggregate(PLAN, receiver, MANIFEST, who, time.monotonic() + 5.0)
         assert trainer.instances(MANIFEST, ["vllm-0", "vllm-1", "vllm-9"], time.monotonic() + 0.05)[2] is None
         got = outcomes.collect(PLAN, trainer, MANIFEST, time.monotonic() + 5.0, rank=0)
-        assert got == {who: failed if who == RECEIVERS[2] else {"ok": True} for who in RECEIVERS}
+        assert got == {who: Outcome.from_wire(failed) if who == RECEIVERS[2] else APPLIED for who in RECEIVERS}
+        assert got[RECEIVERS[2]] == Outcome(False, "RuntimeError: apply", True)
         assert outcomes.collect(PLAN, receiver, MANIFEST, time.monotonic() + 5.0, rank=1) == got  # the others' record
     finally:
         host.close()
@@ -174,3 +178,16 @@ def test_an_instance_s_first_rank_waits_for_its_ranks_a_bounded_while_and_says_w
     outcomes.aggregate(PLAN, signals, MANIFEST, RECEIVERS[0], time.monotonic() + 60.0)  # a sync's long deadline
     assert time.monotonic() - started < 5.0  # not the sync's deadline: the trainer reads the rest itself
     assert signals.by_instance["vllm-0"] == {"failed": {}, "silent": ["vllm-0:1"]}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [None, "ok", {"ok": 1}, {"ok": "true"}, {"cause": "x"}, [True], {"ok": None, "partial": False}],
+)
+def test_an_outcome_is_applied_only_where_it_says_exactly_ok_true(doc):
+    """Untrusted outcomes: anything but ``ok: true`` is a failure, and a malformed one a partial failure naming it."""
+    outcome = Outcome.from_wire(doc)
+    assert not outcome.ok and outcome.partial and "malformed outcome" in outcome.cause
+    assert Outcome.from_wire({"ok": True, "cause": "ignored"}) is APPLIED
+    said = Outcome.from_wire({"ok": False, "cause": "x" * 5000, "partial": "yes"})
+    assert not said.ok and not said.partial and len(said.cause) == 2000  # partial only where exactly true

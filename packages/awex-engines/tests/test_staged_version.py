@@ -122,7 +122,7 @@ def test_a_dropped_version_fails_untouched_and_not_partly_applied_then_the_next_
         w.join(30)
         assert isinstance(out.get("error"), SyncFailedError) and isinstance(staged.error, VersionDroppedError)
         outcome = out["error"].failed[("eng", 0)]
-        assert outcome is not None and not outcome.get("partial"), outcome  # the weights were not touched
+        assert outcome is not None and not outcome.partial, outcome  # the weights were not touched
         assert _same(engine.live, before) and engine.applied == []
         for t in weights.values():
             t.add_(1.0)
@@ -145,10 +145,12 @@ def test_a_staged_version_without_a_word_by_its_deadline_is_dropped(server):
         w = _write(writer, "v1", out)
         w.join(30)
         assert isinstance(out.get("error"), SyncFailedError), out
-        assert isinstance(staged.error, VersionDroppedError) and "no decision" in str(staged.error)
-        assert _same(engine.live, before) and engine.applied == []
-        with pytest.raises(VersionDroppedError):  # too late: a commit raises what the receive raised
+        # too late: a commit raises what the receive raised (once its thread ended: the rank's outcome reaches the
+        # writer before the thread records its error, so the error is read after the join decide() does)
+        with pytest.raises(VersionDroppedError, match="no decision"):
             staged.decide(True, timeout=5)
+        assert isinstance(staged.error, VersionDroppedError)
+        assert _same(engine.live, before) and engine.applied == []
     finally:
         writer.close()
         engine.reader.close()

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from awex.engines.outcome import Outcome, Outcomes
 from awex.meta.errors import AwexValueError, MetaServerError
 from awex.transport.base import TransferError
 
 
 class SyncFailedError(TransferError):
     """Version ``version`` was not applied on every receiving rank. ``failed`` maps ``(instance, rank)`` to that
-    rank's outcome (``{"ok": False, "cause": ..., "partial": ...}``), or to ``None`` for a rank that did not
-    report within the deadline (dead or stuck). ``causes`` maps a party that is not one receiving rank (an engine
-    as a whole, a trainer rank, the pause) to what went wrong there."""
+    rank's :class:`~awex.engines.outcome.Outcome` (``ok`` false, ``cause``, ``partial``), or to ``None`` for a rank
+    that did not report within the deadline (dead or stuck). ``causes`` maps a party that is not one receiving rank
+    (an engine as a whole, a trainer rank, the pause) to what went wrong there."""
 
-    def __init__(self, version: str, failed: dict[tuple[str, int], dict | None], causes: dict[str, str] | None = None):
+    def __init__(self, version: str, failed: Outcomes, causes: dict[str, str] | None = None):
         self.version = version
         self.failed = dict(failed)
         self.causes = dict(causes or {})
@@ -23,8 +24,8 @@ class SyncFailedError(TransferError):
             else:
                 parts.append(
                     f"{instance}:{rank} failed"
-                    + (" part-way" if outcome.get("partial") else "")
-                    + (f": {outcome['cause']}" if outcome.get("cause") else "")
+                    + (" part-way" if outcome.partial else "")
+                    + (f": {outcome.cause}" if outcome.cause else "")
                 )
         super().__init__(
             f"version {version!r} was not applied everywhere: "
@@ -44,18 +45,18 @@ class ClaimRefusedError(MetaServerError):
     serving its name, whatever its ranks said."""
 
 
-def instance_verdicts(outcomes: dict[tuple[str, int], dict | None]) -> dict[str, str]:
+def instance_verdicts(outcomes: Outcomes) -> dict[str, str]:
     """Per instance, from its ranks' outcomes of one version: ``"applied"`` (every rank applied it),
     ``"unchanged"`` (every rank failed before changing anything: the previous version still serves), or
     ``"inconsistent"`` (some ranks changed, or may have changed, their weights and some did not finish)."""
-    by_instance: dict[str, list[dict | None]] = {}
+    by_instance: dict[str, list[Outcome | None]] = {}
     for (instance, _), outcome in outcomes.items():
         by_instance.setdefault(instance, []).append(outcome)
     verdicts = {}
     for instance, ranks in by_instance.items():
-        if all(o is not None and o.get("ok") for o in ranks):
+        if all(o is not None and o.ok for o in ranks):
             verdicts[instance] = "applied"
-        elif all(o is not None and not o.get("ok") and not o.get("partial") for o in ranks):
+        elif all(o is not None and not o.ok and not o.partial for o in ranks):
             verdicts[instance] = "unchanged"
         else:
             verdicts[instance] = "inconsistent"

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from awex.engines.errors import SyncFailedError
+from awex.engines.outcome import Outcomes
 from awex.engines.pause import FAILED_VERSION_PREFIX, Pauser, VersionStall, paused_now, set_weight_version
 from awex.engines.sync import keys
 from awex.meta import Layout, PlanError, PlanOptions, plan_transfers
@@ -352,11 +353,11 @@ class VersionSender:
         self.left_paused -= set(done)
         return done, errors
 
-    def _intact(self, instance: str, failed: dict[tuple[str, int], dict | None]) -> bool:
+    def _intact(self, instance: str, failed: Outcomes) -> bool:
         """Whether ``instance`` still holds the previous version whole after a failed one: it received staged and
         none of its ranks began loading, or every rank reported failing before changing anything."""
         mine = {rank: o for (name, rank), o in failed.items() if name == instance}
-        if any(o is None or o.get("partial") for o in mine.values()):
+        if any(o is None or o.partial for o in mine.values()):
             return False
         if self.staged:
             return True

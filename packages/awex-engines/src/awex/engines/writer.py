@@ -279,7 +279,7 @@ class WeightsWriter:
             outcomes = self._session.await_outcomes(manifest, deadline)
             if self._announcer is not None:  # a claim sent under the lease: its answer, read once the receivers
                 self._announcer.confirm()  # reported (it came while they copied)
-            failed = {rank: o for rank, o in outcomes.items() if not (o and o.get("ok"))}
+            failed = {rank: o for rank, o in outcomes.items() if o is None or not o.ok}
             if failed:
                 raise SyncFailedError(version, failed)
         except BaseException as e:

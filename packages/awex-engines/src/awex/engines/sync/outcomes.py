@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Mapping
 
+from awex.engines.outcome import APPLIED, Outcome, Outcomes
 from awex.engines.sync import keys, places
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
@@ -18,7 +19,6 @@ from awex.meta.client import MetaClient
 
 log = logging.getLogger("awex.engines")
 
-Outcomes = dict[tuple[str, int], "dict | None"]
 AGGREGATE_SECONDS = 1.0  # the longest an instance's first rank waits for its ranks' outcomes (they finish together)
 
 
@@ -43,9 +43,10 @@ def report(
         me = plan.rank(*who) if plan is not None else None
     except KeyError:
         pass
-    doc = {"ok": ok, "cause": (cause or "")[:2000] or None, "partial": partial}
+    outcome = APPLIED if ok else Outcome.failed(cause, partial)
+    doc = outcome.to_wire()
     if not ok:  # ranks still in the attempt's device gather or plan agreement learn it at once
-        places.abandon(client, manifest, who, doc["cause"])
+        places.abandon(client, manifest, who, outcome.cause)
     try:
         if not ok or me is None or signals is None or signals.medium == "meta":
             client.put(keys.outcome(manifest.version, manifest.seq, *who), doc)
@@ -111,7 +112,7 @@ def aggregate(plan: Plan, signals: Signals, manifest: SyncManifest, who: tuple[s
         return
     try:
         docs = signals.outcomes(manifest, mine, deadline)
-        got = {(r.instance, r.local_rank): d if isinstance(d, dict) else None for r, d in zip(mine, docs)}
+        got = {(r.instance, r.local_rank): None if d is None else Outcome.from_wire(d) for r, d in zip(mine, docs)}
         signals.publish_instance(manifest, who[0], to_record(got))
     except Exception as e:
         log.warning("%s:%d could not collect its instance's outcomes of %s: %s", *who, manifest.version, e)
@@ -149,12 +150,8 @@ def _by_instance(
 def to_record(got: Outcomes) -> dict:
     """Outcomes as one record: the failed ones with their documents, the silent ones by name; the rest applied."""
     return {
-        "failed": {
-            f"{i}:{r}": {"ok": False, "cause": doc.get("cause"), "partial": doc.get("partial") is True}
-            for (i, r), doc in sorted(got.items())
-            if doc is not None and not doc.get("ok")
-        },
-        "silent": [f"{i}:{r}" for (i, r), doc in sorted(got.items()) if doc is None],
+        "failed": {f"{i}:{r}": o.to_wire() for (i, r), o in sorted(got.items()) if o is not None and not o.ok},
+        "silent": [f"{i}:{r}" for (i, r), o in sorted(got.items()) if o is None],
     }
 
 
@@ -164,7 +161,7 @@ def from_record(doc: object, receivers: list) -> Outcomes:
     failed = doc.get("failed") if isinstance(doc, dict) else None
     silent = doc.get("silent") if isinstance(doc, dict) else None
     if failed == {} and silent == []:  # every receiver applied it (every steady version): nothing to check by name
-        return {(r.instance, r.local_rank): {"ok": True} for r in receivers}
+        return {(r.instance, r.local_rank): APPLIED for r in receivers}
     names = {f"{r.instance}:{r.local_rank}": (r.instance, r.local_rank) for r in receivers}
     if (
         not isinstance(failed, dict)
@@ -178,11 +175,9 @@ def from_record(doc: object, receivers: list) -> Outcomes:
     out: Outcomes = {}
     for name, who in names.items():
         if name in failed:
-            cause = failed[name].get("cause")
-            cause = None if cause is None else str(cause)[:2000]
-            out[who] = {"ok": False, "cause": cause, "partial": failed[name].get("partial") is True}
+            out[who] = Outcome.from_wire(failed[name])  # a failure (checked above): never read as applied
         else:
-            out[who] = None if name in silent else {"ok": True}
+            out[who] = None if name in silent else APPLIED
     return out
 
 
@@ -200,7 +195,7 @@ def _failed_elsewhere(signals: Signals, manifest: SyncManifest, silent: list) ->
             key = keys.outcome(manifest.version, manifest.seq, r.instance, r.local_rank)
             doc = client.try_get(key) if key in there else None
             if isinstance(doc, dict) and doc.get("ok") is False:
-                out[(r.instance, r.local_rank)] = doc
+                out[(r.instance, r.local_rank)] = Outcome.from_wire(doc)
         return out
     except Exception as e:  # the signals' own wait goes on until the deadline
         log.debug("could not read failures of %s from the MetaServer: %s", manifest.version, e)
@@ -222,8 +217,8 @@ def _each(
             break
         until = min(deadline, time.monotonic() + LIVENESS_SECONDS)
         for r, doc in zip(left, signals.outcomes(manifest, left, until)):
-            if isinstance(doc, dict):
-                got[(r.instance, r.local_rank)] = doc
+            if doc is not None:
+                got[(r.instance, r.local_rank)] = Outcome.from_wire(doc)
         if time.monotonic() >= deadline:
             break
         got.update(_failed_elsewhere(signals, manifest, [r for r in left if (r.instance, r.local_rank) not in got]))
@@ -232,5 +227,5 @@ def _each(
             if pid is not None and (r.instance, r.local_rank) not in got:
                 cause = f"{r.instance}:{r.local_rank} (pid {pid}, the trainer's host) exited before it reported"
                 log.warning("%s; version %r failed", cause, manifest.version)
-                got[(r.instance, r.local_rank)] = {"ok": False, "cause": cause, "partial": True}
+                got[(r.instance, r.local_rank)] = Outcome.failed(cause, partial=True)
     return {(r.instance, r.local_rank): got.get((r.instance, r.local_rank)) for r in receivers}

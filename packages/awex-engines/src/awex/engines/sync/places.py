@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from awex.engines.errors import SyncFailedError
+from awex.engines.outcome import Outcome
 from awex.engines.sync import keys
 from awex.engines.sync.board import host_identity
 from awex.engines.sync.manifest import SyncManifest
@@ -152,10 +153,10 @@ def _gather(client: MetaClient, attempt: str, me: tuple[str, int], doc: dict, ex
             if left <= WAIT_SLICE_SECONDS:
                 raise
         for key in client.keys(keys.attempt_outcomes(attempt)):
-            outcome = client.try_get(key)
-            if isinstance(outcome, dict) and outcome.get("ok") is False:
-                cause, partial = str(outcome.get("cause"))[:2000], outcome.get("partial") is True
-                raise failed_by(attempt, key.rsplit("/", 1)[1], cause, partial)
+            doc = client.try_get(key)
+            if isinstance(doc, dict) and doc.get("ok") is False:
+                outcome = Outcome.from_wire(doc)
+                raise failed_by(attempt, key.rsplit("/", 1)[1], str(outcome.cause), outcome.partial)
 
 
 def abandon(client: MetaClient, manifest: SyncManifest, who: tuple[str, int], cause: str | None) -> None:
@@ -177,5 +178,5 @@ def given_up(attempt: str, e: AgreementAbortedError) -> SyncFailedError:
 def failed_by(attempt: str, who: str, cause: str, partial: bool) -> SyncFailedError:
     """``attempt`` (``<version>/<count>``) failed because rank ``who`` (``instance:rank``) did, with ``cause``."""
     instance, _, rank = who.rpartition(":")
-    failed = {(instance, int(rank) if rank.isdigit() else -1): {"ok": False, "cause": cause, "partial": partial}}
+    failed = {(instance, int(rank) if rank.isdigit() else -1): Outcome.failed(cause, partial)}
     return SyncFailedError(attempt.rpartition("/")[0], failed)
