@@ -5,6 +5,8 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
+
 from awex.engines.sync import keys, places
 from awex.engines.sync.keys import version_records
 from awex.engines.sync.manifest import SyncManifest
@@ -158,13 +160,31 @@ def test_npu_ranks_publish_no_cuda_device_so_auto_chooses_point_to_point():
     mine = physical_device(npu)
     assert mine is None and reachable_devices(npu, mine) == ()
     record = describe(npu, mine or "", (), True, ())
-    assert record["device"] == "" and record["cpu"] is False
+    assert record.device == "" and record.cpu is False
     tiny = canonical_tensors(TINY)
     sources = [megatron_layout(tiny, MegatronParallel(), instance="trainer")]
     dests = [vllm_layout(tiny, VllmParallel(), instance="vllm-0")]
-    devices = (("trainer", 0, record["device"]), ("vllm-0", 0, record["device"]))
+    devices = (("trainer", 0, record.device), ("vllm-0", 0, record.device))
     ipc = plan_transfers(sources, dests, PlanOptions(relay=False))
     p2p = plan_transfers(sources, dests, PlanOptions(relay=True))
     choice = choose_transport(ipc, p2p, devices, shm_ok=False)
     assert choice.transport == "p2p", choice
     assert p2p_backend("npu:0") == "hccl"
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"device": 7, "reach": "x", "host": None, "pid": True, "cpu": 1, "shm": "yes", "in_place": 1, "signals": [1]},
+        ["GPU-0"],
+        None,
+    ],
+)
+def test_a_device_record_of_the_wrong_types_claims_nothing(doc):
+    """Another rank's device record is untrusted: a field of the wrong type claims nothing (no device, no shared
+    memory, no in-place copy, no signals but the MetaServer's), and a whole record round-trips."""
+    from awex.engines.sync.places import DeviceRecord
+
+    assert DeviceRecord.from_wire(doc) == DeviceRecord()
+    full = DeviceRecord("h/GPU-1", ("h/GPU-1", "h/GPU-2"), "h", 12, 34, False, True, True, ("board", "channel"))
+    assert DeviceRecord.from_wire(json.loads(json.dumps(full.to_wire()))) == full

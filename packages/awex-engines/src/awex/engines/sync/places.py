@@ -73,62 +73,114 @@ def reachable_devices(device: Any, mine: str | None) -> tuple[str, ...]:
     return tuple(out)
 
 
-def describe(device: Any, mine: str, reach: Sequence[str], in_place: bool, signals: Sequence[str]) -> dict:
+@dataclass(frozen=True)
+class DeviceRecord:
+    """Where one rank of an attempt runs and what it can do, as it publishes it (once per plan): ``device`` its GPU
+    (``host/GPU-uuid``; empty where it cannot copy in place or is not on a GPU), the GPUs it ``reach``es over CUDA
+    IPC, its host and process, whether it is a CPU rank, has a writable ``/dev/shm`` and copies in place, and the
+    per-version ``signals`` it can take (``board``, ``channel``)."""
+
+    device: str = ""
+    reach: tuple[str, ...] = ()
+    host: str = ""
+    pid: int | None = None
+    started: int | None = None
+    cpu: bool = False
+    shm: bool = False
+    in_place: bool = False
+    signals: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            **{f: getattr(self, f) for f in _RECORD_FIELDS},
+            "reach": list(self.reach),
+            "signals": list(self.signals),
+        }
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> DeviceRecord:
+        """Another rank's record, untrusted: a field of the wrong type takes its default (which claims nothing: no
+        device, no shared memory, no signals but the MetaServer); a bare string is a device (older records)."""
+        if not isinstance(doc, dict):
+            return cls(device=doc) if isinstance(doc, str) and len(doc) <= 1024 else cls()
+
+        def text(v: Any) -> bool:
+            return isinstance(v, str) and len(v) <= 1024
+
+        def whole(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def texts(v: Any) -> tuple[str, ...]:
+            return tuple(v) if isinstance(v, list) and len(v) <= 4096 and all(text(x) for x in v) else ()
+
+        return cls(
+            device=doc["device"] if text(doc.get("device")) else "",
+            reach=texts(doc.get("reach")),
+            host=doc["host"] if text(doc.get("host")) else "",
+            pid=doc["pid"] if whole(doc.get("pid")) else None,
+            started=doc["started"] if whole(doc.get("started")) else None,
+            cpu=doc.get("cpu") is True,
+            shm=doc.get("shm") is True,
+            in_place=doc.get("in_place") is True,
+            signals=texts(doc.get("signals")),
+        )
+
+
+_RECORD_FIELDS = ("device", "reach", "host", "pid", "started", "cpu", "shm", "in_place", "signals")
+
+
+def describe(device: Any, mine: str, reach: Sequence[str], in_place: bool, signals: Sequence[str]) -> DeviceRecord:
     """This rank's record: ``mine`` its device (empty where it cannot copy in place or is not on a GPU)."""
     pid = os.getpid()
-    return {
-        "device": mine,
-        "reach": list(reach),
-        "host": host_identity(),
-        "pid": pid,
-        "started": start_time(pid),
-        "cpu": getattr(device, "type", "cpu") == "cpu",
-        "shm": SEGMENT_DIR.is_dir() and os.access(SEGMENT_DIR, os.W_OK),
-        "in_place": bool(in_place),
-        "signals": list(signals),
-    }
+    return DeviceRecord(
+        device=mine,
+        reach=tuple(reach),
+        host=host_identity(),
+        pid=pid,
+        started=start_time(pid),
+        cpu=getattr(device, "type", "cpu") == "cpu",
+        shm=SEGMENT_DIR.is_dir() and os.access(SEGMENT_DIR, os.W_OK),
+        in_place=bool(in_place),
+        signals=tuple(signals),
+    )
 
 
 def exchange(
     client: MetaClient,
     attempt: str,
     me: tuple[str, int],
-    doc: dict,
+    mine: DeviceRecord,
     names: Sequence[str],
     layouts: dict[str, Layout],
     deadline: float,
 ) -> Places:
-    """Contribute ``doc`` as rank ``me``'s record of ``attempt`` (``<version>/<count>``) and read every rank's of the
+    """Contribute ``mine`` as rank ``me``'s record of ``attempt`` (``<version>/<count>``) and read every rank's of the
     instances ``names`` (waiting until ``deadline``): one gather on the MetaServer, one request per rank (a rank
-    reading every other's record took N requests each). Records are untrusted: fields of the wrong type are ignored.
+    reading every other's record took N requests each). Records are untrusted (:meth:`DeviceRecord.from_wire`).
     A rank that failed the attempt before contributing (it reported its outcome: a receiver that refused the
     manifest) fails the wait at once with :class:`SyncFailedError`, instead of at the deadline."""
     everyone = [(name, rank) for name in names for rank in range(layouts[name].world_size)]
-    records = _gather(client, attempt, me, doc, len(everyone), deadline)
+    records = _gather(client, attempt, me, mine.to_wire(), len(everyone), deadline)
     found = Places()
     common = {"board", "channel"}
     cpu_in_place = True
     for name, rank in everyone:
         if (name, rank) == tuple(me):
-            got = doc  # this rank's own, as it gave it
+            got = mine  # this rank's own, as it gave it
         elif f"{name}:{rank}" in records:
-            got = records[f"{name}:{rank}"]
+            got = DeviceRecord.from_wire(records[f"{name}:{rank}"])
         else:
             raise AwexValueError(
                 f"the device records of {attempt} have none of {name}:{rank} (another rank took its place)"
             )
-        got = got if isinstance(got, dict) else {"device": got}
-        common &= set(got.get("signals", ()))
-        host = str(got.get("host", ""))
-        found.hosts.add(host)
-        pid, started = got.get("pid"), got.get("started")
-        if isinstance(pid, int) and (started is None or isinstance(started, int)):
-            found.processes[(name, rank)] = (host, pid, started)
-        cpu_in_place &= got.get("cpu") is True and got.get("in_place") is True and got.get("shm") is True
-        key = got.get("device")
-        if key:
-            found.devices.append((name, rank, str(key)))
-            found.reach[(name, rank)] = [str(d) for d in got.get("reach", ())]
+        common &= set(got.signals)
+        found.hosts.add(got.host)
+        if got.pid is not None:
+            found.processes[(name, rank)] = (got.host, got.pid, got.started)
+        cpu_in_place &= got.cpu and got.in_place and got.shm
+        if got.device:
+            found.devices.append((name, rank, got.device))
+            found.reach[(name, rank)] = list(got.reach)
     found.shm_ok = cpu_in_place and len(found.hosts) == 1
     found.signals = "board" if "board" in common else "channel" if "channel" in common else "meta"
     return found
