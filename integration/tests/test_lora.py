@@ -212,6 +212,10 @@ def test_lora_source_refusals(lora_engine, model_dir):
     emb = get_peft_model(base, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
     with pytest.raises(AwexValueError, match="embeddings"):
         TrainerSource.lora(emb, "math")
+    from awex.engines.vllm_lora import lora_manager
+
+    with pytest.raises(AwexValueError, match="enable_lora=True"):  # an engine that serves no adapters
+        lora_manager(torch.nn.Linear(2, 2))
     for bad in ({}, {"math": 0}, {"a/b": 1}, {"math": True}, {"math": 1, "code": 1}, ["math"]):
         with pytest.raises(AwexValueError):
             check_adapters(bad)
