@@ -3,7 +3,8 @@
 serving both. Each version: every rank's adapter tensors equal what the trainer sent (A, and B times its scale),
 tensor by tensor; the engine's greedy output with each adapter equals the trainer's model with that adapter merged
 (float32: no near-ties); only the adapters' bytes moved. Also: staged receive with verify, bad input refused before
-any byte moves with the next version applied, and the refusals of the trainer's source."""
+any byte moves with the next version applied, two FSDP2 ranks sending their own shards into the same engine, and
+the refusals of the trainer's source."""
 
 from __future__ import annotations
 
@@ -190,6 +191,83 @@ def test_lora_b_is_sent_times_its_scale_and_refreshed(model_dir):
         assert a_view.data_ptr() == params[a.format("A", adapter)].data_ptr()  # A itself, no copy
 
 
+def _fsdp_rank(rank: int, port: int, model_dir: str, meta: str, out: dict) -> None:
+    """One rank of a two-rank FSDP2 job over gloo: its LoRA source's layout, rank and each view, then its write of
+    version ``fsdp-1`` (adapters of seed 3) into the engine."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from awex.engines.source import TrainerSource
+    from awex.engines.writer import WeightsWriter
+    from awex.meta.client import MetaClient
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = _peft(model_dir, seed=3)
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        source = TrainerSource.lora(model, ["math", "code"])
+        views = {}
+        for name in source.layout.names:
+            for box in source.layout.rank_boxes(source.local_rank).get(name, []):
+                views[name] = (box.offsets, box.sizes, source.view_of(name, box).clone())
+        out[rank] = (source.layout.world_size, source.local_rank, views)
+        writer = WeightsWriter.from_source(MetaClient(meta, job="fsdp"), source, timeout=120.0)
+        try:
+            writer.write("fsdp-1", ["vllm-0"])
+        finally:
+            writer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_adapters_sync_their_local_shards(lora_engine, model_dir):
+    """Two FSDP2 ranks each send their own shard of every adapter tensor (B's times its scale), nothing gathered:
+    the two ranks' boxes are the whole adapter of the unsharded model, and the engine then serves the merged
+    model's output with each adapter."""
+    import socket
+    import threading
+
+    import torch.multiprocessing as mp
+
+    from awex.engines.source import TrainerSource
+    from awex.engines.vllm_offline import LLMClient, apply_version
+
+    llm, _, _, meta = lora_engine
+    client = LLMClient(llm)
+    client.init_weight_transfer_engine({"meta_address": meta.address, "job": "fsdp", "instance": "vllm-0", "lora": IDS})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    applied: dict = {}
+    engine = threading.Thread(target=lambda: applied.update(stall=apply_version(client, "fsdp-1", instance="vllm-0")))
+    engine.start()
+    mp.spawn(_fsdp_rank, args=(port, str(model_dir), meta.address, out), nprocs=2, join=True)
+    engine.join(120)
+    assert "stall" in applied, "the engine did not apply fsdp-1"
+    model = _peft(model_dir, seed=3)
+    whole = TrainerSource.lora(model, ["math", "code"])
+    assert {r: out[r][:2] for r in (0, 1)} == {0: (2, 0), 1: (2, 1)}
+    for name in whole.layout.names:
+        full = whole.view_of(name, _whole(whole, name))
+        got = torch.zeros_like(full)
+        held = [out[r][2][name] for r in (0, 1) if name in out[r][2]]
+        assert len(held) == 2, name  # both ranks hold a shard (FSDP2 cuts dimension 0, r or out, in two)
+        assert sum(torch.tensor(sizes).prod().item() for _, sizes, _ in held) == full.numel(), name
+        for offsets, sizes, view in held:
+            got[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = view
+        assert torch.equal(got, full), name
+
+    class Sent:  # what the engine must hold now: the unsharded model's adapters as the trainer sends them
+        source = whole
+
+    _check_version(lora_engine, model, Sent, "fsdp-1")
+
+
 def test_lora_source_refusals(lora_engine, model_dir):
     """The trainer's source: an adapter the model lacks, one name for several adapters, DoRA, LoRA on embeddings;
     the engine's mapping: ids that are not vLLM's."""
@@ -229,55 +307,3 @@ def _box(t):
     from awex.meta import Box
 
     return Box.full(tuple(t.shape))
-
-
-def _fsdp_rank(rank: int, port: int, model_dir: str, out: dict) -> None:
-    """One rank of a two-rank FSDP2 job over gloo: its LoRA source's layout, rank, and each view it would send."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from awex.engines.source import TrainerSource
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        model = _peft(model_dir)
-        mesh = init_device_mesh("cpu", (2,))
-        for layer in model.base_model.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        source = TrainerSource.lora(model, ["math", "code"])
-        views = {}
-        for name in source.layout.names:
-            for box in source.layout.rank_boxes(source.local_rank).get(name, []):
-                views[name] = (box.offsets, box.sizes, source.view_of(name, box).clone())
-        out[rank] = (source.layout.world_size, source.local_rank, views)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_fsdp2_sharded_adapters_send_their_local_shards(model_dir):
-    """Two FSDP2 ranks: each sends its own shard of every adapter tensor (B's times its scale), nothing gathered, and
-    the two ranks' boxes together are the whole adapter of the unsharded model."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    from awex.engines.source import TrainerSource
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_fsdp_rank, args=(port, str(model_dir), out), nprocs=2, join=True)
-    whole = TrainerSource.lora(_peft(model_dir), ["math", "code"])
-    assert {r: out[r][:2] for r in (0, 1)} == {0: (2, 0), 1: (2, 1)}
-    for name in whole.layout.names:
-        full = whole.view_of(name, _whole(whole, name))
-        got = torch.zeros_like(full)
-        held = [out[r][2][name] for r in (0, 1) if name in out[r][2]]
-        assert len(held) == 2, name  # both ranks hold a shard (FSDP2 cuts dimension 0, r or out, in two)
-        assert sum(torch.tensor(sizes).prod().item() for _, sizes, _ in held) == full.numel(), name
-        for offsets, sizes, view in held:
-            got[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = view
-        assert torch.equal(got, full), name
