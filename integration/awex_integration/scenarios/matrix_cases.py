@@ -129,6 +129,10 @@ FULL_ONLY = {  # run with AWEX_FULL_MATRIX=1 (./noxw -s integration); each repea
     # an HF trainer into vLLM in CI: test_hf_to_vllm (vLLM's RL API), test_receive_memory, examples/rlhf*.py, and
     # into vLLM TP=2 through learned layouts (test_learned_layouts, paligemma); tabled TP=2 receivers: Megatron cases
     "hf->vllm-tp2",
+    # two instances fed by data-parallel replicas: CI has two engines fed by two trainer ranks
+    # (examples/fsdp2_ray_llm_actors.py, test_vllm_serve's two servers) and a replica chosen per tensor among Megatron
+    # DP=2 ranks (test_moe_vllm's megatron-dp2-ep2 -> vllm-tp2)
+    "megatron-tp1-dp2->2x-vllm-tp1",
     # rdma in CI: test_two_hosts (Megatron TP=2 -> HF across two hosts, bit-exact) and the fault suite's rdma cases;
     # receivers' memory is the same views whatever the engine
     "rdma:megatron-tp2->vllm-tp2",
