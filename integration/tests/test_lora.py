@@ -297,8 +297,8 @@ def test_lora_source_refusals(lora_engine, model_dir):
     for bad in ({}, {"math": 0}, {"a/b": 1}, {"math": True}, {"math": 1, "code": 1}, ["math"]):
         with pytest.raises(AwexValueError):
             check_adapters(bad)
-    # last on this engine: a refusal raised in vLLM's TP=2 workers leaves its multiprocess executor reading the other
-    # worker's stale reply at the next call (vLLM's bug, not Awex's state: vllm-project/vllm#57846)
+    # last on this engine: a refusal raised in vLLM's TP=2 workers leaves the other worker's reply queued in its
+    # multiprocess executor, so the next call fails with this error (vLLM's bug, not Awex's state: vllm PR 57846)
     with pytest.raises(Exception, match=r"no adapter with id 7 is loaded in this engine; serve it first"):
         _trainer(lora_engine, model, lora={"math": 7, "code": 2})
 
