@@ -241,7 +241,6 @@ def floors(session: nox.Session) -> None:
     _debian(session, DEBIAN)
     session.install(*_torch(TORCH_FLOOR), "transformers==4.51.0", "safetensors==0.4.3", "accelerate")
     session.install("--no-deps", "--ignore-requires-python", MEGATRON)
-    session.install(PEFT)
     session.install(*PACKAGES, *TEST_TOOLS, MOONCAKE_CPU)
     session.run("python", "-c", "import torch, transformers; print(torch.__version__, transformers.__version__)")
     for pkg in PACKAGES:
