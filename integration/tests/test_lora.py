@@ -290,10 +290,19 @@ def test_lora_source_refusals(lora_engine, model_dir):
     emb = get_peft_model(base, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
     with pytest.raises(AwexValueError, match="embeddings"):
         TrainerSource.lora(emb, "math")
-    from awex.engines.vllm_lora import lora_manager
+    from types import SimpleNamespace
+
+    from awex.engines.vllm_lora import lora_manager, pin
 
     with pytest.raises(AwexValueError, match="enable_lora=True"):  # an engine that serves no adapters
         lora_manager(torch.nn.Linear(2, 2))
+    pinned = []
+    two_slots = SimpleNamespace(lora_slots=2, pin_adapter=pinned.append)
+    with pytest.raises(AwexValueError, match="max_loras >= 3"):  # each pinned adapter keeps a slot
+        pin(two_slots, {1, 2, 3})
+    assert pinned == []  # refused before any adapter was pinned
+    pin(two_slots, {2, 1})
+    assert pinned == [1, 2]
     for bad in ({}, {"math": 0}, {"a/b": 1}, {"math": True}, {"math": 1, "code": 1}, ["math"]):
         with pytest.raises(AwexValueError):
             check_adapters(bad)

@@ -113,7 +113,14 @@ def lora_layout(tensors: AdapterTensors, instance: str, world_size: int) -> Layo
 
 def pin(manager, ids: set[int]) -> None:
     """Keep the adapters registered and in their GPU slots: vLLM would otherwise evict one when others are asked
-    for, and load it again from the files it was first served from, i.e. the adapter's first weights."""
+    for, and load it again from the files it was first served from, i.e. the adapter's first weights. Each pinned
+    adapter holds one of the engine's ``max_loras`` slots for good: more than that is refused, saying so."""
+    slots = getattr(manager, "lora_slots", None)
+    if isinstance(slots, int) and len(ids) > slots:
+        raise AwexValueError(
+            f"awex backend: lora= names {len(ids)} adapters, and each keeps one of the engine's {slots} GPU slots "
+            f"(max_loras={slots}): start the engine with max_loras >= {len(ids)}"
+        )
     for lora_id in sorted(ids):
         manager.pin_adapter(lora_id)
 
