@@ -353,17 +353,16 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
     def _receive(self, update_info: AwexUpdateInfo, before_apply) -> None:
         dest = self.destinations
         started = time.monotonic()
+        apply = self._apply_staged if dest.loader else self._apply_in_place if self._after_apply else None
         with PeakMemory(self.device) as peak:
             self.reader.receive(
                 update_info.version,
-                apply=self._apply_staged if dest.loader else None,
+                apply=apply,
                 validate=update_info.validate,
                 strict=update_info.strict,
                 in_place=bool(dest.in_place),
                 before_apply=before_apply,
             )
-            if self._after_apply is not None and not dest.loader:  # in place: the version is whole now
-                self._after_apply()
         report = ReceiveReport(
             update_info.version,
             self.reader.layout.instance,
@@ -391,6 +390,11 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
             report.peak_extra_bytes,
         )
         publish_report(self.reader.client, report, log)
+
+    def _apply_in_place(self, shards: LocalShards) -> None:
+        """In place, once the whole version landed and before its outcome goes out: what it still needs (LoRA: the
+        adapters' GPU slots). A failure here fails the version, the weights changed."""
+        self._after_apply()
 
     def _apply_staged(self, shards: LocalShards) -> None:
         """Apply what arrived in staging: copied into the live parameters where they take it in place (the staged
