@@ -9,7 +9,6 @@ the refusals of the trainer's source."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 from pathlib import Path
 
@@ -49,11 +48,6 @@ def _perturb(model, scale: float = 0.3) -> None:
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.add_(torch.randn_like(p) * scale)
-
-
-def _digest(t: torch.Tensor) -> str:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return f"{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]}"
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +100,12 @@ def _check_version(lora_engine, model, engine, version: str) -> None:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
+    from awex_integration.engines.tiny_model import hf_greedy
+    from awex_integration.engines.vllm_worker_probe import tensor_digest
+
     llm, requests, model_dir, _ = lora_engine
     source = engine.source
-    sent = {name: _digest(source.view_of(name, _whole(source, name))) for name in source.layout.names}
+    sent = {name: tensor_digest(source.view_of(name, _whole(source, name))) for name in source.layout.names}
     for rank, held in enumerate(llm.collective_rpc("awex_probe_lora", args=(IDS,))):
         slots = held.pop("slots")
         assert held == sent, f"{version}: rank {rank} holds other adapter bytes than the trainer sent"
@@ -121,13 +118,7 @@ def _check_version(lora_engine, model, engine, version: str) -> None:
         ]
         reference = copy.deepcopy(model)
         reference.set_adapter(name)
-        merged = reference.merge_and_unload()
-        expected = []
-        with torch.no_grad():
-            for p in PROMPTS:
-                ids = tokenizer(p, return_tensors="pt").input_ids
-                out = merged.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
-                expected.append(out[0, ids.shape[1] :].tolist())
+        expected = hf_greedy(reference.merge_and_unload(), tokenizer, PROMPTS, TOKENS)
         assert served == expected, f"{version}: vLLM's output with {name} is not the merged model's"
 
 

@@ -76,9 +76,7 @@ class WorkerProbe:
                     if key in seen:
                         continue
                     seen.add(key)
-                    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                    digest = hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
-                    out[f"{prefix}.{name}" if prefix else name] = f"{t.dtype}:{tuple(t.shape)}:{digest}"
+                    out[f"{prefix}.{name}" if prefix else name] = tensor_digest(t)
         return out
 
     def awex_learned_vs_table(self) -> list[str]:
@@ -151,7 +149,7 @@ class WorkerProbe:
         from awex.engines.vllm_lora import AdapterTensors
 
         manager = self.model_runner.model.lora_manager
-        out = {name: _digest(t) for name, t in AdapterTensors(manager, adapters).items()}
+        out = {name: tensor_digest(t) for name, t in AdapterTensors(manager, adapters).items()}
         out["slots"] = list(manager.lora_index_to_id)
         return out
 
@@ -161,6 +159,7 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(s for s, n in zip(t.stride(), t.shape) if n != 1)
 
 
-def _digest(t: torch.Tensor) -> str:
+def tensor_digest(t: torch.Tensor) -> str:
+    """``dtype:shape:digest`` of a tensor's bytes (what the probes compare across processes)."""
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return f"{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]}"
