@@ -10,7 +10,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from awex.engines.errors import SyncFailedError
@@ -92,7 +92,7 @@ class DeviceRecord:
 
     def to_wire(self) -> dict[str, Any]:
         return {
-            **{f: getattr(self, f) for f in _RECORD_FIELDS},
+            **{f.name: getattr(self, f.name) for f in fields(self)},
             "reach": list(self.reach),
             "signals": list(self.signals),
         }
@@ -124,9 +124,6 @@ class DeviceRecord:
             in_place=doc.get("in_place") is True,
             signals=texts(doc.get("signals")),
         )
-
-
-_RECORD_FIELDS = ("device", "reach", "host", "pid", "started", "cpu", "shm", "in_place", "signals")
 
 
 def describe(device: Any, mine: str, reach: Sequence[str], in_place: bool, signals: Sequence[str]) -> DeviceRecord:
