@@ -34,6 +34,7 @@ from awex_integration.faults.name_cases import name_cases
 from awex_integration.faults.server_load import LoadCase, load_cases, run_load_case
 from awex_integration.faults.servers import server_for
 
+LEVEL = "AWEX_LOGGING_LEVEL"  # awex.engines.logs.ENV: the ranks log warnings only, unless the caller says otherwise
 SLACK = 5.0  # seconds a step may take beyond its deadline before it counts as a hang (process start-up included)
 
 
@@ -63,9 +64,13 @@ def run_case(case: Case, timeout: float, device: str = "cpu", transport: str | N
     ``"cuda-per-rank"`` each rank has a GPU of its own (``fault_ranks.rank_device``); ``transport``: the
     writers' (default: the case's)."""
     work = Path(tempfile.mkdtemp(prefix=f"awex-fault-{case.name}-"))  # the ranks' records: removed after
+    level = os.environ.get(LEVEL)
+    os.environ[LEVEL] = level or "WARNING"  # the ranks' per-version INFO lines: not in the summary
     try:
         return _run_case(case, timeout, device, transport, work)
-    finally:
+    finally:  # the ranks inherited it; the caller's process (a test session) keeps its own
+        if level is None:
+            os.environ.pop(LEVEL, None)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -74,7 +79,6 @@ def _run_case(case: Case, timeout: float, device: str, transport: str | None, wo
     server = server_for(case.server)
     job_name = case.name.replace("_", "-")
     ctx = mp.get_context("spawn")
-    os.environ.setdefault("AWEX_LOGGING_LEVEL", "WARNING")  # the ranks' per-version INFO lines: not in the summary
     results = ctx.Queue()
     procs: dict[tuple[str, int, int], Any] = {}  # (role, rank, life) -> process
 

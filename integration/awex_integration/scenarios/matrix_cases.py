@@ -122,7 +122,10 @@ FULL_ONLY = {  # run with AWEX_FULL_MATRIX=1 (./noxw -s integration); each repea
     "megatron-tp2-pp1->vllm-tp2",  # the shm, rdma, prepacked, vllm-http and tied cases run this layout pair in CI
     "megatron-tp2-pp2->vllm-tp1",
     "megatron-tp2->hf",  # test_matrix's log test runs Megatron TP=2 -> HF in CI, bit-exact
-    "bf16:megatron-tp2->vllm-tp1",  # CI: this layout pair in float32, and bf16 from FSDP2 (bf16:fsdp2-dp2->vllm-tp1)
+    "bf16:megatron-tp2->vllm-tp1",  # CI: this layout pair in float32; bf16 in test_deepseek_glm_vllm (TP=2 -> TP=2)
+    # FSDP2 DP=2 -> vLLM TP=1 in CI: test_moe_vllm's fsdp2-dp2->vllm-tp1 and examples/fsdp2_ray_llm_actors.py; bf16
+    # into vLLM in CI: test_deepseek_glm_vllm (Megatron TP=2 -> vLLM TP=2, bit-exact, greedy equal)
+    "bf16:fsdp2-dp2->vllm-tp1",
     # staged receive in CI: test_receive_memory (applied, bit-exact, greedy) and test_faults (a failure keeps the
     # previous version)
     "staged:megatron-tp1-pp2->vllm-tp1",
