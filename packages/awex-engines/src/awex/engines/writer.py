@@ -274,11 +274,11 @@ class WeightsWriter:
                 refresh_by_wave=self.refresh_by_wave,
                 beside=partial(self._beside, self._shards),
             )
+            if self._announcer is not None:  # a claim sent under the lease (as the bytes began to move): its answer,
+                self._announcer.confirm()  # read while the receivers still copy or report, before their outcomes
             if manifest.options.verify:  # what this rank sent, digested while the receivers digest what they got
                 self._session.verify(manifest, self._shards, deadline)
             outcomes = self._session.await_outcomes(manifest, deadline)
-            if self._announcer is not None:  # a claim sent under the lease: its answer, read once the receivers
-                self._announcer.confirm()  # reported (it came while they copied)
             failed = {rank: o for rank, o in outcomes.items() if o is None or not o.ok}
             if failed:
                 raise SyncFailedError(version, failed)

@@ -64,6 +64,7 @@ class Announcer:
         self._options_given: SyncOptions | None = None  # the writer's options last announced, and as read
         self._options_wire = SyncOptions()
         self._manifest_doc: dict | None = None
+        self._manifest_given: tuple = ()  # (destinations, options) the last manifest was made from
         self.last_phases: dict[str, float] = {}  # seconds of the last announcement's steps: claim, post
 
     def close(self) -> None:
@@ -182,12 +183,15 @@ class Announcer:
             except OSError as e:  # no /dev/shm here: the channel carries every signal
                 log.info("no host board (%s); per-version signals go over the version channel", e)
         self._seq += 1
-        fresh = self._manifest_for(version, destinations, options)
-        last = self._manifest
-        steady = (  # options as before (a writer's options may change between versions), and every rank of this
-            # plan already saw a manifest of ours
-            last is not None and last.renamed(version, self._seq) == fresh and self._session.steady_for(fresh)
-        )
+        last, given = self._manifest, (tuple(destinations), options)
+        if last is not None and given == self._manifest_given:  # the same options object and destinations: the
+            fresh, same = last.renamed(version, self._seq), True  # rest of the manifest is this announcer's own
+        else:
+            fresh = self._manifest_for(version, destinations, options)
+            same = last is not None and last.renamed(version, self._seq) == fresh
+        # options as before (a writer's options may change between versions), and every rank of this plan already
+        # saw a manifest of ours
+        steady = same and self._session.steady_for(fresh)
         doc = dict(self._manifest_doc, version=version, seq=self._seq) if steady else fresh.to_json()
         # the name is claimed before any rank can read the manifest (in steady state too): a name another writer
         # announced, or any write of a writer a newer one of this instance replaced (fenced), starts nothing. Under
@@ -218,7 +222,7 @@ class Announcer:
         if self._board is not None:  # ranks on this host read it here, the others on the channel
             self._board.post(doc)
         manifest = fresh
-        self._manifest, self._manifest_doc = manifest, doc
+        self._manifest, self._manifest_doc, self._manifest_given = manifest, doc, given
         if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
             self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
         posted = time.perf_counter()
