@@ -208,7 +208,8 @@ def test_an_explicitly_allowed_narrowing_cast_arrives_in_the_receivers_dtype():
 def test_senders_prepare_each_wave_just_before_it_is_packed():
     # trainer ranks hold zeros; their before_pack(i) writes the real values of exactly what wave i sends
     # (WaveExecutor.sent_regions[i]); receivers get the real values only if every wave was prepared, in order,
-    # before it was packed
+    # before it was packed. The work beside the transfer (meanwhile: the writer's claim and moved-memory check)
+    # runs once, with the first wave posted, not after the last
     tensors = canonical_tensors(TINY)
     layouts = [
         megatron_layout(tensors, MegatronParallel(tp=2, vocab_pad=1), instance="trainer"),

@@ -106,9 +106,12 @@ def worker(
                     full = canonical_value(name, spec.shape, spec.dtype, 1)
                     shards.copy_in(name, offsets, sizes, full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
 
-            stats = executor.run(timeout=timeout, before_pack=before_pack)
+            beside: list[int] = []  # waves packed when the work beside the transfer ran
+            stats = executor.run(timeout=timeout, before_pack=before_pack, meanwhile=lambda: beside.append(len(calls)))
             if calls != list(range(len(executor.waves))):
                 raise AssertionError(f"before_pack called for waves {calls}, expected 0..{len(executor.waves) - 1}")
+            if beside != [1]:  # once, with the first wave posted (gloo waits for each wave), not after the transfer
+                raise AssertionError(f"meanwhile ran with {beside} waves packed, expected once, with 1")
         else:
             executor = WaveExecutor(plan, me.rank, shards, group)
             stats = executor.run(timeout=timeout)

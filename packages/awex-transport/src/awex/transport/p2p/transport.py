@@ -80,8 +80,10 @@ class P2pTransport(Transport):
                 cached = self._before_pack = (refresh_by_wave, executor, refresh_by_wave(executor.sent_regions))
             before_pack = cached[2]
         link.moving()
-        with timed(phases, "transfer"):
-            return executor.run(timeout=max(0.1, deadline - time.monotonic()), before_pack=before_pack)
+        with timed(phases, "transfer"):  # the session's work beside runs once the first waves are on the wire
+            return executor.run(
+                timeout=max(0.1, deadline - time.monotonic()), before_pack=before_pack, meanwhile=link.meanwhile
+            )
 
     def _run_delta(self, shards, link: PeerLink, deadline: float, phases, refresh_by_wave) -> TransferStats:
         if refresh_by_wave is not None:

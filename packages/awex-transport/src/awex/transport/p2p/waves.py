@@ -198,20 +198,28 @@ class WaveExecutor:
     def staging_bytes(self) -> int:
         return self.staging.numel()
 
-    def run(self, timeout: float = 300.0, before_pack: Callable[[int], None] | None = None) -> TransferStats:
+    def run(
+        self,
+        timeout: float = 300.0,
+        before_pack: Callable[[int], None] | None = None,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> TransferStats:
         """Send and receive this rank's share within ``timeout`` seconds.
 
         ``before_pack(i)`` runs just before wave ``i`` (of :attr:`waves`) is packed, on the packing stream: a
         sender that derives what it sends (FP8 quantisation) prepares what wave ``i`` sends there
-        (:attr:`sent_regions`), overlapping the previous waves on the wire.
+        (:attr:`sent_regions`), overlapping the previous waves on the wire. ``meanwhile`` runs once, when the host
+        would first wait for the wire (the first waves posted), so that it overlaps the transfer.
         """
         started = time.monotonic()
         deadline = started + timeout
+        pending = [meanwhile] if meanwhile is not None else []
         if is_accelerator(self.device):
             self.group.follow_deadline(timeout)
-            self._run_device(deadline, timeout, before_pack)
+            self._run_device(deadline, timeout, before_pack, pending)
         else:
-            self._run_blocking(deadline, timeout, before_pack)
+            self._run_blocking(deadline, timeout, before_pack, pending)
+        _run_pending(pending)  # no wave to wait for
         stats = TransferStats(
             self.bytes_sent,
             self.bytes_received,
@@ -264,14 +272,18 @@ class WaveExecutor:
         except RuntimeError as e:
             raise TransferError(f"{self._what(wave)} failed: {e}") from e
 
-    def _run_blocking(self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None) -> None:
+    def _run_blocking(
+        self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None, pending: list
+    ) -> None:
         """CPU tensors (gloo): pack, post the wave, wait for every operation, unpack."""
         for i, wave in enumerate(self.waves):
             if before_pack is not None:
                 before_pack(i)
             for copy in wave.pack:
                 copy()
-            for work, op in self._post(wave, deadline, timeout):
+            posted = self._post(wave, deadline, timeout)
+            _run_pending(pending)
+            for work, op in posted:
                 left = deadline - time.monotonic()
                 try:
                     if left <= 0:
@@ -286,7 +298,9 @@ class WaveExecutor:
             for copy in wave.unpack:
                 copy()
 
-    def _run_device(self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None) -> None:
+    def _run_device(
+        self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None, pending: list
+    ) -> None:
         """CUDA (NCCL) or NPU (HCCL) tensors: double-buffered waves on a pack and an unpack stream, host at most two
         waves ahead."""
         api = device_api(self.device)
@@ -299,6 +313,7 @@ class WaveExecutor:
         relay_ready = 0  # number of this rank's waves at least RELAY_LAG global waves before the current one
         for i, wave in enumerate(self.waves):
             if i >= self.slots:
+                _run_pending(pending)  # the first waves are on the wire
                 self._wait(done[i - self.slots], wave, deadline, timeout)  # its slot is free again
             while relay_ready < i and self.waves[relay_ready].index <= wave.index - RELAY_LAG:
                 relay_ready += 1
@@ -319,6 +334,7 @@ class WaveExecutor:
                 event.record(unpack_stream)
                 done.append(event)
         if done:
+            _run_pending(pending)
             self._wait(done[-1], self.waves[-1], deadline, timeout)
         error = self.group.error()  # a communicator aborted by PyTorch's watchdog ends its kernels early
         if error is not None:
@@ -333,6 +349,12 @@ class WaveExecutor:
             )
 
         wait_event(event, deadline, timed_out)
+
+
+def _run_pending(pending: list) -> None:
+    """Run the work waiting in ``pending`` (at most one callable), once."""
+    while pending:
+        pending.pop()()
 
 
 def run_p2p(plan: Plan, rank: int, shards: LocalShards, group: SyncGroup, timeout: float = 300.0) -> TransferStats:
