@@ -38,7 +38,7 @@ def test_stats_split_by_phase_logs_of_a_new_plan_and_the_status_of_the_last_sync
         assert stats.phases["total"] >= stats.phases["transfer"]
     assert not w2.planned and not r2.planned and "plan" not in w2.phases  # the plan was reused
     # a steady version's control, step by step (the benchmark prints them: a regression shows its step)
-    assert {"fingerprint", "claim", "post", "manifest", "done", "total"} <= set(w2.phases), w2.phases
+    assert {"fingerprint", "claim", "post", "manifest", "confirm", "done", "total"} <= set(w2.phases), w2.phases
     assert {"manifest", "fingerprint", "ready_wait", "open", "transfer", "done", "total"} <= set(r2.phases), r2.phases
     assert w2.phases["claim"] + w2.phases["post"] <= w2.phases["manifest"] <= w2.phases["total"]
     lines = [r.getMessage() for r in caplog.records if r.name == "awex.engines"]

@@ -275,7 +275,9 @@ class WeightsWriter:
                 beside=partial(self._beside, self._shards),
             )
             if self._announcer is not None:  # a claim sent under the lease (as the bytes began to move): its answer,
-                self._announcer.confirm()  # read while the receivers still copy or report, before their outcomes
+                confirming = time.monotonic()  # read while the receivers still copy or report, before their outcomes
+                self._announcer.confirm()
+                control["confirm"] = time.monotonic() - confirming
             if manifest.options.verify:  # what this rank sent, digested while the receivers digest what they got
                 self._session.verify(manifest, self._shards, deadline)
             outcomes = self._session.await_outcomes(manifest, deadline)

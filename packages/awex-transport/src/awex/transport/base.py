@@ -47,7 +47,8 @@ class TransferStats:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the whole sync (filled by the writer and reader: ``layouts``, ``devices``, ``plan``,
     ``agreement``, ``group``, ``export``/``open``, ``transfer``, ``done``, ``total``, ...; a steady version's control
-    step by step: the writer's ``fingerprint``, ``claim`` and ``post``, the reader's ``fingerprint``, ``manifest`` and
+    step by step: the writer's ``fingerprint``, ``claim``, ``post`` and ``confirm`` (reading the claim's answer once
+    its own part of the transfer is done, while the receivers copy), the reader's ``fingerprint``, ``manifest`` and
     ``ready_wait``)."""
     planned: bool = False
     """This sync planned (and agreed, and set up its transport) anew: the first sync, or one after a change."""
