@@ -184,8 +184,8 @@ class Announcer:
                 log.info("no host board (%s); per-version signals go over the version channel", e)
         self._seq += 1
         last, given = self._manifest, (tuple(destinations), options)
-        if last is not None and given == self._manifest_given:  # the same options object and destinations: the
-            fresh, same = last.renamed(version, self._seq), True  # rest of the manifest is this announcer's own
+        if last is not None and given == self._manifest_given:  # the same destinations and options equal to the
+            fresh, same = last.renamed(version, self._seq), True  # last's: the rest of the manifest is this announcer's
         else:
             fresh = self._manifest_for(version, destinations, options)
             same = last is not None and last.renamed(version, self._seq) == fresh
