@@ -55,46 +55,67 @@ class DigestBatch:
     def sums(self) -> list[Digest]:
         """Every region's digest, in the order given to :func:`batch` (one read of the device's sums)."""
         out = torch.zeros(self.count, 2, dtype=torch.int64, device=self.device)
+        self.add_into(out)
+        return [(a % MOD, b % MOD) for a, b in out.tolist()]
+
+    def add_into(self, out: torch.Tensor, loose: bool = True) -> None:
+        """Enqueue adding every region's sums to row ``out[region]`` (int64, on the device; no read back).
+        ``loose=False``: the launches alone (what a CUDA graph can capture)."""
         for launch in self.launches:
             _run(launch, out)
-        for i, piece, starts, shape, key, want in self.loose:
+        for i, piece, starts, shape, key, want in self.loose if loose else ():
             piece_sums(piece if piece.dtype == want else piece.to(want), starts, shape, key, out[i])
-        return [(a % MOD, b % MOD) for a, b in out.tolist()]
+
+
+Piece = tuple[int, torch.Tensor, tuple[int, ...], tuple[int, ...], int, torch.dtype]
+"""``(region, view, offsets of its first element in the tensor, the tensor's shape, salt, plan dtype)``."""
 
 
 def batch(shards: LocalShards, regions: Sequence[Region]) -> DigestBatch:
     """``regions`` of ``shards`` (CUDA views) laid out for one launch per kind (see the module)."""
-    device = shards.device
-    entries: dict[tuple[bool, bool], list[tuple]] = {}
-    bases: dict[bool, torch.Tensor] = {}
-    loose = []
+    pieces: list[Piece] = []
     for i, (name, shape, dtype, offsets, sizes) in enumerate(regions):
         want, key = torch_dtype(dtype), salt(name)
         for index, view in shards.pieces(name, offsets, sizes):
             starts = tuple(o + (s.start or 0) for o, s in zip(offsets, index)) if index else offsets
-            if view.numel() == 0:
-                continue
-            if view.dtype != want or (view.element_size() > 2 and view.stride(-1) != 1):
-                loose.append((i, view, starts, shape, key, want))  # converted each time
-                continue
-            rows = _rows(view, starts, shape)
-            words = rows.words
-            byte = words.element_size() == 1
-            base = bases.setdefault(byte, words)
-            gap = words.data_ptr() - base.data_ptr()
-            if gap % words.element_size():
-                loose.append((i, view, starts, shape, key, want))
-                continue
-            outer, (n, row_pos, row_mem) = rows.lead[:-1], rows.lead[-1] if rows.lead else (1, 0, 0)
-            vec = 16 // words.element_size()  # words in 16 bytes
-            for at in product(*(range(size) for size, _, _ in outer)):
-                off = gap // words.element_size() + sum(a * m for a, (_, _, m) in zip(at, outer))
-                pos = rows.base + sum(a * p for a, (_, p, _) in zip(at, outer)) + key + SEED
-                vector = rows.step == 1 and off % vec == 0 and (n == 1 or row_mem % vec == 0)
-                spans = triton_cdiv(rows.row, BLOCK * ITERS)
-                fields = (off, pos, rows.row, rows.step, n, row_pos, row_mem, spans, i)
-                entries.setdefault((byte, vector), []).append(fields)
-    out = DigestBatch(len(regions), device, loose=loose, shards=shards)
+            pieces.append((i, view, starts, shape, key, want))
+    out = batch_pieces(shards.device, len(regions), pieces)
+    out.shards = shards
+    return out
+
+
+def batch_pieces(device: torch.device, count: int, pieces: Sequence[Piece]) -> DigestBatch:
+    """``pieces``, each added to its region's sums, laid out for one launch per kind; ``count`` regions. Pieces
+    elsewhere than on ``device`` (a CUDA device), or that :func:`batchable` refuses, are digested one by one (as
+    where Triton is missing). The caller keeps the views alive (the tables hold their addresses)."""
+    entries: dict[tuple[bool, bool], list[tuple]] = {}
+    bases: dict[bool, torch.Tensor] = {}
+    loose = []
+    kernel = device.type == "cuda" and available()  # else every piece by piece_sums (torch where no kernel)
+    for i, view, starts, shape, key, want in pieces:
+        if view.numel() == 0:
+            continue
+        if not kernel or view.device != device or not batchable(view, want):
+            loose.append((i, view, starts, shape, key, want))  # converted each time
+            continue
+        rows = _rows(view, starts, shape)
+        words = rows.words
+        byte = words.element_size() == 1
+        base = bases.setdefault(byte, words)
+        gap = words.data_ptr() - base.data_ptr()
+        if gap % words.element_size():
+            loose.append((i, view, starts, shape, key, want))
+            continue
+        outer, (n, row_pos, row_mem) = rows.lead[:-1], rows.lead[-1] if rows.lead else (1, 0, 0)
+        vec = 16 // words.element_size()  # words in 16 bytes
+        for at in product(*(range(size) for size, _, _ in outer)):
+            off = gap // words.element_size() + sum(a * m for a, (_, _, m) in zip(at, outer))
+            pos = rows.base + sum(a * p for a, (_, p, _) in zip(at, outer)) + key + SEED
+            vector = rows.step == 1 and off % vec == 0 and (n == 1 or row_mem % vec == 0)
+            spans = triton_cdiv(rows.row, BLOCK * ITERS)
+            fields = (off, pos, rows.row, rows.step, n, row_pos, row_mem, spans, i)
+            entries.setdefault((byte, vector), []).append(fields)
+    out = DigestBatch(count, device, loose=loose)
     for (byte, vector), fields in sorted(entries.items()):
         table = torch.tensor(fields, dtype=torch.int64).t().contiguous().to(device)
         per_entry = table[FIELDS.index("rows")] * table[FIELDS.index("spans")]
@@ -103,6 +124,12 @@ def batch(shards: LocalShards, regions: Sequence[Region]) -> DigestBatch:
         prog_local = torch.arange(prog_entry.numel(), device=device, dtype=torch.int64) - first[prog_entry.long()]
         out.launches.append(_Launch(bases[byte], table, prog_entry, prog_local, byte, vector))
     return out
+
+
+def batchable(view: torch.Tensor, want: torch.dtype) -> bool:
+    """Whether a piece is read as it lies (else it is converted first, each time: a view of another dtype than the
+    plan's, or wider elements whose bytes are not adjacent)."""
+    return view.dtype == want and not (view.element_size() > 2 and view.stride(-1) != 1)
 
 
 def _run(launch: _Launch, out: torch.Tensor) -> None:

@@ -16,21 +16,13 @@ from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable,
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.digest import Digest
-from awex.transport.ipc.digesting import ReceivedDigests
+from awex.transport.ipc.digesting import DIGEST_GROUPS, ReceivedDigests, byte_groups
 from awex.transport.ipc.fp8_on_copy import Piece, Quantize, quantize_pieces, quantizers
 from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
-from awex.transport.ipc.scheduling import interleave_sources, paces_local, ring_slots
-from awex.transport.ipc.spans import (
-    Span,
-    balance,
-    captured,
-    extent,
-    nbytes_of,
-    paired_pieces,
-    placements,
-    rows_within,
-)
+from awex.transport.ipc.remote import plan_remote
+from awex.transport.ipc.scheduling import paces_local
+from awex.transport.ipc.spans import balance, captured, nbytes_of, paired_pieces
 from awex.transport.peer_dma import (
     enable_peer_access,
     pull,
@@ -80,12 +72,7 @@ class IpcExecutor:
         digest: bool = False,
     ):
         o = options or IpcOptions()
-        cuda_graph, bounce_bytes, bounce_buffers, max_gap_bytes = (
-            o.cuda_graph,
-            o.bounce_bytes,
-            o.bounce_buffers,
-            o.max_gap_bytes,
-        )
+        cuda_graph = o.cuda_graph
         dma_streams, local_branches, pace_local = o.dma_streams, o.local_branches, o.pace_local
         direct_streams, batched_copy = o.direct_streams, o.batched_copy
         self.plan = plan
@@ -160,7 +147,9 @@ class IpcExecutor:
                 else:
                     rest.append((d, s))
             self._remote = rest
-        self._plan_remote(sources, bounce_bytes, bounce_buffers, max_gap_bytes, batched_copy)
+        remote = plan_remote(self._remote, sources, self.device, o, batched_copy, rank, self.digest)
+        self._direct, self._spans, self._ring = remote.direct, remote.spans, remote.ring
+        self.staging_bytes = self._ring.numel()
         self.buckets = len(plan.schedule(rank))
         self._direct_lanes = balance(self._direct, min(direct_streams, len(self._direct)))
         if self.device.type == "cuda":
@@ -183,6 +172,13 @@ class IpcExecutor:
                 self._local_batched.append(self._batched(together, far, at))
                 self._local_chunks.append(balance(apart, len(self._branches)))
             self._graphs: list[torch.cuda.CUDAGraph | None] = [None] * len(self._local_chunks)
+        # verify mode: what lands from other GPUs is digested a group at a time while the rest still moves
+        groups = DIGEST_GROUPS if self.digest is not None and self.device.type == "cuda" else 1
+        self._lane_groups = [[(g, self._group(g)) for g in byte_groups(lane, groups)] for lane in self._direct_lanes]
+        ends = byte_groups([(s.nbytes, i) for i, s in enumerate(self._spans)], groups, size=lambda x: x[0])
+        self._span_groups = {g[-1][1]: self._group([(d, 0) for _, i in g for d in self._spans[i].dsts]) for g in ends}
+        if self.digest is not None:
+            self.digest.seal()
         self._whole: torch.cuda.CUDAGraph | None = None
         self._whole_failed = False
         self._capturing = False
@@ -230,6 +226,14 @@ class IpcExecutor:
         (once per run); else ``None``."""
         return self.digest.read() if self.digest is not None and self.digest.fresh else None
 
+    def _group(self, copies) -> int | None:
+        return None if self.digest is None else self.digest.group([d for d, _ in copies])
+
+    def _landed(self, group: int | None, stream: torch.cuda.Stream, used: list[torch.cuda.Stream]) -> None:
+        behind = None if group is None else self.digest.landed(group, stream)
+        if behind is not None and behind not in used:
+            used.append(behind)
+
     def _batched(self, copies, spread, spread_sources) -> Callable[[], None] | None:
         if self.digest is not None:
             return self.digest.batched(copies, spread, spread_sources)
@@ -240,12 +244,14 @@ class IpcExecutor:
         if self.digest is not None:
             self.digest.zero()
         used = []
-        for stream, lane in zip(self._direct_streams, self._direct_lanes):
+        for stream, lane in zip(self._direct_streams, self._lane_groups):
             stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                for d, s in lane:
-                    self._peer_copy(d, s, stream)
             used.append(stream)
+            with torch.cuda.stream(stream):
+                for copies, group in lane:
+                    for d, s in copies:
+                        self._peer_copy(d, s, stream)
+                    self._landed(group, stream, used)
         if self._spans:
             used += self._copy_spans(compute)
         if self._local and not self.pace_local:
@@ -312,6 +318,7 @@ class IpcExecutor:
                 free = torch.cuda.Event()
                 free.record(place)
                 placed.append(free)
+                self._landed(self._span_groups.get(i), place, used)
                 if i in local_at:
                     self._copy_local(local_at[i], place)
         return used
@@ -328,84 +335,6 @@ class IpcExecutor:
             pull(dst, src, stream)  # issued in this GPU's context (see awex.transport.peer_dma)
         else:  # only pieces too large for a bounce buffer and not contiguous (PyTorch's copy kernel)
             dst.copy_(src, non_blocking=True)
-
-    def _plan_remote(
-        self,
-        sources: dict[int, LocalShards],
-        bounce_bytes: int,
-        bounce_buffers: int,
-        max_gap_bytes: int,
-        batched_copy: bool,
-    ) -> None:
-        """Cut the copies from other GPUs into direct DMAs and bounce-buffer spans (see the class docstring)."""
-        regions = [x for x in sources.values() if isinstance(x, MappedShards)]
-
-        def region_of(s: torch.Tensor) -> tuple[int, int]:
-            for src in regions:
-                found = src.region_of(s.data_ptr())
-                if found is not None:
-                    return found
-            st = s.untyped_storage()  # not opened over IPC: its own storage is what is known to be mapped
-            return st.data_ptr(), st.data_ptr() + st.nbytes()
-
-        self._direct: list[tuple[torch.Tensor, torch.Tensor]] = []
-        by_region: dict[tuple[int, int], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
-        for d, s in self._remote:
-            for d, s in rows_within(d, s, bounce_bytes):
-                start, end = extent(s)
-                if end - start > bounce_bytes:
-                    self._direct.append((d, s))
-                else:
-                    by_region.setdefault(region_of(s), []).append((start, end, d, s))
-        spans: list[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        for (region_lo, _), items in sorted(by_region.items()):
-            items.sort(key=lambda x: x[0])
-            lo = hi = -1
-            cur: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for start, end, d, s in items:
-                if cur and (start - hi > max_gap_bytes or max(hi, end) - lo > bounce_bytes):
-                    spans.append((lo, hi, cur))
-                    cur = []
-                if not cur:
-                    lo = max(start & ~15, region_lo)  # 16-byte aligned, so every dtype lands aligned
-                    hi = end
-                cur.append((d, s))
-                hi = max(hi, end)
-            if cur:
-                spans.append((lo, hi, cur))
-        kept = []
-        for lo, hi, items in spans:
-            if len(items) == 1 and items[0][0].is_contiguous() and items[0][1].is_contiguous():
-                self._direct.extend(items)  # already one DMA, no bounce needed
-            elif any((s.data_ptr() - lo) % s.element_size() for _, s in items):
-                self._direct.extend(items)  # cannot be placed from an aligned buffer (not seen in practice)
-            else:
-                kept.append((lo, hi, items))
-        # Receivers pulling from several source GPUs (resharding with fan-out) read them all at once, each source's
-        # spans spread evenly over the sync, and receivers start at different sources: pulling one source after
-        # the other, every receiver would read the same source at the same time (its egress the bottleneck,
-        # the other sources idle).
-        by_source: dict[object, list[tuple[int, tuple]]] = {}
-        for span in kept:
-            by_source.setdefault(span[2][0][1].device, []).append((span[1] - span[0], span))
-        kept = interleave_sources([by_source[k] for k in sorted(by_source, key=str)], first=self.rank)
-        largest = -(-max((hi - lo for lo, hi, _ in kept), default=0) // 16) * 16
-        capacity = largest * min(bounce_buffers, len(kept))
-        slots = ring_slots([hi - lo for lo, hi, _ in kept], capacity)
-        self._ring = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-        self.staging_bytes = capacity
-        self._spans: list[Span] = []
-        for (lo, hi, items), (offset, after) in zip(kept, slots):
-            placed = [
-                (
-                    d,
-                    self._ring.view(s.dtype).as_strided(
-                        s.shape, s.stride(), (offset + s.data_ptr() - lo) // s.element_size()
-                    ),
-                )
-                for d, s in items
-            ]
-            self._spans.append(Span(lo, hi - lo, offset, after, placements(merge_copies(placed), batched_copy)))
 
     def _copy_local(self, chunk: int, stream: torch.cuda.Stream) -> None:
         """One slice of the same-GPU copies, replayed from a CUDA graph captured on first use.

@@ -4,7 +4,7 @@ ring, how copies are cut to fit it and dealt to streams, and how a sync is captu
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,7 @@ class Span:
     offset: int  # where it lands in the bounce ring
     after: int | None  # the latest earlier span whose bytes it overwrites: placed before this DMA starts
     placed: list  # copy functions: each destination piece from its source inside the bounce ring
+    dsts: list = field(default_factory=list)  # the destination pieces (verify mode digests them once placed)
 
 
 def captured(issue, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
