@@ -98,6 +98,7 @@ def test_fault_cases_over_cuda_ipc(name):
         "nccl_receiver_dies_after_agreement",
         "nccl_trainer_dies_after_agreement",
         "nccl_watchdog_follows_deadline",
+        "nccl_corrupted_in_flight_verified",
         "nccl_two_hundred_syncs",
     ],
 )

@@ -261,9 +261,9 @@ def _cases() -> list[Case]:
         ),
         Case(
             "corrupted_in_flight_verified",
-            "verify mode: one bit of what a receiver rank got is flipped after its transfer (a transport or memory "
-            "fault): its digest differs from the trainer's, the version fails on every side instead of counting as "
-            "applied; the next version succeeds",
+            "verify mode: one bit of what a receiver rank gets is flipped as it lands, before the wave that brought "
+            "it is digested (a transport or memory fault): its digest differs from the trainer's, the version fails "
+            "on every side instead of counting as applied; the next version succeeds",
             trainer=[_steps("v-1", "v-2", "v-3")],
             engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3", v_2="corrupt_after_transfer")],
             expect_failed={"v-2"},
@@ -315,6 +315,17 @@ def nccl_cases() -> list[Case]:
             "PyTorch's watchdog (set from the first) neither kills the trainer nor ends the sync",
             trainer=[[{"version": "v-1"}, {"version": "v-2", "timeout": 45.0}, {"version": "v-3"}]],
             engine=[[{"version": "v-1"}, {"version": "v-2", "delay": 30.0}, {"version": "v-3"}]],
+            infer_tp=1,
+            check=reported("v-3"),
+        ),
+        Case(
+            "nccl_corrupted_in_flight_verified",
+            "verify mode over NCCL: one bit of what the engine rank gets is flipped as a wave lands, before that wave "
+            "is digested: the version fails on both sides instead of counting as applied; the next one succeeds",
+            trainer=[_steps("v-1", "v-2", "v-3")],
+            engine=[_steps("v-1", "v-2", "v-3", v_2="corrupt_after_transfer")],
+            expect_failed={"v-2"},
+            verify=True,
             infer_tp=1,
             check=reported("v-3"),
         ),

@@ -377,9 +377,18 @@ def _lose_reports() -> None:
 
 
 def _corrupt_after(reader):
+    """One bit of what the reader's next transfer brings flips: as a wave lands, before it is digested, where the
+    transport digests waves as they land (point to point in verify mode); else once the transfer is done."""
+
     def transfer(*args, **kwargs):
         from awex.engines.sync.session import SyncSession
 
+        del reader._session.transfer
+        p2p = reader._session._transports.get("p2p")
+        digests = getattr(p2p, "_digests", None)
+        if digests is not None:
+            _flip_as_it_lands(digests[1])
+            return SyncSession.transfer(reader._session, *args, **kwargs)
         stats = SyncSession.transfer(reader._session, *args, **kwargs)
         _, view = reader.shards.pairs(sorted(reader.shards.names())[0])[0]
         view.reshape(-1).view(torch.int32)[3] ^= 1 << 7
@@ -388,6 +397,25 @@ def _corrupt_after(reader):
     import torch
 
     return transfer
+
+
+def _flip_as_it_lands(digests) -> None:
+    original = digests.received
+
+    def received(wave, stream=None):
+        pieces = digests.views.get(("got", wave), [])
+        if pieces:  # after the wave's unpacking, on its stream (a GPU's), before its digest
+            words = pieces[0].view(torch.int16)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                words[(0,) * words.dim()] ^= 1 << 7
+            digests.received = original
+        original(wave, stream)
+
+    import contextlib
+
+    import torch
+
+    digests.received = received
 
 
 def _alter_segment_once(writer) -> None:

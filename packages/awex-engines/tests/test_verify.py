@@ -96,6 +96,24 @@ def _corrupt_after_transfer(reader):
     reader._session.transfer = transfer
 
 
+def _corrupt_as_it_lands(reader):
+    """Point to point digests each wave as it lands: one bit of what the reader's next transfer puts in its views
+    flips as a wave is unpacked, before that wave is digested (a transport or memory fault on the way in)."""
+    digests = reader._session._transports["p2p"]._digests[1]
+    original, flipped = digests.received, []
+
+    def received(wave, stream=None):
+        pieces = digests.views.get(("got", wave), [])
+        if pieces and not flipped:
+            words = pieces[0].view(torch.int16)
+            words[(0,) * words.dim()] ^= 1 << 3
+            flipped.append(wave)
+            digests.received = original
+        original(wave, stream)
+
+    digests.received = received
+
+
 def _close(writer, readers):
     for r in readers:
         r.close()
@@ -121,7 +139,7 @@ def test_verified_versions_arrive_and_a_changed_bit_fails_the_version(server, tr
     written, errors = _sync(writer, readers, "v1")
     assert written is None and not errors
     assert "verify" in writer.last_stats.phases
-    _corrupt_after_transfer(readers[1])
+    (_corrupt_as_it_lands if transport == "p2p" else _corrupt_after_transfer)(readers[1])
     for t in sent.values():
         t.add_(1)
     written, errors = _sync(writer, readers, "v2")

@@ -68,8 +68,8 @@ def run_world(
     expected = sum(lay.world_size for lay in layouts) - len(silent)
     while len(out) < expected and time.monotonic() < deadline:
         try:
-            inst, rank, status, received, sent, direct = results.get(timeout=1.0)
-            out[(inst, rank)] = (status, received, sent, direct)
+            inst, rank, status, received, sent, direct, *extra = results.get(timeout=1.0)
+            out[(inst, rank)] = (status, received, sent, direct, *extra)
         except queue.Empty:
             pass
     for p in procs:
@@ -113,6 +113,28 @@ def test_one_trainer_rank_feeding_three_engines_sends_once_and_engines_relay():
     assert sum(out[(f"vllm-{i}", 0)][2] for i in range(3)) == 2 * model  # the rest was relayed
     plan = plan_transfers(layouts[:1], layouts[1:], PlanOptions(wave_bytes=wave))
     assert plan.stats.waves > 8
+
+
+@pytest.mark.parametrize("trainer_tp", [1, 2])
+def test_verify_digests_taken_wave_by_wave_match_across_relays(trainer_tp):
+    """Verify mode's digests taken as waves are posted and unpacked (``WaveDigests``): each rank's equal what it
+    digests of the same regions after the transfer, again in a second version, and what a trainer rank digests for
+    each receiving rank equals what that rank digests of the regions from it, relayed ones included."""
+    tensors = canonical_tensors(TINY)
+    layouts = [megatron_layout(tensors, MegatronParallel(tp=trainer_tp, vocab_pad=1), instance="trainer")]
+    layouts += [vllm_layout(tensors, VllmParallel(tp=1 + i % 2), instance=f"vllm-{i}") for i in range(3)]
+    model = sum(t.spec.nbytes for t in tensors)
+    ranks = [(lay.instance, r) for lay in layouts for r in range(lay.world_size)]
+    out = run_world(layouts, wave_bytes=model // 8, behaviours={k: "digests" for k in ranks})
+    failures = {k: v[0] for k, v in out.items() if v[0] != "ok"}
+    assert len(out) == len(ranks) and not failures, failures
+    plan = plan_transfers(layouts[:1], layouts[1:], PlanOptions(wave_bytes=model // 8))
+    assert plan.stats.relayed_bytes > 0
+    sync = {k: plan.rank(*k).rank for k in ranks}
+    sent = {(sync[k], dst): d for k, v in out.items() for dst, d in v[-1]["sent"].items()}
+    got = {(origin, sync[k]): d for k, v in out.items() for origin, d in v[-1]["got"].items()}
+    assert sent == got  # (origin, receiving rank) -> digest, alike on both ends
+    assert {dst for _, dst in got} == {sync[k] for k in ranks if not k[0] == "trainer"}
 
 
 def test_a_topology_sends_each_region_into_a_node_once_and_gpus_there_forward_it():

@@ -10,7 +10,10 @@ import zlib
 import torch
 
 from awex.meta import Box, PlanOptions, plan_transfers
+from awex.meta.origins import transfer_origins
 from awex.transport import LocalShards, WaveExecutor, create_sync_group
+from awex.transport.digest import add, region_digest
+from awex.transport.p2p.digesting import WaveDigests
 from awex.transport.shards import torch_dtype
 
 
@@ -112,9 +115,19 @@ def worker(
                 raise AssertionError(f"before_pack called for waves {calls}, expected 0..{len(executor.waves) - 1}")
             if beside != [1]:  # once, with the first wave posted (gloo waits for each wave), not after the transfer
                 raise AssertionError(f"meanwhile ran with {beside} waves packed, expected once, with 1")
+        elif behaviour == "digests":  # verify mode: digests taken wave by wave, against this rank's own after
+            executor = WaveExecutor(plan, me.rank, shards, group)
+            digests = WaveDigests(plan, me.rank, shards)
+            executor.run(timeout=timeout, digests=digests)
+            stats = executor.run(timeout=timeout, digests=digests)  # a second version: the sums start from zero
+            sent, got = digests.read()
+            extra = {"sent": _after(plan, me.rank, shards, sends=True), "got": _after(plan, me.rank, shards)}
+            if (sent, got) != (extra["sent"], extra["got"]):
+                raise AssertionError(f"wave by wave {sent} / {got}, after the transfer {extra}")
         else:
             executor = WaveExecutor(plan, me.rank, shards, group)
             stats = executor.run(timeout=timeout)
+        extra = extra if behaviour == "digests" else {}
         bad = []
         if role == "inference":
             for name in shards.names():
@@ -134,7 +147,22 @@ def worker(
                 stats.bytes_received,
                 stats.bytes_sent,
                 executor.direct_bytes,
+                extra,
             )
         )
     except BaseException as e:  # reported to the test
         results.put((instance, local_rank, f"error: {type(e).__name__}: {e}\n{traceback.format_exc()}", 0, 0, 0))
+
+
+def _after(plan, rank: int, shards: LocalShards, sends: bool = False) -> dict[int, tuple[int, int]]:
+    """What verify mode digests after the transfer: per receiving rank, the regions this rank originates for it
+    (``sends``), else per origin, the regions it got from it."""
+    out: dict[int, tuple[int, int]] = {}
+    for b, t, o in transfer_origins(plan):
+        if (o if sends else b.dst) != rank:
+            continue
+        spec = plan.tensors[t.tensor]
+        d = region_digest(shards, spec.name, tuple(spec.shape), spec.dtype, t.offsets, t.sizes)
+        group = b.dst if sends else o
+        out[group] = add(out.get(group, (0, 0)), d)
+    return out

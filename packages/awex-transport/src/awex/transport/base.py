@@ -63,7 +63,7 @@ class PeerLink(Protocol):
 
     count: int  # the writer's count of versions written: the same on every rank, larger for every new attempt
     version: str  # the version's name
-    digests: bool  # verify mode: a receiver may digest what it gets as it copies (Transport.received_digests)
+    digests: bool  # verify mode: the transport may digest what moves as it moves (Transport.received_digests, ...)
 
     def publish(self, generation: int, doc: dict[str, Any]) -> None:
         """This rank's descriptor, generation ``generation`` (1, 2, ...: a new one when what it describes
@@ -152,6 +152,12 @@ class Transport(ABC):
         """A receiver in verify mode (``PeerLink.digests``), after :meth:`run`: per origin sync rank, the digest
         (``awex.transport.digest``) of what the run wrote into its views, where the transport took it as it
         copied; once per run. ``None``: the caller digests the views itself."""
+        return None
+
+    def sent_digests(self) -> dict[int, tuple[int, int]] | None:
+        """A sender in verify mode (``PeerLink.digests``), after :meth:`run`: per receiving sync rank, the digest of
+        the regions this rank originates for it (``awex.meta.origins``), where the transport took it while the
+        bytes moved; once per run. ``None``: the caller digests the views itself."""
         return None
 
     @property

@@ -367,16 +367,16 @@ class SyncSession:
     def verify(self, manifest: SyncManifest, shards: LocalShards, deadline: float) -> None:
         """Verify mode, after this rank's transfer (``awex.engines.sync.verify``): a trainer rank publishes the
         digests of what it sent, a receiving rank compares what it got with them (``VerifyError`` where it differs)."""
-        link = self._link
-        if link is None:
+        if (link := self._link) is None:
             raise RuntimeError(f"{self.instance}:{self.local_rank}: verify before any transfer")
         self._verifier = self._verifier or Verifier(self.client)
         with self.phases("verify"):
-            if link.plan.ranks[link.rank].role.value == "trainer":
-                self._verifier.publish(link.plan, link.rank, manifest, shards)
-            else:  # with what the transport digested as it copied, where it did
-                taken, plan = self._transports[link.kind].received_digests(), link.plan
-                self._verifier.check(plan, link.rank, manifest, shards, deadline, link.check_senders, taken)
+            transport, plan = self._transports[link.kind], link.plan  # with what it digested as bytes moved, if it did
+            if plan.ranks[link.rank].role.value == "trainer":
+                self._verifier.publish(plan, link.rank, manifest, shards, transport.sent_digests())
+            else:
+                got, check = transport.received_digests(), link.check_senders
+                self._verifier.check(plan, link.rank, manifest, shards, deadline, check, got)
 
     @property
     def plan(self) -> Plan | None:

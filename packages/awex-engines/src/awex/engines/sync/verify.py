@@ -26,8 +26,7 @@ from awex.engines.sync import keys
 from awex.engines.sync.manifest import SyncManifest
 from awex.meta import Plan
 from awex.meta.client import MetaClient, MetaTimeoutError
-from awex.meta.errors import AwexValueError
-from awex.meta.spec import Role
+from awex.meta.origins import transfer_origins
 from awex.transport import digest_batch
 from awex.transport.base import TransferError
 from awex.transport.digest import MOD, Digest, add, region_sums
@@ -55,32 +54,16 @@ class Regions:
 
 
 def regions(plan: Plan, rank: int) -> Regions:
-    """Sync rank ``rank``'s :class:`Regions` of ``plan`` (pure: every rank computes every rank's alike). A relay
-    forwards transfers it received itself (:data:`awex.meta.plan.RELAY_LAG` waves before), so each region's origin
-    is the trainer rank that first sent it."""
-    trainer = [r.role == Role.TRAINER for r in plan.ranks]
-    relayed = {(b.src, t) for b in plan.buckets if not trainer[b.src] for t in b.transfers}
-    origin: dict[tuple[int, object], int] = {}
+    """Sync rank ``rank``'s :class:`Regions` of ``plan`` (pure: every rank computes every rank's alike), each
+    region under its origin (:func:`awex.meta.origins.transfer_origins`)."""
     sends: dict[int, list[RegionKey]] = {}
     receives: dict[int, list[RegionKey]] = {}
-    for b in sorted(plan.buckets, key=lambda b: b.wave):
-        for t in b.transfers:
-            if trainer[b.src]:
-                o = b.src
-            else:
-                o = origin.get((b.src, t), -1)
-                if o < 0:
-                    raise AwexValueError(
-                        f"plan {plan.digest[:12]}: sync rank {b.src} relays {plan.tensors[t.tensor].name} "
-                        f"{t.region} in wave {b.wave} before receiving it"
-                    )
-            if (b.dst, t) in relayed:
-                origin[(b.dst, t)] = o
-            key = (t.tensor, t.offsets, t.sizes)
-            if o == rank:
-                sends.setdefault(b.dst, []).append(key)
-            if b.dst == rank:
-                receives.setdefault(o, []).append(key)
+    for b, t, o in transfer_origins(plan):
+        key = (t.tensor, t.offsets, t.sizes)
+        if o == rank:
+            sends.setdefault(b.dst, []).append(key)
+        if b.dst == rank:
+            receives.setdefault(o, []).append(key)
     return Regions({k: tuple(v) for k, v in sends.items()}, {k: tuple(v) for k, v in receives.items()})
 
 
@@ -167,10 +150,20 @@ class Verifier:
         _, _, index, laid_out = self._batch
         return _grouped(groups, index, laid_out.sums())
 
-    def publish(self, plan: Plan, rank: int, manifest: SyncManifest, shards: LocalShards) -> None:
-        """A trainer rank, after its transfer: digest what it sent per receiving rank and publish the record."""
+    def publish(
+        self,
+        plan: Plan,
+        rank: int,
+        manifest: SyncManifest,
+        shards: LocalShards,
+        taken: Mapping[int, Digest] | None = None,
+    ) -> None:
+        """A trainer rank, after its transfer: digest what it sent per receiving rank and publish the record.
+        ``taken``: the digests the transport took of the same regions while the bytes moved
+        (``Transport.sent_digests``), used where they name the same receiving ranks."""
         me = plan.ranks[rank]
-        sent = self._digests(plan, shards, self._of(plan, rank).sends)
+        sends = self._of(plan, rank).sends
+        sent = taken if taken is not None and set(taken) == set(sends) else self._digests(plan, shards, sends)
         self.client.put(keys.verify(manifest.version, manifest.seq, me.instance, me.local_rank), record(plan, sent))
 
     def check(

@@ -13,6 +13,7 @@ from awex.transport.accelerator import GROUPED, p2p_backend
 from awex.transport.base import PeerLink, RefreshByWave, Setup, TransferStats, Transport, timed
 from awex.transport.group import SyncGroup, create_sync_group
 from awex.transport.p2p.delta import DeltaExecutor
+from awex.transport.p2p.digesting import WaveDigests
 from awex.transport.p2p.waves import WaveExecutor
 from awex.transport.shards import LocalShards
 
@@ -35,6 +36,7 @@ class P2pTransport(Transport):
         self._built_from: LocalShards | None = None  # the views the executor was built from
         self._before_pack: tuple | None = None  # (refresh_by_wave, executor, its per-wave callable)
         self._delta: tuple[bool, int | None] = (False, None)  # delta syncs, and what a sender may keep
+        self._digests: tuple[WaveExecutor, WaveDigests] | None = None  # verify mode: built per executor
 
     def prepare(self, plan: Plan, rank: int, setup: Setup, phases: MutableMapping[str, float]) -> None:
         rendezvous = (setup.host, setup.port, plan.world_size, rank, setup.rendezvous, setup.secret)
@@ -79,11 +81,32 @@ class P2pTransport(Transport):
             if cached is None or cached[0] is not refresh_by_wave or cached[1] is not executor:
                 cached = self._before_pack = (refresh_by_wave, executor, refresh_by_wave(executor.sent_regions))
             before_pack = cached[2]
+        digests = None
+        if link.digests:  # verify mode: both sides digest each wave's regions while later waves move
+            if self._digests is None or self._digests[0] is not executor:
+                with timed(phases, "executor"):
+                    self._digests = (executor, WaveDigests(self.plan, self.rank, shards))
+            digests = self._digests[1]
         link.moving()
         with timed(phases, "transfer"):  # the session's work beside runs once the first waves are on the wire
             return executor.run(
-                timeout=max(0.1, deadline - time.monotonic()), before_pack=before_pack, meanwhile=link.meanwhile
+                timeout=max(0.1, deadline - time.monotonic()),
+                before_pack=before_pack,
+                meanwhile=link.meanwhile,
+                digests=digests,
             )
+
+    def received_digests(self) -> dict[int, tuple[int, int]] | None:
+        return self._read_digests(1)
+
+    def sent_digests(self) -> dict[int, tuple[int, int]] | None:
+        return self._read_digests(0)
+
+    def _read_digests(self, side: int) -> dict[int, tuple[int, int]] | None:
+        found = self._digests
+        if found is None or found[0] is not self._executor or not found[1].fresh or self._delta[0]:
+            return None
+        return found[1].read()[side]
 
     def _run_delta(self, shards, link: PeerLink, deadline: float, phases, refresh_by_wave) -> TransferStats:
         if refresh_by_wave is not None:
@@ -104,13 +127,13 @@ class P2pTransport(Transport):
         """Abort an NCCL group (local: its kernels waiting on a dead peer end, its watchdog stops); the next
         plan joins a new one."""
         self._drop_group()
-        self.plan = self._executor = self._before_pack = None
+        self.plan = self._executor = self._before_pack = self._digests = None
 
     def close(self) -> None:
         """Drop the group without shutting it down: shutting NCCL communicators down gracefully is collective,
         and a closing rank must not wait for peers that are not closing (released with the process)."""
         self.group = self._rendezvous = None
-        self.plan = self._executor = self._before_pack = None
+        self.plan = self._executor = self._before_pack = self._digests = None
 
     def _drop_group(self) -> None:
         group, self.group, self._rendezvous = self.group, None, None

@@ -34,6 +34,7 @@ from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import timed_out, wait_event
 from awex.transport.group import SyncGroup
 from awex.transport.messages import align, message_offsets
+from awex.transport.p2p.digesting import WaveDigests
 from awex.transport.shards import LocalShards, torch_dtype
 
 log = logging.getLogger("awex.transport")
@@ -203,22 +204,24 @@ class WaveExecutor:
         timeout: float = 300.0,
         before_pack: Callable[[int], None] | None = None,
         meanwhile: Callable[[], None] | None = None,
+        digests: WaveDigests | None = None,
     ) -> TransferStats:
         """Send and receive this rank's share within ``timeout`` seconds.
 
         ``before_pack(i)`` runs just before wave ``i`` (of :attr:`waves`) is packed, on the packing stream: a
         sender that derives what it sends (FP8 quantisation) prepares what wave ``i`` sends there
         (:attr:`sent_regions`), overlapping the previous waves on the wire. ``meanwhile`` runs once, when the host
-        would first wait for the wire (the first waves posted), so that it overlaps the transfer.
+        would first wait for the wire (the first waves posted), so that it overlaps the transfer. ``digests``
+        (verify mode, built for this plan and views): each wave's regions are digested as it is posted or unpacked.
         """
         started = time.monotonic()
         deadline = started + timeout
         pending = [meanwhile] if meanwhile is not None else []
         if is_accelerator(self.device):
             self.group.follow_deadline(timeout)
-            self._run_device(deadline, timeout, before_pack, pending)
+            self._run_device(deadline, timeout, before_pack, pending, digests)
         else:
-            self._run_blocking(deadline, timeout, before_pack, pending)
+            self._run_blocking(deadline, timeout, before_pack, pending, digests)
         _run_pending(pending)  # no wave to wait for
         stats = TransferStats(
             self.bytes_sent,
@@ -273,9 +276,16 @@ class WaveExecutor:
             raise TransferError(f"{self._what(wave)} failed: {e}") from e
 
     def _run_blocking(
-        self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None, pending: list
+        self,
+        deadline: float,
+        timeout: float,
+        before_pack: Callable[[int], None] | None,
+        pending: list,
+        digests: WaveDigests | None,
     ) -> None:
         """CPU tensors (gloo): pack, post the wave, wait for every operation, unpack."""
+        if digests is not None:
+            digests.zero()
         for i, wave in enumerate(self.waves):
             if before_pack is not None:
                 before_pack(i)
@@ -283,6 +293,8 @@ class WaveExecutor:
                 copy()
             posted = self._post(wave, deadline, timeout)
             _run_pending(pending)
+            if digests is not None:
+                digests.sent(wave.index)
             for work, op in posted:
                 left = deadline - time.monotonic()
                 try:
@@ -297,9 +309,18 @@ class WaveExecutor:
                     raise TransferError(f"{self._what(wave)}: {op} failed: {e}") from e
             for copy in wave.unpack:
                 copy()
+            if digests is not None:
+                digests.received(wave.index)
+        if digests is not None:
+            digests.wait()
 
     def _run_device(
-        self, deadline: float, timeout: float, before_pack: Callable[[int], None] | None, pending: list
+        self,
+        deadline: float,
+        timeout: float,
+        before_pack: Callable[[int], None] | None,
+        pending: list,
+        digests: WaveDigests | None,
     ) -> None:
         """CUDA (NCCL) or NPU (HCCL) tensors: double-buffered waves on a pack and an unpack stream, host at most two
         waves ahead."""
@@ -309,6 +330,8 @@ class WaveExecutor:
         unpack_stream = api.Stream(self.device)
         pack_stream.wait_stream(compute)  # the trainer's last writes land before we read
         unpack_stream.wait_stream(compute)
+        if digests is not None:
+            digests.zero(compute)
         done: list = []  # events of the device API
         relay_ready = 0  # number of this rank's waves at least RELAY_LAG global waves before the current one
         for i, wave in enumerate(self.waves):
@@ -325,6 +348,8 @@ class WaveExecutor:
                 for copy in wave.pack:
                     copy()
                 works = self._post(wave, deadline, timeout)
+            if digests is not None:
+                digests.sent(wave.index, pack_stream)
             with api.stream(unpack_stream):
                 for work, _ in works:
                     work.wait()  # the unpack stream waits for the wave on the device, the host goes on
@@ -333,6 +358,8 @@ class WaveExecutor:
                 event = api.Event()
                 event.record(unpack_stream)
                 done.append(event)
+            if digests is not None:
+                digests.received(wave.index, unpack_stream)
         if done:
             _run_pending(pending)
             self._wait(done[-1], self.waves[-1], deadline, timeout)
@@ -340,6 +367,8 @@ class WaveExecutor:
         if error is not None:
             raise TransferError(f"rank {self.rank}: the sync group reported {error} during the sync")
         compute.wait_stream(unpack_stream)
+        if digests is not None:
+            digests.wait(compute)
 
     def _wait(self, event, wave: _Wave, deadline: float, timeout: float) -> None:
         def timed_out() -> TransferTimeout:
