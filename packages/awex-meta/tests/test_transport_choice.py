@@ -135,3 +135,26 @@ def test_cpu_ranks_on_one_host_copying_in_place_use_shared_memory():
     some_gpu = {("trainer", 0): "h/GPU-0"}  # a CUDA rank among CPU ranks: not a shared-memory sync
     ipc, p2p, devices = _plans(2, [2, 1], some_gpu)
     assert choose_transport(ipc, p2p, devices, shm_ok=True).transport == "p2p"
+
+
+def test_quantising_on_receive_from_another_gpu_is_named_before_any_byte_moves():
+    """quantize_on_receive reads the bf16 source on the receiver's own GPU: a plan whose quantised weights come
+    from another GPU names each such read; colocated, or where a device is unknown, none."""
+    from awex.meta import Fp8BlockQuant, quantize_layout
+    from awex.meta.transport_choice import quantized_afar
+
+    sources = [megatron_layout(TINY, MegatronParallel(tp=1), instance="trainer")]
+    dests = [quantize_layout(vllm_layout(TINY, VllmParallel(tp=1), instance="vllm-0"), Fp8BlockQuant(block=(16, 16)))]
+    for gpus, afar in (
+        ({"trainer": "h/GPU-0", "vllm-0": "h/GPU-1"}, True),
+        ({"trainer": "h/GPU-0", "vllm-0": "h/GPU-0"}, False),
+    ):
+        devices = tuple((i, 0, d) for i, d in gpus.items())
+        plan = plan_transfers(sources, dests, PlanOptions(relay=False, devices=devices, quantize_on_receive=True))
+        assert plan.quantized
+        found = quantized_afar(plan, devices)
+        assert bool(found) == afar, found
+        if afar:
+            assert len(found) == len(plan.quantized)
+            assert found[0].startswith("vllm-0:0 would quantise model.") and found[0].endswith("trainer:0 on h/GPU-0")
+        assert quantized_afar(plan, devices[:1]) == []  # a receiver's device unknown: nothing to say

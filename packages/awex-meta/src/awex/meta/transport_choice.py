@@ -113,6 +113,28 @@ def unreachable(ipc_plan: Plan, devices: Devices, reach: Reach | None) -> list[s
     return sorted(out)
 
 
+def quantized_afar(ipc_plan: Plan, devices: Devices) -> list[str]:
+    """The reads of ``ipc_plan`` that a receiver would quantise on receive (:attr:`Plan.quantized`) from a source on
+    another GPU (``"vllm-0:0 would quantise model.layers.0.mlp.down_proj.weight read from trainer:0 on
+    host/GPU-a"``): quantising on receive reads the source on the receiver's own GPU. Empty where every such read is
+    on one GPU, or a rank's device is not known."""
+    weights = {q[0] for q in ipc_plan.quantized}
+    known = {(i, r): d for i, r, d in devices}
+    out = set()
+    for b in ipc_plan.buckets:
+        src, dst = ipc_plan.ranks[b.src], ipc_plan.ranks[b.dst]
+        there = known.get((src.instance, src.local_rank), "")
+        here = known.get((dst.instance, dst.local_rank), "")
+        if not there or not here or there == here:
+            continue
+        for t in b.transfers:
+            name = ipc_plan.tensors[t.tensor].name
+            if name in weights:
+                out.add(f"{dst.instance}:{dst.local_rank} would quantise {name} read from {src.instance}:"
+                        f"{src.local_rank} on {there}")  # fmt: skip
+    return sorted(out)
+
+
 def choose_transport(
     ipc_plan: Plan,
     p2p_plan: Plan,

@@ -10,7 +10,7 @@ from typing import Mapping
 from awex.engines.sync import places
 from awex.engines.sync.manifest import SyncManifest
 from awex.meta import Layout, Plan, PlanOptions, Topology, plan_transfers
-from awex.meta.transport_choice import TransportError, choose_transport, unreachable
+from awex.meta.transport_choice import TransportError, choose_transport, quantized_afar, unreachable
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,15 @@ def plan_version(
         plan = p2p_plan if transport == "p2p" else ipc_plan  # shm: the same plan as ipc (no relays)
         return plan, transport, choice.reason
     plan = plan_for(transport)
+    afar = quantized_afar(plan, devices) if transport == "ipc" and manifest.options.quantize_on_receive else []
+    if afar:
+        raise TransportError(
+            f"sync {manifest.version!r} with quantize_on_receive=True: "
+            + "; ".join(afar[:4])
+            + f"{f' (and {len(afar) - 4} more)' if len(afar) > 4 else ''}; quantising on receive reads the source on "
+            "the receiver's own GPU: for engines on other GPUs let the trainer quantise (awex.convert.Fp8Views, "
+            "quantize_on_receive=False)"
+        )
     blocked = unreachable(plan, devices, reach) if transport == "ipc" else []
     if transport == "shm" and len(hosts) != 1:
         names = [h.split("/")[0] for h in sorted(hosts)]
