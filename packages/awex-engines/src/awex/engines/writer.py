@@ -93,8 +93,9 @@ class WeightsWriter:
     engines reading them on the same GPU quantise them straight into their FP8 weights and scales, all pieces in
     one kernel launch (``awex.transport.ipc.fp8_on_copy``): the trainer neither quantises nor holds FP8 buffers.
 
-    ``verify=True``: every receiving rank digests what it got (after the transfer, before its load step) and compares
-    it with the digests this rank took of the same regions in its own memory (``awex.engines.sync.verify``, a
+    ``verify=True``: every receiving rank digests what it got (as it lands over CUDA IPC and p2p, else after the
+    transfer; always before its load step) and compares it with the digests this rank took of the same regions in
+    its own memory (as its waves leave over p2p, else after its transfer; ``awex.engines.sync.verify``, a
     hash of every 16-bit word at its place in its tensor, one pass over memory; one Triton kernel on CUDA); a
     receiver whose bytes differ fails the version, so :meth:`write` raises instead of returning. For every transport
     and plan (relays included), with ``delta`` too; not with ``quantize_on_receive`` (the receivers then hold other

@@ -2,9 +2,10 @@
 every region it got equals the digest its senders took of the same regions in their own memory.
 
 Digests are :mod:`awex.transport.digest`'s: independent of how either side's memory cuts a region, so a trainer
-rank digests its views and a receiver its own (the engine's weights in place, or its staging tensors) after the
-transfer, both at once. Regions are grouped by the trainer rank they come from (*origin*): a region a receiver
-got through a relay counts as its origin's, so the comparison holds over every transport and plan. Each trainer
+rank digests its views and a receiver its own (the engine's weights in place, or its staging tensors), after the
+transfer or, where the transport took them as the bytes moved (``Transport.sent_digests`` / ``received_digests``:
+p2p waves, CUDA IPC copies), from it. Regions are grouped by the trainer rank they come from (*origin*): a region a
+receiver got through a relay counts as its origin's, so the comparison holds over every transport and plan. Each trainer
 rank publishes one record per attempt (``verify/<version>/<count>/<instance>:<rank>``: the plan's digest and, per
 receiving sync rank, the digest of the regions it originates for it) through the MetaServer, whose token guards it;
 a receiver reads its origins' records, compares, and fails the version (:class:`VerifyError`, reported to the

@@ -1,6 +1,7 @@
 """Verify mode in the CUDA IPC executor: a receiver's digest of what it got, per origin (the sync rank each region
-comes from), taken as it copies where a copy allows (:class:`~awex.transport.copy_digest.DigestingCopy`) and of
-the destination after the copy for the rest. The sums are the same as
+comes from), taken as it copies where a copy allows (:class:`~awex.transport.copy_digest.DigestingCopy`), of what
+DMAs from other GPUs bring a group at a time as each group lands (:meth:`ReceivedDigests.landed`), and of the
+destination after the copy for the rest. The sums are the same as
 :mod:`awex.engines.sync.verify` takes of the receiver's views after the transfer, piece for piece."""
 
 from __future__ import annotations
