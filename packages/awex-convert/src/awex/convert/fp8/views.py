@@ -89,13 +89,19 @@ class Fp8Views:
 
     def _fingerprinted_view_of(self) -> ViewOf:
         """What the writer asks for views: the FP8 buffers (which never move) and the wrapped ``view_of``'s views,
-        with its ``fingerprint()`` where it has one (the writer then re-derives views only when it changed)."""
+        with its ``fingerprint()`` where it has one (the writer then re-derives views only when it changed), and its
+        ``addresses()`` and ``forms()`` where it has those (a steady version then checks the addresses before any
+        byte moves and the forms beside the transfer, as for bf16 views: ``awex.transport.shards.rebound``)."""
 
         def view_of(name: str, box: Box):
             return self._view(name, box)
 
         if callable(self._source_print):
             view_of.fingerprint = self._source_print
+            for part in ("addresses", "forms"):
+                found = getattr(self._source, part, None)
+                if callable(found):
+                    setattr(view_of, part, found)
         return view_of
 
     def _generation(self) -> int:
