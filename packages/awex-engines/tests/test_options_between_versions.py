@@ -24,7 +24,7 @@ def test_transport_verify_delta_and_wave_size_changed_between_versions_take_effe
     writer.transport = "p2p"
     step = 0
 
-    def version(**expect) -> dict:
+    def version() -> dict:
         nonlocal step
         step += 1
         for t in sent.values():

@@ -104,10 +104,20 @@ def test_the_kernel_copies_and_digests_what_it_wrote(dtype):
         assert [(a % MOD, b % MOD) for a, b in sums.tolist()] == want
 
 
-def _engine(tp: int, rank: int, tensors):
+def _engine(tp: int, rank: int, tensors, device: str = "cuda"):
     layout = vllm_layout(tensors, VllmParallel(tp=tp), instance="eng")
-    held = {t.name: torch.zeros(t.spec.shape, dtype=torch.bfloat16, device="cuda") for t in tensors}
+    held = {t.name: torch.zeros(t.spec.shape, dtype=torch.bfloat16, device=device) for t in tensors}
     return layout, LocalShards.from_layout(layout, rank, lambda name, box: held[name][box.slices()])
+
+
+def origin_digest(plan, rank: int, origin: LocalShards) -> tuple[int, int]:
+    """What the origin (``origin``: its views) digests of the regions it sends sync rank ``rank``."""
+    total = (0, 0)
+    for step in plan.schedule(rank):
+        for t in step.bucket.transfers:
+            spec = plan.tensors[t.tensor]
+            total = add(total, region_digest(origin, spec.name, spec.shape, spec.dtype, t.offsets, t.sizes))
+    return total
 
 
 @CUDA
@@ -125,22 +135,13 @@ def test_an_ipc_receivers_digests_equal_its_origins_and_change_with_a_byte():
     plan = plan_transfers([trainer_layout], [layout], PlanOptions(relay=False))  # as CUDA IPC plans
     rank = next(i for i, r in enumerate(plan.ranks) if r.instance == "eng" and r.local_rank == 1)
     origin = next(i for i, r in enumerate(plan.ranks) if r.instance == "trainer")
-
-    def expected() -> tuple[int, int]:  # what the origin digests of the regions it sends this rank
-        total = (0, 0)
-        for step in plan.schedule(rank):
-            for t in step.bucket.transfers:
-                spec = plan.tensors[t.tensor]
-                total = add(total, region_digest(trainer, spec.name, spec.shape, spec.dtype, t.offsets, t.sizes))
-        return total
-
     executor = IpcExecutor(plan, rank, mine, {origin: trainer}, digest=True)
     assert 0 < executor.digest.fused_bytes < executor.bytes_received  # both kinds of piece are in this plan
     o_proj = next(n for n in weights if n.endswith("o_proj.weight"))  # column halves: digested after the copy
     for flipped in (None, None, "model.embed_tokens.weight", o_proj, None):
         for w in weights.values():
             w.add_(1)
-        want = expected()
+        want = origin_digest(plan, rank, trainer)
         if flipped is not None:  # a bit of what this rank gets changed after the origin digested it
             weights[flipped][-1, -1:].view(torch.int16)[0] ^= 1 << 4
         executor.run(timeout=30)

@@ -6,21 +6,19 @@ and a byte that differs from the origin's changes them."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_copy_digest import CONFIG, _engine, origin_digest
 
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
-from awex.meta.layouts import VllmParallel, hf_layout, vllm_layout
+from awex.meta.layouts import hf_layout
 from awex.transport.digest import add, piece_digest_torch, salt
 from awex.transport.ipc.digesting import ReceivedDigests, byte_groups
 from awex.transport.ipc.spans import rows_within
 from awex.transport.shards import LocalShards
 
-CONFIG = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
 TWO_GPUS = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="copies from another GPU need two CUDA GPUs: fewer here"
 )
@@ -70,7 +68,6 @@ def test_copies_from_another_gpu_are_digested_as_they_land(options):
     """Trainer weights on GPU 0, a TP=2 engine rank on GPU 1 (whole rows and column halves): the receiver's digest
     per origin is what the origin digests of those regions, taken mostly while the copies still moved, and a bit
     flipped in what it reads after the origin's digest changes it (the copies that landed early included)."""
-    from awex.transport.digest import region_digest
     from awex.transport.ipc.executor import IpcExecutor
     from awex.transport.ipc.options import IpcOptions
 
@@ -79,28 +76,17 @@ def test_copies_from_another_gpu_are_digested_as_they_land(options):
     weights = {t.name: torch.randn(t.spec.shape, generator=g).to(torch.bfloat16).to("cuda:0") for t in tensors}
     trainer_layout = hf_layout(tensors, "trainer", "trainer")
     trainer = LocalShards.from_layout(trainer_layout, 0, lambda name, box: weights[name][box.slices()])
-    layout = vllm_layout(tensors, VllmParallel(tp=2), instance="eng")
-    held = {t.name: torch.zeros(t.spec.shape, dtype=torch.bfloat16, device="cuda:1") for t in tensors}
-    mine = LocalShards.from_layout(layout, 1, lambda name, box: held[name][box.slices()])
+    layout, mine = _engine(2, 1, tensors, device="cuda:1")
     plan = plan_transfers([trainer_layout], [layout], PlanOptions(relay=False))
     rank = next(i for i, r in enumerate(plan.ranks) if r.instance == "eng" and r.local_rank == 1)
     origin = next(i for i, r in enumerate(plan.ranks) if r.instance == "trainer")
-
-    def expected() -> tuple[int, int]:
-        total = (0, 0)
-        for step in plan.schedule(rank):
-            for t in step.bucket.transfers:
-                spec = plan.tensors[t.tensor]
-                total = add(total, region_digest(trainer, spec.name, spec.shape, spec.dtype, t.offsets, t.sizes))
-        return total
-
     executor = IpcExecutor(plan, rank, mine, {origin: trainer}, IpcOptions(**options), digest=True)
     assert executor.digest.landed_bytes > executor.bytes_received // 2  # most of it digested as it landed
     o_proj = next(n for n in weights if n.endswith("o_proj.weight"))  # column halves: cut into runs of rows
     for flipped in (None, None, "model.embed_tokens.weight", o_proj, None):
         for w in weights.values():
             w.add_(1)
-        want = expected()
+        want = origin_digest(plan, rank, trainer)
         if flipped is not None:
             weights[flipped][-1, -1:].view(torch.int16)[0] ^= 1 << 4
         executor.run(timeout=30)

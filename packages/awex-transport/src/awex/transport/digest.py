@@ -23,6 +23,7 @@ into a row of a tensor it reads once)."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping, Sequence
 from math import gcd, prod
 from typing import NamedTuple
 
@@ -48,6 +49,17 @@ def salt(name: str) -> int:
 
 def add(x: Digest, y: Digest) -> Digest:
     return (x[0] + y[0]) % MOD, (x[1] + y[1]) % MOD
+
+
+def grouped(groups: Mapping[int, Sequence[int]], values: Sequence[Digest]) -> dict[int, Digest]:
+    """Per group, the digest of its members (indices into ``values``: each a region's digest)."""
+    out: dict[int, Digest] = {}
+    for group, members in groups.items():
+        total: Digest = (0, 0)
+        for i in members:
+            total = add(total, values[i])
+        out[group] = total
+    return out
 
 
 def digest_of(sums: torch.Tensor) -> Digest:

@@ -73,14 +73,26 @@ Piece = tuple[int, torch.Tensor, tuple[int, ...], tuple[int, ...], int, torch.dt
 
 def batch(shards: LocalShards, regions: Sequence[Region]) -> DigestBatch:
     """``regions`` of ``shards`` (CUDA views) laid out for one launch per kind (see the module)."""
-    pieces: list[Piece] = []
-    for i, (name, shape, dtype, offsets, sizes) in enumerate(regions):
-        want, key = torch_dtype(dtype), salt(name)
-        for index, view in shards.pieces(name, offsets, sizes):
-            starts = tuple(o + (s.start or 0) for o, s in zip(offsets, index)) if index else offsets
-            pieces.append((i, view, starts, shape, key, want))
+    pieces = [p for i, region in enumerate(regions) for p in region_pieces(shards, i, region)]
     out = batch_pieces(shards.device, len(regions), pieces)
     out.shards = shards
+    return out
+
+
+def plan_region(plan, key: tuple[int, tuple[int, ...], tuple[int, ...]]) -> Region:
+    """The :data:`Region` of ``key`` (plan tensor index, offsets, sizes) of ``plan`` (an ``awex.meta.Plan``)."""
+    t = plan.tensors[key[0]]
+    return t.name, tuple(t.shape), t.dtype, key[1], key[2]
+
+
+def region_pieces(shards: LocalShards, i: int, region: Region) -> list[Piece]:
+    """The pieces ``shards`` hold of ``region``, each to be added to region ``i``'s sums."""
+    name, shape, dtype, offsets, sizes = region
+    want, key = torch_dtype(dtype), salt(name)
+    out = []
+    for index, view in shards.pieces(name, offsets, sizes):
+        starts = tuple(o + (s.start or 0) for o, s in zip(offsets, index)) if index else offsets
+        out.append((i, view, starts, shape, key, want))
     return out
 
 

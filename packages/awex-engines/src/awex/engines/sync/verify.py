@@ -30,8 +30,8 @@ from awex.meta.client import MetaClient, MetaTimeoutError
 from awex.meta.origins import transfer_origins
 from awex.transport import digest_batch
 from awex.transport.base import TransferError
-from awex.transport.digest import MOD, Digest, add, region_sums
-from awex.transport.digest_batch import DigestBatch
+from awex.transport.digest import MOD, Digest, grouped, region_sums
+from awex.transport.digest_batch import DigestBatch, plan_region
 from awex.transport.shards import LocalShards
 
 log = logging.getLogger("awex.engines")
@@ -74,7 +74,7 @@ def digests(plan: Plan, shards: LocalShards, groups: Mapping[int, Sequence[Regio
     index = _order(groups)
     sums = torch.zeros(len(index), 2, dtype=torch.int64, device=shards.device)
     for region, i in index.items():
-        region_sums(shards, *_region(plan, region), sums[i])
+        region_sums(shards, *plan_region(plan, region), sums[i])
     return _grouped(groups, index, [(a % MOD, b % MOD) for a, b in sums.tolist()])
 
 
@@ -86,21 +86,10 @@ def _order(groups: Mapping[int, Sequence[RegionKey]]) -> dict[RegionKey, int]:
     return index
 
 
-def _region(plan: Plan, key: RegionKey) -> tuple:
-    t = plan.tensors[key[0]]
-    return t.name, tuple(t.shape), t.dtype, key[1], key[2]
-
-
 def _grouped(
     groups: Mapping[int, Sequence[RegionKey]], index: Mapping[RegionKey, int], values: Sequence[Digest]
 ) -> dict[int, Digest]:
-    out: dict[int, Digest] = {}
-    for group, keys_ in groups.items():
-        total: Digest = (0, 0)
-        for key in keys_:
-            total = add(total, values[index[key]])
-        out[group] = total
-    return out
+    return grouped({group: [index[key] for key in keys_] for group, keys_ in groups.items()}, values)
 
 
 def record(plan: Plan, sent: Mapping[int, Digest]) -> dict:
@@ -147,7 +136,7 @@ class Verifier:
             return digests(plan, shards, groups)
         if self._batch is None or self._batch[0] is not plan or self._batch[1] is not shards:
             index = _order(groups)
-            self._batch = (plan, shards, index, digest_batch.batch(shards, [_region(plan, k) for k in index]))
+            self._batch = (plan, shards, index, digest_batch.batch(shards, [plan_region(plan, k) for k in index]))
         _, _, index, laid_out = self._batch
         return _grouped(groups, index, laid_out.sums())
 

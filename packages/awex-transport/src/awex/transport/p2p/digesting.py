@@ -7,16 +7,14 @@ their own behind the packing and unpacking streams; on CPU in line, after each w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from awex.meta import Plan
 from awex.meta.origins import transfer_origins
 from awex.transport.accelerator import device_api, is_accelerator
-from awex.transport.digest import MOD, Digest, add, salt
-from awex.transport.digest_batch import DigestBatch, Piece, batch_pieces
-from awex.transport.shards import LocalShards, torch_dtype
+from awex.transport.digest import MOD, Digest, grouped
+from awex.transport.digest_batch import DigestBatch, Piece, batch_pieces, plan_region, region_pieces
+from awex.transport.shards import LocalShards
 
 RegionKey = tuple[int, tuple[int, ...], tuple[int, ...]]  # (plan tensor index, offsets, sizes)
 
@@ -47,7 +45,7 @@ class WaveDigests:
             when = ("sent", first_sent[key]) if o == rank else ("got", b.wave)
             (self.sends.setdefault(b.dst, []) if o == rank else self.receives.setdefault(o, [])).append(i)
             if fresh:
-                at.setdefault(when, []).extend(_pieces(plan, shards, i, key))
+                at.setdefault(when, []).extend(region_pieces(shards, i, plan_region(plan, key)))
         self.count = len(index)
         self.sums = torch.zeros(max(1, self.count), 2, dtype=torch.int64, device=self.device)
         self._at: dict[tuple[str, int], DigestBatch] = {
@@ -100,24 +98,4 @@ class WaveDigests:
         per origin, of the regions it got from it (the views' device waits for the sums)."""
         values = [(a % MOD, b % MOD) for a, b in self.sums.tolist()]
         self.fresh = False
-        return _grouped(self.sends, values), _grouped(self.receives, values)
-
-
-def _pieces(plan: Plan, shards: LocalShards, i: int, key: RegionKey) -> list[Piece]:
-    spec = plan.tensors[key[0]]
-    want, name_salt, shape = torch_dtype(spec.dtype), salt(spec.name), tuple(spec.shape)
-    out = []
-    for index, view in shards.pieces(spec.name, key[1], key[2]):
-        starts = tuple(o + (s.start or 0) for o, s in zip(key[1], index)) if index else key[1]
-        out.append((i, view, starts, shape, name_salt, want))
-    return out
-
-
-def _grouped(groups: Mapping[int, list[int]], values: list[Digest]) -> dict[int, Digest]:
-    out: dict[int, Digest] = {}
-    for group, regions in groups.items():
-        total: Digest = (0, 0)
-        for i in regions:
-            total = add(total, values[i])
-        out[group] = total
-    return out
+        return grouped(self.sends, values), grouped(self.receives, values)
