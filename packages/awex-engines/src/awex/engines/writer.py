@@ -311,6 +311,7 @@ class WeightsWriter:
             )
         if later:  # one hand-over: one wake-up of the background thread
             self._background.submit(f"after {version}", self._background.run_each, later)
+        self._session.phases["report"] = time.monotonic() - started - self._session.phases["total"]
         return stats
 
     def _beside(self, shards: LocalShards) -> None:
