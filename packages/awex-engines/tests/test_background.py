@@ -32,3 +32,22 @@ def test_a_failing_call_is_logged_and_the_next_still_runs(caplog):
         assert bg.flush(5)
     assert seen == [1]
     assert "report of version v1 failed" in caplog.text and "server gone" in caplog.text
+
+
+def test_a_steady_versions_log_line_is_written_off_the_callers_thread_a_new_plans_at_once(caplog):
+    gate = threading.Event()
+    bg = Background("test")
+    with caplog.at_level(logging.INFO, logger="awex.engines"):
+        bg.submit("a report still being sent", gate.wait, 5)
+        bg.log_line("trainer:0 sent v7: 10 bytes in 0.001 s", now=False)
+        bg.log_line("trainer:0 sent v1: 10 bytes in 0.9 s (new plan: ...)", now=True)
+        assert [r.getMessage() for r in caplog.records] == ["trainer:0 sent v1: 10 bytes in 0.9 s (new plan: ...)"]
+        gate.set()
+        assert bg.flush(5)
+        assert [r.getMessage() for r in caplog.records][1:] == ["trainer:0 sent v7: 10 bytes in 0.001 s"]
+        assert [r.threadName for r in caplog.records] == ["MainThread", "awex-background-test"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="awex.engines"):  # INFO off: nothing is handed over
+        bg.log_line("not written", now=False)
+        assert bg._queue.empty()
+        assert bg.flush(5) and not caplog.records

@@ -199,7 +199,8 @@ class WeightsReader:
             del self._applied[next(iter(self._applied))]  # the oldest
         self._session.phases["total"] = time.monotonic() - started
         stats.phases, stats.planned = dict(self._session.phases), self._session.planned
-        log.info("%s", self._session.describe_sync("received", version, stats.bytes_received, stats.seconds))
+        line = self._session.describe_sync("received", version, stats.bytes_received, stats.seconds)
+        self._background.log_line(line, now=stats.planned)  # a steady version's once receive returned
         return stats
 
     def _failed(self, version: str, manifest, error: BaseException, in_place: bool, applying: bool) -> None:

@@ -293,7 +293,6 @@ class WeightsWriter:
         self._session.phases.update(control, manifest=announced - started, total=time.monotonic() - started)
         stats.phases, stats.planned = dict(self._session.phases), self._session.planned
         self.last_stats = stats
-        log.info("%s", self._session.describe_sync("sent", version, stats.bytes_sent, stats.seconds))
         if self._announcer is not None:
             verdicts, total, plan = instance_verdicts(outcomes), self._session.phases["total"], self._session.plan
             announcer = self._announcer
@@ -311,6 +310,8 @@ class WeightsWriter:
             )
         if later:  # one hand-over: one wake-up of the background thread
             self._background.submit(f"after {version}", self._background.run_each, later)
+        line = self._session.describe_sync("sent", version, stats.bytes_sent, stats.seconds)
+        self._background.log_line(line, now=stats.planned)  # a steady version's once write returned
         self._session.phases["report"] = time.monotonic() - started - self._session.phases["total"]
         return stats
 

@@ -1,4 +1,5 @@
-"""Requests kept off a sync's critical path: events, version reports, dropping old records.
+"""Requests kept off a sync's critical path: events, version reports, dropping old records, a steady version's log
+line.
 
 A writer or reader hands them to :class:`Background`, which sends them in order on one daemon thread (with its
 own MetaServer connection), each at least ``delay`` seconds after it was handed over: the sync that handed it
@@ -39,6 +40,16 @@ class Background:
             self._queue.put_nowait((time.monotonic() + self.delay, what, fn, args, kwargs))
         except queue.Full:
             self._call(what, fn, args, kwargs)
+
+    def log_line(self, line: str, now: bool) -> None:
+        """Log ``line`` at INFO (where INFO is on): ``now``, or after what was submitted before, off the critical path
+        (a line costs about 0.15 ms where it is written: a steady version's would follow its outcome)."""
+        if not log.isEnabledFor(logging.INFO):
+            return
+        if now:
+            log.info("%s", line)
+        else:
+            self.submit("logging the sync", log.info, "%s", line)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything submitted so far was sent (or ``timeout`` passed); whether it was."""
