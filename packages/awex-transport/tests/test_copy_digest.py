@@ -110,10 +110,13 @@ def _engine(tp: int, rank: int, tensors, device: str = "cuda"):
     return layout, LocalShards.from_layout(layout, rank, lambda name, box: held[name][box.slices()])
 
 
-def origin_digest(plan, rank: int, origin: LocalShards) -> tuple[int, int]:
-    """What the origin (``origin``: its views) digests of the regions it sends sync rank ``rank``."""
+def origin_digest(plan, rank: int, origin: LocalShards, peer: int | None = None) -> tuple[int, int]:
+    """What the origin (``origin``: its views; sync rank ``peer`` where ``rank`` has several) digests of the regions
+    it sends sync rank ``rank``."""
     total = (0, 0)
     for step in plan.schedule(rank):
+        if peer is not None and step.peer != peer:
+            continue
         for t in step.bucket.transfers:
             spec = plan.tensors[t.tensor]
             total = add(total, region_digest(origin, spec.name, spec.shape, spec.dtype, t.offsets, t.sizes))

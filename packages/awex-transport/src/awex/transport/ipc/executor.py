@@ -21,7 +21,7 @@ from awex.transport.ipc.fp8_on_copy import Piece, Quantize, quantize_pieces, qua
 from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
 from awex.transport.ipc.remote import plan_remote
-from awex.transport.ipc.scheduling import paces_local
+from awex.transport.ipc.scheduling import interleave_sources, paces_local
 from awex.transport.ipc.spans import balance, captured, nbytes_of, paired_pieces
 from awex.transport.peer_dma import (
     enable_peer_access,
@@ -30,6 +30,7 @@ from awex.transport.peer_dma import (
 )
 from awex.transport.shards import LocalShards
 
+Copy = tuple[torch.Tensor, torch.Tensor]
 log = logging.getLogger("awex.transport")
 
 
@@ -55,7 +56,11 @@ class IpcExecutor:
     others over ``local_branches`` streams. Where the same-GPU copies are the longer part (not paced), the
     contiguous pieces from other GPUs join that launch instead of going as DMAs: the kernel reads them over
     NVLink, their blocks spread among the local ones (the copy engines' writes into a GPU whose memory a kernel
-    saturates stall it more than the same bytes read by the kernel). Pieces
+    saturates stall it more than the same bytes read by the kernel). With ``kernel_reads`` (by default where this
+    receiver reads from more than one other GPU) this GPU's kernels read every piece from other GPUs instead of its
+    copy engines: the pieces that can go straight into place as one launch, each span into the ring as one (copy
+    engines pulling from two GPUs while another GPU pulls from the same two moved half the link rate; kernels
+    reading the same pattern 0.95x of it: docs/performance.md). Pieces
     that go as their own DMA are dealt to ``direct_streams`` streams (balanced by bytes). The defaults were
     measured: docs/performance.md. With ``digest`` (verify mode) the run also digests what it copied, per origin
     (:meth:`received_digests`): the batched copies as they write (:mod:`awex.transport.ipc.digesting`).
@@ -134,26 +139,31 @@ class IpcExecutor:
             pace_local = paces_local(nbytes_of(self._remote), nbytes_of(self._local))
         # Where the same-GPU copies are the longer part, the pieces from other GPUs that can ride along are read
         # by the same kernel launch over NVLink (see BatchedCopy's `spread`), the rest go as DMAs.
-        self._read_in_kernel: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._kernel_sources: list[int] = []
         self._mapped = [x for x in sources.values() if isinstance(x, MappedShards)]  # kept: their mappings
+        kernel_reads = o.kernel_reads
+        if kernel_reads is None:  # see IpcOptions.kernel_reads
+            kernel_reads = bool(batched_copy) and len({s.device for _, s in self._remote}) > 1
+        self._read_in_kernel, self._kernel_sources = [], []
         if batched_copy and not pace_local and self._local:
-            rest = []
-            for d, s in self._remote:
-                address = self._kernel_address(s) if batchable(d, s, peer=True) else None
-                if address is not None and address % 16 == 0:
-                    self._read_in_kernel.append((d, s))
-                    self._kernel_sources.append(address)
-                else:
-                    rest.append((d, s))
-            self._remote = rest
+            self._read_in_kernel, self._kernel_sources, self._remote = self._kernel_readable(self._remote)
+        far, far_at = [], []
+        if kernel_reads and batched_copy:
+            far, far_at, self._remote = self._kernel_readable(self._remote)
+            by_source: dict[str, list] = {}  # every source read evenly through the launch, as the spans are
+            for (d, s), at in zip(far, far_at):
+                by_source.setdefault(str(s.device), []).append((d.nbytes, ((d, s), at)))
+            order = interleave_sources([by_source[k] for k in sorted(by_source)], rank)
+            far, far_at = [c for c, _ in order], [a for _, a in order]
         remote = plan_remote(self._remote, sources, self.device, o, batched_copy, rank, self.digest)
         self._direct, self._spans, self._ring = remote.direct, remote.spans, remote.ring
+        # kernel reads: the pieces that can go straight into place as one launch, the spans into the ring each as one
+        self._far_reads = self._batched([], far, far_at) if far else None
+        self._span_reads = [self._span_read(span) for span in self._spans] if kernel_reads and batched_copy else []
         self.staging_bytes = self._ring.numel()
         self.buckets = len(plan.schedule(rank))
         self._direct_lanes = balance(self._direct, min(direct_streams, len(self._direct)))
         if self.device.type == "cuda":
-            self._streams = {k: torch.cuda.Stream(self.device) for k in ("place", "local", "quantize")}
+            self._streams = {k: torch.cuda.Stream(self.device) for k in ("place", "local", "quantize", "far")}
             self._direct_streams = [torch.cuda.Stream(self.device) for _ in self._direct_lanes]
             self._dma_streams = [torch.cuda.Stream(self.device) for _ in range(dma_streams)]
             self._branches = [torch.cuda.Stream(self.device) for _ in range(min(local_branches, len(self._local)))]
@@ -252,6 +262,12 @@ class IpcExecutor:
                     for d, s in copies:
                         self._peer_copy(d, s, stream)
                     self._landed(group, stream, used)
+        if self._far_reads is not None:
+            stream = self._streams["far"]
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                self._far_reads()
+            used.append(stream)
         if self._spans:
             used += self._copy_spans(compute)
         if self._local and not self.pace_local:
@@ -309,7 +325,10 @@ class IpcExecutor:
             with torch.cuda.stream(dma):
                 if span.after is not None:
                     dma.wait_event(placed[span.after])
-                pull_bytes(self._ring.data_ptr() + span.offset, span.source, span.nbytes, dma)
+                if self._span_reads and self._span_reads[i] is not None:
+                    self._span_reads[i]()
+                else:
+                    pull_bytes(self._ring.data_ptr() + span.offset, span.source, span.nbytes, dma)
                 landed.record(dma)
             with torch.cuda.stream(place):
                 place.wait_event(landed)
@@ -323,12 +342,33 @@ class IpcExecutor:
                     self._copy_local(local_at[i], place)
         return used
 
-    def _kernel_address(self, src: torch.Tensor) -> int | None:
-        """Where this GPU's kernels read ``src`` (memory of another GPU), or ``None`` where they cannot."""
+    def _kernel_address(self, pointer: int) -> int | None:
+        """Where this GPU's kernels read the byte at ``pointer`` (memory of another GPU), or ``None`` where they
+        cannot."""
         for mapped in self._mapped:
-            if mapped.region_of(src.data_ptr()) is not None:
-                return mapped.kernel_address(src.data_ptr(), self.device)
-        return src.data_ptr()  # this process's own memory: readable with peer access (enabled above)
+            if mapped.region_of(pointer) is not None:
+                return mapped.kernel_address(pointer, self.device)
+        return pointer  # this process's own memory: readable with peer access (enabled above)
+
+    def _kernel_readable(self, copies: list[Copy]) -> tuple[list[Copy], list[int], list[Copy]]:
+        """``(copies this GPU's kernels can read, the addresses they read them at, the rest)``."""
+        yes, at, rest = [], [], []
+        for d, s in copies:
+            address = self._kernel_address(s.data_ptr()) if batchable(d, s, peer=True) else None
+            if address is not None and address % 16 == 0:
+                yes.append((d, s))
+                at.append(address)
+            else:
+                rest.append((d, s))
+        return yes, at, rest
+
+    def _span_read(self, span) -> Callable[[], None] | None:
+        """A span pulled into the ring by one kernel launch (``None``: a DMA pulls it)."""
+        ring = self._ring[span.offset : span.offset + span.nbytes]
+        address = self._kernel_address(span.source)
+        if address is None or not batchable(ring, ring) or address % 16:
+            return None
+        return BatchedCopy([], spread=[(ring, ring)], spread_sources=[address])  # (reads at `address`)
 
     def _peer_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
         if dst.is_contiguous() and src.is_contiguous():

@@ -21,6 +21,7 @@ class IpcOptions:
     pace_local: bool | None = None  # same-GPU copies in slices between placements; None: where DMAs are longer
     direct_streams: int = 2  # streams for pieces that go as their own DMA
     batched_copy: bool | None = None  # same-GPU copies as one kernel launch; None: where Triton is installed
+    kernel_reads: bool | None = None  # pieces from other GPUs read by kernels; None: where several GPUs are read
 
     def __post_init__(self) -> None:
         if min(self.bounce_buffers, self.dma_streams, self.local_branches, self.direct_streams) < 1:
