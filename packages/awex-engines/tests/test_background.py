@@ -51,3 +51,23 @@ def test_a_steady_versions_log_line_is_written_off_the_callers_thread_a_new_plan
         bg.log_line("not written", now=False)
         assert bg._queue.empty()
         assert bg.flush(5) and not caplog.records
+
+
+def test_what_is_queued_still_goes_out_when_the_process_exits():
+    """A steady version's log line (and the report before it) queued just before the process ends is not lost."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import logging, sys
+        from awex.engines.sync.background import Background
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+        bg = Background("exit")
+        bg.submit("a report", print, "reported", flush=True)
+        bg.log_line("trainer:0 sent v9: 10 bytes in 0.001 s", now=False)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "reported"
+    assert "trainer:0 sent v9: 10 bytes in 0.001 s" in out.stderr

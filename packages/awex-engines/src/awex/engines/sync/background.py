@@ -5,18 +5,31 @@ A writer or reader hands them to :class:`Background`, which sends them in order 
 own MetaServer connection), each at least ``delay`` seconds after it was handed over: the sync that handed it
 over returns to its caller first, without this thread competing with it for the interpreter. They inform
 observers; a failure is logged, never raised into a sync. Anything that must be seen in order after them (a
-failure report) calls :meth:`Background.flush` first.
+failure report) calls :meth:`Background.flush` first. A process that exits first waits up to
+:data:`EXIT_FLUSH_SECONDS` for what is queued (its last version's events, dropped records and log line).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 log = logging.getLogger("awex.engines")
+EXIT_FLUSH_SECONDS = 2.0
+_STARTED: weakref.WeakSet = weakref.WeakSet()  # every Background whose thread runs
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """At interpreter exit (before daemon threads stop): what each queue holds still goes out, within a bound."""
+    deadline = time.monotonic() + EXIT_FLUSH_SECONDS  # for all of them together
+    for background in list(_STARTED):
+        background.flush(max(0.0, deadline - time.monotonic()))
 
 
 class Background:
@@ -36,6 +49,7 @@ class Background:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"awex-background-{self.name}", daemon=True)
                 self._thread.start()
+                _STARTED.add(self)
         try:
             self._queue.put_nowait((time.monotonic() + self.delay, what, fn, args, kwargs))
         except queue.Full:
