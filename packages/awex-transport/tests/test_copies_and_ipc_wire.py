@@ -11,7 +11,7 @@ from awex.meta import Box
 from awex.transport import LocalShards
 from awex.transport.copies import copier, merge_copies, wide_views
 from awex.transport.ipc import ExportedView, IpcExport, export_shards
-from awex.transport.ipc.scheduling import interleave_sources, paces_local, ring_slots
+from awex.transport.ipc.scheduling import interleave_by_source, interleave_sources, paces_local, ring_slots
 from awex.transport.ipc.spans import extent as _extent
 from awex.transport.ipc.spans import rows_within as _rows_within
 
@@ -175,6 +175,10 @@ def test_spans_from_several_sources_are_read_evenly_and_receivers_start_apart(fi
     # one source after the other (what plain address order gives) would fail that
     assert interleave_sources([a], first=first) == [x for _, x in a]
     assert interleave_sources([], first=first) == []
+    # the same, the items grouped by their source first (as the executor's spans and kernel reads are)
+    mixed = [x for pair in zip([x for _, x in a], [x for _, x in b] + [None] * 4) for x in pair if x is not None]
+    size = {"a": 10, "b": 30}
+    assert interleave_by_source(mixed, lambda x: x[0], lambda x: size[x[0]], first) == order
 
 
 def test_query_rows_out_of_a_fused_qkv_are_copied_as_8_byte_words():

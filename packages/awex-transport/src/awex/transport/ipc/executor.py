@@ -20,8 +20,8 @@ from awex.transport.ipc.digesting import DIGEST_GROUPS, ReceivedDigests, byte_gr
 from awex.transport.ipc.fp8_on_copy import Piece, Quantize, quantize_pieces, quantizers
 from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
-from awex.transport.ipc.remote import plan_remote
-from awex.transport.ipc.scheduling import interleave_sources, paces_local
+from awex.transport.ipc.remote import Copy, plan_remote
+from awex.transport.ipc.scheduling import interleave_by_source, paces_local
 from awex.transport.ipc.spans import balance, captured, nbytes_of, paired_pieces
 from awex.transport.peer_dma import (
     enable_peer_access,
@@ -30,7 +30,6 @@ from awex.transport.peer_dma import (
 )
 from awex.transport.shards import LocalShards
 
-Copy = tuple[torch.Tensor, torch.Tensor]
 log = logging.getLogger("awex.transport")
 
 
@@ -149,10 +148,10 @@ class IpcExecutor:
         far, far_at = [], []
         if kernel_reads and batched_copy:
             far, far_at, self._remote = self._kernel_readable(self._remote)
-            by_source: dict[str, list] = {}  # every source read evenly through the launch, as the spans are
-            for (d, s), at in zip(far, far_at):
-                by_source.setdefault(str(s.device), []).append((d.nbytes, ((d, s), at)))
-            order = interleave_sources([by_source[k] for k in sorted(by_source)], rank)
+            # every source read evenly through the launch, as the spans are
+            order = interleave_by_source(
+                list(zip(far, far_at)), lambda x: x[0][1].device, lambda x: x[0][0].nbytes, rank
+            )
             far, far_at = [c for c, _ in order], [a for _, a in order]
         remote = plan_remote(self._remote, sources, self.device, o, batched_copy, rank, self.digest)
         self._direct, self._spans, self._ring = remote.direct, remote.spans, remote.ring

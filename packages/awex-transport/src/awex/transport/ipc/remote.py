@@ -12,7 +12,7 @@ from awex.transport.copies import merge_copies
 from awex.transport.ipc.digesting import ReceivedDigests
 from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
-from awex.transport.ipc.scheduling import interleave_sources, ring_slots
+from awex.transport.ipc.scheduling import interleave_by_source, ring_slots
 from awex.transport.ipc.spans import Span, extent, placements, rows_within
 from awex.transport.shards import LocalShards
 
@@ -87,10 +87,7 @@ def plan_remote(
     # spans spread evenly over the sync, and receivers start at different sources: pulling one source after
     # the other, every receiver would read the same source at the same time (its egress the bottleneck,
     # the other sources idle).
-    by_source: dict[object, list[tuple[int, tuple]]] = {}
-    for span in kept:
-        by_source.setdefault(span[2][0][1].device, []).append((span[1] - span[0], span))
-    kept = interleave_sources([by_source[k] for k in sorted(by_source, key=str)], first=rank)
+    kept = interleave_by_source(kept, lambda span: span[2][0][1].device, lambda span: span[1] - span[0], rank)
     largest = -(-max((hi - lo for lo, hi, _ in kept), default=0) // 16) * 16
     capacity = largest * min(o.bounce_buffers, len(kept))
     slots = ring_slots([hi - lo for lo, hi, _ in kept], capacity)

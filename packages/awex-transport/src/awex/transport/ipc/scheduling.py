@@ -3,7 +3,7 @@ read, and when same-GPU copies are paced between peer DMAs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from awex.meta.errors import AwexValueError
@@ -68,3 +68,14 @@ def interleave_sources(groups: Sequence[Sequence[tuple[int, T]]], first: int = 0
         pos[i] += 1
         taken[i] += n
         out.append(item)
+
+
+def interleave_by_source(
+    items: Sequence[T], source: Callable[[T], object], size: Callable[[T], int], first: int
+) -> list[T]:
+    """``items`` grouped by ``source`` (sources in the order of their names; each group keeps its order) and merged
+    by :func:`interleave_sources` with sizes ``size``."""
+    groups: dict[str, list[tuple[int, T]]] = {}
+    for x in items:
+        groups.setdefault(str(source(x)), []).append((size(x), x))
+    return interleave_sources([groups[k] for k in sorted(groups)], first=first)
