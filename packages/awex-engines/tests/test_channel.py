@@ -37,6 +37,44 @@ def test_put_wait_and_a_wrong_secret_takes_nothing():
         other.wait(["manifest/v1"], timeout=0.2)
 
 
+class _Counted:
+    """A connection to the channel's store that counts the operations that go to its host (setting the connection's
+    timeout is local)."""
+
+    def __init__(self, store: dist.TCPStore):
+        self._store, self.sent = store, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if name in ("set_timeout", "timeout") or not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.sent.append(name)
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_a_wait_is_one_round_trip_to_the_host_and_keeps_the_connections_timeout():
+    # every version's manifest and ready signals are waited for on the critical path: the store's multi_get waits
+    # for its keys itself, so a wait before it was a second round trip for nothing
+    host = VersionChannel.host()
+    address, port = host.address.rsplit(":", 1)
+    store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=7))
+    counted = _Counted(store)
+    reader = VersionChannel(counted, host.address, host.secret, hosting=False)
+    host.put("ready/a", 1)
+    threading.Timer(0.2, host.put, ("ready/b", 2)).start()  # arrives while the reader waits
+    assert reader.wait(["ready/a", "ready/b"], timeout=5) == [1, 2]
+    assert counted.sent == ["multi_get"]
+    assert store.timeout == timedelta(seconds=7)  # the connection's other operations keep their own
+    started = time.monotonic()
+    with pytest.raises(ChannelTimeout, match="ready/c did not arrive"):
+        reader.wait(["ready/c"], timeout=0.3)
+    assert 0.25 < time.monotonic() - started < 2.0 and store.timeout == timedelta(seconds=7)
+
+
 def test_a_gone_host_fails_fast():
     host = VersionChannel.host()
     client = VersionChannel.connect(host.address, host.secret)

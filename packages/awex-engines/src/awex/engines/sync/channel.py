@@ -116,14 +116,20 @@ class VersionChannel:
 
     def wait(self, keys: Sequence[str], timeout: float) -> list[Any]:
         """The values under ``keys``, waiting up to ``timeout`` seconds for all of them. A value that fails its
-        check is dropped (logged) and waited for again: the real one overwrites it."""
+        check is dropped (logged) and waited for again: the real one overwrites it.
+
+        One round trip to the channel's host: the store's ``multi_get`` itself waits until every key is there
+        (within the connection's timeout, set to what is left of ``timeout`` first, locally); a ``wait`` before it
+        was a second round trip on the version's critical path."""
         deadline = time.monotonic() + timeout
         found: dict[str, Any] = {}
         while True:
             waiting = [k for k in keys if k not in found]
+            store = self.store
+            before = store.timeout  # the connection's own, for its other operations
             try:
-                self.store.wait([k for k in waiting], timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                raw = self.store.multi_get([k for k in waiting])
+                store.set_timeout(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                raw = store.multi_get(waiting)
             except dist.DistStoreError as e:  # the wait timed out
                 missing = [k for k in waiting if not self._check(k)]
                 raise ChannelTimeout(
@@ -132,6 +138,8 @@ class VersionChannel:
                 ) from e
             except RuntimeError as e:  # DistNetworkError: the host is gone
                 raise ChannelError(f"version channel at {self.address}: {e}") from None
+            finally:
+                store.set_timeout(before)
             forged = False
             for k, v in zip(waiting, raw):
                 try:
