@@ -25,3 +25,18 @@ def test_128_ranks_sync_three_versions_through_the_real_control_path():
     # they wait (the device gather re-posted every 0.2 s: 51 a rank) or read per engine go over it; the budget leaves
     # room for the 10-s fallback reads of a slow first sync
     assert row["server_requests_per_rank"] <= REQUESTS_PER_RANK, row["server_requests_per_rank"]
+
+
+def test_a_process_cpu_is_read_finer_than_the_clock_tick():
+    # a steady version costs the server a few milliseconds: /proc's stat counts 10-ms ticks, its threads' schedstat
+    # nanoseconds; a 4-ms burn must read as 4 ms (2-8 allowing for this process's other threads), not 0 or 10
+    import os
+    import time
+
+    from awex_integration.benchmarks.control_plane import _proc_cpu
+
+    before, started = _proc_cpu(os.getpid()), time.thread_time()
+    while time.thread_time() - started < 0.004:
+        pass
+    burned = _proc_cpu(os.getpid()) - before
+    assert 0.002 < burned < 0.008, burned
