@@ -11,6 +11,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from awex.meta.client import MetaClient
 from awex.meta.errors import AgreementError, MetaBusyError, MetaPayloadError, MetaTimeoutError
@@ -145,3 +147,47 @@ def test_loop_errors_are_reported_once_per_interval(monkeypatch, caplog):
     with caplog.at_level(logging.ERROR, logger="awex.meta.server"):
         quiet(None, {"message": "socket.accept() out of system resource", "exception": err})
     assert "999 more like it" in caplog.records[-1].getMessage()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.text("ab/", min_size=0, max_size=5)),  # (set or pop, key)
+        max_size=60,
+    ),
+    st.lists(st.text("ab/", max_size=4), min_size=1, max_size=6),
+)
+def test_the_keys_under_a_prefix_match_a_scan_of_every_key(ops, prefixes):
+    # forget, keys?prefix= and the claim lease's names read a prefix by bisection of the sorted keys (a steady
+    # version's records dropped at a cost of what they are, not of the job's thousands of keys); the oracle: a scan
+    job = JobState("j", max_events=5, max_keys=1000)
+    for put, key in ops:
+        if not key:
+            continue
+        if put:
+            job.set_kv(key, b"1")
+        else:
+            job.pop_kv(key)
+    for prefix in prefixes:
+        assert job.keys_under(prefix) == sorted(k for k in job.kv if k.startswith(prefix))
+    assert job.kv_bytes == sum(len(k) + 1 for k in job.kv)
+
+
+def test_dropping_one_version_s_records_costs_what_it_finds_not_the_job_s_size():
+    # counted, not timed: startswith calls a forget makes on a job of 20,000 keys to drop 3 of them
+    job = JobState("j", max_events=5, max_keys=100_000)
+    for i in range(20_000):
+        job.set_kv(f"devices/a{i:05d}", b"{}")
+    for i in range(3):
+        job.set_kv(f"signals/v7/{i}", b"{}")
+
+    class Counted(str):
+        calls = 0
+
+        def startswith(self, *args):
+            Counted.calls += 1
+            return str.startswith(self, *args)
+
+    job._ordered = [Counted(k) for k in job._ordered]
+    assert job.keys_under("signals/v7/") == [f"signals/v7/{i}" for i in range(3)]
+    assert Counted.calls <= 4, Counted.calls

@@ -67,7 +67,7 @@ async def forget(server: Server, request: web.Request) -> web.Response:
     def gone(name: str) -> bool:
         return name in names or name.startswith(prefixes)
 
-    keys = [k for k in job.kv if gone(k)]
+    keys = {k for k in names if k in job.kv}.union(*(job.keys_under(p) for p in prefixes))
     for k in keys:
         job.pop_kv(k)
     agreements = [a for a in job.agreements if gone(a)]
@@ -82,7 +82,7 @@ async def list_keys(server: Server, request: web.Request) -> web.Response:
     may carry: read them one by one): one request where a reader would make one per key."""
     job = server.job_of(request, create=False)
     prefix = request.query.get("prefix", "")
-    found = sorted(k for k in job.kv if k.startswith(prefix)) if job else []
+    found = job.keys_under(prefix) if job else []
     if request.query.get("values") != "1":
         return web.json_response({"keys": found})
     raws = [job.kv[k] for k in found] if job else []

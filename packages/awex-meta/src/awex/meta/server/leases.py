@@ -68,7 +68,7 @@ def grant(job: JobState, fence: str | None, seconds: float, prefix: str, names: 
     job.lease = Lease(fence, now + seconds, prefix, float(seconds))
     answer: dict = {"granted": True, "seconds": seconds}
     if names:
-        taken = set(job.claims).union(key for key in job.kv if key.startswith(prefix))
+        taken = set(job.claims).union(job.keys_under(prefix))
         answer["names"] = "".join(claim_digest(key) for key in taken)
     return answer
 

@@ -12,6 +12,7 @@ import itertools
 import json
 import secrets
 import time
+from bisect import bisect_left, insort
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -152,6 +153,7 @@ class JobState:
     def __init__(self, name: str, max_events: int, max_keys: int):
         self.name = name
         self.kv: dict[str, bytes] = {}
+        self._ordered: list[str] = []  # kv's keys, sorted: the keys under a prefix by bisection, not a scan of all
         self.kv_bytes = 0
         self.max_keys = max_keys
         self.participants: dict[str, Participant] = {}
@@ -207,13 +209,27 @@ class JobState:
         return 0 if raw is None else len(raw) + len(key)
 
     def set_kv(self, key: str, raw: bytes) -> None:
-        self.kv_bytes += self.kv_cost(key, raw) - self.kv_cost(key, self.kv.get(key))
+        old = self.kv.get(key)
+        if old is None:
+            insort(self._ordered, key)
+        self.kv_bytes += self.kv_cost(key, raw) - self.kv_cost(key, old)
         self.kv[key] = raw
 
     def pop_kv(self, key: str) -> bytes | None:
         raw = self.kv.pop(key, None)
+        if raw is not None:
+            del self._ordered[bisect_left(self._ordered, key)]
         self.kv_bytes -= self.kv_cost(key, raw)
         return raw
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """The keys that start with ``prefix``, sorted (``""``: every key): found by bisection, so a request
+        that reads or drops one version's records costs what it finds, not the job's size."""
+        ordered = self._ordered
+        start = end = bisect_left(ordered, prefix)
+        while end < len(ordered) and ordered[end].startswith(prefix):
+            end += 1
+        return ordered[start:end]
 
     def cursor_ok(self, after: int) -> bool:
         """Whether ``after`` (0: from the start) names an event number of this job on this server."""
