@@ -393,8 +393,4 @@ class Announcer:
             return
         if self._cleaner is None or self._cleaner.address != channel.address:
             self._cleaner = channel.clone()
-        names = [keys.channel_manifest(version), keys.outcomes(version, seq)]
-        for instance, rank in ranks:
-            names += [keys.ready(t, version, seq, instance, rank) for t in sorted(TRANSPORTS)]
-            names.append(keys.channel_outcome(version, seq, instance, rank))
-        self._cleaner.delete(names)
+        self._cleaner.delete(keys.channel_records(version, seq, ranks, sorted(TRANSPORTS)))

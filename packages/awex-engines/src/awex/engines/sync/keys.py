@@ -10,6 +10,8 @@ per rank and generation (``<transport>/<instance>/<rank>/<generation>``), replac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from awex.transport.registry import TRANSPORTS
 
 
@@ -85,6 +87,19 @@ def channel_outcome(version: str, count: int, instance: str, local_rank: int) ->
 
 def channel_manifest(version: str) -> str:
     return f"manifest/{version}"
+
+
+def channel_records(version: str, count: int, ranks: Sequence[tuple[str, int]], kinds: Sequence[str]) -> list[str]:
+    """Every key one attempt of ``version`` may leave on the version channel, for ``ranks`` (``(instance, local
+    rank)``) over transports named ``kinds``: its manifest, the trainers' record of every outcome, each rank's ready
+    signal and outcome, and each instance's record of its ranks' outcomes (what the writer drops once the version is
+    old)."""
+    out = [channel_manifest(version), outcomes(version, count)]
+    for instance, rank in ranks:
+        out += [ready(kind, version, count, instance, rank) for kind in kinds]
+        out.append(channel_outcome(version, count, instance, rank))
+    out += [instance_outcomes(version, count, instance) for instance in sorted({i for i, _ in ranks})]
+    return out
 
 
 def verify(version: str, count: int, instance: str, local_rank: int) -> str:
