@@ -79,13 +79,18 @@ def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, boar
     reader = WeightsReader(
         MetaClient(server.address, job="signals", timeout=60), hf_layout(TENSORS, "inference", "hf-in"), 0, views(got)
     )
-    for step in range(1, 4):
+    held = []  # keys on the version channel once each version's older ones were dropped
+    for step in range(1, 7):
         for t in sent.values():
             t.fill_(float(step))
         sync(writer, reader, f"v{step}")
         assert all(torch.equal(got[n], sent[n]) for n in sent), step
+        writer.flush()  # old versions' keys are dropped from the background thread
+        held.append(writer._session.channel.store.num_keys())
     session = reader._session
     assert (session.board is not None) == board and session.channel is not None
+    # every key a version leaves goes once it is old (keep_versions=2): the store does not grow version by version
+    assert held[3] == held[4] == held[5], held
     writer.close()
     reader.close()
 

@@ -305,7 +305,7 @@ class WeightsWriter:
             later.append(
                 (
                     f"dropping the records of versions before {version}",
-                    partial(announcer.forget_old, version, manifest.seq, plan),
+                    partial(announcer.forget_old, version, manifest.seq, plan, self._session.transport),
                 )
             )
         if later:  # one hand-over: one wake-up of the background thread

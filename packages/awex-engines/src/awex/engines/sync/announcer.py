@@ -58,7 +58,7 @@ class Announcer:
         self._bytes_of: dict[str, tuple[Plan, int]] = {}  # instance -> (plan, bytes it moves there)
         self._board: HostBoard | None = None  # the host board (awex.engines.sync.board), where /dev/shm allows
         self._seq = 0  # attempts announced: the manifest's count
-        self._written: deque[tuple[str, int]] = deque()  # (version, attempt count) written, oldest first
+        self._written: deque[tuple[str, int, str | None]] = deque()  # (version, attempt, transport), oldest first
         self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write
         self._manifest: SyncManifest | None = None  # the last manifest, and as JSON
         self._options_given: SyncOptions | None = None  # the writer's options last announced, and as read
@@ -359,13 +359,15 @@ class Announcer:
         except (MetaServerError, TypeError, AttributeError):
             return False
 
-    def forget_old(self, version: str, seq: int, plan: Plan | None = None) -> None:
+    def forget_old(self, version: str, seq: int, plan: Plan | None = None, kind: str | None = None) -> None:
         """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes
         thousands; the server's key store is bounded). This version's bytes reached every receiver (p2p) or every
         receiver said it is done (ipc), and a receiver finishes a version, validation report included, before it
         receives the next: the older versions' records are final and nobody waits on them (assuming, as training
-        does, that this instance's ranks write versions in step, never ``keep_versions`` apart)."""
-        self._written.append((version, seq))
+        does, that this instance's ranks write versions in step, never ``keep_versions`` apart). ``kind``: the
+        transport every rank of the version used (agreed with its plan), whose ready signals alone are dropped
+        from the version channel (``None``: every transport's)."""
+        self._written.append((version, seq, kind))
         ranks = [(r.instance, r.local_rank) for r in plan.ranks] if plan is not None else []
         while self._pending_forget:  # failed attempts: records their ranks may have left after the first drop
             failed = self._pending_forget.pop()
@@ -376,8 +378,8 @@ class Announcer:
                 except MetaServerError as e:
                     log.warning("could not drop the MetaServer records of the failed version %s: %s", failed, e)
         while len(self._written) > self.keep_versions:
-            old, old_seq = self._written.popleft()
-            self._forget_signals(old, old_seq, ranks)
+            old, old_seq, old_kind = self._written.popleft()
+            self._forget_signals(old, old_seq, ranks, [old_kind] if old_kind else sorted(TRANSPORTS))
             names, prefixes = version_records(old)
             try:
                 gone = self.client.forget(names, prefixes)
@@ -385,12 +387,12 @@ class Announcer:
             except MetaServerError as e:  # the write itself succeeded; the records only cost server memory
                 log.warning("could not drop the MetaServer records of version %s: %s", old, e)
 
-    def _forget_signals(self, version: str, seq: int, ranks: Sequence[tuple[str, int]]) -> None:
+    def _forget_signals(self, version: str, seq: int, ranks: Sequence[tuple[str, int]], kinds: Sequence[str]) -> None:
         """Drop version ``version``'s keys from the version channel (from the background thread, on a connection
-        of its own)."""
+        of its own): a round trip each, so only the ready signals of the transports named ``kinds``."""
         channel = self._channel
         if channel is None:
             return
         if self._cleaner is None or self._cleaner.address != channel.address:
             self._cleaner = channel.clone()
-        self._cleaner.delete(keys.channel_records(version, seq, ranks, sorted(TRANSPORTS)))
+        self._cleaner.delete(keys.channel_records(version, seq, ranks, kinds))
