@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -132,46 +131,3 @@ def test_the_channel_listens_on_the_address_it_was_given_only():
         pass
     with pytest.raises(OSError):
         socket.create_connection((other, port), timeout=2).close()
-
-
-def test_every_key_a_version_leaves_on_the_channel_is_one_the_writer_drops():
-    # the writer drops an old version's channel keys one by one (awex.engines.sync.keys.channel_records); a key the
-    # signals write that the list misses stays in the channel's store for the rest of the run (each engine's record
-    # of its ranks' outcomes did, one per instance and version)
-    from awex.engines.sync import keys
-    from awex.engines.sync.manifest import SyncManifest
-    from awex.engines.sync.signals import ChannelSignals
-    from awex.meta import PlanOptions, canonical_tensors, plan_transfers
-    from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
-    from awex.transport.registry import TRANSPORTS
-
-    class Recording:
-        def __init__(self):
-            self.written: set[str] = set()
-
-        def put(self, key, value):
-            self.written.add(key)
-
-    config = json.loads(
-        (Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text()
-    )
-    tensors = canonical_tensors(config, dtype="float32")
-    plan = plan_transfers(
-        [megatron_layout(tensors, MegatronParallel(tp=2), instance="trainer")],
-        [vllm_layout(tensors, VllmParallel(tp=2), instance=f"vllm-{i}") for i in range(2)],
-        PlanOptions(),
-    )
-    manifest = SyncManifest("v7", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", 1, seq=3)
-    channel = Recording()
-    signals = ChannelSignals(channel)
-    channel.put(keys.channel_manifest("v7"), {})  # the writer posts it there
-    for r in plan.ranks:
-        for kind in sorted(TRANSPORTS):
-            signals.ready(kind, manifest, r, 1)
-        signals.report(manifest, r, {"ok": True})
-    signals.publish_outcomes(manifest, {"failed": {}, "silent": []})
-    for name in ("vllm-0", "vllm-1"):
-        signals.publish_instance(manifest, name, {"failed": {}, "silent": []})
-    dropped = keys.channel_records("v7", 3, [(r.instance, r.local_rank) for r in plan.ranks], sorted(TRANSPORTS))
-    assert channel.written - set(dropped) == set()
-    assert {k for k in dropped if "v7" not in k} == set()  # nothing of another version

@@ -191,3 +191,34 @@ def test_an_outcome_is_applied_only_where_it_says_exactly_ok_true(doc):
     assert Outcome.from_wire({"ok": True, "cause": "ignored"}) is APPLIED
     said = Outcome.from_wire({"ok": False, "cause": "x" * 5000, "partial": "yes"})
     assert not said.ok and not said.partial and len(said.cause) == 2000  # partial only where exactly true
+
+
+def test_every_key_a_version_leaves_on_the_channel_is_one_the_writer_drops():
+    # the writer drops an old version's channel keys one by one (awex.engines.sync.keys.channel_records); a key the
+    # signals write that the list misses stays in the channel's store for the rest of the run (each engine's record
+    # of its ranks' outcomes did, one per instance and version)
+    from awex.engines.sync import keys
+    from awex.engines.sync.signals import ChannelSignals
+    from awex.transport.registry import TRANSPORTS
+
+    class Recording:
+        def __init__(self):
+            self.written: set[str] = set()
+
+        def put(self, key, value):
+            self.written.add(key)
+
+    channel = Recording()
+    signals = ChannelSignals(channel)
+    channel.put(keys.channel_manifest(MANIFEST.version), {})  # the writer posts it there
+    for r in PLAN.ranks:
+        for kind in sorted(TRANSPORTS):
+            signals.ready(kind, MANIFEST, r, 1)
+        signals.report(MANIFEST, r, {"ok": True})
+    signals.publish_outcomes(MANIFEST, {"failed": {}, "silent": []})
+    for name in MANIFEST.destinations:
+        signals.publish_instance(MANIFEST, name, {"failed": {}, "silent": []})
+    ranks = [(r.instance, r.local_rank) for r in PLAN.ranks]
+    dropped = keys.channel_records(MANIFEST.version, MANIFEST.seq, ranks, sorted(TRANSPORTS))
+    assert channel.written - set(dropped) == set()
+    assert {k for k in dropped if f"/{MANIFEST.version}" not in k} == set()  # nothing of another version
