@@ -20,6 +20,11 @@ def test_128_ranks_sync_three_versions_through_the_real_control_path():
     assert row["server_peak_rss_bytes"] > 0 and row["first_sync_server_cpu_seconds"] > 0
     assert row["signals"] == {"channel": 128}  # every rank joined the version channel (as on a cluster)
     assert all(v > 0 for v in row["steady_cpu_seconds_per_version"].values())
+    # the version channel's host (the event loop of the store the first trainer rank hosts) serves every rank's
+    # per-version signals: its CPU is read and counted in the serial figure (it was left out before)
+    assert row["steady_channel_host_cpu_seconds_per_version"] > 0
+    serial = row["steady_serial_cpu_seconds_per_version"]
+    assert serial >= row["steady_server_cpu_seconds_per_version"] + row["steady_channel_host_cpu_seconds_per_version"]
     # what the server is asked, counted (not timed): the first sync (registration, layouts, the device gather, the
     # plan agreement, the manifest) and two steady versions, per rank: 6.7 measured on 2 cores. Ranks that poll while
     # they wait (the device gather re-posted every 0.2 s: 51 a rank) or read per engine go over it; the budget leaves
@@ -55,3 +60,13 @@ def test_a_process_cpu_is_read_finer_than_the_clock_tick():
         child.kill()
         child.wait(10)
     assert 0.002 < burned < 0.008, burned
+
+
+def test_the_version_channel_store_costs_its_server_cpu_per_operation():
+    # the version channel's host is torch's TCP store: its event loop's CPU per operation is what a version's
+    # signals cost it (integration/results/tcpstore-ops-*.jsonl); the benchmark must find that loop and read it
+    from awex_integration.benchmarks.tcpstore_ops import measure
+
+    row = measure(8, rounds=2)
+    assert row["server_threads"] == ["pt_tcpstore_uv"]  # the thread control_plane.CHANNEL_THREAD reads
+    assert 0 < row["us_per_op"] < 10_000 and row["us_per_delete"] > 0

@@ -31,10 +31,14 @@ FIRST_GOAL_SECONDS = 10.0  # first sync's control, planning excluded, at 1,024 r
 FIRST_PHASES = ("layouts", "devices", "plan", "agreement", "signals", "done", "manifest")
 
 
-def _proc_cpu(pid: int) -> float:
+CHANNEL_THREAD = "pt_tcpstore_uv"  # the event loop of torch's TCPStore server: the version channel's host
+
+
+def _proc_cpu(pid: int, thread: str | None = None) -> float:
     """Seconds process ``pid`` ran on a CPU so far: the sum of its live threads' ``schedstat`` (nanoseconds; a
     server's work runs on its event loop's thread, which lives as long as it does), where the kernel keeps it; else
-    user plus system time from ``stat``, in clock ticks (10 ms: coarse for a steady version's few milliseconds)."""
+    user plus system time from ``stat``, in clock ticks (10 ms: coarse for a steady version's few milliseconds).
+    With ``thread``, only the threads of that name (``comm``), from ``schedstat`` (0.0 where none is)."""
     total, seen = 0, False
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -42,11 +46,13 @@ def _proc_cpu(pid: int) -> float:
         tasks = []
     for task in tasks:
         try:
+            if thread is not None and Path(task, "comm").read_text().strip() != thread:
+                continue
             total += int(Path(task, "schedstat").read_text().split()[0])
             seen = True
         except (OSError, ValueError, IndexError):  # a thread that just ended, or no schedstat here
             continue
-    if seen:
+    if seen or thread is not None:
         return total / 1e9
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -66,10 +72,10 @@ def _median(xs: list[float]) -> float:
 class _Sampler:
     """Processes' CPU seconds over time, summed (every 20 ms, in a thread), to split them by version."""
 
-    def __init__(self, *pids: int):
+    def __init__(self, *pids: int, thread: str | None = None):
         import threading
 
-        self.pids = pids
+        self.pids, self.thread = pids, thread
         self.samples, self._stop = [(time.time(), self._cpu())], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -82,7 +88,7 @@ class _Sampler:
                 return
 
     def _cpu(self) -> float:
-        return sum(_proc_cpu(pid) for pid in self.pids)
+        return sum(_proc_cpu(pid, self.thread) for pid in self.pids)
 
     def stop(self) -> None:
         self._stop.set()
@@ -142,6 +148,7 @@ def run(ranks: int, processes: int, versions: int, timeout: float, store: str = 
                 )  # fmt: skip
                 for i in range(processes)
             ]
+            channel = _Sampler(*(p.pid for p in procs), thread=CHANNEL_THREAD)  # hosted by the first trainer rank
             try:
                 for p in procs:
                     p.wait(timeout=max(1.0, started + timeout + 120 - time.perf_counter()))
@@ -153,6 +160,7 @@ def run(ranks: int, processes: int, versions: int, timeout: float, store: str = 
             docs = [json.loads(o.read_text()) for o in outs if o.exists()]
         requests = status()["requests"] - asked - 1  # the ranks' (not the two status calls)
         sampler.stop()
+        channel.stop()
         if etcd is not None:
             etcd.stop()
         server_rss = _proc_peak_rss(leader.pid)
@@ -162,7 +170,7 @@ def run(ranks: int, processes: int, versions: int, timeout: float, store: str = 
     if errors or len(docs) != processes:
         raise SystemExit(f"{ranks} ranks: {len(errors)} error(s): {errors[:10]}")
     rows = {name: r for d in docs for name, r in d["ranks"].items()}
-    row = summarise(ranks, rows, sampler, max(d["plan_seconds"] for d in docs))
+    row = summarise(ranks, rows, sampler, max(d["plan_seconds"] for d in docs), channel)
     row["store"] = store
     if etcd is not None:  # etcd's own CPU (three members), by the same versions' times
         first, steady = _spans(rows)
@@ -187,13 +195,15 @@ def _spans(rows: dict) -> tuple[tuple[float, float], tuple[float, float, int]]:
     return (began, ended), (writer[1]["began"], writer[-1]["ended"], len(writer) - 1)
 
 
-def summarise(ranks: int, rows: dict, server, plan: float) -> dict:
+def summarise(ranks: int, rows: dict, server, plan: float, channel=None) -> dict:
     """The results row of one rank count from every rank's per-version records and the server's CPU samples.
 
     Measured here: wall seconds (every rank's client work shares this machine's cores) and CPU seconds of each
-    rank's thread and of the server. ``*_serial_cpu_seconds``: the work that stays serial with a core per rank
-    (the server's, the first trainer rank's, the busiest other trainer rank's and receiver's), the floor of the
-    critical path on a cluster before network round trips."""
+    rank's thread, of the server and of the version channel's host (``channel``: the event loop of the store the
+    first trainer rank hosts, serving every rank's per-version signals). ``*_serial_cpu_seconds``: the work that
+    stays serial with a core per rank (the server's, the channel host's, the first trainer rank's, the busiest
+    other trainer rank's and receiver's), the floor of the critical path on a cluster before network round
+    trips."""
     writer = rows["trainer:0"]["versions"]
     first, steady = writer[0], writer[1:]
     n = len(steady)
@@ -202,6 +212,8 @@ def summarise(ranks: int, rows: dict, server, plan: float) -> dict:
     (first_began, first_ended), (steady_began, steady_ended, _) = _spans(rows)
     server_first = server.at(first_ended) - server.at(first_began)
     server_steady = (server.at(steady_ended) - server.at(steady_began)) / n if n else float("nan")
+    channel_first = channel.at(first_ended) - channel.at(first_began) if channel else 0.0
+    channel_steady = (channel.at(steady_ended) - channel.at(steady_began)) / n if channel and n else 0.0
     first_cpu = {
         "first_trainer_rank": round(first["cpu_seconds"], 4),
         "other_trainer_ranks_max": round(max(_cpu(rows, is_trainer, 0)), 4),
@@ -225,11 +237,12 @@ def summarise(ranks: int, rows: dict, server, plan: float) -> dict:
     }
     serial_first = (
         server_first
+        + channel_first
         + first_cpu["first_trainer_rank"]
         + max(first_cpu["other_trainer_ranks_max"], first_cpu["receivers_max"])
     )
-    serial_steady = server_steady + sum(steady_cpu[k] for k in ("first_trainer_rank", "other_trainer_ranks_max"))
-    serial_steady += steady_cpu["receivers_max"]
+    ranks_steady = ("first_trainer_rank", "other_trainer_ranks_max", "receivers_max")
+    serial_steady = server_steady + channel_steady + sum(steady_cpu[k] for k in ranks_steady)
     return {
         "ranks": ranks,
         "trainer_ranks": sum(1 for name in rows if name.startswith("trainer:")),
@@ -240,6 +253,7 @@ def summarise(ranks: int, rows: dict, server, plan: float) -> dict:
         "first_sync_slowest_rank_seconds": round(max(r["versions"][0]["seconds"] for r in rows.values()), 3),
         "first_sync_cpu_seconds": first_cpu,
         "first_sync_server_cpu_seconds": round(server_first, 3),
+        "first_sync_channel_host_cpu_seconds": round(channel_first, 3),
         "first_sync_serial_cpu_seconds": round(serial_first, 3),
         "steady_control_seconds_per_version": round(_median([v["seconds"] for v in steady]), 5),
         "steady_phases": {
@@ -247,6 +261,7 @@ def summarise(ranks: int, rows: dict, server, plan: float) -> dict:
         },
         "steady_cpu_seconds_per_version": steady_cpu,
         "steady_server_cpu_seconds_per_version": round(server_steady, 5),
+        "steady_channel_host_cpu_seconds_per_version": round(channel_steady, 5),
         "steady_serial_cpu_seconds_per_version": round(serial_steady, 5),
         "versions": len(writer),
     }
@@ -286,8 +301,9 @@ def _write(out: str, results: list[dict]) -> None:
         "moves no byte, against a standalone MetaServer; planning once per process, timed apart",
         "machine": f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}",
         "date": datetime.now(timezone.utc).date().isoformat(),
-        "serial_cpu": "*_serial_cpu_seconds: the server's CPU plus the first trainer rank's plus the busiest "
-        "other rank's (trainer and receiver): the work that stays serial with a core per rank, the floor of the "
+        "serial_cpu": "*_serial_cpu_seconds: the server's CPU plus the version channel's host's (the event loop of "
+        "the store the first trainer rank hosts) plus the first trainer rank's plus the busiest other trainer "
+        "rank's and receiver's: the work that stays serial with a core per rank, the floor of the "
         "critical path on a cluster before network round trips; the wall seconds are measured here, every "
         "rank's client work sharing this machine's cores",
         "goals": {
