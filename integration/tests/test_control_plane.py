@@ -70,3 +70,5 @@ def test_the_version_channel_store_costs_its_server_cpu_per_operation():
     row = measure(8, rounds=2)
     assert row["server_threads"] == ["pt_tcpstore_uv"]  # the thread control_plane.CHANNEL_THREAD reads
     assert 0 < row["us_per_op"] < 10_000 and row["us_per_delete"] > 0
+    assert set(row["us_per_call_one_client"]) == {"set", "check", "multi_get", "wait", "delete_key"}
+    assert row["us_per_call_one_client"]["multi_get"] > 0  # a waited read, answered: the server read its request

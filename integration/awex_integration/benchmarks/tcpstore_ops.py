@@ -3,8 +3,10 @@
 times the operations a version asks is serial work on every version's critical path.
 
 N client threads (each its own connection) set a key and wait for another client's key (``multi_get``), for a few
-rounds; then one client deletes every key. The server's threads (those the hosting store started) are read from
-``/proc`` (``schedstat``, nanoseconds) before and after; one JSON line per backend and client count.
+rounds; then one client deletes every key. Then one client alone, call by call: what each kind of call costs the
+server (a ``multi_get`` or ``get`` is two requests, a wait and then the read; a ``set`` is not answered, so sets
+arrive batched). The server's threads (those the hosting store started) are read from ``/proc`` (``schedstat``,
+nanoseconds) before and after; one JSON line per backend and client count.
 
     python -m awex_integration.benchmarks.tcpstore_ops --clients 64,256 --out integration/results/tcpstore-ops.jsonl
 """
@@ -68,6 +70,20 @@ def measure(clients: int, libuv: bool = True, rounds: int = 5, value_bytes: int 
         for i in range(clients):
             conns[0].delete_key(f"k/{r}/{i}")
     deletes_cpu = _cpu(served_by) - cpu
+    conn, calls, per_call = conns[0], 2000, {}
+    conn.set("held", value)
+    for kind, call in (
+        ("set", lambda i: conn.set(f"one/{i}", value)),
+        ("check", lambda i: conn.check(["held"])),
+        ("multi_get", lambda i: conn.multi_get(["held"])),
+        ("wait", lambda i: conn.wait(["held"])),
+        ("delete_key", lambda i: conn.delete_key(f"one/{i}")),
+    ):
+        cpu = _cpu(served_by)
+        for i in range(calls):
+            call(i)
+        conn.check(["held"])  # answered: every earlier request of this connection was served (sets are not)
+        per_call[kind] = round((_cpu(served_by) - cpu) / calls * 1e6, 2)
     if not served_by or ops_cpu <= 0:
         raise RuntimeError("the store's server threads were not found or read no CPU: nothing measured")
     return {
@@ -77,6 +93,7 @@ def measure(clients: int, libuv: bool = True, rounds: int = 5, value_bytes: int 
         "server_threads": names,
         "us_per_op": round(ops_cpu / (clients * rounds * 2) * 1e6, 2),
         "us_per_delete": round(deletes_cpu / (clients * rounds) * 1e6, 2),
+        "us_per_call_one_client": per_call,
         "wall_s": round(wall, 3),
     }
 
