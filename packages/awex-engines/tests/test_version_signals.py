@@ -13,6 +13,7 @@ import torch
 
 from awex.engines.reader import WeightsReader
 from awex.engines.sync.board import HostBoard
+from awex.engines.sync.channel import VersionChannel
 from awex.engines.writer import WeightsWriter
 from awex.meta import canonical_tensors
 from awex.meta.client import MetaClient
@@ -74,6 +75,14 @@ def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, boar
             raise OSError("no /dev/shm here")
 
         monkeypatch.setattr(HostBoard, "create", staticmethod(no_board))
+    absent: list[str] = []  # keys the writer dropped from the channel that were not there (a round trip for nothing)
+    real_delete = VersionChannel.delete
+
+    def delete(channel, names):
+        absent.extend(k for k in names if not channel.store.check([k]))
+        real_delete(channel, names)
+
+    monkeypatch.setattr(VersionChannel, "delete", delete)
     sent, got = tensors(0.0), tensors(-1.0)
     writer = make_writer(server, sent)
     reader = WeightsReader(
@@ -91,6 +100,9 @@ def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, boar
     assert (session.board is not None) == board and session.channel is not None
     # every key a version leaves goes once it is old (keep_versions=2): the store does not grow version by version
     assert held[3] == held[4] == held[5], held
+    # and only keys a version left there are dropped: on the board nothing but the first version's manifest; on the
+    # channel the trainer's ready signals (its transport's), the receiver's outcome and the trainers' record
+    assert absent == [], absent
     writer.close()
     reader.close()
 

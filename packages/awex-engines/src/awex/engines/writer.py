@@ -305,7 +305,14 @@ class WeightsWriter:
             later.append(
                 (
                     f"dropping the records of versions before {version}",
-                    partial(announcer.forget_old, version, manifest.seq, plan, self._session.transport),
+                    partial(
+                        announcer.forget_old,
+                        version,
+                        manifest.seq,
+                        plan,
+                        self._session.transport,
+                        getattr(self._session.signals, "medium", None),
+                    ),
                 )
             )
         if later:  # one hand-over: one wake-up of the background thread

@@ -21,11 +21,11 @@ from awex.engines.sync.lease import ClaimLease
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.options import SyncOptions
 from awex.engines.sync.session import SyncSession
-from awex.meta import Plan
+from awex.meta import Plan, Role
 from awex.meta.client import MetaClient
 from awex.meta.errors import AwexValueError, MetaConflictError, MetaFencedError, MetaNotRegisteredError, MetaServerError
 from awex.transport.net import free_port
-from awex.transport.registry import TRANSPORTS
+from awex.transport.registry import TRANSPORTS, transport_class
 
 log = logging.getLogger("awex.engines")
 
@@ -58,7 +58,10 @@ class Announcer:
         self._bytes_of: dict[str, tuple[Plan, int]] = {}  # instance -> (plan, bytes it moves there)
         self._board: HostBoard | None = None  # the host board (awex.engines.sync.board), where /dev/shm allows
         self._seq = 0  # attempts announced: the manifest's count
-        self._written: deque[tuple[str, int, str | None]] = deque()  # (version, attempt, transport), oldest first
+        # (version, attempt, transport, signal medium), oldest first
+        self._written: deque[tuple[str, int, str | None, str | None]] = deque()
+        self._on_channel: set[str] = set()  # versions whose manifest this writer put on the version channel
+        self._parties: tuple[Plan | None, list, list] = (None, [], [])  # a plan's senders and receivers, once
         self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write
         self._manifest: SyncManifest | None = None  # the last manifest, and as JSON
         self._options_given: SyncOptions | None = None  # the writer's options last announced, and as read
@@ -86,8 +89,9 @@ class Announcer:
         if self._board is not None:
             self._board.post({"version": None, "withdrawn": version, "seq": manifest.seq})
         try:
-            if self._channel is not None:
+            if self._channel is not None and version in self._on_channel:
                 self._channel.delete([keys.channel_manifest(version)])
+                self._on_channel.discard(version)
         except Exception as e:
             log.warning("could not withdraw %s from the version channel: %s", version, e)
         names, prefixes = keys.withdrawn_records(version)
@@ -225,6 +229,7 @@ class Announcer:
         self._manifest, self._manifest_doc, self._manifest_given = manifest, doc, given
         if not steady or getattr(self._session.signals, "medium", "meta") != "board":  # not every rank maps the board
             self._channel.put(keys.channel_manifest(version), {k: v for k, v in doc.items() if k != "channel_secret"})
+            self._on_channel.add(version)
         posted = time.perf_counter()
         if leased:  # sent once the transfer began (the lease keeps the name this writer's): answered later
             self._unsent = (version, key, doc)
@@ -359,16 +364,18 @@ class Announcer:
         except (MetaServerError, TypeError, AttributeError):
             return False
 
-    def forget_old(self, version: str, seq: int, plan: Plan | None = None, kind: str | None = None) -> None:
+    def forget_old(
+        self, version: str, seq: int, plan: Plan | None = None, kind: str | None = None, medium: str | None = None
+    ) -> None:
         """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes
         thousands; the server's key store is bounded). This version's bytes reached every receiver (p2p) or every
         receiver said it is done (ipc), and a receiver finishes a version, validation report included, before it
         receives the next: the older versions' records are final and nobody waits on them (assuming, as training
         does, that this instance's ranks write versions in step, never ``keep_versions`` apart). ``kind``: the
-        transport every rank of the version used (agreed with its plan), whose ready signals alone are dropped
-        from the version channel (``None``: every transport's)."""
-        self._written.append((version, seq, kind))
-        ranks = [(r.instance, r.local_rank) for r in plan.ranks] if plan is not None else []
+        transport every rank of the version used (agreed with its plan), ``medium`` where its per-version signals
+        went (``"channel"``, ``"board"``, ``"meta"``): what the version left on the version channel, and only
+        that, is dropped from it (``None``: as if every transport's signals went there)."""
+        self._written.append((version, seq, kind, medium))
         while self._pending_forget:  # failed attempts: records their ranks may have left after the first drop
             failed = self._pending_forget.pop()
             if failed != version:
@@ -378,8 +385,8 @@ class Announcer:
                 except MetaServerError as e:
                     log.warning("could not drop the MetaServer records of the failed version %s: %s", failed, e)
         while len(self._written) > self.keep_versions:
-            old, old_seq, old_kind = self._written.popleft()
-            self._forget_signals(old, old_seq, ranks, [old_kind] if old_kind else sorted(TRANSPORTS))
+            old, old_seq, old_kind, old_medium = self._written.popleft()
+            self._forget_signals(old, old_seq, plan, old_kind, old_medium)
             names, prefixes = version_records(old)
             try:
                 gone = self.client.forget(names, prefixes)
@@ -387,12 +394,38 @@ class Announcer:
             except MetaServerError as e:  # the write itself succeeded; the records only cost server memory
                 log.warning("could not drop the MetaServer records of version %s: %s", old, e)
 
-    def _forget_signals(self, version: str, seq: int, ranks: Sequence[tuple[str, int]], kinds: Sequence[str]) -> None:
+    def _forget_signals(self, version: str, seq: int, plan: Plan | None, kind: str | None, medium: str | None) -> None:
         """Drop version ``version``'s keys from the version channel (from the background thread, on a connection
-        of its own): a round trip each, so only the ready signals of the transports named ``kinds``."""
+        of its own): a round trip each, so only those it left there: its manifest where this writer put it there,
+        and where its signals went over the channel, the trainer ranks' ready signals (over a transport whose
+        senders signal ready), the receivers' outcomes and the records of them."""
         channel = self._channel
         if channel is None:
             return
+        names = [keys.channel_manifest(version)] if version in self._on_channel else []
+        self._on_channel.discard(version)
+        if medium in ("channel", None) and plan is not None:
+            if self._parties[0] is not plan:  # every trainer rank says ready (a transport that signals it), every
+                ranks = plan.ranks  # receiver reports: found once a plan
+                self._parties = (
+                    plan,
+                    [(r.instance, r.local_rank) for r in ranks if r.role == Role.TRAINER],
+                    [(r.instance, r.local_rank) for r in ranks if r.role != Role.TRAINER],
+                )
+            _, senders, receivers = self._parties
+            kinds = [k for k in ([kind] if kind else sorted(TRANSPORTS)) if _signals_ready(k)]
+            names += keys.channel_signals(version, seq, senders, receivers, kinds)
+        if not names:
+            return
         if self._cleaner is None or self._cleaner.address != channel.address:
             self._cleaner = channel.clone()
-        self._cleaner.delete(keys.channel_records(version, seq, ranks, kinds))
+        self._cleaner.delete(names)
+
+
+def _signals_ready(kind: str) -> bool:
+    """Whether the senders of transport ``kind`` signal ready (True where it cannot be told: a key too many is
+    dropped in vain, never one left behind)."""
+    try:
+        return bool(transport_class(kind).signals_ready)
+    except Exception:  # noqa: BLE001 - a transport whose module cannot be imported here
+        return True

@@ -89,16 +89,26 @@ def channel_manifest(version: str) -> str:
     return f"manifest/{version}"
 
 
-def channel_records(version: str, count: int, ranks: Sequence[tuple[str, int]], kinds: Sequence[str]) -> list[str]:
-    """Every key one attempt of ``version`` may leave on the version channel, for ``ranks`` (``(instance, local
-    rank)``) over transports named ``kinds``: its manifest, the trainers' record of every outcome, each rank's ready
-    signal and outcome, and each instance's record of its ranks' outcomes (what the writer drops once the version is
-    old)."""
-    out = [channel_manifest(version), outcomes(version, count)]
-    for instance, rank in ranks:
-        out += [ready(kind, version, count, instance, rank) for kind in kinds]
-        out.append(channel_outcome(version, count, instance, rank))
-    out += [instance_outcomes(version, count, instance) for instance in sorted({i for i, _ in ranks})]
+def channel_signals(
+    version: str,
+    count: int,
+    senders: Sequence[tuple[str, int]],
+    receivers: Sequence[tuple[str, int]],
+    kinds: Sequence[str],
+) -> list[str]:
+    """Every key one attempt of ``version`` leaves on the version channel when its per-version signals go there
+    (``awex.engines.sync.signals.ChannelSignals``; its manifest is apart): the trainers' record of every outcome,
+    each sender's ready signal over the transports named ``kinds`` (those whose senders signal ready), each
+    receiver's outcome, and the record of each engine instance of two or more receivers (``(instance, local
+    rank)`` each). What the writer drops once the version is old: a round trip each, so none that was not
+    written."""
+    out = [outcomes(version, count)]
+    out += [ready(kind, version, count, instance, rank) for instance, rank in senders for kind in kinds]
+    out += [channel_outcome(version, count, instance, rank) for instance, rank in receivers]
+    per_instance: dict[str, int] = {}
+    for instance, _ in receivers:
+        per_instance[instance] = per_instance.get(instance, 0) + 1
+    out += [instance_outcomes(version, count, i) for i, n in sorted(per_instance.items()) if n >= 2]
     return out
 
 
