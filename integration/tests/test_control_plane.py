@@ -67,7 +67,7 @@ def test_the_version_channel_store_costs_its_server_cpu_per_operation():
     # signals cost it (integration/results/tcpstore-ops-*.jsonl); the benchmark must find that loop and read it
     from awex_integration.benchmarks.tcpstore_ops import measure
 
-    row = measure(8, rounds=2)
+    row = measure(8, rounds=2, calls=100)
     assert row["server_threads"] == ["pt_tcpstore_uv"]  # the thread control_plane.CHANNEL_THREAD reads
     assert 0 < row["us_per_op"] < 10_000 and row["us_per_delete"] > 0
     assert set(row["us_per_call_one_client"]) == {"set", "check", "multi_get", "wait", "delete_key"}

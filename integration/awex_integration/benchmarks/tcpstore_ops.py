@@ -38,8 +38,9 @@ def _cpu(threads: set[str]) -> float:
     return total / 1e9
 
 
-def measure(clients: int, libuv: bool = True, rounds: int = 5, value_bytes: int = 200) -> dict:
-    """One server and ``clients`` connections: the server's CPU per set or ``multi_get``, and per delete."""
+def measure(clients: int, libuv: bool = True, rounds: int = 5, value_bytes: int = 200, calls: int = 2000) -> dict:
+    """One server and ``clients`` connections: the server's CPU per set or ``multi_get``, and per delete; then
+    ``calls`` calls of each kind from one client."""
     import torch
     import torch.distributed as dist
 
@@ -70,7 +71,7 @@ def measure(clients: int, libuv: bool = True, rounds: int = 5, value_bytes: int 
         for i in range(clients):
             conns[0].delete_key(f"k/{r}/{i}")
     deletes_cpu = _cpu(served_by) - cpu
-    conn, calls, per_call = conns[0], 2000, {}
+    conn, per_call = conns[0], {}
     conn.set("held", value)
     for kind, call in (
         ("set", lambda i: conn.set(f"one/{i}", value)),
