@@ -126,28 +126,26 @@ def test_a_new_writer_with_another_channel_is_found_through_the_metaserver(serve
     reader.close()
 
 
-def test_an_outcome_forged_on_the_channel_never_turns_a_failed_version_into_success(server, monkeypatch):
-    """A process that reaches the channel's port (no token, no MetaServer, no secret) writes "ok" for the
-    receiver before the receiver's load step fails: the writer drops it and reports the real failure."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from awex.engines.errors import SyncFailedError
-    from awex.engines.sync import keys
-
+def channel_pair(server, monkeypatch) -> tuple[WeightsWriter, WeightsReader]:
+    """A writer and a reader with no host board (signals over the version channel), after a first version."""
     monkeypatch.setattr(HostBoard, "create", staticmethod(lambda: (_ for _ in ()).throw(OSError("no /dev/shm"))))
-    sent, got = tensors(1.0), tensors(-1.0)
-    writer = make_writer(server, sent, timeout=20.0)
+    writer = make_writer(server, tensors(1.0), timeout=20.0)
     reader = WeightsReader(
-        MetaClient(server.address, job="signals", timeout=20), hf_layout(TENSORS, "inference", "hf-in"), 0, views(got)
+        MetaClient(server.address, job="signals", timeout=20),
+        hf_layout(TENSORS, "inference", "hf-in"),
+        0,
+        views(tensors(-1.0)),
     )
     sync(writer, reader, "v1")
     assert reader._session.signals.medium == "channel"
-    host, _, port = writer._session.channel.address.rpartition(":")
-    forger = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
-    forged = json.dumps({"ok": True, "cause": None, "partial": False}).encode()
-    forger.set(keys.channel_outcome("v2", 2, "hf-in", 0), forged)  # the next attempt's outcome, ahead of time
+    return writer, reader
+
+
+def fail_at_load(writer: WeightsWriter, reader: WeightsReader, version: str) -> list:
+    """Write ``version`` while the reader's load step fails (the write raises ``SyncFailedError``); what the
+    reader raised."""
+    from awex.engines.errors import SyncFailedError
+
     failed: list = []
 
     def load_step_fails(shards):
@@ -155,18 +153,57 @@ def test_an_outcome_forged_on_the_channel_never_turns_a_failed_version_into_succ
 
     def receive():
         try:
-            reader.receive("v2", apply=load_step_fails)
+            reader.receive(version, apply=load_step_fails)
         except Exception as e:
             failed.append(e)
 
     t = threading.Thread(target=receive)
     t.start()
     with pytest.raises(SyncFailedError, match="load step failed"):
-        writer.write("v2", ["hf-in"])
+        writer.write(version, [reader.layout.instance])
     t.join(30)
+    return failed
+
+
+def test_an_outcome_forged_on_the_channel_never_turns_a_failed_version_into_success(server, monkeypatch):
+    """A process that reaches the channel's port (no token, no MetaServer, no secret) writes "ok" for the
+    receiver before the receiver's load step fails: the writer drops it and reports the real failure."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from awex.engines.sync import keys
+
+    writer, reader = channel_pair(server, monkeypatch)
+    host, _, port = writer._session.channel.address.rpartition(":")
+    forger = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+    forged = json.dumps({"ok": True, "cause": None, "partial": False}).encode()
+    forger.set(keys.channel_outcome("v2", 2, "hf-in", 0), forged)  # the next attempt's outcome, ahead of time
+    failed = fail_at_load(writer, reader, "v2")
     assert failed and "load step failed" in str(failed[0])
     versions = {p["name"]: p["weight_version"] for p in writer.client.status()["jobs"]["signals"]["participants"]}
     assert versions.get("hf-in") != "v2"
+    writer.close()
+    reader.close()
+
+
+def test_a_failed_attempts_keys_leave_the_channel_with_a_later_version(server, monkeypatch):
+    """A failed attempt leaves its signals on the version channel (the trainer's ready signal, the receiver's outcome,
+    the trainers' record of them): they are dropped with the next successful write (here its retry), as its
+    MetaServer records are, not kept for the rest of the run; the retry's own keys stay."""
+    from awex.engines.sync import keys
+
+    writer, reader = channel_pair(server, monkeypatch)
+    kind = writer.transport_in_use  # the plan's transport (the same on the attempt that fails)
+    failed = fail_at_load(writer, reader, "v2")
+    assert failed
+    left = keys.channel_signals("v2", 2, [("hf-out", 0)], [("hf-in", 0)], [kind])
+    store = writer._session.channel.store
+    assert any(store.check([k]) for k in left)  # what the failed attempt left there
+    sync(writer, reader, "v2")  # the retry, under the same name: the next successful write
+    writer.flush()
+    assert [k for k in left if store.check([k])] == []
+    assert store.check([keys.channel_manifest("v2")])  # the retry's manifest (one key for both attempts) stays
     writer.close()
     reader.close()
 

@@ -63,6 +63,7 @@ class Announcer:
         self._on_channel: set[str] = set()  # versions whose manifest this writer put on the version channel
         self._parties: tuple[Plan | None, list, list] = (None, [], [])  # a plan's senders and receivers, once
         self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write
+        self._pending_signals: list[tuple[str, int, str | None]] = []  # and their signals: (version, attempt, medium)
         self._manifest: SyncManifest | None = None  # the last manifest, and as JSON
         self._options_given: SyncOptions | None = None  # the writer's options last announced, and as read
         self._options_wire = SyncOptions()
@@ -96,6 +97,7 @@ class Announcer:
             log.warning("could not withdraw %s from the version channel: %s", version, e)
         names, prefixes = keys.withdrawn_records(version)
         self._pending_forget.append(version)  # the rest, with the next successful write
+        self._pending_signals.append((version, manifest.seq, getattr(self._session.signals, "medium", None)))
         try:  # the name too, unless a version under it was applied (a retry may claim it again)
             self.client.forget(names, prefixes, release=[keys.manifest(version)])
         except MetaServerError as e:
@@ -376,6 +378,9 @@ class Announcer:
         went (``"channel"``, ``"board"``, ``"meta"``): what the version left on the version channel, and only
         that, is dropped from it (``None``: as if every transport's signals went there)."""
         self._written.append((version, seq, kind, medium))
+        while self._pending_signals:  # a failed attempt's signals on the channel (any transport's ready signals)
+            failed, failed_seq, failed_medium = self._pending_signals.pop()
+            self._forget_signals(failed, failed_seq, plan, None, failed_medium, manifest=False)  # (withdrawn)
         while self._pending_forget:  # failed attempts: records their ranks may have left after the first drop
             failed = self._pending_forget.pop()
             if failed != version:
@@ -394,16 +399,21 @@ class Announcer:
             except MetaServerError as e:  # the write itself succeeded; the records only cost server memory
                 log.warning("could not drop the MetaServer records of version %s: %s", old, e)
 
-    def _forget_signals(self, version: str, seq: int, plan: Plan | None, kind: str | None, medium: str | None) -> None:
-        """Drop version ``version``'s keys from the version channel (from the background thread, on a connection
-        of its own): a round trip each, so only those it left there: its manifest where this writer put it there,
-        and where its signals went over the channel, the trainer ranks' ready signals (over a transport whose
-        senders signal ready), the receivers' outcomes and the records of them."""
+    def _forget_signals(
+        self, version: str, seq: int, plan: Plan | None, kind: str | None, medium: str | None, manifest: bool = True
+    ) -> None:
+        """Drop attempt ``seq`` of version ``version``'s keys from the version channel (from the background thread,
+        on a connection of its own): a round trip each, so only those it left there: its manifest where this writer
+        put it there (not with ``manifest=False``: a failed attempt's, withdrawn already, shares its key with a
+        retry's), and where its signals went over the channel, the trainer ranks' ready signals (over a transport
+        whose senders signal ready), the receivers' outcomes and the records of them."""
         channel = self._channel
         if channel is None:
             return
-        names = [keys.channel_manifest(version)] if version in self._on_channel else []
-        self._on_channel.discard(version)
+        names = []
+        if manifest and version in self._on_channel:
+            names.append(keys.channel_manifest(version))
+            self._on_channel.discard(version)
         if medium in ("channel", None) and plan is not None:
             if self._parties[0] is not plan:  # every trainer rank says ready (a transport that signals it), every
                 ranks = plan.ranks  # receiver reports: found once a plan
