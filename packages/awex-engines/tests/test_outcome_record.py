@@ -198,7 +198,7 @@ def test_the_writer_drops_exactly_the_keys_a_versions_signals_leave_on_the_chann
     # signals write that the list misses stays in the channel's store for the rest of the run (each engine's record
     # of its ranks' outcomes did, one per instance and version), and one never written costs the channel's host a
     # round trip for nothing (the receivers' ready signals, the trainer ranks' outcomes and every other transport's
-    # ready signals were named: half the deletes at 1,024 ranks, all of them over NCCL)
+    # ready signals were named: half the deletes over a pull transport, three in four over NCCL)
     from awex.engines.sync import keys
     from awex.engines.sync.signals import ChannelSignals
     from awex.meta import Role
