@@ -61,9 +61,8 @@ class Announcer:
         # (version, attempt, transport, signal medium), oldest first
         self._written: deque[tuple[str, int, str | None, str | None]] = deque()
         self._on_channel: set[str] = set()  # versions whose manifest this writer put on the version channel
-        self._parties: tuple[Plan | None, list, list] = (None, [], [])  # a plan's senders and receivers, once
-        self._pending_forget: list[str] = []  # failed versions whose records go with the next successful write
-        self._pending_signals: list[tuple[str, int, str | None]] = []  # and their signals: (version, attempt, medium)
+        # failed attempts whose records and signals go with the next successful write: (version, attempt, medium)
+        self._pending_forget: list[tuple[str, int, str | None]] = []
         self._manifest: SyncManifest | None = None  # the last manifest, and as JSON
         self._options_given: SyncOptions | None = None  # the writer's options last announced, and as read
         self._options_wire = SyncOptions()
@@ -96,8 +95,8 @@ class Announcer:
         except Exception as e:
             log.warning("could not withdraw %s from the version channel: %s", version, e)
         names, prefixes = keys.withdrawn_records(version)
-        self._pending_forget.append(version)  # the rest, with the next successful write
-        self._pending_signals.append((version, manifest.seq, getattr(self._session.signals, "medium", None)))
+        # the rest, and its signals on the channel, with the next successful write
+        self._pending_forget.append((version, manifest.seq, getattr(self._session.signals, "medium", None)))
         try:  # the name too, unless a version under it was applied (a retry may claim it again)
             self.client.forget(names, prefixes, release=[keys.manifest(version)])
         except MetaServerError as e:
@@ -378,11 +377,10 @@ class Announcer:
         went (``"channel"``, ``"board"``, ``"meta"``): what the version left on the version channel, and only
         that, is dropped from it (``None``: as if every transport's signals went there)."""
         self._written.append((version, seq, kind, medium))
-        while self._pending_signals:  # a failed attempt's signals on the channel (any transport's ready signals)
-            failed, failed_seq, failed_medium = self._pending_signals.pop()
-            self._forget_signals(failed, failed_seq, plan, None, failed_medium, manifest=False)  # (withdrawn)
         while self._pending_forget:  # failed attempts: records their ranks may have left after the first drop
-            failed = self._pending_forget.pop()
+            failed, failed_seq, failed_medium = self._pending_forget.pop()
+            # its signals on the channel (any transport's ready signals; its manifest withdrawn already)
+            self._forget_signals(failed, failed_seq, plan, None, failed_medium, manifest=False)
             if failed != version:
                 names, prefixes = version_records(failed)
                 try:
@@ -415,14 +413,9 @@ class Announcer:
             names.append(keys.channel_manifest(version))
             self._on_channel.discard(version)
         if medium in ("channel", None) and plan is not None:
-            if self._parties[0] is not plan:  # every trainer rank says ready (a transport that signals it), every
-                ranks = plan.ranks  # receiver reports: found once a plan
-                self._parties = (
-                    plan,
-                    [(r.instance, r.local_rank) for r in ranks if r.role == Role.TRAINER],
-                    [(r.instance, r.local_rank) for r in ranks if r.role != Role.TRAINER],
-                )
-            _, senders, receivers = self._parties
+            # every trainer rank says ready (over a transport that signals it), every receiver reports
+            senders = [(r.instance, r.local_rank) for r in plan.ranks_of(Role.TRAINER)]
+            receivers = [(r.instance, r.local_rank) for r in plan.ranks_of(Role.INFERENCE)]
             kinds = [k for k in ([kind] if kind else sorted(TRANSPORTS)) if _signals_ready(k)]
             names += keys.channel_signals(version, seq, senders, receivers, kinds)
         if not names:
