@@ -218,6 +218,9 @@ def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, des
             )
         side.flush()
         out["media"][f"{layout.instance}:{local_rank}"] = getattr(side._session.signals, "medium", None)
+        relay = side._session.relay  # what this rank heard from its host's relay instead of reading the channel
+        heard = {"manifest": relay and relay.hears_manifests, "outcomes": relay and relay.hears_outcomes}
+        out["heard"][f"{layout.instance}:{local_rank}"] = [k for k, on in heard.items() if on]
         out["finished"].wait()  # closing (its gc.collect holds this process's GIL) waits for every rank's last version
         side.close()
     except BaseException as e:  # noqa: BLE001 - reported in the results, the run fails
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_seconds = warm(source, engines, int(args.wave_mb * (1 << 20)))
     world = [(source, r) for r in range(source.world_size)] + [(e, r) for e in engines for r in range(e.world_size)]
     mine = [(i, layout, r) for i, (layout, r) in enumerate(world) if i % count == index]
-    out: dict = {"ranks": {}, "errors": [], "built": [], "media": {}}
+    out: dict = {"ranks": {}, "errors": [], "built": [], "media": {}, "heard": {}}
     out.update(ready=threading.Event(), finished=threading.Event())
     destinations = [e.instance for e in engines]
     threads = [
@@ -286,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     out["finished"].set()
     for t in threads:
         t.join()
-    doc = {"plan_seconds": plan_seconds, "ranks": out["ranks"], "errors": out["errors"], "media": out["media"]}
+    doc = {k: out[k] for k in ("ranks", "errors", "media", "heard")}
+    doc["plan_seconds"] = plan_seconds
     with open(args.out, "w") as f:
         json.dump(doc, f)
     return 1 if out["errors"] else 0

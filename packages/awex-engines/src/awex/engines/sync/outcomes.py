@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from functools import partial
 
 from awex.engines.outcome import APPLIED, Outcome, Outcomes
 from awex.engines.sync import keys, places
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
+from awex.engines.sync.relay import HostRelay
 from awex.engines.sync.signals import Signals
 from awex.meta import Plan, Role
 from awex.meta.client import MetaClient
@@ -65,6 +67,7 @@ def collect(
     deadline: float,
     processes: Mapping[tuple[str, int], Process] | None = None,
     rank: int = 0,
+    relay: HostRelay | None = None,
 ) -> Outcomes:
     """Trainer rank ``rank`` (sync rank): every receiving rank's outcome of ``manifest``'s version, waiting until
     ``deadline`` (``time.monotonic()``); ``None`` for a rank that did not report by then (stuck, or dead on another
@@ -76,13 +79,25 @@ def collect(
     per rank instead of one per receiver (O(N) per version instead of O(N^2) at N ranks). A missing record (the
     first rank gone) counts every receiver as silent: the version failed. The first rank itself reads one record
     per engine instance (:func:`aggregate`) and, one by one, the outcomes of the ranks that no record says (a
-    single-rank instance, a record missing or malformed, a rank its record calls silent)."""
+    single-rank instance, a record missing or malformed, a rank its record calls silent).
+
+    With ``relay`` (``awex.engines.sync.relay``), a trainer rank hears the record from its host's trainer relay
+    instead, and a relay hands the record it read or made to its host's other trainer ranks (``None`` where it has
+    none: they read it themselves)."""
     receivers, first = plan.ranks_of(Role.INFERENCE), plan.ranks_of(Role.TRAINER)[0].rank  # indexed once a plan
     if signals.shares_outcomes and rank != first:
+        doc = None
         try:
-            doc = signals.collected(manifest, max(0.0, deadline - time.monotonic()))
+            if relay is not None and relay.hears_outcomes:
+                read = partial(signals.collected, manifest)
+                doc = relay.outcomes(manifest.version, manifest.seq, deadline, read, LIVENESS_SECONDS)
+            else:
+                doc = signals.collected(manifest, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            doc = None
+            pass
+        finally:
+            if relay is not None:
+                relay.forward_outcomes(manifest.version, manifest.seq, doc)
         return from_record(doc, receivers)
     got = _by_instance(receivers, signals, manifest, deadline, processes) if signals.shares_outcomes else {}
     got.update(
@@ -90,10 +105,13 @@ def collect(
     )
     got = {(r.instance, r.local_rank): got[(r.instance, r.local_rank)] for r in receivers}
     if signals.shares_outcomes:
+        record = to_record(got)
         try:
-            signals.publish_outcomes(manifest, to_record(got))
+            signals.publish_outcomes(manifest, record)
         except Exception as e:  # the other trainer ranks then fail at their deadline: never a false success
             log.warning("could not publish the outcomes of %s for the other trainer ranks: %s", manifest.version, e)
+        if relay is not None:
+            relay.forward_outcomes(manifest.version, manifest.seq, record)
     return got
 
 

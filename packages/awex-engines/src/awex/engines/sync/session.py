@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -25,6 +24,8 @@ from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import ChannelError, VersionChannel
 from awex.engines.sync.manifest import Attempt, SyncManifest, _count, group_secret
 from awex.engines.sync.peer_link import SyncPeerLink
+from awex.engines.sync.phases import Phases
+from awex.engines.sync.relay import HostRelay, channel_manifest, roles
 from awex.engines.sync.signals import Signals, signals_for
 from awex.engines.sync.verify import Verifier
 from awex.engines.sync.version_plan import PlanKey, plan_version
@@ -38,23 +39,6 @@ from awex.transport.registry import make_transport
 Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offsets, sizes)
 
 log = logging.getLogger("awex.engines")
-
-
-class Phases(dict):
-    """Seconds spent in each named phase of one sync (``phases("plan")`` as a context manager adds to it)."""
-
-    def summary(self) -> str:
-        """``plan 0.012 s, agreement 0.101 s, ...`` (phases in the order they ran; ``total`` last)."""
-        items = [(k, v) for k, v in self.items() if k != "total"] + [(k, v) for k, v in self.items() if k == "total"]
-        return ", ".join(f"{k} {v:.3f} s" for k, v in items)
-
-    @contextmanager
-    def __call__(self, name: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self[name] = self.get(name, 0.0) + time.perf_counter() - started
 
 
 @dataclass
@@ -82,6 +66,7 @@ class SyncSession:
     channel: VersionChannel | None = None  # the sync's version channel (per-version signals), once known
     board: HostBoard | None = None  # the sync's host board, when this rank is on the writer's host
     signals: Signals | None = None  # where this plan's per-version signals go (awex.engines.sync.signals)
+    relay: HostRelay | None = None  # this rank's part in its host's relays (awex.engines.sync.relay), by plan
     delta_budget_bytes: int | None = None  # a sender of delta syncs: what it may keep of the last version
     _signals: str = "meta"  # what every rank can use, as the last device exchange found
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
@@ -102,7 +87,9 @@ class SyncSession:
         self._plan = self._key = self.channel = None
         if self.board is not None and not self.board.owner:
             self.board.close()
-        self.board = None
+        if self.relay is not None:
+            self.relay.close()
+        self.board = self.relay = None
         transports, self._transports = list(self._transports.values()), {}
         for transport in transports:
             transport.close()
@@ -163,7 +150,7 @@ class SyncSession:
                 if self.board is not None:
                     return self._adopt(self._parse(self.board.manifest(version, min(1.0, left))))
                 if self.channel is not None:  # its secret is never on the channel: it checked the value with it
-                    doc = self.channel.wait([keys.channel_manifest(version)], min(1.0, left))[0]
+                    doc = channel_manifest(self.channel, self.relay, version, min(1.0, left))
                     if isinstance(doc, dict):
                         doc = dict(doc, channel_secret=self.channel.secret)
                     return self._adopt(self._parse(doc))
@@ -317,6 +304,7 @@ class SyncSession:
         self._layouts = layouts
         self._key, self._plan, self.transport = key, plan, transport
         self.signals = signals_for(self._signals, self.client, self.channel, self.board)
+        self._relay_for(plan, me.rank)
         log.info(
             "%s:%d planned %d buckets (digest %s), sync rank %d of %d",
             self.instance,
@@ -327,6 +315,15 @@ class SyncSession:
             plan.world_size,
         )
         return plan, me.rank, True
+
+    def _relay_for(self, plan: Plan, rank: int) -> None:
+        """This rank's relays in a new plan (over the version channel only: on the host board every rank reads
+        the same shared memory; through the MetaServer no relay would be heard)."""
+        if self.relay is not None:
+            self.relay.close()
+        hosts = {who: where[0] for who, where in self._processes.items()}
+        mine = roles(plan, hosts, rank) if self._signals == "channel" and self.channel is not None else None
+        self.relay = HostRelay(mine, rank, self.channel.secret) if mine else None
 
     def transfer(
         self,
@@ -409,7 +406,7 @@ class SyncSession:
         """A trainer rank: every receiving rank's outcome: :func:`awex.engines.sync.outcomes.collect`."""
         with self.phases("done"):
             me = self._plan.rank(self.instance, self.local_rank).rank
-            return outcomes.collect(self._plan, self.signals, manifest, deadline, self._processes, me)
+            return outcomes.collect(self._plan, self.signals, manifest, deadline, self._processes, me, self.relay)
 
     def describe_sync(self, verb: str, version: str, nbytes: int, seconds: float) -> str:
         """One log line for a sync this rank finished; a sync that planned anew also lists its phases and the
