@@ -30,7 +30,8 @@ _here = threading.local()
 
 
 class NullTransport(Transport):
-    """Moves nothing: senders say their bytes are ready, receivers wait for every sender they read from."""
+    """Moves nothing: every trainer rank says its bytes are ready (as the pull transports' do), receivers wait for
+    every sender they read from."""
 
     name = "null"
     signals_ready = True
@@ -41,7 +42,7 @@ class NullTransport(Transport):
     def prepare(self, plan, rank: int, setup, phases) -> None:
         steps = plan.schedule(rank)
         senders = sorted({s.bucket.src for s in steps if s.op == "recv"})
-        self._state = (plan, rank, senders, any(s.op == "send" for s in steps))
+        self._state = (plan, rank, senders, plan.ranks[rank].role.value == "trainer")  # every one says ready
 
     def run(self, shards, link, deadline: float, phases, refresh_by_wave=None) -> TransferStats:
         plan, rank, senders, sends = self._prepared(self._state)
@@ -220,6 +221,7 @@ def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, des
         out["media"][f"{layout.instance}:{local_rank}"] = getattr(side._session.signals, "medium", None)
         relay = side._session.relay  # what this rank heard from its host's relay instead of reading the channel
         heard = {"manifest": relay and relay.hears_manifests, "outcomes": relay and relay.hears_outcomes}
+        heard["ready"] = relay and relay.listening and relay.roles.receivers_from is not None
         out["heard"][f"{layout.instance}:{local_rank}"] = [k for k, on in heard.items() if on]
         out["finished"].wait()  # closing (its gc.collect holds this process's GIL) waits for every rank's last version
         side.close()

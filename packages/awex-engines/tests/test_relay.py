@@ -44,13 +44,13 @@ MANIFEST = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", 1
 def test_each_host_has_one_relay_and_the_first_trainer_ranks_host_relays_no_manifest():
     got = {r: roles(PLAN, HOSTS, r) for r in range(PLAN.world_size)}
     assert got == {
-        0: Roles(outcomes_to=(1,)),  # its host reads the manifest on its host board: no manifest relayed
-        1: Roles(outcomes_from=0),
-        2: Roles(manifest_to=(4,)),  # alone of the trainer ranks on B: no record relayed
-        4: Roles(manifest_from=2),
+        0: Roles(trainers_to=(1,)),  # its host reads the manifest on its host board: no manifest relayed
+        1: Roles(trainers_from=0),
+        2: Roles(manifest_to=(4,)),  # alone of the trainer ranks on B: no record relayed, its own ready key
+        4: Roles(manifest_from=2),  # alone of the receivers on B: reads its senders' ready keys itself
         3: Roles(manifest_to=(5, 6)),
-        5: Roles(manifest_from=3),
-        6: Roles(manifest_from=3),
+        5: Roles(manifest_from=3, receivers_to=(6,)),  # the lowest receiver on C reads every ready signal for 6
+        6: Roles(manifest_from=3, receivers_from=5),
         7: Roles(),
     }
     assert not got[7] and all(got[r] for r in range(7))
@@ -180,3 +180,110 @@ def test_an_other_versions_record_is_not_taken(monkeypatch):
     finally:
         for r in relays.values():
             r.close()
+
+
+def _relayed(channel: VersionChannel, ranks):
+    """Each rank's signals through its host's relays, on a connection of its own (as ranks in their processes)."""
+    from awex.engines.sync.relayed import with_relays
+    from awex.engines.sync.signals import ChannelSignals
+
+    processes = {who: (host, 1, None) for who, host in HOSTS.items()}
+    out = {}
+    for r in ranks:
+        conn = VersionChannel.connect(channel.address, channel.secret)
+        groups, mine, signals = with_relays(PLAN, r, processes, ChannelSignals(conn), conn)
+        out[r] = signals
+    return groups, out
+
+
+class _Counting:
+    """Counts a channel connection's operations that reach the channel's host."""
+
+    def __init__(self, channel: VersionChannel):
+        self.channel, self.ops = channel, 0
+        self.secret, self.address = channel.secret, channel.address
+
+    def put(self, key, value):
+        self.ops += 1
+        return self.channel.put(key, value)
+
+    def wait(self, names, timeout):
+        self.ops += 1
+        return self.channel.wait(names, timeout)
+
+
+def test_ready_signals_go_once_a_host_and_are_read_once_a_host():
+    import threading
+
+    channel = VersionChannel.host()
+    groups, signals = _relayed(channel, range(PLAN.world_size))
+    for s in signals.values():
+        s.channel = _Counting(s.channel)
+    trainers = [r for r in PLAN.ranks if r.role.value == "trainer"]
+    generations = {0: 3, 1: 5, 2: 1, 3: 2}
+    got, errors = {}, []
+
+    def say(rank):
+        signals[rank].ready("ipc", MANIFEST, PLAN.ranks[rank], generations[rank])
+
+    def hear(rank):
+        try:
+            got[rank] = signals[rank].wait_ready("ipc", MANIFEST, trainers, 10.0)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=hear, args=(r,)) for r in (4, 5, 6, 7)]
+    threads += [threading.Thread(target=say, args=(r,)) for r in (1, 2, 3, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert not errors and all(got[r] == [3, 5, 1, 2] for r in (4, 5, 6, 7)), (errors, got)
+        # trainer ranks 0 and 1 share host A: one key for both, put by 0; 2 and 3 each alone: a key each
+        assert channel.get(keys.host_ready("ipc", "v1", 3, 0)) == {"0": 3, "1": 5}
+        assert channel.get(keys.ready("ipc", "v1", 3, "trainer", 1)) is None
+        assert [signals[r].channel.ops for r in range(4)] == [1, 0, 1, 1]
+        # receivers 5 and 6 share host C: 5 reads every trainer's once and hands them on, 6 reads nothing
+        assert [signals[r].channel.ops for r in (4, 5, 6, 7)] == [1, 1, 0, 1]
+        # what the writer drops once the version is old: exactly what was put
+        own, leads = groups.ready_keys([r.rank for r in trainers])
+        assert (own, leads) == ([2, 3], [0])
+        senders = [(PLAN.ranks[r].instance, PLAN.ranks[r].local_rank) for r in own]
+        names = keys.channel_signals("v1", 3, senders, [], ["ipc"], leads)
+        assert all(channel.get(n) is not None for n in names if "-ready/" in n)
+        assert sorted(n for n in names if "-ready/" in n) == sorted(
+            [
+                keys.host_ready("ipc", "v1", 3, 0),
+                keys.ready("ipc", "v1", 3, "trainer", 2),
+                keys.ready("ipc", "v1", 3, "trainer", 3),
+            ]
+        )
+    finally:
+        for s in signals.values():
+            if s.relay is not None:
+                s.relay.close()
+
+
+def test_a_trainer_rank_whose_lead_does_not_listen_fails_its_version():
+    from awex.transport.base import TransferError
+
+    channel = VersionChannel.host()
+    _, signals = _relayed(channel, (1,))  # its lead (0) never made its relay
+    try:
+        with pytest.raises(TransferError, match="could not tell its host's lead"):
+            signals[1].ready("ipc", MANIFEST, PLAN.ranks[1], 1)
+    finally:
+        signals[1].relay.close()
+
+
+def test_a_lead_hands_on_only_its_own_hosts_ready_signals():
+    # a host key that also names a trainer rank of another host (written with the secret, by a rank that should not)
+    # vouches for its own host's ranks only: the other's generation is still awaited under its own key
+    channel = VersionChannel.host()
+    _, signals = _relayed(channel, (7,))
+    channel.put(keys.host_ready("ipc", "v1", 3, 0), {"0": 3, "1": 5, "2": 9})
+    channel.put(keys.ready("ipc", "v1", 3, "trainer", 2), 1)
+    channel.put(keys.ready("ipc", "v1", 3, "trainer", 3), 2)
+    trainers = [r for r in PLAN.ranks if r.role.value == "trainer"]
+    assert signals[7].wait_ready("ipc", MANIFEST, trainers, 2.0) == [3, 5, 1, 2]

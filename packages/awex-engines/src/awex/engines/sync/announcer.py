@@ -413,11 +413,15 @@ class Announcer:
             names.append(keys.channel_manifest(version))
             self._on_channel.discard(version)
         if medium in ("channel", None) and plan is not None:
-            # every trainer rank says ready (over a transport that signals it), every receiver reports
-            senders = [(r.instance, r.local_rank) for r in plan.ranks_of(Role.TRAINER)]
+            # every trainer rank says ready (over a transport that signals it: under its host's key where its host
+            # has a lead, awex.engines.sync.relayed), every receiver reports
+            trainers, groups = plan.ranks_of(Role.TRAINER), self._session.host_groups
+            own, leads = groups.ready_keys([r.rank for r in trainers]) if groups else ([r.rank for r in trainers], [])
+            own = [r.rank for r in trainers] if medium is None else own  # a failed attempt's: wherever they went
+            senders = [(plan.ranks[r].instance, plan.ranks[r].local_rank) for r in own]
             receivers = [(r.instance, r.local_rank) for r in plan.ranks_of(Role.INFERENCE)]
             kinds = [k for k in ([kind] if kind else sorted(TRANSPORTS)) if _signals_ready(k)]
-            names += keys.channel_signals(version, seq, senders, receivers, kinds)
+            names += keys.channel_signals(version, seq, senders, receivers, kinds, leads)
         if not names:
             return
         if self._cleaner is None or self._cleaner.address != channel.address:

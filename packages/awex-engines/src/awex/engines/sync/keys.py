@@ -48,6 +48,12 @@ def ready(transport: str, version: str, count: int, instance: str, local_rank: i
     return f"{transport}-ready/{version}/{count}/{instance}/{local_rank}"
 
 
+def host_ready(transport: str, version: str, count: int, lead: int) -> str:
+    """The ready signals of a host's trainer ranks in one key, put by their lead (sync rank ``lead``;
+    ``awex.engines.sync.relayed``): ``{sync rank: generation}``."""
+    return f"{transport}-ready/{version}/{count}/host/{lead}"
+
+
 def descriptor(transport: str, instance: str, local_rank: int, generation: int) -> str:
     return f"{transport}/{instance}/{local_rank}/{generation}"
 
@@ -95,15 +101,18 @@ def channel_signals(
     senders: Sequence[tuple[str, int]],
     receivers: Sequence[tuple[str, int]],
     kinds: Sequence[str],
+    leads: Sequence[int] = (),
 ) -> list[str]:
     """Every key one attempt of ``version`` leaves on the version channel when its per-version signals go there
     (``awex.engines.sync.signals.ChannelSignals``; its manifest is apart): the trainers' record of every outcome,
     each sender's ready signal over the transports named ``kinds`` (those whose senders signal ready), each
     receiver's outcome, and the record of each engine instance of two or more receivers (``(instance, local
-    rank)`` each). What the writer drops once the version is old: a round trip each, so none that was not
-    written."""
+    rank)`` each); with ``leads``, each of those sync ranks' host key of ready signals (:func:`host_ready`; then
+    ``senders`` are those that put a key of their own). What the writer drops once the version is old: a round
+    trip each, so none that was not written."""
     out = [outcomes(version, count)]
     out += [ready(kind, version, count, instance, rank) for instance, rank in senders for kind in kinds]
+    out += [host_ready(kind, version, count, lead) for lead in leads for kind in kinds]
     out += [channel_outcome(version, count, instance, rank) for instance, rank in receivers]
     per_instance: dict[str, int] = {}
     for instance, _ in receivers:

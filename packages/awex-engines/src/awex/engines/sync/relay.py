@@ -17,12 +17,13 @@ once its slice of waiting ends, as it would without one.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import json
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from awex.meta.errors import AwexError
 
 log = logging.getLogger("awex.engines")
 
+LOOK_SECONDS = 0.1  # a look at the channel itself after a slice without a word (a round trip even under load)
 MAX_DATAGRAM = 60 << 10  # larger documents are not relayed: the peer reads them itself
 _MAC = 64  # hex digits of an HMAC-SHA256, ahead of the JSON payload
 _DOMAIN = b"awex-relay\0"  # a datagram's MAC never matches a channel value's (those cover a key name)
@@ -44,44 +46,98 @@ class RelayTimeout(AwexError, TimeoutError):
 
 @dataclass(frozen=True)
 class Roles:
-    """One rank's part in its host's relays: whom it hears the manifest and the record of every outcome from (a
-    sync rank, or ``None``), and whom it hands them to."""
+    """One rank's part in its host's relays, each a sync rank it hears from (or ``None``) and the ranks it hands on
+    to: the manifest (every rank of the host), the trainer ranks' group (the record of every outcome handed on;
+    each trainer rank's ready signal gathered into one key of the host) and the receivers' group (every trainer
+    rank's ready signal, read once for the host and handed on)."""
 
     manifest_from: int | None = None
     manifest_to: tuple[int, ...] = ()
-    outcomes_from: int | None = None
-    outcomes_to: tuple[int, ...] = ()
+    trainers_from: int | None = None
+    trainers_to: tuple[int, ...] = ()
+    receivers_from: int | None = None
+    receivers_to: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.manifest_to or self.outcomes_to) or (self.manifest_from, self.outcomes_from) != (None, None)
+        heard = (self.manifest_from, self.trainers_from, self.receivers_from)
+        return bool(self.manifest_to or self.trainers_to or self.receivers_to) or heard != (None, None, None)
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """A plan's ranks by host, as the device exchange found them (a pure function of the plan and the hosts; every
+    rank computes the same): a host of two or more ranks has a relay, its lowest rank; its trainer ranks and its
+    receiving ranks each a group led by their lowest."""
+
+    host_of: Mapping[int, str]
+    on: Mapping[str, tuple[int, ...]]  # host -> its ranks, ascending
+    trainers_on: Mapping[str, tuple[int, ...]]
+    receivers_on: Mapping[str, tuple[int, ...]]
+    announcer: int  # the first trainer rank (its host reads the manifest on its host board)
+
+    @classmethod
+    def of(cls, plan: Plan, hosts: Mapping[tuple[str, int], str]) -> HostGroups:
+        """``hosts``: each rank's host (``(instance, local rank)`` -> host; a rank without one is in no group)."""
+        host_of = {r.rank: h for r in plan.ranks if (h := hosts.get((r.instance, r.local_rank)))}
+        on: dict[str, list[int]] = {}
+        for rank in sorted(host_of):
+            on.setdefault(host_of[rank], []).append(rank)
+
+        def of_role(role: Role) -> dict[str, tuple[int, ...]]:
+            return {h: tuple(r for r in ranks if plan.ranks[r].role == role) for h, ranks in on.items()}
+
+        return cls(
+            host_of=host_of,
+            on={h: tuple(ranks) for h, ranks in on.items()},
+            trainers_on=of_role(Role.TRAINER),
+            receivers_on=of_role(Role.INFERENCE),
+            announcer=plan.ranks_of(Role.TRAINER)[0].rank,
+        )
+
+    def roles(self, rank: int) -> Roles:
+        """Sync rank ``rank``'s relay roles: on each host of two or more ranks the lowest relays the manifest to the
+        others, except on the first trainer rank's host (which reads it on the trainer's host board); of two or
+        more trainer ranks on a host the lowest hands them the record of every outcome and gathers their ready
+        signals; of two or more receiving ranks the lowest reads every trainer rank's ready signal for them."""
+        here = self.host_of.get(rank)
+        if here is None:
+            return Roles()
+        out: dict[str, object] = {}
+        groups = [("manifest", () if self.announcer in self.on[here] else self.on[here])]
+        groups += [("trainers", self.trainers_on[here]), ("receivers", self.receivers_on[here])]
+        for name, group in groups:
+            if rank in group and len(group) > 1:
+                if rank == group[0]:
+                    out[f"{name}_to"] = group[1:]
+                else:
+                    out[f"{name}_from"] = group[0]
+        return Roles(**out)  # type: ignore[arg-type]
+
+    @property
+    def relays_ready(self) -> bool:
+        """Whether any host has two or more trainer ranks or two or more receiving ranks (else every ready signal
+        is a key of its own, read by each receiver itself, as without relays)."""
+        return any(len(g) > 1 for g in (*self.trainers_on.values(), *self.receivers_on.values()))
+
+    def trainers_with(self, rank: int) -> tuple[int, ...]:
+        """The trainer ranks on rank ``rank``'s host (none where its host is unknown)."""
+        return self.trainers_on.get(self.host_of.get(rank, ""), ())
+
+    def ready_holder(self, sender: int) -> int:
+        """Under whose ready key trainer rank ``sender``'s ready signal is: its host's trainer group's lead's (one
+        key for the host), or its own where it is alone."""
+        group = self.trainers_with(sender)
+        return group[0] if len(group) > 1 else sender
+
+    def ready_keys(self, trainers: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Of ``trainers``: those that put a ready key of their own, and the leads that put their host's."""
+        own = [t for t in trainers if len(self.trainers_with(t)) < 2]
+        return own, sorted({self.ready_holder(t) for t in trainers if len(self.trainers_with(t)) >= 2})
 
 
 def roles(plan: Plan, hosts: Mapping[tuple[str, int], str], rank: int) -> Roles:
-    """Sync rank ``rank``'s relay roles in ``plan``, where ``hosts`` says each rank's host (``(instance, local
-    rank)`` -> host; a rank without one relays nothing and hears nothing). On each host of two or more ranks the
-    lowest relays the manifest to the others, except on the host of the first trainer rank (which posts it there
-    on its host board); the lowest trainer rank relays the record of every outcome to the host's other trainer
-    ranks (the first trainer rank: the record it made)."""
-    here = hosts.get((plan.ranks[rank].instance, plan.ranks[rank].local_rank))
-    if not here:
-        return Roles()
-    host_of = {r.rank: hosts.get((r.instance, r.local_rank)) for r in plan.ranks}
-    local = sorted(r for r, h in host_of.items() if h == here)
-    trainers = [r for r in local if plan.ranks[r].role == Role.TRAINER]
-    announcer = plan.ranks_of(Role.TRAINER)[0].rank
-    manifest_from, manifest_to = None, ()
-    if announcer not in local and len(local) > 1:
-        if rank == local[0]:
-            manifest_to = tuple(local[1:])
-        else:
-            manifest_from = local[0]
-    outcomes_from, outcomes_to = None, ()
-    if rank in trainers and len(trainers) > 1:
-        if rank == trainers[0]:
-            outcomes_to = tuple(trainers[1:])
-        else:
-            outcomes_from = trainers[0]
-    return Roles(manifest_from, manifest_to, outcomes_from, outcomes_to)
+    """Sync rank ``rank``'s relay roles in ``plan`` (:meth:`HostGroups.roles`)."""
+    return HostGroups.of(plan, hosts).roles(rank)
 
 
 def address(secret: str, rank: int) -> bytes:
@@ -101,7 +157,9 @@ class HostRelay:
         self._outbox: socket.socket | None = None
         self._sent: tuple[str, Any] | None = None  # the last manifest relayed: (version, its count)
         self._refused: set[int] = set()  # peers whose datagrams were refused (logged once each)
-        if roles.manifest_from is not None or roles.outcomes_from is not None:
+        self._early: collections.deque = collections.deque(maxlen=64)  # heard while waiting for something else
+        heard = (roles.manifest_from, roles.trainers_from, roles.receivers_from) != (None, None, None)
+        if heard or roles.trainers_to:  # a trainer group's lead hears its ranks' ready signals
             inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             try:
                 inbox.bind(address(secret, rank))
@@ -110,8 +168,13 @@ class HostRelay:
                 log.info("sync rank %d: no relay datagrams (%s); it reads the version channel itself", rank, e)
             else:
                 self._inbox = inbox
-        if roles.manifest_to or roles.outcomes_to:
+        if roles.manifest_to or roles.trainers_to or roles.receivers_to or roles.trainers_from is not None:
             self._outbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+
+    @property
+    def listening(self) -> bool:
+        """Whether this rank hears its relays (its datagram address is its own)."""
+        return self._inbox is not None
 
     @property
     def hears_manifests(self) -> bool:
@@ -119,7 +182,7 @@ class HostRelay:
 
     @property
     def hears_outcomes(self) -> bool:
-        return self._inbox is not None and self.roles.outcomes_from is not None
+        return self._inbox is not None and self.roles.trainers_from is not None
 
     def close(self) -> None:
         for s in (self._inbox, self._outbox):
@@ -146,6 +209,18 @@ class HostRelay:
                     self._refused.add(peer)
                     log.info("sync rank %d: relay to sync rank %d refused (%s)", self.rank, peer, e)
 
+    def tell(self, peer: int, message: dict) -> None:
+        """Send ``message`` to sync rank ``peer`` alone (``OSError`` where it is refused: not listening, or its
+        queue full)."""
+        if self._outbox is None:
+            raise OSError(f"sync rank {self.rank} relays nothing")
+        self._outbox.sendto(self._seal(message), socket.MSG_DONTWAIT, address(self.secret, peer))
+
+    def forward(self, peers: tuple[int, ...], message: dict) -> None:
+        """Send ``message`` to ``peers`` (a peer that refuses it is logged once; too large a document goes as
+        ``None``: each peer then reads it itself)."""
+        self._send(peers, message)
+
     def forward_manifest(self, version: str, doc: Any) -> None:
         """A relay: hand ``doc``, the manifest it read from the channel for ``version``, to its peers (once per
         attempt: a manifest read again is not sent again)."""
@@ -160,15 +235,24 @@ class HostRelay:
     def forward_outcomes(self, version: str, seq: int, record: Any) -> None:
         """A trainer relay: hand the record of every outcome of attempt ``seq`` (``None``: it has none; each peer
         then reads the channel itself) to its host's other trainer ranks."""
-        self._send(self.roles.outcomes_to, {"kind": "outcomes", "version": version, "seq": seq, "doc": record})
+        self._send(self.roles.trainers_to, {"kind": "outcomes", "version": version, "seq": seq, "doc": record})
 
     # -- hearing ------------------------------------------------------------------------------------------------
-    def _hear(self, kind: str, version: str, seq: int | None, timeout: float) -> dict:
+    def hear(self, kind: str, version: str, seq: int | None, timeout: float) -> dict:
         """The first message of ``kind`` for ``version`` (and attempt ``seq``, if given) within ``timeout``;
-        others (older versions', forged ones) are dropped."""
+        :class:`RelayTimeout` after it. Forged ones are dropped; others are kept a while for a later ``hear`` (a
+        peer's ready signal may come before its relay asks for it), older ones fall out."""
         inbox = self._inbox
         if inbox is None:
             raise RelayTimeout(f"sync rank {self.rank} hears no relay")
+
+        def wanted(m: Any) -> bool:
+            return m.get("kind") == kind and m.get("version") == version and (seq is None or m.get("seq") == seq)
+
+        for message in self._early:
+            if wanted(message):
+                self._early.remove(message)
+                return message
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -180,13 +264,10 @@ class HostRelay:
             except TimeoutError:
                 continue
             message = self._open(raw)
-            if (
-                isinstance(message, dict)
-                and message.get("kind") == kind
-                and message.get("version") == version
-                and (seq is None or message.get("seq") == seq)
-            ):
-                return message
+            if isinstance(message, dict):
+                if wanted(message):
+                    return message
+                self._early.append(message)
 
     def _open(self, raw: bytes) -> Any:
         mac, payload = raw[:_MAC], raw[_MAC:]
@@ -202,7 +283,7 @@ class HostRelay:
     def manifest(self, version: str, timeout: float) -> Any:
         """The manifest of ``version`` as the host's relay read it from the channel (``None``: too large to relay:
         read it there); :class:`RelayTimeout` after ``timeout`` seconds."""
-        return self._hear("manifest", version, None, timeout)["doc"]
+        return self.hear("manifest", version, None, timeout)["doc"]
 
     def outcomes(self, version: str, seq: int, deadline: float, read: Callable[[float], Any], slice_: float) -> Any:
         """The first trainer rank's record of every outcome of attempt ``seq``, from the host's trainer relay, until
@@ -211,12 +292,12 @@ class HostRelay:
         while True:
             left = deadline - time.monotonic()
             try:
-                doc = self._hear("outcomes", version, seq, max(0.001, min(slice_, left)))["doc"]
+                doc = self.hear("outcomes", version, seq, max(0.001, min(slice_, left)))["doc"]
                 return doc if doc is not None else read(max(0.001, deadline - time.monotonic()))
             except RelayTimeout:
                 pass
             try:
-                return read(0.001 if time.monotonic() < deadline else 0.01)
+                return read(LOOK_SECONDS)
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
@@ -235,7 +316,7 @@ def channel_manifest(channel: VersionChannel, relay: HostRelay | None, version: 
             if doc is not None:
                 return doc
         except RelayTimeout:
-            wait = 0.001
+            wait = LOOK_SECONDS
     doc = channel.wait([keys.channel_manifest(version)], wait)[0]
     if relay is not None:
         relay.forward_manifest(version, doc)

@@ -25,7 +25,8 @@ from awex.engines.sync.channel import ChannelError, VersionChannel
 from awex.engines.sync.manifest import Attempt, SyncManifest, _count, group_secret
 from awex.engines.sync.peer_link import SyncPeerLink
 from awex.engines.sync.phases import Phases
-from awex.engines.sync.relay import HostRelay, channel_manifest, roles
+from awex.engines.sync.relay import HostGroups, HostRelay, channel_manifest
+from awex.engines.sync.relayed import with_relays
 from awex.engines.sync.signals import Signals, signals_for
 from awex.engines.sync.verify import Verifier
 from awex.engines.sync.version_plan import PlanKey, plan_version
@@ -67,6 +68,7 @@ class SyncSession:
     board: HostBoard | None = None  # the sync's host board, when this rank is on the writer's host
     signals: Signals | None = None  # where this plan's per-version signals go (awex.engines.sync.signals)
     relay: HostRelay | None = None  # this rank's part in its host's relays (awex.engines.sync.relay), by plan
+    host_groups: HostGroups | None = None  # the plan's ranks by host, over the version channel
     delta_budget_bytes: int | None = None  # a sender of delta syncs: what it may keep of the last version
     _signals: str = "meta"  # what every rank can use, as the last device exchange found
     _parsed: tuple[dict, SyncManifest] | None = None  # the last manifest read (with version and count blanked)
@@ -275,6 +277,8 @@ class SyncSession:
             log.info("%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version, transport, reason)
         phase["plan"] = time.perf_counter() - plan_started
         me = plan.rank(self.instance, self.local_rank)
+        self.signals = signals_for(self._signals, self.client, self.channel, self.board)
+        self._relay_for(plan, me.rank)  # listening before it agrees: a peer past the agreement may signal it
         with phase("agreement"):
             try:
                 self.client.agree(
@@ -303,8 +307,6 @@ class SyncSession:
         self._transports[transport].prepare(plan, me.rank, setup, phase)
         self._layouts = layouts
         self._key, self._plan, self.transport = key, plan, transport
-        self.signals = signals_for(self._signals, self.client, self.channel, self.board)
-        self._relay_for(plan, me.rank)
         log.info(
             "%s:%d planned %d buckets (digest %s), sync rank %d of %d",
             self.instance,
@@ -317,13 +319,11 @@ class SyncSession:
         return plan, me.rank, True
 
     def _relay_for(self, plan: Plan, rank: int) -> None:
-        """This rank's relays in a new plan (over the version channel only: on the host board every rank reads
-        the same shared memory; through the MetaServer no relay would be heard)."""
+        """This rank's relays in a new plan, and its signals through them (:func:`~.relayed.with_relays`)."""
         if self.relay is not None:
             self.relay.close()
-        hosts = {who: where[0] for who, where in self._processes.items()}
-        mine = roles(plan, hosts, rank) if self._signals == "channel" and self.channel is not None else None
-        self.relay = HostRelay(mine, rank, self.channel.secret) if mine else None
+        found = with_relays(plan, rank, self._processes, self.signals, self.channel)
+        self.host_groups, self.relay, self.signals = found
 
     def transfer(
         self,
