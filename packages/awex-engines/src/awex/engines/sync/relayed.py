@@ -6,9 +6,9 @@ senders' keys itself: at 1,024 ranks about 500 sets, 500 waited reads and 500 de
 host. With two or more trainer ranks on a host, each tells the lowest of them (its group's lead) over a local
 datagram, and the lead puts one key for the host with every generation (:func:`awex.engines.sync.keys.host_ready`)
 once all said ready; a trainer rank alone on its host puts its own key as before. With two or more receiving ranks on
-a host, the lowest reads every trainer rank's key once (one waited read) and hands the generations to the others; a
-receiving rank alone reads its senders' keys itself. Where a key is is a pure function of the plan and the hosts
-(:meth:`~awex.engines.sync.relay.HostGroups.ready_holder`), so every rank looks where the signal went.
+a host, the lowest reads the keys of every sender any of them reads from (one waited read) and hands the generations
+to the others; a receiving rank alone reads its senders' keys itself. Where a key is is a pure function of the plan
+and the hosts (:meth:`~awex.engines.sync.relay.HostGroups.ready_holder`), so every rank looks where the signal went.
 
 What would make this wrong, and what notices: a lead that passes a generation nobody gave (the keys and datagrams
 carry MACs under the channel's secret; a generation that is not one fails the receiver's check); a lead that never
@@ -28,7 +28,7 @@ from awex.engines.sync.channel import VersionChannel
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.relay import HostGroups, HostRelay, RelayTimeout
 from awex.engines.sync.signals import ChannelSignals, Signals
-from awex.meta import Plan, RankDescriptor, Role
+from awex.meta import Plan, RankDescriptor
 from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferError
 
@@ -40,7 +40,7 @@ class RelayedSignals(ChannelSignals):
         super().__init__(inner.channel, inner.client)
         self.plan, self.groups, self.relay, self.rank = plan, groups, relay, rank
         self.roles = relay.roles if relay is not None else None
-        self._trainers = [r.rank for r in plan.ranks_of(Role.TRAINER)]  # every one says ready each version
+        self._senders: list[int] | None = None  # a receiving lead: every sender its host's receivers read from
         self._heard: tuple[tuple, dict[int, int]] | None = None  # (kind, version, count): every trainer rank's
 
     # -- senders ------------------------------------------------------------------------------------------------
@@ -78,8 +78,8 @@ class RelayedSignals(ChannelSignals):
             got = self._heard[1]
         elif roles is not None and roles.receivers_from is not None and relay.listening:  # its host's lead reads
             got = self._from_lead(attempt, senders, timeout)
-        elif roles is not None and roles.receivers_to:  # the lead: every trainer rank's, read once, handed on
-            got = self._read(attempt, self._trainers, timeout)
+        elif roles is not None and roles.receivers_to:  # the lead: its host's receivers' senders', read once, handed on
+            got = self._read(attempt, self._group_senders(), timeout)
             message = {"kind": "ready", "version": manifest.version, "seq": manifest.seq, "transport": kind}
             relay.forward(roles.receivers_to, dict(message, doc={str(r): g for r, g in got.items()}))
             self._heard = (attempt, got)
@@ -99,8 +99,19 @@ class RelayedSignals(ChannelSignals):
         if not isinstance(doc, dict):
             raise AwexValueError(f"ready signals of {version!r} from the host's lead: not a record ({doc!r:.80})")
         got = {int(r): g for r, g in doc.items() if str(r).isdigit() and _generation(g)}
+        missing = [s.rank for s in senders if s.rank not in got]
+        if missing:  # a sender its lead did not read for it (none, where both read the plan alike): read here
+            got.update(self._read(attempt, missing, timeout))
         self._heard = (attempt, got)
         return got
+
+    def _group_senders(self) -> list[int]:
+        """Every rank this host's receiving ranks read from (a pull transport's receiver reads from the peers of its
+        schedule's receive steps), once a plan."""
+        if self._senders is None:
+            group = (self.rank, *self.roles.receivers_to)
+            self._senders = sorted({s.peer for r in group for s in self.plan.schedule(r) if s.op == "recv"})
+        return self._senders
 
     def _read(self, attempt: tuple, senders: Sequence[int], timeout: float) -> dict[int, int]:
         """Senders' generations from the channel: one waited read of the keys that hold them (a host's, or a
