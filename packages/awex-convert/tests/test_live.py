@@ -52,7 +52,9 @@ def test_a_parameter_replaced_by_a_plain_attribute_is_still_found():
     m = model()
     live = LiveTensors(m)
     first = live.fingerprint()
-    del m[0].bias
+    old = m[0].bias  # held: the new tensor cannot take its memory (the allocator may hand a freed block back, at
+    del m[0].bias  # the same address, and the fingerprint would rightly not change)
     m[0].bias = torch.full((6,), 2.0)  # no longer a parameter: the one-pass read misses it, the lookups find it
+    assert m[0].bias.data_ptr() != old.data_ptr()
     now = live.fingerprint()
     assert now != first and now == looked_up(live) and now[0][2] == m[0].bias.data_ptr()
