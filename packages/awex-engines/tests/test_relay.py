@@ -292,3 +292,17 @@ def test_a_lead_hands_on_only_its_own_hosts_ready_signals():
     channel.put(keys.ready("ipc", "v1", 3, "trainer", 3), 2)
     trainers = [r for r in PLAN.ranks if r.role.value == "trainer"]
     assert signals[7].wait_ready("ipc", MANIFEST, trainers, 2.0) == [3, 5, 1, 2]
+
+
+def test_a_receiver_whose_lead_says_nothing_reads_its_senders_ready_signals_after_a_slice():
+    channel = VersionChannel.host()
+    _, signals = _relayed(channel, (6,))  # its lead (5) never reads for it (failed before, say)
+    channel.put(keys.host_ready("ipc", "v1", 3, 0), {"0": 3, "1": 5})
+    channel.put(keys.ready("ipc", "v1", 3, "trainer", 2), 1)
+    channel.put(keys.ready("ipc", "v1", 3, "trainer", 3), 2)
+    try:
+        started = time.monotonic()
+        assert signals[6].wait_ready("ipc", MANIFEST, _senders(6), 0.3) == [3, 5, 1, 2]  # senders 0-3
+        assert 0.25 < time.monotonic() - started < 5.0  # one slice, then its own read
+    finally:
+        signals[6].relay.close()

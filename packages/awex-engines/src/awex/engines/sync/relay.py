@@ -195,7 +195,9 @@ class HostRelay:
         payload = json.dumps(message, separators=(",", ":")).encode()
         return hmac.digest(self._key, _DOMAIN + payload, "sha256").hex().encode() + payload
 
-    def _send(self, peers: tuple[int, ...], message: dict) -> None:
+    def forward(self, peers: tuple[int, ...], message: dict) -> None:
+        """Send ``message`` to ``peers`` (a peer that refuses it is logged once: it reads for itself after its
+        slice; too large a document goes as ``None``: each peer then reads it itself)."""
         if self._outbox is None or not peers:
             return
         raw = self._seal(message)
@@ -216,11 +218,6 @@ class HostRelay:
             raise OSError(f"sync rank {self.rank} relays nothing")
         self._outbox.sendto(self._seal(message), socket.MSG_DONTWAIT, address(self.secret, peer))
 
-    def forward(self, peers: tuple[int, ...], message: dict) -> None:
-        """Send ``message`` to ``peers`` (a peer that refuses it is logged once; too large a document goes as
-        ``None``: each peer then reads it itself)."""
-        self._send(peers, message)
-
     def forward_manifest(self, version: str, doc: Any) -> None:
         """A relay: hand ``doc``, the manifest it read from the channel for ``version``, to its peers (once per
         attempt: a manifest read again is not sent again)."""
@@ -230,12 +227,12 @@ class HostRelay:
         if seen == self._sent:
             return
         self._sent = seen
-        self._send(self.roles.manifest_to, {"kind": "manifest", "version": version, "doc": doc})
+        self.forward(self.roles.manifest_to, {"kind": "manifest", "version": version, "doc": doc})
 
     def forward_outcomes(self, version: str, seq: int, record: Any) -> None:
         """A trainer relay: hand the record of every outcome of attempt ``seq`` (``None``: it has none; each peer
         then reads the channel itself) to its host's other trainer ranks."""
-        self._send(self.roles.trainers_to, {"kind": "outcomes", "version": version, "seq": seq, "doc": record})
+        self.forward(self.roles.trainers_to, {"kind": "outcomes", "version": version, "seq": seq, "doc": record})
 
     # -- hearing ------------------------------------------------------------------------------------------------
     def hear(self, kind: str, version: str, seq: int | None, timeout: float) -> dict:
