@@ -41,7 +41,7 @@ class RelayedSignals(ChannelSignals):
         self.plan, self.groups, self.relay, self.rank = plan, groups, relay, rank
         self.roles = relay.roles if relay is not None else None
         self._senders: list[int] | None = None  # a receiving lead: every sender its host's receivers read from
-        self._heard: tuple[tuple, dict[int, int]] | None = None  # (kind, version, count): every trainer rank's
+        self._heard: tuple[tuple, dict[int, int]] | None = None  # (kind, version, count): generations read or heard
 
     # -- senders ------------------------------------------------------------------------------------------------
     def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
@@ -74,7 +74,7 @@ class RelayedSignals(ChannelSignals):
     def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
         attempt = (kind, manifest.version, manifest.seq)
         roles, relay = self.roles, self.relay
-        if self._heard is not None and self._heard[0] == attempt:  # every trainer rank's, heard or read already
+        if self._heard is not None and self._heard[0] == attempt:  # heard or read already for this attempt
             got = self._heard[1]
         elif roles is not None and roles.receivers_from is not None and relay.listening:  # its host's lead reads
             got = self._from_lead(attempt, senders, timeout)
@@ -128,7 +128,9 @@ class RelayedSignals(ChannelSignals):
         for h, value in zip(holders, self.channel.wait(names, timeout)):
             if isinstance(value, dict):  # a host's: its lead and its other trainer ranks
                 group = self.groups.trainers_with(h)
-                out.update((int(r), g) for r, g in value.items() if str(r).isdigit() and int(r) in group)
+                out.update(
+                    (int(r), g) for r, g in value.items() if str(r).isdigit() and int(r) in group and _generation(g)
+                )
             elif _generation(value):
                 out[h] = value
         return out
