@@ -42,12 +42,12 @@ class NullTransport(Transport):
     def prepare(self, plan, rank: int, setup, phases) -> None:
         steps = plan.schedule(rank)
         senders = sorted({s.bucket.src for s in steps if s.op == "recv"})
-        self._state = (plan, rank, senders, plan.ranks[rank].role.value == "trainer")  # every one says ready
+        self._state = (plan, rank, senders, plan.ranks[rank].role.value == "trainer")
 
     def run(self, shards, link, deadline: float, phases, refresh_by_wave=None) -> TransferStats:
-        plan, rank, senders, sends = self._prepared(self._state)
+        plan, rank, senders, trainer = self._prepared(self._state)
         with timed(phases, "signals"):
-            if sends:
+            if trainer:  # every trainer rank says ready
                 link.ready(1)
             if senders:
                 link.await_ready(senders, deadline)
