@@ -57,8 +57,19 @@ def test_each_host_has_one_relay_and_the_first_trainer_ranks_host_relays_no_mani
     assert roles(PLAN, {k: v for k, v in HOSTS.items() if k != ("vllm-0", 1)}, 5) == Roles()  # no host known
 
 
-def _relays(channel: VersionChannel, ranks) -> dict[int, HostRelay]:
-    return {r: HostRelay(roles(PLAN, HOSTS, r), r, channel.secret) for r in ranks}
+@pytest.fixture
+def made():
+    """What a test opens (relays, sockets): closed after it, whatever it asserted."""
+    opened: list = []
+    yield opened
+    for thing in opened:
+        thing.close()
+
+
+def _relays(channel: VersionChannel, ranks, made: list) -> dict[int, HostRelay]:
+    relays = {r: HostRelay(roles(PLAN, HOSTS, r), r, channel.secret) for r in ranks}
+    made.extend(relays.values())
+    return relays
 
 
 class _Reads:
@@ -72,57 +83,46 @@ class _Reads:
         return self.channel.wait(names, timeout)
 
 
-def test_a_relay_reads_the_manifest_once_for_its_host():
+def test_a_relay_reads_the_manifest_once_for_its_host(made):
     channel = VersionChannel.host()
-    relays = _relays(channel, (3, 5, 6))
+    relays = _relays(channel, (3, 5, 6), made)
     doc = {"version": "v1", "seq": 3, "sources": ["trainer"]}
     channel.put(keys.channel_manifest("v1"), doc)
-    try:
-        conns = {r: _Reads(channel) for r in relays}
-        assert channel_manifest(conns[3], relays[3], "v1", 2.0) == doc
-        assert channel_manifest(conns[3], relays[3], "v1", 2.0) == doc  # read again: not handed on again
-        for peer in (5, 6):
-            assert channel_manifest(conns[peer], relays[peer], "v1", 2.0) == doc
-            assert conns[peer].reads == 0  # heard, not read
-            with pytest.raises(RelayTimeout):  # once only
-                relays[peer].manifest("v1", 0.05)
-        assert conns[3].reads == 2
-    finally:
-        for r in relays.values():
-            r.close()
+    conns = {r: _Reads(channel) for r in relays}
+    assert channel_manifest(conns[3], relays[3], "v1", 2.0) == doc
+    assert channel_manifest(conns[3], relays[3], "v1", 2.0) == doc  # read again: not handed on again
+    for peer in (5, 6):
+        assert channel_manifest(conns[peer], relays[peer], "v1", 2.0) == doc
+        assert conns[peer].reads == 0  # heard, not read
+        with pytest.raises(RelayTimeout):  # once only
+            relays[peer].manifest("v1", 0.05)
+    assert conns[3].reads == 2
 
 
-def test_a_datagram_without_the_secret_or_of_another_version_is_dropped(caplog):
+def test_a_datagram_without_the_secret_or_of_another_version_is_dropped(caplog, made):
     channel = VersionChannel.host()
-    relays = _relays(channel, (2, 4))
+    relays = _relays(channel, (2, 4), made)
     forger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        payload = json.dumps({"kind": "manifest", "version": "v1", "doc": {"version": "v1", "forged": True}}).encode()
-        forger.sendto(b"0" * 64 + payload, relay.address(channel.secret, 4))  # reaches it: no secret, no MAC
-        relays[2].forward_manifest("v0", {"version": "v0", "seq": 1})  # an older version's
-        with pytest.raises(RelayTimeout):
-            relays[4].manifest("v1", 0.1)
-        assert "fails its check" in caplog.text
-        relays[2].forward_manifest("v1", {"version": "v1", "seq": 2})
-        assert relays[4].manifest("v1", 1.0) == {"version": "v1", "seq": 2}
-    finally:
-        forger.close()
-        for r in relays.values():
-            r.close()
+    made.append(forger)
+    payload = json.dumps({"kind": "manifest", "version": "v1", "doc": {"version": "v1", "forged": True}}).encode()
+    forger.sendto(b"0" * 64 + payload, relay.address(channel.secret, 4))  # reaches it: no secret, no MAC
+    relays[2].forward_manifest("v0", {"version": "v0", "seq": 1})  # an older version's
+    with pytest.raises(RelayTimeout):
+        relays[4].manifest("v1", 0.1)
+    assert "fails its check" in caplog.text
+    relays[2].forward_manifest("v1", {"version": "v1", "seq": 2})
+    assert relays[4].manifest("v1", 1.0) == {"version": "v1", "seq": 2}
 
 
-def test_a_rank_whose_relay_says_nothing_reads_the_channel_after_its_slice():
+def test_a_rank_whose_relay_says_nothing_reads_the_channel_after_its_slice(made):
     channel = VersionChannel.host()
-    peer = _relays(channel, (4,))[4]  # its relay (2) never runs
+    peer = _relays(channel, (4,), made)[4]  # its relay (2) never runs
     doc = {"version": "v1", "seq": 3}
     channel.put(keys.channel_manifest("v1"), doc)
-    try:
-        conn = _Reads(channel)
-        started = time.monotonic()
-        assert channel_manifest(conn, peer, "v1", 0.2) == doc
-        assert conn.reads == 1 and 0.15 < time.monotonic() - started < 2.0
-    finally:
-        peer.close()
+    conn = _Reads(channel)
+    started = time.monotonic()
+    assert channel_manifest(conn, peer, "v1", 0.2) == doc
+    assert conn.reads == 1 and 0.15 < time.monotonic() - started < 2.0
 
 
 class _Record:
@@ -141,48 +141,40 @@ class _Record:
         return self.record
 
 
-def test_a_trainer_relay_hands_the_record_to_its_hosts_trainer_ranks(monkeypatch):
+def test_a_trainer_relay_hands_the_record_to_its_hosts_trainer_ranks(monkeypatch, made):
     channel = VersionChannel.host()
-    relays = _relays(channel, (0, 1))
+    relays = _relays(channel, (0, 1), made)
     monkeypatch.setattr(outcomes, "LIVENESS_SECONDS", 0.1)
-    try:
-        failed = {"failed": {"vllm-0:1": {"ok": False, "cause": "boom", "partial": True}}, "silent": ["vllm-1:1"]}
-        relays[0].forward_outcomes("v1", 3, failed)  # as the first rank's collect does once it made the record
-        signals = _Record()
-        got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 5.0, rank=1, relay=relays[1])
-        assert signals.reads == 0
-        assert got[("vllm-0", 1)].cause == "boom" and got[("vllm-1", 1)] is None and got[("vllm-0", 0)] == APPLIED
-        # the relay had no record (its own read failed): the peer reads the channel's itself, at once
-        relays[0].forward_outcomes("v1", 3, None)
-        signals = _Record({"failed": {}, "silent": []})
-        got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 5.0, rank=1, relay=relays[1])
-        assert signals.reads == 1 and all(o == APPLIED for o in got.values())
-        # a relay that says nothing (failed before it could): read after one slice, not at the deadline
-        started = time.monotonic()
-        got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 30.0, rank=1, relay=relays[1])
-        assert signals.reads == 2 and time.monotonic() - started < 5.0 and all(o == APPLIED for o in got.values())
-        # nothing anywhere: every receiver silent at the deadline (the version failed)
-        got = outcomes.collect(PLAN, _Record(), MANIFEST, time.monotonic() + 0.3, rank=1, relay=relays[1])
-        assert all(o is None for o in got.values())
-    finally:
-        for r in relays.values():
-            r.close()
+    failed = {"failed": {"vllm-0:1": {"ok": False, "cause": "boom", "partial": True}}, "silent": ["vllm-1:1"]}
+    relays[0].forward_outcomes("v1", 3, failed)  # as the first rank's collect does once it made the record
+    signals = _Record()
+    got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 5.0, rank=1, relay=relays[1])
+    assert signals.reads == 0
+    assert got[("vllm-0", 1)].cause == "boom" and got[("vllm-1", 1)] is None and got[("vllm-0", 0)] == APPLIED
+    # the relay had no record (its own read failed): the peer reads the channel's itself, at once
+    relays[0].forward_outcomes("v1", 3, None)
+    signals = _Record({"failed": {}, "silent": []})
+    got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 5.0, rank=1, relay=relays[1])
+    assert signals.reads == 1 and all(o == APPLIED for o in got.values())
+    # a relay that says nothing (failed before it could): read after one slice, not at the deadline
+    started = time.monotonic()
+    got = outcomes.collect(PLAN, signals, MANIFEST, time.monotonic() + 30.0, rank=1, relay=relays[1])
+    assert signals.reads == 2 and time.monotonic() - started < 5.0 and all(o == APPLIED for o in got.values())
+    # nothing anywhere: every receiver silent at the deadline (the version failed)
+    got = outcomes.collect(PLAN, _Record(), MANIFEST, time.monotonic() + 0.3, rank=1, relay=relays[1])
+    assert all(o is None for o in got.values())
 
 
-def test_an_other_versions_record_is_not_taken(monkeypatch):
+def test_an_other_versions_record_is_not_taken(monkeypatch, made):
     channel = VersionChannel.host()
-    relays = _relays(channel, (0, 1))
+    relays = _relays(channel, (0, 1), made)
     monkeypatch.setattr(outcomes, "LIVENESS_SECONDS", 0.1)
-    try:
-        relays[0].forward_outcomes("v1", 2, {"failed": {}, "silent": []})  # a failed earlier attempt's count
-        got = outcomes.collect(PLAN, _Record(), MANIFEST, time.monotonic() + 0.3, rank=1, relay=relays[1])
-        assert all(o is None for o in got.values())
-    finally:
-        for r in relays.values():
-            r.close()
+    relays[0].forward_outcomes("v1", 2, {"failed": {}, "silent": []})  # a failed earlier attempt's count
+    got = outcomes.collect(PLAN, _Record(), MANIFEST, time.monotonic() + 0.3, rank=1, relay=relays[1])
+    assert all(o is None for o in got.values())
 
 
-def _relayed(channel: VersionChannel, ranks):
+def _relayed(channel: VersionChannel, ranks, made: list):
     """Each rank's signals through its host's relays, on a connection of its own (as ranks in their processes)."""
     from awex.engines.sync.relayed import with_relays
     from awex.engines.sync.signals import ChannelSignals
@@ -192,6 +184,7 @@ def _relayed(channel: VersionChannel, ranks):
     for r in ranks:
         conn = VersionChannel.connect(channel.address, channel.secret)
         groups, mine, signals = with_relays(PLAN, r, processes, ChannelSignals(conn), conn)
+        made.extend([mine] if mine is not None else [])
         out[r] = signals
     return groups, out
 
@@ -217,11 +210,11 @@ class _Counting:
         return self.channel.wait(names, timeout)
 
 
-def test_ready_signals_go_once_a_host_and_are_read_once_a_host():
+def test_ready_signals_go_once_a_host_and_are_read_once_a_host(made):
     import threading
 
     channel = VersionChannel.host()
-    groups, signals = _relayed(channel, range(PLAN.world_size))
+    groups, signals = _relayed(channel, range(PLAN.world_size), made)
     for s in signals.values():
         s.channel = _Counting(s.channel)
     trainers = [r for r in PLAN.ranks if r.role.value == "trainer"]
@@ -243,50 +236,42 @@ def test_ready_signals_go_once_a_host_and_are_read_once_a_host():
         t.start()
     for t in threads:
         t.join(30)
-    try:
-        assert not errors and all(got[r] == [generations[s.rank] for s in _senders(r)] for r in (4, 5, 6, 7)), got
-        # trainer ranks 0 and 1 share host A: one key for both, put by 0; 2 and 3 each alone: a key each
-        assert channel.get(keys.host_ready("ipc", "v1", 3, 0)) == {"0": 3, "1": 5}
-        assert channel.get(keys.ready("ipc", "v1", 3, "trainer", 1)) is None
-        assert [signals[r].channel.ops for r in range(4)] == [1, 0, 1, 1]
-        # receivers 5 and 6 share host C: 5 reads their senders' once and hands them on, 6 reads nothing
-        assert [signals[r].channel.ops for r in (4, 5, 6, 7)] == [1, 1, 0, 1]
-        # what the writer drops once the version is old: exactly what was put
-        own, leads = groups.ready_keys([r.rank for r in trainers])
-        assert (own, leads) == ([2, 3], [0])
-        senders = [(PLAN.ranks[r].instance, PLAN.ranks[r].local_rank) for r in own]
-        names = keys.channel_signals("v1", 3, senders, [], ["ipc"], leads)
-        assert all(channel.get(n) is not None for n in names if "-ready/" in n)
-        assert sorted(n for n in names if "-ready/" in n) == sorted(
-            [
-                keys.host_ready("ipc", "v1", 3, 0),
-                keys.ready("ipc", "v1", 3, "trainer", 2),
-                keys.ready("ipc", "v1", 3, "trainer", 3),
-            ]
-        )
-    finally:
-        for s in signals.values():
-            if s.relay is not None:
-                s.relay.close()
+    assert not errors and all(got[r] == [generations[s.rank] for s in _senders(r)] for r in (4, 5, 6, 7)), got
+    # trainer ranks 0 and 1 share host A: one key for both, put by 0; 2 and 3 each alone: a key each
+    assert channel.get(keys.host_ready("ipc", "v1", 3, 0)) == {"0": 3, "1": 5}
+    assert channel.get(keys.ready("ipc", "v1", 3, "trainer", 1)) is None
+    assert [signals[r].channel.ops for r in range(4)] == [1, 0, 1, 1]
+    # receivers 5 and 6 share host C: 5 reads their senders' once and hands them on, 6 reads nothing
+    assert [signals[r].channel.ops for r in (4, 5, 6, 7)] == [1, 1, 0, 1]
+    # what the writer drops once the version is old: exactly what was put
+    own, leads = groups.ready_keys([r.rank for r in trainers])
+    assert (own, leads) == ([2, 3], [0])
+    senders = [(PLAN.ranks[r].instance, PLAN.ranks[r].local_rank) for r in own]
+    names = keys.channel_signals("v1", 3, senders, [], ["ipc"], leads)
+    assert all(channel.get(n) is not None for n in names if "-ready/" in n)
+    assert sorted(n for n in names if "-ready/" in n) == sorted(
+        [
+            keys.host_ready("ipc", "v1", 3, 0),
+            keys.ready("ipc", "v1", 3, "trainer", 2),
+            keys.ready("ipc", "v1", 3, "trainer", 3),
+        ]
+    )
 
 
-def test_a_trainer_rank_whose_lead_does_not_listen_fails_its_version():
+def test_a_trainer_rank_whose_lead_does_not_listen_fails_its_version(made):
     from awex.transport.base import TransferError
 
     channel = VersionChannel.host()
-    _, signals = _relayed(channel, (1,))  # its lead (0) never made its relay
-    try:
-        with pytest.raises(TransferError, match="could not tell its host's lead"):
-            signals[1].ready("ipc", MANIFEST, PLAN.ranks[1], 1)
-    finally:
-        signals[1].relay.close()
+    _, signals = _relayed(channel, (1,), made)  # its lead (0) never made its relay
+    with pytest.raises(TransferError, match="could not tell its host's lead"):
+        signals[1].ready("ipc", MANIFEST, PLAN.ranks[1], 1)
 
 
-def test_a_lead_hands_on_only_its_own_hosts_ready_signals():
+def test_a_lead_hands_on_only_its_own_hosts_ready_signals(made):
     # a host key that also names a trainer rank of another host (written with the secret, by a rank that should not)
     # vouches for its own host's ranks only: the other's generation is still awaited under its own key
     channel = VersionChannel.host()
-    _, signals = _relayed(channel, (7,))
+    _, signals = _relayed(channel, (7,), made)
     channel.put(keys.host_ready("ipc", "v1", 3, 0), {"0": 3, "1": 5, "2": 9})
     channel.put(keys.ready("ipc", "v1", 3, "trainer", 2), 1)
     channel.put(keys.ready("ipc", "v1", 3, "trainer", 3), 2)
@@ -294,15 +279,12 @@ def test_a_lead_hands_on_only_its_own_hosts_ready_signals():
     assert signals[7].wait_ready("ipc", MANIFEST, trainers, 2.0) == [3, 5, 1, 2]
 
 
-def test_a_receiver_whose_lead_says_nothing_reads_its_senders_ready_signals_after_a_slice():
+def test_a_receiver_whose_lead_says_nothing_reads_its_senders_ready_signals_after_a_slice(made):
     channel = VersionChannel.host()
-    _, signals = _relayed(channel, (6,))  # its lead (5) never reads for it (failed before, say)
+    _, signals = _relayed(channel, (6,), made)  # its lead (5) never reads for it (failed before, say)
     channel.put(keys.host_ready("ipc", "v1", 3, 0), {"0": 3, "1": 5})
     channel.put(keys.ready("ipc", "v1", 3, "trainer", 2), 1)
     channel.put(keys.ready("ipc", "v1", 3, "trainer", 3), 2)
-    try:
-        started = time.monotonic()
-        assert signals[6].wait_ready("ipc", MANIFEST, _senders(6), 0.3) == [3, 5, 1, 2]  # senders 0-3
-        assert 0.25 < time.monotonic() - started < 5.0  # one slice, then its own read
-    finally:
-        signals[6].relay.close()
+    started = time.monotonic()
+    assert signals[6].wait_ready("ipc", MANIFEST, _senders(6), 0.3) == [3, 5, 1, 2]  # senders 0-3
+    assert 0.25 < time.monotonic() - started < 5.0  # one slice, then its own read

@@ -98,7 +98,7 @@ class HostGroups:
         """Sync rank ``rank``'s relay roles: on each host of two or more ranks the lowest relays the manifest to the
         others, except on the first trainer rank's host (which reads it on the trainer's host board); of two or
         more trainer ranks on a host the lowest hands them the record of every outcome and gathers their ready
-        signals; of two or more receiving ranks the lowest reads every trainer rank's ready signal for them."""
+        signals; of two or more receiving ranks the lowest reads the ready signals of their senders for them."""
         here = self.host_of.get(rank)
         if here is None:
             return Roles()
