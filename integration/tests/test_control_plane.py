@@ -22,8 +22,10 @@ def test_128_ranks_sync_three_versions_through_the_real_control_path():
     # host relays (awex.engines.sync.relay), nodes of 8: the manifest heard by 7 ranks of each of the 8 engine nodes
     # and of the 7 trainer nodes other than the first trainer rank's (whose ranks read its host board), the trainers'
     # record of every outcome by 7 ranks of each of the 8 trainer nodes, every trainer rank's ready signal by 7
-    # receivers of each engine node (each of them read the channel before)
-    assert row["heard_from_relays"] == {"manifest": 8 * 7 + 7 * 7, "outcomes": 8 * 7, "ready": 8 * 7}
+    # receivers of each engine node (each of them read the channel before); and the other way, 7 receivers of each
+    # engine node tell their node's lead their outcome (an engine's ranks on one node: one record, not 8 keys)
+    heard = {"manifest": 8 * 7 + 7 * 7, "outcomes": 8 * 7, "ready": 8 * 7, "outcome_to_lead": 8 * 7}
+    assert row["heard_from_relays"] == heard
     assert all(v > 0 for v in row["steady_cpu_seconds_per_version"].values())
     # the version channel's host (the event loop of the store the first trainer rank hosts) serves every rank's
     # per-version signals: its CPU is read and counted in the serial figure (it was left out before)

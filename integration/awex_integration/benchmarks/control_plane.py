@@ -179,7 +179,7 @@ def run(ranks: int, processes: int, versions: int, timeout: float, store: str = 
     media = [m for d in docs for m in d["media"].values()]
     row["signals"] = {m: media.count(m) for m in sorted(set(media), key=str)}  # where per-version signals went
     heard = [k for d in docs for kinds in d.get("heard", {}).values() for k in kinds]  # from host relays
-    row["heard_from_relays"] = {k: heard.count(k) for k in ("manifest", "outcomes", "ready")}
+    row["heard_from_relays"] = {k: heard.count(k) for k in ("manifest", "outcomes", "ready", "outcome_to_lead")}
     row.update(processes=processes, server_peak_rss_bytes=server_rss, wall_seconds=round(wall, 2))
     row["server_requests_per_rank"] = round(requests / ranks, 2)  # the whole run: the first sync and the steady ones
     return row

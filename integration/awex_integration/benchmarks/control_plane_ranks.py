@@ -222,6 +222,7 @@ def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, des
         relay = side._session.relay  # what this rank heard from its host's relay instead of reading the channel
         heard = {"manifest": relay and relay.hears_manifests, "outcomes": relay and relay.hears_outcomes}
         heard["ready"] = relay and relay.listening and relay.roles.receivers_from is not None
+        heard["outcome_to_lead"] = relay and relay.listening and relay.roles.outcome_from is not None  # told, not read
         out["heard"][f"{layout.instance}:{local_rank}"] = [k for k, on in heard.items() if on]
         out["finished"].wait()  # closing (its gc.collect holds this process's GIL) waits for every rank's last version
         side.close()

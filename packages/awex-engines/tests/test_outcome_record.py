@@ -14,7 +14,9 @@ import pytest
 
 from awex.engines.outcome import APPLIED, Outcome
 from awex.engines.sync import outcomes
+from awex.engines.sync import signals as signals_module
 from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.signals import InstanceRecords
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 
@@ -29,8 +31,8 @@ MANIFEST = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", 1
 RECEIVERS = [(r.instance, r.local_rank) for r in PLAN.ranks if r.role.value != "trainer"]
 
 
-class Recorded:
-    """Signals that share outcomes, in memory, counting what each trainer rank read."""
+class Recorded(InstanceRecords):
+    """Signals that share outcomes, in memory, counting what each trainer rank read (records by instance)."""
 
     medium = "channel"
     shares_outcomes = True
@@ -172,7 +174,7 @@ def test_an_instance_s_first_rank_waits_for_its_ranks_a_bounded_while_and_says_w
             time.sleep(max(0.0, deadline - time.monotonic()))
             return super().outcomes(manifest, receivers, deadline)
 
-    monkeypatch.setattr(outcomes, "AGGREGATE_SECONDS", 0.2)
+    monkeypatch.setattr(signals_module, "AGGREGATE_SECONDS", 0.2)
     signals = Waiting({RECEIVERS[0]: {"ok": True}})
     started = time.monotonic()
     outcomes.aggregate(PLAN, signals, MANIFEST, RECEIVERS[0], time.monotonic() + 60.0)  # a sync's long deadline
@@ -231,6 +233,7 @@ def test_the_writer_drops_exactly_the_keys_a_versions_signals_leave_on_the_chann
             [(r.instance, r.local_rank) for r in trainers],
             [(r.instance, r.local_rank) for r in receivers],
             kinds,
+            records=sorted(signals.record_groups(PLAN)),
         )
         assert len(dropped) == len(set(dropped))
         assert set(dropped) == channel.written, (kind, set(dropped) ^ channel.written)

@@ -1,7 +1,8 @@
 """Host relays through the real writer and reader: two trainer ranks and two receiving ranks on one host, no host
 board (so the version channel carries the signals, as across hosts), over shared memory (a pull transport: every
 sender says ready). The second trainer rank tells the first, which puts one ready key for both; the first receiver
-reads it and hands it to the second; the first trainer rank hands the second the record of every outcome. Every
+reads it and hands it to the second; the second receiver tells the first its outcome, which puts one record for
+both; the first trainer rank hands the second the record of every outcome. Every
 version's bytes arrive, and what the versions leave on the channel is dropped once they are old."""
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def test_versions_arrive_through_host_relays_and_leave_the_channel(monkeypatch):
         assert channel.get(keys.host_ready("shm", "v5", seq, 0)) == {"0": 1, "1": 1}
         assert channel.get(keys.ready("shm", "v5", seq, "trainer", 1)) is None
         assert second.relay.hears_outcomes and readers[1]._session.relay.roles.receivers_from == 2
+        # the receivers' outcomes: one record for the engine's two ranks on this host, put by the first; no own key
+        assert channel.get(keys.instance_outcomes("v5", seq, "vllm-0/0")) == {"failed": {}, "silent": []}
+        assert [channel.get(keys.channel_outcome("v5", seq, "vllm-0", r)) for r in range(2)] == [None, None]
+        assert readers[1]._session.relay.roles.outcome_from == 2
         assert held[2] == held[3] == held[4], held  # old versions' keys go: the store does not grow
         assert absent == [], absent  # and only keys that were there are dropped
     finally:

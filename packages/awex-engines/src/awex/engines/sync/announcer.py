@@ -419,9 +419,15 @@ class Announcer:
             own, leads = groups.ready_keys([r.rank for r in trainers]) if groups else ([r.rank for r in trainers], [])
             own = [r.rank for r in trainers] if medium is None else own  # a failed attempt's: wherever they went
             senders = [(plan.ranks[r].instance, plan.ranks[r].local_rank) for r in own]
-            receivers = [(r.instance, r.local_rank) for r in plan.ranks_of(Role.INFERENCE)]
+            # receivers' records of their groups' outcomes; keys of their own where they put them
+            signals = self._session.signals
+            records = signals.record_groups(plan) if signals is not None else {}
+            reported = signals.own_outcomes(plan, version, seq) if signals is not None else []
+            everywhere = medium is None or kind is None or signals is None  # a failed attempt's: wherever they went
+            reported = plan.ranks_of(Role.INFERENCE) if everywhere else reported
+            receivers = [(r.instance, r.local_rank) for r in reported]
             kinds = [k for k in ([kind] if kind else sorted(TRANSPORTS)) if _signals_ready(k)]
-            names += keys.channel_signals(version, seq, senders, receivers, kinds, leads)
+            names += keys.channel_signals(version, seq, senders, receivers, kinds, leads, sorted(records))
         if not names:
             return
         if self._cleaner is None or self._cleaner.address != channel.address:

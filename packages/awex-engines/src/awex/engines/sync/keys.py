@@ -80,10 +80,11 @@ def outcomes(version: str, count: int) -> str:
     return f"outcomes/{version}/{count}"
 
 
-def instance_outcomes(version: str, count: int, instance: str) -> str:
-    """The outcomes of one engine instance's receiving ranks of one attempt in one record, as the instance's first
-    receiving rank collected them, for the first trainer rank: one read per instance instead of one per rank."""
-    return f"{outcomes(version, count)}/{instance}"
+def instance_outcomes(version: str, count: int, name: str) -> str:
+    """The outcomes of a group of receiving ranks of one attempt in one record, as the group's first rank collected
+    them, for the first trainer rank: one read per group instead of one per rank. ``name``: an engine instance's,
+    or ``<instance>/<local rank>`` for an instance's ranks on one host (``awex.engines.sync.relayed``)."""
+    return f"{outcomes(version, count)}/{name}"
 
 
 def channel_outcome(version: str, count: int, instance: str, local_rank: int) -> str:
@@ -102,22 +103,20 @@ def channel_signals(
     receivers: Sequence[tuple[str, int]],
     kinds: Sequence[str],
     leads: Sequence[int] = (),
+    records: Sequence[str] = (),
 ) -> list[str]:
     """Every key one attempt of ``version`` leaves on the version channel when its per-version signals go there
     (``awex.engines.sync.signals.ChannelSignals``; its manifest is apart): the trainers' record of every outcome,
-    each sender's ready signal over the transports named ``kinds`` (those whose senders signal ready), each
-    receiver's outcome, and the record of each engine instance of two or more receivers (``(instance, local
-    rank)`` each); with ``leads``, each of those sync ranks' host key of ready signals (:func:`host_ready`; then
-    ``senders`` are those that put a key of their own). What the writer drops once the version is old: a round
-    trip each, so none that was not written."""
+    each sender's ready signal over the transports named ``kinds`` (those whose senders signal ready), the outcome
+    of each of ``receivers`` (``(instance, local rank)``: those that put one of their own) and each record of a
+    group of receivers' outcomes named in ``records`` (:func:`instance_outcomes`); with ``leads``, each of those
+    sync ranks' host key of ready signals (:func:`host_ready`; then ``senders`` are those that put a key of their
+    own). What the writer drops once the version is old: a round trip each, so none that was not written."""
     out = [outcomes(version, count)]
     out += [ready(kind, version, count, instance, rank) for instance, rank in senders for kind in kinds]
     out += [host_ready(kind, version, count, lead) for lead in leads for kind in kinds]
     out += [channel_outcome(version, count, instance, rank) for instance, rank in receivers]
-    per_instance: dict[str, int] = {}
-    for instance, _ in receivers:
-        per_instance[instance] = per_instance.get(instance, 0) + 1
-    out += [instance_outcomes(version, count, i) for i, n in sorted(per_instance.items()) if n >= 2]
+    out += [instance_outcomes(version, count, name) for name in records]
     return out
 
 

@@ -21,8 +21,6 @@ from awex.meta.client import MetaClient
 
 log = logging.getLogger("awex.engines")
 
-AGGREGATE_SECONDS = 1.0  # the longest an instance's first rank waits for its ranks' outcomes (they finish together)
-
 
 def report(
     client: MetaClient,
@@ -78,8 +76,9 @@ def collect(
     publishes them in one record (the failed and the silent by name) that the other trainer ranks read: one read
     per rank instead of one per receiver (O(N) per version instead of O(N^2) at N ranks). A missing record (the
     first rank gone) counts every receiver as silent: the version failed. The first rank itself reads one record
-    per engine instance (:func:`aggregate`) and, one by one, the outcomes of the ranks that no record says (a
-    single-rank instance, a record missing or malformed, a rank its record calls silent).
+    per group of receivers (an engine instance, or an instance's ranks on one host: :func:`aggregate`) and, one by
+    one, the outcomes of the ranks that no record says (a rank in no group, a record missing or malformed, a rank
+    its record calls silent).
 
     With ``relay`` (``awex.engines.sync.relay``), a trainer rank hears the record from its host's trainer relay
     instead, and a relay hands the record it read or made to its host's other trainer ranks (``None`` where it has
@@ -99,7 +98,7 @@ def collect(
             if relay is not None:
                 relay.forward_outcomes(manifest.version, manifest.seq, doc)
         return from_record(doc, receivers)
-    got = _by_instance(receivers, signals, manifest, deadline, processes) if signals.shares_outcomes else {}
+    got = _by_record(plan, signals, manifest, deadline, processes) if signals.shares_outcomes else {}
     got.update(
         _each([r for r in receivers if (r.instance, r.local_rank) not in got], signals, manifest, deadline, processes)
     )
@@ -116,40 +115,40 @@ def collect(
 
 
 def aggregate(plan: Plan, signals: Signals, manifest: SyncManifest, who: tuple[str, int], deadline: float) -> None:
-    """Receiving rank ``who``, after its own report: where it is its instance's first receiving rank (of two or
-    more) and the signals share outcomes, wait until ``deadline`` (at most :data:`AGGREGATE_SECONDS`) for the
-    instance's outcomes and publish them in one record for the first trainer rank (an engine's ranks receive
-    together: the call that updates an engine returns when all of them did anyway). The record is a shortcut, never
-    a dependency: the trainer reads rank by rank the ranks it calls silent, and every rank of an instance without
-    one. Never raises."""
+    """Receiving rank ``who``, after its own report: where the signals share outcomes and its outcome goes into a
+    record (:meth:`~awex.engines.sync.signals.Signals.record_groups`: an engine instance's ranks, or those of an
+    instance on one host through its relay), the group's first rank gathers the group's outcomes until ``deadline``
+    (by instance: at most :data:`~awex.engines.sync.signals.AGGREGATE_SECONDS`) and publishes them in one record for
+    the first trainer rank (an engine's ranks receive together: the call that updates an engine returns when all of
+    them did anyway); the others wait until their outcome is on its way. The record is a shortcut, never a
+    dependency: the trainer reads rank by rank the ranks it calls silent, and every rank in no group. Never raises."""
     if not signals.shares_outcomes:
         return
-    deadline = min(deadline, time.monotonic() + AGGREGATE_SECONDS)
-    mine = [r for r in plan.instance_ranks(who[0]) if r.role != Role.TRAINER]
-    if len(mine) < 2 or mine[0].local_rank != who[1]:
+    me = plan.rank(*who)
+    name = signals.record_of(plan, me.rank)
+    if name is None:
         return
+    group = signals.record_groups(plan)[name]
     try:
-        docs = signals.outcomes(manifest, mine, deadline)
-        got = {(r.instance, r.local_rank): None if d is None else Outcome.from_wire(d) for r, d in zip(mine, docs)}
-        signals.publish_instance(manifest, who[0], to_record(got))
+        docs = signals.gather(manifest, me, group, deadline)
+        if docs is not None:
+            got = {(r.instance, r.local_rank): None if d is None else Outcome.from_wire(d) for r, d in zip(group, docs)}
+            signals.publish_instance(manifest, name, to_record(got))
     except Exception as e:
-        log.warning("%s:%d could not collect its instance's outcomes of %s: %s", *who, manifest.version, e)
+        log.warning("%s:%d could not collect its group's outcomes of %s: %s", *who, manifest.version, e)
 
 
-def _by_instance(
-    receivers: list,
+def _by_record(
+    plan: Plan,
     signals: Signals,
     manifest: SyncManifest,
     deadline: float,
     processes: Mapping[tuple[str, int], Process] | None,
 ) -> Outcomes:
-    """The outcomes the instances' records say (:func:`aggregate`), waiting until ``deadline``; with
-    ``processes``, an instance one of whose ranks exited on this host is left to be read rank by rank. Ranks a
-    record calls silent are not in the result."""
-    groups: dict[str, list] = {}
-    for r in receivers:
-        groups.setdefault(r.instance, []).append(r)
-    pending = {name: ranks for name, ranks in groups.items() if len(ranks) > 1}
+    """The outcomes the groups' records say (:func:`aggregate`), waiting until ``deadline``; with ``processes``, a
+    group one of whose ranks exited on this host is left to be read rank by rank. Ranks a record calls silent are
+    not in the result."""
+    pending = dict(signals.record_groups(plan))
     got: Outcomes = {}
     while pending:
         until = min(deadline, time.monotonic() + LIVENESS_SECONDS) if processes else deadline

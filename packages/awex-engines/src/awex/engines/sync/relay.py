@@ -24,7 +24,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from awex.engines.sync import keys
@@ -35,6 +35,7 @@ from awex.meta.errors import AwexError
 log = logging.getLogger("awex.engines")
 
 LOOK_SECONDS = 0.1  # a look at the channel itself after a slice without a word (a round trip even under load)
+TELL_SECONDS = 5.0  # the longest a rank waits for room in its lead's datagram queue
 MAX_DATAGRAM = 60 << 10  # larger documents are not relayed: the peer reads them itself
 _MAC = 64  # hex digits of an HMAC-SHA256, ahead of the JSON payload
 _DOMAIN = b"awex-relay\0"  # a datagram's MAC never matches a channel value's (those cover a key name)
@@ -48,8 +49,9 @@ class RelayTimeout(AwexError, TimeoutError):
 class Roles:
     """One rank's part in its host's relays, each a sync rank it hears from (or ``None``) and the ranks it hands on
     to: the manifest (every rank of the host), the trainer ranks' group (the record of every outcome handed on;
-    each trainer rank's ready signal gathered into one key of the host) and the receivers' group (every trainer
-    rank's ready signal, read once for the host and handed on)."""
+    each trainer rank's ready signal gathered into one key of the host), the receivers' group (every trainer
+    rank's ready signal, read once for the host and handed on) and the outcome group (the receiving ranks of one
+    engine instance on the host: their outcomes gathered into one record, ``awex.engines.sync.relayed``)."""
 
     manifest_from: int | None = None
     manifest_to: tuple[int, ...] = ()
@@ -57,10 +59,23 @@ class Roles:
     trainers_to: tuple[int, ...] = ()
     receivers_from: int | None = None
     receivers_to: tuple[int, ...] = ()
+    outcome_from: int | None = None
+    outcome_to: tuple[int, ...] = ()
+
+    @property
+    def hears(self) -> bool:
+        """Whether this rank has a datagram address of its own: it hears from a relay, or gathers its group's."""
+        heard = (self.manifest_from, self.trainers_from, self.receivers_from, self.outcome_from)
+        return heard != (None, None, None, None) or bool(self.trainers_to or self.outcome_to)
+
+    @property
+    def sends(self) -> bool:
+        """Whether this rank sends datagrams: it relays, or tells its lead."""
+        told = self.trainers_from is not None or self.outcome_from is not None
+        return told or bool(self.manifest_to or self.trainers_to or self.receivers_to or self.outcome_to)
 
     def __bool__(self) -> bool:
-        heard = (self.manifest_from, self.trainers_from, self.receivers_from)
-        return bool(self.manifest_to or self.trainers_to or self.receivers_to) or heard != (None, None, None)
+        return self.hears or self.sends
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class HostGroups:
     trainers_on: Mapping[str, tuple[int, ...]]
     receivers_on: Mapping[str, tuple[int, ...]]
     announcer: int  # the first trainer rank (its host reads the manifest on its host board)
+    outcome_groups: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # lead -> its group, lead first
 
     @classmethod
     def of(cls, plan: Plan, hosts: Mapping[tuple[str, int], str]) -> HostGroups:
@@ -86,25 +102,33 @@ class HostGroups:
         def of_role(role: Role) -> dict[str, tuple[int, ...]]:
             return {h: tuple(r for r in ranks if plan.ranks[r].role == role) for h, ranks in on.items()}
 
+        receivers_on = of_role(Role.INFERENCE)
+        by_instance: dict[tuple[str, str], list[int]] = {}  # an engine's ranks receive in one call: never wait across
+        for h, ranks in receivers_on.items():
+            for r in ranks:
+                by_instance.setdefault((plan.ranks[r].instance, h), []).append(r)
         return cls(
             host_of=host_of,
             on={h: tuple(ranks) for h, ranks in on.items()},
             trainers_on=of_role(Role.TRAINER),
-            receivers_on=of_role(Role.INFERENCE),
+            receivers_on=receivers_on,
             announcer=plan.ranks_of(Role.TRAINER)[0].rank,
+            outcome_groups={g[0]: tuple(g) for g in by_instance.values() if len(g) > 1},
         )
 
     def roles(self, rank: int) -> Roles:
         """Sync rank ``rank``'s relay roles: on each host of two or more ranks the lowest relays the manifest to the
         others, except on the first trainer rank's host (which reads it on the trainer's host board); of two or
         more trainer ranks on a host the lowest hands them the record of every outcome and gathers their ready
-        signals; of two or more receiving ranks the lowest reads the ready signals of their senders for them."""
+        signals; of two or more receiving ranks the lowest reads the ready signals of their senders for them; of two
+        or more receiving ranks of one engine instance the lowest gathers their outcomes."""
         here = self.host_of.get(rank)
         if here is None:
             return Roles()
         out: dict[str, object] = {}
         groups = [("manifest", () if self.announcer in self.on[here] else self.on[here])]
         groups += [("trainers", self.trainers_on[here]), ("receivers", self.receivers_on[here])]
+        groups += [("outcome", g) for g in self.outcome_groups.values() if rank in g]
         for name, group in groups:
             if rank in group and len(group) > 1:
                 if rank == group[0]:
@@ -158,8 +182,7 @@ class HostRelay:
         self._sent: tuple[str, Any] | None = None  # the last manifest relayed: (version, its count)
         self._refused: set[int] = set()  # peers whose datagrams were refused (logged once each)
         self._early: collections.deque = collections.deque(maxlen=64)  # heard while waiting for something else
-        heard = (roles.manifest_from, roles.trainers_from, roles.receivers_from) != (None, None, None)
-        if heard or roles.trainers_to:  # a trainer group's lead hears its ranks' ready signals
+        if roles.hears:
             inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             try:
                 inbox.bind(address(secret, rank))
@@ -168,7 +191,7 @@ class HostRelay:
                 log.info("sync rank %d: no relay datagrams (%s); it reads the version channel itself", rank, e)
             else:
                 self._inbox = inbox
-        if roles.manifest_to or roles.trainers_to or roles.receivers_to or roles.trainers_from is not None:
+        if roles.sends:
             self._outbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
 
     @property
@@ -211,12 +234,22 @@ class HostRelay:
                     self._refused.add(peer)
                     log.info("sync rank %d: relay to sync rank %d refused (%s)", self.rank, peer, e)
 
-    def tell(self, peer: int, message: dict) -> None:
-        """Send ``message`` to sync rank ``peer`` alone (``OSError`` where it is refused: not listening, or its
-        queue full)."""
+    def tell(self, peer: int, message: dict, timeout: float = TELL_SECONDS) -> None:
+        """Send ``message`` to sync rank ``peer`` alone; while its queue is full (a host's datagram queue holds a
+        few: ``net.unix.max_dgram_qlen``), again until ``timeout`` seconds passed. ``OSError`` where it is refused
+        (not listening) or still full."""
         if self._outbox is None:
             raise OSError(f"sync rank {self.rank} relays nothing")
-        self._outbox.sendto(self._seal(message), socket.MSG_DONTWAIT, address(self.secret, peer))
+        raw, to = self._seal(message), address(self.secret, peer)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._outbox.sendto(raw, socket.MSG_DONTWAIT, to)
+                return
+            except BlockingIOError:  # its lead has not read its queue yet (busy with its own transfer)
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.0005)
 
     def forward_manifest(self, version: str, doc: Any) -> None:
         """A relay: hand ``doc``, the manifest it read from the channel for ``version``, to its peers (once per

@@ -1,5 +1,5 @@
-"""Ready signals through host relays: a pull transport's senders say ready once a host, its receivers hear once a
-host (``awex.engines.sync.relay``).
+"""Ready signals and outcomes through host relays: a pull transport's senders say ready once a host, its receivers
+hear once a host, and an engine's receiving ranks on one host report in one record (``awex.engines.sync.relay``).
 
 Over the version channel each trainer rank's ready signal was a key of its own and each receiving rank read its
 senders' keys itself: at 1,024 ranks about 500 sets, 500 waited reads and 500 deletes a version on the channel's
@@ -10,15 +10,24 @@ a host, the lowest reads the keys of every sender any of them reads from (one wa
 to the others; a receiving rank alone reads its senders' keys itself. Where a key is is a pure function of the plan
 and the hosts (:meth:`~awex.engines.sync.relay.HostGroups.ready_holder`), so every rank looks where the signal went.
 
-What would make this wrong, and what notices: a lead that passes a generation nobody gave (the keys and datagrams
-carry MACs under the channel's secret; a generation that is not one fails the receiver's check); a lead that never
-puts its host's key (gone, failed: the receivers wait until their deadline and the version fails, as for a sender
-that never said ready); a peer whose datagram its lead refuses (it raises: its version fails, never a false success).
-Every other signal goes through the channel as before (:class:`~awex.engines.sync.signals.ChannelSignals`).
+Outcomes the same way: an engine instance's receiving ranks on one host (they receive in one call of the engine,
+so they finish together, and none waits for another engine's) tell the lowest of them their outcome; it puts one
+record for them (:meth:`RelayedSignals.record_groups`) once all told it, and tells them whether theirs is in it. The
+first trainer rank reads one record per group instead of one key per rank.
+
+What would make this wrong, and what notices: a lead that passes a generation or an outcome nobody gave (the keys
+and datagrams carry MACs under the channel's secret; a generation that is not one fails the receiver's check); a
+lead that never puts its host's ready key (gone, failed: the receivers wait until their deadline and the version
+fails, as for a sender that never said ready); a peer whose ready datagram its lead refuses (it raises: its version
+fails, never a false success). An outcome is never lost: a rank whose lead refuses its datagram, calls it silent
+(the lead's deadline passed first) or exits puts its own key, which the first trainer rank reads for a rank its
+record does not say; a rank that exits on its lead's host before it told it failed. Every other signal goes through
+the channel as before (:class:`~awex.engines.sync.signals.ChannelSignals`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any, Sequence
@@ -26,20 +35,35 @@ from typing import Any, Sequence
 from awex.engines.sync import keys
 from awex.engines.sync.channel import VersionChannel
 from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
 from awex.engines.sync.relay import LOOK_SECONDS, HostGroups, HostRelay, RelayTimeout
 from awex.engines.sync.signals import ChannelSignals, Signals
-from awex.meta import Plan, RankDescriptor
+from awex.meta import Plan, RankDescriptor, Role
 from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferError
 
+log = logging.getLogger("awex.engines")
+
 
 class RelayedSignals(ChannelSignals):
-    """:class:`ChannelSignals` whose ready signals go through host relays (the other signals as the channel's)."""
+    """:class:`ChannelSignals` whose ready signals and outcomes go through host relays (the others as the
+    channel's)."""
 
-    def __init__(self, inner: ChannelSignals, plan: Plan, groups: HostGroups, relay: HostRelay | None, rank: int):
+    def __init__(
+        self,
+        inner: ChannelSignals,
+        plan: Plan,
+        groups: HostGroups,
+        relay: HostRelay | None,
+        rank: int,
+        processes: Mapping[tuple[str, int], Process] | None = None,
+    ):
         super().__init__(inner.channel, inner.client)
         self.plan, self.groups, self.relay, self.rank = plan, groups, relay, rank
         self.roles = relay.roles if relay is not None else None
+        self.processes = processes or {}
+        self._told: tuple[tuple, dict] | None = None  # (version, seq): the outcome this rank told its group's lead
+        self._alone: dict[tuple[str, int], set[int]] = {}  # the first trainer rank: a group's ranks read by own key
         self._senders: list[int] | None = None  # a receiving lead: every sender its host's receivers read from
         self._heard: tuple[tuple, dict[int, int]] | None = None  # (kind, version, count): generations read or heard
 
@@ -135,6 +159,126 @@ class RelayedSignals(ChannelSignals):
                 out[h] = value
         return out
 
+    # -- outcomes: an engine instance's receiving ranks on one host, one record ----------------------------------
+    def _record_groups(self, plan: Plan) -> dict[str, list[RankDescriptor]]:
+        """An engine instance's receiving ranks on one host (two or more), named ``<instance>/<lead's local rank>``;
+        where no host has two, by instance (:class:`~awex.engines.sync.signals.InstanceRecords`)."""
+        if not self.groups.outcome_groups:
+            return super()._record_groups(plan)
+        out = {}
+        for lead, group in self.groups.outcome_groups.items():
+            out[f"{plan.ranks[lead].instance}/{plan.ranks[lead].local_rank}"] = [plan.ranks[r] for r in group]
+        return out
+
+    def outcomes(self, manifest: SyncManifest, receivers: Sequence[RankDescriptor], deadline: float) -> list[Any]:
+        docs = super().outcomes(manifest, receivers, deadline)
+        if self.groups.outcome_groups:  # a group's rank found under its own key: its lead did not record it
+            grouped = self._cached(self.plan)[2]
+            found = {r.rank for r, d in zip(receivers, docs) if d is not None and r.rank in grouped}
+            if found:
+                self._alone.setdefault((manifest.version, manifest.seq), set()).update(found)
+        return docs
+
+    def own_outcomes(self, plan: Plan, version: str, seq: int) -> list[RankDescriptor]:
+        """The ranks in no group, and those of a group its first trainer rank found under their own key (its lead
+        failed them: refused their datagram, exited, or called them silent at its deadline)."""
+        if not self.groups.outcome_groups:
+            return super().own_outcomes(plan, version, seq)
+        alone, grouped = self._alone.pop((version, seq), set()), self._cached(plan)[2]
+        return [r for r in plan.ranks_of(Role.INFERENCE) if r.rank not in grouped or r.rank in alone]
+
+    def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
+        """A receiver's outcome: to its group's lead over a datagram where it has one (its own key where the lead
+        refuses it: gone, or not listening), else its own key; a lead keeps its own for its record."""
+        roles = self.roles
+        self._told = None
+        if roles is not None and roles.outcome_to:  # the lead: in its group's record (gather)
+            self._told = ((manifest.version, manifest.seq), doc)
+            return
+        if roles is not None and roles.outcome_from is not None and self.relay.listening:
+            told = dict(doc, cause=doc["cause"][:2000]) if isinstance(doc.get("cause"), str) else doc
+            message = {"kind": "outcome", "version": manifest.version, "seq": manifest.seq, "rank": me.rank}
+            try:
+                self.relay.tell(roles.outcome_from, dict(message, doc=told), manifest.options.timeout)
+                self._told = ((manifest.version, manifest.seq), doc)
+                return
+            except OSError as e:
+                log.info("sync rank %d: its outcome goes on the channel (its lead refused it: %s)", me.rank, e)
+        super().report(manifest, me, doc)
+
+    def gather(
+        self, manifest: SyncManifest, me: RankDescriptor, group: Sequence[RankDescriptor], deadline: float
+    ) -> list[Any] | None:
+        """The lead: its group's outcomes as they tell them, until all did or ``deadline``; a member that exited on
+        this host failed. The others: wait until the lead says their outcome is in its record (or that it is not,
+        or the lead exited, or the deadline passed: then on the channel under its own key)."""
+        attempt = (manifest.version, manifest.seq)
+        told = self._told if self._told is not None and self._told[0] == attempt else None
+        if self.roles is None or self.groups.outcome_groups.get(group[0].rank) is None:  # instance records
+            return super().gather(manifest, me, group, deadline)
+        if me.rank != group[0].rank:
+            if told is not None:
+                self._wait_recorded(manifest, me, group[0], told[1], deadline)
+            return None
+        docs: dict[int, Any] = {me.rank: told[1] if told is not None else None}
+        members = {r.rank: r for r in group[1:]}
+        while len(docs) < len(group) and self.relay.listening:
+            try:
+                message = self.relay.hear("outcome", *attempt, _slice(deadline))
+            except RelayTimeout:
+                if time.monotonic() >= deadline:
+                    break
+                for r in members.values():  # one that exited on this host will not tell
+                    pid = exited_here(self.processes, r.instance, r.local_rank)
+                    if pid is not None and r.rank not in docs:
+                        cause = f"{r.instance}:{r.local_rank} (pid {pid}, its lead's host) exited before it reported"
+                        docs[r.rank] = {"ok": False, "cause": cause, "partial": True}
+                continue
+            rank = message.get("rank")
+            if rank in members and isinstance(message.get("doc"), dict):
+                docs[rank] = message["doc"]
+        return [docs.get(r.rank) for r in group]
+
+    def publish_instance(self, manifest: SyncManifest, instance: str, doc: dict) -> None:
+        """The record; where a group's lead made it, then its members learn whether theirs is in it (all are
+        silent where it could not be put: each then puts its own)."""
+        roles = self.roles
+        leads = roles is not None and roles.outcome_to and self.groups.outcome_groups.get(self.rank) is not None
+        message = {"kind": "recorded", "version": manifest.version, "seq": manifest.seq}
+        try:
+            super().publish_instance(manifest, instance, doc)
+        except Exception:
+            if leads:
+                silent = [f"{self.plan.ranks[r].instance}:{self.plan.ranks[r].local_rank}" for r in roles.outcome_to]
+                self.relay.forward(roles.outcome_to, dict(message, silent=silent))
+            raise
+        if leads:
+            self.relay.forward(roles.outcome_to, dict(message, silent=doc.get("silent", [])))
+
+    def _wait_recorded(
+        self, manifest: SyncManifest, me: RankDescriptor, lead: RankDescriptor, doc: dict, deadline: float
+    ) -> None:
+        """A group's member that told its lead: until the lead says whether its outcome is in its record; where it
+        is not (the lead called it silent, exited, or said nothing by ``deadline``), its own key."""
+        while True:
+            try:
+                message = self.relay.hear("recorded", manifest.version, manifest.seq, _slice(deadline))
+                silent = message.get("silent")
+                if isinstance(silent, list) and f"{me.instance}:{me.local_rank}" not in silent:
+                    return
+                break
+            except RelayTimeout:
+                gone = exited_here(self.processes, lead.instance, lead.local_rank)
+                if time.monotonic() >= deadline or gone is not None:
+                    break
+        super().report(manifest, me, doc)
+
+
+def _slice(deadline: float) -> float:
+    """A wait until ``deadline`` (``time.monotonic()``) of at most :data:`LIVENESS_SECONDS` (then a look at who
+    exited on this host)."""
+    return max(0.001, min(LIVENESS_SECONDS, deadline - time.monotonic()))
+
 
 def _generation(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -156,4 +300,5 @@ def with_relays(
     groups = HostGroups.of(plan, {who: where[0] for who, where in processes.items()})
     mine = groups.roles(rank)
     relay = HostRelay(mine, rank, channel.secret) if mine else None
-    return groups, relay, RelayedSignals(signals, plan, groups, relay, rank) if groups.relays_ready else signals
+    relayed = RelayedSignals(signals, plan, groups, relay, rank, processes) if groups.relays_ready else signals
+    return groups, relay, relayed

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol, Sequence
 
 from awex.engines.sync import keys
 from awex.engines.sync.board import HostBoard
 from awex.engines.sync.channel import ChannelError, VersionChannel
 from awex.engines.sync.manifest import SyncManifest
-from awex.meta import RankDescriptor
+from awex.meta import Plan, RankDescriptor, Role
 from awex.meta.client import MetaClient
 from awex.meta.errors import AwexValueError
 
 log = logging.getLogger("awex.engines")
 
 OK_DETAIL, FAILED_DETAIL = 0, 1  # a receiver's outcome on the host board (its cause goes to the MetaServer)
+AGGREGATE_SECONDS = 1.0  # the longest an instance's first rank waits for its ranks' outcomes (they finish together)
 
 
 class Signals(Protocol):
@@ -59,8 +61,62 @@ class Signals(Protocol):
     def instances(self, manifest: SyncManifest, names: Sequence[str], deadline: float) -> list[Any]:
         """The first trainer rank: each instance's record (``None`` where none came by ``deadline``)."""
 
+    def record_groups(self, plan: Plan) -> Mapping[str, Sequence[RankDescriptor]]:
+        """Where :attr:`shares_outcomes`: the receiving ranks whose outcomes come in one record, by the record's name
+        (:meth:`publish_instance`); each group's first rank gathers them (:meth:`gather`). A rank in no group is
+        read alone."""
 
-class MetaSignals:
+    def record_of(self, plan: Plan, rank: int) -> str | None:
+        """The name of the record sync rank ``rank``'s outcome goes into (:meth:`record_groups`), if any."""
+
+    def own_outcomes(self, plan: Plan, version: str, seq: int) -> list[RankDescriptor]:
+        """The first trainer rank, once attempt ``seq`` of ``version`` ended: the receivers that put an outcome key
+        of their own (what its writer drops from the channel once the version is old)."""
+
+    def gather(
+        self, manifest: SyncManifest, me: RankDescriptor, group: Sequence[RankDescriptor], deadline: float
+    ) -> list[Any] | None:
+        """Rank ``me`` of ``group``, after its own :meth:`report`: its first rank gets each member's outcome
+        document (``None`` where none came by ``deadline``); the others ``None``, once their outcome is on its way."""
+
+
+class InstanceRecords:
+    """Outcome records by engine instance (where the signals share outcomes): an instance of two or more receiving
+    ranks is one group, whose first rank reads its ranks' outcomes for at most :data:`AGGREGATE_SECONDS` (they
+    finish together; a rank it calls silent is read alone). Computed once a plan."""
+
+    _groups: tuple[Plan, dict[str, list[RankDescriptor]], dict[int, str]] | None = None
+
+    def _record_groups(self, plan: Plan) -> dict[str, list[RankDescriptor]]:
+        groups: dict[str, list[RankDescriptor]] = {}
+        for r in plan.ranks_of(Role.INFERENCE):
+            groups.setdefault(r.instance, []).append(r)
+        return {name: ranks for name, ranks in groups.items() if len(ranks) > 1}
+
+    def _cached(self, plan: Plan) -> tuple[Plan, dict[str, list[RankDescriptor]], dict[int, str]]:
+        if self._groups is None or self._groups[0] is not plan:
+            groups = self._record_groups(plan)
+            self._groups = (plan, groups, {r.rank: name for name, ranks in groups.items() for r in ranks})
+        return self._groups
+
+    def record_groups(self, plan: Plan) -> Mapping[str, Sequence[RankDescriptor]]:
+        return self._cached(plan)[1]
+
+    def record_of(self, plan: Plan, rank: int) -> str | None:
+        return self._cached(plan)[2].get(rank)
+
+    def own_outcomes(self, plan: Plan, version: str, seq: int) -> list[RankDescriptor]:
+        return plan.ranks_of(Role.INFERENCE)  # every receiver reports under its own key; a group's lead reads them
+
+    def gather(
+        self, manifest: SyncManifest, me: RankDescriptor, group: Sequence[RankDescriptor], deadline: float
+    ) -> list[Any] | None:
+        if me.rank != group[0].rank:
+            return None  # its outcome is on the channel already (report)
+        return self.outcomes(manifest, group, min(deadline, time.monotonic() + AGGREGATE_SECONDS))
+
+
+class MetaSignals(InstanceRecords):
     """Every signal a key on the MetaServer (``awex.engines.sync.keys.ready`` / ``outcome``)."""
 
     medium = "meta"
@@ -115,7 +171,7 @@ class MetaSignals:
         return out
 
 
-class ChannelSignals:
+class ChannelSignals(InstanceRecords):
     """Signals through the writer's version channel (a failure's cause goes to the MetaServer too: outcomes)."""
 
     medium = "channel"
@@ -173,7 +229,21 @@ class BoardSignals:
     rank reads the receivers' slots itself (shared memory: no request, no record of them all)."""
 
     medium = "board"
-    shares_outcomes = False
+    shares_outcomes = False  # no records: every trainer rank reads the receivers' slots
+
+    def record_groups(self, plan: Plan) -> Mapping[str, Sequence[RankDescriptor]]:
+        return {}
+
+    def record_of(self, plan: Plan, rank: int) -> str | None:
+        return None
+
+    def own_outcomes(self, plan: Plan, version: str, seq: int) -> list[RankDescriptor]:
+        return []
+
+    def gather(
+        self, manifest: SyncManifest, me: RankDescriptor, group: Sequence[RankDescriptor], deadline: float
+    ) -> list[Any] | None:
+        return None
 
     def __init__(self, board: HostBoard, client: MetaClient):
         self.board, self.client = board, client
