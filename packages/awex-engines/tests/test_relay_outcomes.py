@@ -177,3 +177,16 @@ def test_a_forged_or_strangers_outcome_is_not_recorded(channel, made):
         ("vllm-0", 1): APPLIED,
         ("vllm-0", 2): None,  # neither datagram counted as its
     }
+
+
+def test_a_member_whose_leads_word_is_lost_reads_the_record(channel, made, monkeypatch):
+    # its lead's datagram saying the record holds its outcome never came (its queue was full): after a slice it
+    # reads the record itself, finds its outcome there and puts no key of its own
+    monkeypatch.setattr(relayed, "LIVENESS_SECONDS", 0.1)
+    signals = _signals(channel, range(2, 5), made)
+    monkeypatch.setattr(signals[2], "_tell_all", lambda peers, message: None)
+    started = time.monotonic()
+    _all(signals, {2: OK, 3: OK, 4: OK}, deadline=60.0)
+    assert time.monotonic() - started < 5.0
+    assert channel.get(keys.instance_outcomes("v1", 3, RECORD)) == {"failed": {}, "silent": []}
+    assert [_own(channel, r) for r in (3, 4)] == [None, None]

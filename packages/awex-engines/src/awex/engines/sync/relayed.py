@@ -250,27 +250,39 @@ class RelayedSignals(ChannelSignals):
         except Exception:
             if leads:
                 silent = [f"{self.plan.ranks[r].instance}:{self.plan.ranks[r].local_rank}" for r in roles.outcome_to]
-                self.relay.forward(roles.outcome_to, dict(message, silent=silent))
+                self._tell_all(roles.outcome_to, dict(message, silent=silent))
             raise
         if leads:
-            self.relay.forward(roles.outcome_to, dict(message, silent=doc.get("silent", [])))
+            self._tell_all(roles.outcome_to, dict(message, silent=doc.get("silent", [])))
+
+    def _tell_all(self, peers: Sequence[int], message: dict) -> None:
+        """Tell each of ``peers`` (waiting a while for room in a full queue; one that refuses it reads the record
+        itself after its slice: :meth:`_wait_recorded`)."""
+        for peer in peers:
+            try:
+                self.relay.tell(peer, message)
+            except OSError as e:
+                log.info("sync rank %d: could not tell sync rank %d its outcome is recorded: %s", self.rank, peer, e)
 
     def _wait_recorded(
         self, manifest: SyncManifest, me: RankDescriptor, lead: RankDescriptor, doc: dict, deadline: float
     ) -> None:
-        """A group's member that told its lead: until the lead says whether its outcome is in its record; where it
-        is not (the lead called it silent, exited, or said nothing by ``deadline``), its own key."""
+        """A group's member that told its lead: until the lead says whether its outcome is in its record (after each
+        slice without a word, a look at the record itself); where it is not (the lead called it silent, exited, or
+        nothing came by ``deadline``), its own key."""
+        name = keys.instance_outcomes(manifest.version, manifest.seq, f"{lead.instance}/{lead.local_rank}")
         while True:
             try:
-                message = self.relay.hear("recorded", manifest.version, manifest.seq, _slice(deadline))
-                silent = message.get("silent")
-                if isinstance(silent, list) and f"{me.instance}:{me.local_rank}" not in silent:
-                    return
-                break
+                silent = self.relay.hear("recorded", manifest.version, manifest.seq, _slice(deadline)).get("silent")
             except RelayTimeout:
+                record = self.channel.get(name)  # its word lost (a full queue): the record says it as well
+                silent = record.get("silent") if isinstance(record, dict) else None
                 gone = exited_here(self.processes, lead.instance, lead.local_rank)
-                if time.monotonic() >= deadline or gone is not None:
-                    break
+                if silent is None and time.monotonic() < deadline and gone is None:
+                    continue
+            if isinstance(silent, list) and f"{me.instance}:{me.local_rank}" not in silent:
+                return
+            break
         super().report(manifest, me, doc)
 
 
