@@ -190,3 +190,17 @@ def test_a_member_whose_leads_word_is_lost_reads_the_record(channel, made, monke
     assert time.monotonic() - started < 5.0
     assert channel.get(keys.instance_outcomes("v1", 3, RECORD)) == {"failed": {}, "silent": []}
     assert [_own(channel, r) for r in (3, 4)] == [None, None]
+
+
+def test_a_lead_stops_waiting_for_a_member_that_reported_alone(channel, made, monkeypatch):
+    # a member that could not bind its datagram address (taken) reports under its own key: its lead sees that key
+    # after a slice and names it silent in its record (so the first trainer rank reads the key), not waiting longer
+    monkeypatch.setattr(relayed, "LIVENESS_SECONDS", 0.1)
+    signals = _signals(channel, range(2, 5), made)
+    signals[4].relay._inbox.close()
+    signals[4].relay._inbox = None
+    started = time.monotonic()
+    _all(signals, {2: OK, 3: OK, 4: OK}, deadline=60.0)
+    assert time.monotonic() - started < 5.0
+    assert channel.get(keys.instance_outcomes("v1", 3, RECORD)) == {"failed": {}, "silent": ["vllm-0:2"]}
+    assert _own(channel, 4) == OK and _own(channel, 3) is None

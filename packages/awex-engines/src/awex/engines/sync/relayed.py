@@ -222,17 +222,22 @@ class RelayedSignals(ChannelSignals):
             return None
         docs: dict[int, Any] = {me.rank: told[1] if told is not None else None}
         members = {r.rank: r for r in group[1:]}
-        while len(docs) < len(group) and self.relay.listening:
+        alone: set[int] = set()  # members that put their own key (could not hear their lead): silent in the record
+        while len(docs) + len(alone) < len(group) and self.relay.listening:
             try:
                 message = self.relay.hear("outcome", *attempt, _slice(deadline))
             except RelayTimeout:
                 if time.monotonic() >= deadline:
                     break
-                for r in members.values():  # one that exited on this host will not tell
+                for r in members.values():  # still silent after a slice: exited on this host, or reported alone
+                    if r.rank in docs or r.rank in alone:
+                        continue
                     pid = exited_here(self.processes, r.instance, r.local_rank)
-                    if pid is not None and r.rank not in docs:
+                    if pid is not None:
                         cause = f"{r.instance}:{r.local_rank} (pid {pid}, its lead's host) exited before it reported"
                         docs[r.rank] = {"ok": False, "cause": cause, "partial": True}
+                    elif self.channel.get(keys.channel_outcome(*attempt, r.instance, r.local_rank)) is not None:
+                        alone.add(r.rank)
                 continue
             rank = message.get("rank")
             if rank in members and isinstance(message.get("doc"), dict):
