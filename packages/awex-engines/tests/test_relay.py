@@ -28,12 +28,12 @@ PLAN = plan_transfers(  # sync ranks: trainer 0-3, vllm-0 4-5, vllm-1 6-7
     [vllm_layout(TENSORS, VllmParallel(tp=2), instance=f"vllm-{i}") for i in range(2)],
     PlanOptions(),
 )
-HOSTS = {  # the first trainer rank's host (A), a host of trainer ranks (B), a mixed one (C), a rank alone (D)
+HOSTS = {  # the first trainer rank's host (A), a host of trainer ranks (B), two engines' ranks (C), a rank alone (D)
     ("trainer", 0): "A",
     ("trainer", 1): "A",
     ("trainer", 2): "B",
-    ("vllm-0", 0): "B",
-    ("trainer", 3): "C",
+    ("trainer", 3): "B",
+    ("vllm-0", 0): "C",
     ("vllm-0", 1): "C",
     ("vllm-1", 0): "C",
     ("vllm-1", 1): "D",
@@ -41,19 +41,19 @@ HOSTS = {  # the first trainer rank's host (A), a host of trainer ranks (B), a m
 MANIFEST = SyncManifest("v1", ("trainer",), ("vllm-0", "vllm-1"), "127.0.0.1", 1, seq=3)
 
 
-def test_each_host_has_one_relay_and_the_first_trainer_ranks_host_relays_no_manifest():
+def test_each_group_on_a_host_has_one_relay_and_the_first_trainer_ranks_host_relays_no_manifest():
     got = {r: roles(PLAN, HOSTS, r) for r in range(PLAN.world_size)}
     assert got == {
         0: Roles(trainers_to=(1,)),  # its host reads the manifest on its host board: no manifest relayed
         1: Roles(trainers_from=0),
-        2: Roles(manifest_to=(4,)),  # alone of the trainer ranks on B: no record relayed, its own ready key
-        4: Roles(manifest_from=2),  # alone of the receivers on B: reads its senders' ready keys itself
-        3: Roles(manifest_to=(5, 6)),
-        5: Roles(manifest_from=3, receivers_to=(6,)),  # the lowest receiver on C reads every ready signal for 6
-        6: Roles(manifest_from=3, receivers_from=5),
+        2: Roles(manifest_to=(3,), trainers_to=(3,)),  # B's trainer ranks: one ready key, the record handed on
+        3: Roles(manifest_from=2, trainers_from=2),
+        4: Roles(manifest_to=(5,), receivers_to=(5,), outcome_to=(5,)),  # vllm-0 on C: reads for 5, gathers its outcome
+        5: Roles(manifest_from=4, receivers_from=4, outcome_from=4),
+        6: Roles(),  # vllm-1's rank on C waits for no rank of vllm-0 (engines may be updated one after another)
         7: Roles(),
     }
-    assert not got[7] and all(got[r] for r in range(7))
+    assert not got[6] and not got[7] and all(got[r] for r in range(6))
     assert roles(PLAN, {k: v for k, v in HOSTS.items() if k != ("vllm-0", 1)}, 5) == Roles()  # no host known
 
 
@@ -85,38 +85,37 @@ class _Reads:
 
 def test_a_relay_reads_the_manifest_once_for_its_host(made):
     channel = VersionChannel.host()
-    relays = _relays(channel, (3, 5, 6), made)
+    relays = _relays(channel, (2, 3), made)
     doc = {"version": "v1", "seq": 3, "sources": ["trainer"]}
     channel.put(keys.channel_manifest("v1"), doc)
     conns = {r: _Reads(channel) for r in relays}
+    assert channel_manifest(conns[2], relays[2], "v1", 2.0) == doc
+    assert channel_manifest(conns[2], relays[2], "v1", 2.0) == doc  # read again: not handed on again
     assert channel_manifest(conns[3], relays[3], "v1", 2.0) == doc
-    assert channel_manifest(conns[3], relays[3], "v1", 2.0) == doc  # read again: not handed on again
-    for peer in (5, 6):
-        assert channel_manifest(conns[peer], relays[peer], "v1", 2.0) == doc
-        assert conns[peer].reads == 0  # heard, not read
-        with pytest.raises(RelayTimeout):  # once only
-            relays[peer].manifest("v1", 0.05)
-    assert conns[3].reads == 2
+    assert conns[3].reads == 0  # heard, not read
+    with pytest.raises(RelayTimeout):  # once only
+        relays[3].manifest("v1", 0.05)
+    assert conns[2].reads == 2
 
 
 def test_a_datagram_without_the_secret_or_of_another_version_is_dropped(caplog, made):
     channel = VersionChannel.host()
-    relays = _relays(channel, (2, 4), made)
+    relays = _relays(channel, (4, 5), made)
     forger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     made.append(forger)
     payload = json.dumps({"kind": "manifest", "version": "v1", "doc": {"version": "v1", "forged": True}}).encode()
-    forger.sendto(b"0" * 64 + payload, relay.address(channel.secret, 4))  # reaches it: no secret, no MAC
-    relays[2].forward_manifest("v0", {"version": "v0", "seq": 1})  # an older version's
+    forger.sendto(b"0" * 64 + payload, relay.address(channel.secret, 5))  # reaches it: no secret, no MAC
+    relays[4].forward_manifest("v0", {"version": "v0", "seq": 1})  # an older version's
     with pytest.raises(RelayTimeout):
-        relays[4].manifest("v1", 0.1)
+        relays[5].manifest("v1", 0.1)
     assert "fails its check" in caplog.text
-    relays[2].forward_manifest("v1", {"version": "v1", "seq": 2})
-    assert relays[4].manifest("v1", 1.0) == {"version": "v1", "seq": 2}
+    relays[4].forward_manifest("v1", {"version": "v1", "seq": 2})
+    assert relays[5].manifest("v1", 1.0) == {"version": "v1", "seq": 2}
 
 
 def test_a_rank_whose_relay_says_nothing_reads_the_channel_after_its_slice(made):
     channel = VersionChannel.host()
-    peer = _relays(channel, (4,), made)[4]  # its relay (2) never runs
+    peer = _relays(channel, (5,), made)[5]  # its relay (4) never runs
     doc = {"version": "v1", "seq": 3}
     channel.put(keys.channel_manifest("v1"), doc)
     conn = _Reads(channel)
@@ -237,25 +236,23 @@ def test_ready_signals_go_once_a_host_and_are_read_once_a_host(made):
     for t in threads:
         t.join(30)
     assert not errors and all(got[r] == [generations[s.rank] for s in _senders(r)] for r in (4, 5, 6, 7)), got
-    # trainer ranks 0 and 1 share host A: one key for both, put by 0; 2 and 3 each alone: a key each
+    # trainer ranks 0 and 1 share host A, 2 and 3 host B: one key a host, put by the lowest
     assert channel.get(keys.host_ready("ipc", "v1", 3, 0)) == {"0": 3, "1": 5}
+    assert channel.get(keys.host_ready("ipc", "v1", 3, 2)) == {"2": 1, "3": 2}
     assert channel.get(keys.ready("ipc", "v1", 3, "trainer", 1)) is None
-    assert [signals[r].channel.ops for r in range(4)] == [1, 0, 1, 1]
-    # receivers 5 and 6 share host C: 5 reads their senders' once and hands them on, 6 reads nothing
-    assert [signals[r].channel.ops for r in (4, 5, 6, 7)] == [1, 1, 0, 1]
+    assert [signals[r].channel.ops for r in range(4)] == [1, 0, 1, 0]
+    # vllm-0's ranks share host C: 4 reads their senders' once and hands them on, 5 reads nothing; vllm-1's rank on
+    # C reads its own (another engine's ranks are no group of its)
+    assert [signals[r].channel.ops for r in (4, 5, 6, 7)] == [1, 0, 1, 1]
     # what the writer drops once the version is old: exactly what was put
     own, leads = groups.ready_keys([r.rank for r in trainers])
-    assert (own, leads) == ([2, 3], [0])
-    senders = [(PLAN.ranks[r].instance, PLAN.ranks[r].local_rank) for r in own]
-    names = keys.channel_signals("v1", 3, senders, [], ["ipc"], leads)
+    assert (own, leads) == ([], [0, 2])
+    names = keys.channel_signals("v1", 3, [], [], ["ipc"], leads)
     assert all(channel.get(n) is not None for n in names if "-ready/" in n)
-    assert sorted(n for n in names if "-ready/" in n) == sorted(
-        [
-            keys.host_ready("ipc", "v1", 3, 0),
-            keys.ready("ipc", "v1", 3, "trainer", 2),
-            keys.ready("ipc", "v1", 3, "trainer", 3),
-        ]
-    )
+    assert sorted(n for n in names if "-ready/" in n) == [
+        keys.host_ready("ipc", "v1", 3, 0),
+        keys.host_ready("ipc", "v1", 3, 2),
+    ]
 
 
 def test_a_trainer_rank_whose_lead_does_not_listen_fails_its_version(made):
@@ -273,18 +270,17 @@ def test_a_lead_hands_on_only_its_own_hosts_ready_signals(made):
     channel = VersionChannel.host()
     _, signals = _relayed(channel, (7,), made)
     channel.put(keys.host_ready("ipc", "v1", 3, 0), {"0": 3, "1": 5, "2": 9})
-    channel.put(keys.ready("ipc", "v1", 3, "trainer", 2), 1)
-    channel.put(keys.ready("ipc", "v1", 3, "trainer", 3), 2)
+    channel.put(keys.host_ready("ipc", "v1", 3, 2), {"2": 1, "3": 2})
     trainers = [r for r in PLAN.ranks if r.role.value == "trainer"]
     assert signals[7].wait_ready("ipc", MANIFEST, trainers, 2.0) == [3, 5, 1, 2]
 
 
 def test_a_receiver_whose_lead_says_nothing_reads_its_senders_ready_signals_after_a_slice(made):
     channel = VersionChannel.host()
-    _, signals = _relayed(channel, (6,), made)  # its lead (5) never reads for it (failed before, say)
+    _, signals = _relayed(channel, (5,), made)  # its lead (4) never reads for it (failed before, say)
     channel.put(keys.host_ready("ipc", "v1", 3, 0), {"0": 3, "1": 5})
-    channel.put(keys.ready("ipc", "v1", 3, "trainer", 2), 1)
-    channel.put(keys.ready("ipc", "v1", 3, "trainer", 3), 2)
+    channel.put(keys.host_ready("ipc", "v1", 3, 2), {"2": 1, "3": 2})
     started = time.monotonic()
-    assert signals[6].wait_ready("ipc", MANIFEST, _senders(6), 0.3) == [3, 5, 1, 2]  # senders 0-3
+    generations = {0: 3, 1: 5, 2: 1, 3: 2}
+    assert signals[5].wait_ready("ipc", MANIFEST, _senders(5), 0.3) == [generations[s.rank] for s in _senders(5)]
     assert 0.25 < time.monotonic() - started < 5.0  # one slice, then its own read

@@ -3,8 +3,9 @@
 Over the version channel (``awex.engines.sync.channel``) every rank reads each version's manifest, and every trainer
 rank the first one's record of every outcome: one waited read each, served one after another by the event loop of
 the store the first trainer rank hosts (at 1,024 ranks most of a steady version's serial work: docs/performance.md).
-Where several ranks of a plan run on one host, the lowest of them (the host's relay) reads them from the channel
-and hands them to the others over local datagrams (Linux's abstract socket namespace, shared by the processes of
+Where several ranks of one group run on one host (a host's trainer ranks, or an engine instance's receiving ranks:
+ranks that one call moves together), the lowest of them (the group's relay) reads them from the channel and hands
+them to the others over local datagrams (Linux's abstract socket namespace, shared by the processes of
 one network namespace, as ``host_identity`` counts hosts): a blocking receive that wakes at once, no polling and
 no file to remove.
 
@@ -48,10 +49,10 @@ class RelayTimeout(AwexError, TimeoutError):
 @dataclass(frozen=True)
 class Roles:
     """One rank's part in its host's relays, each a sync rank it hears from (or ``None``) and the ranks it hands on
-    to: the manifest (every rank of the host), the trainer ranks' group (the record of every outcome handed on;
-    each trainer rank's ready signal gathered into one key of the host), the receivers' group (every trainer
-    rank's ready signal, read once for the host and handed on) and the outcome group (the receiving ranks of one
-    engine instance on the host: their outcomes gathered into one record, ``awex.engines.sync.relayed``)."""
+    to: the manifest (the rank's group on its host: the host's trainer ranks, or an engine's receiving ranks there),
+    the trainer ranks' group (the record of every outcome handed on; each trainer rank's ready signal gathered into
+    one key of the host), and an engine's receiving ranks on the host: their senders' ready signals (read once and
+    handed on) and their outcomes (gathered into one record, ``awex.engines.sync.relayed``)."""
 
     manifest_from: int | None = None
     manifest_to: tuple[int, ...] = ()
@@ -81,54 +82,47 @@ class Roles:
 @dataclass(frozen=True)
 class HostGroups:
     """A plan's ranks by host, as the device exchange found them (a pure function of the plan and the hosts; every
-    rank computes the same): a host of two or more ranks has a relay, its lowest rank; its trainer ranks and its
-    receiving ranks each a group led by their lowest."""
+    rank computes the same). Ranks that one call moves together form a group on each host, led by its lowest: the
+    host's trainer ranks (they write together) and each engine instance's receiving ranks there (an engine's ranks
+    receive in one call; engines may be updated one after another, so no rank waits for another engine's)."""
 
     host_of: Mapping[int, str]
     on: Mapping[str, tuple[int, ...]]  # host -> its ranks, ascending
     trainers_on: Mapping[str, tuple[int, ...]]
-    receivers_on: Mapping[str, tuple[int, ...]]
     announcer: int  # the first trainer rank (its host reads the manifest on its host board)
-    outcome_groups: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # lead -> its group, lead first
+    engine_groups: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # lead -> its group, lead first
 
     @classmethod
     def of(cls, plan: Plan, hosts: Mapping[tuple[str, int], str]) -> HostGroups:
         """``hosts``: each rank's host (``(instance, local rank)`` -> host; a rank without one is in no group)."""
         host_of = {r.rank: h for r in plan.ranks if (h := hosts.get((r.instance, r.local_rank)))}
         on: dict[str, list[int]] = {}
+        engines: dict[tuple[str, str], list[int]] = {}
         for rank in sorted(host_of):
             on.setdefault(host_of[rank], []).append(rank)
-
-        def of_role(role: Role) -> dict[str, tuple[int, ...]]:
-            return {h: tuple(r for r in ranks if plan.ranks[r].role == role) for h, ranks in on.items()}
-
-        receivers_on = of_role(Role.INFERENCE)
-        by_instance: dict[tuple[str, str], list[int]] = {}  # an engine's ranks receive in one call: never wait across
-        for h, ranks in receivers_on.items():
-            for r in ranks:
-                by_instance.setdefault((plan.ranks[r].instance, h), []).append(r)
+            if plan.ranks[rank].role == Role.INFERENCE:
+                engines.setdefault((plan.ranks[rank].instance, host_of[rank]), []).append(rank)
         return cls(
             host_of=host_of,
             on={h: tuple(ranks) for h, ranks in on.items()},
-            trainers_on=of_role(Role.TRAINER),
-            receivers_on=receivers_on,
+            trainers_on={h: tuple(r for r in ranks if plan.ranks[r].role == Role.TRAINER) for h, ranks in on.items()},
             announcer=plan.ranks_of(Role.TRAINER)[0].rank,
-            outcome_groups={g[0]: tuple(g) for g in by_instance.values() if len(g) > 1},
+            engine_groups={g[0]: tuple(g) for g in engines.values() if len(g) > 1},
         )
 
     def roles(self, rank: int) -> Roles:
-        """Sync rank ``rank``'s relay roles: on each host of two or more ranks the lowest relays the manifest to the
-        others, except on the first trainer rank's host (which reads it on the trainer's host board); of two or
-        more trainer ranks on a host the lowest hands them the record of every outcome and gathers their ready
-        signals; of two or more receiving ranks the lowest reads the ready signals of their senders for them; of two
-        or more receiving ranks of one engine instance the lowest gathers their outcomes."""
+        """Sync rank ``rank``'s relay roles, each by the lowest rank of its group on its host: the manifest relayed
+        to the group (not on the first trainer rank's host, which reads it on the trainer's host board); of the
+        trainer ranks, the record of every outcome handed on and their ready signals gathered; of an engine's
+        receiving ranks, the ready signals of their senders read for them and their outcomes gathered."""
         here = self.host_of.get(rank)
         if here is None:
             return Roles()
+        trainers = self.trainers_on[here]
+        engine = next((g for g in self.engine_groups.values() if rank in g), ()) if rank not in trainers else ()
         out: dict[str, object] = {}
-        groups = [("manifest", () if self.announcer in self.on[here] else self.on[here])]
-        groups += [("trainers", self.trainers_on[here]), ("receivers", self.receivers_on[here])]
-        groups += [("outcome", g) for g in self.outcome_groups.values() if rank in g]
+        groups = [("manifest", () if self.announcer in self.on[here] else trainers if rank in trainers else engine)]
+        groups += [("trainers", trainers), ("receivers", engine), ("outcome", engine)]
         for name, group in groups:
             if rank in group and len(group) > 1:
                 if rank == group[0]:
@@ -139,9 +133,9 @@ class HostGroups:
 
     @property
     def relays_ready(self) -> bool:
-        """Whether any host has two or more trainer ranks or two or more receiving ranks (else every ready signal
-        is a key of its own, read by each receiver itself, as without relays)."""
-        return any(len(g) > 1 for g in (*self.trainers_on.values(), *self.receivers_on.values()))
+        """Whether any host has two or more trainer ranks, or two or more receiving ranks of one engine (else every
+        ready signal is a key of its own, read by each receiver itself, as without relays)."""
+        return bool(self.engine_groups) or any(len(g) > 1 for g in self.trainers_on.values())
 
     def trainers_with(self, rank: int) -> tuple[int, ...]:
         """The trainer ranks on rank ``rank``'s host (none where its host is unknown)."""

@@ -5,10 +5,12 @@ Over the version channel each trainer rank's ready signal was a key of its own a
 senders' keys itself: at 1,024 ranks about 500 sets, 500 waited reads and 500 deletes a version on the channel's
 host. With two or more trainer ranks on a host, each tells the lowest of them (its group's lead) over a local
 datagram, and the lead puts one key for the host with every generation (:func:`awex.engines.sync.keys.host_ready`)
-once all said ready; a trainer rank alone on its host puts its own key as before. With two or more receiving ranks on
-a host, the lowest reads the keys of every sender any of them reads from (one waited read) and hands the generations
-to the others; a receiving rank alone reads its senders' keys itself. Where a key is is a pure function of the plan
-and the hosts (:meth:`~awex.engines.sync.relay.HostGroups.ready_holder`), so every rank looks where the signal went.
+once all said ready; a trainer rank alone on its host puts its own key as before. With two or more receiving ranks of
+one engine instance on a host, the lowest reads the keys of every sender any of them reads from (one waited read)
+and hands the generations to the others; a receiving rank alone of its engine there reads its senders' keys itself
+(engines may be updated one after another: no rank waits for another engine's). Where a key is is a pure function
+of the plan and the hosts (:meth:`~awex.engines.sync.relay.HostGroups.ready_holder`), so every rank looks where the
+signal went.
 
 Outcomes the same way: an engine instance's receiving ranks on one host (they receive in one call of the engine,
 so they finish together, and none waits for another engine's) tell the lowest of them their outcome; it puts one
@@ -163,16 +165,16 @@ class RelayedSignals(ChannelSignals):
     def _record_groups(self, plan: Plan) -> dict[str, list[RankDescriptor]]:
         """An engine instance's receiving ranks on one host (two or more), named ``<instance>/<lead's local rank>``;
         where no host has two, by instance (:class:`~awex.engines.sync.signals.InstanceRecords`)."""
-        if not self.groups.outcome_groups:
+        if not self.groups.engine_groups:
             return super()._record_groups(plan)
         out = {}
-        for lead, group in self.groups.outcome_groups.items():
+        for lead, group in self.groups.engine_groups.items():
             out[f"{plan.ranks[lead].instance}/{plan.ranks[lead].local_rank}"] = [plan.ranks[r] for r in group]
         return out
 
     def outcomes(self, manifest: SyncManifest, receivers: Sequence[RankDescriptor], deadline: float) -> list[Any]:
         docs = super().outcomes(manifest, receivers, deadline)
-        if self.groups.outcome_groups:  # a group's rank found under its own key: its lead did not record it
+        if self.groups.engine_groups:  # a group's rank found under its own key: its lead did not record it
             grouped = self._cached(self.plan)[2]
             found = {r.rank for r, d in zip(receivers, docs) if d is not None and r.rank in grouped}
             if found:
@@ -182,7 +184,7 @@ class RelayedSignals(ChannelSignals):
     def own_outcomes(self, plan: Plan, version: str, seq: int) -> list[RankDescriptor]:
         """The ranks in no group, and those of a group its first trainer rank found under their own key (its lead
         failed them: refused their datagram, exited, or called them silent at its deadline)."""
-        if not self.groups.outcome_groups:
+        if not self.groups.engine_groups:
             return super().own_outcomes(plan, version, seq)
         alone, grouped = self._alone.pop((version, seq), set()), self._cached(plan)[2]
         return [r for r in plan.ranks_of(Role.INFERENCE) if r.rank not in grouped or r.rank in alone]
@@ -214,7 +216,7 @@ class RelayedSignals(ChannelSignals):
         or the lead exited, or the deadline passed: then on the channel under its own key)."""
         attempt = (manifest.version, manifest.seq)
         told = self._told if self._told is not None and self._told[0] == attempt else None
-        if self.roles is None or self.groups.outcome_groups.get(group[0].rank) is None:  # instance records
+        if self.roles is None or self.groups.engine_groups.get(group[0].rank) is None:  # instance records
             return super().gather(manifest, me, group, deadline)
         if me.rank != group[0].rank:
             if told is not None:
@@ -248,7 +250,7 @@ class RelayedSignals(ChannelSignals):
         """The record; where a group's lead made it, then its members learn whether theirs is in it (all are
         silent where it could not be put: each then puts its own)."""
         roles = self.roles
-        leads = roles is not None and roles.outcome_to and self.groups.outcome_groups.get(self.rank) is not None
+        leads = roles is not None and roles.outcome_to and self.groups.engine_groups.get(self.rank) is not None
         message = {"kind": "recorded", "version": manifest.version, "seq": manifest.seq}
         try:
             super().publish_instance(manifest, instance, doc)
