@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from relayed_helper import relayed_signals
 
 from awex.engines.outcome import APPLIED
 from awex.engines.sync import keys, outcomes, relay
@@ -55,15 +56,6 @@ def test_each_group_on_a_host_has_one_relay_and_the_first_trainer_ranks_host_rel
     }
     assert not got[6] and not got[7] and all(got[r] for r in range(6))
     assert roles(PLAN, {k: v for k, v in HOSTS.items() if k != ("vllm-0", 1)}, 5) == Roles()  # no host known
-
-
-@pytest.fixture
-def made():
-    """What a test opens (relays, sockets): closed after it, whatever it asserted."""
-    opened: list = []
-    yield opened
-    for thing in opened:
-        thing.close()
 
 
 def _relays(channel: VersionChannel, ranks, made: list) -> dict[int, HostRelay]:
@@ -174,18 +166,8 @@ def test_an_other_versions_record_is_not_taken(monkeypatch, made):
 
 
 def _relayed(channel: VersionChannel, ranks, made: list):
-    """Each rank's signals through its host's relays, on a connection of its own (as ranks in their processes)."""
-    from awex.engines.sync.relayed import with_relays
-    from awex.engines.sync.signals import ChannelSignals
-
-    processes = {who: (host, 1, None) for who, host in HOSTS.items()}
-    out = {}
-    for r in ranks:
-        conn = VersionChannel.connect(channel.address, channel.secret)
-        groups, mine, signals = with_relays(PLAN, r, processes, ChannelSignals(conn), conn)
-        made.extend([mine] if mine is not None else [])
-        out[r] = signals
-    return groups, out
+    """Each rank's signals through its host's relays (conftest's ``relayed_signals``)."""
+    return relayed_signals(PLAN, {who: (host, 1, None) for who, host in HOSTS.items()}, channel, ranks, made)
 
 
 def _senders(rank: int):

@@ -13,14 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from relayed_helper import relayed_signals
 
 from awex.engines.outcome import APPLIED, Outcome
 from awex.engines.sync import keys, outcomes, relay, relayed
 from awex.engines.sync.board import host_identity
 from awex.engines.sync.channel import VersionChannel
 from awex.engines.sync.manifest import SyncManifest
-from awex.engines.sync.relayed import with_relays
-from awex.engines.sync.signals import ChannelSignals
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 from awex.transport.pull.segments import start_time
@@ -53,25 +52,11 @@ def channel():
     return VersionChannel.host()
 
 
-@pytest.fixture
-def made():
-    opened: list = []
-    yield opened
-    for thing in opened:
-        thing.close()
-
-
 def _signals(channel, ranks, made, exited=()):
     """Each rank's signals through its relays; ranks in ``exited`` look gone (their process's start time differs)."""
     me, started = os.getpid(), start_time(os.getpid())
     processes = {who: (host, me, -1 if PLAN.rank(*who).rank in exited else started) for who, host in HOSTS.items()}
-    out = {}
-    for r in ranks:
-        conn = VersionChannel.connect(channel.address, channel.secret)
-        _, relay, signals = with_relays(PLAN, r, processes, ChannelSignals(conn), conn)
-        made.extend([relay] if relay is not None else [])
-        out[r] = signals
-    return out
+    return relayed_signals(PLAN, processes, channel, ranks, made)[1]
 
 
 def _finish(signals, rank, doc, deadline=10.0):
