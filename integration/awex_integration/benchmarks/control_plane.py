@@ -243,6 +243,10 @@ def summarise(ranks: int, rows: dict, server, plan: float, channel=None) -> dict
         + first_cpu["first_trainer_rank"]
         + max(first_cpu["other_trainer_ranks_max"], first_cpu["receivers_max"])
     )
+    # what the version channel's host serves a steady version, counted (not timed): every rank's puts, waited reads
+    # and looks, and the keys the writer drops (in its background thread, about one version's worth each version)
+    channel_ops = [sum(r["versions"][k].get("channel_ops", 0) for r in rows.values()) for k in range(1, len(writer))]
+    channel_deletes = sum(v.get("channel_deletes", 0) for v in steady) / n if n else 0.0
     ranks_steady = ("first_trainer_rank", "other_trainer_ranks_max", "receivers_max")
     serial_steady = server_steady + channel_steady + sum(steady_cpu[k] for k in ranks_steady)
     return {
@@ -258,6 +262,8 @@ def summarise(ranks: int, rows: dict, server, plan: float, channel=None) -> dict
         "first_sync_channel_host_cpu_seconds": round(channel_first, 3),
         "first_sync_serial_cpu_seconds": round(serial_first, 3),
         "steady_control_seconds_per_version": round(_median([v["seconds"] for v in steady]), 5),
+        "steady_channel_ops_per_version": _median(channel_ops) if channel_ops else 0,
+        "steady_channel_deletes_per_version": round(channel_deletes, 1),
         "steady_phases": {
             p: round(_median([v["phases"].get(p, 0.0) for v in steady]), 5) for p in ("manifest", "signals", "done")
         },

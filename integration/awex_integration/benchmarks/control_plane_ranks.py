@@ -141,6 +141,34 @@ def simulate_hosts() -> None:
         module.host_identity = host_identity
 
 
+_DELETES = [0]  # keys this process's writer dropped from the version channel (its background thread)
+_DELETES_LOCK = threading.Lock()
+
+
+def count_channel_ops() -> None:
+    """Count each rank thread's version-channel operations (``_here.ops``: a put, a waited read or a look, each one;
+    the store's own requests behind them are not counted) and the keys this process drops from it (``_DELETES``)."""
+    from awex.engines.sync.channel import VersionChannel
+
+    def counting(real):
+        def op(self, *args, **kwargs):
+            _here.ops = getattr(_here, "ops", 0) + 1
+            return real(self, *args, **kwargs)
+
+        return op
+
+    for name in ("put", "wait", "get"):
+        setattr(VersionChannel, name, counting(getattr(VersionChannel, name)))
+    real_delete = VersionChannel.delete
+
+    def delete(self, keys):
+        with _DELETES_LOCK:
+            _DELETES[0] += len(keys)
+        return real_delete(self, keys)
+
+    VersionChannel.delete = delete
+
+
 def share_plans() -> dict:
     """Plans computed once per process (keyed by the instances and options; the null transport's plan depends on
     nothing else); returns the memo, filled ahead by :func:`warm`."""
@@ -207,11 +235,14 @@ def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, des
         out["ready"].wait()  # every rank of every process is up: the clock starts with the first version
         for k in range(args.versions):
             started, cpu, wall = time.perf_counter(), time.thread_time(), time.time()
+            ops, deletes = getattr(_here, "ops", 0), _DELETES[0]
             step(f"v{k}")
             rows.append(
                 {
                     "seconds": time.perf_counter() - started,
                     "cpu_seconds": time.thread_time() - cpu,
+                    "channel_ops": getattr(_here, "ops", 0) - ops,
+                    "channel_deletes": _DELETES[0] - deletes,  # the process's writer, in the background
                     "began": wall,
                     "ended": time.time(),
                     "phases": {p: round(s, 6) for p, s in side.last_phases.items()},
@@ -261,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     register("null", f"{__name__}:NullTransport", replace=True)
     simulate_hosts()
     share_plans()
+    count_channel_ops()
     index, _, count = args.slice.partition("/")
     index, count = int(index), int(count)
     source, engines = layouts(args.ranks)
