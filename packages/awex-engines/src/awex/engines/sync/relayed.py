@@ -277,7 +277,7 @@ class RelayedSignals(ChannelSignals):
         """A group's member that told its lead: until the lead says whether its outcome is in its record (after each
         slice without a word, a look at the record itself); where it is not (the lead called it silent, exited, or
         nothing came by ``deadline``), its own key."""
-        name = keys.instance_outcomes(manifest.version, manifest.seq, f"{lead.instance}/{lead.local_rank}")
+        name = keys.instance_outcomes(manifest.version, manifest.seq, self.record_of(self.plan, lead.rank))
         while True:
             try:
                 silent = self.relay.hear("recorded", manifest.version, manifest.seq, _slice(deadline)).get("silent")
