@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -103,9 +104,10 @@ class _Sampler:
         return max((cpu for t, cpu in self.samples if t <= when), default=self.samples[0][1])
 
 
-def run(ranks: int, processes: int, versions: int, timeout: float, store: str = "journal") -> dict:
+def run(ranks: int, processes: int, versions: int, timeout: float, store: str = "journal", profile: str = "") -> dict:
     """One rank count: a fresh server (on its journal, or leading on a local etcd cluster of three with another
-    standing by), ``processes`` worker processes; the row of the results."""
+    standing by), ``processes`` worker processes; the row of the results. ``profile``: ranks (``trainer:0,...``)
+    whose steady versions cProfile records, each in ``<rank>.prof`` in the working folder."""
     from awex.meta.client import MetaClient
     from awex_integration.faults.servers import server_for
 
@@ -143,6 +145,8 @@ def run(ranks: int, processes: int, versions: int, timeout: float, store: str = 
                         str(outs[i]),
                         "--barrier",
                         tmp,
+                        "--profile",
+                        profile,
                     ],
                     env=env,
                 )  # fmt: skip
@@ -158,6 +162,8 @@ def run(ranks: int, processes: int, versions: int, timeout: float, store: str = 
                 raise
             wall = time.perf_counter() - started
             docs = [json.loads(o.read_text()) for o in outs if o.exists()]
+            for prof in Path(tmp).glob("*.prof"):  # slice-<i>.json.<rank>.prof
+                shutil.copy(prof, prof.name.split(".json.", 1)[1])
         requests = status()["requests"] - asked - 1  # the ranks' (not the two status calls)
         sampler.stop()
         channel.stop()
@@ -288,11 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["journal", "etcd"],
         help="the server's safety state: its journal (default), or a local etcd cluster of three (etcd on the PATH)",
     )
+    ap.add_argument("--profile", default="", help="ranks (trainer:0,...) whose steady versions cProfile records")
     args = ap.parse_args(argv)
     results: list[dict] = []
     for n in (int(x) for x in args.ranks.split(",")):
         try:
-            row = run(n, args.processes, args.versions, args.timeout, args.store)
+            row = run(n, args.processes, args.versions, args.timeout, args.store, args.profile)
         except (SystemExit, subprocess.TimeoutExpired) as e:  # written down, and the run fails
             row = {"ranks": n, "failed": str(e)[:2000]}
         print(json.dumps(row), flush=True)

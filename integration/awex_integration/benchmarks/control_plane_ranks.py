@@ -233,10 +233,15 @@ def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, des
             step = side.receive
         out["built"].append(sync_rank)
         out["ready"].wait()  # every rank of every process is up: the clock starts with the first version
+        name = f"{layout.instance}:{local_rank}"
+        profile = _profiler() if name in args.profile.split(",") else None
         for k in range(args.versions):
             started, cpu, wall = time.perf_counter(), time.thread_time(), time.time()
             ops, deletes = getattr(_here, "ops", 0), _DELETES[0]
-            step(f"v{k}")
+            if profile is not None and k > 0:  # the steady versions, this rank's own thread
+                profile.runcall(step, f"v{k}")
+            else:
+                step(f"v{k}")
             rows.append(
                 {
                     "seconds": time.perf_counter() - started,
@@ -249,6 +254,8 @@ def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, des
                 }
             )
         side.flush()
+        if profile is not None:
+            profile.dump_stats(f"{args.out}.{name.replace(':', '-')}.prof")
         out["media"][f"{layout.instance}:{local_rank}"] = getattr(side._session.signals, "medium", None)
         relay = side._session.relay  # what this rank heard from its host's relay instead of reading the channel
         heard = {"manifest": relay and relay.hears_manifests, "outcomes": relay and relay.hears_outcomes}
@@ -261,6 +268,12 @@ def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, des
         out["errors"].append(f"{layout.instance}:{local_rank}: {type(e).__name__}: {e}")
     finally:
         client.close()
+
+
+def _profiler():
+    import cProfile
+
+    return cProfile.Profile()
 
 
 def _barrier(folder: str | None, name: str, count: int) -> None:
@@ -286,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wave-mb", type=float, default=256.0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--barrier", default=None, help="a folder where the worker processes meet before closing")
+    ap.add_argument(
+        "--profile", default="", help="ranks (e.g. trainer:0) whose steady versions cProfile records: <out>.<rank>.prof"
+    )
     args = ap.parse_args(argv)
     from awex.transport.registry import register
 

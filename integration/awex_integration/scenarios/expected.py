@@ -15,7 +15,7 @@ from awex_integration.engines.tiny_model import (
     load_json,
     vllm_greedy,
 )
-from awex_integration.scenarios.instances import llm_options
+from awex_integration.scenarios.instances import llm_options, stop_engine
 
 
 def fp8_checkpoint(weights: dict[str, torch.Tensor], quant) -> dict[str, torch.Tensor]:
@@ -88,5 +88,5 @@ def fresh_vllm_greedy(
     llm = LLM(**llm_options(weights_dir, tp, dtype, awex=False))
     out = vllm_greedy(llm)
     state = llm.collective_rpc("awex_probe_state")
-    del llm
+    stop_engine(llm)
     return out, state

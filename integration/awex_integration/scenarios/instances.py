@@ -24,6 +24,8 @@ from awex_integration.engines.tiny_model import (
 from awex_integration.scenarios.scenario_results import catching
 from awex_integration.scenarios.spawn import free_port
 
+ENGINE_STOP_SECONDS = 0.5  # how long a stopped vLLM engine may take to exit before it is killed
+
 
 def llm_options(
     model_dir: Path, tp: int, dtype: str, ep: bool = False, executor: str | None = None, awex: bool = True
@@ -65,6 +67,13 @@ def engine_attention(model_dir: Path) -> dict:
     return {"attention_config": {"backend": backend}} if config.get("kv_lora_rank") else {}
 
 
+def stop_engine(llm) -> None:
+    """Stop an ``LLM``'s engine within :data:`ENGINE_STOP_SECONDS`, then its processes are killed: vLLM's own grace
+    is 5 s and its CPU engine core outlives it at every stop (the workers exit after about 3 s, the engine core
+    never within it), and the harness has read all it needs by then."""
+    llm.llm_engine.engine_core.shutdown(timeout=ENGINE_STOP_SECONDS)
+
+
 class VllmInstance:
     """A vLLM engine (CPU build) with the awex backend, driven offline."""
 
@@ -100,7 +109,7 @@ class VllmInstance:
     def close(self) -> None:
         """Close the backend (its readers) and stop the engine, so its shutdown logs come before the result."""
         self.llm.shutdown_weight_transfer_engine()
-        self.llm.llm_engine.engine_core.shutdown()
+        stop_engine(self.llm)
 
     def sync(self, version: str, reference: Path | None) -> None:
         self.llm.start_weight_update()

@@ -151,50 +151,12 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     meta = {"meta_address": server.address, "job": "scenario", "token": token, "timeout": args.timeout}
     client = MetaClient(server.address, job="scenario", token=token, timeout=args.timeout)
     names = [f"{args.inference}-{i}" for i in range(args.instances)]
-    instances = []
-    for i, name in enumerate(names):
-        cpus = "|".join(str(c % max(1, os.cpu_count() or 1)) for c in range(i * args.infer_tp, (i + 1) * args.infer_tp))
-        if args.control == "vllm-http":
-            if args.inference != "vllm" or args.fp8 or args.check_in_place:
-                raise SystemExit("--control vllm-http: vLLM receivers only, without --fp8 or --check-in-place")
-            instances.append(
-                VllmServeInstance(
-                    name, infer_dir, args.infer_tp, args.dtype, cpus, plain_weights=args.vllm_weights == "plain"
-                )
-            )
-        elif args.control == "vllm-ray":
-            from awex_integration.scenarios.ray_launch import RayLlmInstance
-
-            instances.append(
-                RayLlmInstance(
-                    cluster,
-                    name,
-                    infer_dir,
-                    args.infer_tp,
-                    args.dtype,
-                    cpus,
-                    plain_weights=args.vllm_weights == "plain",
-                )
-            )
-        elif args.inference == "vllm":
-            engine = (name, infer_dir, args.infer_tp, args.dtype, meta, cpus)
-            options = dict(ep=args.infer_ep, receive=args.receive, plain_weights=args.vllm_weights == "plain")
-            if cluster is not None:  # vLLM's own TP workers by multiprocessing inside the engine's actor
-                from awex_integration.scenarios.ray_launch import RemoteInstance
-
-                instances.append(RemoteInstance(cluster, VllmInstance, *engine, **options, executor="mp"))
-            else:
-                instances.append(VllmInstance(*engine, **options))
-        elif args.inference == "layout":
-            instances.append(
-                LayoutInstance(name, load_json(infer_dir / "config.json"), args.infer_tp, args.dtype, meta, quant)
-            )
-        elif cluster is not None:
-            from awex_integration.scenarios.ray_launch import RemoteInstance
-
-            instances.append(RemoteInstance(cluster, HfInstance, name, infer_dir, args.dtype, meta))
-        else:
-            instances.append(HfInstance(name, infer_dir, args.dtype, meta))
+    # the trainer ranks start beside the engines (imports and a model each: about 10 s on 2 cores) unless they need
+    # the engines' addresses (vllm-http, vllm-ray) or Ray schedules both on the same CPUs
+    beside = cluster is None and args.control not in ("vllm-http", "vllm-ray")
+    instances: list = []
+    if not beside:
+        instances = _instances(args, names, cluster, meta, infer_dir, quant)
 
     parallel = MegatronParallel(
         tp=args.train_tp,
@@ -212,6 +174,8 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     from awex_integration.scenarios.spawn import run_processes
 
     trainer_out: dict = {}
+    endpoints = {inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)}
+    ray_engines = {inst.name: inst.handle for inst in instances if hasattr(inst, "handle")}  # vllm-ray
 
     def trainer_job(r: int) -> tuple:
         job = TrainerJob(
@@ -232,8 +196,8 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
             transport={"gloo": "p2p"}.get(args.transport, args.transport),
             host=host,  # where the trainers' sync group and version channel listen
             log_level=args.log_level,
-            endpoints={inst.name: inst.url for inst in instances if isinstance(inst, VllmServeInstance)},
-            ray_engines={inst.name: inst.handle for inst in instances if hasattr(inst, "handle")},  # vllm-ray
+            endpoints=endpoints,
+            ray_engines=ray_engines,
             fp8=args.fp8,
             wave_bytes=wave_bytes,
         )
@@ -256,6 +220,13 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
         )
     )
     trainer_thread.start()
+    if beside:
+        try:
+            instances = _instances(args, names, cluster, meta, infer_dir, quant)
+        except BaseException:  # an engine that cannot start: the trainer ranks stop waiting for a version
+            client.publish_event("step", "scenario", data={"die": -1, "abort": True})
+            trainer_thread.join(args.timeout + 30)
+            raise
 
     # time syncs, not trainer start-up: starting the ranks (imports, a Megatron or FSDP2 model) is not what --timeout
     # bounds, and on a loaded 2-core machine it took longer than a 20 s sync deadline
@@ -396,6 +367,56 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     )
     server.stop()
     return results
+
+
+def _instances(args, names, cluster, meta, infer_dir, quant) -> list:
+    """The receiving engines of the scenario, started one after another."""
+    instances = []
+    for i, name in enumerate(names):
+        cpus = "|".join(str(c % max(1, os.cpu_count() or 1)) for c in range(i * args.infer_tp, (i + 1) * args.infer_tp))
+        if args.control == "vllm-http":
+            if args.inference != "vllm" or args.fp8 or args.check_in_place:
+                raise SystemExit("--control vllm-http: vLLM receivers only, without --fp8 or --check-in-place")
+            instances.append(
+                VllmServeInstance(
+                    name, infer_dir, args.infer_tp, args.dtype, cpus, plain_weights=args.vllm_weights == "plain"
+                )
+            )
+        elif args.control == "vllm-ray":
+            from awex_integration.scenarios.ray_launch import RayLlmInstance
+
+            instances.append(
+                RayLlmInstance(
+                    cluster,
+                    name,
+                    infer_dir,
+                    args.infer_tp,
+                    args.dtype,
+                    cpus,
+                    plain_weights=args.vllm_weights == "plain",
+                )
+            )
+        elif args.inference == "vllm":
+            engine = (name, infer_dir, args.infer_tp, args.dtype, meta, cpus)
+            options = dict(ep=args.infer_ep, receive=args.receive, plain_weights=args.vllm_weights == "plain")
+            if cluster is not None:  # vLLM's own TP workers by multiprocessing inside the engine's actor
+                from awex_integration.scenarios.ray_launch import RemoteInstance
+
+                instances.append(RemoteInstance(cluster, VllmInstance, *engine, **options, executor="mp"))
+            else:
+                instances.append(VllmInstance(*engine, **options))
+        elif args.inference == "layout":
+            instances.append(
+                LayoutInstance(name, load_json(infer_dir / "config.json"), args.infer_tp, args.dtype, meta, quant)
+            )
+        elif cluster is not None:
+            from awex_integration.scenarios.ray_launch import RemoteInstance
+
+            instances.append(RemoteInstance(cluster, HfInstance, name, infer_dir, args.dtype, meta))
+        else:
+            instances.append(HfInstance(name, infer_dir, args.dtype, meta))
+
+    return instances
 
 
 def main(argv=None) -> int:

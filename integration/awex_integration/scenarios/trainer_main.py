@@ -14,6 +14,8 @@ from awex.meta.layouts import MegatronParallel
 from awex.transport import LocalShards
 from awex_integration.engines.tiny_model import decoder_layers, dtype_kwarg, hf_auto_class
 
+ENGINES_START_SECONDS = 300.0  # the first version also waits for the engines, which start beside the trainer ranks
+
 
 def canonical_delta(name: str, shape: tuple[int, ...], step: int, scale: float = 0.02) -> torch.Tensor:
     """The update an 'RL step' applies to a canonical tensor: the same on every rank that holds a piece."""
@@ -174,7 +176,9 @@ def trainer_body(job: TrainerJob) -> dict:
     seq = 0
     client.publish_event("trainer_ready", f"trainer:{rank}")
     for step in range(1, steps + 1):
-        event = client.wait_event("step", after=seq, timeout=timeout)
+        event = client.wait_event(
+            "step", after=seq, timeout=timeout if step > 1 else max(timeout, ENGINES_START_SECONDS)
+        )
         seq = event["seq"]
         if (event.get("data") or {}).get("abort"):
             break
