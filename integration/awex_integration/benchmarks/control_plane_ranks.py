@@ -273,7 +273,7 @@ def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, des
 def _profiler():
     import cProfile
 
-    return cProfile.Profile()
+    return cProfile.Profile(time.thread_time)  # this thread's CPU, not the waits
 
 
 def _barrier(folder: str | None, name: str, count: int) -> None:
