@@ -24,7 +24,7 @@ from awex.convert.live import LiveTensors
 SMALL, LARGE = 3, 33  # layers: 39 and 399 tensors
 WRITER_REQUESTS = 2  # the name's claim, the version's report
 READER_REQUESTS = 0
-BACKGROUND_REQUESTS = 3  # weights_ready event, old records dropped (+ the outcomes' copy: channel)
+BACKGROUND_REQUESTS = 2  # old records dropped (+ the outcomes' copy: channel)
 SIGNALS = {  # per-version operations on the medium, per side
     "board": {"writer": 3, "reader": 3},  # post + ring + wait for outcomes; manifest + wait for ready + ring
     "channel": {"writer": 4, "reader": 3},  # the same, and the outcomes' record for the other trainer ranks

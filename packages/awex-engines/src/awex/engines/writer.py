@@ -261,7 +261,7 @@ class WeightsWriter:
 
         try:
             if self._announcer is not None:
-                manifest = self._announcer.announce(version, destinations, later, self.options, meanwhile=rebind)
+                manifest = self._announcer.announce(version, destinations, self.options, meanwhile=rebind)
                 control.update(self._announcer.last_phases)
             else:
                 rebind()

@@ -169,15 +169,14 @@ class Announcer:
         self,
         version: str,
         destinations: Sequence[str],
-        later: list,
         options: SyncOptions,
         meanwhile: Callable[[], object] | None = None,
     ) -> SyncManifest:
         """Rank 0: claim version ``version`` on the MetaServer (its manifest, created once: a name another writer
         announced, or a writer replaced by a newer one of this instance, is refused here, before any rank can start),
-        then publish the manifest on the host board and the version channel; appends what can wait until after the
-        transfer to ``later``. ``meanwhile`` runs while the claim travels (an error there takes the claim back). A
-        claim sent under the lease is answered later (:meth:`confirm`)."""
+        then publish the manifest on the host board and the version channel. ``meanwhile`` runs while the claim
+        travels (an error there takes the claim back). A claim sent under the lease is answered later
+        (:meth:`confirm`)."""
         self.keep_versions = options.keep_versions  # as the writer says now (it may change between versions)
         if self._port is None:
             self._port = free_port(options.host)
@@ -236,12 +235,6 @@ class Announcer:
             self._unsent = (version, key, doc)
         claimed = (sent - claiming) + (posting - waiting) + (time.perf_counter() - posted)
         self.last_phases = {"claim": claimed, "post": posted - posting}
-        later.append(
-            (
-                f"event weights_ready {version}",
-                partial(self.client.publish_event, "weights_ready", self.instance, version=version),
-            )
-        )
         return manifest
 
     def send_claim(self) -> None:
