@@ -231,6 +231,11 @@ class BoardSignals:
     medium = "board"
     shares_outcomes = False  # no records: every trainer rank reads the receivers' slots
 
+    def __init__(self, board: HostBoard, client: MetaClient):
+        self.board, self.client = board, client
+        self._outcomes_after = 0.0  # how long the last wait for outcomes took (polling sleeps until about then)
+
+    # the Signals protocol's record methods: no group shares a record here
     def record_groups(self, plan: Plan) -> Mapping[str, Sequence[RankDescriptor]]:
         return {}
 
@@ -244,10 +249,6 @@ class BoardSignals:
         self, manifest: SyncManifest, me: RankDescriptor, group: Sequence[RankDescriptor], deadline: float
     ) -> list[Any] | None:
         return None
-
-    def __init__(self, board: HostBoard, client: MetaClient):
-        self.board, self.client = board, client
-        self._outcomes_after = 0.0  # how long the last wait for outcomes took (polling sleeps until about then)
 
     def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
         self.board.ring(me.rank, manifest.seq, generation)
