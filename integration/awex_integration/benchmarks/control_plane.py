@@ -107,7 +107,8 @@ class _Sampler:
 def run(ranks: int, processes: int, versions: int, timeout: float, store: str = "journal", profile: str = "") -> dict:
     """One rank count: a fresh server (on its journal, or leading on a local etcd cluster of three with another
     standing by), ``processes`` worker processes; the row of the results. ``profile``: ranks (``trainer:0,...``)
-    whose steady versions cProfile records, each in ``<rank>.prof`` in the working folder."""
+    whose steady versions cProfile records, each in ``<rank>.prof`` in the working folder (Python 3.11: from 3.12
+    cProfile hooks every thread of a process, and a rank is one thread of many)."""
     from awex.meta.client import MetaClient
     from awex_integration.faults.servers import server_for
 
@@ -294,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=["journal", "etcd"],
         help="the server's safety state: its journal (default), or a local etcd cluster of three (etcd on the PATH)",
     )
-    ap.add_argument("--profile", default="", help="ranks (trainer:0,...) whose steady versions cProfile records")
+    ap.add_argument(
+        "--profile", default="", help="ranks (trainer:0,...) whose steady versions cProfile records (Python 3.11)"
+    )
     args = ap.parse_args(argv)
     results: list[dict] = []
     for n in (int(x) for x in args.ranks.split(",")):

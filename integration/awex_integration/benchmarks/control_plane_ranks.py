@@ -273,7 +273,8 @@ def _rank(args, layout, local_rank: int, sync_rank: int, trainer_ranks: int, des
 def _profiler():
     import cProfile
 
-    return cProfile.Profile(time.thread_time)  # this thread's CPU, not the waits
+    # this thread's CPU, not its waits; Python 3.11: from 3.12 cProfile (on sys.monitoring) hooks every thread
+    return cProfile.Profile(time.thread_time)
 
 
 def _barrier(folder: str | None, name: str, count: int) -> None:
