@@ -160,7 +160,14 @@ def roles(plan: Plan, hosts: Mapping[tuple[str, int], str], rank: int) -> Roles:
 
 def address(secret: str, rank: int) -> bytes:
     """Sync rank ``rank``'s datagram address for the channel of ``secret`` (abstract: a leading NUL byte)."""
-    tag = hmac.digest(secret.encode(), b"awex-relay-address", "sha256")[:8].hex()
+    return _address(_tag(secret), rank)
+
+
+def _tag(secret: str) -> str:
+    return hmac.digest(secret.encode(), b"awex-relay-address", "sha256")[:8].hex()
+
+
+def _address(tag: str, rank: int) -> bytes:
     return f"\0awex-relay-{tag}-{rank}".encode()
 
 
@@ -176,10 +183,11 @@ class HostRelay:
         self._sent: tuple[str, Any] | None = None  # the last manifest relayed: (version, its count)
         self._refused: set[int] = set()  # peers whose datagrams were refused (logged once each)
         self._early: collections.deque = collections.deque(maxlen=64)  # heard while waiting for something else
+        self._tag = _tag(secret)  # of every peer's address (an HMAC: not again for each datagram)
         if roles.hears:
             inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             try:
-                inbox.bind(address(secret, rank))
+                inbox.bind(_address(self._tag, rank))
             except OSError as e:  # taken (by another process): this rank reads for itself
                 inbox.close()
                 log.info("sync rank %d: no relay datagrams (%s); it reads the version channel itself", rank, e)
@@ -222,7 +230,7 @@ class HostRelay:
             raw = self._seal(dict(message, doc=None))  # too large: each peer reads it itself
         for peer in peers:
             try:
-                self._outbox.sendto(raw, socket.MSG_DONTWAIT, address(self.secret, peer))
+                self._outbox.sendto(raw, socket.MSG_DONTWAIT, _address(self._tag, peer))
             except OSError as e:  # not listening, or its queue is full: it reads for itself after its slice
                 if peer not in self._refused:
                     self._refused.add(peer)
@@ -234,7 +242,7 @@ class HostRelay:
         (not listening) or still full."""
         if self._outbox is None:
             raise OSError(f"sync rank {self.rank} relays nothing")
-        raw, to = self._seal(message), address(self.secret, peer)
+        raw, to = self._seal(message), _address(self._tag, peer)
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -68,6 +68,7 @@ class RelayedSignals(ChannelSignals):
         self._alone: dict[tuple[str, int], set[int]] = {}  # the first trainer rank: a group's ranks read by own key
         self._senders: list[int] | None = None  # a receiving lead: every sender its host's receivers read from
         self._heard: tuple[tuple, dict[int, int]] | None = None  # (kind, version, count): generations read or heard
+        self._held: dict[tuple[int, ...], list[tuple[int, frozenset[int]]]] = {}  # senders -> the keys holding theirs
 
     # -- senders ------------------------------------------------------------------------------------------------
     def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
@@ -143,23 +144,34 @@ class RelayedSignals(ChannelSignals):
         """Senders' generations from the channel: one waited read of the keys that hold them (a host's, or a
         sender's own)."""
         kind, version, seq = attempt
-        holders = sorted({self.groups.ready_holder(s) for s in senders})
+        held = self._holders(senders)
         names = [
             keys.host_ready(kind, version, seq, h)
-            if len(self.groups.trainers_with(h)) > 1
+            if len(group) > 1
             else keys.ready(kind, version, seq, self.plan.ranks[h].instance, self.plan.ranks[h].local_rank)
-            for h in holders
+            for h, group in held
         ]
         out: dict[int, int] = {}
-        for h, value in zip(holders, self.channel.wait(names, timeout)):
+        for (h, group), value in zip(held, self.channel.wait(names, timeout)):
             if isinstance(value, dict):  # a host's: its lead and its other trainer ranks
-                group = self.groups.trainers_with(h)
                 out.update(
                     (int(r), g) for r, g in value.items() if str(r).isdigit() and int(r) in group and _generation(g)
                 )
             elif _generation(value):
                 out[h] = value
         return out
+
+    def _holders(self, senders: Sequence[int]) -> list[tuple[int, frozenset[int]]]:
+        """The ranks whose keys hold ``senders``' ready signals, each with its host's trainer ranks: the same every
+        version of the plan, so worked out once (a few sender lists a plan: the group's, a receiver's own)."""
+        given = tuple(senders)
+        held = self._held.get(given)
+        if held is None:
+            holders = sorted({self.groups.ready_holder(s) for s in given})
+            held = [(h, frozenset(self.groups.trainers_with(h))) for h in holders]
+            if len(self._held) < 16:  # a retry's missing senders vary: not kept beyond a few
+                self._held[given] = held
+        return held
 
     # -- outcomes: an engine instance's receiving ranks on one host, one record ----------------------------------
     def _record_groups(self, plan: Plan) -> dict[str, list[RankDescriptor]]:
