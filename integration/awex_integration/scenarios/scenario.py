@@ -76,6 +76,7 @@ from awex_integration.scenarios.spawn import free_port
 from awex_integration.scenarios.trainer_main import TrainerJob, canonical_delta, trainer_rank
 
 log = logging.getLogger("awex.scenario")
+FAIL_ENGINES = "AWEX_SCENARIO_FAIL_ENGINES"  # "1": the engines fail to start once the trainer ranks are up (a test's)
 STARTUP_SECONDS = 300.0  # how long the trainer ranks may take to start (a failure before that is reported at once)
 
 
@@ -222,6 +223,9 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
     trainer_thread.start()
     if beside:
         try:
+            if os.environ.get(FAIL_ENGINES) == "1":  # a test's engines that fail late, once the trainer ranks are up
+                wait_trainers(client, "trainer_ready", None, world, 0, STARTUP_SECONDS)
+                raise RuntimeError(f"the engines did not start ({FAIL_ENGINES}=1)")
             instances = _instances(args, names, cluster, meta, infer_dir, quant)
         except BaseException:  # an engine that cannot start: the trainer ranks stop waiting for a version
             client.publish_event("step", "scenario", data={"die": -1, "abort": True})
