@@ -76,7 +76,9 @@ from awex_integration.scenarios.spawn import free_port
 from awex_integration.scenarios.trainer_main import TrainerJob, canonical_delta, trainer_rank
 
 log = logging.getLogger("awex.scenario")
-FAIL_ENGINES = "AWEX_SCENARIO_FAIL_ENGINES"  # "1": the engines fail to start once the trainer ranks are up (a test's)
+# "1" (a test's): the engines fail to start once the trainer ranks started beside them are up (not with vllm-http,
+# vllm-ray or the Ray launcher, whose trainers start after the engines)
+FAIL_ENGINES = "AWEX_SCENARIO_FAIL_ENGINES"
 STARTUP_SECONDS = 300.0  # how long the trainer ranks may take to start (a failure before that is reported at once)
 
 
@@ -419,7 +421,6 @@ def _instances(args, names, cluster, meta, infer_dir, quant) -> list:
             instances.append(RemoteInstance(cluster, HfInstance, name, infer_dir, args.dtype, meta))
         else:
             instances.append(HfInstance(name, infer_dir, args.dtype, meta))
-
     return instances
 
 
