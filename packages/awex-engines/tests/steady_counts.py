@@ -64,6 +64,7 @@ class RankCounts:
     requests: list = field(default_factory=list)  # (method, path) of each MetaServer request
     hottest: collections.Counter = field(default_factory=collections.Counter)  # (file, function) -> Python calls
     order: list = field(default_factory=list)  # (category, method) of each operation, in the order made
+    entered: collections.Counter = field(default_factory=collections.Counter)  # (from file, into file) -> calls
 
 
 @dataclass
@@ -110,7 +111,11 @@ class _Profiler:
                 self.skip = 1
                 return
             self.counts.python_calls += 1
-            self.counts.hottest[(Path(frame.f_code.co_filename).name, frame.f_code.co_name)] += 1
+            into = Path(frame.f_code.co_filename).name
+            self.counts.hottest[(into, frame.f_code.co_name)] += 1
+            caller = frame.f_back
+            if caller is not None and caller.f_code.co_filename != frame.f_code.co_filename:
+                self.counts.entered[(Path(caller.f_code.co_filename).name, into)] += 1
         elif event == "c_call":
             self.counts.c_calls += 1
 

@@ -11,14 +11,19 @@ The design's budget for one steady version (nothing planned, allocated or negoti
 - per-version signals: the manifest, one ready signal per sender, one outcome per receiver, the trainer's wait for
   them (and, over the version channel, the outcomes' record for the other trainer ranks);
 - Python work: a fixed number of calls per version whatever the model, and per tensor no Python call at all and at
-  most :data:`C_CALLS_PER_TENSOR` calls into C (the check that memory did not move reads each parameter once).
+  most :data:`C_CALLS_PER_TENSOR` calls into C (the check that memory did not move reads each parameter once);
+- the version's route: the writer and the reader each enter the sync session once (``SyncSession.send`` /
+  ``receive``: the steady path is one piece there, not a back and forth between the two).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from steady_counts import measure, per_tensor
 
+import awex.engines.sync
 from awex.convert.live import LiveTensors
 
 SMALL, LARGE = 3, 33  # layers: 39 and 399 tensors
@@ -29,11 +34,13 @@ SIGNALS = {  # per-version operations on the medium, per side
     "board": {"writer": 3, "reader": 3},  # post + ring + wait for outcomes; manifest + wait for ready + ring
     "channel": {"writer": 4, "reader": 3},  # the same, and the outcomes' record for the other trainer ranks
 }
-# per version, whatever the model: 39 tensors 155 and 92-97 (the writer 134-147 before its version report moved onto its
-# thread, to leave before write returns: +18)
-PYTHON_CALLS = {"writer": 160, "reader": 100}
+# per version, whatever the model: 39 tensors 142-157 and 97-104 (the writer 134-147 before its version report moved
+# onto its thread, to leave before write returns: +18; the session's send and receive, one route a version: +3 and +4)
+PYTHON_CALLS = {"writer": 160, "reader": 105}
 PYTHON_CALLS_PER_TENSOR = 0
 C_CALLS_PER_TENSOR = 3  # data_ptr and stride of each parameter (its addresses before the bytes move, its form beside)
+SESSION_ENTRIES = 1  # calls into session.py a version from outside the sync core (the writer's, the reader's)
+SYNC_CORE = frozenset(p.name for p in Path(awex.engines.sync.__file__).parent.glob("*.py"))
 
 
 _ANSWERED = ("_request", "_put_answered")  # operations that wait for the MetaServer's answer
@@ -59,6 +66,9 @@ def violations(small, large) -> list[str]:
             other = {"board": "channel", "channel": "board"}[c.medium]
             if rc.ops[other]:
                 out.append(f"{where}: the {side} also used the {other} ({rc.ops[other]} operations)")
+            entries = sum(n for (by, into), n in rc.entered.items() if into == "session.py" and by not in SYNC_CORE)
+            if entries > SESSION_ENTRIES:
+                out.append(f"{where}: the {side} entered the sync session {entries} times (budget {SESSION_ENTRIES})")
             if rc.python_calls > PYTHON_CALLS[side]:
                 out.append(
                     f"{where}: the {side} made {rc.python_calls} Python calls (budget {PYTHON_CALLS[side]}); "
@@ -99,6 +109,14 @@ def test_the_guard_fails_on_an_extra_round_trip_or_per_tensor_work():
     found = violations(unleased, unleased)
     waited = "waited for MetaServer answers before the first byte moved: ['_put_answered']"
     assert found and all(waited in f for f in found), found
+
+    # a writer entering the session again (its route went back and forth, five entries, before the session's send)
+    def entered_again(writer):
+        writer._session.describe_sync("sent", "v", 0, 0.0)
+
+    again = measure(SMALL, extra=entered_again)
+    found = violations(again, again)
+    assert set(found) == {"39 tensors, board: the writer entered the sync session 2 times (budget 1)"}, found
 
     # the moved-memory check as it was written before (a generator over the live mapping: Python calls per tensor)
     small, large = measure(SMALL, views=generator_views), measure(LARGE, views=generator_views)

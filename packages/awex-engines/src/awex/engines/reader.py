@@ -132,8 +132,7 @@ class WeightsReader:
         retry, or the next version) plans and joins again.
         """
         started = time.monotonic()
-        manifest = None
-        applying = False  # the apply step began (it changes the engine's weights)
+        applying = landed = False  # the apply step began (it changes the engine's weights); the version landed
         # weights the engine re-allocated since the last version: new views (the transports rebuild from them), checked
         # while the trainer announces (off the critical path: the engine's weights do not move inside this call); views
         # that no longer fit fail this rank once the manifest is known (reported, before any byte moves)
@@ -143,65 +142,75 @@ class WeightsReader:
         except Exception as e:  # raised once the manifest is known
             unfit = e
         bound = time.monotonic()
-        try:
-            manifest = self._session.fetch_manifest(version, self.timeout)
-            if self.layout.instance not in manifest.destinations:
-                raise AwexValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
-            if self.verify and not manifest.options.verify:
-                raise VerifyError(
-                    f"{self.layout.instance}:{self.local_rank} requires verified versions (verify=True), and the "
-                    f"writer of {version!r} does not verify: pass verify=True to the writer"
-                )
-            fetched = time.monotonic()
-            if unfit is not None:
-                raise unfit
-            held = self._applied.get(version)
-            if held is not None and held != (manifest.sources, manifest.epoch):
-                raise AwexValueError(
-                    f"{self.layout.instance}:{self.local_rank} applied version {version!r} already, from "
-                    f"{'/'.join(held[0])} at epoch {held[1]}; writer epoch {manifest.epoch} may not write that name "
-                    "again (its bytes may differ): version names are written once, name the version anew"
-                )
-            confirm = partial(confirm_bound, self.layout, self.local_rank, self._view_of, self._shards)
-            stats = self._session.transfer(
-                manifest, self._shards, self.timeout - (time.monotonic() - started), beside=confirm
-            )
-            if manifest.options.verify:  # before validation and the load step: nothing unverified is applied
-                self._session.verify(manifest, self._shards, started + self.timeout)
-            self._session.phases.update(
-                fingerprint=bound - started, manifest=fetched - bound, transferred=time.monotonic() - started
-            )
+
+        def land() -> None:  # the version arrived (verified where asked): validation, then the engine's load step
+            nonlocal applying, landed
             if validate:
-                from awex.engines.validation import load_checkpoint, validate_shards
-
-                report = validate_shards(self._shards, load_checkpoint(validate), strict=False)
-                self.last_validation = report
-                self.client.put(keys.validation(version, self.layout.instance, self.local_rank), report.to_json())
-                if strict and report.tensors_mismatched:
-                    from awex.engines.validation import ValidationError
-
-                    raise ValidationError(
-                        f"{report.tensors_mismatched} of {report.tensors_checked} received tensors "
-                        f"differ from {validate}: {report.to_json()['mismatched'][:10]}"
-                    )
+                self._validate(version, validate, strict)
             if before_apply is not None:
                 before_apply()
             if apply is not None:
                 applying = True
                 apply(self._shards)
+            landed = True
+
+        try:
+            received = self._session.receive(
+                version,
+                self._shards,
+                started,
+                self.timeout,
+                bound=bound,
+                admit=partial(self._admit, version, unfit),
+                beside=partial(confirm_bound, self.layout, self.local_rank, self._view_of, self._shards),
+                land=land,
+            )
         except BaseException as e:
-            self._failed(version, manifest, e, in_place if in_place is not None else apply is None, applying)
+            if not landed:  # what reporting the outcome raises goes to the caller as it is
+                in_place = in_place if in_place is not None else apply is None
+                self._failed(version, self._session.attempt, e, in_place, applying)
             raise
-        self._session.finish(manifest, ok=True, deadline=started + self.timeout)
         self.version = version
-        self._applied[version] = (manifest.sources, manifest.epoch)
+        self._applied[version] = (received.manifest.sources, received.manifest.epoch)
         if len(self._applied) > APPLIED_NAMES_KEPT:
             del self._applied[next(iter(self._applied))]  # the oldest
-        self._session.phases["total"] = time.monotonic() - started
-        stats.phases, stats.planned = dict(self._session.phases), self._session.planned
-        line = self._session.describe_sync("received", version, stats.bytes_received, stats.seconds)
-        self._background.log_line(line, now=stats.planned)  # a steady version's once receive returned
-        return stats
+        self._background.log_line(received.line, now=received.stats.planned)  # a steady version's once it returned
+        return received.stats
+
+    def _admit(self, version: str, unfit: Exception | None, manifest) -> None:
+        """Raise where this rank must not take ``manifest``'s version (before any byte moves)."""
+        if self.layout.instance not in manifest.destinations:
+            raise AwexValueError(f"{self.layout.instance} is not a destination of sync {version!r}")
+        if self.verify and not manifest.options.verify:
+            raise VerifyError(
+                f"{self.layout.instance}:{self.local_rank} requires verified versions (verify=True), and the "
+                f"writer of {version!r} does not verify: pass verify=True to the writer"
+            )
+        if unfit is not None:
+            raise unfit
+        held = self._applied.get(version)
+        if held is not None and held != (manifest.sources, manifest.epoch):
+            raise AwexValueError(
+                f"{self.layout.instance}:{self.local_rank} applied version {version!r} already, from "
+                f"{'/'.join(held[0])} at epoch {held[1]}; writer epoch {manifest.epoch} may not write that name "
+                "again (its bytes may differ): version names are written once, name the version anew"
+            )
+
+    def _validate(self, version: str, checkpoint: str, strict: bool) -> None:
+        """Compare every received tensor with an HF checkpoint; publish the report; raise where ``strict`` and any
+        differs."""
+        from awex.engines.validation import load_checkpoint, validate_shards
+
+        report = validate_shards(self._shards, load_checkpoint(checkpoint), strict=False)
+        self.last_validation = report
+        self.client.put(keys.validation(version, self.layout.instance, self.local_rank), report.to_json())
+        if strict and report.tensors_mismatched:
+            from awex.engines.validation import ValidationError
+
+            raise ValidationError(
+                f"{report.tensors_mismatched} of {report.tensors_checked} received tensors "
+                f"differ from {checkpoint}: {report.to_json()['mismatched'][:10]}"
+            )
 
     def _failed(self, version: str, manifest, error: BaseException, in_place: bool, applying: bool) -> None:
         """Report this rank's failure (to the trainers, as an event, and, when its weights were changed part-way,

@@ -264,39 +264,35 @@ class WeightsWriter:
                 manifest = self._announcer.announce(version, destinations, self.options, meanwhile=rebind)
                 control.update(self._announcer.last_phases)
             else:
-                rebind()
-                manifest = self._session.fetch_manifest(version, self.timeout)
-            announced = time.monotonic()
-            stats = self._session.transfer(
+                rebind()  # then the session reads the manifest
+            sent = self._session.send(
+                version,
                 manifest,
                 self._shards,
-                self.timeout - (time.monotonic() - started),
+                started,
+                self.timeout,
+                control=control,
                 refresh=self.refresh,
                 refresh_by_wave=self.refresh_by_wave,
                 beside=partial(self._beside, self._shards),
+                # a claim sent under the lease (as the bytes began to move): its answer, read while the receivers
+                # still copy or report, before their outcomes
+                confirm=self._announcer.confirm if self._announcer is not None else None,
             )
-            if self._announcer is not None:  # a claim sent under the lease (as the bytes began to move): its answer,
-                confirming = time.monotonic()  # read while the receivers still copy or report, before their outcomes
-                self._announcer.confirm()
-                control["confirm"] = time.monotonic() - confirming
-            if manifest.options.verify:  # what this rank sent, digested while the receivers digest what they got
-                self._session.verify(manifest, self._shards, deadline)
-            outcomes = self._session.await_outcomes(manifest, deadline)
+            outcomes = sent.outcomes
             failed = {rank: o for rank, o in outcomes.items() if o is None or not o.ok}
             if failed:
                 raise SyncFailedError(version, failed)
         except BaseException as e:
-            self._failed(version, manifest, e, outcomes, deadline)
+            attempt = manifest if manifest is not None else self._session.attempt  # the manifest another rank read
+            self._failed(version, attempt, e, outcomes, deadline)
             raise
         self._applied.add(version)
-        self._session.applied()
-        self._session.phases.update(control, manifest=announced - started, total=time.monotonic() - started)
-        stats.phases, stats.planned = dict(self._session.phases), self._session.planned
-        self.last_stats = stats
+        stats = self.last_stats = sent.stats
         if self._announcer is not None:
-            verdicts, total, plan = instance_verdicts(outcomes), self._session.phases["total"], self._session.plan
+            verdicts, total, plan = instance_verdicts(outcomes), stats.phases["total"], sent.plan
             announcer = self._announcer
-            if getattr(self._session.signals, "medium", None) == "channel":  # for ranks that find the channel gone
+            if sent.medium == "channel":  # for ranks that find the channel gone
                 record = partial(self._meta.put, keys.outcomes(version, manifest.seq), to_record(outcomes))
                 later.append((f"the outcomes of {version} on the MetaServer", record))
             # sent now, before write returns (the report travels with the outcome); its answer read before this
@@ -305,21 +301,13 @@ class WeightsWriter:
             later.append(
                 (
                     f"dropping the records of versions before {version}",
-                    partial(
-                        announcer.forget_old,
-                        version,
-                        manifest.seq,
-                        plan,
-                        self._session.transport,
-                        getattr(self._session.signals, "medium", None),
-                    ),
+                    partial(announcer.forget_old, version, manifest.seq, plan, sent.transport, sent.medium),
                 )
             )
         if later:  # one hand-over: one wake-up of the background thread
             self._background.submit(f"after {version}", self._background.run_each, later)
-        line = self._session.describe_sync("sent", version, stats.bytes_sent, stats.seconds)
-        self._background.log_line(line, now=stats.planned)  # a steady version's once write returned
-        self._session.phases["report"] = time.monotonic() - started - self._session.phases["total"]
+        self._background.log_line(sent.line, now=stats.planned)  # a steady version's once write returned
+        self._session.phases["report"] = time.monotonic() - started - stats.phases["total"]
         return stats
 
     def _beside(self, shards: LocalShards) -> None:

@@ -6,7 +6,9 @@ receive, where the sync group meets, wave size, deadline). Every rank of every i
 manifest and the layouts, computes the plan itself, and proves through the MetaServer that all ranks computed
 the same plan before any byte moves. Plans, process groups, staging buffers and every copy's views are built
 once and reused while the manifest's layouts and rendezvous do not change (steady state). The session picks a
-transport (``awex.transport.registry``) and drives it; where ranks run is in :mod:`awex.engines.sync.places`,
+transport (``awex.transport.registry``) and drives it. A version's route through a rank is one call, from its
+manifest to the outcomes: :meth:`SyncSession.send` (a trainer rank) or :meth:`SyncSession.receive`. Where a rank
+reads manifests is in :mod:`awex.engines.sync.manifest_reading`, where ranks run in :mod:`awex.engines.sync.places`,
 what a transport says to its peers in :mod:`awex.engines.sync.peer_link`, every MetaServer key in
 :mod:`awex.engines.sync.keys`.
 """
@@ -16,20 +18,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from awex.engines.errors import VersionRefusedError
 from awex.engines.sync import keys, outcomes, places
-from awex.engines.sync.board import HostBoard, host_identity
-from awex.engines.sync.channel import ChannelError, VersionChannel
-from awex.engines.sync.manifest import Attempt, SyncManifest, _count, group_secret
+from awex.engines.sync.board import HostBoard
+from awex.engines.sync.channel import VersionChannel
+from awex.engines.sync.manifest import Attempt, SyncManifest, group_secret
+from awex.engines.sync.manifest_reading import ManifestReading
 from awex.engines.sync.peer_link import SyncPeerLink
 from awex.engines.sync.phases import Phases
-from awex.engines.sync.relay import HostGroups, HostRelay, channel_manifest
+from awex.engines.sync.relay import HostGroups, HostRelay
 from awex.engines.sync.relayed import with_relays
 from awex.engines.sync.signals import Signals, signals_for
 from awex.engines.sync.verify import Verifier
-from awex.engines.sync.version_plan import PlanKey, plan_version
+from awex.engines.sync.version_plan import PlanKey, fp8_quantizer, plan_version
 from awex.meta import Layout, Plan
 from awex.meta.client import MetaClient
 from awex.meta.errors import AgreementAbortedError, AwexValueError
@@ -42,8 +44,30 @@ Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (canonical tensor, offs
 log = logging.getLogger("awex.engines")
 
 
+@dataclass(frozen=True)
+class Sent:
+    """What one version's route left a trainer rank (:meth:`SyncSession.send`): its stats, every receiving rank's
+    outcome (``None``: did not report by the deadline), and what the writer reports and logs."""
+
+    stats: TransferStats
+    outcomes: outcomes.Outcomes
+    plan: Plan
+    transport: str
+    medium: str | None  # where the version's signals went ("board", "channel", "meta")
+    line: str  # the version's log line
+
+
+@dataclass(frozen=True)
+class Received:
+    """What one version's route left a receiving rank (:meth:`SyncSession.receive`)."""
+
+    stats: TransferStats
+    manifest: SyncManifest
+    line: str  # the version's log line
+
+
 @dataclass
-class SyncSession:
+class SyncSession(ManifestReading):
     """One rank's side of the sync: caches what does not change between versions.
 
     Layouts are fetched once per session: an engine whose layout changes (resharding, a new instance) makes a
@@ -76,6 +100,7 @@ class SyncSession:
     _last_attempt: Attempt | None = None  # the last attempt this rank took part in
     _processes: dict[tuple[str, int], tuple[str, int, int | None]] = field(default_factory=dict)  # of the plan's ranks
     _verifier: Verifier | None = None  # verify mode, made at its first version
+    attempt: SyncManifest | None = None  # the manifest of the version this rank is inside (None between versions)
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan and every transport's state (executors,
@@ -108,111 +133,14 @@ class SyncSession:
         """Whether ``manifest`` needs nothing new: the same rendezvous, wave size and casts as the plan in use."""
         return self._plan is not None and self._key is not None and self._key.same_options(manifest)
 
-    def fetch_manifest(self, version: str, timeout: float) -> SyncManifest:
-        """Version ``version``'s manifest: from the host board or the version channel once one is known (checking
-        the MetaServer every second, in case another writer took over), else from the MetaServer. Once this rank
-        took part in an attempt at ``version`` (it succeeded or failed), only a later attempt's manifest is taken
-        (the writer announces a retry with a higher count)."""
-        self._link = None  # a new version: nothing moved into this rank's views yet (touched)
-        deadline = time.monotonic() + timeout
-        asked = 0.0
-        while True:
-            manifest = self._fetch_manifest_once(version, deadline)
-            if self._new_attempt(manifest):
-                return manifest
-            if time.monotonic() - asked >= 0.5:  # a restarted writer announces on a board and channel of its own
-                asked = time.monotonic()
-                key = keys.manifest(version)
-                if key in self.client.keys(key):
-                    other = self._parse(self.client.get(key, timeout=max(0.1, min(1.0, deadline - asked))))
-                    if self._new_attempt(other):
-                        return self._adopt(other)
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"no new attempt at version {version!r} within {timeout:g} s (this rank took "
-                    f"part in attempt {self._last_attempt.seq} already)"
-                )
-            time.sleep(0.002)
-
-    def _new_attempt(self, manifest: SyncManifest) -> bool:
-        return manifest.attempt.follows(self._last_attempt)
-
     def note_failure(self, manifest: SyncManifest | None) -> None:
         """This rank failed ``manifest``'s attempt: forget the plan and group (:meth:`reset`), and do not take that
         attempt's manifest again. Without a manifest no attempt began on this rank: plan and group stay, as the
         other side keeps them (dropping one side's alone leaves both waiting for each other until the deadline)."""
+        self.attempt = None
         if manifest is not None:
             self.reset()
             self._last_attempt = manifest.attempt
-
-    def _fetch_manifest_once(self, version: str, deadline: float) -> SyncManifest:
-        while True:
-            left = max(0.001, deadline - time.monotonic())
-            try:
-                if self.board is not None:
-                    return self._adopt(self._parse(self.board.manifest(version, min(1.0, left))))
-                if self.channel is not None:  # its secret is never on the channel: it checked the value with it
-                    doc = channel_manifest(self.channel, self.relay, version, min(1.0, left))
-                    if isinstance(doc, dict):
-                        doc = dict(doc, channel_secret=self.channel.secret)
-                    return self._adopt(self._parse(doc))
-            except ChannelError as e:  # its host is gone: the MetaServer has the manifest too
-                log.info("%s:%d: version channel gone (%s); asking the MetaServer", self.instance, self.local_rank, e)
-                self.channel = None
-                continue
-            except TimeoutError:  # BoardTimeout, ChannelTimeout: a writer with another channel, or none yet?
-                key = keys.manifest(version)
-                if key in self.client.keys(key):
-                    return self._adopt(self._parse(self.client.get(key, timeout=1.0)))
-                if time.monotonic() >= deadline:
-                    raise
-                continue
-            return self._adopt(self._parse(self.client.get(keys.manifest(version), timeout=left)))
-
-    def _parse(self, doc: Any) -> SyncManifest:
-        """``SyncManifest.from_json``, except that a manifest differing from the last one parsed only in its version
-        and count (a steady writer's) reuses that one's checked fields. A trainer's refusal notice raises."""
-        if isinstance(doc, dict) and isinstance(doc.get("refused"), str):
-            cause = str(doc.get("cause"))[:500]
-            raise VersionRefusedError(f"the trainer refused version {doc['refused']!r} before any byte moved: {cause}")
-        if isinstance(doc, dict):
-            same = dict(doc, version=None, seq=None)
-            last = self._parsed
-            if last is not None and "version" in doc and same == last[0]:
-                try:
-                    return last[1].renamed(str(doc["version"]), _count(doc.get("seq", 0)))
-                except ValueError as e:
-                    raise AwexValueError(f"malformed sync manifest: {e}") from None
-            manifest = SyncManifest.from_json(doc)
-            self._parsed = (same, manifest)
-            return manifest
-        return SyncManifest.from_json(doc)
-
-    def _adopt(self, manifest: SyncManifest) -> SyncManifest:
-        """Join the manifest's version channel and host board if this rank does not use them yet."""
-        if manifest.channel and (
-            self.channel is None
-            or self.channel.address != manifest.channel
-            or self.channel.secret != manifest.channel_secret
-        ):
-            try:
-                self.channel = VersionChannel.connect(manifest.channel, manifest.channel_secret)
-            except ChannelError as e:
-                log.warning(
-                    "%s:%d: %s; per-version signals go through the MetaServer", self.instance, self.local_rank, e
-                )
-                self.channel = None
-        if (
-            manifest.board
-            and manifest.board_host == host_identity()
-            and (self.board is None or self.board.path != manifest.board)
-        ):
-            try:
-                self.board = HostBoard.attach(manifest.board)
-            except (OSError, ValueError) as e:
-                log.info("%s:%d: cannot use the host board %s (%s)", self.instance, self.local_rank, manifest.board, e)
-                self.board = None
-        return manifest
 
     def physical_device(self) -> str | None:
         """This rank's physical device as ``host/GPU-uuid`` (CUDA), or ``device_key`` when set."""
@@ -300,7 +228,7 @@ class SyncSession:
             manifest.rendezvous(),
             delta=manifest.options.delta,
             delta_budget_bytes=self.delta_budget_bytes,
-            quantize=_fp8_quantizer() if plan.quantized else None,
+            quantize=fp8_quantizer() if plan.quantized else None,
             job=self.client.job,
             secret=group_secret(manifest.channel_secret),
         )
@@ -324,6 +252,82 @@ class SyncSession:
             self.relay.close()
         found = with_relays(plan, rank, self._processes, self.signals, self.channel)
         self.host_groups, self.relay, self.signals = found
+
+    # -- one version's route: a writer and a reader enter the session once a version -------------------------------
+    def send(
+        self,
+        version: str,
+        manifest: SyncManifest | None,
+        shards: LocalShards,
+        started: float,
+        timeout: float,
+        *,
+        control: dict[str, float],
+        refresh: Callable[[], None] | None = None,
+        refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
+        beside: Callable[[], None] | None = None,
+        confirm: Callable[[], None] | None = None,
+    ) -> Sent:
+        """A trainer rank's version from its manifest (``None``: read it, as every rank but the first does) until
+        every receiving rank's outcome: the transfer (``beside`` while the bytes move), ``confirm`` once this rank's
+        part is out (the first rank reads its claim's answer there, before the receivers' outcomes), verify mode's
+        digests, the outcomes. ``control``: the seconds of what the writer did before (its phases). The caller
+        raises where an outcome is not ``ok``; :attr:`attempt` is the manifest while the version is in progress."""
+        self.attempt = None
+        if manifest is None:
+            manifest = self.fetch_manifest(version, timeout)
+        self.attempt = manifest
+        announced = time.monotonic()
+        deadline = started + timeout
+        stats = self.transfer(manifest, shards, deadline - announced, refresh, refresh_by_wave, beside)
+        if confirm is not None:
+            confirming = time.monotonic()
+            confirm()
+            self.phases["confirm"] = time.monotonic() - confirming
+        if manifest.options.verify:  # what this rank sent, digested while the receivers digest what they got
+            self.verify(manifest, shards, deadline)
+        got = self.await_outcomes(manifest, deadline)
+        if all(o is not None and o.ok for o in got.values()):
+            self.applied()
+            self.attempt = None
+        self.phases.update(control, manifest=announced - started, total=time.monotonic() - started)
+        stats.phases, stats.planned = dict(self.phases), self.planned
+        line = self.describe_sync("sent", version, stats.bytes_sent, stats.seconds)
+        return Sent(stats, got, self._plan, self.transport, getattr(self.signals, "medium", None), line)
+
+    def receive(
+        self,
+        version: str,
+        shards: LocalShards,
+        started: float,
+        timeout: float,
+        *,
+        bound: float,
+        admit: Callable[[SyncManifest], None],
+        beside: Callable[[], None] | None = None,
+        land: Callable[[], None] | None = None,
+    ) -> Received:
+        """A receiving rank's version: its manifest (``admit`` raises where this rank must not take it), the transfer
+        (``beside`` while the bytes move), verify mode's check, ``land`` (validation, the engine's load step), then
+        its outcome (:meth:`finish`). ``bound``: when the caller's own check of its views ended. What ``land`` or
+        anything before it raises fails the version on this rank (the caller reports it, with :attr:`attempt`)."""
+        self.attempt = None
+        manifest = self.attempt = self.fetch_manifest(version, timeout)
+        fetched = time.monotonic()
+        admit(manifest)
+        stats = self.transfer(manifest, shards, timeout - (time.monotonic() - started), beside=beside)
+        if manifest.options.verify:  # before validation and the load step: nothing unverified is applied
+            self.verify(manifest, shards, started + timeout)
+        transferred = time.monotonic() - started
+        self.phases.update(fingerprint=bound - started, manifest=fetched - bound, transferred=transferred)
+        if land is not None:
+            land()
+        self.finish(manifest, ok=True, deadline=started + timeout)
+        self.attempt = None
+        self.phases["total"] = time.monotonic() - started
+        stats.phases, stats.planned = dict(self.phases), self.planned
+        line = self.describe_sync("received", version, stats.bytes_received, stats.seconds)
+        return Received(stats, manifest, line)
 
     def transfer(
         self,
@@ -437,11 +441,3 @@ class SyncSession:
         transport = self._transports.get(self.transport) if self.transport else None
         if transport is not None:
             transport.applied()
-
-
-def _fp8_quantizer():
-    """The FP8 block quantiser for receivers that quantise on the copy (awex.convert's: on CUDA one Triton kernel
-    launch over every tile of every piece, bit-identical to its portable path)."""
-    from awex.convert.fp8 import BatchedFp8Quantizer
-
-    return BatchedFp8Quantizer

@@ -98,3 +98,11 @@ def plan_version(
             + " (make the GPUs visible to the reading processes, or use transport='p2p')"
         )
     return plan, transport, None
+
+
+def fp8_quantizer():
+    """The FP8 block quantiser for receivers that quantise on the copy (awex.convert's: on CUDA one Triton kernel
+    launch over every tile of every piece, bit-identical to its portable path)."""
+    from awex.convert.fp8 import BatchedFp8Quantizer
+
+    return BatchedFp8Quantizer
