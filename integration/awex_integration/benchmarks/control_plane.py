@@ -59,6 +59,22 @@ def _proc_cpu(pid: int, thread: str | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _threads_cpu(pid: int, thread: str) -> dict[tuple[int, str], float]:
+    """Seconds each thread named ``thread`` of process ``pid`` ran so far, by ``(pid, thread id)`` (``schedstat``)."""
+    out = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            if Path(task, "comm").read_text().strip() == thread:
+                out[(pid, task.name)] = int(Path(task, "schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 def _proc_peak_rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -77,6 +93,7 @@ class _Sampler:
         import threading
 
         self.pids, self.thread = pids, thread
+        self.threads: list[tuple[float, dict]] = []  # with ``thread``: each such thread's seconds, over time
         self.samples, self._stop = [(time.time(), self._cpu())], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -89,7 +106,11 @@ class _Sampler:
                 return
 
     def _cpu(self) -> float:
-        return sum(_proc_cpu(pid, self.thread) for pid in self.pids)
+        if self.thread is None:
+            return sum(_proc_cpu(pid) for pid in self.pids)
+        each = {k: v for pid in self.pids for k, v in _threads_cpu(pid, self.thread).items()}
+        self.threads.append((time.time(), each))
+        return sum(each.values())
 
     def stop(self) -> None:
         self._stop.set()
@@ -102,6 +123,13 @@ class _Sampler:
     def at(self, when: float) -> float:
         """CPU seconds at wall time ``when`` (the last sample before it)."""
         return max((cpu for t, cpu in self.samples if t <= when), default=self.samples[0][1])
+
+    def busiest(self, began: float, ended: float) -> tuple[float, int]:
+        """The most CPU seconds one thread ran between two wall times, and how many threads ran at all."""
+        at = lambda when: next((each for t, each in reversed(self.threads) if t <= when), {})  # noqa: E731
+        start, end = at(began), at(ended)
+        ran = [cpu - start.get(k, 0.0) for k, cpu in end.items() if cpu > start.get(k, 0.0)]
+        return max(ran, default=0.0), len(ran)
 
 
 def run(ranks: int, processes: int, versions: int, timeout: float, store: str = "journal", profile: str = "") -> dict:
@@ -223,6 +251,9 @@ def summarise(ranks: int, rows: dict, server, plan: float, channel=None) -> dict
     server_steady = (server.at(steady_ended) - server.at(steady_began)) / n if n else float("nan")
     channel_first = channel.at(first_ended) - channel.at(first_began) if channel else 0.0
     channel_steady = (channel.at(steady_ended) - channel.at(steady_began)) / n if channel and n else 0.0
+    # a channel of several lanes is as many event loops (threads), each on a core of its own: its busiest is serial
+    lane_steady, lanes = channel.busiest(steady_began, steady_ended) if channel and n else (0.0, 0)
+    lane_steady = lane_steady / n if n else 0.0
     first_cpu = {
         "first_trainer_rank": round(first["cpu_seconds"], 4),
         "other_trainer_ranks_max": round(max(_cpu(rows, is_trainer, 0)), 4),
@@ -255,7 +286,7 @@ def summarise(ranks: int, rows: dict, server, plan: float, channel=None) -> dict
     channel_ops = [sum(r["versions"][k].get("channel_ops", 0) for r in rows.values()) for k in range(1, len(writer))]
     channel_deletes = sum(v.get("channel_deletes", 0) for v in steady) / n if n else 0.0
     ranks_steady = ("first_trainer_rank", "other_trainer_ranks_max", "receivers_max")
-    serial_steady = server_steady + channel_steady + sum(steady_cpu[k] for k in ranks_steady)
+    serial_steady = server_steady + lane_steady + sum(steady_cpu[k] for k in ranks_steady)
     return {
         "ranks": ranks,
         "trainer_ranks": sum(1 for name in rows if name.startswith("trainer:")),
@@ -277,6 +308,8 @@ def summarise(ranks: int, rows: dict, server, plan: float, channel=None) -> dict
         "steady_cpu_seconds_per_version": steady_cpu,
         "steady_server_cpu_seconds_per_version": round(server_steady, 5),
         "steady_channel_host_cpu_seconds_per_version": round(channel_steady, 5),
+        "steady_channel_lanes": lanes,
+        "steady_channel_busiest_lane_cpu_seconds_per_version": round(lane_steady, 5),
         "steady_serial_cpu_seconds_per_version": round(serial_steady, 5),
         "versions": len(writer),
     }
@@ -320,7 +353,8 @@ def _write(out: str, results: list[dict]) -> None:
         "machine": f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}",
         "date": datetime.now(timezone.utc).date().isoformat(),
         "serial_cpu": "*_serial_cpu_seconds: the server's CPU plus the version channel's host's (the event loop of "
-        "the store the first trainer rank hosts) plus the first trainer rank's plus the busiest other trainer "
+        "the store the first trainer rank hosts; in steady state, of a channel of several lanes, the busiest lane's "
+        "event loop: each runs on a thread of its own) plus the first trainer rank's plus the busiest other trainer "
         "rank's and receiver's: the work that stays serial with a core per rank, the floor of the "
         "critical path on a cluster before network round trips; the wall seconds are measured here, every "
         "rank's client work sharing this machine's cores",

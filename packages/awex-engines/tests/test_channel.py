@@ -63,7 +63,7 @@ def test_a_wait_is_one_round_trip_to_the_host_and_keeps_the_connections_timeout(
     address, port = host.address.rsplit(":", 1)
     store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=7))
     counted = _Counted(store)
-    reader = VersionChannel(counted, host.address, host.secret, hosting=False)
+    reader = VersionChannel([counted], host.address, host.secret, hosting=False)
     host.put("ready/a", 1)
     threading.Timer(0.2, host.put, ("ready/b", 2)).start()  # arrives while the reader waits
     assert reader.wait(["ready/a", "ready/b"], timeout=5) == [1, 2]
@@ -94,7 +94,7 @@ def test_a_forged_value_is_dropped_and_logged_and_the_real_one_taken(forgery, ca
     if forgery == "plain JSON":
         raw.set(key, json.dumps({"ok": True}).encode())
     elif forgery == "a MAC under another secret":
-        raw.set(key, VersionChannel(None, host.address, "f" * 64, hosting=False)._seal(key, {"ok": True}))
+        raw.set(key, VersionChannel([None], host.address, "f" * 64, hosting=False)._seal(key, {"ok": True}))
     else:  # a value the writer did sign, for another rank's key
         host.put("outcome/v2/2/eng/1", {"ok": True})
         raw.set(key, raw.get("outcome/v2/2/eng/1"))
@@ -131,3 +131,54 @@ def test_the_channel_listens_on_the_address_it_was_given_only():
         pass
     with pytest.raises(OSError):
         socket.create_connection((other, port), timeout=2).close()
+
+
+def test_lanes_spread_keys_and_keep_those_many_read_on_every_lane():
+    """A channel of several lanes: each key on one lane (a hash of its name), the manifest and the trainers' record
+    on every lane, each reader reading its own lane's copy; a wait over keys of several lanes gets them all; a delete
+    takes a key from wherever it is; an address of lanes no manifest would carry is refused."""
+    host = VersionChannel.host(lanes=4)
+    assert host.lanes == 4 and host.address.count(",") == 3
+    readers = [VersionChannel.connect(host.address, host.secret, home=f"vllm-0:{r}") for r in range(16)]
+    assert len({r._home for r in readers}) > 1  # readers spread over the lanes' copies
+    ready = [f"ipc-ready/v1/1/host/{lead}" for lead in range(32)]
+    for i, key in enumerate(ready):
+        host.put(key, i)
+    per_lane = [sum(host._lane(lane).check([k]) for k in ready) for lane in range(4)]
+    assert sum(per_lane) == 32 and max(per_lane) < 32 and min(per_lane) > 0, per_lane
+    host.put("manifest/v1", {"version": "v1"})
+    host.put("record/v1/1", {"ok": True})
+    assert all(host._lane(lane).check(["manifest/v1", "record/v1/1"]) for lane in range(4))
+    for reader in readers:
+        assert reader.wait(["manifest/v1", "record/v1/1", *ready], timeout=5) == [
+            {"version": "v1"},
+            {"ok": True},
+            *range(32),
+        ]
+        assert reader.get("manifest/v1") == {"version": "v1"}
+    before = host.num_keys()
+    host.delete(["manifest/v1", ready[0]])
+    assert host.num_keys() == before - 5 and not host.holds("manifest/v1") and not host.holds(ready[0])
+    assert readers[0].holds("record/v1/1") and readers[0].holds(ready[1])
+    with pytest.raises(ChannelTimeout, match="ipc-ready/v1/1/host/0 did not arrive"):
+        readers[1].wait([ready[1], ready[0]], timeout=0.3)
+    with pytest.raises(ChannelError, match="not host:port"):
+        VersionChannel.connect("127.0.0.1:1,x", host.secret)
+    assert readers[2].wait([], timeout=0.1) == []
+    readers[2].close()
+    with pytest.raises(ChannelError, match="closed"):
+        readers[2].put("manifest/v2", {})
+
+
+def test_a_reader_joins_a_lane_when_it_first_uses_it():
+    host = VersionChannel.host(lanes=8)
+    reader = VersionChannel.connect(host.address, host.secret, home="trainer:3")
+    assert sum(s is not None for s in reader._stores) == 1  # its home lane
+    host.put("manifest/v1", {"version": "v1"})
+    assert reader.wait(["manifest/v1"], timeout=5) == [{"version": "v1"}]
+    assert sum(s is not None for s in reader._stores) == 1  # read on its home lane
+    key = next(
+        f"outcome/v1/1/vllm-0/{r}" for r in range(64) if host._lane_of(f"outcome/v1/1/vllm-0/{r}") != reader._home
+    )
+    reader.put(key, {"ok": True})
+    assert sum(s is not None for s in reader._stores) == 2 and host.wait([key], timeout=5) == [{"ok": True}]

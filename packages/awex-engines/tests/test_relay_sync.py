@@ -11,8 +11,10 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
+import awex.engines.writer
 from awex.engines.reader import WeightsReader
 from awex.engines.sync import keys
 from awex.engines.sync.board import HostBoard
@@ -31,13 +33,15 @@ def _views(params):
     return lambda name, box: params[name][box.slices()]
 
 
-def test_versions_arrive_through_host_relays_and_leave_the_channel(monkeypatch):
+@pytest.mark.parametrize("lanes", [1, 3], ids=["one-lane", "three-lanes"])
+def test_versions_arrive_through_host_relays_and_leave_the_channel(monkeypatch, lanes):
     monkeypatch.setattr(HostBoard, "create", staticmethod(lambda: (_ for _ in ()).throw(OSError("no /dev/shm"))))
+    monkeypatch.setattr(awex.engines.writer, "lanes_for", lambda trainer_ranks: lanes)  # two ranks have one
     absent: list[str] = []  # keys dropped from the channel that were not there
     real_delete = VersionChannel.delete
 
     def delete(channel, names):
-        absent.extend(k for k in names if not channel.store.check([k]))
+        absent.extend(k for k in names if not channel.holds(k))
         real_delete(channel, names)
 
     monkeypatch.setattr(VersionChannel, "delete", delete)
@@ -80,9 +84,10 @@ def test_versions_arrive_through_host_relays_and_leave_the_channel(monkeypatch):
                     for box in held_boxes
                 ), (step, r)
             writers[0].flush()
-            held.append(writers[0]._session.channel.store.num_keys())
+            held.append(writers[0]._session.channel.num_keys())
         first, second = writers[0]._session, writers[1]._session
-        assert first.signals.medium == "channel" and first.transport == "shm"
+        assert first.signals.medium == "channel" and first.transport == "shm" and first.channel.lanes == lanes
+        assert readers[1]._session.channel.lanes == lanes
         # the trainers' ready signals: one key for the host, put by the first; none of the second's own
         seq, channel = readers[0]._session._last_attempt.seq, first.channel
         assert channel.get(keys.host_ready("shm", "v5", seq, 0)) == {"0": 1, "1": 1}

@@ -79,7 +79,7 @@ def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, boar
     real_delete = VersionChannel.delete
 
     def delete(channel, names):
-        absent.extend(k for k in names if not channel.store.check([k]))
+        absent.extend(k for k in names if not channel.holds(k))
         real_delete(channel, names)
 
     monkeypatch.setattr(VersionChannel, "delete", delete)
@@ -95,7 +95,7 @@ def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, boar
         sync(writer, reader, f"v{step}")
         assert all(torch.equal(got[n], sent[n]) for n in sent), step
         writer.flush()  # old versions' keys are dropped from the background thread
-        held.append(writer._session.channel.store.num_keys())
+        held.append(writer._session.channel.num_keys())
     session = reader._session
     assert (session.board is not None) == board and session.channel is not None
     # every key a version leaves goes once it is old (keep_versions=2): the store does not grow version by version
@@ -198,12 +198,12 @@ def test_a_failed_attempts_keys_leave_the_channel_with_a_later_version(server, m
     failed = fail_at_load(writer, reader, "v2")
     assert failed
     left = keys.channel_signals("v2", 2, [("hf-out", 0)], [("hf-in", 0)], [kind])
-    store = writer._session.channel.store
-    assert any(store.check([k]) for k in left)  # what the failed attempt left there
+    channel = writer._session.channel
+    assert any(channel.holds(k) for k in left)  # what the failed attempt left there
     sync(writer, reader, "v2")  # the retry, under the same name: the next successful write
     writer.flush()
-    assert [k for k in left if store.check([k])] == []
-    assert store.check([keys.channel_manifest("v2")])  # the retry's manifest (one key for both attempts) stays
+    assert [k for k in left if channel.holds(k)] == []
+    assert channel.holds(keys.channel_manifest("v2"))  # the retry's manifest (one key for both attempts) stays
     writer.close()
     reader.close()
 
@@ -213,6 +213,9 @@ def test_a_failed_attempts_keys_leave_the_channel_with_a_later_version(server, m
     [
         {"channel": "no-port", "channel_secret": "a" * 32},
         {"channel": "127.0.0.1:70000", "channel_secret": "a" * 32},
+        {"channel": "127.0.0.1:5000,70000", "channel_secret": "a" * 32},  # lanes: every port checked
+        {"channel": "127.0.0.1:5000,", "channel_secret": "a" * 32},
+        {"channel": "127.0.0.1:" + ",".join(["5000"] * 65), "channel_secret": "a" * 32},  # at most 64 lanes
         {"channel": "127.0.0.1:5000"},  # a channel without its secret
         {"channel": "127.0.0.1:5000", "channel_secret": "short"},
         {"channel": "127.0.0.1:5000", "channel_secret": "../" * 12},

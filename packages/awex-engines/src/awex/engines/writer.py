@@ -22,6 +22,7 @@ from awex.engines.source import TrainerSource
 from awex.engines.sync import keys, places
 from awex.engines.sync.announcer import Announcer
 from awex.engines.sync.background import Background
+from awex.engines.sync.channel import lanes_for
 from awex.engines.sync.lease import DEFAULT_SECONDS as DEFAULT_LEASE
 from awex.engines.sync.lease import checked as checked_lease
 from awex.engines.sync.manifest import SyncManifest
@@ -196,7 +197,13 @@ class WeightsWriter:
             self._meta.register(layout.instance, role="trainer", instance=layout.instance, world_size=layout.world_size)
             self._meta.publish_layout(layout, "current")
             self._announcer = Announcer(
-                self._meta, self._session, layout.instance, keep_versions, epoch, lease=claim_lease
+                self._meta,
+                self._session,
+                layout.instance,
+                keep_versions,
+                epoch,
+                lease=claim_lease,
+                lanes=lanes_for(layout.world_size),
             )
 
     def close(self) -> None:

@@ -45,8 +45,10 @@ class Announcer:
         keep_versions: int,
         epoch: int = 0,
         lease: float | None = None,
+        lanes: int = 1,
     ):
         self.client, self._session, self.instance, self.keep_versions = client, session, instance, keep_versions
+        self.lanes = lanes  # of the version channel it hosts (awex.engines.sync.channel.lanes_for)
         self.epoch = epoch  # this writer's fence (the client carries it on every write)
         # claims sent on the lease are not waited for before the transfer (awex.engines.sync.lease)
         self.lease = None if lease is None or client.fence is None else ClaimLease(client, keys.manifest(""), lease)
@@ -181,7 +183,7 @@ class Announcer:
         if self._port is None:
             self._port = free_port(options.host)
         if self._channel is None:
-            self._channel = self._session.channel = VersionChannel.host(options.host, options.timeout)
+            self._channel = self._session.channel = VersionChannel.host(options.host, options.timeout, self.lanes)
             try:
                 self._board = self._session.board = HostBoard.create()
             except OSError as e:  # no /dev/shm here: the channel carries every signal

@@ -17,6 +17,14 @@ and checked by the caller.
 
 A channel fails fast when its host is gone (a closed writer, a dead process): the reader then falls back to the
 MetaServer for the next manifest.
+
+*Lanes*: a channel of many ranks is several stores in the host's process (``host:port0,port1,...``), each with an
+event loop of its own, so that their work runs on several cores instead of one. A key lives on one lane, chosen by
+a hash of its name, except those many ranks read (:data:`awex.engines.sync.keys.CHANNEL_EVERYWHERE`: a version's
+manifest, the trainers' record of its outcomes), which are put on every lane, each rank reading its own lane's
+copy (its *home*, a hash of the name it joined with; the host's own connection's is the first lane), and those the
+first trainer rank alone reads all at once (:data:`~awex.engines.sync.keys.CHANNEL_FIRST_LANE`), which are on the
+first lane. A rank connects to a lane when it first uses it.
 """
 
 from __future__ import annotations
@@ -26,16 +34,26 @@ import json
 import logging
 import secrets
 import time
+import zlib
 from datetime import timedelta
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from awex.engines.sync.keys import CHANNEL_EVERYWHERE, CHANNEL_FIRST_LANE
 from awex.meta.errors import AwexError, AwexValueError
 from awex.transport.group import bound_store
 
 log = logging.getLogger("awex.engines")
 MAC_BYTES = 64  # hex digits of an HMAC-SHA256, ahead of the JSON value
+RANKS_PER_LANE = 32  # a lane of the version channel per this many trainer ranks ...
+MAX_LANES = 4  # ... up to this many (at 1,024 ranks eight lanes cost more CPU than four and served no faster)
+
+
+def lanes_for(trainer_ranks: int) -> int:
+    """How many lanes the version channel of a trainer of ``trainer_ranks`` ranks has (one up to 32 ranks, four
+    from 97): about as many ranks again receive, and each rank reads the channel once or twice a version."""
+    return max(1, min(MAX_LANES, -(-trainer_ranks // RANKS_PER_LANE)))
 
 
 class ChannelError(AwexError, RuntimeError):
@@ -53,33 +71,66 @@ class Forged(AwexValueError):
 class VersionChannel:
     """One connection to a sync's version channel (``host()`` starts one, ``connect()`` joins one)."""
 
-    def __init__(self, store: dist.TCPStore, address: str, secret: str, hosting: bool):
-        self._store = store
+    def __init__(self, stores: list, address: str, secret: str, hosting: bool, home: str = "", timeout: float = 30.0):
+        self._stores = stores  # per lane: a store, or None until this connection first uses the lane
         self.address = address
         self.secret = secret
         self.hosting = hosting
+        self.lanes = len(stores)
+        self._home = zlib.crc32(home.encode()) % self.lanes  # the lane whose copy of an everywhere key it reads
+        self._name = home
+        self._timeout = timeout
 
     @classmethod
-    def host(cls, host: str = "127.0.0.1", timeout: float = 300.0) -> VersionChannel:
-        """Start a channel in this process, on a free port of ``host``."""
-        store = bound_store(host, 0, timedelta(seconds=timeout))
-        return cls(store, f"{host}:{store.port}", secrets.token_hex(32), hosting=True)
+    def host(cls, host: str = "127.0.0.1", timeout: float = 300.0, lanes: int = 1) -> VersionChannel:
+        """Start a channel of ``lanes`` stores in this process, on free ports of ``host``."""
+        if lanes < 1:
+            raise AwexValueError(f"a version channel has at least one lane, not {lanes}")
+        stores = [bound_store(host, 0, timedelta(seconds=timeout)) for _ in range(lanes)]
+        address = f"{host}:{','.join(str(store.port) for store in stores)}"
+        return cls(stores, address, secret=secrets.token_hex(32), hosting=True)
 
     @classmethod
-    def connect(cls, address: str, secret: str, timeout: float = 30.0) -> VersionChannel:
-        """Join the channel at ``address`` (``host:port``); raises :class:`ChannelError` if nobody is there within
-        ``timeout`` (a rank that cannot join sends every signal of its plan, and every rank of it, through the
-        MetaServer: the wait allows for a thousand ranks joining at once)."""
-        host, _, port = address.rpartition(":")
-        try:
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=max(0.1, timeout)))
-        except (RuntimeError, ValueError) as e:
-            raise ChannelError(f"version channel at {address}: {e}") from None
-        return cls(store, address, secret, hosting=False)
+    def connect(cls, address: str, secret: str, timeout: float = 30.0, home: str = "") -> VersionChannel:
+        """Join the channel at ``address`` (``host:port`` or ``host:port0,port1,...``) as ``home`` (a name for this
+        rank: which lane's copy of an everywhere key it reads); raises :class:`ChannelError` if nobody is at its
+        home lane within ``timeout`` (a rank that cannot join sends every signal of its plan, and every rank of it,
+        through the MetaServer: the wait allows for a thousand ranks joining at once)."""
+        host, ports = _parse(address)
+        channel = cls([None] * len(ports), address, secret, hosting=False, home=home, timeout=timeout)
+        channel._lane(channel._home)  # its home now: a host that is gone fails here
+        return channel
 
     def clone(self, timeout: float = 10.0) -> VersionChannel:
         """Another connection to the same channel (for another thread)."""
-        return VersionChannel.connect(self.address, self.secret, timeout)
+        return VersionChannel.connect(self.address, self.secret, timeout, home=self._name)
+
+    def _lane(self, lane: int) -> dist.TCPStore:
+        if self._stores is None:
+            raise ChannelError(f"version channel at {self.address}: closed")
+        store = self._stores[lane]
+        if store is None:
+            host, ports = _parse(self.address)
+            try:
+                store = dist.TCPStore(
+                    host, ports[lane], is_master=False, timeout=timedelta(seconds=max(0.1, self._timeout))
+                )
+            except (RuntimeError, ValueError) as e:
+                raise ChannelError(f"version channel at {self.address}: {e}") from None
+            self._stores[lane] = store
+        return store
+
+    def _lane_of(self, key: str) -> int:
+        if self.lanes == 1:
+            return 0
+        if key.startswith(CHANNEL_EVERYWHERE):
+            return self._home
+        if key.startswith(CHANNEL_FIRST_LANE):
+            return 0
+        return zlib.crc32(key.encode()) % self.lanes
+
+    def _store_of(self, key: str) -> dist.TCPStore:
+        return self._lane(self._lane_of(key))
 
     def _mac(self, key: str, payload: bytes) -> bytes:
         return hmac.digest(self.secret.encode(), key.encode() + b"\0" + payload, "sha256").hex().encode()  # one C call
@@ -102,15 +153,15 @@ class VersionChannel:
     def _dropped(self, error: Forged) -> None:
         log.warning("%s: dropped", error)
 
-    @property
-    def store(self) -> dist.TCPStore:
-        if self._store is None:
-            raise ChannelError(f"version channel at {self.address}: closed")
-        return self._store
-
     def put(self, key: str, value: Any) -> None:
+        """Put ``value`` under ``key`` (on every lane where many ranks read it)."""
+        sealed = self._seal(key, value)
         try:
-            self.store.set(key, self._seal(key, value))
+            if self.lanes > 1 and key.startswith(CHANNEL_EVERYWHERE):
+                for lane in range(self.lanes):
+                    self._lane(lane).set(key, sealed)
+            else:
+                self._store_of(key).set(key, sealed)
         except RuntimeError as e:
             raise ChannelError(f"version channel at {self.address}: {e}") from None
 
@@ -120,12 +171,26 @@ class VersionChannel:
 
         One round trip to the channel's host: the store's ``multi_get`` itself waits until every key is there
         (within the connection's timeout, set to what is left of ``timeout`` first, locally); a ``wait`` before it
-        was a second round trip on the version's critical path."""
+        was a second round trip on the version's critical path. Keys on several lanes: one such wait a lane."""
         deadline = time.monotonic() + timeout
+        if not keys:
+            return []
+        if self.lanes == 1:
+            return self._wait_lane(keys, deadline, timeout)
+        by_lane: dict[int, list[str]] = {}
+        for k in keys:
+            by_lane.setdefault(self._lane_of(k), []).append(k)
+        found = {}
+        for lane_keys in by_lane.values():
+            found.update(zip(lane_keys, self._wait_lane(lane_keys, deadline, timeout)))
+        return [found[k] for k in keys]
+
+    def _wait_lane(self, keys: Sequence[str], deadline: float, timeout: float) -> list[Any]:
+        """:meth:`wait` for keys of one lane."""
         found: dict[str, Any] = {}
         while True:
             waiting = [k for k in keys if k not in found]
-            store = self.store
+            store = self._store_of(waiting[0])
             before = store.timeout  # the connection's own, for its other operations
             try:
                 store.set_timeout(timedelta(seconds=max(0.001, deadline - time.monotonic())))
@@ -161,7 +226,7 @@ class VersionChannel:
         if not self._check(key):
             return None
         try:
-            return self._open(key, self.store.get(key))
+            return self._open(key, self._store_of(key).get(key))
         except Forged as e:
             self._dropped(e)
             return None
@@ -170,14 +235,40 @@ class VersionChannel:
 
     def _check(self, key: str) -> bool:
         try:
-            return bool(self.store.check([key]))
+            return bool(self._store_of(key).check([key]))
         except RuntimeError:
             return False
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is on the channel now (on every lane, where it is kept on every lane)."""
+        if self.lanes > 1 and key.startswith(CHANNEL_EVERYWHERE):
+            return all(self._lane(lane).check([key]) for lane in range(self.lanes))
+        return self._check(key)
+
+    def num_keys(self) -> int:
+        """Keys on the channel, every lane's counted (a store counts one key of its own besides)."""
+        return sum(self._lane(lane).num_keys() for lane in range(self.lanes))
+
     def delete(self, keys: Sequence[str]) -> None:
         for k in keys:
-            self.store.delete_key(k)
+            if self.lanes > 1 and k.startswith(CHANNEL_EVERYWHERE):
+                for lane in range(self.lanes):
+                    self._lane(lane).delete_key(k)
+            else:
+                self._store_of(k).delete_key(k)
 
     def close(self) -> None:
         """Drop this connection (a hosting channel stops serving once no reference to it is left)."""
-        self._store = None
+        self._stores = None
+
+
+def _parse(address: str) -> tuple[str, list[int]]:
+    """``host:port`` or ``host:port0,port1,...`` -> the host and each lane's port."""
+    host, _, ports = address.rpartition(":")
+    try:
+        lanes = [int(p) for p in ports.split(",")]
+    except ValueError:
+        raise ChannelError(f"version channel at {address!r}: not host:port[,port...]") from None
+    if not host or not lanes:
+        raise ChannelError(f"version channel at {address!r}: not host:port[,port...]")
+    return host, lanes

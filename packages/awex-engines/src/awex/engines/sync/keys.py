@@ -96,6 +96,18 @@ def channel_manifest(version: str) -> str:
     return f"manifest/{version}"
 
 
+def channel_record(version: str, count: int) -> str:
+    """:func:`outcomes` on the version channel (the trainers' record of every outcome of one attempt)."""
+    return f"record/{version}/{count}"
+
+
+CHANNEL_EVERYWHERE = ("manifest/", "record/")
+"""Keys the version channel keeps on each of its lanes (many ranks read them: each reads its own lane's copy)."""
+CHANNEL_FIRST_LANE = ("outcomes/",)
+"""Keys the version channel keeps on its first lane: the groups' outcome records, which the first trainer rank (whose
+own lane it is) reads all at once."""
+
+
 def channel_signals(
     version: str,
     count: int,
@@ -112,7 +124,7 @@ def channel_signals(
     group of receivers' outcomes named in ``records`` (:func:`instance_outcomes`); with ``leads``, each of those
     sync ranks' host key of ready signals (:func:`host_ready`; then ``senders`` are those that put a key of their
     own). What the writer drops once the version is old: a round trip each, so none that was not written."""
-    out = [outcomes(version, count)]
+    out = [channel_record(version, count)]
     out += [ready(kind, version, count, instance, rank) for instance, rank in senders for kind in kinds]
     out += [host_ready(kind, version, count, lead) for lead in leads for kind in kinds]
     out += [channel_outcome(version, count, instance, rank) for instance, rank in receivers]

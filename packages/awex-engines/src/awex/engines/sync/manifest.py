@@ -102,12 +102,17 @@ def _flag(value: Any) -> bool:
 
 
 def _channel_address(value: Any) -> str | None:
+    """``host:port``, or ``host:port0,port1,...`` for a channel of several lanes (at most 64)."""
     if value is None:
         return None
-    host, _, port = str(value).rpartition(":")
-    if not host or not 0 < int(port) < 65536:
-        raise AwexValueError(f"channel address {value!r} is not host:port")
-    return f"{host}:{int(port)}"
+    host, _, ports = str(value).rpartition(":")
+    try:
+        lanes = [int(p) for p in ports.split(",")]
+    except ValueError:
+        lanes = []
+    if not host or not 0 < len(lanes) <= 64 or not all(0 < p < 65536 for p in lanes):
+        raise AwexValueError(f"channel address {value!r} is not host:port[,port...]")
+    return f"{host}:{','.join(str(p) for p in lanes)}"
 
 
 def _channel_secret(d: dict) -> str | None:

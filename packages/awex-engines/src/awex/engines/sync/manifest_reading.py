@@ -115,7 +115,9 @@ class ManifestReading:
             or self.channel.secret != manifest.channel_secret
         ):
             try:
-                self.channel = VersionChannel.connect(manifest.channel, manifest.channel_secret)
+                self.channel = VersionChannel.connect(
+                    manifest.channel, manifest.channel_secret, home=f"{self.instance}:{self.local_rank}"
+                )
             except ChannelError as e:
                 log.warning(
                     "%s:%d: %s; per-version signals go through the MetaServer", self.instance, self.local_rank, e

@@ -198,18 +198,18 @@ class ChannelSignals(InstanceRecords):
             return [self.channel.get(k) for k in names]
 
     def publish_outcomes(self, manifest: SyncManifest, doc: dict) -> None:
-        self.channel.put(keys.outcomes(manifest.version, manifest.seq), doc)
+        self.channel.put(keys.channel_record(manifest.version, manifest.seq), doc)
 
     def collected(self, manifest: SyncManifest, timeout: float) -> Any:
         """From the channel; where it is gone (the first rank closed its writer once its last version was
         applied), from the MetaServer, where the first rank's writer also puts the record, after its write."""
-        key = keys.outcomes(manifest.version, manifest.seq)
         deadline = time.monotonic() + timeout
         try:
-            return self.channel.wait([key], max(0.001, timeout))[0]
+            return self.channel.wait([keys.channel_record(manifest.version, manifest.seq)], max(0.001, timeout))[0]
         except ChannelError:
             if self.client is None:
                 raise
+            key = keys.outcomes(manifest.version, manifest.seq)
             return self.client.get(key, timeout=max(0.001, deadline - time.monotonic()))
 
     def publish_instance(self, manifest: SyncManifest, instance: str, doc: dict) -> None:
