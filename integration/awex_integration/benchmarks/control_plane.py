@@ -35,32 +35,20 @@ FIRST_PHASES = ("layouts", "devices", "plan", "agreement", "signals", "done", "m
 CHANNEL_THREAD = "pt_tcpstore_uv"  # the event loop of torch's TCPStore server: the version channel's host
 
 
-def _proc_cpu(pid: int, thread: str | None = None) -> float:
+def _proc_cpu(pid: int) -> float:
     """Seconds process ``pid`` ran on a CPU so far: the sum of its live threads' ``schedstat`` (nanoseconds; a
     server's work runs on its event loop's thread, which lives as long as it does), where the kernel keeps it; else
-    user plus system time from ``stat``, in clock ticks (10 ms: coarse for a steady version's few milliseconds).
-    With ``thread``, only the threads of that name (``comm``), from ``schedstat`` (0.0 where none is)."""
-    total, seen = 0, False
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        tasks = []
-    for task in tasks:
-        try:
-            if thread is not None and Path(task, "comm").read_text().strip() != thread:
-                continue
-            total += int(Path(task, "schedstat").read_text().split()[0])
-            seen = True
-        except (OSError, ValueError, IndexError):  # a thread that just ended, or no schedstat here
-            continue
-    if seen or thread is not None:
-        return total / 1e9
+    user plus system time from ``stat``, in clock ticks (10 ms: coarse for a steady version's few milliseconds)."""
+    threads = _threads_cpu(pid)
+    if threads:
+        return sum(threads.values())
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _threads_cpu(pid: int, thread: str) -> dict[tuple[int, str], float]:
-    """Seconds each thread named ``thread`` of process ``pid`` ran so far, by ``(pid, thread id)`` (``schedstat``)."""
+def _threads_cpu(pid: int, thread: str | None = None) -> dict[tuple[int, str], float]:
+    """Seconds each live thread of process ``pid`` ran so far, by ``(pid, thread id)``, from ``schedstat``; with
+    ``thread``, only the threads of that name (``comm``). Empty where the kernel keeps no ``schedstat``."""
     out = {}
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -68,9 +56,9 @@ def _threads_cpu(pid: int, thread: str) -> dict[tuple[int, str], float]:
         return out
     for task in tasks:
         try:
-            if Path(task, "comm").read_text().strip() == thread:
+            if thread is None or Path(task, "comm").read_text().strip() == thread:
                 out[(pid, task.name)] = int(Path(task, "schedstat").read_text().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
+        except (OSError, ValueError, IndexError):  # a thread that just ended, or no schedstat here
             continue
     return out
 
