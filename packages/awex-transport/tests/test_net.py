@@ -1,9 +1,12 @@
-"""Ports to listen on: drawn outside the kernel's ephemeral range (which every connect and bind(0) on the host
-draws from meanwhile), falling back to the kernel's choice where no room is left."""
+"""Addresses of ports are split or refused. Ports to listen on: drawn outside the kernel's ephemeral range (which
+every connect and bind(0) on the host draws from meanwhile), falling back to the kernel's choice where no room is
+left."""
 
 from __future__ import annotations
 
 import socket
+
+import pytest
 
 from awex.transport import net
 
@@ -37,3 +40,13 @@ def test_the_host_range_is_read_and_an_unreadable_one_keeps_the_default(tmp_path
     assert net._listen_range() == (22001, 32767)
     monkeypatch.setattr(net, "EPHEMERAL_RANGE_FILE", str(tmp_path / "missing"))
     assert net._listen_range() == net.LISTEN_PORTS
+
+
+@pytest.mark.parametrize(
+    "bad", ["no-port", ":5000", "h:0", "h:70000", "h:5000,", "h:5000,x", "h:" + ",".join(["5000"] * 65)]
+)
+def test_an_address_of_ports_is_split_or_refused(bad):
+    assert net.split_ports("127.0.0.1:5000") == ("127.0.0.1", [5000])
+    assert net.split_ports("::1:5000,5001") == ("::1", [5000, 5001])  # the ports follow the last colon
+    with pytest.raises(ValueError, match="not host:port"):
+        net.split_ports(bad)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import socket
 
+from awex.meta.errors import AwexValueError
+
 
 def local_address(peer_host: str, peer_port: int = 9) -> str:
     """This host's address on the route to ``peer_host`` (no packet is sent: connecting a UDP socket only picks
@@ -16,6 +18,19 @@ def local_address(peer_host: str, peer_port: int = 9) -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def split_ports(address: str, most: int = 64) -> tuple[str, list[int]]:
+    """``host:port`` or ``host:port0,port1,...`` (at most ``most`` ports) -> the host and its ports; ``AwexValueError``
+    where it is not one (no host, a port that is not a number in 1..65535, too many)."""
+    host, _, tail = str(address).rpartition(":")
+    try:
+        ports = [int(p) for p in tail.split(",")]
+    except ValueError:
+        ports = []
+    if not host or not 0 < len(ports) <= most or not all(0 < p < 65536 for p in ports):
+        raise AwexValueError(f"{address!r} is not host:port[,port...] (at most {most} ports)")
+    return host, ports
 
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"

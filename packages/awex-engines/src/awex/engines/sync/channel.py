@@ -43,6 +43,7 @@ import torch.distributed as dist
 from awex.engines.sync.keys import CHANNEL_EVERYWHERE, CHANNEL_FIRST_LANE
 from awex.meta.errors import AwexError, AwexValueError
 from awex.transport.group import bound_store
+from awex.transport.net import split_ports
 
 log = logging.getLogger("awex.engines")
 MAC_BYTES = 64  # hex digits of an HMAC-SHA256, ahead of the JSON value
@@ -74,6 +75,7 @@ class VersionChannel:
     def __init__(self, stores: list, address: str, secret: str, hosting: bool, home: str = "", timeout: float = 30.0):
         self._stores = stores  # per lane: a store, or None until this connection first uses the lane
         self.address = address
+        self._host, self._ports = _parse(address)
         self.secret = secret
         self.hosting = hosting
         self.lanes = len(stores)
@@ -96,8 +98,7 @@ class VersionChannel:
         rank: which lane's copy of an everywhere key it reads); raises :class:`ChannelError` if nobody is at its
         home lane within ``timeout`` (a rank that cannot join sends every signal of its plan, and every rank of it,
         through the MetaServer: the wait allows for a thousand ranks joining at once)."""
-        host, ports = _parse(address)
-        channel = cls([None] * len(ports), address, secret, hosting=False, home=home, timeout=timeout)
+        channel = cls([None] * len(_parse(address)[1]), address, secret, hosting=False, home=home, timeout=timeout)
         channel._lane(channel._home)  # its home now: a host that is gone fails here
         return channel
 
@@ -110,10 +111,9 @@ class VersionChannel:
             raise ChannelError(f"version channel at {self.address}: closed")
         store = self._stores[lane]
         if store is None:
-            host, ports = _parse(self.address)
             try:
                 store = dist.TCPStore(
-                    host, ports[lane], is_master=False, timeout=timedelta(seconds=max(0.1, self._timeout))
+                    self._host, self._ports[lane], is_master=False, timeout=timedelta(seconds=max(0.1, self._timeout))
                 )
             except (RuntimeError, ValueError) as e:
                 raise ChannelError(f"version channel at {self.address}: {e}") from None
@@ -131,6 +131,12 @@ class VersionChannel:
 
     def _store_of(self, key: str) -> dist.TCPStore:
         return self._lane(self._lane_of(key))
+
+    def _stores_holding(self, key: str) -> list[dist.TCPStore]:
+        """Every lane's store that keeps ``key``: all of them for an everywhere key, else its one lane's."""
+        if self.lanes > 1 and key.startswith(CHANNEL_EVERYWHERE):
+            return [self._lane(lane) for lane in range(self.lanes)]
+        return [self._store_of(key)]
 
     def _mac(self, key: str, payload: bytes) -> bytes:
         return hmac.digest(self.secret.encode(), key.encode() + b"\0" + payload, "sha256").hex().encode()  # one C call
@@ -157,11 +163,8 @@ class VersionChannel:
         """Put ``value`` under ``key`` (on every lane where many ranks read it)."""
         sealed = self._seal(key, value)
         try:
-            if self.lanes > 1 and key.startswith(CHANNEL_EVERYWHERE):
-                for lane in range(self.lanes):
-                    self._lane(lane).set(key, sealed)
-            else:
-                self._store_of(key).set(key, sealed)
+            for store in self._stores_holding(key):
+                store.set(key, sealed)
         except RuntimeError as e:
             raise ChannelError(f"version channel at {self.address}: {e}") from None
 
@@ -241,9 +244,7 @@ class VersionChannel:
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` is on the channel now (on every lane, where it is kept on every lane)."""
-        if self.lanes > 1 and key.startswith(CHANNEL_EVERYWHERE):
-            return all(self._lane(lane).check([key]) for lane in range(self.lanes))
-        return self._check(key)
+        return all(store.check([key]) for store in self._stores_holding(key))
 
     def num_keys(self) -> int:
         """Keys on the channel, every lane's counted (a store counts one key of its own besides)."""
@@ -251,11 +252,8 @@ class VersionChannel:
 
     def delete(self, keys: Sequence[str]) -> None:
         for k in keys:
-            if self.lanes > 1 and k.startswith(CHANNEL_EVERYWHERE):
-                for lane in range(self.lanes):
-                    self._lane(lane).delete_key(k)
-            else:
-                self._store_of(k).delete_key(k)
+            for store in self._stores_holding(k):
+                store.delete_key(k)
 
     def close(self) -> None:
         """Drop this connection (a hosting channel stops serving once no reference to it is left)."""
@@ -264,11 +262,7 @@ class VersionChannel:
 
 def _parse(address: str) -> tuple[str, list[int]]:
     """``host:port`` or ``host:port0,port1,...`` -> the host and each lane's port."""
-    host, _, ports = address.rpartition(":")
     try:
-        lanes = [int(p) for p in ports.split(",")]
+        return split_ports(address)
     except ValueError:
         raise ChannelError(f"version channel at {address!r}: not host:port[,port...]") from None
-    if not host or not lanes:
-        raise ChannelError(f"version channel at {address!r}: not host:port[,port...]")
-    return host, lanes

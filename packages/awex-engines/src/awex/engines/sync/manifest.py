@@ -9,6 +9,7 @@ from typing import Any
 
 from awex.engines.sync.options import SyncOptions
 from awex.meta.errors import AwexValueError
+from awex.transport.net import split_ports
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,10 @@ def _channel_address(value: Any) -> str | None:
     """``host:port``, or ``host:port0,port1,...`` for a channel of several lanes (at most 64)."""
     if value is None:
         return None
-    host, _, ports = str(value).rpartition(":")
     try:
-        lanes = [int(p) for p in ports.split(",")]
+        host, lanes = split_ports(value)
     except ValueError:
-        lanes = []
-    if not host or not 0 < len(lanes) <= 64 or not all(0 < p < 65536 for p in lanes):
-        raise AwexValueError(f"channel address {value!r} is not host:port[,port...]")
+        raise AwexValueError(f"channel address {value!r} is not host:port[,port...]") from None
     return f"{host}:{','.join(str(p) for p in lanes)}"
 
 
