@@ -6,7 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from awex.transport.batched_copy import ALIGN, batchable, copy_blocks, split_batchable, spread_evenly
+from awex.transport.batched_copy import (
+    ALIGN,
+    batchable,
+    copy_blocks,
+    row_blocks,
+    row_copy,
+    split_batchable,
+    spread_evenly,
+)
 
 
 def replay(memory: torch.Tensor, base: int, table: torch.Tensor, block_bytes: int) -> None:
@@ -42,6 +50,51 @@ def test_blocks_copy_exactly_the_bytes_of_each_copy(sizes16, block_bytes, seed):
     assert len(table) == sum(-(-n // block_bytes) for n in sizes)
     replay(memory, base, table, block_bytes)
     assert torch.equal(memory, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 6), st.integers(1, 5), st.integers(0, 3)), min_size=1, max_size=4),
+    st.sampled_from([16, 32, 64, 4096]),
+    st.integers(0, 2**31),
+)
+def test_row_blocks_copy_each_row_and_nothing_between(runs, block_bytes, seed):
+    """Row by row copies (a strided destination, as a row-parallel half lands): every row's bytes arrive, the
+    bytes between the destination's rows stay as they were, and no block crosses a row's end."""
+    g = torch.Generator().manual_seed(seed)
+    size = 8192
+    memory = torch.randint(0, 256, (2 * size,), dtype=torch.uint8, generator=g)
+    expected = memory.clone()
+    table_runs, src_at, dst_at = [], 0, size
+    for rows, row16, gap16 in runs:
+        row, dstride = 16 * row16, 16 * (row16 + gap16)
+        for r in range(rows):  # sources packed (a contiguous half), destinations every dstride bytes
+            expected[dst_at + r * dstride : dst_at + r * dstride + row] = memory[
+                src_at + r * row : src_at + (r + 1) * row
+            ]
+        table_runs.append((dst_at, src_at, rows, row, dstride, row))
+        src_at += rows * row
+        dst_at += rows * dstride
+    base = 16 * int(torch.randint(0, size // 16, (1,), generator=g))
+    table = row_blocks(table_runs, base, block_bytes)
+    assert len(table) == sum(rows * -(-(16 * row16) // block_bytes) for rows, row16, _ in runs)
+    replay(memory, base, table, block_bytes)
+    assert torch.equal(memory, expected)
+    with pytest.raises(ValueError, match="at least one row"):
+        row_blocks([(0, 64, 0, 32, 32, 32)], 0, 32)
+
+
+def test_only_cuda_copies_with_contiguous_aligned_rows_go_row_by_row():
+    whole = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert row_copy(whole[:, :32], torch.ones(8, 32, dtype=torch.bfloat16)) is None  # CPU: the kernel is CUDA only
+    if torch.cuda.is_available():
+        whole = whole.cuda()
+        half = torch.ones(8, 32, dtype=torch.bfloat16, device="cuda")
+        assert row_copy(whole[:, :32], half) == (8, 64, 128, 64)
+        assert row_copy(whole[:, 32:], half) == (8, 64, 128, 64)
+        assert row_copy(whole[:, 4:36], half) is None  # rows 8 bytes off 16-byte words
+        assert row_copy(whole[:, :32].t(), half.t()) is None  # rows not contiguous
+        assert row_copy(whole[:, :32], half[:, :16].repeat(1, 2).float()) is None  # another dtype
 
 
 def test_block_size_must_keep_16_byte_words():
@@ -116,3 +169,29 @@ def test_batched_copy_reads_another_gpu_in_the_same_launch():
     torch.cuda.synchronize(here)
     assert all(torch.equal(d, s) for d, s in local)
     assert all(torch.equal(d, s.to(here)) for d, s in far)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (reads over NVLink)")
+def test_row_reads_land_row_parallel_halves_from_another_gpu():
+    """Two halves of each row (as Megatron's row-parallel shards) read from another GPU into one whole tensor, row
+    by row in one launch whose block fits the shortest row; the bytes between stay untouched until theirs land."""
+    from awex.transport.batched_copy import row_reads
+    from awex.transport.peer_dma import enable_peer_access
+
+    here, there = torch.device("cuda", 0), torch.device("cuda", 1)
+    enable_peer_access(here, there)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for out, cols in ((64, 2048), (48, 6144)):  # rows of 2 KiB and 6 KiB a half
+        whole = torch.zeros(out, 2 * cols, dtype=torch.bfloat16, device=here)
+        halves = [torch.randn(out, cols, generator=g).to(torch.bfloat16).to(there) for _ in range(2)]
+        rows += [(whole[:, :cols], halves[0]), (whole[:, cols:], halves[1])]
+    launch = row_reads(rows[::2], [s.data_ptr() for _, s in rows[::2]])
+    assert launch.block_bytes == 2048 and launch.blocks == 64 + 48 * 3
+    launch()
+    torch.cuda.synchronize(here)
+    assert all(torch.equal(d, s.to(here)) for d, s in rows[::2])
+    assert all(not bool(d.any()) for d, _ in rows[1::2])  # the other halves: not written
+    row_reads(rows[1::2], [s.data_ptr() for _, s in rows[1::2]])()
+    torch.cuda.synchronize(here)
+    assert all(torch.equal(d, s.to(here)) for d, s in rows)

@@ -7,8 +7,9 @@ Here every copy is cut into blocks of ``block_bytes`` and one launch of one Trit
 each program one block, so the GPU stays full to the end.
 
 Only copies whose both ends are contiguous, 16-byte aligned and a multiple of 16 bytes long take this path
-(so every program moves 16-byte words); :func:`split_batchable` says which. Addresses are kept as byte offsets
-from one base tensor's address, which the kernel receives as its only pointer.
+(so every program moves 16-byte words); :func:`split_batchable` says which. A copy that is not contiguous but whose
+rows are (a row-parallel half landing in every other half-row) can go row by row (:func:`row_copy`, ``rows``).
+Addresses are kept as byte offsets from one base tensor's address, which the kernel receives as its only pointer.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ log = logging.getLogger("awex.transport")
 
 ALIGN = 16
 BLOCK_BYTES = 1 << 16
+ROW_BLOCK_MIN, ROW_BLOCK_MAX = 1 << 10, 1 << 14  # the blocks of a launch copying row by row (row_reads)
 
 
 def batchable(dst: torch.Tensor, src: torch.Tensor, peer: bool = False) -> bool:
@@ -45,6 +47,48 @@ def batchable(dst: torch.Tensor, src: torch.Tensor, peer: bool = False) -> bool:
         and dst.data_ptr() % ALIGN == 0
         and src.data_ptr() % ALIGN == 0
     )
+
+
+def row_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``(rows, row bytes, destination row stride, source row stride)`` (strides in bytes) where ``dst <- src`` can
+    go row by row through :class:`BatchedCopy` (``rows``): CUDA tensors of one shape and dtype, each row (along
+    the first dimension) contiguous on both sides, every row 16-byte aligned at both ends and a multiple of 16
+    bytes long, the destination's rows apart; else ``None``."""
+    if dst.dim() < 2 or dst.shape != src.shape or dst.dtype != src.dtype or dst.shape[0] < 1 or dst.numel() == 0:
+        return None
+    if (
+        dst.device.type != "cuda"
+        or src.device.type != "cuda"
+        or not (dst[0].is_contiguous() and src[0].is_contiguous())
+    ):
+        return None
+    size = dst.element_size()
+    row = dst[0].nbytes
+    dstride, sstride = dst.stride(0) * size, src.stride(0) * size
+    aligned = all(x % ALIGN == 0 for x in (row, dstride, sstride, dst.data_ptr(), src.data_ptr()))
+    if not aligned or (dst.shape[0] > 1 and dstride < row) or sstride < 0:
+        return None
+    return dst.shape[0], row, dstride, sstride
+
+
+def row_blocks(runs: Sequence[tuple[int, int, int, int, int, int]], base: int, block_bytes: int) -> torch.Tensor:
+    """Copies of ``(destination address, source address, rows, row bytes, destination row stride, source row
+    stride)`` cut into blocks of at most ``block_bytes``, none across a row's end: rows as :func:`copy_blocks`
+    makes them (offsets from ``base``), each copy's rows and blocks in order."""
+    cut(torch.empty(0, dtype=torch.int64), block_bytes)  # (checks block_bytes)
+    parts = [torch.empty((0, 3), dtype=torch.int64)]
+    for dst, src, rows, row, dstride, sstride in runs:
+        if rows < 1 or row <= 0:
+            raise AwexValueError("every copy must move at least one row of at least one byte")
+        per_row = -(-row // block_bytes)
+        k = torch.arange(rows * per_row, dtype=torch.int64)
+        r, at = k // per_row, (k % per_row) * block_bytes
+        parts.append(
+            torch.stack(
+                [dst - base + r * dstride + at, src - base + r * sstride + at, (row - at).clamp(max=block_bytes)], 1
+            )
+        )
+    return torch.cat(parts)
 
 
 def split_batchable(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]):
@@ -132,7 +176,10 @@ class BatchedCopy:
     so the reads over the link overlap the whole launch instead of leaving the GPU's memory idle at one end
     (measured: docs/performance.md).
     ``spread_sources`` are the addresses the kernel reads each spread copy's source at, where that is not its
-    ``data_ptr()`` (memory of another process: :func:`awex.transport.peer_dma.open_ipc_memory`)."""
+    ``data_ptr()`` (memory of another process: :func:`awex.transport.peer_dma.open_ipc_memory`).
+    ``rows`` are copies that go row by row (:func:`row_copy`), read from another GPU as the spread ones are (at
+    ``rows_sources``); a row shorter than ``block_bytes`` leaves the rest of its program idle, so a launch of short
+    rows takes a block of about a row."""
 
     def __init__(
         self,
@@ -141,17 +188,21 @@ class BatchedCopy:
         num_warps: int = 16,
         spread: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
         spread_sources: Sequence[int] | None = None,
+        rows: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        rows_sources: Sequence[int] | None = None,
     ):
-        everything = [*copies, *spread]
+        everything = [*copies, *spread, *rows]
         if not everything:
             raise AwexValueError("BatchedCopy needs at least one copy")
-        bad = [i for i, (d, s) in enumerate(copies) if not batchable(d, s)] + [
-            len(copies) + i for i, (d, s) in enumerate(spread) if not batchable(d, s, peer=True)
-        ]
+        bad = (
+            [i for i, (d, s) in enumerate(copies) if not batchable(d, s)]
+            + [len(copies) + i for i, (d, s) in enumerate(spread) if not batchable(d, s, peer=True)]
+            + [len(copies) + len(spread) + i for i, (d, s) in enumerate(rows) if row_copy(d, s) is None]
+        )
         if bad:
             raise AwexValueError(
                 f"copies {bad[:5]} are not batchable (contiguous, CUDA, 16-byte aligned; only "
-                "spread copies may read another GPU)"
+                "spread copies may read another GPU; rows copies go row by row: row_copy)"
             )
         self.device = everything[0][0].device
         if any(d.device != self.device for d, _ in everything):
@@ -160,11 +211,24 @@ class BatchedCopy:
             spread_sources = [s.data_ptr() for _, s in spread]
         if len(spread_sources) != len(spread) or any(a % ALIGN for a in spread_sources):
             raise AwexValueError(f"spread_sources: one {ALIGN}-byte aligned address per spread copy")
+        if rows_sources is None:
+            rows_sources = [s.data_ptr() for _, s in rows]
+        if len(rows_sources) != len(rows) or any(a % ALIGN for a in rows_sources):
+            raise AwexValueError(f"rows_sources: one {ALIGN}-byte aligned address per rows copy")
         self._base = everything[0][0]  # kept alive: its address is the kernel's base pointer
         base = self._base.data_ptr()
         blocks = spread_evenly(
             copy_blocks([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in copies], base, block_bytes),
-            copy_blocks([(d.data_ptr(), a, d.nbytes) for (d, _), a in zip(spread, spread_sources)], base, block_bytes),
+            torch.cat(
+                [
+                    copy_blocks(
+                        [(d.data_ptr(), a, d.nbytes) for (d, _), a in zip(spread, spread_sources)], base, block_bytes
+                    ),
+                    row_blocks(
+                        [(d.data_ptr(), a, *row_copy(d, s)) for (d, s), a in zip(rows, rows_sources)], base, block_bytes
+                    ),
+                ]
+            ),
         )
         self._table = blocks.view(-1).to(self.device)
         self._pointer = self._base.view(-1).view(torch.uint8)
@@ -191,3 +255,14 @@ class BatchedCopy:
 
     def __call__(self) -> None:
         _kernel()[(self.blocks,)](self._pointer, self._table, BLOCK=self.block_bytes, num_warps=self.num_warps)
+
+
+def row_reads(rows: Sequence[tuple[torch.Tensor, torch.Tensor]], rows_sources: Sequence[int]) -> BatchedCopy:
+    """One launch copying ``rows`` row by row (read at ``rows_sources``: :class:`BatchedCopy`), its block the
+    largest power of two up to :data:`ROW_BLOCK_MAX` that divides every row, so that no program idles past a row's
+    end; a warp a 4 KiB of block, as the default launch has."""
+    block = ROW_BLOCK_MAX
+    for d, _ in rows:
+        n = d[0].nbytes
+        block = min(block, n & -n)
+    return BatchedCopy([], rows=rows, rows_sources=rows_sources, block_bytes=block, num_warps=max(1, block // 4096))

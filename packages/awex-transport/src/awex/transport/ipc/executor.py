@@ -12,7 +12,15 @@ import torch
 from awex.meta import Plan
 from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferStats, TransferTimeout
-from awex.transport.batched_copy import BatchedCopy, batchable, split_batchable, triton_available
+from awex.transport.batched_copy import (
+    ROW_BLOCK_MIN,
+    BatchedCopy,
+    batchable,
+    row_copy,
+    row_reads,
+    split_batchable,
+    triton_available,
+)
 from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.digest import Digest
@@ -57,7 +65,8 @@ class IpcExecutor:
     NVLink, their blocks spread among the local ones (the copy engines' writes into a GPU whose memory a kernel
     saturates stall it more than the same bytes read by the kernel). With ``kernel_reads`` (by default where this
     receiver reads from more than one other GPU) this GPU's kernels read every piece from other GPUs instead of its
-    copy engines: the pieces that can go straight into place as one launch, each span into the ring as one (copy
+    copy engines: the pieces that can go straight into place as one launch, those whose rows are contiguous but not
+    the whole (row-parallel halves) row by row straight into place as another, each span into the ring as one (copy
     engines pulling from two GPUs while another GPU pulls from the same two moved half the link rate; kernels
     reading the same pattern 0.95x of it: docs/performance.md). Pieces
     that go as their own DMA are dealt to ``direct_streams`` streams (balanced by bytes). The defaults were
@@ -145,24 +154,24 @@ class IpcExecutor:
         self._read_in_kernel, self._kernel_sources = [], []
         if batched_copy and not pace_local and self._local:
             self._read_in_kernel, self._kernel_sources, self._remote = self._kernel_readable(self._remote)
-        far, far_at = [], []
+        far, far_at, rows, rows_at = [], [], [], []
         if kernel_reads and batched_copy:
             far, far_at, self._remote = self._kernel_readable(self._remote)
-            # every source read evenly through the launch, as the spans are
-            order = interleave_by_source(
-                list(zip(far, far_at)), lambda x: x[0][1].device, lambda x: x[0][0].nbytes, rank
-            )
-            far, far_at = [c for c, _ in order], [a for _, a in order]
+            far, far_at = self._by_source(far, far_at)  # every source read evenly through the launch
+            if self.digest is None:  # strided pieces whose rows are contiguous: row by row, not through the ring
+                rows, rows_at, self._remote = self._kernel_readable(self._remote, by_row=True)
+                rows, rows_at = self._by_source(rows, rows_at)
         remote = plan_remote(self._remote, sources, self.device, o, batched_copy, rank, self.digest)
         self._direct, self._spans, self._ring = remote.direct, remote.spans, remote.ring
         # kernel reads: the pieces that can go straight into place as one launch, the spans into the ring each as one
         self._far_reads = self._batched([], far, far_at) if far else None
+        self._row_reads = row_reads(rows, rows_at) if rows else None
         self._span_reads = [self._span_read(span) for span in self._spans] if kernel_reads and batched_copy else []
         self.staging_bytes = self._ring.numel()
         self.buckets = len(plan.schedule(rank))
         self._direct_lanes = balance(self._direct, min(direct_streams, len(self._direct)))
         if self.device.type == "cuda":
-            self._streams = {k: torch.cuda.Stream(self.device) for k in ("place", "local", "quantize", "far")}
+            self._streams = {k: torch.cuda.Stream(self.device) for k in ("place", "local", "quantize", "far", "rows")}
             self._direct_streams = [torch.cuda.Stream(self.device) for _ in self._direct_lanes]
             self._dma_streams = [torch.cuda.Stream(self.device) for _ in range(dma_streams)]
             self._branches = [torch.cuda.Stream(self.device) for _ in range(min(local_branches, len(self._local)))]
@@ -261,12 +270,13 @@ class IpcExecutor:
                     for d, s in copies:
                         self._peer_copy(d, s, stream)
                     self._landed(group, stream, used)
-        if self._far_reads is not None:
-            stream = self._streams["far"]
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                self._far_reads()
-            used.append(stream)
+        for key, launch in (("far", self._far_reads), ("rows", self._row_reads)):
+            if launch is not None:
+                stream = self._streams[key]
+                stream.wait_stream(compute)
+                with torch.cuda.stream(stream):
+                    launch()
+                used.append(stream)
         if self._spans:
             used += self._copy_spans(compute)
         if self._local and not self.pace_local:
@@ -349,17 +359,30 @@ class IpcExecutor:
                 return mapped.kernel_address(pointer, self.device)
         return pointer  # this process's own memory: readable with peer access (enabled above)
 
-    def _kernel_readable(self, copies: list[Copy]) -> tuple[list[Copy], list[int], list[Copy]]:
-        """``(copies this GPU's kernels can read, the addresses they read them at, the rest)``."""
+    def _kernel_readable(self, copies: list[Copy], by_row: bool = False) -> tuple[list[Copy], list[int], list[Copy]]:
+        """``(copies this GPU's kernels can read, the addresses they read them at, the rest)``; ``by_row``: those
+        that can go row by row (:func:`row_copy`; rows too short for a block of :data:`ROW_BLOCK_MIN` stay)."""
         yes, at, rest = [], [], []
         for d, s in copies:
-            address = self._kernel_address(s.data_ptr()) if batchable(d, s, peer=True) else None
+            if by_row:
+                shape = row_copy(d, s)
+                readable = shape is not None and shape[1] % ROW_BLOCK_MIN == 0
+            else:
+                readable = batchable(d, s, peer=True)
+            address = self._kernel_address(s.data_ptr()) if readable else None
             if address is not None and address % 16 == 0:
                 yes.append((d, s))
                 at.append(address)
             else:
                 rest.append((d, s))
         return yes, at, rest
+
+    def _by_source(self, copies: list[Copy], at: list[int]) -> tuple[list[Copy], list[int]]:
+        """Copies (with their read addresses) in the order that reads every source evenly through a launch."""
+        order = interleave_by_source(
+            list(zip(copies, at)), lambda x: x[0][1].device, lambda x: x[0][0].nbytes, self.rank
+        )
+        return [c for c, _ in order], [a for _, a in order]
 
     def _span_read(self, span) -> Callable[[], None] | None:
         """A span pulled into the ring by one kernel launch (``None``: a DMA pulls it)."""
