@@ -182,7 +182,7 @@ def test_row_reads_land_row_parallel_halves_from_another_gpu():
     enable_peer_access(here, there)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for out, cols in ((64, 2048), (48, 6144)):  # rows of 2 KiB and 6 KiB a half
+    for out, cols in ((64, 1024), (48, 3072)):  # rows of 2 KiB and 6 KiB a half
         whole = torch.zeros(out, 2 * cols, dtype=torch.bfloat16, device=here)
         halves = [torch.randn(out, cols, generator=g).to(torch.bfloat16).to(there) for _ in range(2)]
         rows += [(whole[:, :cols], halves[0]), (whole[:, cols:], halves[1])]

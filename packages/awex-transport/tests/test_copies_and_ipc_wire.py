@@ -13,6 +13,7 @@ from awex.transport.copies import copier, merge_copies, wide_views
 from awex.transport.ipc import ExportedView, IpcExport, export_shards
 from awex.transport.ipc.scheduling import interleave_by_source, interleave_sources, paces_local, ring_slots
 from awex.transport.ipc.spans import extent as _extent
+from awex.transport.ipc.spans import in_chunks
 from awex.transport.ipc.spans import rows_within as _rows_within
 
 
@@ -265,3 +266,21 @@ def test_same_gpu_copies_are_paced_only_where_peer_dmas_take_longer():
     assert not paces_local(int(0.85 * gb), int(15.4 * gb))  # MoE, experts whole on every trainer rank
     assert not paces_local(0, 1)  # nothing from a peer
     assert paces_local(1, 0)
+
+
+def test_kernel_reads_in_chunks_cover_each_copy_once_at_the_right_source_address():
+    """Contiguous copies cut by bytes, row-parallel halves by whole rows; every chunk's read address is its
+    source's, shifted as the chunk is; applying the chunks is applying the copies."""
+    whole = torch.zeros(40, 64, dtype=torch.bfloat16)
+    half = torch.randn(40, 32).to(torch.bfloat16)
+    flat_dst, flat_src = torch.zeros(1000, dtype=torch.bfloat16), torch.randn(1000).to(torch.bfloat16)
+    copies = [(flat_dst, flat_src), (whole[:, 32:], half)]
+    at = [1 << 20, 1 << 30]  # where a kernel would read each source (another process's mapping)
+    chunks, chunks_at = in_chunks(copies, at, 512)
+    assert [d.nbytes for d, _ in chunks[:4]] == [512, 512, 512, 464]  # 2,000 bytes by 512
+    assert [d.shape[0] for d, _ in chunks[4:]] == [8] * 5  # rows of 64 bytes, 8 a chunk
+    for (d, s), a in zip(chunks, chunks_at):
+        base, origin = (flat_src, at[0]) if d.dim() == 1 else (half, at[1])
+        assert a - origin == s.data_ptr() - base.data_ptr()
+        d.copy_(s)
+    assert torch.equal(flat_dst, flat_src) and torch.equal(whole[:, 32:], half) and not bool(whole[:, :32].any())

@@ -215,7 +215,8 @@ class BatchedCopy:
             rows_sources = [s.data_ptr() for _, s in rows]
         if len(rows_sources) != len(rows) or any(a % ALIGN for a in rows_sources):
             raise AwexValueError(f"rows_sources: one {ALIGN}-byte aligned address per rows copy")
-        self._base = everything[0][0]  # kept alive: its address is the kernel's base pointer
+        first = everything[0][0]
+        self._base = first if first.is_contiguous() else first[0]  # kept alive: the kernel's base pointer
         base = self._base.data_ptr()
         blocks = spread_evenly(
             copy_blocks([(d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in copies], base, block_bytes),

@@ -30,13 +30,15 @@ from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
 from awex.transport.ipc.remote import Copy, plan_remote
 from awex.transport.ipc.scheduling import interleave_by_source, paces_local
-from awex.transport.ipc.spans import balance, captured, nbytes_of, paired_pieces
+from awex.transport.ipc.spans import balance, captured, in_chunks, nbytes_of, paired_pieces
 from awex.transport.peer_dma import (
     enable_peer_access,
     pull,
     pull_bytes,
 )
 from awex.transport.shards import LocalShards
+
+READ_CHUNK = 2 << 20  # kernels reading several GPUs take them in turn by pieces of this many bytes (in_chunks)
 
 log = logging.getLogger("awex.transport")
 
@@ -378,7 +380,10 @@ class IpcExecutor:
         return yes, at, rest
 
     def _by_source(self, copies: list[Copy], at: list[int]) -> tuple[list[Copy], list[int]]:
-        """Copies (with their read addresses) in the order that reads every source evenly through a launch."""
+        """Copies (with their read addresses) in the order that reads every source evenly through a launch, in
+        pieces of :data:`READ_CHUNK` bytes (outside verify mode, whose digests follow the plan's pieces)."""
+        if self.digest is None:
+            copies, at = in_chunks(copies, at, READ_CHUNK)
         order = interleave_by_source(
             list(zip(copies, at)), lambda x: x[0][1].device, lambda x: x[0][0].nbytes, self.rank
         )

@@ -118,3 +118,25 @@ def balance(copies: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[lis
         chosen[i] = b
         load[b] += copies[i][0].nbytes
     return [[c for i, c in enumerate(copies) if chosen[i] == b] for b in range(n)]
+
+
+def in_chunks(
+    copies: list[tuple[torch.Tensor, torch.Tensor]], at: list[int], nbytes: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+    """Copies read by kernels (each with the address its source is read at) cut into pieces of at most about
+    ``nbytes`` (a multiple of 16): contiguous ones by bytes, row by row ones by whole rows. A launch reading
+    several GPUs then reads them in turn a few MiB at a time: in pieces of a parameter each, a launch's running
+    blocks read one GPU at a time, and another receiver reading the same GPUs meets it there."""
+    out, out_at = [], []
+    for (d, s), a in zip(copies, at):
+        if d.is_contiguous() and s.is_contiguous():
+            flat_d, flat_s = d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)
+            for lo in range(0, flat_d.numel(), nbytes):
+                out.append((flat_d[lo : lo + nbytes], flat_s[lo : lo + nbytes]))
+                out_at.append(a + lo)
+        else:
+            rows, step = max(1, nbytes // max(1, d[0].nbytes)), s.stride(0) * s.element_size()
+            for lo in range(0, d.shape[0], rows):
+                out.append((d[lo : lo + rows], s[lo : lo + rows]))
+                out_at.append(a + lo * step)
+    return out, out_at
