@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from awex.engines.outcome import APPLIED, Outcome
+from awex.engines.errors import instance_verdicts
+from awex.engines.outcome import APPLIED, Outcome, all_applied
 from awex.engines.sync import outcomes
 from awex.engines.sync import signals as signals_module
 from awex.engines.sync.manifest import SyncManifest
@@ -193,6 +194,30 @@ def test_an_outcome_is_applied_only_where_it_says_exactly_ok_true(doc):
     assert Outcome.from_wire({"ok": True, "cause": "ignored"}) is APPLIED
     said = Outcome.from_wire({"ok": False, "cause": "x" * 5000, "partial": "yes"})
     assert not said.ok and not said.partial and len(said.cause) == 2000  # partial only where exactly true
+
+
+def test_all_applied_and_the_verdicts_are_exact_on_the_fast_path_and_off_it():
+    """Every steady version's outcomes are one object (``APPLIED``), told apart by identity; any other outcome, a
+    missing one or a failure, takes the full check, with the same answers."""
+    ranks = [(f"vllm-{i // 4}", i % 4) for i in range(512)]
+    steady = dict.fromkeys(ranks, APPLIED)
+    assert all_applied(steady) and all_applied({})
+    assert outcomes.to_record(steady) == {"failed": {}, "silent": []}
+    assert instance_verdicts(steady) == {f"vllm-{i}": "applied" for i in range(128)}
+    assert all_applied({**steady, ranks[7]: Outcome(True, "said more")})  # ok, though not the one object
+    for last in (None, Outcome.failed("oom", partial=True), Outcome.failed("refused", partial=False)):
+        got = {**steady, ranks[-1]: last}
+        assert not all_applied(got)
+        record = outcomes.to_record(got)
+        assert record == (
+            {"failed": {}, "silent": ["vllm-127:3"]}
+            if last is None
+            else {"failed": {"vllm-127:3": last.to_wire()}, "silent": []}
+        )
+        verdicts = instance_verdicts(got)
+        assert verdicts["vllm-126"] == "applied" and verdicts["vllm-127"] == "inconsistent"
+    refused = dict.fromkeys(ranks[:4], Outcome.failed("refused", partial=False))
+    assert instance_verdicts({**steady, **refused})["vllm-0"] == "unchanged"
 
 
 def test_the_writer_drops_exactly_the_keys_a_versions_signals_leave_on_the_channel():

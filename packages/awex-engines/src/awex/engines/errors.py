@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from awex.engines.outcome import Outcome, Outcomes
+from awex.engines.outcome import Outcome, Outcomes, all_applied
 from awex.meta.errors import AwexValueError, MetaServerError
 from awex.transport.base import TransferError
 
@@ -49,6 +49,8 @@ def instance_verdicts(outcomes: Outcomes) -> dict[str, str]:
     """Per instance, from its ranks' outcomes of one version: ``"applied"`` (every rank applied it),
     ``"unchanged"`` (every rank failed before changing anything: the previous version still serves), or
     ``"inconsistent"`` (some ranks changed, or may have changed, their weights and some did not finish)."""
+    if all_applied(outcomes):  # every steady version
+        return {instance: "applied" for instance, _ in outcomes}
     by_instance: dict[str, list[Outcome | None]] = {}
     for (instance, _), outcome in outcomes.items():
         by_instance.setdefault(instance, []).append(outcome)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from awex.engines.errors import ClaimRefusedError, SyncFailedError, instance_verdicts
+from awex.engines.outcome import all_applied
 from awex.engines.source import TrainerSource
 from awex.engines.sync import keys, places
 from awex.engines.sync.announcer import Announcer
@@ -287,9 +288,8 @@ class WeightsWriter:
                 confirm=self._announcer.confirm if self._announcer is not None else None,
             )
             outcomes = sent.outcomes
-            failed = {rank: o for rank, o in outcomes.items() if o is None or not o.ok}
-            if failed:
-                raise SyncFailedError(version, failed)
+            if not all_applied(outcomes):
+                raise SyncFailedError(version, {rank: o for rank, o in outcomes.items() if o is None or not o.ok})
         except BaseException as e:
             attempt = manifest if manifest is not None else self._session.attempt  # the manifest another rank read
             self._failed(version, attempt, e, outcomes, deadline)

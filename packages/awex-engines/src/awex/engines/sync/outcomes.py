@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from functools import partial
 
-from awex.engines.outcome import APPLIED, Outcome, Outcomes
+from awex.engines.outcome import APPLIED, Outcome, Outcomes, all_applied
 from awex.engines.sync import keys, places
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
@@ -99,9 +99,9 @@ def collect(
                 relay.forward_outcomes(manifest.version, manifest.seq, doc)
         return from_record(doc, receivers)
     got = _by_record(plan, signals, manifest, deadline, processes) if signals.shares_outcomes else {}
-    got.update(
-        _each([r for r in receivers if (r.instance, r.local_rank) not in got], signals, manifest, deadline, processes)
-    )
+    if len(got) < len(receivers):  # ranks no record said (every group's record says all of its ranks: none)
+        unsaid = [r for r in receivers if (r.instance, r.local_rank) not in got]
+        got.update(_each(unsaid, signals, manifest, deadline, processes))
     got = {(r.instance, r.local_rank): got[(r.instance, r.local_rank)] for r in receivers}
     if signals.shares_outcomes:
         record = to_record(got)
@@ -154,8 +154,8 @@ def _by_record(
         until = min(deadline, time.monotonic() + LIVENESS_SECONDS) if processes else deadline
         for name, doc in zip(list(pending), signals.instances(manifest, list(pending), until)):
             if doc is not None:
-                ranks = pending.pop(name)
-                got.update((who, d) for who, d in from_record(doc, ranks).items() if d is not None)
+                said = from_record(doc, pending.pop(name))
+                got.update(said if all_applied(said) else {who: d for who, d in said.items() if d is not None})
         if time.monotonic() >= deadline:
             break
         for name, ranks in list(pending.items()):
@@ -166,6 +166,8 @@ def _by_record(
 
 def to_record(got: Outcomes) -> dict:
     """Outcomes as one record: the failed ones with their documents, the silent ones by name; the rest applied."""
+    if all_applied(got):
+        return {"failed": {}, "silent": []}
     return {
         "failed": {f"{i}:{r}": o.to_wire() for (i, r), o in sorted(got.items()) if o is not None and not o.ok},
         "silent": [f"{i}:{r}" for (i, r), o in sorted(got.items()) if o is None],

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from awex.engines.outcome import all_applied
 from awex.engines.sync import keys, outcomes, places
 from awex.engines.sync.board import HostBoard
 from awex.engines.sync.channel import VersionChannel
@@ -287,7 +288,7 @@ class SyncSession(ManifestReading):
         if manifest.options.verify:  # what this rank sent, digested while the receivers digest what they got
             self.verify(manifest, shards, deadline)
         got = self.await_outcomes(manifest, deadline)
-        if all(o is not None and o.ok for o in got.values()):
+        if all_applied(got):
             self.applied()
             self.attempt = None
         self.phases.update(control, manifest=announced - started, total=time.monotonic() - started)
