@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from awex.engines.sync.channel import ChannelError, ChannelTimeout, VersionChannel
+from awex.engines.sync.channel import FD_MARGIN, ChannelError, ChannelTimeout, VersionChannel, open_files_for
 from awex.transport.net import local_address
 
 
@@ -182,3 +182,41 @@ def test_a_reader_joins_a_lane_when_it_first_uses_it():
     )
     reader.put(key, {"ok": True})
     assert sum(s is not None for s in reader._stores) == 2 and host.wait([key], timeout=5) == [{"ok": True}]
+
+
+class _Limits:
+    """Open-file limits as ``resource`` keeps them, for :func:`open_files_for` to read and raise."""
+
+    def __init__(self, soft: int, hard: int, settable: bool = True):
+        self.soft, self.hard, self.settable, self.set_to = soft, hard, settable, None
+
+    def get(self, _which):
+        return self.soft, self.hard
+
+    def set(self, _which, limits):
+        if not self.settable:
+            raise ValueError("not allowed")
+        self.set_to = limits
+        self.soft = limits[0]
+
+
+def test_the_hosting_process_makes_room_for_every_ranks_connections(caplog):
+    """A soft open-file limit below what the ranks' connections need is raised (up to the hard limit); where the hard
+    limit is short too, or may not be raised, the log says how many connections are expected and what to do."""
+    import os
+
+    held = len(os.listdir("/proc/self/fd"))
+    room = _Limits(1024, 1 << 20)
+    assert open_files_for(4000, (room.get, room.set)) >= held + 4000 + FD_MARGIN - 8  # (files opened meanwhile)
+    assert room.set_to is not None and room.set_to[1] == 1 << 20
+    enough = _Limits(1 << 20, 1 << 20)
+    assert open_files_for(4000, (enough.get, enough.set)) == 1 << 20 and enough.set_to is None  # nothing to do
+    short = _Limits(1024, 2048)
+    with caplog.at_level(logging.WARNING, logger="awex.engines"):
+        assert open_files_for(4000, (short.get, short.set)) == 2048  # as far as it goes
+    assert "up to 4000 ranks' connections expected" in caplog.text and "ulimit -n" in caplog.text
+    caplog.clear()
+    stuck = _Limits(1024, 1 << 20, settable=False)
+    with caplog.at_level(logging.WARNING, logger="awex.engines"):
+        assert open_files_for(4000, (stuck.get, stuck.set)) == 1024
+    assert "could not raise the open-file limit" in caplog.text and "ulimit -n" in caplog.text

@@ -205,6 +205,7 @@ class WeightsWriter:
                 epoch,
                 lease=claim_lease,
                 lanes=lanes_for(layout.world_size),
+                ranks=layout.world_size,
             )
 
     def close(self) -> None:

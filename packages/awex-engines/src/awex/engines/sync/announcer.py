@@ -46,9 +46,11 @@ class Announcer:
         epoch: int = 0,
         lease: float | None = None,
         lanes: int = 1,
+        ranks: int = 1,
     ):
         self.client, self._session, self.instance, self.keep_versions = client, session, instance, keep_versions
         self.lanes = lanes  # of the version channel it hosts (awex.engines.sync.channel.lanes_for)
+        self.ranks = ranks  # of its trainer
         self.epoch = epoch  # this writer's fence (the client carries it on every write)
         # claims sent on the lease are not waited for before the transfer (awex.engines.sync.lease)
         self.lease = None if lease is None or client.fence is None else ClaimLease(client, keys.manifest(""), lease)
@@ -183,7 +185,11 @@ class Announcer:
         if self._port is None:
             self._port = free_port(options.host)
         if self._channel is None:
-            self._channel = self._session.channel = VersionChannel.host(options.host, options.timeout, self.lanes)
+            layouts = [self._session.layout_of(d) for d in destinations]  # its own ranks', about as many again
+            ranks = self.ranks + sum(x.world_size if x is not None else self.ranks for x in layouts)
+            self._channel = self._session.channel = VersionChannel.host(
+                options.host, options.timeout, self.lanes, ranks=ranks
+            )
             try:
                 self._board = self._session.board = HostBoard.create()
             except OSError as e:  # no /dev/shm here: the channel carries every signal

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import secrets
 import time
 import zlib
@@ -55,6 +56,54 @@ def lanes_for(trainer_ranks: int) -> int:
     """How many lanes the version channel of a trainer of ``trainer_ranks`` ranks has (one up to 32 ranks, four
     from 97): about as many ranks again receive, and each rank reads the channel once or twice a version."""
     return max(1, min(MAX_LANES, -(-trainer_ranks // RANKS_PER_LANE)))
+
+
+FD_MARGIN = 256  # descriptors left for everything else the hosting process opens meanwhile
+
+
+def open_files_for(connections: int, limits=None) -> int:
+    """Make room for ``connections`` more open sockets in this process (the ranks joining the channel it hosts: up to
+    one a rank and lane): raise the soft open-file limit toward the hard one where it is short, and say so in the log
+    where even the hard limit is (ranks that cannot join then send their signals through the MetaServer, slower).
+    ``limits``: ``(getrlimit, setrlimit)`` (tests); returns the soft limit in force after."""
+    try:
+        import resource
+
+        get, set_ = limits or (resource.getrlimit, resource.setrlimit)
+        which = resource.RLIMIT_NOFILE
+    except ImportError:  # not a POSIX system: nothing to check
+        return -1
+    soft, hard = get(which)
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        held = 0
+    need = held + connections + FD_MARGIN
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if target > soft:
+            try:
+                set_(which, (target, hard))
+                log.info(
+                    "version channel: open-file limit raised %d -> %d for up to %d connections",
+                    soft,
+                    target,
+                    connections,
+                )
+                soft = target
+            except (ValueError, OSError) as e:
+                log.warning("version channel: could not raise the open-file limit from %d: %s", soft, e)
+        if soft < need:
+            log.warning(
+                "version channel: up to %d ranks' connections expected, but this process may open %d files (hard "
+                "limit %d, %d open): ranks beyond it cannot join and send their signals through the MetaServer "
+                "(raise `ulimit -n` where the trainer's first rank runs)",
+                connections,
+                soft,
+                hard,
+                held,
+            )
+    return soft
 
 
 class ChannelError(AwexError, RuntimeError):
@@ -84,10 +133,13 @@ class VersionChannel:
         self._timeout = timeout
 
     @classmethod
-    def host(cls, host: str = "127.0.0.1", timeout: float = 300.0, lanes: int = 1) -> VersionChannel:
-        """Start a channel of ``lanes`` stores in this process, on free ports of ``host``."""
+    def host(cls, host: str = "127.0.0.1", timeout: float = 300.0, lanes: int = 1, ranks: int = 0) -> VersionChannel:
+        """Start a channel of ``lanes`` stores in this process, on free ports of ``host``, with room for ``ranks``
+        ranks joining each lane (:func:`open_files_for`)."""
         if lanes < 1:
             raise AwexValueError(f"a version channel has at least one lane, not {lanes}")
+        if ranks:
+            open_files_for(ranks * lanes)
         stores = [bound_store(host, 0, timedelta(seconds=timeout)) for _ in range(lanes)]
         address = f"{host}:{','.join(str(store.port) for store in stores)}"
         return cls(stores, address, secret=secrets.token_hex(32), hosting=True)
