@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from awex.engines.reader import WeightsReader
+from awex.engines.sync import forgetting, keys
 from awex.engines.sync.board import HostBoard
 from awex.engines.sync.channel import VersionChannel
 from awex.engines.writer import WeightsWriter
@@ -83,6 +84,7 @@ def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, boar
         real_delete(channel, names)
 
     monkeypatch.setattr(VersionChannel, "delete", delete)
+    monkeypatch.setattr(forgetting, "FORGET_EVERY", 2)  # old versions' MetaServer records: two versions a request
     sent, got = tensors(0.0), tensors(-1.0)
     writer = make_writer(server, sent)
     reader = WeightsReader(
@@ -98,6 +100,10 @@ def test_versions_arrive_over_the_board_or_the_channel(server, monkeypatch, boar
         held.append(writer._session.channel.num_keys())
     session = reader._session
     assert (session.board is not None) == board and session.channel is not None
+    # on the MetaServer, the records of versions older than the last two (keep_versions) went, two versions a time
+    kept = [k for k in writer._meta.keys("") if k.startswith((keys.manifest(""), "outcomes/"))]
+    records = [] if board else [keys.outcomes("v5", 5), keys.outcomes("v6", 6)]  # the trainers' record on the channel
+    assert sorted(kept) == sorted([keys.manifest("v5"), keys.manifest("v6"), *records])
     # every key a version leaves goes once it is old (keep_versions=2): the store does not grow version by version
     assert held[3] == held[4] == held[5], held
     # and only keys a version left there are dropped: on the board nothing but the first version's manifest; on the

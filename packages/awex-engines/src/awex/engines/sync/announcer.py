@@ -16,6 +16,7 @@ from awex.engines.errors import ClaimRefusedError
 from awex.engines.sync import keys
 from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import VersionChannel
+from awex.engines.sync.forgetting import Forgetting
 from awex.engines.sync.keys import version_records
 from awex.engines.sync.lease import ClaimLease
 from awex.engines.sync.manifest import SyncManifest
@@ -67,6 +68,7 @@ class Announcer:
         self._on_channel: set[str] = set()  # versions whose manifest this writer put on the version channel
         # failed attempts whose records and signals go with the next successful write: (version, attempt, medium)
         self._pending_forget: list[tuple[str, int, str | None]] = []
+        self._forgetting = Forgetting(client)  # old versions' MetaServer records, dropped a batch at a time
         self._manifest: SyncManifest | None = None  # the last manifest, and as JSON
         self._options_given: SyncOptions | None = None  # the writer's options last announced, and as read
         self._options_wire = SyncOptions()
@@ -370,7 +372,8 @@ class Announcer:
         self, version: str, seq: int, plan: Plan | None = None, kind: str | None = None, medium: str | None = None
     ) -> None:
         """Drop the MetaServer records of versions older than the last ``keep_versions`` (a long RL run writes
-        thousands; the server's key store is bounded). This version's bytes reached every receiver (p2p) or every
+        thousands; the server's key store is bounded), :data:`~awex.engines.sync.forgetting.FORGET_EVERY` versions a
+        request. This version's bytes reached every receiver (p2p) or every
         receiver said it is done (ipc), and a receiver finishes a version, validation report included, before it
         receives the next: the older versions' records are final and nobody waits on them (assuming, as training
         does, that this instance's ranks write versions in step, never ``keep_versions`` apart). ``kind``: the
@@ -391,12 +394,7 @@ class Announcer:
         while len(self._written) > self.keep_versions:
             old, old_seq, old_kind, old_medium = self._written.popleft()
             self._forget_signals(old, old_seq, plan, old_kind, old_medium)
-            names, prefixes = version_records(old)
-            try:
-                gone = self.client.forget(names, prefixes)
-                log.debug("forgot version %s: %s", old, gone)
-            except MetaServerError as e:  # the write itself succeeded; the records only cost server memory
-                log.warning("could not drop the MetaServer records of version %s: %s", old, e)
+            self._forgetting.add(old, *version_records(old))  # a request for several versions
 
     def _forget_signals(
         self, version: str, seq: int, plan: Plan | None, kind: str | None, medium: str | None, manifest: bool = True
