@@ -109,8 +109,8 @@ class WeightsWriter:
     answer before any byte moves.
 
     After each write, rank 0 drops the MetaServer records (manifest, agreements, validation reports) of versions
-    older than the last ``keep_versions`` (eight versions a request: ``awex.engines.sync.forgetting``), so a run of
-    any length stays within the server's key limit.
+    older than the last ``keep_versions`` (eight versions a request, the rest on :meth:`close`:
+    ``awex.engines.sync.forgetting``), so a run of any length stays within the server's key limit.
     """
 
     options: SyncOptions

@@ -78,6 +78,7 @@ class Announcer:
 
     def close(self) -> None:
         self.confirm(quiet=True)
+        self._forgetting.flush()  # the old versions' records still waiting for a batch
         if self.lease is not None:
             self.lease.close()
         self._channel = self._cleaner = None  # stops the version channel once the session dropped it too

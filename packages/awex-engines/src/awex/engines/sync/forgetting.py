@@ -16,8 +16,8 @@ version at 1,024 ranks (docs/performance.md); the server keeps up to this many m
 
 class Forgetting:
     """Versions whose MetaServer records nobody needs any more (``names`` and ``prefixes`` for
-    :meth:`MetaClient.forget`), dropped in one request once :data:`FORGET_EVERY` of them wait (or on :meth:`flush`).
-    A failed request only costs server memory: it is logged, and those records stay."""
+    :meth:`MetaClient.forget`), dropped in one request once :data:`FORGET_EVERY` of them wait, and on :meth:`flush`
+    (the writer's close). A failed request only costs server memory: it is logged, and those records stay."""
 
     def __init__(self, client: MetaClient, every: int | None = None):
         self.client, self.every = client, every or FORGET_EVERY
@@ -45,5 +45,5 @@ class Forgetting:
         try:
             gone = self.client.forget(names, prefixes)
             log.debug("forgot versions %s: %s", versions, gone)
-        except MetaServerError as e:  # the writes themselves succeeded; the records only cost server memory
+        except (MetaServerError, OSError) as e:  # the writes themselves succeeded; the records only cost memory
             log.warning("could not drop the MetaServer records of versions %s: %s", versions, e)
