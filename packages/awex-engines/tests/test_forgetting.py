@@ -16,8 +16,9 @@ class _Client:
         self.calls: list[tuple[list[str], list[str]]] = []
         self.fail = fail
 
-    def forget(self, names, prefixes):
+    def forget(self, names, prefixes, timeout=None):
         self.calls.append((list(names), list(prefixes)))
+        self.timeout = timeout
         if self.fail:
             raise MetaServerError("server gone")
         return {"keys": len(names), "agreements": 0}
@@ -30,10 +31,10 @@ def test_a_request_for_every_batch_of_versions_with_each_versions_records_once()
     for v in versions:
         batch.add(v, *keys.version_records(v))
     assert len(client.calls) == 2  # two full batches; the last three versions wait
-    assert batch.waiting == versions[-3:]
-    batch.flush()
+    assert batch.waiting == versions[-3:] and client.timeout is None  # the client's own
+    batch.flush(timeout=2.0)  # as a closing writer: a request of its own deadline
     batch.flush()  # nothing left: no request
-    assert len(client.calls) == 3
+    assert len(client.calls) == 3 and client.timeout == 2.0
     names = [n for call in client.calls for n in call[0]]
     prefixes = [p for call in client.calls for p in call[1]]
     want = [keys.version_records(v) for v in versions]
@@ -48,3 +49,21 @@ def test_a_refused_request_is_logged_and_its_versions_not_asked_again(caplog):
             batch.add(v, *keys.version_records(v))
     assert len(client.calls) == 1 and "could not drop the MetaServer records of versions ['v1', 'v2']" in caplog.text
     assert batch.waiting == ["v3"]
+
+
+def test_a_closing_writers_last_batch_does_not_wait_for_a_server_that_is_gone():
+    """Against an address nobody serves, the client would try again until its own deadline (a minute here); the last
+    batch's request gives up after its own, and the close goes on."""
+    import socket
+    import time
+
+    from awex.meta.client import MetaClient
+
+    with socket.socket() as s:  # a free port, then nobody there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    batch = Forgetting(MetaClient(f"127.0.0.1:{port}", job="gone", timeout=60), every=8)
+    batch.add("v1", *keys.version_records("v1"))
+    started = time.monotonic()
+    batch.flush(timeout=0.5)
+    assert time.monotonic() - started < 5 and batch.waiting == []

@@ -266,14 +266,18 @@ class MetaClient(Agreements):
         return bool(self._request("DELETE", path, deadline=self._by())[1]["deleted"])
 
     def forget(
-        self, names: Sequence[str] = (), prefixes: Sequence[str] = (), release: Sequence[str] = ()
+        self,
+        names: Sequence[str] = (),
+        prefixes: Sequence[str] = (),
+        release: Sequence[str] = (),
+        timeout: float | None = None,
     ) -> dict[str, int]:
         """Drop keys and agreements named exactly ``names`` or starting with one of ``prefixes``; returns how
         many of each went (``{"keys": n, "agreements": m}``). Writers call it for finished versions. Names created
         once stay claimed, except those in ``release`` that this writer claimed and never applied (a failed attempt:
-        ``awex.meta.server.claims``)."""
+        ``awex.meta.server.claims``). ``timeout``: this request's, where not the client's."""
         body = {"names": list(names), "prefixes": list(prefixes), **({"release": list(release)} if release else {})}
-        doc = self._request("POST", self._job_path("forget"), body, deadline=self._by())[1]
+        doc = self._request("POST", self._job_path("forget"), body, deadline=self._by(timeout))[1]
         return {"keys": int(doc["keys"]), "agreements": int(doc["agreements"])}
 
     def keys(self, prefix: str = "") -> list[str]:

@@ -16,7 +16,7 @@ from awex.engines.errors import ClaimRefusedError
 from awex.engines.sync import keys
 from awex.engines.sync.board import HostBoard, host_identity
 from awex.engines.sync.channel import VersionChannel
-from awex.engines.sync.forgetting import Forgetting
+from awex.engines.sync.forgetting import CLOSE_SECONDS, Forgetting
 from awex.engines.sync.keys import version_records
 from awex.engines.sync.lease import ClaimLease
 from awex.engines.sync.manifest import SyncManifest
@@ -78,7 +78,7 @@ class Announcer:
 
     def close(self) -> None:
         self.confirm(quiet=True)
-        self._forgetting.flush()  # the old versions' records still waiting for a batch
+        self._forgetting.flush(timeout=CLOSE_SECONDS)  # old versions' records still waiting for a batch
         if self.lease is not None:
             self.lease.close()
         self._channel = self._cleaner = None  # stops the version channel once the session dropped it too

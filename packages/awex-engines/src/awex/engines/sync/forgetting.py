@@ -9,6 +9,9 @@ from awex.meta.errors import MetaServerError
 
 log = logging.getLogger("awex.engines")
 
+CLOSE_SECONDS = 2.0
+"""How long a closing writer waits for the last batch's request (a server that is gone does not hold the close up)."""
+
 FORGET_EVERY = 8
 """Versions whose records one request drops. A request a version was about a fifth of the MetaServer's CPU a steady
 version at 1,024 ranks (docs/performance.md); the server keeps up to this many more versions' records meanwhile."""
@@ -37,13 +40,14 @@ class Forgetting:
         if len(self._versions) >= self.every:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, timeout: float | None = None) -> None:
+        """Drop the records waiting now, in one request (``timeout``: its own, where not the client's)."""
         if not self._versions:
             return
         versions, names, prefixes = self._versions, self._names, self._prefixes
         self._versions, self._names, self._prefixes = [], [], []
         try:
-            gone = self.client.forget(names, prefixes)
+            gone = self.client.forget(names, prefixes, timeout=timeout)
             log.debug("forgot versions %s: %s", versions, gone)
         except (MetaServerError, OSError) as e:  # the writes themselves succeeded; the records only cost memory
             log.warning("could not drop the MetaServer records of versions %s: %s", versions, e)
