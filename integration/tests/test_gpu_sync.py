@@ -32,6 +32,10 @@ from awex_integration.benchmarks.gpu_sync_workers import run_sync_case  # noqa: 
         # its own GPU, so TP=2 -> a TP=1 engine per GPU is refused before any byte moves)
         pytest.param(("ipc", 2, [0, 1], [(2, [0, 1])], True, "qwen3-8b", True), id="fp8-on-receive-tp2-to-tp2-ipc"),
         pytest.param(("p2p", 1, [0], [(1, [1])], True, "qwen3-8b"), id="fp8-nccl-1-to-1"),
+        # quantize_on_receive="auto": on receive where the engine shares the trainer's GPU, by the trainer elsewhere
+        pytest.param(("ipc", 1, [0], [(1, [0])], True, "qwen3-8b", "auto"), id="fp8-auto-colocated-1gpu-ipc"),
+        pytest.param(("ipc", 1, [0], [(1, [1])], True, "qwen3-8b", "auto"), id="fp8-auto-ipc-1-to-1"),
+        pytest.param(("auto", 1, [0], [(1, [1])], True, "qwen3-8b", "auto"), id="fp8-auto-auto-1-to-1-picks-nccl"),
         pytest.param(("ipc", 2, [0, 1], [(1, [0]), (1, [1])], True, "qwen3-30b-a3b"), id="fp8-moe-colocated-tp2-ipc"),
         pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], True, "qwen3-30b-a3b"), id="fp8-moe-nccl-tp2-to-tp2"),
         pytest.param(("p2p", 2, [0, 1], [(2, [2, 3])], False, "qwen3-30b-a3b"), id="moe-nccl-tp2-to-tp2"),
@@ -54,8 +58,12 @@ def test_writer_and_readers_on_gpus(case):
     out = run_sync_case(case)
     failures = {k: v for k, (s, v) in out.items() if s != "ok"}
     assert not failures, failures
+    fp8_auto = len(case) > 6 and case[6] == "auto"
+    if fp8_auto:  # the receivers quantise only where each reads on its own GPU
+        apart = any(set(gs) - set(train_gpus) for _, gs in engines)
+        assert all(v["quantizing"] == apart for k, (_, v) in out.items() if k[0] == "trainer"), out
     if transport == "auto":
-        picked = "p2p" if len(engines) > 1 and train_tp == 1 else "ipc"
+        picked = "p2p" if (len(engines) > 1 and train_tp == 1) or fp8_auto else "ipc"
         assert all(v["transport"] == picked for k, (_, v) in out.items() if k[0] == "trainer"), out
     for key, (_, value) in out.items():
         if key[0] != "trainer":

@@ -208,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     dims, tensors = model_tensors(args.model, args.layers)
     quant = Fp8BlockQuant() if args.fp8 else None
     model_bytes = sum(t.spec.nbytes for t in tensors)
-    if args.fp8_on_receive and (not args.fp8 or args.path != "public"):
-        ap.error("--fp8-on-receive needs --fp8 and the public path")
+    if (args.fp8_on_receive or args.fp8_auto) and (not args.fp8 or args.path != "public"):
+        ap.error("--fp8-on-receive and --fp8-auto need --fp8 and the public path")
+    if args.fp8_on_receive and args.fp8_auto:
+        ap.error("--fp8-on-receive or --fp8-auto, not both")
+    if args.fp8_auto and args.baseline_iters:
+        print("--fp8-auto: no baselines (the trainer publishes bf16)")
+        args.baseline_iters = 0
     if args.fp8_on_receive and args.baseline_iters:
         print("--fp8-on-receive: no baselines (they move the trainer's FP8 tiles, which it does not make here)")
         args.baseline_iters = 0
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "verify": args.verify,
         "step_seconds": args.step_seconds,
         "delta": args.delta,
-        "fp8_on_receive": args.fp8_on_receive,
+        "fp8_on_receive": "auto" if args.fp8_auto else args.fp8_on_receive,  # the writer's quantize_on_receive
         "ipc": ipc_options,
         "direct_bytes": direct_bytes,
         "fanout": args.fanout,
@@ -271,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                 gpu_of,
                 copy_bps,
             )
-            if args.fp8_on_receive:
-                bound = fused
+            if args.fp8_on_receive or (args.fp8_auto and sc.name.startswith("colocated")):
+                bound = fused  # auto quantises on receive where every engine shares its trainer's GPU
         if sc.transport == "shm":  # every byte crosses to host memory and back: D2H by senders, H2D by receivers
             if args.path != "public":
                 print(f"skip {sc.name}: the shm transport runs through the public path only")
@@ -355,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             "first_sync_seconds": round(per_rank[0]["first_sync_seconds"], 6),
             "lower_bound_seconds": round(bound, 6),
             **({"fused_bound_seconds": round(fused, 6), "fp8_on_receive": args.fp8_on_receive} if fused else {}),
+            **({"fp8_auto": True} if args.fp8_auto else {}),
             "ratio": round(steady / bound, 3) if bound else None,
             "limits": {"link_bytes_per_s": round(link_bps), "copy_bytes_per_s": round(copy_bps)},
             "per_gpu_bytes": per_gpu,

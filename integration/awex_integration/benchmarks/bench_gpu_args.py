@@ -35,6 +35,12 @@ def parser(description: str) -> argparse.ArgumentParser:
         "its memory into their FP8 weights and scales (quantize_on_receive); bound: bf16 read + FP8 written",
     )
     ap.add_argument(
+        "--fp8-auto",
+        action="store_true",
+        help="with --fp8, public path: the trainer publishes bf16 with quantize_on_receive='auto' (receivers on its "
+        "GPU quantise on receive, elsewhere it quantises); bound: the fused one colocated, the FP8 bytes' elsewhere",
+    )
+    ap.add_argument(
         "--trainer-buffer",
         default="per-param",
         help="per-param: trainer parameters each in their own allocation (as under FSDP2; default); "

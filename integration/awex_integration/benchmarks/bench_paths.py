@@ -165,7 +165,7 @@ def _public_path(
             wave_bytes=int(a.wave_mb * (1 << 20)),
             refresh=quantize,
             refresh_by_wave=fp8_views.by_wave if fp8_views is not None else None,
-            quantize_on_receive=bool(a.extra.get("fp8_on_receive")),
+            quantize_on_receive=a.extra.get("fp8_on_receive") or False,  # True, or "auto"
             delta=bool(a.extra.get("delta")),
             verify=bool(a.extra.get("verify")),
         )

@@ -38,7 +38,7 @@ class GpuRank:
     fp8: bool = False
     model: str = "qwen3-8b"
     readers_per_instance: int = 1  # the trainer waits for this many readers of each destination to close
-    on_receive: bool = False
+    on_receive: bool | str = False  # True, or "auto"
     delta: bool = False
     device_type: str = "cuda"
     move: bool = False
@@ -127,7 +127,7 @@ def sync_rank(job: GpuRank) -> dict:
                 transport=transport,
                 timeout=120,
                 host="127.0.0.1",
-                quantize_on_receive=True,
+                quantize_on_receive=on_receive,  # True, or "auto"
             )
         elif quant:
             fp8_views = Fp8Views(quantize_layout(layout, quant), local_rank, view_of, quant)
@@ -172,7 +172,7 @@ def sync_rank(job: GpuRank) -> dict:
             for r in range(readers_per_instance):
                 client.get(f"closed/{d}/{r}", timeout=120)
         writer.close()
-        return {"versions": versions, "transport": transport_in_use, "stats": stats}
+        return {"versions": versions, "transport": transport_in_use, "stats": stats, "quantizing": writer.quantizing}
     parallel = VllmParallel(tp=tp)
     shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
     dtypes = vllm_param_dtypes(shapes, "bfloat16", quant)

@@ -89,6 +89,9 @@ def test_ipc_needs_cuda_views_as_its_class_says():
         ({"delta": True}, "not 'auto'"),  # auto may choose a transport without delta
         ({"quantize_on_receive": True, "transport": "p2p"}, "quantize_on_receive=True runs over transport='ipc'"),
         ({"delta": True, "transport": "ipc", "quantize_on_receive": True}, "pick one of the two"),
+        ({"quantize_on_receive": "yes"}, "quantize_on_receive='yes': True, False or 'auto'"),
+        ({"quantize_on_receive": "auto", "delta": True, "transport": "p2p"}, "'auto' is not built yet"),
+        ({"quantize_on_receive": "auto", "refresh": print, "refresh_by_wave": object()}, "views of its own"),
         ({"delta_budget_bytes": 1 << 20, "transport": "p2p"}, "delta_budget_bytes"),
         ({"delta_budget_bytes": -1, "delta": True, "transport": "p2p"}, "delta_budget_bytes"),
         ({"refresh_by_wave": object()}, "refresh_by_wave needs refresh too"),
@@ -98,6 +101,15 @@ def test_ipc_needs_cuda_views_as_its_class_says():
 def test_every_rule_is_checked_in_one_place(bad, match):
     with pytest.raises(ValueError, match=match):
         SyncOptions(**bad).check()
+
+
+@pytest.mark.parametrize("transport", ["auto", "ipc", "p2p", "shm", "rdma"])
+def test_fp8_auto_goes_with_every_transport_and_verify_mode_and_crosses_the_wire(transport):
+    options = SyncOptions(quantize_on_receive="auto", transport=transport, verify=True).check()
+    assert SyncOptions.from_wire(options.to_wire()) == options
+    wire = {**options.to_wire(), "quantize_on_receive": "sometimes"}
+    with pytest.raises(ValueError, match="quantize_on_receive='sometimes': true or false"):
+        SyncOptions.from_wire(wire)
 
 
 def test_options_are_frozen_and_a_list_of_casts_is_kept_as_a_tuple():

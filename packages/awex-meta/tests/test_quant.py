@@ -13,6 +13,7 @@ from awex.meta import (
     load_config,
     plan_transfers,
     quantize_layout,
+    sender_quant,
     verify_plan,
 )
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
@@ -258,3 +259,29 @@ def test_weights_quantised_on_receive_are_cut_into_waves_on_tile_rows_only():
                 cut += t.sizes[0] != full
     assert cut > 0
     assert verify_plan(plan, [src], [dst]).ok
+
+
+def test_a_sender_quantises_exactly_what_its_receivers_hold_in_fp8():
+    tensors = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
+    trainer = megatron_layout(tensors, MegatronParallel(tp=2), instance="trainer")
+    skip = Fp8BlockQuant(block=(32, 32), skip=("layers.0.mlp",))  # as a config's modules_to_not_convert
+    engine = quantize_layout(vllm_layout(tensors, VllmParallel(tp=2), instance="vllm"), skip)
+    quant = sender_quant([trainer], [engine])
+    held = {t.spec.name for t in engine.tensors if t.spec.dtype == "float8_e4m3fn"}
+    assert quant.names == held and not any(".layers.0.mlp." in n for n in held) and quant.block == (32, 32)
+    assert not quant.quantises("model.layers.0.mlp.down_proj.weight", (128, 256))  # by its name alone it would
+    sent = quantize_layout(trainer, quant)
+    plan = plan_transfers([sent], [engine])  # the sender's tiles and scales are the receivers', shape for shape
+    assert not plan.quantized and {s.name for s in plan.tensors if s.dtype == "float8_e4m3fn"} == held
+    assert sender_quant([trainer], [vllm_layout(tensors, VllmParallel(tp=2), instance="bf16")]) is None
+
+
+def test_receivers_in_two_fp8_dtypes_cannot_share_one_senders_tiles():
+    tensors = canonical_tensors(load_config(MODELS / "qwen2-tiny.json"))
+    trainer = megatron_layout(tensors, MegatronParallel(tp=1), instance="trainer")
+    e4m3 = quantize_layout(vllm_layout(tensors, VllmParallel(tp=1), instance="a"), Fp8BlockQuant(block=(32, 32)))
+    e5m2 = quantize_layout(
+        vllm_layout(tensors, VllmParallel(tp=1), instance="b"), Fp8BlockQuant(block=(32, 32), dtype="float8_e5m2")
+    )
+    with pytest.raises(ValueError, match=r"as \['float8_e4m3fn', 'float8_e5m2'\]: a sender quantises to one dtype"):
+        sender_quant([trainer], [e4m3, e5m2])

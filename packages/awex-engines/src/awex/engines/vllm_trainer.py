@@ -172,7 +172,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     pause: str = "keep"  # generation around each version: "keep", "abort", "wait" or "none" (awex.engines.pause)
     allow_cast: tuple[str, ...] = SyncOptions.allow_cast  # globs that may narrow (("*",): fp32 into a bf16 engine)
     delta: bool = SyncOptions.delta  # only the words that changed (transport "p2p" or "ipc"; see WeightsWriter)
-    quantize_on_receive: bool = SyncOptions.quantize_on_receive  # FP8 engines on the trainer's GPUs quantise the copy
+    quantize_on_receive: bool | str = SyncOptions.quantize_on_receive  # FP8 engines on its GPUs quantise; or "auto"
     verify: bool = SyncOptions.verify  # engines compare digests of what they got with the trainer's
     lora: dict[str, int] | None = None  # the engines receive LoRA adapters: {served name: lora_int_id} (source: .lora)
 
@@ -310,7 +310,9 @@ class AwexTrainerEngine(TrainerWeightTransferEngine[AwexTrainerInitInfo]):
                         **({"lora": dict(init_info.lora)} if init_info.lora is not None else {}),
                     }
                 )
-            options = PlanOptions(allow_cast=init_info.allow_cast, quantize_on_receive=init_info.quantize_on_receive)
+            # "auto": the receivers may hold FP8 of the bf16 weights (whoever quantises them)
+            on_receive = init_info.quantize_on_receive is not False
+            options = PlanOptions(allow_cast=init_info.allow_cast, quantize_on_receive=on_receive)
             sender.preflight(awex_source.layout, options, exact=init_info.lora is not None)
         engine = cls(
             client=clients,

@@ -24,6 +24,7 @@ from awex.engines.sync import keys, places
 from awex.engines.sync.announcer import Announcer
 from awex.engines.sync.background import Background
 from awex.engines.sync.channel import lanes_for
+from awex.engines.sync.fp8_sender import Fp8Sender
 from awex.engines.sync.lease import DEFAULT_SECONDS as DEFAULT_LEASE
 from awex.engines.sync.lease import checked as checked_lease
 from awex.engines.sync.manifest import SyncManifest
@@ -94,6 +95,10 @@ class WeightsWriter:
     ``quantize_on_receive=True`` (``transport="ipc"``): this rank publishes its weights unquantised and the FP8
     engines reading them on the same GPU quantise them straight into their FP8 weights and scales, all pieces in
     one kernel launch (``awex.transport.ipc.fp8_on_copy``): the trainer neither quantises nor holds FP8 buffers.
+    ``quantize_on_receive="auto"``: the same where every FP8 receiver reads its sources on its own GPU over CUDA IPC
+    (and verify mode is off); everywhere else this rank quantises its weights to the receivers' tiles, wave by wave
+    over p2p (``awex.engines.sync.fp8_sender``: FP8 buffers of its own, built at the first such plan). The ranks
+    decide alike when they plan; ``layout`` and ``view_of`` are the bf16 weights (no FP8 views of your own).
 
     ``verify=True``: every receiving rank digests what it got (as it lands over CUDA IPC and p2p, else after the
     transfer; always before its load step) and compares it with the digests this rank took of the same regions in
@@ -153,7 +158,7 @@ class WeightsWriter:
         keep_versions: int = SyncOptions.keep_versions,
         delta: bool = SyncOptions.delta,
         delta_budget_bytes: int | None = SyncOptions.delta_budget_bytes,
-        quantize_on_receive: bool = SyncOptions.quantize_on_receive,
+        quantize_on_receive: bool | str = SyncOptions.quantize_on_receive,
         verify: bool = SyncOptions.verify,
         claim_lease: float | None = DEFAULT_LEASE,
     ):
@@ -185,6 +190,7 @@ class WeightsWriter:
                 f"{self._shards.device}"
             )
         self._session = SyncSession(client, layout.instance, local_rank, device=self._shards.device)
+        self._fp8 = Fp8Sender(layout, local_rank, view_of)  # views of its own only where a plan has it quantise
         self._background = Background(f"{layout.instance}-{local_rank}")  # events, dropping old records
         self._report_answer: Callable[[], None] | None = None  # the last version's report: sent, answer unread
         self._applied: set[str] = set()  # versions this writer wrote (names are written once)
@@ -237,6 +243,12 @@ class WeightsWriter:
         one."""
         return self._session.transport
 
+    @property
+    def quantizing(self) -> bool:
+        """Whether the last :meth:`write`'s plan has this rank quantise its weights to FP8 (``quantize_on_receive=
+        "auto"`` with FP8 receivers that cannot quantise on receive)."""
+        return self._session.send_quant is not None
+
     def write(self, version: str, destinations: Sequence[str]) -> TransferStats:
         """Send weight version ``version`` to the named inference instances; returns this rank's stats once every
         receiving rank of every destination applied it. Otherwise raises :class:`SyncFailedError` (naming each
@@ -288,6 +300,7 @@ class WeightsWriter:
                 # a claim sent under the lease (as the bytes began to move): its answer, read while the receivers
                 # still copy or report, before their outcomes
                 confirm=self._announcer.confirm if self._announcer is not None else None,
+                fp8=self._fp8,
             )
             outcomes = sent.outcomes
             if not all_applied(outcomes):

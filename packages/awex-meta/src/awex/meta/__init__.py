@@ -28,7 +28,7 @@ from awex.meta.layout import (
 from awex.meta.models import ARCHITECTURES, CanonicalTensor, UnknownModelError, canonical_tensors, load_config
 from awex.meta.plan import Bucket, Plan, PlanStats, Step, Transfer
 from awex.meta.planner import PlanError, PlanOptions, plan_transfers
-from awex.meta.quant import Fp8BlockQuant, quantize_layout
+from awex.meta.quant import Fp8BlockQuant, quantize_layout, sender_quant
 from awex.meta.serialize import SCHEMA_VERSION, SchemaError, dumps_json, from_wire, loads_json, to_wire
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 from awex.meta.topology import Estimate, Topology, estimate_seconds
@@ -75,6 +75,7 @@ __all__ = [
     "loads_json",
     "plan_transfers",
     "quantize_layout",
+    "sender_quant",
     "to_wire",
     "verify_plan",
 ]

@@ -30,7 +30,7 @@ from awex.meta.layout import Layout
 from awex.meta.plan import Plan, PlanStats, Transfer
 from awex.meta.problems import missing as missing_lines
 from awex.meta.problems import narrowed as narrowed_lines
-from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, scale_name, tile_block
+from awex.meta.quant import FP8_DTYPES, SCALE_SUFFIX, quantized_weights, scale_name
 from awex.meta.schedule import assign_waves, plan_relays, split_broadcasts
 from awex.meta.spec import RankDescriptor, Role, TensorSpec
 from awex.meta.topology import Placement, Topology
@@ -318,24 +318,10 @@ def _check_tensors(
     dst = collect(destinations, "destination")
     derived = set()  # scales of weights quantised on receive: computed by the receivers, never moved
     if quantize_on_receive:
-        for name, d in dst.items():
-            s = src.get(name)
-            if (
-                s is not None
-                and d.dtype in FP8_DTYPES
-                and s.dtype not in FP8_DTYPES
-                and scale_name(name) in dst
-                and scale_name(name) not in src
-                and s.shape == d.shape
-            ):
-                try:
-                    block = tuple(tile_block(n, k) for n, k in zip(d.shape, dst[scale_name(name)].shape))
-                except ValueError as e:
-                    problems.append(f"{name}: its scales {tuple(dst[scale_name(name)].shape)} do not tile it: {e}")
-                    continue
-                quantized.append((name, d.dtype, scale_name(name), block))
-                wire[name] = s
-                derived.add(scale_name(name))
+        quantized = quantized_weights(src, dst, problems)
+        for name, _, scale, _ in quantized:
+            wire[name] = src[name]
+            derived.add(scale)
     absent: list[tuple[str, str]] = []
     narrowing: list[tuple[str, str, str]] = []
     for name in sorted(dst):

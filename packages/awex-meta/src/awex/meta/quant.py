@@ -20,7 +20,7 @@ matches ``skip`` (the config's ``modules_to_not_convert`` / ``ignored_layers``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from awex.meta.box import Box
 from awex.meta.errors import AwexValueError
@@ -49,12 +49,15 @@ class Fp8BlockQuant:
     """Block-quantised FP8: weights in ``dtype``, a float32 ``weight_scale_inv`` per ``block`` tile.
 
     ``skip``: module name fragments left unquantised (as ``modules_to_not_convert`` in HF configs: a weight is
-    skipped when its name contains one of them followed by ``.`` or ending there).
+    skipped when its name contains one of them followed by ``.`` or ending there). ``names``: where given, exactly
+    these canonical weights travel quantised, whatever their names (a sender matching receivers' layouts:
+    :func:`sender_quant`).
     """
 
     block: tuple[int, int] = (128, 128)
     dtype: str = "float8_e4m3fn"
     skip: tuple[str, ...] = ()
+    names: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         block = tuple(int(b) for b in self.block)
@@ -64,6 +67,8 @@ class Fp8BlockQuant:
             raise AwexValueError(f"FP8 dtype must be one of {FP8_DTYPES}, got {self.dtype!r}")
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "skip", tuple(str(s) for s in self.skip))
+        if self.names is not None:
+            object.__setattr__(self, "names", frozenset(self.names))
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> Fp8BlockQuant | None:
@@ -95,6 +100,8 @@ class Fp8BlockQuant:
 
     def quantises(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether canonical tensor ``name`` travels quantised."""
+        if self.names is not None:
+            return len(shape) == 2 and name in self.names
         if len(shape) != 2 or not name.endswith(_QUANTISED_SUFFIXES) and not _is_expert_weight(name):
             return False
         dotted = "." + name.removesuffix(".weight") + "."
@@ -116,6 +123,55 @@ class Fp8BlockQuant:
         return all(
             o % b == 0 and (e % b == 0 or e == n) for o, e, b, n in zip(box.offsets, box.ends, self.block, shape)
         )
+
+
+Quantized = tuple[str, str, str, tuple[int, int]]
+"""A weight its receivers hold block-quantised and its source does not: ``(weight, FP8 dtype, scale tensor, tile
+edges)`` (:attr:`awex.meta.plan.Plan.quantized`)."""
+
+
+def quantized_weights(
+    src: Mapping[str, TensorSpec], dst: Mapping[str, TensorSpec], problems: list[str] | None = None
+) -> list[Quantized]:
+    """The weights destinations hold in FP8 with their scales where the sources hold them unquantised, in the same
+    shape and without scales (``name -> spec`` of each side), in ``dst``'s order; each tile edge the smallest power
+    of two that gives the scales' shape. A weight whose scales do not tile it is left out, said in ``problems``."""
+    out: list[Quantized] = []
+    for name, d in dst.items():
+        s = src.get(name)
+        scale = scale_name(name)
+        if s is None or d.dtype not in FP8_DTYPES or s.dtype in FP8_DTYPES or s.shape != d.shape:
+            continue
+        if scale not in dst or scale in src:
+            continue
+        try:
+            block = tuple(tile_block(n, k) for n, k in zip(d.shape, dst[scale].shape))
+        except ValueError as e:
+            if problems is not None:
+                problems.append(f"{name}: its scales {tuple(dst[scale].shape)} do not tile it: {e}")
+            continue
+        out.append((name, d.dtype, scale, block))
+    return out
+
+
+def sender_quant(sources: Sequence[Layout], destinations: Sequence[Layout]) -> Fp8BlockQuant | None:
+    """What bf16 senders quantise so that they send what their FP8 receivers hold (:func:`quantized_weights`):
+    exactly those weights, in their one dtype; ``None`` where there are none. The tile block is the largest edge each
+    dimension shows (a weight of one tile row shows the smallest edge that covers it); a planner given the senders'
+    quantised layouts checks that every scale tensor then has the receivers' shape. Receivers in two FP8 dtypes
+    cannot be served by one sender's tiles: ``AwexValueError``."""
+    src = {t.spec.name: t.spec for x in sources for t in x.tensors}
+    quantized = [q for x in destinations for q in quantized_weights(src, {t.spec.name: t.spec for t in x.tensors})]
+    if not quantized:
+        return None
+    dtypes = sorted({dtype for _, dtype, _, _ in quantized})
+    if len(dtypes) > 1:
+        raise AwexValueError(
+            f"the FP8 receivers hold their weights as {dtypes}: a sender quantises to one dtype; sync them in "
+            "separate versions or quantise on receive"
+        )
+    block = (max(q[3][0] for q in quantized), max(q[3][1] for q in quantized))
+    return Fp8BlockQuant(block=block, dtype=dtypes[0], names=frozenset(q[0] for q in quantized))
 
 
 def _is_expert_weight(name: str) -> bool:

@@ -28,7 +28,7 @@ class SyncOptions:
     keep_versions: int = 2  # versions whose MetaServer records rank 0 keeps
     delta: bool = False  # only the 16-bit words that changed since the last version
     delta_budget_bytes: int | None = None  # a delta sender: what it may keep of the last version (None: all)
-    quantize_on_receive: bool = False  # FP8 engines on the trainer's GPUs quantise the copy
+    quantize_on_receive: bool | str = False  # FP8 engines on the trainer's GPUs quantise the copy; "auto": see below
     verify: bool = False  # receivers compare digests of what they got with the senders' (awex.engines.sync.verify)
 
     def __post_init__(self) -> None:
@@ -59,7 +59,7 @@ class SyncOptions:
             if not isinstance(doc[name], kind) or isinstance(doc[name], bool):
                 raise AwexValueError(f"options: {name}={doc[name]!r} is not a {name} value")
         for name in ("delta", "quantize_on_receive", "verify"):
-            if not isinstance(doc[name], bool):
+            if not isinstance(doc[name], bool) and not (name == "quantize_on_receive" and doc[name] == AUTO):
                 raise AwexValueError(f"options: {name}={doc[name]!r}: true or false")
         if len(doc["allow_cast"]) > 1024 or any(not isinstance(p, str) or len(p) > 1024 for p in doc["allow_cast"]):
             raise AwexValueError("options: allow_cast holds glob patterns (short strings)")
@@ -76,9 +76,11 @@ class SyncOptions:
             raise AwexValueError(f"allow_cast={list(self.allow_cast)!r}: glob patterns (non-empty strings)")
         if not _whole(self.keep_versions) or self.keep_versions < 1:
             raise AwexValueError("keep_versions must be at least 1")
-        for flag in ("delta", "quantize_on_receive", "verify"):
+        for flag in ("delta", "verify"):
             if not isinstance(getattr(self, flag), bool):
                 raise AwexValueError(f"{flag}={getattr(self, flag)!r}: True or False")
+        if not isinstance(self.quantize_on_receive, bool) and self.quantize_on_receive != AUTO:
+            raise AwexValueError(f"quantize_on_receive={self.quantize_on_receive!r}: True, False or {AUTO!r}")
         wrong = combination_error(self.transport, self.delta, self.quantize_on_receive, self.verify)
         if wrong:
             raise AwexValueError(wrong)
@@ -86,6 +88,11 @@ class SyncOptions:
             raise AwexValueError(
                 "refresh_by_wave needs refresh too: CUDA IPC receivers read whole buffers, refreshed "
                 "all at once (pass refresh=fp8.quantize, refresh_by_wave=fp8.by_wave)"
+            )
+        if self.quantize_on_receive == AUTO and self.refresh_by_wave is not None:
+            raise AwexValueError(
+                f"quantize_on_receive={AUTO!r} quantises with views of its own where the receivers cannot: give the "
+                "writer the bf16 layout and views, without refresh_by_wave (awex.convert.Fp8Views)"
             )
         if self.delta and self.refresh_by_wave is not None:
             raise AwexValueError("delta=True with FP8 on the fly (refresh_by_wave) is not built yet")
@@ -95,14 +102,25 @@ class SyncOptions:
         return self
 
 
+AUTO = "auto"
+"""``quantize_on_receive="auto"``: FP8 receivers quantise what they read where every one of them reads its source
+on its own GPU over CUDA IPC (colocated engines: one pass over memory), and the trainer ranks quantise their bf16
+weights wave by wave everywhere else (``awex.engines.sync.fp8_sender``): the ranks decide alike when they plan
+(``awex.engines.sync.version_plan``). Needs the trainer's bf16 layout and views (no FP8 views of the user's own)."""
+
 WIRE = ("wave_bytes", "timeout", "transport", "allow_cast", "delta", "quantize_on_receive", "verify")
 """What a manifest carries of a writer's options: the rest are the writer's own (its address is the manifest's
 ``host``; ``refresh``, ``keep_versions`` and the delta budget stay with the senders)."""
 
 
-def combination_error(transport: str, delta: bool, quantize_on_receive: bool, verify: bool = False) -> str | None:
+def combination_error(transport: str, delta: bool, quantize_on_receive: bool | str, verify: bool = False) -> str | None:
     """What is wrong with a transport and the options that depend on it (writers and manifests alike), or None.
-    ``auto`` chooses among every transport, so options that only some carry name one of those instead."""
+    ``auto`` chooses among every transport, so options that only some carry name one of those instead.
+    ``quantize_on_receive="auto"`` goes with every transport and with verify mode (then the trainer quantises)."""
+    if quantize_on_receive == AUTO:
+        if delta:
+            return f"delta=True with quantize_on_receive={AUTO!r} is not built yet: pick one of the two"
+        quantize_on_receive = False  # what it asks of a transport: nothing (the trainer quantises where needed)
     if verify and quantize_on_receive:
         return (
             "verify=True with quantize_on_receive=True: the receivers quantise what they read, so they hold other "

@@ -1,10 +1,9 @@
 """One sync between named engine instances: what a rank keeps between versions (the steady-state cache).
 
 Per weight version the trainer's first rank publishes a :class:`~awex.engines.sync.manifest.SyncManifest` (which
-instances send and
-receive, where the sync group meets, wave size, deadline). Every rank of every instance then fetches the
-manifest and the layouts, computes the plan itself, and proves through the MetaServer that all ranks computed
-the same plan before any byte moves. Plans, process groups, staging buffers and every copy's views are built
+instances send and receive, where the sync group meets, wave size, deadline). Every rank of every instance then
+fetches the manifest and the layouts, computes the plan itself, and proves through the MetaServer that all ranks
+computed the same plan before any byte moves. Plans, process groups, staging buffers and every copy's views are built
 once and reused while the manifest's layouts and rendezvous do not change (steady state). The session picks a
 transport (``awex.transport.registry``) and drives it. A version's route through a rank is one call, from its
 manifest to the outcomes: :meth:`SyncSession.send` (a trainer rank) or :meth:`SyncSession.receive`. Where a rank
@@ -24,6 +23,7 @@ from awex.engines.outcome import all_applied
 from awex.engines.sync import keys, outcomes, places
 from awex.engines.sync.board import HostBoard
 from awex.engines.sync.channel import VersionChannel
+from awex.engines.sync.fp8_sender import Fp8Sender
 from awex.engines.sync.manifest import Attempt, SyncManifest, group_secret
 from awex.engines.sync.manifest_reading import ManifestReading
 from awex.engines.sync.peer_link import SyncPeerLink
@@ -33,7 +33,7 @@ from awex.engines.sync.relayed import with_relays
 from awex.engines.sync.signals import Signals, signals_for
 from awex.engines.sync.verify import Verifier
 from awex.engines.sync.version_plan import PlanKey, fp8_quantizer, plan_version
-from awex.meta import Layout, Plan
+from awex.meta import Fp8BlockQuant, Layout, Plan
 from awex.meta.client import MetaClient
 from awex.meta.errors import AgreementAbortedError, AwexValueError
 from awex.transport import LocalShards
@@ -86,6 +86,8 @@ class SyncSession(ManifestReading):
     _transports: dict[str, Transport] = field(default_factory=dict)  # made once per name, kept while open
     device_key: str | None = None  # physical device ("host/GPU-uuid"); from `device` when None and on CUDA
     transport: str | None = None  # what the current plan runs on (the manifest's, or auto's choice)
+    send_quant: Fp8BlockQuant | None = None  # what the current plan has the trainers quantise (version_plan.Planned)
+    sent_shards: LocalShards | None = None  # what this rank's last transfer moved (a quantising sender: FP8 views)
     device_reach: tuple[str, ...] | None = None  # devices this rank reads over CUDA IPC; found out when None
     closed: bool = False
     phases: Phases = field(default_factory=Phases)  # seconds per phase of the last transfer
@@ -126,8 +128,7 @@ class SyncSession(ManifestReading):
         gc.collect()  # views into opened memory may sit in reference cycles (executors' closures)
 
     def held_bytes(self) -> int:
-        """Bytes of buffers this rank keeps between syncs (staging of the point-to-point executor, the bounce
-        ring of the CUDA IPC executor), read from the buffers themselves."""
+        """Bytes of buffers this rank keeps between syncs (p2p staging, CUDA IPC bounce rings), read from them."""
         return sum(t.held_bytes for t in self._transports.values())
 
     def steady_for(self, manifest: SyncManifest) -> bool:
@@ -201,7 +202,7 @@ class SyncSession(ManifestReading):
         self._processes = where.processes
 
         plan_started = time.perf_counter()
-        plan, transport, reason = plan_version(manifest, layouts, where)
+        plan, transport, reason, send_quant = plan_version(manifest, layouts, where)
         if reason:
             log.info("%s:%d sync %s over %s: %s", self.instance, self.local_rank, manifest.version, transport, reason)
         phase["plan"] = time.perf_counter() - plan_started
@@ -235,7 +236,7 @@ class SyncSession(ManifestReading):
         )
         self._transports[transport].prepare(plan, me.rank, setup, phase)
         self._layouts = layouts
-        self._key, self._plan, self.transport = key, plan, transport
+        self._key, self._plan, self.transport, self.send_quant = key, plan, transport, send_quant
         log.info(
             "%s:%d planned %d buckets (digest %s), sync rank %d of %d",
             self.instance,
@@ -268,6 +269,7 @@ class SyncSession(ManifestReading):
         refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
         beside: Callable[[], None] | None = None,
         confirm: Callable[[], None] | None = None,
+        fp8: Fp8Sender | None = None,
     ) -> Sent:
         """A trainer rank's version from its manifest (``None``: read it, as every rank but the first does) until
         every receiving rank's outcome: the transfer (``beside`` while the bytes move), ``confirm`` once this rank's
@@ -280,7 +282,8 @@ class SyncSession(ManifestReading):
         self.attempt = manifest
         announced = time.monotonic()
         deadline = started + timeout
-        stats = self.transfer(manifest, shards, deadline - announced, refresh, refresh_by_wave, beside)
+        stats = self.transfer(manifest, shards, deadline - announced, refresh, refresh_by_wave, beside, fp8)
+        shards = self.sent_shards
         if confirm is not None:
             confirming = time.monotonic()
             confirm()
@@ -338,9 +341,11 @@ class SyncSession(ManifestReading):
         refresh: Callable[[], None] | None = None,
         refresh_by_wave: Callable[[Sequence[Sequence[Region]]], Callable[[int], None]] | None = None,
         beside: Callable[[], None] | None = None,
+        fp8: Fp8Sender | None = None,
     ) -> TransferStats:
         """Move this rank's share of the version; ``refresh`` / ``refresh_by_wave`` (senders): see
-        ``WeightsWriter`` (per wave only over p2p; once the transport is known, before any byte moves). ``beside``
+        ``WeightsWriter`` (per wave only over p2p; once the transport is known, before any byte moves); a sender
+        whose plan has the trainers quantise sends ``fp8``'s views instead (:attr:`sent_shards`). ``beside``
         runs while the bytes move (where the transport lets it: CUDA IPC once the copies are enqueued) or after
         the transport returns; what it raises is raised once the transfer ended."""
         started = time.monotonic()
@@ -349,6 +354,9 @@ class SyncSession(ManifestReading):
         self.phases = phase = Phases()
         self._link = None
         plan, rank, self.planned = self.prepare(manifest, timeout)
+        if fp8 is not None and self.send_quant is not None:
+            shards, refresh, refresh_by_wave = fp8.views(self.send_quant, refresh)
+        self.sent_shards = shards
         transport = self._transports[self.transport]
         if not transport.refreshes_by_wave:
             refresh_by_wave = None
@@ -386,8 +394,7 @@ class SyncSession(ManifestReading):
         return self._plan
 
     def layout_of(self, instance: str) -> Layout | None:
-        """The layout of ``instance`` this session planned with, if it did."""
-        return self._layouts.get(instance)
+        return self._layouts.get(instance)  # the layout of ``instance`` this session planned with, if it did
 
     @property
     def touched(self) -> bool:
@@ -420,10 +427,9 @@ class SyncSession(ManifestReading):
         if not self.planned or self._plan is None:
             return line
         plan, me = self._plan, self._plan.rank(self.instance, self.local_rank).rank
-        buckets = len(plan.schedule(me))
         return (
-            f"{line} (new plan: {plan.world_size} ranks, {len(plan.tensors)} tensors, {buckets} buckets for this "
-            f"rank, over {self.transport}; {self.phases.summary()})"
+            f"{line} (new plan: {plan.world_size} ranks, {len(plan.tensors)} tensors, {len(plan.schedule(me))} "
+            f"buckets for this rank, over {self.transport}; {self.phases.summary()})"
         )
 
     def reset(self) -> None:

@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from awex.engines.sync import places
 from awex.engines.sync.manifest import SyncManifest
-from awex.meta import Layout, Plan, PlanOptions, Topology, plan_transfers
+from awex.engines.sync.options import AUTO
+from awex.meta import Fp8BlockQuant, Layout, Plan, PlanOptions, Topology, plan_transfers, quantize_layout, sender_quant
 from awex.meta.transport_choice import TransportError, choose_transport, quantized_afar, unreachable
 
 
@@ -21,7 +22,7 @@ class PlanKey:
     wave_bytes: int
     allow_cast: tuple[str, ...]
     delta: bool
-    quantize_on_receive: bool
+    quantize_on_receive: bool | str
     layouts: tuple[int, ...] = ()  # identities of the layout objects planned from
 
     @classmethod
@@ -40,48 +41,71 @@ class PlanKey:
         return PlanKey.of(manifest, self.layouts) == self
 
 
-def plan_version(
-    manifest: SyncManifest, layouts: Mapping[str, Layout], where: places.Places
-) -> tuple[Plan, str, str | None]:
+class Planned(NamedTuple):
+    """A version's plan, its transport, why ``auto`` chose it (or ``None``), and what the trainer ranks quantise
+    (``quantize_on_receive="auto"`` where receivers cannot: their tiles, the plan's sources then FP8; else ``None``)."""
+
+    plan: Plan
+    transport: str
+    reason: str | None
+    send_quant: Fp8BlockQuant | None = None
+
+
+def plan_version(manifest: SyncManifest, layouts: Mapping[str, Layout], where: places.Places) -> Planned:
     """The plan of ``manifest``'s version and the transport it runs on (with ``transport="auto"``, the choice and
     why; else the manifest's, checked: shared memory needs one host, CUDA IPC every device reachable).
-    ``TransportError`` says what to use instead."""
+    ``TransportError`` says what to use instead. With ``quantize_on_receive="auto"`` the FP8 receivers quantise
+    on receive where the plan runs over CUDA IPC, every one of them reads its sources on its own GPU and verify mode
+    is off; else the trainers quantise to the receivers' tiles (:func:`awex.meta.sender_quant`) and send FP8."""
     devices, reach, hosts = tuple(where.devices), where.reach, where.hosts
     host_of = tuple((name, rank, host) for (name, rank), (host, _, _) in sorted(where.processes.items()))
     across_hosts = len({h for _, _, h in host_of}) > 1
+    options = manifest.options
+    auto = options.quantize_on_receive == AUTO
+    sources = [layouts[n] for n in manifest.sources]
 
-    def plan_for(transport: str) -> Plan:
+    def plan_for(transport: str, on_receive: bool, quant: Fp8BlockQuant | None = None) -> Plan:
         nodes = transport == "p2p" and across_hosts  # what a host needs enters it once and is forwarded there
         return plan_transfers(
-            [layouts[n] for n in manifest.sources],
+            [quantize_layout(x, quant) for x in sources] if quant is not None else sources,
             [layouts[n] for n in manifest.destinations],
             PlanOptions(
-                wave_bytes=manifest.options.wave_bytes,
-                relay=transport == "p2p" and not manifest.options.delta,  # a delta bucket is checked by its receiver
-                allow_cast=manifest.options.allow_cast,
+                wave_bytes=options.wave_bytes,
+                relay=transport == "p2p" and not options.delta,  # a delta bucket is checked by its receiver
+                allow_cast=options.allow_cast,
                 devices=devices if transport == "ipc" else (),
                 topology=Topology() if nodes else None,
                 hosts=host_of if nodes else (),
-                quantize_on_receive=manifest.options.quantize_on_receive,
+                quantize_on_receive=on_receive,
             ),
         )
 
-    transport = manifest.options.transport
+    quant = None
+    if auto:  # what the receivers would quantise; the trainers' tiles where they cannot
+        quant = sender_quant(sources, [layouts[n] for n in manifest.destinations])
+        receivable = quant is not None and not options.verify
+        if receivable and options.transport in ("auto", "ipc"):
+            on_gpu, known = plan_for("ipc", True), {(i, r): d for i, r, d in devices}
+            cuda = all(known.get((x.instance, x.local_rank)) for x in on_gpu.ranks)  # every rank on a known GPU
+            if cuda and not quantized_afar(on_gpu, devices) and not unreachable(on_gpu, devices, reach):
+                return Planned(on_gpu, "ipc", "FP8 quantised on receive: every receiver reads on its own GPU")
+    transport = options.transport
     if transport == "auto":
-        ipc_plan, p2p_plan = plan_for("ipc"), plan_for("p2p")
-        choice = choose_transport(ipc_plan, p2p_plan, devices, manifest.refresh_by_wave, reach, shm_ok=where.shm_ok)
+        ipc_plan, p2p_plan = plan_for("ipc", options.quantize_on_receive is True, quant), plan_for("p2p", False, quant)
+        by_wave = manifest.refresh_by_wave or quant is not None
+        choice = choose_transport(ipc_plan, p2p_plan, devices, by_wave, reach, shm_ok=where.shm_ok)
         transport = choice.transport
         plan = p2p_plan if transport == "p2p" else ipc_plan  # shm: the same plan as ipc (no relays)
-        return plan, transport, choice.reason
-    plan = plan_for(transport)
-    afar = quantized_afar(plan, devices) if transport == "ipc" and manifest.options.quantize_on_receive else []
+        return Planned(plan, transport, choice.reason, quant)
+    plan = plan_for(transport, options.quantize_on_receive is True, quant)
+    afar = quantized_afar(plan, devices) if transport == "ipc" and options.quantize_on_receive is True else []
     if afar:
         raise TransportError(
             f"sync {manifest.version!r} with quantize_on_receive=True: "
             + "; ".join(afar[:4])
             + f"{f' (and {len(afar) - 4} more)' if len(afar) > 4 else ''}; quantising on receive reads the source on "
-            "the receiver's own GPU: for engines on other GPUs let the trainer quantise (awex.convert.Fp8Views, "
-            "quantize_on_receive=False)"
+            "the receiver's own GPU: for engines on other GPUs let the trainer quantise (quantize_on_receive='auto', "
+            "or awex.convert.Fp8Views with quantize_on_receive=False)"
         )
     blocked = unreachable(plan, devices, reach) if transport == "ipc" else []
     if transport == "shm" and len(hosts) != 1:
@@ -97,7 +121,7 @@ def plan_version(
             + "; ".join(blocked[:8])
             + " (make the GPUs visible to the reading processes, or use transport='p2p')"
         )
-    return plan, transport, None
+    return Planned(plan, transport, None, quant)
 
 
 def fp8_quantizer():
