@@ -48,7 +48,7 @@ from awex_integration.benchmarks.bench_common import (
     model_tensors,
     scenario_devices,
 )
-from awex_integration.benchmarks.bench_gpu_args import parser
+from awex_integration.benchmarks.bench_gpu_args import checked, parser
 from awex_integration.benchmarks.bench_paths import describe_staged, phases_of, staged_summary
 from awex_integration.benchmarks.bench_worker import WorkerArgs, worker
 from awex_integration.benchmarks.estimate_check import predict
@@ -208,22 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     dims, tensors = model_tensors(args.model, args.layers)
     quant = Fp8BlockQuant() if args.fp8 else None
     model_bytes = sum(t.spec.nbytes for t in tensors)
-    if (args.fp8_on_receive or args.fp8_auto) and (not args.fp8 or args.path != "public"):
-        ap.error("--fp8-on-receive and --fp8-auto need --fp8 and the public path")
-    if args.fp8_on_receive and args.fp8_auto:
-        ap.error("--fp8-on-receive or --fp8-auto, not both")
-    if args.fp8_auto and args.baseline_iters:
-        print("--fp8-auto: no baselines (the trainer publishes bf16)")
-        args.baseline_iters = 0
-    if args.fp8_on_receive and args.baseline_iters:
-        print("--fp8-on-receive: no baselines (they move the trainer's FP8 tiles, which it does not make here)")
-        args.baseline_iters = 0
-    if args.delta is not None and (args.path != "public" or args.fp8 or not 0 < args.delta < 1):
-        ap.error("--delta: a fraction between 0 and 1, on the public path, without --fp8")
-    if args.verify and args.path != "public":
-        ap.error("--verify: on the public path")
-    if args.staged and args.path != "public":
-        ap.error("--staged: on the public path")
+    checked(ap, args)
     shared = {
         "staged": args.staged,
         "verify": args.verify,

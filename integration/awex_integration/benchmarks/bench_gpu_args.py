@@ -131,3 +131,24 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     return ap
+
+
+def checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The rules between the flags (``ap.error`` for a combination that cannot run); baselines off where they
+    cannot run."""
+    if (args.fp8_on_receive or args.fp8_auto) and (not args.fp8 or args.path != "public"):
+        ap.error("--fp8-on-receive and --fp8-auto need --fp8 and the public path")
+    if args.fp8_on_receive and args.fp8_auto:
+        ap.error("--fp8-on-receive or --fp8-auto, not both")
+    if args.fp8_auto and args.baseline_iters:
+        print("--fp8-auto: no baselines (the trainer publishes bf16)")
+        args.baseline_iters = 0
+    if args.fp8_on_receive and args.baseline_iters:
+        print("--fp8-on-receive: no baselines (they move the trainer's FP8 tiles, which it does not make here)")
+        args.baseline_iters = 0
+    if args.delta is not None and (args.path != "public" or args.fp8 or not 0 < args.delta < 1):
+        ap.error("--delta: a fraction between 0 and 1, on the public path, without --fp8")
+    if args.verify and args.path != "public":
+        ap.error("--verify: on the public path")
+    if args.staged and args.path != "public":
+        ap.error("--staged: on the public path")
