@@ -194,10 +194,11 @@ class BatchedCopy:
         everything = [*copies, *spread, *rows]
         if not everything:
             raise AwexValueError("BatchedCopy needs at least one copy")
+        shapes = [row_copy(d, s) for d, s in rows]  # (rows, row bytes, strides) of each rows copy, worked out once
         bad = (
             [i for i, (d, s) in enumerate(copies) if not batchable(d, s)]
             + [len(copies) + i for i, (d, s) in enumerate(spread) if not batchable(d, s, peer=True)]
-            + [len(copies) + len(spread) + i for i, (d, s) in enumerate(rows) if row_copy(d, s) is None]
+            + [len(copies) + len(spread) + i for i, shape in enumerate(shapes) if shape is None]
         )
         if bad:
             raise AwexValueError(
@@ -226,7 +227,9 @@ class BatchedCopy:
                         [(d.data_ptr(), a, d.nbytes) for (d, _), a in zip(spread, spread_sources)], base, block_bytes
                     ),
                     row_blocks(
-                        [(d.data_ptr(), a, *row_copy(d, s)) for (d, s), a in zip(rows, rows_sources)], base, block_bytes
+                        [(d.data_ptr(), a, *shape) for (d, _), a, shape in zip(rows, rows_sources, shapes)],
+                        base,
+                        block_bytes,
                     ),
                 ]
             ),
