@@ -66,8 +66,21 @@ def test_what_is_queued_still_goes_out_when_the_process_exits():
         bg = Background("exit")
         bg.submit("a report", print, "reported", flush=True)
         bg.log_line("trainer:0 sent v9: 10 bytes in 0.001 s", now=False)
+        bg.last_word("v8's record", lambda: print("v8 recorded", flush=True))
+        bg.last_word("v9's record", lambda: print("v9 recorded", flush=True))  # replaces v8's
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "reported"
+    assert out.stdout.split() == ["reported", "v9", "recorded"]  # what was queued, then the last word, once
     assert "trainer:0 sent v9: 10 bytes in 0.001 s" in out.stderr
+
+
+def test_the_last_word_is_said_once_where_asked_and_only_the_latest():
+    said: list[str] = []
+    bg = Background("last")
+    bg.last_word("first", lambda: said.append("first"))
+    bg.last_word("second", lambda: said.append("second"))
+    assert said == []  # kept, not run
+    bg.say_last_word()
+    bg.say_last_word()
+    assert said == ["second"]

@@ -6,8 +6,9 @@ The design's budget for one steady version (nothing planned, allocated or negoti
 - the first trainer rank makes two MetaServer requests (the version name's claim, which also checks its fence, and
   the version's report, sent before ``write`` returns so that it travels with the outcome) and, holding its claim
   lease, waits for no MetaServer answer before the first byte moves (the report's answer, read as the next version
-  starts, arrived long before); receivers make none; requests that only inform (events, dropping old records) go
-  from the background thread, a few per version (old records eight versions a request);
+  starts, arrived long before); receivers make none; requests that only inform go from the background thread: old
+  records are dropped eight versions a request (none in the version counted), and the trainers' record of the
+  outcomes goes to the MetaServer only as the writer closes (for ranks that find the channel gone with it);
 - per-version signals: the manifest, one ready signal per sender, one outcome per receiver, the trainer's wait for
   them (and, over the version channel, the outcomes' record for the other trainer ranks);
 - Python work: a fixed number of calls per version whatever the model, and per tensor no Python call at all and at
@@ -29,7 +30,7 @@ from awex.convert.live import LiveTensors
 SMALL, LARGE = 3, 33  # layers: 39 and 399 tensors
 WRITER_REQUESTS = 2  # the name's claim, the version's report
 READER_REQUESTS = 0
-BACKGROUND_REQUESTS = 2  # the outcomes' copy (channel); old records dropped, one version in eight
+BACKGROUND_REQUESTS = 0  # old records go one version in eight (not the counted one); the outcomes at close
 SIGNALS = {  # per-version operations on the medium, per side
     "board": {"writer": 3, "reader": 3},  # post + ring + wait for outcomes; manifest + wait for ready + ring
     "channel": {"writer": 4, "reader": 3},  # the same, and the outcomes' record for the other trainer ranks

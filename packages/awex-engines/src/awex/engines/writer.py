@@ -220,6 +220,7 @@ class WeightsWriter:
         CUDA IPC, keep this process alive until every reader has closed (see ``WeightsReader.close``)."""
         self._read_report()
         self._background.flush()
+        self._background.say_last_word()  # before the version channel goes
         self._session.close()
         if self._announcer is not None:
             self._announcer.close()
@@ -314,9 +315,10 @@ class WeightsWriter:
         if self._announcer is not None:
             verdicts, total, plan = instance_verdicts(outcomes), stats.phases["total"], sent.plan
             announcer = self._announcer
-            if sent.medium == "channel":  # for ranks that find the channel gone
-                record = partial(self._meta.put, keys.outcomes(version, manifest.seq), to_record(outcomes))
-                later.append((f"the outcomes of {version} on the MetaServer", record))
+            if sent.medium == "channel":  # for ranks that find the channel gone: it goes at close or exit, with this
+                # writer (a MetaServer request a version fewer), so only its last version's record is ever needed
+                record = partial(self._meta.put, keys.outcomes(version, manifest.seq), to_record(outcomes), timeout=2.0)
+                self._background.last_word(f"the outcomes of {version} on the MetaServer", record)
             # sent now, before write returns (the report travels with the outcome); its answer read before this
             # thread's next request
             self._report_answer = announcer.report_sent(version, verdicts, plan, total)

@@ -214,12 +214,15 @@ class MetaClient(Agreements):
         return self._request("GET", "/v1/status", deadline=self._by(timeout), query={"job": job} if job else None)[1]
 
     # -- key-value -------------------------------------------------------------------------------------
-    def put(self, key: str, value: Any, *, create_only: bool = False, keep: bool = False) -> None:
+    def put(
+        self, key: str, value: Any, *, create_only: bool = False, keep: bool = False, timeout: float | None = None
+    ) -> None:
         """Store a JSON value under ``key`` (``create_only``: fail with MetaConflictError if it exists; ``keep``:
-        this client publishes it again if the server restarts, until it deletes it)."""
+        this client publishes it again if the server restarts, until it deletes it; ``timeout``: seconds, this
+        client's own by default)."""
         query = {"create": "1"} if create_only else None
         path = self._job_path("kv", key)
-        self._request("PUT", path, value, deadline=self._by(), query=query, own=path if keep else None)
+        self._request("PUT", path, value, deadline=self._by(timeout), query=query, own=path if keep else None)
 
     def put_sent(self, key: str, value: Any, *, create_only: bool = False) -> Callable[[], None]:
         """:meth:`put`, in two: the request leaves now; calling what this returns reads its answer (raising what

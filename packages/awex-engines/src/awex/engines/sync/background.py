@@ -6,7 +6,8 @@ own MetaServer connection), each at least ``delay`` seconds after it was handed 
 over returns to its caller first, without this thread competing with it for the interpreter. They inform
 observers; a failure is logged, never raised into a sync. Anything that must be seen in order after them (a
 failure report) calls :meth:`Background.flush` first. A process that exits first waits up to
-:data:`EXIT_FLUSH_SECONDS` for what is queued (its last version's events, dropped records and log line).
+:data:`EXIT_FLUSH_SECONDS` for what is queued (its last version's events, dropped records and log line), then its
+last word (:meth:`Background.last_word`: what only matters once the process stops, run at its close or exit).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _flush_at_exit() -> None:
     deadline = time.monotonic() + EXIT_FLUSH_SECONDS  # for all of them together
     for background in list(_STARTED):
         background.flush(max(0.0, deadline - time.monotonic()))
+        background.say_last_word()
 
 
 class Background:
@@ -41,6 +43,7 @@ class Background:
         self._queue: queue.Queue = queue.Queue(maxsize=limit)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._last: tuple[str, Callable[[], Any]] | None = None  # the last word, not said yet
 
     def submit(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Run ``fn(*args, **kwargs)`` after everything submitted before it; ``what`` names it in logs. When the
@@ -64,6 +67,19 @@ class Background:
             log.info("%s", line)
         else:
             self.submit("logging the sync", log.info, "%s", line)
+
+    def last_word(self, what: str, fn: Callable[[], Any]) -> None:
+        """Keep ``fn`` to run once, when this process's syncing stops (:meth:`say_last_word`: at the writer's close,
+        or at exit); a later last word replaces it. For what only matters once the caller is gone (the record a
+        version channel carried, for ranks that find the channel gone with it)."""
+        self._last = (what, fn)
+        _STARTED.add(self)
+
+    def say_last_word(self) -> None:
+        """Run the last word kept (:meth:`last_word`), if any, here and now; once."""
+        last, self._last = self._last, None
+        if last is not None:
+            self._call(*last, (), {})
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything submitted so far was sent (or ``timeout`` passed); whether it was."""

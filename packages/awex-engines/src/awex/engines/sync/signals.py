@@ -202,7 +202,8 @@ class ChannelSignals(InstanceRecords):
 
     def collected(self, manifest: SyncManifest, timeout: float) -> Any:
         """From the channel; where it is gone (the first rank closed its writer once its last version was
-        applied), from the MetaServer, where the first rank's writer also puts the record, after its write."""
+        applied), from the MetaServer, where that writer puts its last version's record as it closes or its process
+        exits (``Background.last_word``)."""
         deadline = time.monotonic() + timeout
         try:
             return self.channel.wait([keys.channel_record(manifest.version, manifest.seq)], max(0.001, timeout))[0]
