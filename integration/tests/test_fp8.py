@@ -1,5 +1,6 @@
 """FP8 block-quantised transfer end to end: bf16 trainers (Megatron-core TP and EP, FSDP2, HF) quantise their own
-weights on the fly (128x128 tiles, e4m3 + float32 weight_scale_inv); the receivers get FP8 weights and scales
+weights on the fly (128x128 tiles, e4m3 + float32 weight_scale_inv; FSDP2's with quantize_on_receive="auto", the
+rest with FP8 views of their own); the receivers get FP8 weights and scales
 in place, in vLLM's exact layout, bit for bit equal to the expected weights quantised by the same rule.
 
 Which engines run here: the receivers hold vLLM's parameters as plain tensors (``--inference layout``: fused
@@ -47,7 +48,10 @@ CASES = {
         "--model-config",
         MOE,
     ],
-    "fsdp2-dp2->layout-tp2:moe": ["--trainer", "fsdp", "--train-dp", "2", "--infer-tp", "2", "--model-config", MOE],
+    # quantize_on_receive="auto" with the bf16 weights: CPU ranks cannot quantise on receive, so the trainers do
+    "fsdp2-dp2->layout-tp2:moe:auto": [
+        *("--trainer", "fsdp", "--train-dp", "2", "--infer-tp", "2", "--model-config", MOE, "--fp8-auto"),
+    ],
 }
 
 

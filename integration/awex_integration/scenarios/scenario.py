@@ -202,6 +202,7 @@ def _scenario(args, hosts, server, cluster, token, host, work, model_dir, infer_
             endpoints=endpoints,
             ray_engines=ray_engines,
             fp8=args.fp8,
+            fp8_auto=args.fp8_auto,
             wave_bytes=wave_bytes,
         )
         if hosts is not None and cluster is None:  # the trainers run on the first "host"

@@ -81,6 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="receivers hold FP8 block-quantised weights (e4m3, 128x128 tiles, weight_scale_inv); "
         "trainers quantise their own weights on the fly",
     )
+    p.add_argument(
+        "--fp8-auto",
+        action="store_true",
+        help="with --fp8: the trainers' writers take quantize_on_receive='auto' with their bf16 weights (who quantises "
+        "is picked when the ranks plan) instead of FP8 views of their own",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--workdir", default=None, help="where to make the model (default: a temporary folder)")
@@ -107,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.launcher == "ray" and (args.control == "vllm-http" or args.check_in_place or args.inference == "layout"):
         p.error("--launcher ray: vLLM (offline) or HF receivers, without --control vllm-http or --check-in-place")
+    if args.fp8_auto and not args.fp8:
+        p.error("--fp8-auto: with --fp8")
     if args.control == "vllm-ray" and (args.launcher != "ray" or args.inference != "vllm" or args.fp8):
         p.error("--control vllm-ray: with --launcher ray and --inference vllm, without --fp8")
     return args

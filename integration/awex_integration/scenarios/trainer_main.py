@@ -66,6 +66,7 @@ class TrainerJob:
     endpoints: dict[str, str] = field(default_factory=dict)  # vLLM servers driven over HTTP (vLLM's trainer API)
     ray_engines: dict[str, Any] = field(default_factory=dict)  # vLLM LLM actors' handles (vLLM's trainer API)
     fp8: bool = False  # the receivers hold FP8 block-quantised weights; this rank quantises its own on the fly
+    fp8_auto: bool = False  # with fp8: the writer's quantize_on_receive="auto" instead of FP8 views of its own
     wave_bytes: int | None = None  # the writer's wave size (None: the writer's default)
 
 
@@ -151,6 +152,8 @@ def trainer_body(job: TrainerJob) -> dict:
             source=AwexSource(layout, local_rank, view_of),
         )
         writer = engine.writer
+    elif job.fp8 and job.fp8_auto:  # the bf16 weights: the ranks pick who quantises when they plan
+        writer = WeightsWriter.from_source(client, source, timeout=timeout, quantize_on_receive="auto", **options)
     elif job.fp8:
         from awex.convert import Fp8Views
         from awex.meta import Fp8BlockQuant, quantize_layout
