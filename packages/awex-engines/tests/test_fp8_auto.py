@@ -114,3 +114,55 @@ def test_bf16_receivers_are_not_quantised_for(server):
     finally:
         writer.close()
         reader.close()
+
+
+def test_fp8_modes_changed_between_versions_take_effect_and_a_refused_one_changes_nothing(server):
+    """``quantize_on_receive`` changed between versions: False with FP8 receivers of bf16 weights is refused before
+    any byte moves (the receivers keep the last version, exactly); "auto" again then syncs whole, and "auto" after
+    verify mode was switched on still has the trainer quantise (the receivers compare its FP8 bytes)."""
+    g = torch.Generator().manual_seed(1)
+    weights = {t.name: torch.randn(t.spec.shape, generator=g).to(torch.bfloat16) for t in TENSORS}
+    module = module_of(weights)
+    engine = quantize_layout(hf_layout(TENSORS, "inference", "hf-in"), QUANT)
+    got = {t.spec.name: torch.zeros(t.spec.shape, dtype=getattr(torch, t.spec.dtype)) for t in engine.tensors}
+    writer = WeightsWriter(
+        MetaClient(server.address, job="modes", timeout=60),
+        hf_layout(TENSORS, "trainer", "trainer"),
+        0,
+        views_of(module),
+        quantize_on_receive="auto",
+        timeout=20,
+    )
+    reader = WeightsReader(
+        MetaClient(server.address, job="modes", timeout=60), engine, 0, lambda name, box: got[name][box.slices()]
+    )
+
+    def held() -> dict[str, torch.Tensor]:
+        return {n: t.view(torch.uint8).clone() if t.dtype == getattr(torch, QUANT.dtype) else t.clone()
+                for n, t in got.items()}  # fmt: skip
+
+    def exact() -> bool:
+        live = {n: p.data for n, p in module.named_parameters()}
+        return all(torch.equal(held()[n], want) for n, want in _expected(live, engine).items())
+
+    try:
+        _sync(writer, reader, "v1")
+        assert exact() and writer.quantizing
+        before = held()
+        for p in module.parameters():
+            p.data.add_(1.0)
+        writer.quantize_on_receive = False
+        with pytest.raises(Exception, match="block-quantised"):  # bf16 -> FP8 without anyone quantising
+            _sync(writer, reader, "v2")
+        assert all(torch.equal(held()[n], before[n]) for n in before)  # no byte moved
+        writer.quantize_on_receive = "auto"
+        _sync(writer, reader, "v3")
+        assert exact()
+        writer.verify = True
+        for p in module.parameters():
+            p.data.mul_(0.5)
+        _sync(writer, reader, "v4")
+        assert exact() and writer.quantizing and "verify" in writer.last_stats.phases
+    finally:
+        writer.close()
+        reader.close()
