@@ -105,8 +105,9 @@ class WeightsWriter:
     its own memory (as its waves leave over p2p, else after its transfer; ``awex.engines.sync.verify``, a
     hash of every 16-bit word at its place in its tensor, one pass over memory; one Triton kernel on CUDA); a
     receiver whose bytes differ fails the version, so :meth:`write` raises instead of returning. For every transport
-    and plan (relays included), with ``delta`` too; not with ``quantize_on_receive`` (the receivers then hold other
-    bytes than this rank). Costs a pass over the weights on both sides (``docs/performance.md``).
+    and plan (relays included), with ``delta`` too; not with ``quantize_on_receive=True`` (the receivers then hold
+    other bytes than this rank; with ``"auto"`` this rank quantises). Costs a pass over the weights on both sides
+    (``docs/performance.md``).
 
     ``claim_lease`` (seconds, default 10): rank 0 holds its job's claim lease on the MetaServer while it can, so a
     fresh version name's claim is sent without waiting for its answer (``awex.engines.sync.lease``); a writer of this
