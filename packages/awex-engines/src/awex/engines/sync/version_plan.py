@@ -84,10 +84,12 @@ def plan_version(manifest: SyncManifest, layouts: Mapping[str, Layout], where: p
     if auto:  # what the receivers would quantise; the trainers' tiles where they cannot
         quant = sender_quant(sources, [layouts[n] for n in manifest.destinations])
         receivable = quant is not None and not options.verify
-        if receivable and options.transport in ("auto", "ipc"):
-            on_gpu, known = plan_for("ipc", True), {(i, r): d for i, r, d in devices}
-            cuda = all(known.get((x.instance, x.local_rank)) for x in on_gpu.ranks)  # every rank on a known GPU
-            if cuda and not quantized_afar(on_gpu, devices) and not unreachable(on_gpu, devices, reach):
+        known = {(i, r): d for i, r, d in devices}
+        names = (*manifest.sources, *manifest.destinations)
+        cuda = all(known.get((n, r)) for n in names for r in range(layouts[n].world_size))  # each on a known GPU
+        if receivable and cuda and options.transport in ("auto", "ipc"):
+            on_gpu = plan_for("ipc", True)
+            if not quantized_afar(on_gpu, devices) and not unreachable(on_gpu, devices, reach):
                 return Planned(on_gpu, "ipc", "FP8 quantised on receive: every receiver reads on its own GPU")
     transport = options.transport
     if transport == "auto":
