@@ -176,7 +176,7 @@ def test_unquantised_sender_to_fp8_receiver_is_refused_with_a_hint():
         plan_transfers([src], [dst])
     text = str(err.value)
     assert "weight_scale_inv: needed by the destination but held by no source (the destination loads FP8" in text
-    assert "quantise on the sender" in text
+    assert "quantise on the sender" in text and "quantize_on_receive='auto' picks who quantises" in text
     # allow_cast cannot turn a plain cast into block quantisation
     from awex.meta import PlanOptions
 

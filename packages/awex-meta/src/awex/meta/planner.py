@@ -331,7 +331,8 @@ def _check_tensors(
             continue
         if s is None:
             hint = (
-                " (the destination loads FP8 block-quantised weights: quantise on the sender, see awex.meta.quant)"
+                " (the destination loads FP8 block-quantised weights: quantise on the sender, see awex.meta.quant; a "
+                "writer with quantize_on_receive='auto' picks who quantises)"
                 if name.endswith(SCALE_SUFFIX)
                 else ""
             )
@@ -342,7 +343,8 @@ def _check_tensors(
             problems.append(
                 f"{name}: the destination holds it block-quantised ({d.dtype} with {scale_name(name)}); "
                 f"a cast from {s.dtype} cannot produce that: quantise on the sender (awex.meta.quant), or on "
-                "the receiver (PlanOptions.quantize_on_receive, CUDA IPC)"
+                "the receiver (PlanOptions.quantize_on_receive, CUDA IPC); a writer with quantize_on_receive='auto' "
+                "picks who quantises"
             )
         elif s.dtype != d.dtype:
             if is_exact_cast(s.dtype, d.dtype) or any(fnmatchcase(name, pat) for pat in allow_cast):
