@@ -166,3 +166,27 @@ def test_fp8_modes_changed_between_versions_take_effect_and_a_refused_one_change
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_tensor_sent_unquantised_that_changed_form_in_place_fails_the_check_beside_the_transfer():
+    """The trainer's FP8 views send the tensors the receivers hold unquantised (embeddings, norms) from its own
+    weights: a check of their addresses before the bytes move, of their forms beside it (``Fp8Sender.confirm``); one
+    that changed form at the same address fails the version, and the next one takes its views again (here: refused,
+    since a transposed embedding no longer fits the layout)."""
+    from awex.engines.sync.fp8_sender import Fp8Sender
+    from awex.transport.shards import ShardMismatchError
+
+    weights = {t.name: torch.zeros(t.spec.shape, dtype=torch.bfloat16) for t in TENSORS}
+    module = module_of(weights)
+    sender = Fp8Sender(hf_layout(TENSORS, "trainer", "trainer"), 0, views_of(module))
+    first, _, _ = sender.views(QUANT, None)
+    again, _, _ = sender.views(QUANT, None)
+    assert again is first and first.unconfirmed  # addresses alone before the bytes move
+    sender.confirm()  # nothing changed: confirmed
+    sender.views(QUANT, None)
+    embed = module.get_submodule("model.embed_tokens")
+    embed.weight.data = embed.weight.data.t()  # the same address, another form
+    with pytest.raises(ShardMismatchError):
+        sender.confirm()
+    with pytest.raises(ShardMismatchError):  # the next version derives its views again: they no longer fit
+        sender.views(QUANT, None)

@@ -341,6 +341,8 @@ class WeightsWriter:
         if self._announcer is not None:
             self._announcer.send_claim()
         confirm_bound(self.layout, self.local_rank, self._view_of, shards)
+        if self._session.send_quant is not None:  # this rank quantises: the FP8 views' unquantised tensors too
+            self._fp8.confirm()
 
     def _failed(
         self, version: str, manifest: SyncManifest | None, error: BaseException, outcomes: dict | None, deadline: float

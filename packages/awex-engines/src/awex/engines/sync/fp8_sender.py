@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from awex.meta import Box, Fp8BlockQuant, Layout, quantize_layout
-from awex.transport.shards import LocalShards, rebound
+from awex.transport.shards import LocalShards, confirm_bound, rebound
 
 Refresh = Callable[[], None]
 ByWave = Callable[[Sequence[Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]]]], Callable[[int], None]]
@@ -41,6 +41,13 @@ class Fp8Sender:
         # the bf16 weights' addresses: the FP8 buffers stay, what is sent unquantised follows the weights
         self._shards, _ = rebound(fp8_layout, self.local_rank, fp8.view_of, self._shards, quick=True)
         return self._shards, all_at_once, by_wave
+
+    def confirm(self) -> None:
+        """While the bytes move: the rest of the moved-memory check of what :meth:`views` gave
+        (``confirm_bound``: a tensor that changed form at the same address fails the version, and the next
+        :meth:`views` takes its views again)."""
+        if self._made is not None and self._shards is not None:
+            confirm_bound(self._made[2], self.local_rank, self._made[3].view_of, self._shards)
 
 
 def _refreshers(fp8, refresh: Refresh | None) -> tuple[Refresh, ByWave]:
