@@ -18,8 +18,10 @@ from awex.engines.outcome import APPLIED
 from awex.engines.sync import keys, outcomes, relay
 from awex.engines.sync.channel import VersionChannel
 from awex.engines.sync.manifest import SyncManifest
+from awex.engines.sync.peer_link import SyncPeerLink
 from awex.engines.sync.relay import HostRelay, RelayTimeout, Roles, channel_manifest, roles
 from awex.meta import PlanOptions, canonical_tensors, plan_transfers
+from awex.meta.errors import AwexValueError
 from awex.meta.layouts import MegatronParallel, VllmParallel, megatron_layout, vllm_layout
 
 CONFIG = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
@@ -219,22 +221,26 @@ def test_ready_signals_go_once_a_host_and_are_read_once_a_host(made):
         t.join(30)
     assert not errors and all(got[r] == [generations[s.rank] for s in _senders(r)] for r in (4, 5, 6, 7)), got
     # trainer ranks 0 and 1 share host A, 2 and 3 host B: one key a host, put by the lowest
-    assert channel.get(keys.host_ready("ipc", "v1", 3, 0)) == {"0": 3, "1": 5}
-    assert channel.get(keys.host_ready("ipc", "v1", 3, 2)) == {"2": 1, "3": 2}
+    assert channel.get(keys.host_ready("ipc", "v1", 3, 0)) == [3, 5]  # its host's trainer ranks' in order
+    assert channel.get(keys.host_ready("ipc", "v1", 3, 2)) == [1, 2]
     assert channel.get(keys.ready("ipc", "v1", 3, "trainer", 1)) is None
-    assert [signals[r].channel.ops for r in range(4)] == [1, 0, 1, 0]
-    # vllm-0's ranks share host C: 4 reads their senders' once and hands them on, 5 reads nothing; vllm-1's rank on
-    # C reads its own (another engine's ranks are no group of its)
+    # the first trainer rank (0) puts its host's key, reads every host's once all are there and puts them in one key
+    # (on every lane of the channel): three operations; the other hosts' leads one
+    assert channel.get(keys.all_ready("ipc", "v1", 3)) == [3, 5, 1, 2]  # the plan's trainer ranks' in order
+    assert [signals[r].channel.ops for r in range(4)] == [3, 0, 1, 0]
+    # vllm-0's ranks share host C: 4 reads that key once and hands its senders' on, 5 reads nothing; vllm-1's rank on
+    # C reads it itself (another engine's ranks are no group of its)
     assert [signals[r].channel.ops for r in (4, 5, 6, 7)] == [1, 0, 1, 1]
     # what the writer drops once the version is old: exactly what was put
     own, leads = groups.ready_keys([r.rank for r in trainers])
     assert (own, leads) == ([], [0, 2])
-    names = keys.channel_signals("v1", 3, [], [], ["ipc"], leads)
-    assert all(channel.get(n) is not None for n in names if "-ready/" in n)
-    assert sorted(n for n in names if "-ready/" in n) == [
+    names = keys.channel_signals("v1", 3, [], [], ["ipc"], leads, everyone=groups.relays_ready)
+    assert sorted(n for n in names if "ready/" in n) == [
+        keys.all_ready("ipc", "v1", 3),
         keys.host_ready("ipc", "v1", 3, 0),
         keys.host_ready("ipc", "v1", 3, 2),
     ]
+    assert all(channel.get(n) is not None for n in names if "ready/" in n)
 
 
 def test_a_trainer_rank_whose_lead_does_not_listen_fails_its_version(made):
@@ -246,22 +252,63 @@ def test_a_trainer_rank_whose_lead_does_not_listen_fails_its_version(made):
         signals[1].ready("ipc", MANIFEST, PLAN.ranks[1], 1)
 
 
-def test_a_lead_hands_on_only_its_own_hosts_ready_signals(made):
-    # a host key that also names a trainer rank of another host (written with the secret, by a rank that should not)
-    # vouches for its own host's ranks only: the other's generation is still awaited under its own key
+def test_a_hosts_key_vouches_for_its_own_hosts_ranks_only(made, caplog):
+    # a host's key holds its trainer ranks' generations in their order: one that holds more (written with the secret,
+    # by a rank that should not: a generation for another host's rank) or a value that is no generation vouches for
+    # nothing of it; the first trainer rank leaves those ranks out at the timeout, and their receivers fail
+    from dataclasses import replace
+
+    from awex.engines.sync.channel import ChannelTimeout
+    from awex.engines.sync.options import SyncOptions
+
+    manifest = replace(MANIFEST, options=SyncOptions(timeout=0.3))
     channel = VersionChannel.host()
-    _, signals = _relayed(channel, (7,), made)
-    channel.put(keys.host_ready("ipc", "v1", 3, 0), {"0": 3, "1": 5, "2": 9})
-    channel.put(keys.host_ready("ipc", "v1", 3, 2), {"2": 1, "3": 2})
+    _, signals = _relayed(channel, (0, 7), made)
+    channel.put(keys.host_ready("ipc", "v1", 3, 0), [3, 5, 9])
+    channel.put(keys.host_ready("ipc", "v1", 3, 2), [1, "2"])
+    signals[0]._all_ready("ipc", manifest)
+    assert channel.get(keys.all_ready("ipc", "v1", 3)) == [None, None, 1, "2"]  # what it holds, passed on as it is
     trainers = [r for r in PLAN.ranks if r.role.value == "trainer"]
-    assert signals[7].wait_ready("ipc", MANIFEST, trainers, 2.0) == [3, 5, 1, 2]
+    with pytest.raises(ChannelTimeout, match=r"sync ranks \[0, 1\] did not say"):
+        signals[7].wait_ready("ipc", manifest, trainers, 1.0)
+    # a value that is no generation: the receiver's link refuses it before any byte moves
+    link = SyncPeerLink(PLAN, 7, signals[7], None, manifest, "ipc", {})
+    with pytest.raises(AwexValueError, match="trainer:3 for 'v1': '2' is not an export generation"):
+        link.await_ready([3], time.monotonic() + 1.0)
+    channel.put(keys.host_ready("ipc", "v1", 3, 0), [3, 5])
+    channel.put(keys.host_ready("ipc", "v1", 3, 2), [1, 2])
+    signals[0]._all_ready("ipc", manifest)
+    assert signals[7].wait_ready("ipc", manifest, trainers, 1.0) == [3, 5, 1, 2]
+
+
+def test_a_trainer_rank_silent_past_the_timeout_fails_its_receivers_only(made, caplog):
+    # host B's key never comes: at the sync's timeout the first trainer rank puts the generations it has; a receiver
+    # whose senders are all there goes on, one that reads from host B fails its wait naming them (no false success)
+    from dataclasses import replace
+
+    from awex.engines.sync.channel import ChannelTimeout
+    from awex.engines.sync.options import SyncOptions
+
+    manifest = replace(MANIFEST, options=SyncOptions(timeout=0.3))
+    channel = VersionChannel.host()
+    _, signals = _relayed(channel, (0, 4, 7), made)
+    channel.put(keys.host_ready("ipc", "v1", 3, 0), [3, 5])
+    started = time.monotonic()
+    signals[0]._all_ready("ipc", manifest)
+    assert 0.25 < time.monotonic() - started < 5.0 and "did not say 'v1' ready" in caplog.text
+    assert channel.get(keys.all_ready("ipc", "v1", 3)) == [3, 5, None, None]
+    on_a = [PLAN.ranks[0], PLAN.ranks[1]]
+    assert signals[7].wait_ready("ipc", manifest, on_a, 1.0) == [3, 5]
+    with pytest.raises(ChannelTimeout, match=r"sync ranks \[2, 3\] did not say 'v1' ready"):
+        signals[4].wait_ready("ipc", manifest, _senders(4), 1.0)
 
 
 def test_a_receiver_whose_lead_says_nothing_reads_its_senders_ready_signals_after_a_slice(made):
     channel = VersionChannel.host()
-    _, signals = _relayed(channel, (5,), made)  # its lead (4) never reads for it (failed before, say)
-    channel.put(keys.host_ready("ipc", "v1", 3, 0), {"0": 3, "1": 5})
-    channel.put(keys.host_ready("ipc", "v1", 3, 2), {"2": 1, "3": 2})
+    _, signals = _relayed(channel, (0, 5), made)  # its lead (4) never reads for it (failed before, say)
+    channel.put(keys.host_ready("ipc", "v1", 3, 0), [3, 5])
+    channel.put(keys.host_ready("ipc", "v1", 3, 2), [1, 2])
+    signals[0]._all_ready("ipc", MANIFEST)
     started = time.monotonic()
     generations = {0: 3, 1: 5, 2: 1, 3: 2}
     assert signals[5].wait_ready("ipc", MANIFEST, _senders(5), 0.3) == [generations[s.rank] for s in _senders(5)]

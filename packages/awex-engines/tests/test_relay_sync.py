@@ -88,9 +88,11 @@ def test_versions_arrive_through_host_relays_and_leave_the_channel(monkeypatch, 
         first, second = writers[0]._session, writers[1]._session
         assert first.signals.medium == "channel" and first.transport == "shm" and first.channel.lanes == lanes
         assert readers[1]._session.channel.lanes == lanes
-        # the trainers' ready signals: one key for the host, put by the first; none of the second's own
+        # the trainers' ready signals: one key for the host, put by the first; none of the second's own; the first
+        # trainer rank's key of them all, which the receivers read
         seq, channel = readers[0]._session._last_attempt.seq, first.channel
-        assert channel.get(keys.host_ready("shm", "v5", seq, 0)) == {"0": 1, "1": 1}
+        assert channel.get(keys.host_ready("shm", "v5", seq, 0)) == [1, 1]
+        assert channel.get(keys.all_ready("shm", "v5", seq)) == [1, 1]
         assert channel.get(keys.ready("shm", "v5", seq, "trainer", 1)) is None
         assert second.relay.hears_outcomes and readers[1]._session.relay.roles.receivers_from == 2
         # the receivers' outcomes: one record for the engine's two ranks on this host, put by the first; no own key

@@ -427,7 +427,8 @@ class Announcer:
             reported = plan.ranks_of(Role.INFERENCE) if everywhere else reported
             receivers = [(r.instance, r.local_rank) for r in reported]
             kinds = [k for k in ([kind] if kind else sorted(TRANSPORTS)) if _signals_ready(k)]
-            names += keys.channel_signals(version, seq, senders, receivers, kinds, leads, sorted(records))
+            relayed = groups is not None and groups.relays_ready  # the first trainer rank's key of them all
+            names += keys.channel_signals(version, seq, senders, receivers, kinds, leads, sorted(records), relayed)
         if not names:
             return
         if self._cleaner is None or self._cleaner.address != channel.address:

@@ -54,6 +54,14 @@ def host_ready(transport: str, version: str, count: int, lead: int) -> str:
     return f"{transport}-ready/{version}/{count}/host/{lead}"
 
 
+def all_ready(transport: str, version: str, count: int) -> str:
+    """Every trainer rank's ready signal of one attempt in one key, put by the first trainer rank once every host's key
+    (and a rank alone's own) was there (``awex.engines.sync.relayed``): ``{sync rank: generation}``. On every lane of
+    the version channel (:data:`CHANNEL_EVERYWHERE`): a receiving host's lead reads it on its own lane, one waited
+    read instead of one a lane its senders' keys lie on."""
+    return f"all-ready/{transport}/{version}/{count}"
+
+
 def descriptor(transport: str, instance: str, local_rank: int, generation: int) -> str:
     return f"{transport}/{instance}/{local_rank}/{generation}"
 
@@ -101,7 +109,7 @@ def channel_record(version: str, count: int) -> str:
     return f"record/{version}/{count}"
 
 
-CHANNEL_EVERYWHERE = ("manifest/", "record/")
+CHANNEL_EVERYWHERE = ("manifest/", "record/", "all-ready/")
 """Keys the version channel keeps on each of its lanes (many ranks read them: each reads its own lane's copy)."""
 CHANNEL_FIRST_LANE = ("outcomes/",)
 """Keys the version channel keeps on its first lane: the groups' outcome records, which the first trainer rank (whose
@@ -116,6 +124,7 @@ def channel_signals(
     kinds: Sequence[str],
     leads: Sequence[int] = (),
     records: Sequence[str] = (),
+    everyone: bool = False,
 ) -> list[str]:
     """Every key one attempt of ``version`` leaves on the version channel when its per-version signals go there
     (``awex.engines.sync.signals.ChannelSignals``; its manifest is apart): the trainers' record of every outcome,
@@ -123,10 +132,12 @@ def channel_signals(
     of each of ``receivers`` (``(instance, local rank)``: those that put one of their own) and each record of a
     group of receivers' outcomes named in ``records`` (:func:`instance_outcomes`); with ``leads``, each of those
     sync ranks' host key of ready signals (:func:`host_ready`; then ``senders`` are those that put a key of their
-    own). What the writer drops once the version is old: a round trip each, so none that was not written."""
+    own); with ``everyone``, the first trainer rank's key of them all (:func:`all_ready`). What the writer drops once
+    the version is old: a round trip each, so none that was not written."""
     out = [channel_record(version, count)]
     out += [ready(kind, version, count, instance, rank) for instance, rank in senders for kind in kinds]
     out += [host_ready(kind, version, count, lead) for lead in leads for kind in kinds]
+    out += [all_ready(kind, version, count) for kind in kinds] if everyone else []
     out += [channel_outcome(version, count, instance, rank) for instance, rank in receivers]
     out += [instance_outcomes(version, count, name) for name in records]
     return out

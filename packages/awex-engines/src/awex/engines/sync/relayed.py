@@ -5,12 +5,14 @@ Over the version channel each trainer rank's ready signal was a key of its own a
 senders' keys itself: at 1,024 ranks about 500 sets, 500 waited reads and 500 deletes a version on the channel's
 host. With two or more trainer ranks on a host, each tells the lowest of them (its group's lead) over a local
 datagram, and the lead puts one key for the host with every generation (:func:`awex.engines.sync.keys.host_ready`)
-once all said ready; a trainer rank alone on its host puts its own key as before. With two or more receiving ranks of
-one engine instance on a host, the lowest reads the keys of every sender any of them reads from (one waited read)
-and hands the generations to the others; a receiving rank alone of its engine there reads its senders' keys itself
-(engines may be updated one after another: no rank waits for another engine's). Where a key is is a pure function
-of the plan and the hosts (:meth:`~awex.engines.sync.relay.HostGroups.ready_holder`), so every rank looks where the
-signal went.
+once all said ready; a trainer rank alone on its host puts its own key as before. The first trainer rank reads
+those keys once all are there and puts every generation in one key (:func:`awex.engines.sync.keys.all_ready`, on
+every lane of the channel). With two or more receiving ranks of one engine instance on a host, the lowest reads
+that key (one waited read on its own lane; reading the host keys themselves took one a lane they lay on, about
+four at 1,024 ranks) and hands its group's senders' generations to the others; a receiving rank alone of its
+engine there reads it itself (engines may be updated one after another: no rank waits for another engine's
+ranks). Where a host's key is is a pure function of the plan and the hosts
+(:meth:`~awex.engines.sync.relay.HostGroups.ready_holder`), so the first trainer rank looks where the signal went.
 
 Outcomes the same way: an engine instance's receiving ranks on one host (they receive in one call of the engine,
 so they finish together, and none waits for another engine's) tell the lowest of them their outcome; it puts one
@@ -19,12 +21,13 @@ first trainer rank reads one record per group instead of one key per rank.
 
 What would make this wrong, and what notices: a lead that passes a generation or an outcome nobody gave (the keys
 and datagrams carry MACs under the channel's secret; a generation that is not one fails the receiver's check); a
-lead that never puts its host's ready key (gone, failed: the receivers wait until their deadline and the version
-fails, as for a sender that never said ready); a peer whose ready datagram its lead refuses (it raises: its version
-fails, never a false success). An outcome is never lost: a rank whose lead refuses its datagram, calls it silent
-(the lead's deadline passed first) or exits puts its own key, which the first trainer rank reads for a rank its
-record does not say; a rank that exits on its lead's host before it told it failed. Every other signal goes through
-the channel as before (:class:`~awex.engines.sync.signals.ChannelSignals`).
+lead that never puts its host's ready key (gone, failed) or a trainer rank silent until the sync's timeout (the
+first trainer rank leaves it out of its key at that timeout: its receivers fail at their deadline, the others go
+on); a peer whose ready datagram its lead refuses (it raises: its version fails, never a false success). An
+outcome is never lost: a rank whose lead refuses its datagram, calls it silent (the lead's deadline passed first)
+or exits puts its own key, which the first trainer rank reads for a rank its record does not say; a rank that exits
+on its lead's host before it told it failed. Every other signal goes through the channel as before
+(:class:`~awex.engines.sync.signals.ChannelSignals`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from collections.abc import Mapping
 from typing import Any, Sequence
 
 from awex.engines.sync import keys
-from awex.engines.sync.channel import VersionChannel
+from awex.engines.sync.channel import ChannelTimeout, VersionChannel
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
 from awex.engines.sync.relay import LOOK_SECONDS, HostGroups, HostRelay, RelayTimeout
@@ -68,7 +71,9 @@ class RelayedSignals(ChannelSignals):
         self._alone: dict[tuple[str, int], set[int]] = {}  # the first trainer rank: a group's ranks read by own key
         self._senders: list[int] | None = None  # a receiving lead: every sender its host's receivers read from
         self._heard: tuple[tuple, dict[int, int]] | None = None  # (kind, version, count): generations read or heard
-        self._held: dict[tuple[int, ...], list[tuple[int, frozenset[int]]]] = {}  # senders -> the keys holding theirs
+        self._held: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}  # senders -> the keys holding theirs
+        self._all: list[int] | None = None  # every trainer rank of the plan, and each one's place among them
+        self._position: dict[int, int] = {}
 
     # -- senders ------------------------------------------------------------------------------------------------
     def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
@@ -85,17 +90,45 @@ class RelayedSignals(ChannelSignals):
             return
         if roles is None or not roles.trainers_to:  # alone on its host: a key of its own
             super().ready(kind, manifest, me, generation)
-            return
-        # the lead: every trainer rank of its host said ready, then one key for all
-        generations = {me.rank: generation}
-        deadline = time.monotonic() + manifest.options.timeout
-        while len(generations) <= len(roles.trainers_to):
-            message = self.relay.hear("ready", manifest.version, manifest.seq, max(0.001, deadline - time.monotonic()))
-            rank, gen = message.get("rank"), message.get("generation")
-            if rank in roles.trainers_to and _generation(gen):
-                generations[rank] = gen
-        key = keys.host_ready(kind, manifest.version, manifest.seq, me.rank)
-        self.channel.put(key, {str(r): g for r, g in sorted(generations.items())})
+        else:  # the lead: every trainer rank of its host said ready, then one key for all
+            generations = {me.rank: generation}
+            deadline = time.monotonic() + manifest.options.timeout
+            while len(generations) <= len(roles.trainers_to):
+                left = max(0.001, deadline - time.monotonic())
+                message = self.relay.hear("ready", manifest.version, manifest.seq, left)
+                rank, gen = message.get("rank"), message.get("generation")
+                if rank in roles.trainers_to and _generation(gen):
+                    generations[rank] = gen
+            key = keys.host_ready(kind, manifest.version, manifest.seq, me.rank)
+            self.channel.put(key, [generations[r] for r in (me.rank, *roles.trainers_to)])  # its host's, in order
+        if me.rank == self.groups.announcer:
+            self._all_ready(kind, manifest)
+
+    def _all_ready(self, kind: str, manifest: SyncManifest) -> None:
+        """The first trainer rank: every trainer rank's generation, read from its host's key (or its own) once all
+        are there, in one key on every lane (:func:`awex.engines.sync.keys.all_ready`); the receivers read that one.
+        A trainer rank still silent at the sync's timeout is left out (its receivers fail: never a false success)."""
+        attempt = (kind, manifest.version, manifest.seq)
+        trainers = self._trainers()
+        try:
+            got = self._read_keys(attempt, trainers, manifest.options.timeout)
+        except TimeoutError:
+            got = self._read_keys(attempt, trainers, None)
+            silent = [r for r in trainers if r not in got]
+            log.warning(
+                "sync rank %d: trainer ranks %s did not say %r ready within %g s; their receivers fail",
+                self.rank,
+                silent[:8],
+                manifest.version,
+                manifest.options.timeout,
+            )
+        self.channel.put(keys.all_ready(*attempt), [got.get(r) for r in trainers])  # in the plan's order
+
+    def _trainers(self) -> list[int]:
+        if self._all is None:
+            self._all = [r.rank for r in self.plan.ranks_of(Role.TRAINER)]
+            self._position = {r: i for i, r in enumerate(self._all)}
+        return self._all
 
     # -- receivers ----------------------------------------------------------------------------------------------
     def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
@@ -141,8 +174,30 @@ class RelayedSignals(ChannelSignals):
         return self._senders
 
     def _read(self, attempt: tuple, senders: Sequence[int], timeout: float) -> dict[int, int]:
-        """Senders' generations from the channel: one waited read of the keys that hold them (a host's, or a
-        sender's own)."""
+        """Senders' generations from the channel: the first trainer rank's key of every trainer rank's (one waited
+        read, on this rank's own lane; a list in the order of the plan's trainer ranks). A sender it leaves out
+        (silent until the sync's timeout) stays missing: this rank's wait ends at its deadline, its version fails."""
+        doc = self.channel.wait([keys.all_ready(*attempt)], timeout)[0]
+        trainers = self._trainers()
+        if not isinstance(doc, list) or len(doc) != len(trainers):
+            raise AwexValueError(
+                f"ready signals of {attempt[1]!r} from the first trainer rank: not one for each of the plan's "
+                f"{len(trainers)} trainer ranks ({doc!r:.80})"
+            )
+        position = self._position
+        got = {s: doc[position[s]] for s in senders if s in position}  # each checked as a generation by its link
+        if len(got) < len(senders) or None in got.values():
+            missing = [s for s in senders if got.get(s) is None]
+            raise ChannelTimeout(
+                f"sync ranks {missing[:8]} did not say {attempt[1]!r} ready within the sync's timeout (the first "
+                "trainer rank's record of every ready signal leaves them out)"
+            )
+        return got
+
+    def _read_keys(self, attempt: tuple, senders: Sequence[int], timeout: float | None) -> dict[int, Any]:
+        """Senders' generations under their hosts' keys (a list in the order of the host's trainer ranks) or their
+        own: one waited read a lane they lie on; with ``timeout=None`` those there now (no waiting). A host's key
+        vouches for its own host's ranks only."""
         kind, version, seq = attempt
         held = self._holders(senders)
         names = [
@@ -151,24 +206,23 @@ class RelayedSignals(ChannelSignals):
             else keys.ready(kind, version, seq, self.plan.ranks[h].instance, self.plan.ranks[h].local_rank)
             for h, group in held
         ]
-        out: dict[int, int] = {}
-        for (h, group), value in zip(held, self.channel.wait(names, timeout)):
-            if isinstance(value, dict):  # a host's: its lead and its other trainer ranks
-                out.update(
-                    (int(r), g) for r, g in value.items() if str(r).isdigit() and int(r) in group and _generation(g)
-                )
-            elif _generation(value):
+        values = self.channel.wait(names, timeout) if timeout is not None else [self.channel.get(n) for n in names]
+        out: dict[int, Any] = {}  # each checked as a generation by the link of a receiver that reads it
+        for (h, group), value in zip(held, values):
+            if isinstance(value, list) and len(value) == len(group):  # a host's: its lead's and its other ranks'
+                out.update(zip(group, value))
+            elif len(group) < 2 and value is not None:
                 out[h] = value
         return out
 
-    def _holders(self, senders: Sequence[int]) -> list[tuple[int, frozenset[int]]]:
+    def _holders(self, senders: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
         """The ranks whose keys hold ``senders``' ready signals, each with its host's trainer ranks: the same every
         version of the plan, so worked out once (a few sender lists a plan: the group's, a receiver's own)."""
         given = tuple(senders)
         held = self._held.get(given)
         if held is None:
             holders = sorted({self.groups.ready_holder(s) for s in given})
-            held = [(h, frozenset(self.groups.trainers_with(h))) for h in holders]
+            held = [(h, self.groups.trainers_with(h)) for h in holders]  # the host's trainer ranks, ascending
             if len(self._held) < 16:  # a retry's missing senders vary: not kept beyond a few
                 self._held[given] = held
         return held
