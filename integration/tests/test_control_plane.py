@@ -94,3 +94,12 @@ def test_the_version_channel_store_costs_its_server_cpu_per_operation():
     assert 0 < row["us_per_op"] < 10_000 and row["us_per_delete"] > 0
     assert set(row["us_per_call_one_client"]) == {"set", "check", "multi_get", "wait", "delete_key"}
     assert row["us_per_call_one_client"]["multi_get"] > 0  # a waited read, answered: the server read its request
+
+
+def test_a_read_of_many_keys_is_timed_both_ways_on_the_same_values():
+    # the reading rank's CPU for a waited read of many keys (integration/results/channel-reads-*.json): read
+    # together (the channel's way) and value by value, each returning the values that were put
+    from awex_integration.benchmarks.channel_reads import measure
+
+    row = measure(8, rounds=3)
+    assert row["keys"] == 8 and row["together_us"] > 0 and row["one_by_one_us"] > 0

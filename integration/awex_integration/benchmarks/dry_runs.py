@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+from awex_integration.benchmarks import results_file
 
 HERE = Path(__file__).resolve().parents[2]
 KEEP = (
@@ -83,14 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         results.append(r)
     if args.out:
-        doc = {
-            "what": "Cluster dry runs: plans of real model shapes on cluster layouts, priced by the topology cost "
-            "model (estimates, not measurements)",
-            "machine": f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}",
-            "date": datetime.now(timezone.utc).date().isoformat(),
-            "runs": results,
-        }
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        what = "Cluster dry runs: plans of real model shapes on cluster layouts, priced by the topology cost model "
+        results_file.write(args.out, what + "(estimates, not measurements)", runs=results)
     return 0
 
 

@@ -111,6 +111,30 @@ def test_a_forged_value_is_dropped_and_logged_and_the_real_one_taken(forgery, ca
         host.wait([key], timeout=0.1)
 
 
+def test_a_wait_for_many_keys_checks_each_value_and_parses_them_together(caplog):
+    # the values of one waited read are parsed in one call: each still arrives as itself, a forged one among them is
+    # dropped (and waited for again), one a holder of the secret wrote that is not JSON fails the read, named
+    host = VersionChannel.host()
+    values = [{"ok": True}, [1, 2], 3, "a,b]", None, [], {"a": [1, {"b": 2}]}, 0.5]
+    names = [f"ipc-ready/v1/1/vllm-0/{i}" for i in range(len(values))]
+    for name, value in zip(names, values):
+        host.put(name, value)
+    reader = VersionChannel.connect(host.address, host.secret)
+    assert reader.wait(names, timeout=5) == values
+    assert reader.wait(names[:1], timeout=5) == values[:1]
+    raw = _raw(host.address)
+    raw.set(names[1], json.dumps([9]).encode())  # no MAC
+    later = threading.Timer(0.3, host.put, (names[1], [1, 2]))
+    later.start()
+    with caplog.at_level(logging.WARNING, logger="awex.engines"):
+        assert reader.wait(names, timeout=5) == values
+    later.join()
+    assert "fails its check" in caplog.text
+    raw.set(names[1], host._mac(names[1], b"[1,") + b"[1,")  # passes its check, is not JSON
+    with pytest.raises(ChannelError, match="malformed value"):
+        reader.wait(names, timeout=5)
+
+
 def test_the_secret_is_in_no_key_and_on_no_value():
     host = VersionChannel.host()
     host.put("manifest/v1", {"version": "v1", "port": 5000})
