@@ -202,7 +202,7 @@ class VersionChannel:
         it is not JSON (a writer of ours always writes JSON)."""
         mac, payload = raw[:MAC_BYTES], raw[MAC_BYTES:]
         if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, payload)):
-            raise Forged(f"a value under {key!r} on the version channel at {self.address} fails its check")
+            raise self._forged(key)
         return self._parse(payload)
 
     def _open_all(self, keys: Sequence[str], raws: Sequence[bytes], into: dict[str, Any]) -> bool:
@@ -211,17 +211,14 @@ class VersionChannel:
         parse instead of one a key). Where the values together are not a list of one a key, each is parsed alone (and
         one that is not JSON fails as in :meth:`_open`); only a holder of the secret writes a value that passes its
         check, and ours write JSON. Whether any failed its check (dropped, logged)."""
-        secret, mac_of, same = self.secret.encode(), hmac.digest, hmac.compare_digest
         checked: list[tuple[str, bytes]] = []
         forged = False
         for key, raw in zip(keys, raws):
             mac, payload = raw[:MAC_BYTES], raw[MAC_BYTES:]
-            if len(mac) == MAC_BYTES and same(
-                mac, mac_of(secret, key.encode() + b"\0" + payload, "sha256").hex().encode()
-            ):
+            if len(mac) == MAC_BYTES and hmac.compare_digest(mac, self._mac(key, payload)):
                 checked.append((key, payload))
             else:
-                self._dropped(Forged(f"a value under {key!r} on the version channel at {self.address} fails its check"))
+                self._dropped(self._forged(key))
                 forged = True
         try:
             values = json.loads(b"[" + b",".join(p for _, p in checked) + b"]") if len(checked) > 1 else None
@@ -231,6 +228,9 @@ class VersionChannel:
             values = [self._parse(payload) for _, payload in checked]
         into.update(zip((k for k, _ in checked), values))
         return forged
+
+    def _forged(self, key: str) -> Forged:
+        return Forged(f"a value under {key!r} on the version channel at {self.address} fails its check")
 
     def _parse(self, payload: bytes) -> Any:
         try:

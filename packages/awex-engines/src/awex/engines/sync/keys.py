@@ -50,13 +50,14 @@ def ready(transport: str, version: str, count: int, instance: str, local_rank: i
 
 def host_ready(transport: str, version: str, count: int, lead: int) -> str:
     """The ready signals of a host's trainer ranks in one key, put by their lead (sync rank ``lead``;
-    ``awex.engines.sync.relayed``): ``{sync rank: generation}``."""
+    ``awex.engines.sync.relayed``): their generations, a list in the order of the host's trainer ranks."""
     return f"{transport}-ready/{version}/{count}/host/{lead}"
 
 
 def all_ready(transport: str, version: str, count: int) -> str:
     """Every trainer rank's ready signal of one attempt in one key, put by the first trainer rank once every host's key
-    (and a rank alone's own) was there (``awex.engines.sync.relayed``): ``{sync rank: generation}``. On every lane of
+    (and a rank alone's own) was there (``awex.engines.sync.relayed``): a list in the order of the plan's trainer
+    ranks, ``None`` for one left out (silent until the sync's timeout). On every lane of
     the version channel (:data:`CHANNEL_EVERYWHERE`): a receiving host's lead reads it on its own lane, one waited
     read instead of one a lane its senders' keys lie on."""
     return f"all-ready/{transport}/{version}/{count}"
