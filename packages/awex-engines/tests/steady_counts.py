@@ -28,6 +28,7 @@ from test_moved_memory import module_of
 
 from awex.convert.live import LiveTensors, fingerprinted
 from awex.engines.reader import WeightsReader
+from awex.engines.sync import board as host_board
 from awex.engines.sync.board import HostBoard
 from awex.engines.sync.channel import VersionChannel
 from awex.engines.writer import WeightsWriter
@@ -35,6 +36,7 @@ from awex.meta import canonical_tensors
 from awex.meta.client import MetaClient
 from awex.meta.layouts import hf_layout
 from awex.meta.server import start_embedded
+from awex.transport.pull import segments
 from awex.transport.pull.shm import ShmReceiver, ShmSender
 
 CONFIG = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
@@ -51,6 +53,10 @@ OPERATIONS = {
     **{(VersionChannel, m): "channel" for m in ("put", "wait", "get", "delete")},
     (ShmSender, "fill"): "copies",
     (ShmReceiver, "run"): "copies",
+    # which host this is, whether a rank's process still runs: each reads /proc (tens of microseconds a call in a
+    # sandboxed container), for a board not joined yet or a rank still silent, never in a steady version
+    (host_board, "host_identity"): "probe",
+    (segments, "alive"): "probe",
 }
 
 

@@ -13,6 +13,8 @@ The design's budget for one steady version (nothing planned, allocated or negoti
   them (and, over the version channel, the outcomes' record for the other trainer ranks);
 - Python work: a fixed number of calls per version whatever the model, and per tensor no Python call at all and at
   most :data:`C_CALLS_PER_TENSOR` calls into C (the check that memory did not move reads each parameter once);
+- no look at this host or at the ranks' processes (``host_identity``, ``alive``: each reads ``/proc``): liveness is
+  checked only while a rank stays silent, the host only to join a board;
 - the version's route: the writer and the reader each enter the sync session once (``SyncSession.send`` /
   ``receive``: the steady path is one piece there, not a back and forth between the two).
 """
@@ -26,6 +28,7 @@ from steady_counts import measure, per_tensor
 
 import awex.engines.sync
 from awex.convert.live import LiveTensors
+from awex.engines.sync.peer_link import exited_here
 
 SMALL, LARGE = 3, 33  # layers: 39 and 399 tensors
 WRITER_REQUESTS = 2  # the name's claim, the version's report
@@ -40,6 +43,7 @@ SIGNALS = {  # per-version operations on the medium, per side
 PYTHON_CALLS = {"writer": 160, "reader": 105}
 PYTHON_CALLS_PER_TENSOR = 0
 C_CALLS_PER_TENSOR = 3  # data_ptr and stride of each parameter (its addresses before the bytes move, its form beside)
+PROBES = 0  # host_identity / alive calls a version, per side
 SESSION_ENTRIES = 1  # calls into session.py a version from outside the sync core (the writer's, the reader's)
 SYNC_CORE = frozenset(p.name for p in Path(awex.engines.sync.__file__).parent.glob("*.py"))
 
@@ -67,6 +71,8 @@ def violations(small, large) -> list[str]:
             other = {"board": "channel", "channel": "board"}[c.medium]
             if rc.ops[other]:
                 out.append(f"{where}: the {side} also used the {other} ({rc.ops[other]} operations)")
+            if rc.ops["probe"] > PROBES:
+                out.append(f"{where}: the {side} looked at the host or at processes {rc.ops['probe']} times (budget 0)")
             entries = sum(n for (by, into), n in rc.entered.items() if into == "session.py" and by not in SYNC_CORE)
             if entries > SESSION_ENTRIES:
                 out.append(f"{where}: the {side} entered the sync session {entries} times (budget {SESSION_ENTRIES})")
@@ -118,6 +124,14 @@ def test_the_guard_fails_on_an_extra_round_trip_or_per_tensor_work():
     again = measure(SMALL, extra=entered_again)
     found = violations(again, again)
     assert set(found) == {"39 tensors, board: the writer entered the sync session 2 times (budget 1)"}, found
+
+    # a liveness check of every receiver once all had reported (as the trainer's wait for outcomes made until
+    # 2026-12-01: 0.14 ms a version on a sandboxed GPU host)
+    def looked(writer):
+        exited_here(writer._session._processes, "in", 0)
+
+    found = violations(*[measure(SMALL, extra=looked)] * 2)
+    assert set(found) == {"39 tensors, board: the writer looked at the host or at processes 2 times (budget 0)"}, found
 
     # the moved-memory check as it was written before (a generator over the live mapping: Python calls per tensor)
     small, large = measure(SMALL, views=generator_views), measure(LARGE, views=generator_views)

@@ -123,10 +123,10 @@ class ManifestReading:
                     "%s:%d: %s; per-version signals go through the MetaServer", self.instance, self.local_rank, e
                 )
                 self.channel = None
-        if (
+        if (  # this host's identity asked only for a board not joined yet (it reads /proc: not every version)
             manifest.board
-            and manifest.board_host == host_identity()
             and (self.board is None or self.board.path != manifest.board)
+            and manifest.board_host == host_identity()
         ):
             try:
                 self.board = HostBoard.attach(manifest.board)

@@ -238,10 +238,11 @@ def _each(
         for r, doc in zip(left, signals.outcomes(manifest, left, until)):
             if doc is not None:
                 got[(r.instance, r.local_rank)] = Outcome.from_wire(doc)
-        if time.monotonic() >= deadline:
+        silent = [r for r in left if (r.instance, r.local_rank) not in got]
+        if not silent or time.monotonic() >= deadline:  # every one reported: no process looked at (a steady version)
             break
-        got.update(_failed_elsewhere(signals, manifest, [r for r in left if (r.instance, r.local_rank) not in got]))
-        for r in left:
+        got.update(_failed_elsewhere(signals, manifest, silent))
+        for r in silent:
             pid = exited_here(processes or {}, r.instance, r.local_rank)
             if pid is not None and (r.instance, r.local_rank) not in got:
                 cause = f"{r.instance}:{r.local_rank} (pid {pid}, the trainer's host) exited before it reported"
