@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from awex.transport.batched_copy import (
     ALIGN,
+    LOCAL_BLOCK_BYTES,
+    LOCAL_WARPS,
     batchable,
     copy_blocks,
     row_blocks,
@@ -140,6 +142,14 @@ def test_batched_copy_on_gpu_matches_plain_copies():
     copies = list(zip(dsts, srcs))
     assert all(batchable(d, s) for d, s in copies)
     BatchedCopy(copies, block_bytes=1024)()
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, s) for d, s in copies)
+    for d in dsts:  # the launch within one GPU as the executors make it: its own block and warps
+        d.zero_()
+    local = BatchedCopy(copies)
+    assert (local.block_bytes, local.num_warps) == (LOCAL_BLOCK_BYTES, LOCAL_WARPS)
+    assert local.blocks == sum(-(-s.nbytes // LOCAL_BLOCK_BYTES) for s in srcs)  # tails of 16 bytes to 32 KiB
+    local()
     torch.cuda.synchronize()
     assert all(torch.equal(d, s) for d, s in copies)
     odd = (torch.zeros(7, dtype=torch.int16, device="cuda"), torch.ones(7, dtype=torch.int16, device="cuda"))

@@ -26,7 +26,10 @@ from awex.meta.errors import AwexValueError
 log = logging.getLogger("awex.transport")
 
 ALIGN = 16
-BLOCK_BYTES = 1 << 16
+BLOCK_BYTES = 1 << 16  # a launch with reads from another GPU (spread, rows): as the rows across GPUs were measured
+# a launch within one GPU: its 16.4 GB of Qwen3-8B-shaped per-parameter copies on 1x H200 took 1.007x of one large
+# copy against 1.020x with 64 KiB blocks and 16 warps (the sweep, docs/performance.md); twice the blocks in its table
+LOCAL_BLOCK_BYTES, LOCAL_WARPS = 1 << 15, 32
 ROW_BLOCK_MIN, ROW_BLOCK_MAX = 1 << 10, 1 << 14  # the blocks of a launch copying row by row (row_reads)
 
 
@@ -179,13 +182,14 @@ class BatchedCopy:
     ``data_ptr()`` (memory of another process: :func:`awex.transport.peer_dma.open_ipc_memory`).
     ``rows`` are copies that go row by row (:func:`row_copy`), read from another GPU as the spread ones are (at
     ``rows_sources``); a row shorter than ``block_bytes`` leaves the rest of its program idle, so a launch of short
-    rows takes a block of about a row."""
+    rows takes a block of about a row. ``block_bytes`` and ``num_warps`` default to :data:`LOCAL_BLOCK_BYTES` and
+    :data:`LOCAL_WARPS` for a launch within one GPU, else to :data:`BLOCK_BYTES` and 16 warps."""
 
     def __init__(
         self,
         copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        block_bytes: int = BLOCK_BYTES,
-        num_warps: int = 16,
+        block_bytes: int | None = None,
+        num_warps: int | None = None,
         spread: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
         spread_sources: Sequence[int] | None = None,
         rows: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
@@ -194,6 +198,11 @@ class BatchedCopy:
         everything = [*copies, *spread, *rows]
         if not everything:
             raise AwexValueError("BatchedCopy needs at least one copy")
+        local = not spread and not rows
+        if block_bytes is None:
+            block_bytes = LOCAL_BLOCK_BYTES if local else BLOCK_BYTES
+        if num_warps is None:
+            num_warps = LOCAL_WARPS if local else 16
         shapes = [row_copy(d, s) for d, s in rows]  # (rows, row bytes, strides) of each rows copy, worked out once
         bad = (
             [i for i, (d, s) in enumerate(copies) if not batchable(d, s)]
