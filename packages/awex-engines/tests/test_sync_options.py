@@ -151,6 +151,20 @@ def test_a_writers_option_attributes_read_and_replace_its_checked_record():
     assert before.transport == "p2p"  # a record once made never changes
 
 
+def test_a_renamed_manifest_is_the_one_its_constructor_makes_and_stays_frozen():
+    options = SyncOptions(transport="ipc", verify=True)
+    secret = "s" * 32
+    first = SyncManifest("v1", ("t",), ("e",), "127.0.0.1", 1, options, channel="h:1", channel_secret=secret, seq=3)
+    again = first.renamed("v2", 4)
+    made = dataclasses.replace(first, version="v2", seq=4)
+    assert again == made and hash(again) == hash(made)
+    assert (again.version, again.seq, again.options, again.channel_secret) == ("v2", 4, options, secret)
+    assert (first.version, first.seq) == ("v1", 3) and type(again) is SyncManifest
+    assert SyncManifest.from_json(again.to_json()) == again
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        again.version = "v3"
+
+
 def test_an_attempt_follows_another_of_a_later_count_version_or_writer():
     first = SyncManifest("v1", ("t",), ("e",), "127.0.0.1", 1, channel="h:1", seq=3).attempt
     assert first == Attempt("h:1", "v1", 3) and first.name == "v1/3"
