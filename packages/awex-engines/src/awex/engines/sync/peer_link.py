@@ -13,7 +13,7 @@ from typing import Any
 from awex.engines.sync import keys
 from awex.engines.sync.board import host_identity
 from awex.engines.sync.manifest import SyncManifest
-from awex.engines.sync.signals import Signals
+from awex.engines.sync.signals import WITHHELD, Signals
 from awex.meta import Plan
 from awex.meta.client import MetaClient
 from awex.meta.errors import AwexValueError
@@ -104,6 +104,11 @@ class SyncPeerLink:
                     raise
                 self.check_senders(peers)
         for src, generation in zip(senders, generations):
+            if generation == WITHHELD:
+                raise TransferError(
+                    f"sender {src.instance}:{src.local_rank} failed version {self.manifest.version!r} before its bytes "
+                    "were ready (its own log says why): nothing moved into this rank"
+                )
             if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
                 raise AwexValueError(
                     f"ready signal of {src.instance}:{src.local_rank} for {self.manifest.version!r}: {generation!r} "

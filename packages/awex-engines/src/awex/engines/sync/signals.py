@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, Sequence
 
 from awex.engines.sync import keys
-from awex.engines.sync.board import HostBoard
+from awex.engines.sync.board import DETAIL, HostBoard
 from awex.engines.sync.channel import ChannelError, VersionChannel
 from awex.engines.sync.manifest import SyncManifest
 from awex.meta import Plan, RankDescriptor, Role
@@ -27,6 +27,8 @@ from awex.meta.errors import AwexValueError
 log = logging.getLogger("awex.engines")
 
 OK_DETAIL, FAILED_DETAIL = 0, 1  # a receiver's outcome on the host board (its cause goes to the MetaServer)
+WITHHELD_DETAIL = DETAIL - 1  # a sender's slot: it failed the version before its bytes were ready (no generation)
+WITHHELD = "withheld"  # what wait_ready gives for such a sender instead of its generation
 AGGREGATE_SECONDS = 1.0  # the longest an instance's first rank waits for its ranks' outcomes (they finish together)
 
 
@@ -40,7 +42,13 @@ class Signals(Protocol):
         """A sender: this version's bytes are ready to be read (``generation``: of its export or segment)."""
 
     def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
-        """A receiver: each sender's generation once all said ready; ``TimeoutError`` after ``timeout`` seconds."""
+        """A receiver: each sender's generation once all said ready (:data:`WITHHELD` for one that withheld the
+        version); ``TimeoutError`` after ``timeout`` seconds."""
+
+    def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
+        """A sender that failed this version before (or while) its bytes were ready: its receivers' wait for it ends
+        now, not at their deadline. The host board says it in the sender's own slot; the version channel and the
+        MetaServer say nothing (their receivers learn it at their deadline)."""
 
     def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
         """A receiver's outcome ``doc`` (``{"ok", "cause", "partial"}``)."""
@@ -86,6 +94,10 @@ class InstanceRecords:
     finish together; a rank it calls silent is read alone). Computed once a plan."""
 
     _groups: tuple[Plan, dict[str, list[RankDescriptor]], dict[int, str]] | None = None
+
+    def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
+        """Nothing said (:meth:`Signals.withhold`): receivers over the channel or the MetaServer wait until their
+        deadline."""
 
     def _record_groups(self, plan: Plan) -> dict[str, list[RankDescriptor]]:
         groups: dict[str, list[RankDescriptor]] = {}
@@ -252,10 +264,16 @@ class BoardSignals:
         return None
 
     def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
+        if generation >= WITHHELD_DETAIL:
+            raise AwexValueError(f"export generation {generation} does not fit a host board slot")
         self.board.ring(me.rank, manifest.seq, generation)
 
+    def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
+        self.board.ring(me.rank, manifest.seq, WITHHELD_DETAIL)
+
     def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
-        return self.board.wait([s.rank for s in senders], manifest.seq, timeout)
+        details = self.board.wait([s.rank for s in senders], manifest.seq, timeout)
+        return [WITHHELD if d == WITHHELD_DETAIL else d for d in details]
 
     def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
         self.board.ring(me.rank, manifest.seq, OK_DETAIL if doc.get("ok") else FAILED_DETAIL)
