@@ -8,10 +8,11 @@ import pytest
 from conftest import full_only
 
 from awex_integration.faults.etcd_cases import available, etcd_cases
-from awex_integration.faults.fault_cases import cases, rdma_cases, shm_cases
+from awex_integration.faults.fault_cases import cases
 from awex_integration.faults.fault_suite import run_case, run_on_server
 from awex_integration.faults.name_cases import name_cases
 from awex_integration.faults.server_load import load_cases
+from awex_integration.faults.transport_cases import rdma_cases, shm_cases
 
 CASES = {case.name: case for case in cases() + name_cases() + shm_cases() + rdma_cases() + etcd_cases()}
 NO_ETCD = available()

@@ -1,4 +1,5 @@
-"""The fault suite's cases (:func:`cases`, :func:`nccl_cases`, :func:`shm_cases`, :func:`rdma_cases`): each a
+"""The fault suite's cases (:func:`cases`, :func:`nccl_cases`; those of shared memory and rdma:
+:mod:`awex_integration.faults.transport_cases`): each a
 :class:`Case`, the scripts of its trainer and engine ranks, what it injects where, and what it must find. The
 runner is :mod:`awex_integration.faults.fault_suite`."""
 
@@ -337,78 +338,6 @@ def nccl_cases() -> list[Case]:
             infer_tp=1,
             check=flat,
         ),
-    ]
-
-
-def shm_cases() -> list[Case]:
-    """Cases for the shared-memory transport (run with ``transport="shm"``; CPU ranks on one host)."""
-    return [
-        Case(
-            "shm_trainer_killed_in_first_version",
-            "the trainer is killed as it is about to say its new shared-memory segment is ready: the "
-            "receivers notice its process is gone within seconds (not at their deadline), the segment is removed "
-            "(no /dev/shm leak), the restarted trainer's next version succeeds",
-            trainer=[_steps("v-1", "v-2", v_1="die_before_ready")],
-            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
-            restart={("trainer", 0): _steps("v-2")},
-            restart_delay=3.0,
-            expect_failed={"v-1"},
-            check=failed_fast("v-1", 5.0, then=reported("v-2")),
-            transport="shm",
-        ),
-        Case(
-            "shm_trainer_killed_while_filling",
-            "the trainer said ready and dies with its segment half filled: the receivers, which copied that half, "
-            "notice within seconds that it is gone and fail (changed part-way); the restarted trainer's next "
-            "version succeeds",
-            trainer=[_steps("v-1", "v-2", v_1="die_while_filling")],
-            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
-            restart={("trainer", 0): _steps("v-2")},
-            restart_delay=3.0,
-            expect_failed={"v-1"},
-            check=failed_fast("v-1", 5.0, then=reported("v-2")),
-            transport="shm",
-        ),
-        Case(
-            "shm_segment_altered_verified",
-            "verify mode over shared memory: a byte of the trainer's filled segment is altered before the receivers "
-            "copy it: their digests differ from the trainer's, the version fails instead of counting as applied; the "
-            "next version succeeds",
-            trainer=[_steps("v-1", "v-2", "v-3", v_2="alter_segment")],
-            engine=[_steps("v-1", "v-2", "v-3"), _steps("v-1", "v-2", "v-3")],
-            expect_failed={"v-2"},
-            verify=True,
-            check=reported("v-3"),
-            transport="shm",
-        ),
-        Case(
-            "shm_receiver_dies_before_reading",
-            "an engine rank on the trainer's host dies after the plan agreement, before it reads the segment: the "
-            "trainer's write fails within seconds (that process is gone), not at its deadline; the restarted rank "
-            "and the retry succeed",
-            trainer=[_steps("v-1", "v-2", "v-2", "v-3")],
-            engine=[_steps("v-1", "v-2", "v-2", "v-3"), _steps("v-1", "v-2", v_2="die_after_agreement")],
-            restart={("engine", 1): _steps("v-2", "v-3")},
-            restart_delay=2.0,
-            expect_failed={"v-2"},
-            check=failed_fast("v-2", 5.0, then=reported("v-3"), side="trainer"),
-            transport="shm",
-        ),
-        *[
-            replace(c, name=f"shm_{c.name}", transport="shm")
-            for c in cases()
-            if c.name in ("receiver_rank_dies_after_transfer", "receiver_raises_in_apply")
-        ],
-    ]
-
-
-def rdma_cases() -> list[Case]:
-    """Cases for the rdma transport (Mooncake's transfer engine; TCP here): a sender that dies, a receiver that
-    dies after its reads; registrations go with the processes and the next version succeeds."""
-    return [
-        replace(c, name=f"rdma_{c.name}", transport="rdma")
-        for c in cases()
-        if c.name in ("trainer_rank_dies", "receiver_rank_dies_after_transfer")
     ]
 
 

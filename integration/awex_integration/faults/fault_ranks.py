@@ -161,6 +161,13 @@ def trainer_rank(job: RankJob) -> list[dict]:
             writer.refresh = lambda: _exit_soon(0.05)
         if fault == "die_after_agreement":  # every rank agreed on the plan and joined the group; no byte sent
             writer.refresh = lambda: os._exit(EXIT_CODE)
+        if fault == "raise_before_ready":  # its refresh raises once the version is announced (the process runs on)
+
+            def refresh_fails():
+                writer.refresh = None  # once: the retry goes through
+                raise RuntimeError("injected: the trainer's refresh failed after the announcement")
+
+            writer.refresh = refresh_fails
         if fault == "die_before_ready":  # its weights are out (an IPC export); not yet signalled
             from awex.engines.sync.peer_link import SyncPeerLink
 

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from awex_integration.faults import etcd_cases, fault_ranks
-from awex_integration.faults.fault_cases import RECEIVER_DEADLINES, Case, cases, rdma_cases, shm_cases
+from awex_integration.faults.fault_cases import RECEIVER_DEADLINES, Case, cases
 from awex_integration.faults.name_cases import name_cases
 from awex_integration.faults.server_load import LoadCase, load_cases, run_load_case
 from awex_integration.faults.servers import server_for
+from awex_integration.faults.transport_cases import rdma_cases, shm_cases
 
 LEVEL = "AWEX_LOGGING_LEVEL"  # awex.engines.logs.ENV: the ranks log warnings only, unless the caller says otherwise
 SLACK = 5.0  # seconds a step may take beyond its deadline before it counts as a hang (process start-up included)
