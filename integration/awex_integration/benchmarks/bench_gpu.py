@@ -52,6 +52,7 @@ from awex_integration.benchmarks.bench_gpu_args import checked, parser
 from awex_integration.benchmarks.bench_paths import describe_staged, phases_of, staged_summary
 from awex_integration.benchmarks.bench_worker import WorkerArgs, worker
 from awex_integration.benchmarks.estimate_check import predict
+from awex_integration.benchmarks.timeline import describe, merged
 
 
 def _device_name() -> str:
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = {
         "staged": args.staged,
         "verify": args.verify,
+        "timeline": args.timeline,
         "step_seconds": args.step_seconds,
         "delta": args.delta,
         "fp8_on_receive": "auto" if args.fp8_auto else args.fp8_on_receive,  # the writer's quantize_on_receive
@@ -326,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 else {}
             ),
             **({"verify": True} if args.verify else {}),
+            **({"timeline": merged(per_rank[0]["timeline"], rec[0]["timeline"])} if args.timeline else {}),
             **(staged_summary(per_rank) if args.staged else {}),
             **({"step_seconds": args.step_seconds} if args.step_seconds else {}),
             "seconds": round(steady, 6),
@@ -418,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("first_sync_phases", "steady_phases"):
             for side, phases in (entry.get(key) or {}).items():
                 print(f"  {key} ({side}): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in phases.items()), flush=True)
+        if "timeline" in entry:
+            print("  timeline (ms from the trainer's write; start, end, length):\n" + describe(entry["timeline"]))
     _write_results(args.out, device, date, cal, results, command)
     if meta is not None:
         meta.stop()

@@ -106,6 +106,13 @@ def parser(description: str) -> argparse.ArgumentParser:
         "with the trainer's before a version counts; the timed syncs include it",
     )
     ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="public path: the first trainer rank's and receiver's steps on one time line per steady version "
+        "(medians; awex_integration.benchmarks.timeline): each timed step costs microseconds, so read it for where "
+        "the time goes, not for the time",
+    )
+    ap.add_argument(
         "--staged",
         nargs="?",
         const="device",
@@ -150,5 +157,7 @@ def checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--delta: a fraction between 0 and 1, on the public path, without --fp8")
     if args.verify and args.path != "public":
         ap.error("--verify: on the public path")
+    if args.timeline and args.path != "public":
+        ap.error("--timeline: on the public path")
     if args.staged and args.path != "public":
         ap.error("--staged: on the public path")

@@ -15,6 +15,7 @@ from awex_integration.benchmarks.bench_common import (
     scenario_devices,
     sparse_value,
 )
+from awex_integration.benchmarks.timeline import Timeline
 
 
 def _executor_path(
@@ -195,6 +196,9 @@ def _public_path(
         result["bad_first"] = mismatches(side.shards, layout, 1, device)
         torch.cuda.reset_peak_memory_stats(device)
     result["steady_seconds"] = []
+    timeline = Timeline() if a.extra.get("timeline") else None
+    if timeline is not None:  # the steady versions' steps (awex_integration.benchmarks.timeline)
+        timeline.install()
     for i in range(a.iters):
         side.flush()  # the requests a sync leaves for afterwards get the time a training step gives them (not timed)
         time.sleep(a.extra.get("step_seconds") or 0.0)  # a training step's gap, where asked (not timed)
@@ -203,6 +207,9 @@ def _public_path(
         torch.cuda.synchronize()
         result["steady_seconds"].append(timed(sync_once))
     result["steady_phases"] = side.last_phases
+    if timeline is not None:
+        timeline.uninstall()
+        result["timeline"] = timeline.events
     stats = last[0]
     result["bytes_dense"] = stats.bytes_dense
     result["peak_extra_bytes"] = max(peak, torch.cuda.max_memory_allocated(device)) - result.pop("_base_alloc")
