@@ -83,8 +83,9 @@ class Timeline:
 def merged(trainer: Sequence, receiver: Sequence, skip: int = 1) -> list[dict]:
     """One time line of the first trainer rank's and a receiver's events (each ``(step, start, end, thread)``):
     for each steady version (every :data:`START` but the first ``skip``), every step of the trainer's within its
-    write and every step of the receiver's that overlaps it, numbered by its order in the version on its rank; then per step, in order of start, the medians over the versions of its
-    start and end in milliseconds from the version's start, and in how many versions it ran."""
+    write and every step of the receiver's that overlaps it, numbered by its order in the version on its rank;
+    then per step, in order of start, the medians over the versions of its start and end in milliseconds from the
+    version's start, and in how many versions it ran."""
     writes = sorted((e for e in trainer if e[0] == START), key=lambda e: e[1])[skip:]
     rows: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     for began, ended in ((w[1], w[2]) for w in writes):

@@ -9,34 +9,38 @@ from awex_integration.faults.fault_cases import Case, _steps, cases
 from awex_integration.faults.fault_checks import failed_fast, reported, unchanged_then
 
 
+def _killed_in_v1(name: str, what: str, fault: str) -> Case:
+    """The trainer (over shared memory) dies at ``fault`` in its first version and is restarted 3 s later: both
+    engine ranks fail ``v-1`` within seconds, and ``v-2`` goes."""
+    return Case(
+        name,
+        what,
+        trainer=[_steps("v-1", "v-2", v_1=fault)],
+        engine=[_steps("v-1", "v-2") for _ in range(2)],
+        restart={("trainer", 0): _steps("v-2")},
+        restart_delay=3.0,
+        expect_failed={"v-1"},
+        check=failed_fast("v-1", 5.0, then=reported("v-2")),
+        transport="shm",
+    )
+
+
 def shm_cases() -> list[Case]:
     """Cases for the shared-memory transport (run with ``transport="shm"``; CPU ranks on one host)."""
     return [
-        Case(
+        _killed_in_v1(
             "shm_trainer_killed_in_first_version",
             "the trainer is killed as it is about to say its new shared-memory segment is ready: the "
             "receivers notice its process is gone within seconds (not at their deadline), the segment is removed "
             "(no /dev/shm leak), the restarted trainer's next version succeeds",
-            trainer=[_steps("v-1", "v-2", v_1="die_before_ready")],
-            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
-            restart={("trainer", 0): _steps("v-2")},
-            restart_delay=3.0,
-            expect_failed={"v-1"},
-            check=failed_fast("v-1", 5.0, then=reported("v-2")),
-            transport="shm",
+            "die_before_ready",
         ),
-        Case(
+        _killed_in_v1(
             "shm_trainer_killed_while_filling",
             "the trainer said ready and dies with its segment half filled: the receivers, which copied that half, "
             "notice within seconds that it is gone and fail (changed part-way); the restarted trainer's next "
             "version succeeds",
-            trainer=[_steps("v-1", "v-2", v_1="die_while_filling")],
-            engine=[_steps("v-1", "v-2"), _steps("v-1", "v-2")],
-            restart={("trainer", 0): _steps("v-2")},
-            restart_delay=3.0,
-            expect_failed={"v-1"},
-            check=failed_fast("v-1", 5.0, then=reported("v-2")),
-            transport="shm",
+            "die_while_filling",
         ),
         Case(
             "shm_trainer_fails_before_ready",
