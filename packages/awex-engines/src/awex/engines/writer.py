@@ -353,6 +353,8 @@ class WeightsWriter:
         where = f"{self.layout.instance}:{self.local_rank}"
         log.error("%s failed to write %s: %s", where, version, error)
         self._withhold(manifest)
+        if manifest is not None:  # peers waiting on this rank's transport (a gloo group) fail now, not after the wait
+            self._session.abort_transport()
         if self._announcer is not None and manifest is not None:
             if outcomes is None and self._session.plan is not None and isinstance(error, Exception):
                 try:  # the receivers report within moments what they did (a dead one does not)

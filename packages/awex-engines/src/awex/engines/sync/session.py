@@ -14,6 +14,7 @@ what a transport says to its peers in :mod:`awex.engines.sync.peer_link`, every 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -107,10 +108,8 @@ class SyncSession(ManifestReading):
 
     def close(self) -> None:
         """End this rank's part in syncing (idempotent): drop the plan and every transport's state (executors,
-        staging, segments, the other processes' memory opened over CUDA IPC). A receiver must close (or exit)
-        before the trainer processes whose memory it opened exit: PyTorch counts those references in memory the
-        trainer owns. A sync group is dropped, not shut down (shutting NCCL down is collective, and a closing
-        rank must not wait for peers that are not closing)."""
+        staging, segments, other processes' memory opened over CUDA IPC: a receiver must close or exit before the
+        trainers whose memory it opened). A sync group is dropped, not shut down (that is collective)."""
         if self.closed:
             return
         self.closed = True
@@ -123,8 +122,6 @@ class SyncSession(ManifestReading):
         transports, self._transports = list(self._transports.values()), {}
         for transport in transports:
             transport.close()
-        import gc
-
         gc.collect()  # views into opened memory may sit in reference cycles (executors' closures)
 
     def held_bytes(self) -> int:
@@ -433,14 +430,17 @@ class SyncSession(ManifestReading):
         )
 
     def reset(self) -> None:
-        """After a failed sync: forget the plan, the sync group and the executors, so the next manifest (a fresh
-        rendezvous) plans and joins again. The group is dropped, not shut down (a peer may be gone); an NCCL one is
-        aborted first (local: its kernels waiting on a dead peer end, its watchdog stops)."""
+        """After a failed sync: forget plan, group and executors (:meth:`abort_transport`): the next one plans anew."""
         self._key = self._plan = None
+        self.abort_transport()
+        self.transport = None
+
+    def abort_transport(self) -> None:
+        """Drop what this rank's transport holds that peers may wait on (``Transport.abort``: a group is dropped, gloo
+        peers' receives fail at once; an NCCL one is aborted, its kernels end); the plan stays until :meth:`reset`."""
         transport = self._transports.get(self.transport) if self.transport else None
         if transport is not None:
             transport.abort()
-        self.transport = None
 
     def applied(self) -> None:
         """A sender, once every receiver applied a version (over shared memory: each has mapped this plan's
