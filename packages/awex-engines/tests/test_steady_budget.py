@@ -38,9 +38,10 @@ SIGNALS = {  # per-version operations on the medium, per side
     "board": {"writer": 3, "reader": 3},  # post + ring + wait for outcomes; manifest + wait for ready + ring
     "channel": {"writer": 4, "reader": 3},  # the same, and the outcomes' record for the other trainer ranks
 }
-# per version, whatever the model: 39 tensors 142-157 and 97-104 (the writer 134-147 before its version report moved
-# onto its thread, to leave before write returns: +18; the session's send and receive, one route a version: +3 and +4)
-PYTHON_CALLS = {"writer": 160, "reader": 105}
+# per version, whatever the model: 129-144 and 94-101 (board-channel) since 2026-12-01 (no liveness check once every
+# receiver reported, a manifest renamed without its constructor: 142-157 and 97-104 before; the writer 134-147 before
+# its version report moved onto its thread, to leave before write returns: +18; one route a version: +3 and +4)
+PYTHON_CALLS = {"writer": 150, "reader": 105}
 PYTHON_CALLS_PER_TENSOR = 0
 C_CALLS_PER_TENSOR = 3  # data_ptr and stride of each parameter (its addresses before the bytes move, its form beside)
 PROBES = 0  # host_identity / alive calls a version, per side
