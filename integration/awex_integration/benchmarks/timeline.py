@@ -29,8 +29,8 @@ STEPS = (  # (module, class or None for a module's function, names)
     ("awex.engines.sync.board", "HostBoard", ("post", "manifest", "ring", "wait")),
     ("awex.engines.sync.channel", "VersionChannel", ("put", "wait")),
     ("awex.engines.sync.manifest_reading", "ManifestReading", ("fetch_manifest", "_parse", "_adopt")),
-    ("awex.engines.sync.session", "SyncSession", ("send", "receive", "transfer", "prepare", "finish")),
-    ("awex.engines.sync.session", "SyncSession", ("await_outcomes", "applied")),
+    ("awex.engines.sync.session", "SyncSession", ("send", "receive", "transfer", "prepare")),
+    ("awex.engines.sync.session", "SyncSession", ("finish", "await_outcomes", "applied")),
     ("awex.engines.sync.peer_link", "SyncPeerLink", ("await_ready", "ready", "meanwhile")),
     ("awex.engines.sync.outcomes", None, ("collect", "report")),
     ("awex.engines.sync.background", "Background", ("submit", "log_line")),
@@ -86,12 +86,15 @@ def merged(trainer: Sequence, receiver: Sequence, skip: int = 1) -> list[dict]:
     write and every step of the receiver's that overlaps it, numbered by its order in the version on its rank;
     then per step, in order of start, the medians over the versions of its start and end in milliseconds from the
     version's start, and in how many versions it ran."""
-    writes = sorted((e for e in trainer if e[0] == START), key=lambda e: e[1])[skip:]
+    sides = [
+        (side, sorted(events, key=lambda e: e[1])) for side, events in (("trainer", trainer), ("receiver", receiver))
+    ]
+    writes = [e for e in sides[0][1] if e[0] == START][skip:]
     rows: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     for began, ended in ((w[1], w[2]) for w in writes):
-        for side, events in (("trainer", trainer), ("receiver", receiver)):
+        for side, events in sides:
             seen: Counter = Counter()
-            for step, start, end, thread in sorted(events, key=lambda e: e[1]):
+            for step, start, end, thread in events:
                 # a step within the write, or (a receiver's) one it had begun before, as its wait for the manifest
                 if start <= ended and end >= began and (side == "receiver" or start >= began):
                     key = (side, step, seen[step], thread)

@@ -353,8 +353,6 @@ class WeightsWriter:
         where = f"{self.layout.instance}:{self.local_rank}"
         log.error("%s failed to write %s: %s", where, version, error)
         self._withhold(manifest)
-        if manifest is not None:  # peers waiting on this rank's transport (a gloo group) fail now, not after the wait
-            self._session.abort_transport()
         if self._announcer is not None and manifest is not None:
             if outcomes is None and self._session.plan is not None and isinstance(error, Exception):
                 try:  # the receivers report within moments what they did (a dead one does not)
@@ -383,17 +381,20 @@ class WeightsWriter:
         self._session.note_failure(manifest)
 
     def _withhold(self, manifest: SyncManifest | None) -> None:
-        """This rank failed the attempt: its receivers still waiting for its bytes learn it now (where the signals
-        can say it: :meth:`~awex.engines.sync.signals.Signals.withhold`), so that they report at once and the
-        outcomes the first rank waits for come in moments, not at the receivers' deadline."""
+        """This rank failed the attempt: its receivers still waiting for its bytes learn it now, so that they report at
+        once and the outcomes the first rank waits for come in moments, not at the receivers' deadline: where the
+        signals can say it (:meth:`~awex.engines.sync.signals.Signals.withhold`), and by dropping what its transport
+        holds that they wait on (a gloo group: their receives fail)."""
         session = self._session
-        if manifest is None or session.plan is None or session.signals is None or session.transport is None:
+        if manifest is None:
             return
-        try:
-            me = session.plan.rank(self.layout.instance, self.local_rank)
-            session.signals.withhold(session.transport, manifest, me)
-        except Exception as e:  # the receivers then fail at their deadline, as before
-            log.warning("%s:%d could not tell its receivers: %s", self.layout.instance, self.local_rank, e)
+        if session.plan is not None and session.signals is not None and session.transport is not None:
+            try:
+                me = session.plan.rank(self.layout.instance, self.local_rank)
+                session.signals.withhold(session.transport, manifest, me)
+            except Exception as e:  # the receivers then fail at their deadline, as before
+                log.warning("%s:%d could not tell its receivers: %s", self.layout.instance, self.local_rank, e)
+        session.abort_transport()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the requests a write leaves for afterwards (the MetaServer's copy of the manifest, events,

@@ -200,10 +200,15 @@ class VersionChannel:
     def _open(self, key: str, raw: bytes) -> Any:
         """The value of ``raw`` under ``key``; :class:`Forged` where its MAC does not match, ``ChannelError`` where
         it is not JSON (a writer of ours always writes JSON)."""
-        mac, payload = raw[:MAC_BYTES], raw[MAC_BYTES:]
-        if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, payload)):
+        payload = self._checked(key, raw)
+        if payload is None:
             raise self._forged(key)
         return self._parse(payload)
+
+    def _checked(self, key: str, raw: bytes) -> bytes | None:
+        """The JSON payload of ``raw`` under ``key`` where its MAC matches, else ``None``."""
+        mac, payload = raw[:MAC_BYTES], raw[MAC_BYTES:]
+        return payload if len(mac) == MAC_BYTES and hmac.compare_digest(mac, self._mac(key, payload)) else None
 
     def _open_all(self, keys: Sequence[str], raws: Sequence[bytes], into: dict[str, Any]) -> bool:
         """:meth:`_open` for many values at once (into ``into``): each one's MAC checked, their JSON parsed in one
@@ -214,8 +219,8 @@ class VersionChannel:
         checked: list[tuple[str, bytes]] = []
         forged = False
         for key, raw in zip(keys, raws):
-            mac, payload = raw[:MAC_BYTES], raw[MAC_BYTES:]
-            if len(mac) == MAC_BYTES and hmac.compare_digest(mac, self._mac(key, payload)):
+            payload = self._checked(key, raw)
+            if payload is not None:
                 checked.append((key, payload))
             else:
                 self._dropped(self._forged(key))
