@@ -106,8 +106,9 @@ class SyncPeerLink:
         for src, generation in zip(senders, generations):
             if generation == WITHHELD:
                 raise TransferError(
-                    f"sender {src.instance}:{src.local_rank} failed version {self.manifest.version!r} before its bytes "
-                    "were ready (its own log says why): nothing moved into this rank"
+                    f"the bytes of version {self.manifest.version!r} from sender {src.instance}:{src.local_rank} were "
+                    "withheld: a trainer rank (this sender, or the one that relays its signals) failed the version "
+                    "before they were ready (the trainers' logs say why); nothing moved into this rank"
                 )
             if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
                 raise AwexValueError(

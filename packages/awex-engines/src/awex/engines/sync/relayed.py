@@ -13,6 +13,8 @@ four at 1,024 ranks) and hands its group's senders' generations to the others; a
 engine there reads it itself (engines may be updated one after another: no rank waits for another engine's
 ranks). Where a host's key is is a pure function of the plan and the hosts
 (:meth:`~awex.engines.sync.relay.HostGroups.ready_holder`), so the first trainer rank looks where the signal went.
+A trainer rank that fails the version before its bytes are ready (:meth:`RelayedSignals.withhold`) passes a withheld
+mark the same way: its receivers stop waiting at once, failed, nothing moved into them.
 
 Outcomes the same way: an engine instance's receiving ranks on one host (they receive in one call of the engine,
 so they finish together, and none waits for another engine's) tell the lowest of them their outcome; it puts one
@@ -42,7 +44,7 @@ from awex.engines.sync.channel import ChannelTimeout, VersionChannel
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
 from awex.engines.sync.relay import LOOK_SECONDS, HostGroups, HostRelay, RelayTimeout
-from awex.engines.sync.signals import ChannelSignals, Signals
+from awex.engines.sync.signals import WITHHELD, ChannelSignals, Signals
 from awex.meta import Plan, RankDescriptor, Role
 from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferError
@@ -97,12 +99,32 @@ class RelayedSignals(ChannelSignals):
                 left = max(0.001, deadline - time.monotonic())
                 message = self.relay.hear("ready", manifest.version, manifest.seq, left)
                 rank, gen = message.get("rank"), message.get("generation")
-                if rank in roles.trainers_to and _generation(gen):
+                if rank in roles.trainers_to and _said(gen):
                     generations[rank] = gen
             key = keys.host_ready(kind, manifest.version, manifest.seq, me.rank)
             self.channel.put(key, [generations[r] for r in (me.rank, *roles.trainers_to)])  # its host's, in order
         if me.rank == self.groups.announcer:
             self._all_ready(kind, manifest)
+
+    def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
+        """:meth:`Signals.withhold` through the relays: a trainer rank with a lead tells it (its host's key then says
+        so); a lead, which hears its host's ranks no more, puts its host's key with each of them withheld; the first
+        trainer rank, the key of them all so (the attempt failed: every receiver stops waiting); a rank alone on its
+        host, its own key."""
+        roles = self.roles
+        if roles is not None and roles.trainers_from is not None:
+            message = {"kind": "ready", "version": manifest.version, "seq": manifest.seq, "rank": me.rank}
+            try:
+                self.relay.tell(roles.trainers_from, dict(message, generation=WITHHELD))
+            except OSError as e:  # its lead is gone: its receivers fail at their deadline
+                log.info("sync rank %d could not tell its host's lead it failed %s: %s", me.rank, manifest.version, e)
+        elif roles is None or not roles.trainers_to:
+            super().withhold(kind, manifest, me)
+        else:
+            key = keys.host_ready(kind, manifest.version, manifest.seq, me.rank)
+            self.channel.put(key, [WITHHELD] * (1 + len(roles.trainers_to)))
+        if me.rank == self.groups.announcer:
+            self.channel.put(keys.all_ready(kind, manifest.version, manifest.seq), [WITHHELD] * len(self._trainers()))
 
     def _all_ready(self, kind: str, manifest: SyncManifest) -> None:
         """The first trainer rank: every trainer rank's generation, read from its host's key (or its own) once all
@@ -158,7 +180,7 @@ class RelayedSignals(ChannelSignals):
             return self._read(attempt, [s.rank for s in senders], 0.001 + timeout)
         if not isinstance(doc, dict):
             raise AwexValueError(f"ready signals of {version!r} from the host's lead: not a record ({doc!r:.80})")
-        got = {int(r): g for r, g in doc.items() if str(r).isdigit() and _generation(g)}
+        got = {int(r): g for r, g in doc.items() if str(r).isdigit() and _said(g)}
         missing = [s.rank for s in senders if s.rank not in got]
         if missing:  # a sender its lead did not read for it (none, where both read the plan alike): read here
             got.update(self._read(attempt, missing, timeout))
@@ -365,8 +387,9 @@ def _slice(deadline: float) -> float:
     return max(0.001, min(LIVENESS_SECONDS, deadline - time.monotonic()))
 
 
-def _generation(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _said(value: Any) -> bool:
+    """A sender's ready signal: an export generation, or :data:`WITHHELD` (it failed the version)."""
+    return value == WITHHELD or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 
 
 def with_relays(

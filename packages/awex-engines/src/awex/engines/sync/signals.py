@@ -47,8 +47,9 @@ class Signals(Protocol):
 
     def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
         """A sender that failed this version before (or while) its bytes were ready: its receivers' wait for it ends
-        now, not at their deadline. The host board says it in the sender's own slot; the version channel and the
-        MetaServer say nothing (their receivers learn it at their deadline)."""
+        now, not at their deadline. The host board says it in the sender's own slot, the version channel and the
+        MetaServer under its ready key (:data:`WITHHELD` for a generation; through host relays: its host's key and
+        the first trainer rank's, ``awex.engines.sync.relayed``)."""
 
     def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
         """A receiver's outcome ``doc`` (``{"ok", "cause", "partial"}``)."""
@@ -95,10 +96,6 @@ class InstanceRecords:
 
     _groups: tuple[Plan, dict[str, list[RankDescriptor]], dict[int, str]] | None = None
 
-    def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
-        """Nothing said (:meth:`Signals.withhold`): receivers over the channel or the MetaServer wait until their
-        deadline."""
-
     def _record_groups(self, plan: Plan) -> dict[str, list[RankDescriptor]]:
         groups: dict[str, list[RankDescriptor]] = {}
         for r in plan.ranks_of(Role.INFERENCE):
@@ -139,6 +136,9 @@ class MetaSignals(InstanceRecords):
 
     def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
         self.client.put(keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank), generation)
+
+    def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
+        self.client.put(keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank), WITHHELD)
 
     def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
         deadline = time.monotonic() + timeout
@@ -194,6 +194,9 @@ class ChannelSignals(InstanceRecords):
 
     def ready(self, kind: str, manifest: SyncManifest, me: RankDescriptor, generation: int) -> None:
         self.channel.put(keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank), generation)
+
+    def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
+        self.channel.put(keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank), WITHHELD)
 
     def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
         names = [keys.ready(kind, manifest.version, manifest.seq, s.instance, s.local_rank) for s in senders]
