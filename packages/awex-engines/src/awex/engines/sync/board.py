@@ -45,7 +45,6 @@ _WORD = struct.Struct("<q")
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
