@@ -175,6 +175,13 @@ def test_limits_answer_4xx_and_leave_the_server_healthy():
             c.publish_event("k", "src", data=nested)
         with pytest.raises(MetaPayloadError, match="deeper than 16"):
             c.put("deep", nested)
+        c.put("wide", [{"a": [i]} for i in range(100)])  # brackets aplenty, three deep
+        exactly: object = 1
+        for _ in range(16):
+            exactly = [exactly]
+        c.put("sixteen", exactly)  # as deep as allowed, as few brackets as that takes
+        with pytest.raises(MetaPayloadError, match="deeper than 16"):
+            c.put("seventeen", [exactly])
         deepest = b"[" * 5000 + b"1" + b"]" * 5000  # deeper than the JSON parser's recursion limit
         with pytest.raises(MetaPayloadError, match="deeper than 16"):
             c._request("PUT", c._job_path("kv", "deeper"), raw=deepest, deadline=time.monotonic() + 5)
