@@ -87,6 +87,11 @@ class PeerLink(Protocol):
         """A receiver: bytes start moving into its views now (a failure from here on leaves them partly
         changed; before it, untouched)."""
 
+    def watch(self) -> None:
+        """A receiver while its bytes are on the wire (p2p: the senders push, no ready signal): raise
+        ``TransferError`` if a sender it receives from failed the version before sending (it withheld it), so that
+        the wait ends now, not at the deadline. Asks the signals once a call: called about once a second."""
+
     def meanwhile(self) -> None:
         """The session's work beside the transfer (its last checks of this rank's memory): a transport calls it
         once its copies are under way and its thread would only wait for them; the session runs it after the

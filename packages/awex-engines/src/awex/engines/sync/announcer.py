@@ -22,11 +22,12 @@ from awex.engines.sync.lease import ClaimLease
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.options import SyncOptions
 from awex.engines.sync.session import SyncSession
+from awex.engines.sync.signals import says_ready
 from awex.meta import Plan, Role
 from awex.meta.client import MetaClient
 from awex.meta.errors import AwexValueError, MetaConflictError, MetaFencedError, MetaNotRegisteredError, MetaServerError
 from awex.transport.net import free_port
-from awex.transport.registry import TRANSPORTS, transport_class
+from awex.transport.registry import TRANSPORTS
 
 log = logging.getLogger("awex.engines")
 
@@ -426,20 +427,12 @@ class Announcer:
             everywhere = medium is None or kind is None or signals is None  # a failed attempt's: wherever they went
             reported = plan.ranks_of(Role.INFERENCE) if everywhere else reported
             receivers = [(r.instance, r.local_rank) for r in reported]
-            kinds = [k for k in ([kind] if kind else sorted(TRANSPORTS)) if _signals_ready(k)]
-            relayed = groups is not None and groups.relays_ready  # the first trainer rank's key of them all
+            # a failed attempt's: every transport's (a sender that withheld it put a key over any transport)
+            kinds = [k for k in [kind] if says_ready(k)] if kind else sorted(TRANSPORTS)
+            relayed = groups is not None and (groups.relays_ready or kind is None)  # the first trainer rank's key
             names += keys.channel_signals(version, seq, senders, receivers, kinds, leads, sorted(records), relayed)
         if not names:
             return
         if self._cleaner is None or self._cleaner.address != channel.address:
             self._cleaner = channel.clone()
         self._cleaner.delete(names)
-
-
-def _signals_ready(kind: str) -> bool:
-    """Whether the senders of transport ``kind`` signal ready (True where it cannot be told: a key too many is
-    dropped in vain, never one left behind)."""
-    try:
-        return bool(transport_class(kind).signals_ready)
-    except Exception:  # noqa: BLE001 - a transport whose module cannot be imported here
-        return True

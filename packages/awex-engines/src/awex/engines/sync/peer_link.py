@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from awex.engines.sync import keys
@@ -48,6 +48,7 @@ class SyncPeerLink:
     touched: bool = False  # a receiver: bytes began moving into its views
     beside: Callable[[], None] | None = None  # the session's work while the bytes move (see meanwhile)
     beside_error: Exception | None = None  # what it raised: the version fails once the transfer ended
+    _senders: list[int] | None = field(default=None, repr=False)  # the ranks it receives from (watch)
 
     @property
     def count(self) -> int:
@@ -116,6 +117,21 @@ class SyncPeerLink:
                     "is not an export generation"
                 )
         return list(generations)
+
+    def watch(self) -> None:
+        """:meth:`awex.transport.base.PeerLink.watch`: the senders this rank receives from (its schedule's, worked
+        out at the first call) that withheld the version, or exited on this host, fail it now."""
+        if self._senders is None:
+            steps = self.plan.schedule(self.rank)  # a broadcast's root among them
+            peers = {s.peer for s in steps if s.op == "recv"} | {s.bucket.src for s in steps}
+            self._senders = sorted(peers - {self.rank})
+        senders = [self.plan.ranks[p] for p in self._senders]
+        for src in self.signals.withheld(self.kind, self.manifest, senders) if senders else ():
+            raise TransferError(
+                f"the bytes of version {self.manifest.version!r} from sender {src.instance}:{src.local_rank} were "
+                "withheld: it failed the version before sending them (the trainers' logs say why)"
+            )
+        self.check_senders(self._senders)
 
     def check_senders(self, peers: Sequence[int]) -> None:
         """Raise if a sender in ``peers`` that runs on this host has exited."""

@@ -44,7 +44,7 @@ from awex.engines.sync.channel import ChannelTimeout, VersionChannel
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.peer_link import LIVENESS_SECONDS, Process, exited_here
 from awex.engines.sync.relay import LOOK_SECONDS, HostGroups, HostRelay, RelayTimeout
-from awex.engines.sync.signals import WITHHELD, ChannelSignals, Signals
+from awex.engines.sync.signals import WITHHELD, ChannelSignals, Signals, says_ready
 from awex.meta import Plan, RankDescriptor, Role
 from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferError
@@ -112,19 +112,28 @@ class RelayedSignals(ChannelSignals):
         trainer rank, the key of them all so (the attempt failed: every receiver stops waiting); a rank alone on its
         host, its own key."""
         roles = self.roles
-        if roles is not None and roles.trainers_from is not None:
+        if not says_ready(kind) or roles is None or (roles.trainers_from is None and not roles.trainers_to):
+            super().withhold(kind, manifest, me)  # its own key (over p2p no lead listens for ready signals)
+        elif roles.trainers_from is not None:
             message = {"kind": "ready", "version": manifest.version, "seq": manifest.seq, "rank": me.rank}
             try:
                 self.relay.tell(roles.trainers_from, dict(message, generation=WITHHELD))
             except OSError as e:  # its lead is gone: its receivers fail at their deadline
                 log.info("sync rank %d could not tell its host's lead it failed %s: %s", me.rank, manifest.version, e)
-        elif roles is None or not roles.trainers_to:
-            super().withhold(kind, manifest, me)
         else:
             key = keys.host_ready(kind, manifest.version, manifest.seq, me.rank)
             self.channel.put(key, [WITHHELD] * (1 + len(roles.trainers_to)))
         if me.rank == self.groups.announcer:
             self.channel.put(keys.all_ready(kind, manifest.version, manifest.seq), [WITHHELD] * len(self._trainers()))
+
+    def withheld(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor]) -> list[RankDescriptor]:
+        """Those of ``senders`` withheld under their own keys, or in the first trainer rank's key of them all."""
+        found = {s.rank for s in super().withheld(kind, manifest, senders)}
+        doc, trainers = self.channel.get(keys.all_ready(kind, manifest.version, manifest.seq)), self._trainers()
+        if isinstance(doc, list) and len(doc) == len(trainers):
+            at = self._position
+            found.update(s.rank for s in senders if s.rank in at and doc[at[s.rank]] == WITHHELD)
+        return [s for s in senders if s.rank in found]
 
     def _all_ready(self, kind: str, manifest: SyncManifest) -> None:
         """The first trainer rank: every trainer rank's generation, read from its host's key (or its own) once all

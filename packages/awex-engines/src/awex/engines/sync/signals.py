@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any, Protocol, Sequence
 
 from awex.engines.sync import keys
@@ -23,6 +24,7 @@ from awex.engines.sync.manifest import SyncManifest
 from awex.meta import Plan, RankDescriptor, Role
 from awex.meta.client import MetaClient
 from awex.meta.errors import AwexValueError
+from awex.transport.registry import transport_class
 
 log = logging.getLogger("awex.engines")
 
@@ -50,6 +52,10 @@ class Signals(Protocol):
         now, not at their deadline. The host board says it in the sender's own slot, the version channel and the
         MetaServer under its ready key (:data:`WITHHELD` for a generation; through host relays: its host's key and
         the first trainer rank's, ``awex.engines.sync.relayed``)."""
+
+    def withheld(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor]) -> list[RankDescriptor]:
+        """Without waiting: those of ``senders`` that withheld the version (:meth:`withhold`). For receivers over a
+        transport whose senders say no ready (p2p), asked about once a second while the bytes are awaited."""
 
     def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
         """A receiver's outcome ``doc`` (``{"ok", "cause", "partial"}``)."""
@@ -140,6 +146,10 @@ class MetaSignals(InstanceRecords):
     def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
         self.client.put(keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank), WITHHELD)
 
+    def withheld(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor]) -> list[RankDescriptor]:
+        v, seq, get = manifest.version, manifest.seq, self.client.try_get
+        return [s for s in senders if get(keys.ready(kind, v, seq, s.instance, s.local_rank)) == WITHHELD]
+
     def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
         deadline = time.monotonic() + timeout
         return [
@@ -197,6 +207,10 @@ class ChannelSignals(InstanceRecords):
 
     def withhold(self, kind: str, manifest: SyncManifest, me: RankDescriptor) -> None:
         self.channel.put(keys.ready(kind, manifest.version, manifest.seq, me.instance, me.local_rank), WITHHELD)
+
+    def withheld(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor]) -> list[RankDescriptor]:
+        v, seq, get = manifest.version, manifest.seq, self.channel.get
+        return [s for s in senders if get(keys.ready(kind, v, seq, s.instance, s.local_rank)) == WITHHELD]
 
     def wait_ready(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor], timeout: float) -> list:
         names = [keys.ready(kind, manifest.version, manifest.seq, s.instance, s.local_rank) for s in senders]
@@ -278,6 +292,10 @@ class BoardSignals:
         details = self.board.wait([s.rank for s in senders], manifest.seq, timeout)
         return [WITHHELD if d == WITHHELD_DETAIL else d for d in details]
 
+    def withheld(self, kind: str, manifest: SyncManifest, senders: Sequence[RankDescriptor]) -> list[RankDescriptor]:
+        details = self.board.signalled([s.rank for s in senders], manifest.seq)
+        return [s for s, d in zip(senders, details) if d == WITHHELD_DETAIL]
+
     def report(self, manifest: SyncManifest, me: RankDescriptor, doc: dict) -> None:
         self.board.ring(me.rank, manifest.seq, OK_DETAIL if doc.get("ok") else FAILED_DETAIL)
 
@@ -303,6 +321,16 @@ class BoardSignals:
         except Exception as e:  # the board said it failed; the cause is a detail
             log.warning("cause of %s:%d's failure unknown: %s", rank.instance, rank.local_rank, e)
         return doc if isinstance(doc, dict) and doc.get("ok") is False else {"ok": False, "cause": None}
+
+
+@lru_cache(maxsize=None)  # asked every version (a registry's classes do not change)
+def says_ready(kind: str) -> bool:
+    """Whether the senders of transport ``kind`` signal ready (True where it cannot be told: a key too many is
+    dropped in vain, never one left behind)."""
+    try:
+        return bool(transport_class(kind).signals_ready)
+    except Exception:  # noqa: BLE001 - a transport whose module cannot be imported here
+        return True
 
 
 def signals_for(

@@ -94,6 +94,7 @@ class P2pTransport(Transport):
                 before_pack=before_pack,
                 meanwhile=link.meanwhile,
                 digests=digests,
+                watch=link.watch,
             )
 
     def received_digests(self) -> dict[int, tuple[int, int]] | None:

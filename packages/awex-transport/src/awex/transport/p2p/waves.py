@@ -31,7 +31,7 @@ from awex.meta.plan import RELAY_LAG, Step, Transfer
 from awex.transport.accelerator import GROUPED, device_api, is_accelerator
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.copies import copier, merge_copies
-from awex.transport.deadline import timed_out, wait_event
+from awex.transport.deadline import WATCH_SECONDS, timed_out, wait_event
 from awex.transport.group import SyncGroup
 from awex.transport.messages import align, message_offsets
 from awex.transport.p2p.digesting import WaveDigests
@@ -205,6 +205,7 @@ class WaveExecutor:
         before_pack: Callable[[int], None] | None = None,
         meanwhile: Callable[[], None] | None = None,
         digests: WaveDigests | None = None,
+        watch: Callable[[], None] | None = None,
     ) -> TransferStats:
         """Send and receive this rank's share within ``timeout`` seconds.
 
@@ -213,13 +214,15 @@ class WaveExecutor:
         (:attr:`sent_regions`), overlapping the previous waves on the wire. ``meanwhile`` runs once, when the host
         would first wait for the wire (the first waves posted), so that it overlaps the transfer. ``digests``
         (verify mode, built for this plan and views): each wave's regions are digested as it is posted or unpacked.
+        ``watch`` (on a device, while the host waits for a wave): what it raises aborts the group and fails the
+        transfer (:meth:`PeerLink.watch`: a sender that withheld the version never sends).
         """
         started = time.monotonic()
         deadline = started + timeout
         pending = [meanwhile] if meanwhile is not None else []
         if is_accelerator(self.device):
             self.group.follow_deadline(timeout)
-            self._run_device(deadline, timeout, before_pack, pending, digests)
+            self._run_device(deadline, timeout, before_pack, pending, digests, watch)
         else:
             self._run_blocking(deadline, timeout, before_pack, pending, digests)
         _run_pending(pending)  # no wave to wait for
@@ -321,6 +324,7 @@ class WaveExecutor:
         before_pack: Callable[[int], None] | None,
         pending: list,
         digests: WaveDigests | None,
+        watch: Callable[[], None] | None = None,
     ) -> None:
         """CUDA (NCCL) or NPU (HCCL) tensors: double-buffered waves on a pack and an unpack stream, host at most two
         waves ahead."""
@@ -337,7 +341,7 @@ class WaveExecutor:
         for i, wave in enumerate(self.waves):
             if i >= self.slots:
                 _run_pending(pending)  # the first waves are on the wire
-                self._wait(done[i - self.slots], wave, deadline, timeout)  # its slot is free again
+                self._wait(done[i - self.slots], wave, deadline, timeout, watch)  # its slot is free again
             while relay_ready < i and self.waves[relay_ready].index <= wave.index - RELAY_LAG:
                 relay_ready += 1
             if relay_ready:  # what this wave relays was received in those waves: unpacked before we pack
@@ -362,7 +366,7 @@ class WaveExecutor:
                 digests.received(wave.index, unpack_stream)
         if done:
             _run_pending(pending)
-            self._wait(done[-1], self.waves[-1], deadline, timeout)
+            self._wait(done[-1], self.waves[-1], deadline, timeout, watch)
         error = self.group.error()  # a communicator aborted by PyTorch's watchdog ends its kernels early
         if error is not None:
             raise TransferError(f"rank {self.rank}: the sync group reported {error} during the sync")
@@ -370,14 +374,21 @@ class WaveExecutor:
         if digests is not None:
             digests.wait(compute)
 
-    def _wait(self, event, wave: _Wave, deadline: float, timeout: float) -> None:
+    def _wait(self, event, wave: _Wave, deadline: float, timeout: float, watch=None, every=WATCH_SECONDS) -> None:
         def timed_out() -> TransferTimeout:
             self.group.abort()
             return TransferTimeout(
                 f"{self._what(wave)}: not done within the sync's {timeout:g} s deadline; the sync group was aborted"
             )
 
-        wait_event(event, deadline, timed_out)
+        def watched() -> None:  # a peer that will never send: its wave's kernels end with the group
+            try:
+                watch()
+            except Exception as e:
+                self.group.abort()
+                raise TransferError(f"{self._what(wave)}: {e}; the sync group was aborted") from e
+
+        wait_event(event, deadline, timed_out, watch=watched if watch is not None else None, every=every)
 
 
 def _run_pending(pending: list) -> None:

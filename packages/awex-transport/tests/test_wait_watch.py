@@ -1,0 +1,69 @@
+"""A wait for the GPU that asks its peers as it waits (``wait_event``'s ``watch``): point-to-point receivers push
+nothing back to a sender that failed before sending, so the wait for a wave asks about once a second whether it
+withheld the version; what the question raises aborts the group and fails the transfer now, not at the deadline."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from awex.transport.base import TransferError
+from awex.transport.deadline import wait_event
+from awex.transport.p2p.waves import WaveExecutor, _Wave
+
+
+class Event:
+    """A CUDA event's ``query`` that completes after ``done_after`` polls."""
+
+    def __init__(self, done_after: int):
+        self.polls, self.done_after = 0, done_after
+
+    def query(self) -> bool:
+        self.polls += 1
+        return self.polls > self.done_after
+
+
+def test_a_watch_runs_every_so_often_while_the_event_is_pending_and_what_it_raises_ends_the_wait():
+    looks: list[float] = []
+
+    def watch():
+        looks.append(time.monotonic())
+        if len(looks) == 3:
+            raise RuntimeError("the sender withheld it")
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="withheld"):
+        wait_event(Event(10**9), started + 30, lambda: AssertionError("not the deadline"), watch=watch, every=0.02)
+    assert len(looks) == 3 and looks[0] - started >= 0.02  # not at once: the first look after one slice
+    assert time.monotonic() - started < 5  # not the 30-s deadline
+    quick = Event(3)  # done before a slice passed: never asked
+    wait_event(quick, time.monotonic() + 5, lambda: AssertionError("not the deadline"), watch=watch, every=10)
+    assert quick.polls == 4 and len(looks) == 3
+
+
+class _Group:
+    backend = "nccl"
+
+    def __init__(self):
+        self.aborted = 0
+
+    def abort(self):
+        self.aborted += 1
+
+
+def test_a_wave_whose_watch_raises_aborts_the_group_and_fails_naming_the_wave():
+    executor = object.__new__(WaveExecutor)  # only what waiting for a wave reads
+    executor.rank, executor.group = 5, _Group()
+    wave = _Wave(7, [], [(2, None, 1024)], [], [])
+
+    def withheld():
+        raise TransferError("sender trainer:2 withheld it")
+
+    with pytest.raises(TransferError, match=r"rank 5: wave 7 \(1024 bytes with rank\(s\) \[2\]\): .*withheld it; the"):
+        executor._wait(Event(10**9), wave, time.monotonic() + 30, 30.0, withheld, every=0.01)
+    assert executor.group.aborted == 1  # its kernels end with the group
+    calm = object.__new__(WaveExecutor)
+    calm.rank, calm.group = 5, _Group()
+    calm._wait(Event(5), wave, time.monotonic() + 30, 30.0, lambda: None, every=0.0)
+    assert calm.group.aborted == 0
