@@ -137,28 +137,6 @@ def test_mapped_shards_find_the_region_an_address_lies_in():
         assert shards.region_of(outside) is None
 
 
-def test_waiting_on_the_gpu_has_a_deadline():
-    import time
-
-    from awex.transport.deadline import wait_event
-
-    class Event:
-        def __init__(self, done_after: int):
-            self.polls, self.done_after = 0, done_after
-
-        def query(self) -> bool:
-            self.polls += 1
-            return self.polls > self.done_after
-
-    done = Event(3)
-    wait_event(done, time.monotonic() + 5, lambda: AssertionError("must not time out"))
-    assert done.polls == 4
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match="late"):
-        wait_event(Event(10**9), started + 0.05, lambda: TimeoutError("late"))
-    assert 0.05 <= time.monotonic() - started < 2
-
-
 @pytest.mark.parametrize("first", [0, 1])
 def test_spans_from_several_sources_are_read_evenly_and_receivers_start_apart(first):
     # two source GPUs with spans of different sizes, each in address order

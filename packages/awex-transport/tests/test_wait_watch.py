@@ -1,6 +1,7 @@
-"""A wait for the GPU that asks its peers as it waits (``wait_event``'s ``watch``): point-to-point receivers push
-nothing back to a sender that failed before sending, so the wait for a wave asks about once a second whether it
-withheld the version; what the question raises aborts the group and fails the transfer now, not at the deadline."""
+"""A wait for the GPU has a deadline, and may ask its peers as it waits (``wait_event``'s ``watch``): point-to-point
+receivers push nothing back to a sender that failed before sending, so the wait for a wave asks about once a second
+whether it withheld the version; what the question raises aborts the group and fails the transfer now, not at the
+deadline."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ class Event:
     def query(self) -> bool:
         self.polls += 1
         return self.polls > self.done_after
+
+
+def test_waiting_on_the_gpu_has_a_deadline():
+    done = Event(3)
+    wait_event(done, time.monotonic() + 5, lambda: AssertionError("must not time out"))
+    assert done.polls == 4
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="late"):
+        wait_event(Event(10**9), started + 0.05, lambda: TimeoutError("late"))
+    assert 0.05 <= time.monotonic() - started < 2
 
 
 def test_a_watch_runs_every_so_often_while_the_event_is_pending_and_what_it_raises_ends_the_wait():
