@@ -172,6 +172,8 @@ def test_a_change_the_journal_cannot_keep_is_refused_and_not_made(tmp_path):
     server = start_embedded(journal=str(path))
     try:
         c = MetaClient(server.address, job="rl", timeout=5)
+        for name in ("eng-0", "eng-1"):
+            c.register(name, role="inference", instance=name, world_size=1)
         writer = c.fenced("trainer", c.take_fence("trainer"))
         app = server._runner.app[SERVER_KEY]
         os.close(app.journal._fd)
@@ -183,8 +185,11 @@ def test_a_change_the_journal_cannot_keep_is_refused_and_not_made(tmp_path):
         with pytest.raises(MetaServerError, match="cannot write the MetaServer journal"):
             plain = MetaClient(server.address, job="rl", timeout=5)
             plain.fenced("trainer", 7).put("x", 1)  # a higher epoch the server would raise itself to
+        with pytest.raises(MetaServerError, match="cannot write the MetaServer journal"):  # several in one write
+            writer.report_versions({name: {"version": "v0"} for name in ("eng-0", "eng-1")})
         assert c.try_get("sync/v1") is None and app.jobs["rl"].fences == {"trainer": 1}
         assert "sync/v1" not in app.jobs["rl"].claims
+        assert _status(c) == {"eng-0": None, "eng-1": None}  # neither engine's version changed
     finally:
         server.stop()
 
@@ -205,3 +210,36 @@ def test_serve_says_what_to_do_when_its_journal_cannot_be_written(tmp_path):
     )
     assert out.returncode == 2 and "cannot open the MetaServer journal" in out.stderr, out.stderr
     assert "--no-journal" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_report_of_several_engines_is_journalled_in_one_write_and_outlives_a_restart(tmp_path, monkeypatch):
+    """A writer reports every engine it synced in one request: their versions and the claim's being applied go to
+    the journal in one write (one flush to the disk with ``--journal-fsync``), before any is made; all come back."""
+    import os
+
+    from awex.meta.server.config import ServerConfig
+    from awex.meta.server.embedded import EmbeddedMetaServer
+
+    config = ServerConfig(journal=str(tmp_path / "meta.journal"), journal_fsync=True)
+    start = lambda port=0: EmbeddedMetaServer("127.0.0.1", port, config).start()  # noqa: E731
+    server = start()
+    synced: list[int] = []
+    real_fsync = os.fsync
+    try:
+        c = MetaClient(server.address, job="rl", timeout=5)
+        engines = [f"eng-{i}" for i in range(16)]
+        for name in engines:
+            c.register(name, role="inference", instance=name, world_size=1)
+        writer = c.fenced("trainer", c.take_fence("trainer"))
+        writer.put("sync/v1", {"by": "trainer"}, create_only=True)
+        monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+        writer.report_versions({name: {"version": "v1", "claim": "sync/v1"} for name in engines})
+        assert len(synced) == 1  # 17 records (16 engines, the claim applied), one flush
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        server = _restarted(server, start)
+        assert _status(c) == {name: "v1" for name in engines}
+        other = c.fenced("other", c.take_fence("other"))
+        with pytest.raises(MetaConflictError, match="already exists"):  # applied: never written again
+            other.put("sync/v1", {"by": "other"}, create_only=True)
+    finally:
+        server.stop()

@@ -89,7 +89,7 @@ class MetaServerApp:
         job = self.jobs[name] = JobState(name, self.config.max_events_per_job, self.config.max_keys_per_job)
         if self.journal is not None:
             everything = lambda: {n: j.kept() for n, j in self.jobs.items()}  # noqa: E731 - the journal's rewrite
-            job.remember = functools.partial(self.journal.append, everything=everything)
+            job.remember = functools.partial(self.journal.append_all, everything=everything)
         return job
 
     async def cleanup(self, app: web.Application) -> None:
@@ -316,13 +316,15 @@ class MetaServerApp:
             raise BadRequest(f"at most {self.config.max_participants_per_job} reports in one request")
         checked = {str(name): _report_fields(r) for name, r in reports.items()}  # all checked before any applies
         job = self.job_of(request, create=False)
-        missing = []
-        for name, f in checked.items():
-            p = job.participants.get(name) if job is not None else None
-            if p is None:
-                missing.append(name)
-            else:
-                _serves(job, name, p, f)
+        known = job.participants if job is not None else {}
+        missing = [name for name in checked if name not in known]
+        serving = {name: f for name, f in checked.items() if name in known}
+        if serving:  # journalled in one write before any change (each engine's version, each claim applied once)
+            claimed = {f.get("claim") for f in serving.values() if f["version"] is not None} - {None}
+            notes = claims.applied_notes(job, sorted(claimed)) + [_serves_note(n, f) for n, f in serving.items()]
+            job.note_all(notes)
+        for name, f in serving.items():
+            _serves(job, name, known[name], f, noted=True)
         return web.json_response({"ok": True, "missing": missing})
 
     async def publish_event(self, request: web.Request) -> web.Response:
@@ -384,12 +386,17 @@ def _report_fields(doc: Any) -> dict[str, Any]:
     return f
 
 
-def _serves(job: JobState, name: str, p: Participant, f: dict[str, Any]) -> int:
-    """Participant ``name`` serves ``f["version"]`` now (journalled; its claim, if named, is never written again);
-    the number of the ``version`` event."""
+def _serves_note(name: str, f: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return "serves", {"name": name, "version": f["version"]}
+
+
+def _serves(job: JobState, name: str, p: Participant, f: dict[str, Any], noted: bool = False) -> int:
+    """Participant ``name`` serves ``f["version"]`` now (journalled, unless ``noted`` already; its claim, if named,
+    is never written again); the number of the ``version`` event."""
     if f["version"] is not None:
-        claims.applied(job, f.get("claim"))
-    job.note("serves", name=name, version=f["version"])
+        claims.applied(job, f.get("claim"), noted=noted)
+    if not noted:
+        job.note_all([_serves_note(name, f)])
     p.weight_version, p.last_seen = f["version"], time.time()
     p.last_sync = {"version": f["version"], "at": p.last_seen, **{k: f[k] for k in ("bytes", "seconds") if k in f}}
     return job.add_event("version", name, f["version"], None)["seq"]

@@ -26,7 +26,7 @@ import secrets
 import threading
 import time
 import urllib.parse
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from awex.meta.errors import AwexValueError
 from awex.meta.server.etcd import Etcd, EtcdError, created, delete, endpoints_of, get, put, ranged, revision_of
@@ -172,6 +172,11 @@ class EtcdStore:
         self._pending[key] = (
             delete(key) if op in ("release", "unlease") else put(key, json.dumps(record, sort_keys=True).encode())
         )
+
+    def append_all(self, records: Sequence[dict[str, Any]], everything: Any = None) -> None:
+        """:meth:`append` each (held together until :meth:`flush` anyway)."""
+        for record in records:
+            self.append(record)
 
     def flush(self) -> None:
         """Write the changes held since the last flush, in transactions that hold only while this server leads;

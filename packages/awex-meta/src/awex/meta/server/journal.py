@@ -24,7 +24,7 @@ import logging
 import os
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from awex.meta.errors import AwexError, AwexValueError
 
@@ -211,19 +211,27 @@ class Journal:
         self._appended, self._base = 0, len(records)
 
     def append(self, record: dict[str, Any], everything: Callable[[], dict[str, Kept]] | None = None) -> None:
-        """Write one record (before its request is answered); first rewrite the journal from ``everything()``, the
-        whole state, when the journal grew well past it."""
+        """Write one record (before its change is made and its request answered): :meth:`append_all`."""
+        self.append_all([record], everything)
+
+    def append_all(
+        self, records: Sequence[dict[str, Any]], everything: Callable[[], dict[str, Kept]] | None = None
+    ) -> None:
+        """Write ``records`` in one write (and, with ``fsync``, one flush to the disk), before their changes are
+        made; first rewrite the journal from ``everything()``, the whole state, when it grew well past it."""
         if self._fd is None:
             raise JournalError("the journal was not loaded")
         if everything is not None and self._appended > max(COMPACT_AFTER, 4 * self._base):
             self.rewrite(everything())
+        data = memoryview(b"".join(encode(r) for r in records))
         try:
-            os.write(self._fd, encode(record))
+            while data:  # a regular file may take less than asked
+                data = data[os.write(self._fd, data) :]
             if self.fsync:
                 os.fsync(self._fd)
         except OSError as e:
             raise JournalError(f"cannot write the MetaServer journal {self.path}: {e}") from None
-        self._appended += 1
+        self._appended += len(records)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -172,12 +172,18 @@ class JobState:
         self.claims: dict[str, Claim] = {}  # keys created once (create=1): never created again, kept when forgotten
         self.lease: Lease | None = None  # who alone may claim names now (awex.meta.server.leases)
         self.lease_contended_until = 0.0  # time.monotonic() until which no lease is granted (several writers)
-        self.remember: Callable[[dict[str, Any]], None] | None = None  # the journal's (awex.meta.server.journal)
+        # the journal's append_all (awex.meta.server.journal): records written together, before their changes
+        self.remember: Callable[[list[dict[str, Any]]], None] | None = None
 
     def note(self, op: str, **fields: Any) -> None:
         """Journal one change of the safety state, before it is made and answered (nothing without a journal)."""
         if self.remember is not None:
-            self.remember({"op": op, "job": self.name, **fields})
+            self.remember([{"op": op, "job": self.name, **fields}])
+
+    def note_all(self, notes: list[tuple[str, dict[str, Any]]]) -> None:
+        """:meth:`note` for several changes ``(op, fields)`` of one request, in one write, before any is made."""
+        if self.remember is not None and notes:
+            self.remember([{"op": op, "job": self.name, **fields} for op, fields in notes])
 
     def kept(self) -> Kept:
         """The safety state, as the journal keeps it."""
