@@ -78,3 +78,29 @@ def test_a_failing_first_trainer_rank_withholds_every_senders_bytes_through_the_
     signals[0].withhold("p2p", MANIFEST, first)
     with pytest.raises(TransferError, match="were withheld"):
         SyncPeerLink(PLAN, RECEIVER, signals[RECEIVER], None, MANIFEST, "p2p", {}).watch()
+
+
+def test_a_sender_on_the_wire_learns_at_once_that_a_receiver_failed_the_version():
+    """A receiver that fails before it receives (its views refused, say) never takes the bytes pushed at it: its
+    failure, which always goes to the MetaServer, ends its senders' wait too. A receiver that applied changes
+    nothing."""
+    from awex.engines.sync import outcomes
+
+    server = start_embedded()
+    try:
+        client = MetaClient(server.address, job="watch")
+        sender = _senders(RECEIVER)[-1]
+        receivers = sorted({s.peer for s in PLAN.schedule(sender) if s.op == "send"} - {sender})
+        assert RECEIVER in receivers and len(receivers) > 1, receivers
+        link = SyncPeerLink(PLAN, sender, None, client, MANIFEST, "p2p", {})
+        link.watch()  # nobody said anything
+        fine = PLAN.ranks[next(r for r in receivers if r != RECEIVER)]
+        outcomes.report(client, PLAN, (fine.instance, fine.local_rank), None, MANIFEST, True, None, False)
+        link.watch()  # an applied outcome on the MetaServer
+        failing = PLAN.ranks[RECEIVER]
+        who = (failing.instance, failing.local_rank)
+        outcomes.report(client, PLAN, who, None, MANIFEST, False, "its views are on the CPU", False)
+        with pytest.raises(TransferError, match=r"receiver vllm-1:1 failed version 'v1': .*its views are on the CPU"):
+            link.watch()
+    finally:
+        server.stop()

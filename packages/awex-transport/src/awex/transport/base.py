@@ -88,9 +88,10 @@ class PeerLink(Protocol):
         changed; before it, untouched)."""
 
     def watch(self) -> None:
-        """A receiver while its bytes are on the wire (p2p: the senders push, no ready signal): raise
-        ``TransferError`` if a sender it receives from failed the version before sending (it withheld it), so that
-        the wait ends now, not at the deadline. Asks the signals once a call: called about once a second."""
+        """A rank while its bytes are on the wire (p2p: the senders push, no ready signal): raise ``TransferError``
+        if a sender it receives from failed the version before sending (it withheld it), or a receiver it sends to
+        failed it (it will not take them), so that the wait ends now, not at the deadline. Asks once a call:
+        called about once a second."""
 
     def meanwhile(self) -> None:
         """The session's work beside the transfer (its last checks of this rank's memory): a transport calls it

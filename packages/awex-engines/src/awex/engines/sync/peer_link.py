@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from awex.engines.outcome import Outcome
 from awex.engines.sync import keys
 from awex.engines.sync.board import host_identity
 from awex.engines.sync.manifest import SyncManifest
@@ -49,6 +50,7 @@ class SyncPeerLink:
     beside: Callable[[], None] | None = None  # the session's work while the bytes move (see meanwhile)
     beside_error: Exception | None = None  # what it raised: the version fails once the transfer ended
     _senders: list[int] | None = field(default=None, repr=False)  # the ranks it receives from (watch)
+    _receivers: list[int] = field(default_factory=list, repr=False)  # and those it sends to
 
     @property
     def count(self) -> int:
@@ -120,11 +122,13 @@ class SyncPeerLink:
 
     def watch(self) -> None:
         """:meth:`awex.transport.base.PeerLink.watch`: the senders this rank receives from (its schedule's, worked
-        out at the first call) that withheld the version, or exited on this host, fail it now."""
+        out at the first call) that withheld the version, or exited on this host, fail it now; so do the receivers
+        it sends to that failed the version (their failures are on the MetaServer: one request), or exited."""
         if self._senders is None:
             steps = self.plan.schedule(self.rank)  # a broadcast's root among them
             peers = {s.peer for s in steps if s.op == "recv"} | {s.bucket.src for s in steps}
             self._senders = sorted(peers - {self.rank})
+            self._receivers = sorted({s.peer for s in steps if s.op == "send"} - {self.rank})
         senders = [self.plan.ranks[p] for p in self._senders]
         for src in self.signals.withheld(self.kind, self.manifest, senders) if senders else ():
             raise TransferError(
@@ -132,6 +136,21 @@ class SyncPeerLink:
                 "withheld: it failed the version before sending them (the trainers' logs say why)"
             )
         self.check_senders(self._senders)
+        if self._receivers and self.client is not None:
+            self._check_receivers()
+
+    def _check_receivers(self) -> None:
+        v, seq = self.manifest.version, self.manifest.seq
+        said = self.client.values(keys.attempt_outcomes(self.manifest.attempt.name))
+        for peer in self._receivers:
+            r = self.plan.ranks[peer]
+            key = keys.outcome(v, seq, r.instance, r.local_rank)
+            doc = said.get(key) if said is not None else self.client.try_get(key)  # None: it said nothing yet
+            if doc is not None and not (outcome := Outcome.from_wire(doc)).ok:
+                raise TransferError(f"receiver {r.instance}:{r.local_rank} failed version {v!r}: {outcome.cause}")
+            pid = exited_here(self.processes, r.instance, r.local_rank)
+            if pid is not None:
+                raise TransferError(f"receiver {r.instance}:{r.local_rank} (pid {pid}, this host) exited during {v!r}")
 
     def check_senders(self, peers: Sequence[int]) -> None:
         """Raise if a sender in ``peers`` that runs on this host has exited."""
