@@ -15,7 +15,7 @@ from awex.engines.sync import keys
 from awex.engines.sync.board import host_identity
 from awex.engines.sync.manifest import SyncManifest
 from awex.engines.sync.signals import WITHHELD, Signals
-from awex.meta import Plan
+from awex.meta import Plan, RankDescriptor
 from awex.meta.client import MetaClient
 from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferError
@@ -108,11 +108,7 @@ class SyncPeerLink:
                 self.check_senders(peers)
         for src, generation in zip(senders, generations):
             if generation == WITHHELD:
-                raise TransferError(
-                    f"the bytes of version {self.manifest.version!r} from sender {src.instance}:{src.local_rank} were "
-                    "withheld: a trainer rank (this sender, or the one that relays its signals) failed the version "
-                    "before they were ready (the trainers' logs say why); nothing moved into this rank"
-                )
+                raise self._withheld(src, "; nothing moved into this rank")
             if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
                 raise AwexValueError(
                     f"ready signal of {src.instance}:{src.local_rank} for {self.manifest.version!r}: {generation!r} "
@@ -131,13 +127,17 @@ class SyncPeerLink:
             self._receivers = sorted({s.peer for s in steps if s.op == "send"} - {self.rank})
         senders = [self.plan.ranks[p] for p in self._senders]
         for src in self.signals.withheld(self.kind, self.manifest, senders) if senders else ():
-            raise TransferError(
-                f"the bytes of version {self.manifest.version!r} from sender {src.instance}:{src.local_rank} were "
-                "withheld: it failed the version before sending them (the trainers' logs say why)"
-            )
+            raise self._withheld(src)
         self.check_senders(self._senders)
         if self._receivers and self.client is not None:
             self._check_receivers()
+
+    def _withheld(self, src: RankDescriptor, more: str = "") -> TransferError:
+        return TransferError(
+            f"the bytes of version {self.manifest.version!r} from sender {src.instance}:{src.local_rank} were "
+            "withheld: a trainer rank (this sender, or the one that relays its signals) failed the version before "
+            f"they were ready (the trainers' logs say why){more}"
+        )
 
     def _check_receivers(self) -> None:
         v, seq = self.manifest.version, self.manifest.seq
@@ -148,18 +148,19 @@ class SyncPeerLink:
             doc = said.get(key) if said is not None else self.client.try_get(key)  # None: it said nothing yet
             if doc is not None and not (outcome := Outcome.from_wire(doc)).ok:
                 raise TransferError(f"receiver {r.instance}:{r.local_rank} failed version {v!r}: {outcome.cause}")
-            pid = exited_here(self.processes, r.instance, r.local_rank)
-            if pid is not None:
-                raise TransferError(f"receiver {r.instance}:{r.local_rank} (pid {pid}, this host) exited during {v!r}")
+        self._exited(self._receivers, "receiver", "while its part of version {v!r} moved")
 
     def check_senders(self, peers: Sequence[int]) -> None:
         """Raise if a sender in ``peers`` that runs on this host has exited."""
+        self._exited(peers, "sender", "before its part of version {v!r} arrived")
+
+    def _exited(self, peers: Sequence[int], role: str, when: str) -> None:
         me = self.plan.ranks[self.rank]
         for peer in peers:
-            src = self.plan.ranks[peer]
-            pid = exited_here(self.processes, src.instance, src.local_rank)
+            r = self.plan.ranks[peer]
+            pid = exited_here(self.processes, r.instance, r.local_rank)
             if pid is not None:
                 raise TransferError(
-                    f"{me.instance}:{me.local_rank}: sender {src.instance}:{src.local_rank} (pid {pid}, this host) "
-                    f"exited before its part of version {self.manifest.version!r} arrived"
+                    f"{me.instance}:{me.local_rank}: {role} {r.instance}:{r.local_rank} (pid {pid}, this host) exited "
+                    + when.format(v=self.manifest.version)
                 )

@@ -305,7 +305,7 @@ class MetaServerApp:
             return error(
                 404, "not_found", f"participant {name!r} is not registered in job {request.match_info['job']!r}"
             )
-        return web.json_response({"ok": True, "seq": _serves(job, name, p, f)})
+        return web.json_response({"ok": True, "seq": _serve_all(job, {name: f})[name]})
 
     async def report_versions(self, request: web.Request) -> web.Response:
         """Several participants' versions in one request (a writer reporting every engine it synced): each as
@@ -317,15 +317,8 @@ class MetaServerApp:
         checked = {str(name): _report_fields(r) for name, r in reports.items()}  # all checked before any applies
         job = self.job_of(request, create=False)
         known = job.participants if job is not None else {}
-        missing = [name for name in checked if name not in known]
-        serving = {name: f for name, f in checked.items() if name in known}
-        if serving:  # journalled in one write before any change (each engine's version, each claim applied once)
-            claimed = {f.get("claim") for f in serving.values() if f["version"] is not None} - {None}
-            notes = claims.applied_notes(job, sorted(claimed)) + [_serves_note(n, f) for n, f in serving.items()]
-            job.note_all(notes)
-        for name, f in serving.items():
-            _serves(job, name, known[name], f, noted=True)
-        return web.json_response({"ok": True, "missing": missing})
+        _serve_all(job, {name: f for name, f in checked.items() if name in known})
+        return web.json_response({"ok": True, "missing": [name for name in checked if name not in known]})
 
     async def publish_event(self, request: web.Request) -> web.Response:
         _, doc = await self.body_json(request)
@@ -386,20 +379,24 @@ def _report_fields(doc: Any) -> dict[str, Any]:
     return f
 
 
-def _serves_note(name: str, f: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    return "serves", {"name": name, "version": f["version"]}
-
-
-def _serves(job: JobState, name: str, p: Participant, f: dict[str, Any], noted: bool = False) -> int:
-    """Participant ``name`` serves ``f["version"]`` now (journalled, unless ``noted`` already; its claim, if named,
-    is never written again); the number of the ``version`` event."""
-    if f["version"] is not None:
-        claims.applied(job, f.get("claim"), noted=noted)
-    if not noted:
-        job.note_all([_serves_note(name, f)])
-    p.weight_version, p.last_seen = f["version"], time.time()
-    p.last_sync = {"version": f["version"], "at": p.last_seen, **{k: f[k] for k in ("bytes", "seconds") if k in f}}
-    return job.add_event("version", name, f["version"], None)["seq"]
+def _serve_all(job: JobState, serving: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Each registered participant named in ``serving`` serves its ``f["version"]`` now (its claim, if named, is
+    never written again): journalled in one write before any change; the number of each one's ``version`` event."""
+    if not serving:
+        return {}
+    claimed = sorted({f.get("claim") for f in serving.values() if f["version"] is not None} - {None})
+    job.note_all(
+        claims.applied_notes(job, claimed)
+        + [("serves", {"name": n, "version": f["version"]}) for n, f in serving.items()]
+    )
+    claims.mark_applied(job, claimed)
+    seqs = {}
+    for name, f in serving.items():
+        p = job.participants[name]
+        p.weight_version, p.last_seen = f["version"], time.time()
+        p.last_sync = {"version": f["version"], "at": p.last_seen, **{k: f[k] for k in ("bytes", "seconds") if k in f}}
+        seqs[name] = job.add_event("version", name, f["version"], None)["seq"]
+    return seqs
 
 
 SERVER_KEY = web.AppKey("awex_meta_server", MetaServerApp)

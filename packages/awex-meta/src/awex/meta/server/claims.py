@@ -50,17 +50,17 @@ def release(job: JobState, keys: list[str], fence: str | None) -> None:
             del job.claims[key]
 
 
-def applied(job: JobState, key: str | None, noted: bool = False) -> None:
-    """A version written under ``key`` was applied: the name is never written again (journalled, unless ``noted``
-    already: :func:`applied_notes`)."""
-    claim = job.claims.get(key) if key else None
-    if claim is not None and not claim.applied:
-        if not noted:
-            job.note_all(applied_notes(job, [key]))
-        claim.applied = True
-
-
 def applied_notes(job: JobState, keys: list[str]) -> list[tuple[str, dict]]:
-    """The journal's records of :func:`applied` for ``keys`` (those claimed and not applied yet)."""
+    """The journal's records saying versions written under ``keys`` were applied (those claimed and not applied
+    yet): journalled by the caller before :func:`mark_applied`."""
     held = [(k, job.claims.get(k)) for k in keys]
     return [("claim", {"key": k, "by": c.by, "applied": True}) for k, c in held if c is not None and not c.applied]
+
+
+def mark_applied(job: JobState, keys: list[str]) -> None:
+    """Versions written under ``keys`` were applied (:func:`applied_notes` journalled): the names are never written
+    again."""
+    for key in keys:
+        claim = job.claims.get(key)
+        if claim is not None:
+            claim.applied = True
