@@ -78,3 +78,67 @@ def test_a_wave_whose_watch_raises_aborts_the_group_and_fails_naming_the_wave():
     calm.rank, calm.group = 5, _Group()
     calm._wait(Event(5), wave, time.monotonic() + 30, 30.0, lambda: None, every=0.0)
     assert calm.group.aborted == 0
+
+
+class _Work:
+    def wait(self, *args):
+        pass
+
+
+class _DeltaGroup(_Group):
+    def exchange(self, sends, recvs):
+        return [_Work() for _ in (*sends, *recvs)]
+
+    def error(self):
+        return None
+
+
+class _Api:
+    """``torch.cuda``'s part a delta operation's wait uses: its events complete after ``done_after`` polls."""
+
+    def __init__(self, done_after: int):
+        self.done_after = done_after
+
+    def Event(self):  # noqa: N802 - torch.cuda.Event
+        event = Event(self.done_after)
+        event.record = lambda stream: None
+        return event
+
+    def current_stream(self, device):
+        return None
+
+
+def _delta(monkeypatch, done_after: int, watch):
+    import torch
+
+    from awex.transport.p2p import delta
+
+    monkeypatch.setattr(delta, "is_accelerator", lambda device: True)
+    monkeypatch.setattr(delta, "device_api", lambda device: _Api(done_after))
+    executor = object.__new__(delta.DeltaExecutor)  # only what one operation reads
+    executor.rank, executor.group, executor.device = 3, _DeltaGroup(), torch.device("cpu")
+    executor._timeout, executor._watch = 30.0, watch
+    return executor
+
+
+def test_a_delta_operation_on_a_gpu_is_waited_for_and_a_peer_that_failed_ends_it(monkeypatch):
+    """Delta syncs over NCCL read each header, answer and checksum on the host: a receive that never completes would
+    hold that read without a deadline. Each operation is waited for as a wave is, watched: a peer that withheld the
+    version aborts the group and fails the bucket now, not at the deadline."""
+    import torch
+
+    def withheld():
+        raise TransferError("sender trainer:0 withheld it")
+
+    stuck = _delta(monkeypatch, 10**9, withheld)
+    started = time.monotonic()
+    with pytest.raises(TransferError, match=r"rank 3: delta bucket 4: recv from rank 0: .*withheld it; the sync group"):
+        stuck._landed("rank 3: delta bucket 4: recv from rank 0", started + 30, every=0.01)
+    assert stuck.group.aborted == 1 and time.monotonic() - started < 5
+    calm = _delta(monkeypatch, 5, lambda: None)  # done in a few polls: the operation goes on, the group stays
+    calm._one("recv", torch.zeros(2), 0, 4, time.monotonic() + 30)
+    assert calm.group.aborted == 0
+    late = _delta(monkeypatch, 10**9, None)  # no watch: the deadline, and the group aborted too
+    with pytest.raises(TimeoutError, match="delta bucket 4: send to rank 1: not done within the sync's 30 s"):
+        late._one("send", torch.zeros(2), 1, 4, time.monotonic() + 0.05)
+    assert late.group.aborted == 1

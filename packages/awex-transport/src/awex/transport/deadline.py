@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
+
+from awex.transport.base import TransferError, TransferTimeout
 
 POLL_SECONDS = 20e-6
 SPIN_SECONDS = 300e-6  # around an expected completion, poll without sleeping (a sleep overshoots by 50-100 us)
@@ -35,6 +38,38 @@ def wait_event(
             look = time.monotonic() + every
         if not spin_from <= now <= spin_until:
             time.sleep(POLL_SECONDS)
+
+
+class Abortable(Protocol):
+    def abort(self) -> None: ...
+
+
+def wait_group_event(
+    event: torch.cuda.Event,
+    group: Abortable,
+    what: str,
+    deadline: float,
+    timeout: float,
+    watch: Callable[[], None] | None = None,
+    every: float = WATCH_SECONDS,
+) -> None:
+    """:func:`wait_event` for work queued on a process group's communicator (NCCL, HCCL): at the deadline, or once
+    ``watch`` raises (a peer failed the version: it will never send, or never take what this rank sends), the group
+    is aborted, so its kernels end rather than wait for the peer, and the wait fails naming ``what``
+    (:class:`TransferTimeout` / :class:`TransferError`)."""
+
+    def late() -> TransferTimeout:
+        group.abort()
+        return TransferTimeout(f"{what}: not done within the sync's {timeout:g} s deadline; the sync group was aborted")
+
+    def watched() -> None:
+        try:
+            watch()
+        except Exception as e:
+            group.abort()
+            raise TransferError(f"{what}: {e}; the sync group was aborted") from e
+
+    wait_event(event, deadline, late, watch=watched if watch is not None else None, every=every)
 
 
 def timed_out(error: BaseException, deadline: float) -> bool:

@@ -18,7 +18,7 @@ from awex.transport.accelerator import device_api, is_accelerator
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.checksum import checksum
 from awex.transport.copies import copier, merge_copies
-from awex.transport.deadline import timed_out
+from awex.transport.deadline import WATCH_SECONDS, timed_out, wait_group_event
 from awex.transport.delta import BITMAP, DENSE, OK, SPARSE, WHOLE, encode, fill_words, positions
 from awex.transport.group import SyncGroup
 from awex.transport.messages import align, message_offsets
@@ -72,14 +72,16 @@ class DeltaExecutor:
         self.kept_sums: dict[int, tuple[int, int]] = {}  # their checksums (computed when they were sent)
         self.kept_bytes = 0
         self.buckets = len(self.steps)
+        self._timeout, self._watch = 300.0, None  # run's
 
     @property
     def staging_bytes(self) -> int:
         return self.staging.numel() + self.kept_bytes
 
-    def run(self, timeout: float = 300.0) -> TransferStats:
+    def run(self, timeout: float = 300.0, watch: Callable[[], None] | None = None) -> TransferStats:
         """Send and receive this rank's buckets within ``timeout`` seconds; ``bytes_sent`` / ``bytes_received``
-        count what crossed the wire, ``bytes_dense`` what a dense sync would have moved.
+        count what crossed the wire, ``bytes_dense`` what a dense sync would have moved. ``watch``: asked about once
+        a second while an operation on a GPU is pending (``PeerLink.watch``: a peer that failed the version raises).
 
         Two passes over the buckets, each in the plan's order: every bucket goes out first, a sender encoding the
         next while its receiver applies the last (nobody waits for an answer); then each receiver answers per
@@ -87,7 +89,7 @@ class DeltaExecutor:
         new words as it sends them; a bucket not confirmed when the sync fails is forgotten (whole next time)."""
         started = time.monotonic()
         deadline = started + timeout
-        self._timeout = timeout
+        self._timeout, self._watch = timeout, watch
         sent = received = dense = whole = 0
         pending: dict[int, tuple[int, int]] = {}  # sent buckets not confirmed yet -> their new checksums
         answers: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}  # received buckets -> (answer, new checksums)
@@ -114,7 +116,7 @@ class DeltaExecutor:
             for i in pending:  # the words kept of it may be newer than what its receiver holds
                 self._forget(i)
             raise
-        if is_accelerator(self.device):
+        if is_accelerator(self.device):  # the last bucket's copies into the views
             device_api(self.device).current_stream(self.device).synchronize()
         stats = TransferStats(sent, received, self.buckets, 1, self.staging_bytes, time.monotonic() - started)
         stats.bytes_dense, stats.buckets_resent = dense, whole
@@ -248,6 +250,9 @@ class DeltaExecutor:
             self.kept_bytes -= kept.numel() * 2
 
     def _one(self, op: str, tensor: torch.Tensor, peer: int, bucket: int, deadline: float) -> None:
+        """One send or receive, done (on a GPU, waited for on the host as gloo's are: the host reads what came next,
+        a header, an answer, a checksum, and a read behind a receive that never completes would wait without a
+        deadline)."""
         left = deadline - time.monotonic()
         what = f"rank {self.rank}: delta bucket {bucket}: {op} {'to' if op == 'send' else 'from'} rank {peer}"
         if left <= 0:
@@ -262,3 +267,16 @@ class DeltaExecutor:
             if timed_out(e, deadline):
                 raise TransferTimeout(f"{what}: not done within the sync's {self._timeout:g} s deadline: {e}") from e
             raise TransferError(f"{what} failed: {e}") from e
+        if is_accelerator(self.device):
+            self._landed(what, deadline)
+        error = self.group.error()  # a communicator aborted by PyTorch's watchdog ends its kernels early
+        if error is not None:
+            raise TransferError(f"rank {self.rank}: the sync group reported {error} during the sync")
+
+    def _landed(self, what: str, deadline: float, every: float = WATCH_SECONDS) -> None:
+        """Until the operations queued on this rank's stream are done: at the deadline, or once the watch says a
+        peer failed the version (it will never send, or never take), the group is aborted and the transfer fails."""
+        api = device_api(self.device)
+        event = api.Event()
+        event.record(api.current_stream(self.device))
+        wait_group_event(event, self.group, what, deadline, self._timeout, self._watch, every)

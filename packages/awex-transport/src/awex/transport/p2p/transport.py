@@ -118,7 +118,7 @@ class P2pTransport(Transport):
                 self._built_from = shards
         link.moving()
         with timed(phases, "transfer"):
-            return self._executor.run(timeout=max(0.1, deadline - time.monotonic()))
+            return self._executor.run(timeout=max(0.1, deadline - time.monotonic()), watch=link.watch)
 
     @property
     def held_bytes(self) -> int:

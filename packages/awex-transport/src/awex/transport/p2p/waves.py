@@ -31,7 +31,7 @@ from awex.meta.plan import RELAY_LAG, Step, Transfer
 from awex.transport.accelerator import GROUPED, device_api, is_accelerator
 from awex.transport.base import TransferError, TransferStats, TransferTimeout
 from awex.transport.copies import copier, merge_copies
-from awex.transport.deadline import WATCH_SECONDS, timed_out, wait_event
+from awex.transport.deadline import WATCH_SECONDS, timed_out, wait_group_event
 from awex.transport.group import SyncGroup
 from awex.transport.messages import align, message_offsets
 from awex.transport.p2p.digesting import WaveDigests
@@ -375,20 +375,7 @@ class WaveExecutor:
             digests.wait(compute)
 
     def _wait(self, event, wave: _Wave, deadline: float, timeout: float, watch=None, every=WATCH_SECONDS) -> None:
-        def timed_out() -> TransferTimeout:
-            self.group.abort()
-            return TransferTimeout(
-                f"{self._what(wave)}: not done within the sync's {timeout:g} s deadline; the sync group was aborted"
-            )
-
-        def watched() -> None:  # a peer that will never send: its wave's kernels end with the group
-            try:
-                watch()
-            except Exception as e:
-                self.group.abort()
-                raise TransferError(f"{self._what(wave)}: {e}; the sync group was aborted") from e
-
-        wait_event(event, deadline, timed_out, watch=watched if watch is not None else None, every=every)
+        wait_group_event(event, self.group, self._what(wave), deadline, timeout, watch, every)
 
 
 def _run_pending(pending: list) -> None:
