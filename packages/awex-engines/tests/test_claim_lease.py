@@ -109,7 +109,9 @@ def test_a_claim_refused_after_the_transfer_fails_the_write(server, monkeypatch)
     """A lease that did not hold (as when a server without a journal restarted): the name was claimed elsewhere; the
     claim sent on the lease is refused and the write raises instead of returning."""
     sent, got = tensors(1.0), tensors(-1.0)
-    writer, reader = make_writer(server, sent, timeout=10.0), reader_for(server, got, timeout=10.0)
+    # deadlines with room for a loaded machine: after the refusal the writer waits up to its deadline for the
+    # receiver's outcome before it reports (a report that never left would leave the engine at v1 below)
+    writer, reader = make_writer(server, sent, timeout=30.0), reader_for(server, got, timeout=30.0)
     sync(writer, reader, "v1")
     _held(writer)
     writer._announcer.lease.close()  # taken back: the name can be claimed by another writer
