@@ -5,6 +5,8 @@ Every rank must finish every version (the run fails otherwise); the steady versi
 
 from __future__ import annotations
 
+import pytest
+
 from awex_integration.benchmarks.control_plane import run
 
 REQUESTS_PER_RANK = 10.0  # MetaServer requests per rank over the first sync and two steady versions (budget)
@@ -103,3 +105,18 @@ def test_a_read_of_many_keys_is_timed_both_ways_on_the_same_values():
 
     row = measure(8, rounds=3)
     assert row["keys"] == 8 and row["together_us"] > 0 and row["one_by_one_us"] > 0
+
+
+def test_profiling_a_rank_is_refused_where_cprofile_records_every_thread(monkeypatch, capsys):
+    """A rank is one thread of a worker process; from Python 3.12 cProfile records every thread of a process, so a
+    rank's profile would hold its neighbours' work: ``--profile`` is refused there before anything starts."""
+    import types
+
+    from awex_integration.benchmarks import control_plane
+
+    monkeypatch.setattr(control_plane, "sys", types.SimpleNamespace(version_info=(3, 12, 4)))
+    with pytest.raises(SystemExit) as e:
+        control_plane.main(["--ranks", "128", "--profile", "trainer:0"])
+    assert e.value.code == 2 and "--profile needs Python 3.11: on 3.12 cProfile records every thread" in (
+        capsys.readouterr().err
+    )

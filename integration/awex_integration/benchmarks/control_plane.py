@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", default="", help="ranks (trainer:0,...) whose steady versions cProfile records (Python 3.11)"
     )
     args = ap.parse_args(argv)
+    if args.profile and sys.version_info >= (3, 12):
+        ap.error(profile_refusal(sys.version_info))
     results: list[dict] = []
     for n in (int(x) for x in args.ranks.split(",")):
         try:
@@ -331,6 +333,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:  # after every rank count: a later one that fails leaves the earlier rows
             _write(args.out, results)
     return 1 if any("failed" in r for r in results) else 0
+
+
+def profile_refusal(version: tuple) -> str:
+    """Why ``--profile`` cannot run on Python ``version`` (3.12 and later): a rank is one thread of a worker process,
+    and from 3.12 cProfile (on ``sys.monitoring``) records every thread of the process, so a rank's profile would
+    hold its neighbours' work too."""
+    return (
+        f"--profile needs Python 3.11: on {version[0]}.{version[1]} cProfile records every thread of a process, and "
+        "each worker process runs many ranks as threads (a rank's profile would hold all of theirs)"
+    )
 
 
 def _write(out: str, results: list[dict]) -> None:
