@@ -135,9 +135,15 @@ def test_a_delta_operation_on_a_gpu_is_waited_for_and_a_peer_that_failed_ends_it
     with pytest.raises(TransferError, match=r"rank 3: delta bucket 4: recv from rank 0: .*withheld it; the sync group"):
         stuck._landed("rank 3: delta bucket 4: recv from rank 0", started + 30, every=0.01)
     assert stuck.group.aborted == 1 and time.monotonic() - started < 5
+    from awex.transport import deadline
+
+    slept: list[float] = []
     calm = _delta(monkeypatch, 5, lambda: None)  # done in a few polls: the operation goes on, the group stays
-    calm._one("recv", torch.zeros(2), 0, 4, time.monotonic() + 30)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(deadline.time, "sleep", slept.append)
+        calm._one("recv", torch.zeros(2), 0, 4, time.monotonic() + 30)
     assert calm.group.aborted == 0
+    assert slept == []  # polled without sleeping at first: a sleep overshoots by tens of us, once per operation
     late = _delta(monkeypatch, 10**9, None)  # no watch: the deadline, and the group aborted too
     with pytest.raises(TimeoutError, match="delta bucket 4: send to rank 1: not done within the sync's 30 s"):
         late._one("send", torch.zeros(2), 1, 4, time.monotonic() + 0.05)

@@ -52,11 +52,12 @@ def wait_group_event(
     timeout: float,
     watch: Callable[[], None] | None = None,
     every: float = WATCH_SECONDS,
+    expect_at: float = 0.0,
 ) -> None:
     """:func:`wait_event` for work queued on a process group's communicator (NCCL, HCCL): at the deadline, or once
     ``watch`` raises (a peer failed the version: it will never send, or never take what this rank sends), the group
     is aborted, so its kernels end rather than wait for the peer, and the wait fails naming ``what``
-    (:class:`TransferTimeout` / :class:`TransferError`)."""
+    (:class:`TransferTimeout` / :class:`TransferError`). ``expect_at``: as :func:`wait_event`'s."""
 
     def late() -> TransferTimeout:
         group.abort()
@@ -69,7 +70,7 @@ def wait_group_event(
             group.abort()
             raise TransferError(f"{what}: {e}; the sync group was aborted") from e
 
-    wait_event(event, deadline, late, watch=watched if watch is not None else None, every=every)
+    wait_event(event, deadline, late, expect_at, watch=watched if watch is not None else None, every=every)
 
 
 def timed_out(error: BaseException, deadline: float) -> bool:
