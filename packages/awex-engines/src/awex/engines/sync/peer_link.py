@@ -148,11 +148,11 @@ class SyncPeerLink:
             doc = said.get(key) if said is not None else self.client.try_get(key)  # None: it said nothing yet
             if doc is not None and not (outcome := Outcome.from_wire(doc)).ok:
                 raise TransferError(f"receiver {r.instance}:{r.local_rank} failed version {v!r}: {outcome.cause}")
-        self._exited(self._receivers, "receiver", "while its part of version {v!r} moved")
+        self._exited(self._receivers, "receiver", f"while its part of version {v!r} moved")
 
     def check_senders(self, peers: Sequence[int]) -> None:
         """Raise if a sender in ``peers`` that runs on this host has exited."""
-        self._exited(peers, "sender", "before its part of version {v!r} arrived")
+        self._exited(peers, "sender", f"before its part of version {self.manifest.version!r} arrived")
 
     def _exited(self, peers: Sequence[int], role: str, when: str) -> None:
         me = self.plan.ranks[self.rank]
@@ -162,5 +162,5 @@ class SyncPeerLink:
             if pid is not None:
                 raise TransferError(
                     f"{me.instance}:{me.local_rank}: {role} {r.instance}:{r.local_rank} (pid {pid}, this host) exited "
-                    + when.format(v=self.manifest.version)
+                    f"{when}"
                 )
