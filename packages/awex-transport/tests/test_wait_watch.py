@@ -8,9 +8,12 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
+from awex.transport import deadline
 from awex.transport.base import TransferError
 from awex.transport.deadline import wait_event
+from awex.transport.p2p import delta
 from awex.transport.p2p.waves import WaveExecutor, _Wave
 
 
@@ -109,10 +112,6 @@ class _Api:
 
 
 def _delta(monkeypatch, done_after: int, watch):
-    import torch
-
-    from awex.transport.p2p import delta
-
     monkeypatch.setattr(delta, "is_accelerator", lambda device: True)
     monkeypatch.setattr(delta, "device_api", lambda device: _Api(done_after))
     executor = object.__new__(delta.DeltaExecutor)  # only what one operation reads
@@ -125,7 +124,6 @@ def test_a_delta_operation_on_a_gpu_is_waited_for_and_a_peer_that_failed_ends_it
     """Delta syncs over NCCL read each header, answer and checksum on the host: a receive that never completes would
     hold that read without a deadline. Each operation is waited for as a wave is, watched: a peer that withheld the
     version aborts the group and fails the bucket now, not at the deadline."""
-    import torch
 
     def withheld():
         raise TransferError("sender trainer:0 withheld it")
@@ -135,8 +133,6 @@ def test_a_delta_operation_on_a_gpu_is_waited_for_and_a_peer_that_failed_ends_it
     with pytest.raises(TransferError, match=r"rank 3: delta bucket 4: recv from rank 0: .*withheld it; the sync group"):
         stuck._landed("rank 3: delta bucket 4: recv from rank 0", started + 30, every=0.01)
     assert stuck.group.aborted == 1 and time.monotonic() - started < 5
-    from awex.transport import deadline
-
     slept: list[float] = []
     calm = _delta(monkeypatch, 5, lambda: None)  # done in a few polls: the operation goes on, the group stays
     with pytest.MonkeyPatch.context() as m:
