@@ -135,9 +135,11 @@ def test_a_delta_operation_on_a_gpu_is_waited_for_and_a_peer_that_failed_ends_it
     assert stuck.group.aborted == 1 and time.monotonic() - started < 5
     slept: list[float] = []
     calm = _delta(monkeypatch, 5, lambda: None)  # done in a few polls: the operation goes on, the group stays
-    with pytest.MonkeyPatch.context() as m:
+    now = time.monotonic()
+    with pytest.MonkeyPatch.context() as m:  # a clock that stands still: no preemption of a loaded machine counts
         m.setattr(deadline.time, "sleep", slept.append)
-        calm._one("recv", torch.zeros(2), 0, 4, time.monotonic() + 30)
+        m.setattr(deadline.time, "monotonic", lambda: now)
+        calm._one("recv", torch.zeros(2), 0, 4, now + 30)
     assert calm.group.aborted == 0
     assert slept == []  # polled without sleeping at first: a sleep overshoots by tens of us, once per operation
     late = _delta(monkeypatch, 10**9, None)  # no watch: the deadline, and the group aborted too
