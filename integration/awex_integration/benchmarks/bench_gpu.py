@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "verify": args.verify,
         "timeline": args.timeline,
         "step_seconds": args.step_seconds,
+        "waiting_receivers": args.waiting_receivers,
         "delta": args.delta,
         "fp8_on_receive": "auto" if args.fp8_auto else args.fp8_on_receive,  # the writer's quantize_on_receive
         "ipc": ipc_options,
@@ -331,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             **({"timeline": merged(per_rank[0]["timeline"], rec[0]["timeline"])} if args.timeline else {}),
             **(staged_summary(per_rank) if args.staged else {}),
             **({"step_seconds": args.step_seconds} if args.step_seconds else {}),
+            **({"waiting_receivers": True} if args.waiting_receivers else {}),
             "seconds": round(steady, 6),
             "seconds_all": [round(x, 6) for x in per_rank[0]["steady_seconds"]],
             # timed calls start on every rank at one instant; where a rank reached it late, by how much (seconds)

@@ -136,6 +136,12 @@ def parser(description: str) -> argparse.ArgumentParser:
         help="public path: every rank pauses this long before each timed sync (a training step's gap, not timed), "
         "so each version finds the MetaServer and the ranks idle, as in an RL loop",
     )
+    ap.add_argument(
+        "--waiting-receivers",
+        action="store_true",
+        help="with --step-seconds: only the trainers pause; the receivers call receive at once and wait through the "
+        "step for the manifest (an engine waiting for new weights); the time runs from the trainer's write",
+    )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     return ap
 
@@ -161,3 +167,5 @@ def checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--timeline: on the public path")
     if args.staged and args.path != "public":
         ap.error("--staged: on the public path")
+    if args.waiting_receivers and not args.step_seconds:
+        ap.error("--waiting-receivers: with --step-seconds (the step the receivers wait through)")

@@ -199,13 +199,18 @@ def _public_path(
     timeline = Timeline() if a.extra.get("timeline") else None
     if timeline is not None:  # the steady versions' steps (awex_integration.benchmarks.timeline)
         timeline.install()
+    step_seconds, waiting = a.extra.get("step_seconds") or 0.0, a.extra.get("waiting_receivers")
     for i in range(a.iters):
         side.flush()  # the requests a sync leaves for afterwards get the time a training step gives them (not timed)
-        time.sleep(a.extra.get("step_seconds") or 0.0)  # a training step's gap, where asked (not timed)
+        if not waiting:
+            time.sleep(step_seconds)  # a training step's gap, where asked (not timed)
         if changed and trainer:
             fill(weights, base_layout, i + 2, device, changed)  # not timed
         torch.cuda.synchronize()
-        result["steady_seconds"].append(timed(sync_once))
+        if waiting:  # receivers wait through the trainer's step; the time runs from its write
+            result["steady_seconds"].append(timed(sync_once, step_seconds if trainer else 0.0, starts=trainer))
+        else:
+            result["steady_seconds"].append(timed(sync_once))
     result["steady_phases"] = side.last_phases
     if timeline is not None:
         timeline.uninstall()

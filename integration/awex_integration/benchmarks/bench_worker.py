@@ -3,6 +3,7 @@ the syncs on the path asked for and the baselines, and checks every view bit for
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -96,14 +97,19 @@ def worker(a: WorkerArgs) -> dict:
             now = time.perf_counter()
         return now
 
-    def timed(fn) -> float:
-        """Seconds from the common start of ``fn`` on every rank to the last rank finishing it."""
+    def timed(fn, pause: float = 0.0, starts: bool = True) -> float:
+        """Seconds from the common start of ``fn`` on every rank to the last rank finishing it. ``pause``: this rank
+        first pauses that long after the common start (a trainer's step: the time runs from its call of ``fn``);
+        ``starts=False``: this rank's start is not the span's (a receiver already waiting when that step ends)."""
         t0 = start_together()
+        if pause:
+            time.sleep(pause)
+            t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         own.append(t1 - t0)
-        return span(t0, t1)
+        return span(t0 if starts else math.inf, t1)
 
     params, view_of = native_params(
         engine, a.local_rank, dims, device, None if trainer else quant, flat=a.trainer_buffer == "flat"
