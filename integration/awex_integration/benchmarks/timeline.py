@@ -26,7 +26,7 @@ STEPS = (  # (module, class or None for a module's function, names)
     ("awex.engines.reader", "WeightsReader", ("receive", "_admit")),
     ("awex.engines.reader", None, ("rebound", "confirm_bound")),
     ("awex.engines.sync.announcer", "Announcer", ("announce", "report_sent", "confirm", "send_claim")),
-    ("awex.engines.sync.board", "HostBoard", ("post", "manifest", "ring", "wait")),
+    ("awex.engines.sync.board", "HostBoard", ("heads_up", "post", "manifest", "ring", "wait")),
     ("awex.engines.sync.channel", "VersionChannel", ("put", "wait")),
     ("awex.engines.sync.manifest_reading", "ManifestReading", ("fetch_manifest", "_parse", "_adopt")),
     ("awex.engines.sync.session", "SyncSession", ("send", "receive", "transfer", "prepare")),

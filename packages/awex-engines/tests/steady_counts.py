@@ -49,7 +49,7 @@ OPERATIONS = {
     (MetaClient, "_put_answered"): "meta answer",
     (MetaClient, "report_versions_sent"): "meta",  # the version's report, sent before write returns
     (MetaClient, "_versions_answered"): "meta answer",  # its answer, read as the next version starts
-    **{(HostBoard, m): "board" for m in ("post", "manifest", "ring", "wait", "signalled")},
+    **{(HostBoard, m): "board" for m in ("heads_up", "post", "manifest", "ring", "wait", "signalled")},
     **{(VersionChannel, m): "channel" for m in ("put", "wait", "get", "delete")},
     (ShmSender, "fill"): "copies",
     (ShmReceiver, "run"): "copies",

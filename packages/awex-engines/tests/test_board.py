@@ -4,10 +4,12 @@ processes on the host; waits end at their deadline; the creator removes it."""
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 
 import pytest
 
+from awex.engines.sync import board as board_module
 from awex.engines.sync.board import BoardTimeout, HostBoard
 
 pytestmark = pytest.mark.skipif(
@@ -80,4 +82,151 @@ def test_an_expected_signal_is_caught_without_sleeping_past_it():
         with pytest.raises(BoardTimeout):  # an expectation never shortens the deadline's wait, nor extends it
             board.wait([3], 2, timeout=0.1, expect=0.05)
     finally:
+        board.close()
+
+
+def _futex_waits(board) -> bool:
+    return board._bell.available
+
+
+def test_a_reader_asleep_on_the_manifest_is_woken_by_the_post(monkeypatch):
+    """A reader waiting long sleeps on the manifest's sequence word; the post wakes it. Each sleep may last 30 s here:
+    without the post's wake the manifest would be seen only then."""
+    monkeypatch.setattr(board_module, "NAP_SECONDS", 30.0)
+    monkeypatch.setattr(board_module, "DOZE_AFTER_SECONDS", 0.01)
+    board = HostBoard.create()
+    writer = HostBoard.attach(board.path)  # a mapping of its own, as another process's
+    try:
+        if not _futex_waits(board):
+            pytest.skip("no futex on this machine: the board polls (tested by the other waits)")
+        posted: list[float] = []
+
+        def post_later():
+            time.sleep(0.2)  # the reader is asleep by then (it polls for 0.01 s here)
+            posted.append(time.monotonic())
+            writer.post({"version": "v1", "seq": 1})
+
+        thread = threading.Thread(target=post_later)
+        thread.start()
+        assert board.manifest("v1", timeout=60) == {"version": "v1", "seq": 1}
+        woken = time.monotonic()
+        thread.join(30)
+        assert woken - posted[0] < 10.0  # a wake, not the end of a 30-s sleep
+    finally:
+        writer.close()
+        board.close()
+
+
+@pytest.mark.parametrize("doze_after", [0.0, 30.0])
+def test_a_long_wait_for_the_manifest_sleeps_instead_of_polling(monkeypatch, doze_after):
+    """Counted, not timed: past the polling window (0 s here) a 0.25-s wait for a manifest that does not come sleeps
+    in about 25 naps of 10 ms (the deadline checked between) and never in a short sleep (polling with 20-us sleeps
+    took thousands); within it (30 s here) it polls and never naps."""
+    monkeypatch.setattr(board_module, "DOZE_AFTER_SECONDS", doze_after)
+    board = HostBoard.create()
+    try:
+        if not _futex_waits(board):
+            pytest.skip("no futex on this machine: the board polls (tested by the other waits)")
+        naps, sleeps = [], []
+        real_wait = type(board._bell).wait
+        monkeypatch.setattr(type(board._bell), "wait", lambda self, *a: naps.append(a) or real_wait(self, *a))
+        real_sleep = time.sleep
+        monkeypatch.setattr(board_module.time, "sleep", lambda s: sleeps.append(s) or real_sleep(s))
+        board.post({"version": "v0", "seq": 0})  # another version's manifest: read once, then slept on
+        with pytest.raises(BoardTimeout):
+            board.manifest("v1", timeout=0.25)
+        if doze_after:
+            assert sleeps and not naps
+        else:
+            assert not sleeps
+            assert 1 <= len(naps) <= 0.25 / board_module.NAP_SECONDS + 5, len(naps)
+            assert all(timeout <= board_module.NAP_SECONDS for _, timeout in naps)
+    finally:
+        board.close()
+
+
+def test_a_heads_up_wakes_a_sleeping_reader_which_then_polls_without_sleeping(monkeypatch):
+    """The writer's first rank rings the bell as a version begins: a reader asleep on it (each sleep 30 s here) wakes
+    and polls without sleeping until the manifest comes; counted, not timed: after the heads-up it neither sleeps
+    again on the bell nor in a short sleep."""
+    monkeypatch.setattr(board_module, "DOZE_AFTER_SECONDS", 0.0)  # asleep at once
+    monkeypatch.setattr(board_module, "NAP_SECONDS", 30.0)
+    monkeypatch.setattr(board_module, "HEADS_UP_SPIN_SECONDS", 30.0)  # spins until the post
+    board = HostBoard.create()
+    writer = HostBoard.attach(board.path)
+    try:
+        if not _futex_waits(board):
+            pytest.skip("no futex on this machine: the board polls (tested by the other waits)")
+        naps, sleeps, got = [], [], []
+        real_wait = type(board._bell).wait
+
+        def nap(self, *a):
+            naps.append("asleep")
+            real_wait(self, *a)
+            naps.append("awake")
+
+        monkeypatch.setattr(type(board._bell), "wait", nap)
+        real_sleep = time.sleep
+        monkeypatch.setattr(board_module.time, "sleep", lambda s: sleeps.append(s) or real_sleep(s))
+        reader = threading.Thread(target=lambda: got.append(board.manifest("v1", timeout=60)))
+        reader.start()
+        deadline = time.monotonic() + 10
+        while naps != ["asleep"] and time.monotonic() < deadline:
+            real_sleep(0.01)
+        assert naps == ["asleep"]
+        writer.heads_up()
+        while naps != ["asleep", "awake"] and time.monotonic() < deadline:
+            real_sleep(0.01)
+        assert naps == ["asleep", "awake"]  # woken by the bell, not at the end of its 30-s sleep
+        real_sleep(0.05)
+        writer.post({"version": "v1", "seq": 1})
+        reader.join(30)
+        assert got == [{"version": "v1", "seq": 1}]
+        assert naps == ["asleep", "awake"] and not sleeps  # it polled without sleeping from the bell to the post
+    finally:
+        writer.close()
+        board.close()
+
+
+class _Clock:
+    """A monotonic clock that moves only when the board sleeps: each short sleep takes ``poll`` seconds (80 us on an
+    idle host; milliseconds where the thread waits for the interpreter's lock), each futex nap its whole timeout."""
+
+    def __init__(self, poll: float):
+        self.now, self.poll, self.sleeps, self.naps = 1000.0, poll, 0, 0
+
+    def monotonic(self) -> float:
+        self.now += 1e-6  # each look at the clock costs a little
+        return self.now
+
+    def sleep(self, _seconds: float) -> None:
+        self.sleeps += 1
+        self.now += self.poll
+
+    def nap(self, _expected: int, timeout: float) -> None:
+        self.naps += 1
+        self.now += timeout
+
+
+@pytest.mark.parametrize("poll, dozes", [(80e-6, True), (5e-3, False)], ids=["idle-process", "busy-process"])
+def test_a_reader_whose_process_is_busy_keeps_polling(monkeypatch, poll, dozes):
+    """Counted on a clock that moves only when the reader sleeps: where its short sleeps take 80 us it naps on the
+    bell after 50 ms; where each takes 5 ms (its thread waits for the interpreter's lock between polls) it never
+    naps, since after a futex's wake-up it would wait a whole switch interval before it could look."""
+    clock = _Clock(poll)
+    board = HostBoard.create()
+    try:
+        if not _futex_waits(board):
+            pytest.skip("no futex on this machine: the board polls (tested by the other waits)")
+        monkeypatch.setattr(board_module, "time", clock)
+        monkeypatch.setattr(board._bell, "wait", clock.nap)
+        with pytest.raises(BoardTimeout):
+            board.manifest("v1", timeout=0.5)
+        assert clock.sleeps > 0
+        if dozes:
+            assert clock.naps >= (0.5 - board_module.DOZE_AFTER_SECONDS) / board_module.NAP_SECONDS - 2
+        else:
+            assert clock.naps == 0
+    finally:
+        monkeypatch.undo()
         board.close()

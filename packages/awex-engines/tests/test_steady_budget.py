@@ -35,7 +35,7 @@ WRITER_REQUESTS = 2  # the name's claim, the version's report
 READER_REQUESTS = 0
 BACKGROUND_REQUESTS = 0  # old records go one version in eight (not the counted one); the outcomes at close
 SIGNALS = {  # per-version operations on the medium, per side
-    "board": {"writer": 3, "reader": 3},  # post + ring + wait for outcomes; manifest + wait for ready + ring
+    "board": {"writer": 4, "reader": 3},  # heads-up + post + ring + wait for outcomes; manifest + wait for ready + ring
     "channel": {"writer": 4, "reader": 3},  # the same, and the outcomes' record for the other trainer ranks
 }
 # per version, whatever the model: 129-144 and 94-101 (board-channel) since 2026-12-01 (no liveness check once every

@@ -186,6 +186,8 @@ class Announcer:
         travels (an error there takes the claim back). A claim sent under the lease is answered later
         (:meth:`confirm`)."""
         self.keep_versions = options.keep_versions  # as the writer says now (it may change between versions)
+        if self._board is not None:  # readers asleep on the board wake while this version is prepared
+            self._board.heads_up()
         if self._port is None:
             self._port = free_port(options.host)
         if self._channel is None:

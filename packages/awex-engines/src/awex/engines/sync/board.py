@@ -9,8 +9,18 @@ board carries the same signals through a file in ``/dev/shm`` that every process
   (a trainer rank: its weights are ready; a receiver: it finished reading), with 20 bits of detail (a trainer's
   IPC export generation).
 
-Waiting is polling (without sleeping for the first 0.3 ms, then with 20 us sleeps), bounded by the caller's
-deadline. The trainer's
+- a bell: a word the writer's first rank changes as a version begins (:meth:`HostBoard.heads_up`) and with every
+  post.
+
+Waiting polls, without sleeping for the first 0.3 ms, then with 20 us sleeps. A wait for the manifest polls without
+sleeping for 1 ms after the bell rings (the manifest follows the heads-up within about that: the reader is not in a
+sleep when it comes), and one that lasted 50 ms (a reader waiting through a training step) sleeps on the bell from
+then on until the writer rings it (a futex: ``awex.engines.sync.futex``; at most 10 ms at a time, so the deadline is
+kept): no CPU where polling took a tenth to a fifth of a core, and the futex's wake-up (slower than a polling
+reader's in a virtual machine) passes while the writer still prepares the version. A reader whose short sleeps take
+over a millisecond (a thread beside a busy one in its process: a staged receive while the engine generates) keeps
+polling: woken from the futex it would wait a whole switch interval of the interpreter's lock (5 ms) before it could
+look, where polling looks at the next turn it gets. Every wait is bounded by the caller's deadline. The trainer's
 first rank creates the board (mode 0600, a name with its pid and a random part) and removes it when it closes or
 exits; a board whose writer was killed is removed by the next sweep (``awex.transport.pull.shm.sweep_stale``).
 A rank that cannot open it (another host, another ``/dev/shm``) uses the channel; signals always go to both.
@@ -29,16 +39,22 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from awex.engines.sync.futex import Futex
 from awex.meta.errors import AwexError, AwexValueError
 from awex.transport.pull.segments import owned_name, sweep_stale
 
-MAGIC = 0x41574558424F4152  # "AWEXBOAR"
+MAGIC = 0x41574558424F4132  # "AWEXBOA2" (the layout with a bell; "AWEXBOAR" had none)
 SLOTS = 4096  # sync ranks on one host
 MANIFEST_BYTES = 64 << 10
 POLL_SECONDS = 20e-6
 SPIN_SECONDS = 300e-6  # poll without sleeping this long first (a sleep can take 50-100 us longer than asked)
+HEADS_UP_SPIN_SECONDS = 1e-3  # after the bell rings, a manifest wait polls without sleeping this long
+DOZE_AFTER_SECONDS = 0.05  # a wait for the manifest this long (or this long since the bell) sleeps on the bell ...
+NAP_SECONDS = 0.01  # ... at most this long at a time (the deadline is checked between)
+BUSY_SECONDS = 1e-3  # ... unless its last short sleep took longer than this (its process's other threads busy)
 DETAIL = 1 << 20
-_HEADER = 4  # int64 words: magic, slots, manifest seq, manifest length
+_HEADER = 5  # int64 words: magic, slots, manifest seq, manifest length, bell
+_BELL = 4
 _MANIFEST = (_HEADER + SLOTS) * 8  # where the manifest's bytes start
 _SIZE = _MANIFEST + MANIFEST_BYTES
 _WORD = struct.Struct("<q")
@@ -75,6 +91,7 @@ class HostBoard:
         self.path = path
         self._map = mmap.mmap(fd, _SIZE)
         os.close(fd)
+        self._bell = Futex(self._map, _BELL * 8, fallback=POLL_SECONDS)  # the bell word's low half
         self.owner = owner
         self._finalizer = weakref.finalize(self, _remove, path) if owner else None
 
@@ -117,13 +134,29 @@ class HostBoard:
         self._map[_MANIFEST : _MANIFEST + len(raw)] = raw
         self._set(3, len(raw))
         self._set(2, seq + 2)
+        self._ring_bell()  # after the manifest: a reader that sees the bell's new value sees the manifest too
+
+    def heads_up(self) -> None:
+        """The writer's first rank, as a version begins: readers asleep on the board wake, and every reader polls
+        without sleeping for the next millisecond (each post rings the bell as well)."""
+        self._ring_bell()
+
+    def _ring_bell(self) -> None:
+        self._set(_BELL, self._get(_BELL) + 1)
+        self._bell.wake()
 
     def manifest(self, version: str, timeout: float) -> dict[str, Any]:
         """The manifest of ``version``, waiting for it up to ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        spin_until = time.monotonic() + SPIN_SECONDS
+        now = time.monotonic()
+        deadline, spin_until, doze_from = now + timeout, now + SPIN_SECONDS, now + DOZE_AFTER_SECONDS
         seen = -1  # the last manifest read (and found to be another version's): not parsed again
+        rung = self._get(_BELL)
+        polled = None  # when the last short sleep began
         while True:
+            bell = self._get(_BELL)  # before the manifest: a post after this read changes it
+            if bell != rung:  # a version begins: its manifest comes within about a millisecond
+                rung, now = bell, time.monotonic()
+                spin_until, doze_from = now + HEADS_UP_SPIN_SECONDS, now + DOZE_AFTER_SECONDS
             seq = self._get(2)
             if seq != seen and seq and not seq % 2:
                 length = max(0, min(self._get(3), MANIFEST_BYTES))
@@ -139,7 +172,16 @@ class HostBoard:
             now = time.monotonic()
             if now >= deadline:
                 raise BoardTimeout(f"the manifest of {version!r} did not appear on the host board within {timeout:g} s")
-            if now > spin_until:
+            if now <= spin_until:
+                continue
+            # a short sleep that took over a millisecond: this thread waits for the interpreter's lock (another
+            # thread of its process is busy), which it would wait for after a futex's wake-up too: it keeps polling
+            busy = polled is not None and now - polled > BUSY_SECONDS
+            if now > doze_from and not busy:  # asleep until the bell rings
+                polled = None
+                self._bell.wait(Futex.low_half(bell), min(NAP_SECONDS, deadline - now))
+            else:
+                polled = now
                 time.sleep(POLL_SECONDS)
 
     # -- per-rank signals --------------------------------------------------------------------------------
@@ -182,6 +224,7 @@ class HostBoard:
         """Unmap (and, for the creator, remove) the board."""
         if self._finalizer is not None:
             self._finalizer()
+        self._bell.release()
         self._map.close()
 
 
