@@ -29,6 +29,7 @@ from test_moved_memory import module_of
 from awex.convert.live import LiveTensors, fingerprinted
 from awex.engines.reader import WeightsReader
 from awex.engines.sync import board as host_board
+from awex.engines.sync.background import Background
 from awex.engines.sync.board import HostBoard
 from awex.engines.sync.channel import VersionChannel
 from awex.engines.writer import WeightsWriter
@@ -51,6 +52,7 @@ OPERATIONS = {
     (MetaClient, "_versions_answered"): "meta answer",  # its answer, read as the next version starts
     **{(HostBoard, m): "board" for m in ("heads_up", "post", "manifest", "ring", "wait", "signalled")},
     **{(VersionChannel, m): "channel" for m in ("put", "wait", "get", "delete")},
+    (Background, "submit"): "handover",  # a wake-up of the rank's background thread
     (ShmSender, "fill"): "copies",
     (ShmReceiver, "run"): "copies",
     # which host this is, whether a rank's process still runs: each reads /proc (tens of microseconds a call in a

@@ -15,12 +15,15 @@ The design's budget for one steady version (nothing planned, allocated or negoti
   most :data:`C_CALLS_PER_TENSOR` calls into C (the check that memory did not move reads each parameter once);
 - no look at this host or at the ranks' processes (``host_identity``, ``alive``: each reads ``/proc``): liveness is
   checked only while a rank stays silent, the host only to join a board;
+- each side wakes its background thread once (what it sends after the version and, where INFO is on, its log
+  line, in one hand-over);
 - the version's route: the writer and the reader each enter the sync session once (``SyncSession.send`` /
   ``receive``: the steady path is one piece there, not a back and forth between the two).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,7 @@ PYTHON_CALLS = {"writer": 150, "reader": 105}
 PYTHON_CALLS_PER_TENSOR = 0
 C_CALLS_PER_TENSOR = 3  # data_ptr and stride of each parameter (its addresses before the bytes move, its form beside)
 PROBES = 0  # host_identity / alive calls a version, per side
+HANDOVERS = 1  # Background.submit calls a version, per side
 SESSION_ENTRIES = 1  # calls into session.py a version from outside the sync core (the writer's, the reader's)
 SYNC_CORE = frozenset(p.name for p in Path(awex.engines.sync.__file__).parent.glob("*.py"))
 
@@ -74,6 +78,9 @@ def violations(small, large) -> list[str]:
                 out.append(f"{where}: the {side} also used the {other} ({rc.ops[other]} operations)")
             if rc.ops["probe"] > PROBES:
                 out.append(f"{where}: the {side} looked at the host or at processes {rc.ops['probe']} times (budget 0)")
+            if rc.ops["handover"] > HANDOVERS:
+                n = rc.ops["handover"]
+                out.append(f"{where}: the {side} woke its background thread {n} times (budget {HANDOVERS})")
             entries = sum(n for (by, into), n in rc.entered.items() if into == "session.py" and by not in SYNC_CORE)
             if entries > SESSION_ENTRIES:
                 out.append(f"{where}: the {side} entered the sync session {entries} times (budget {SESSION_ENTRIES})")
@@ -146,3 +153,14 @@ def generator_views(module):
     view_of = lambda name, box: params[name][box.slices()]  # noqa: E731
     view_of.fingerprint = lambda: tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in params.values())
     return view_of
+
+
+def test_with_info_logging_each_side_still_wakes_its_background_thread_once(caplog):
+    """A steady version's log line (INFO) goes to the background thread in the same hand-over as the rest of the
+    writer's after-work, and is written."""
+    caplog.set_level(logging.INFO, logger="awex.engines")
+    counts = measure(SMALL)
+    assert (counts.writer.ops["handover"], counts.reader.ops["handover"]) == (1, 1)
+    assert violations(counts, counts) == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(" sent v4: " in line for line in lines) and any(" received v4: " in line for line in lines)

@@ -329,9 +329,12 @@ class WeightsWriter:
                     partial(announcer.forget_old, version, manifest.seq, plan, sent.transport, sent.medium),
                 )
             )
+        if stats.planned:
+            self._background.log_line(sent.line, now=True)
+        else:  # a steady version's line once write returned, with the rest
+            later += self._background.log_calls(sent.line)
         if later:  # one hand-over: one wake-up of the background thread
             self._background.submit(f"after {version}", self._background.run_each, later)
-        self._background.log_line(sent.line, now=stats.planned)  # a steady version's once write returned
         self._session.phases["report"] = time.monotonic() - started - stats.phases["total"]
         return stats
 

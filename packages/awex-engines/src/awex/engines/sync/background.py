@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 import weakref
+from functools import partial
 from typing import Any, Callable
 
 log = logging.getLogger("awex.engines")
@@ -67,6 +68,11 @@ class Background:
             log.info("%s", line)
         else:
             self.submit("logging the sync", log.info, "%s", line)
+
+    def log_calls(self, line: str) -> list[tuple[str, Callable[[], Any]]]:
+        """What logs ``line`` at INFO, as a ``(what, fn)`` pair for :meth:`run_each` (to go in the hand-over of a
+        version's other calls: one wake-up of the thread); none where INFO is off."""
+        return [("logging the sync", partial(log.info, "%s", line))] if log.isEnabledFor(logging.INFO) else []
 
     def last_word(self, what: str, fn: Callable[[], Any]) -> None:
         """Keep ``fn`` to run once, when this process's syncing stops (:meth:`say_last_word`: at the writer's close,
