@@ -4,14 +4,15 @@ The host board's readers may wait for the next version's manifest through a whol
 waits on a thread of its own while the engine generates). Polling the board with short sleeps costs a tenth to a
 fifth of a core the whole time, and takes the interpreter's lock every few tens of microseconds from the engine's
 own threads. A futex wait costs nothing while it sleeps; its wake-up is about as fast as a polling reader's on a
-machine of its own and slower in a virtual machine (docs/performance.md), so the board polls first:
+machine of its own and slower in a virtual machine (docs/performance.md), so the board polls first and the writer
+rings its bell as a version begins, before it posts the manifest:
 
 - the waiter reads the word, finds nothing new, and sleeps *only while the word still holds what it read* (the kernel
   compares; a change in between returns at once, so no wake-up is lost);
 - the writer changes the word, then wakes every sleeper on it.
 
-A 32-bit word of a ``MAP_SHARED`` mapping (the board's manifest sequence number's low half: it changes with every
-post). Where the call is not available (another OS, an architecture not listed here, a sandbox
+A 32-bit word of a ``MAP_SHARED`` mapping (the low half of the board's bell, which changes as each version begins
+and with every post). Where the call is not available (another OS, an architecture not listed here, a sandbox
 refusing it) :meth:`Futex.wait` sleeps ``fallback`` seconds instead and says so in the log once: the caller polls as
 before.
 """
