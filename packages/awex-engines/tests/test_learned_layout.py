@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from awex.engines.hf import hf_model_layout, model_tensors
-from awex.engines.vllm_learned import UnlearnableLayoutError, assemble, uncovered
+from awex.engines.vllm_learned import UnlearnableLayoutError, assemble, canonical_specs, dtype_keyword, uncovered
 from awex.meta import Box, TensorSpec
 
 SPECS = [TensorSpec("w", (4, 6), "float32"), TensorSpec("n", (6,), "float32"), TensorSpec("unused", (2,), "float32")]
@@ -121,3 +121,36 @@ def test_learned_views_refuse_a_parameter_that_changed_since_the_layout_was_lear
         view_of("w", Box((0, 0), (2, 3)))
     with pytest.raises(KeyError, match="not a box this rank's loaders fill"):
         view_of("w", Box((0, 0), (1, 3)))
+
+
+@pytest.mark.parametrize(
+    "version, keyword",
+    [
+        ("4.51.0", "torch_dtype"),
+        ("4.55.4", "torch_dtype"),
+        ("4.56.0", "dtype"),
+        ("5.19.0", "dtype"),
+        ("5.0.0rc1", "dtype"),
+    ],
+)
+def test_the_dtype_keyword_follows_the_transformers_version(version, keyword):
+    assert dtype_keyword(version) == keyword
+
+
+def test_canonical_specs_build_the_model_on_meta_with_the_installed_transformers():
+    """What names an untabled model's checkpoint tensors builds it with the installed transformers (the floors
+    session runs 4.51, which knows no ``dtype`` keyword), floating tensors in the dtype asked for."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        "qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    specs = {s.name: s for s in canonical_specs(config, "bfloat16")}
+    assert specs["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    assert specs["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+    assert {s.dtype for s in specs.values()} == {"bfloat16"}

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -53,6 +54,13 @@ class LearnedLayout:
     seconds: float
 
 
+def dtype_keyword(transformers_version: str) -> str:
+    """transformers' keyword for the dtype a model is built in: ``dtype`` since 4.56, ``torch_dtype`` before (this
+    package's floor is 4.51, where ``dtype`` is an unknown argument of the model's constructor)."""
+    major_minor = tuple(int(part) for part in re.findall(r"\d+", transformers_version)[:2])
+    return "dtype" if major_minor >= (4, 56) else "torch_dtype"
+
+
 def canonical_specs(hf_config, dtype: str) -> list[TensorSpec]:
     """The checkpoint tensors of the model ``hf_config`` describes (floating ones in ``dtype``), from a model built
     on the ``meta`` device by transformers (a causal LM, else an image-text-to-text model: a VLM)."""
@@ -66,7 +74,7 @@ def canonical_specs(hf_config, dtype: str) -> list[TensorSpec]:
             continue
         try:
             with torch.device("meta"):
-                model = cls.from_config(hf_config, dtype=torch_dtype)
+                model = cls.from_config(hf_config, **{dtype_keyword(transformers.__version__): torch_dtype})
         except (ValueError, KeyError, TypeError) as e:
             errors.append(f"{auto}: {e}")
             continue
