@@ -42,13 +42,14 @@ def train_and_sync(
     from awex.meta import canonical_tensors
     from awex.meta.server import start_embedded
     from awex.transport.delta import encoding
+    from awex_integration.engines.tiny_model import dtype_kwarg
 
     torch.manual_seed(seed)
     hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
     hf_config.architectures = config.get("architectures")
 
-    master = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).to(device)
-    engine = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).to(device) if sync else None
+    master = AutoModelForCausalLM.from_config(hf_config, **dtype_kwarg(torch.float32)).to(device)
+    engine = AutoModelForCausalLM.from_config(hf_config, **dtype_kwarg(torch.bfloat16)).to(device) if sync else None
     tensors = canonical_tensors(config, dtype="bfloat16")
     kinds = {t.name: t.kind for t in tensors}
     masters = dict(master.named_parameters())
@@ -153,7 +154,9 @@ def _greedy_equal(engine, trainer: dict, hf_config, device: str) -> bool:
     """The synced engine's greedy tokens against a reference model loaded with the trainer's bf16 weights."""
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).to(device)
+    from awex_integration.engines.tiny_model import dtype_kwarg
+
+    reference = AutoModelForCausalLM.from_config(hf_config, **dtype_kwarg(torch.bfloat16)).to(device)
     reference.load_state_dict(trainer, strict=False)
     prompt = torch.arange(1, 9, device=device).view(1, -1)
     kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
