@@ -17,12 +17,13 @@ PROMPTS = ["the quick brown fox", "reinforcement learning policy", "tensor paral
 
 
 def dtype_kwarg(dtype: Any) -> dict[str, Any]:
-    """transformers' keyword for the dtype a model is built in: ``dtype`` since 4.56, ``torch_dtype`` before (the
-    ``floors`` session runs 4.51)."""
+    """``dtype`` under transformers' keyword for it in the installed version (``awex.engines.vllm_learned``'s rule:
+    ``dtype`` since 4.56, ``torch_dtype`` before; the ``floors`` session runs 4.51)."""
     import transformers
-    from packaging.version import Version
 
-    return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
+    from awex.engines.vllm_learned import dtype_keyword
+
+    return {dtype_keyword(transformers.__version__): dtype}
 
 
 def make_tokenizer(out: Path, vocab_size: int) -> None:
