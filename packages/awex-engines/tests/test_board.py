@@ -230,3 +230,77 @@ def test_a_reader_whose_process_is_busy_keeps_polling(monkeypatch, poll, dozes):
     finally:
         monkeypatch.undo()
         board.close()
+
+
+def test_the_bell_wakes_its_sleepers_only_where_one_can_be_asleep(monkeypatch):
+    """Counted on a clock the test moves: the writer's first ring makes the wake-up call; a ring under half of
+    ``DOZE_AFTER_SECONDS`` after its last (the post after its heads-up, the next version's heads-up when versions
+    come back to back) makes none, since no reader sleeps on the bell that soon after it last changed; a ring after
+    that long (the heads-up after a training step) makes it again."""
+    clock = _Clock(0.0)
+    board = HostBoard.create()
+    try:
+        monkeypatch.setattr(board_module, "time", clock)
+        wakes: list[float] = []
+        monkeypatch.setattr(board._bell, "wake", lambda: wakes.append(clock.now))
+        quiet = board_module.DOZE_AFTER_SECONDS / 2
+        board.heads_up()  # the first ring: a reader may have slept since it began to wait
+        first = clock.now
+        clock.now += 0.001
+        board.post({"version": "v1", "seq": 1})  # a steady version's post, a millisecond after its heads-up
+        clock.now += 0.009
+        board.heads_up()  # the next version, back to back
+        clock.now += quiet - 0.001
+        board.post({"version": "v2", "seq": 2})  # just under the quiet time since the last ring
+        assert wakes == [first]
+        clock.now += quiet
+        board.heads_up()  # a training step later: a reader may be asleep
+        assert wakes == [first, clock.now]
+    finally:
+        monkeypatch.undo()
+        board.close()
+
+
+def test_a_post_soon_after_the_heads_up_is_seen_without_a_wake_up_call(monkeypatch):
+    """A reader asleep on the bell (each sleep 30 s here) is woken by the heads-up; the post that follows within the
+    quiet time makes no wake-up call, and the reader, polling since the bell, sees it at once (asleep, it would see
+    it only at the end of a 30-s sleep). Should the test's own thread stall past the quiet time between the two, the
+    post makes the call: the count is asserted only where it did not."""
+    monkeypatch.setattr(board_module, "DOZE_AFTER_SECONDS", 0.5)
+    monkeypatch.setattr(board_module, "NAP_SECONDS", 30.0)
+    board = HostBoard.create()
+    writer = HostBoard.attach(board.path)
+    try:
+        if not _futex_waits(board):
+            pytest.skip("no futex on this machine: the board polls (tested by the other waits)")
+        naps, got, wakes = [], [], []
+        real_wait, real_wake = type(board._bell).wait, writer._bell.wake
+
+        def nap(self, *a):
+            naps.append("asleep")
+            real_wait(self, *a)
+            naps.append("awake")
+
+        monkeypatch.setattr(type(board._bell), "wait", nap)
+        monkeypatch.setattr(writer._bell, "wake", lambda: wakes.append(1) or real_wake())
+        reader = threading.Thread(target=lambda: got.append(board.manifest("v1", timeout=60)))
+        reader.start()
+        deadline = time.monotonic() + 20
+        while naps != ["asleep"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert naps == ["asleep"]
+        rang = time.monotonic()
+        writer.heads_up()
+        while naps != ["asleep", "awake"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert naps == ["asleep", "awake"]  # woken by the heads-up's call
+        posted = time.monotonic()
+        writer.post({"version": "v1", "seq": 1})
+        reader.join(20)
+        assert got == [{"version": "v1", "seq": 1}] and time.monotonic() - posted < 10.0  # not after a 30-s sleep
+        assert naps == ["asleep", "awake"]  # it did not sleep on the bell again before the post
+        if posted - rang < board_module.DOZE_AFTER_SECONDS / 2:
+            assert wakes == [1]  # the heads-up's call only
+    finally:
+        writer.close()
+        board.close()

@@ -17,13 +17,15 @@ sleeping for 1 ms after the bell rings (the manifest follows the heads-up within
 sleep when it comes), and one that lasted 50 ms (a reader waiting through a training step) sleeps on the bell from
 then on until the writer rings it (a futex: ``awex.engines.sync.futex``; at most 10 ms at a time, so the deadline is
 kept): no CPU where polling took a tenth to a fifth of a core, and the futex's wake-up (slower than a polling
-reader's in a virtual machine) passes while the writer still prepares the version. A reader whose short sleeps take
-over a millisecond (a thread beside a busy one in its process: a staged receive while the engine generates) keeps
-polling: woken from the futex it would wait a whole switch interval of the interpreter's lock (5 ms) before it could
-look, where polling looks at the next turn it gets. Every wait is bounded by the caller's deadline. The trainer's
-first rank creates the board (mode 0600, a name with its pid and a random part) and removes it when it closes or
-exits; a board whose writer was killed is removed by the next sweep (``awex.transport.pull.shm.sweep_stale``).
-A rank that cannot open it (another host, another ``/dev/shm``) uses the channel; signals always go to both.
+reader's in a virtual machine) passes while the writer still prepares the version. The writer makes that wake-up
+call only where a reader can be asleep: not within 25 ms (half the 50) of its last ring. A reader whose short
+sleeps take over a millisecond (a thread beside a busy one in its process: a staged receive while the engine
+generates) keeps polling: woken from the futex it would wait a whole switch interval of the interpreter's lock (5
+ms) before it could look, where polling looks at the next turn it gets. Every wait is bounded by the caller's
+deadline. The trainer's first rank creates the board (mode 0600, a name with its pid and a random part) and removes
+it when it closes or exits; a board whose writer was killed is removed by the next sweep
+(``awex.transport.pull.shm.sweep_stale``). A rank that cannot open it (another host, another ``/dev/shm``) uses the
+channel; signals always go to both.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class HostBoard:
         os.close(fd)
         self._bell = Futex(self._map, _BELL * 8, fallback=POLL_SECONDS)  # the bell word's low half
         self.owner = owner
+        self._rang: float | None = None  # when this process last rang the bell (only the writer's first rank does)
         self._finalizer = weakref.finalize(self, _remove, path) if owner else None
 
     # aligned 8-byte words, read and written whole (x86-64 and aarch64 do not tear them)
@@ -142,15 +145,22 @@ class HostBoard:
         self._ring_bell()
 
     def _ring_bell(self) -> None:
+        """Change the bell, and wake its sleepers unless this board rang it under half of ``DOZE_AFTER_SECONDS``
+        ago: a reader sleeps on the bell only once that long passed since it last saw the bell change (or began to
+        wait), so none can be asleep then (a wake-up call on the writer's critical path, 25 us in a virtual machine:
+        a steady post follows its heads-up by a millisecond or so, back-to-back versions by as little)."""
         self._set(_BELL, self._get(_BELL) + 1)
-        self._bell.wake()
+        now = time.monotonic()
+        if self._rang is None or now - self._rang >= DOZE_AFTER_SECONDS / 2:
+            self._bell.wake()
+        self._rang = now
 
     def manifest(self, version: str, timeout: float) -> dict[str, Any]:
         """The manifest of ``version``, waiting for it up to ``timeout`` seconds."""
+        rung = self._get(_BELL)  # before the clock: no doze within DOZE_AFTER_SECONDS of a ring this value shows
         now = time.monotonic()
         deadline, spin_until, doze_from = now + timeout, now + SPIN_SECONDS, now + DOZE_AFTER_SECONDS
         seen = -1  # the last manifest read (and found to be another version's): not parsed again
-        rung = self._get(_BELL)
         polled = None  # when the last short sleep began
         while True:
             bell = self._get(_BELL)  # before the manifest: a post after this read changes it
