@@ -69,6 +69,10 @@ def test_writer_and_readers_on_gpus(case):
         if key[0] != "trainer":
             assert value["checked"] > 0 and value["bad"] == [], (key, value)
     moved_memory = len(case) > 8 and case[8]
+    if moved_memory and transport == "ipc" and not (len(case) > 7 and case[7]):  # plain copies over CUDA IPC
+        for key, (_, value) in out.items():  # every moved version's copies re-pointed, not paired anew
+            if key[0] != "trainer":
+                assert all("rebase" in s["phases"] for s in value["stats"][1:]), (key, value["stats"])
     if len(case) > 7 and case[7] and moved_memory:  # delta after the trainer's memory moved: whole again, exact
         for key, (_, value) in out.items():
             sizes = [s.get("bytes_sent", s.get("bytes_received")) for s in value["stats"]]

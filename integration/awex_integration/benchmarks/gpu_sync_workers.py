@@ -220,14 +220,18 @@ def sync_rank(job: GpuRank) -> dict:
 
 def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) -> dict:
     """Run one case of ``test_gpu_sync`` / ``test_npu_sync``: ``(transport, trainer tp, trainer devices, [(engine
-    tp, engine devices), ...], fp8?, model?, on_receive?, delta?, move?, layers?)`` (``move``: True for trainer and
-    engines, ``"trainer"`` for the trainer alone); ``{(instance, rank): (status, value)}``."""
+    tp, engine devices), ...], fp8?, model?, on_receive?, delta?, move?, layers?, versions?)`` (``move``: True for
+    trainer and engines, ``"trainer"`` for the trainer alone; ``versions``: 4 with delta or move, else 3, by
+    default); ``{(instance, rank): (status, value)}``."""
     from awex.meta.server import start_embedded
     from awex_integration.scenarios.spawn import run_processes
 
     transport, train_tp, train_devices, engines, *extra = case
-    fp8, model, on_receive, delta, move, layers = (*extra, *(False, "qwen3-8b", False, False, False, 2)[len(extra) :])
-    versions = 4 if delta or move else 3
+    fp8, model, on_receive, delta, move, layers, versions = (
+        *extra,
+        *(False, "qwen3-8b", False, False, False, 2, None)[len(extra) :],
+    )
+    versions = versions or (4 if delta or move else 3)
     server = start_embedded()
     try:
         destinations = [f"vllm-{i}" for i in range(len(engines))]

@@ -1,9 +1,9 @@
-"""What a trainer whose memory moves costs per version: a Qwen3-8B-shaped model (Megatron layout, bf16) colocated
-with one engine on one GPU over CUDA IPC, four versions, once with the trainer's memory staying put and once
-offloaded to the host and loaded back before every version after the first (the writer re-binds: new views, a new
-export; the engine opens it and rebuilds its copy plan). Every received tensor is checked each version. Prints and
-writes one JSON object: per version the writer's time and phases, the engine's phases; the ratio of a moved
-version's write to a steady one's.
+"""What a trainer whose memory moves costs per version: a Qwen3-8B-shaped model (Megatron layout, bf16) colocated with
+one engine on one GPU over CUDA IPC, four versions (`--versions`), once with the trainer's memory staying put and
+once offloaded to the host and loaded back before every version after the first (the writer re-binds: new views, a
+new export; the engine opens it and re-points its copies at it, or rebuilds its copy plan). Every received tensor is
+checked each version. Prints and writes one JSON object: per version the writer's time and phases, the engine's
+phases; the ratio of a moved version's write to a steady one's; the medians of the moved versions' phases.
 
     python -m awex_integration.benchmarks.rebind_cost --out integration/results/rebind-results-1xh100.json
 """
@@ -18,9 +18,10 @@ import statistics
 from awex_integration.benchmarks.gpu_sync_workers import run_sync_case
 
 
-def measure(layers: int, move: bool) -> dict:
+def measure(layers: int, move: bool, versions: int = 4) -> dict:
     moving = "trainer" if move else False  # the trainer alone: both sides at once hold 4 copies at the peak
-    out = run_sync_case(("ipc", 1, [0], [(1, [0])], False, "qwen3-8b", False, False, moving, layers), timeout=900)
+    case = ("ipc", 1, [0], [(1, [0])], False, "qwen3-8b", False, False, moving, layers, versions)
+    out = run_sync_case(case, timeout=900)
     failures = {str(k): v for k, (s, v) in out.items() if s != "ok" or (k[0] != "trainer" and v["bad"])}
     if failures:
         raise RuntimeError(f"a rank failed or received wrong bytes: {failures}")
@@ -37,13 +38,15 @@ def measure(layers: int, move: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=36, help="Qwen3-8B has 36")
+    parser.add_argument("--versions", type=int, default=4, help="versions a run (the first plans)")
     parser.add_argument("--out")
     args = parser.parse_args()
     import torch
 
-    steady, moved = measure(args.layers, False), measure(args.layers, True)
+    steady, moved = measure(args.layers, False, args.versions), measure(args.layers, True, args.versions)
     steady_write = statistics.median(v["writer_seconds"] for v in steady["versions"][1:])
     moved_write = statistics.median(v["writer_seconds"] for v in moved["versions"][1:])
+    later = moved["versions"][1:]
     result = {
         "device": torch.cuda.get_device_name(0),
         "date": datetime.date.today().isoformat(),
@@ -53,11 +56,18 @@ def main() -> None:
         "steady_write_seconds": steady_write,
         "moved_write_seconds": moved_write,
         "moved_over_steady": round(moved_write / steady_write, 2),
+        # medians over the moved versions (seconds; an engine phase a version did not have counts as 0)
+        "moved_engine_phases": _medians([v["engine_phases"] for v in later], ("open", "executor", "rebase", "capture")),
+        "moved_writer_phases": _medians([v["writer_phases"] for v in later], ("fingerprint", "export")),
     }
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def _medians(phases: list[dict], names: tuple[str, ...]) -> dict[str, float]:
+    return {n: round(statistics.median(p.get(n, 0.0) for p in phases), 5) for n in names}
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ class _Mapped:
 class _Executor:
     capture_seconds = 0.0
 
-    def __init__(self, plan, rank, shards, sources, quantize=None, digest=False):
-        self.sources = sources
+    def __init__(self, plan, rank, shards, sources, quantize=None, digest=False, pairs=None):
+        self.sources, self.pairs = sources, None  # nothing to re-point: every build pairs anew
 
     def run(self, timeout, meanwhile=None):
         return TransferStats()

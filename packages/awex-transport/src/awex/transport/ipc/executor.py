@@ -25,12 +25,13 @@ from awex.transport.copies import copier, merge_copies
 from awex.transport.deadline import wait_event
 from awex.transport.digest import Digest
 from awex.transport.ipc.digesting import DIGEST_GROUPS, ReceivedDigests, byte_groups
-from awex.transport.ipc.fp8_on_copy import Piece, Quantize, quantize_pieces, quantizers
+from awex.transport.ipc.fp8_on_copy import Quantize, quantizers
 from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.options import IpcOptions
+from awex.transport.ipc.pairing import Pair, pair_pieces
 from awex.transport.ipc.remote import Copy, plan_remote
 from awex.transport.ipc.scheduling import interleave_by_source, paces_local
-from awex.transport.ipc.spans import balance, captured, in_chunks, nbytes_of, paired_pieces
+from awex.transport.ipc.spans import balance, captured, in_chunks, nbytes_of
 from awex.transport.peer_dma import (
     enable_peer_access,
     pull,
@@ -85,6 +86,7 @@ class IpcExecutor:
         options: IpcOptions | None = None,
         quantize: Quantize | None = None,
         digest: bool = False,
+        pairs: list[Pair] | None = None,
     ):
         o = options or IpcOptions()
         cuda_graph = o.cuda_graph
@@ -96,43 +98,23 @@ class IpcExecutor:
         self._last_seconds = 0.0  # the last run's duration
         self.rank = rank
         self.device = shards.device
-        names = [t.name for t in plan.tensors]
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.bytes_received = 0
         origins = sorted({s.peer for s in plan.schedule(rank)})
         self.digest = ReceivedDigests(self.device, origins) if digest else None
-        quantised = {q[0]: (q[2], q[3]) for q in plan.quantized}  # weight -> (scale tensor, tile block)
-        to_quantize: dict[tuple[int, int], list[Piece]] = {}  # FP8 on the copy, by tile block
-        if quantised and shards.on_host:
+        if plan.quantized and shards.on_host:
             raise AwexValueError(
-                f"rank {rank}: the plan quantises {len(quantised)} weight(s) on receive, into views in host memory: "
-                "quantising on receive writes on the GPU (stage on the GPU, or quantise on the sender)"
+                f"rank {rank}: the plan quantises {len(plan.quantized)} weight(s) on receive, into views in host "
+                "memory: quantising on receive writes on the GPU (stage on the GPU, or quantise on the sender)"
             )
-        if quantised and quantize is None:
+        if plan.quantized and quantize is None:
             raise AwexValueError(
-                f"rank {rank}: the plan quantises {len(quantised)} weight(s) on receive: give quantize="
+                f"rank {rank}: the plan quantises {len(plan.quantized)} weight(s) on receive: give quantize="
             )
-        for step in plan.schedule(rank):
-            if step.op != "recv":
-                raise AwexValueError(
-                    f"rank {rank} would send over CUDA IPC (a relay): plan CUDA IPC syncs without relay"
-                )
-            src = sources.get(step.peer)
-            if src is None:
-                raise KeyError(f"rank {rank}: no IPC export of source rank {step.peer}")
-            for t in step.bucket.transfers:
-                if names[t.tensor] in quantised:
-                    scale, block = quantised[names[t.tensor]]
-                    to_quantize.setdefault(block, []).extend(
-                        quantize_pieces(plan.tensors[t.tensor], scale, block, t, shards, src)
-                    )
-                    self.bytes_received += t.nbytes
-                    continue
-                for d, s, within in paired_pieces(names[t.tensor], t, shards, src):
-                    self.copies.append((d, s))
-                    if self.digest is not None:  # each piece digested on its own: not merged
-                        self.digest.note(d, step.peer, plan.tensors[t.tensor], t.offsets, within)
-                self.bytes_received += t.nbytes
+        paired = pair_pieces(plan, rank, shards, sources, self.digest, pairs)
+        self.copies, to_quantize, self.bytes_received = paired.copies, paired.to_quantize, paired.nbytes
+        # what a later build over these views may re-point at its sources' new memory (plain copies only)
+        rebasable = not plan.quantized and self.digest is None
+        self.pairs = list(self.copies) if rebasable else None
+        self.sources = dict(sources) if rebasable else None
         # read the source, write tiles and scales: one launch per tile block
         self._quantize: list[Callable[[], None]] = quantizers(to_quantize, quantize) if to_quantize else []
         self.copies = merge_copies(self.copies) if self.digest is None else self.copies

@@ -14,6 +14,7 @@ from awex.transport.deadline import wait_event
 from awex.transport.ipc.delta import IpcDeltaReceiver, IpcDeltaSender
 from awex.transport.ipc.executor import IpcExecutor
 from awex.transport.ipc.mapping import MappedShards, open_export
+from awex.transport.ipc.pairing import rebased
 from awex.transport.ipc.wire import IpcExport, export_shards
 from awex.transport.shards import LocalShards
 
@@ -40,6 +41,7 @@ class IpcTransport(Transport):
         self._recheck = False
         self.executor: IpcExecutor | IpcDeltaReceiver | None = None
         self._built_from: LocalShards | None = None  # the views the executor (or delta sender) was built from
+        self.rebased = False  # the last executor re-pointed the one before at its sources' new memory
         self.peers: list[int] = []
         self.quantize = None  # a receiver's FP8 quantiser, for plans that quantise on receive
         # delta syncs (awex.transport.ipc.delta): whether, a sender's budget, its encoder and what it exports
@@ -106,7 +108,7 @@ class IpcTransport(Transport):
                 if self.delta:
                     self.executor = IpcDeltaReceiver(plan, self.rank, shards, sources)
                 else:
-                    self.executor = IpcExecutor(plan, self.rank, shards, sources, quantize=self.quantize, digest=digest)
+                    self.executor = self._executor(shards, sources, digest, phases)
                 self._built_from = shards
         executor = self.executor
         link.moving()
@@ -120,6 +122,22 @@ class IpcTransport(Transport):
             phases["transfer"] -= executor.capture_seconds
             executor.capture_seconds = 0.0
         return stats
+
+    def _executor(
+        self, shards: LocalShards, sources: dict[int, MappedShards], digest: bool, phases: MutableMapping[str, float]
+    ) -> IpcExecutor:
+        """A new executor over ``sources`` and ``shards``: where only memory moved since the last one (the same plan
+        and kind of copies, the sources and this rank's views holding the same views as before, at new addresses),
+        its pairs re-pointed at the new memory (:func:`~awex.transport.ipc.pairing.rebased`; phase ``rebase``), else
+        paired anew."""
+        old, pairs = self.executor, None
+        if isinstance(old, IpcExecutor) and old.pairs is not None and old.plan is self.plan and not digest:
+            started = time.perf_counter()
+            pairs = rebased(old.pairs, old.sources, sources, (self._built_from, shards))
+            if pairs is not None:
+                phases["rebase"] = time.perf_counter() - started
+        self.rebased = pairs is not None
+        return IpcExecutor(self.plan, self.rank, shards, sources, quantize=self.quantize, digest=digest, pairs=pairs)
 
     def _ready(self, shards: LocalShards, link: PeerLink, deadline: float, phases: MutableMapping[str, float]) -> None:
         """A trainer: this version's weights are in memory; export them where they moved, and say ready."""
