@@ -41,7 +41,6 @@ class IpcTransport(Transport):
         self._recheck = False
         self.executor: IpcExecutor | IpcDeltaReceiver | None = None
         self._built_from: LocalShards | None = None  # the views the executor (or delta sender) was built from
-        self.rebased = False  # the last executor re-pointed the one before at its sources' new memory
         self.peers: list[int] = []
         self.quantize = None  # a receiver's FP8 quantiser, for plans that quantise on receive
         # delta syncs (awex.transport.ipc.delta): whether, a sender's budget, its encoder and what it exports
@@ -136,7 +135,6 @@ class IpcTransport(Transport):
             pairs = rebased(old.pairs, old.sources, sources, (self._built_from, shards))
             if pairs is not None:
                 phases["rebase"] = time.perf_counter() - started
-        self.rebased = pairs is not None
         return IpcExecutor(self.plan, self.rank, shards, sources, quantize=self.quantize, digest=digest, pairs=pairs)
 
     def _ready(self, shards: LocalShards, link: PeerLink, deadline: float, phases: MutableMapping[str, float]) -> None:
