@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -89,16 +90,41 @@ def _futex_waits(board) -> bool:
     return board._bell.available
 
 
+@contextmanager
+def _reader_and_writer():
+    """A new board (the reader's mapping) and a second mapping of it (the writer's, as another process's), closed
+    after; the test is skipped where there is no futex (the board polls: the other waits test that)."""
+    board = HostBoard.create()
+    writer = HostBoard.attach(board.path)
+    try:
+        if not _futex_waits(board):
+            pytest.skip("no futex on this machine: the board polls (tested by the other waits)")
+        yield board, writer
+    finally:
+        writer.close()
+        board.close()
+
+
+def _recording_naps(monkeypatch, board) -> list[str]:
+    """What the board's sleeps on its bell do, in order: "asleep" as one begins, "awake" as it ends."""
+    naps: list[str] = []
+    real_wait = type(board._bell).wait
+
+    def nap(self, *a):
+        naps.append("asleep")
+        real_wait(self, *a)
+        naps.append("awake")
+
+    monkeypatch.setattr(type(board._bell), "wait", nap)
+    return naps
+
+
 def test_a_reader_asleep_on_the_manifest_is_woken_by_the_post(monkeypatch):
     """A reader waiting long sleeps on the manifest's sequence word; the post wakes it. Each sleep may last 30 s here:
     without the post's wake the manifest would be seen only then."""
     monkeypatch.setattr(board_module, "NAP_SECONDS", 30.0)
     monkeypatch.setattr(board_module, "DOZE_AFTER_SECONDS", 0.01)
-    board = HostBoard.create()
-    writer = HostBoard.attach(board.path)  # a mapping of its own, as another process's
-    try:
-        if not _futex_waits(board):
-            pytest.skip("no futex on this machine: the board polls (tested by the other waits)")
+    with _reader_and_writer() as (board, writer):
         posted: list[float] = []
 
         def post_later():
@@ -112,9 +138,6 @@ def test_a_reader_asleep_on_the_manifest_is_woken_by_the_post(monkeypatch):
         woken = time.monotonic()
         thread.join(30)
         assert woken - posted[0] < 10.0  # a wake, not the end of a 30-s sleep
-    finally:
-        writer.close()
-        board.close()
 
 
 @pytest.mark.parametrize("doze_after", [0.0, 30.0])
@@ -152,20 +175,8 @@ def test_a_heads_up_wakes_a_sleeping_reader_which_then_polls_without_sleeping(mo
     monkeypatch.setattr(board_module, "DOZE_AFTER_SECONDS", 0.0)  # asleep at once
     monkeypatch.setattr(board_module, "NAP_SECONDS", 30.0)
     monkeypatch.setattr(board_module, "HEADS_UP_SPIN_SECONDS", 30.0)  # spins until the post
-    board = HostBoard.create()
-    writer = HostBoard.attach(board.path)
-    try:
-        if not _futex_waits(board):
-            pytest.skip("no futex on this machine: the board polls (tested by the other waits)")
-        naps, sleeps, got = [], [], []
-        real_wait = type(board._bell).wait
-
-        def nap(self, *a):
-            naps.append("asleep")
-            real_wait(self, *a)
-            naps.append("awake")
-
-        monkeypatch.setattr(type(board._bell), "wait", nap)
+    with _reader_and_writer() as (board, writer):
+        naps, sleeps, got = _recording_naps(monkeypatch, board), [], []
         real_sleep = time.sleep
         monkeypatch.setattr(board_module.time, "sleep", lambda s: sleeps.append(s) or real_sleep(s))
         reader = threading.Thread(target=lambda: got.append(board.manifest("v1", timeout=60)))
@@ -183,9 +194,6 @@ def test_a_heads_up_wakes_a_sleeping_reader_which_then_polls_without_sleeping(mo
         reader.join(30)
         assert got == [{"version": "v1", "seq": 1}]
         assert naps == ["asleep", "awake"] and not sleeps  # it polled without sleeping from the bell to the post
-    finally:
-        writer.close()
-        board.close()
 
 
 class _Clock:
@@ -268,20 +276,9 @@ def test_a_post_soon_after_the_heads_up_is_seen_without_a_wake_up_call(monkeypat
     post makes the call: the count is asserted only where it did not."""
     monkeypatch.setattr(board_module, "DOZE_AFTER_SECONDS", 0.5)
     monkeypatch.setattr(board_module, "NAP_SECONDS", 30.0)
-    board = HostBoard.create()
-    writer = HostBoard.attach(board.path)
-    try:
-        if not _futex_waits(board):
-            pytest.skip("no futex on this machine: the board polls (tested by the other waits)")
-        naps, got, wakes = [], [], []
-        real_wait, real_wake = type(board._bell).wait, writer._bell.wake
-
-        def nap(self, *a):
-            naps.append("asleep")
-            real_wait(self, *a)
-            naps.append("awake")
-
-        monkeypatch.setattr(type(board._bell), "wait", nap)
+    with _reader_and_writer() as (board, writer):
+        naps, got, wakes = _recording_naps(monkeypatch, board), [], []
+        real_wake = writer._bell.wake
         monkeypatch.setattr(writer._bell, "wake", lambda: wakes.append(1) or real_wake())
         reader = threading.Thread(target=lambda: got.append(board.manifest("v1", timeout=60)))
         reader.start()
@@ -301,6 +298,3 @@ def test_a_post_soon_after_the_heads_up_is_seen_without_a_wake_up_call(monkeypat
         assert naps == ["asleep", "awake"]  # it did not sleep on the bell again before the post
         if posted - rang < board_module.DOZE_AFTER_SECONDS / 2:
             assert wakes == [1]  # the heads-up's call only
-    finally:
-        writer.close()
-        board.close()
