@@ -147,8 +147,8 @@ class HostBoard:
     def _ring_bell(self) -> None:
         """Change the bell, and wake its sleepers unless this board rang it under half of ``DOZE_AFTER_SECONDS``
         ago: a reader sleeps on the bell only once that long passed since it last saw the bell change (or began to
-        wait), so none can be asleep then (a wake-up call on the writer's critical path, 25 us in a virtual machine:
-        a steady post follows its heads-up by a millisecond or so, back-to-back versions by as little)."""
+        wait), so none can be asleep then (the call is a system call on the writer's critical path: a steady post
+        follows its heads-up by a millisecond or so, back-to-back versions by as little)."""
         self._set(_BELL, self._get(_BELL) + 1)
         now = time.monotonic()
         if self._rang is None or now - self._rang >= DOZE_AFTER_SECONDS / 2:

@@ -112,9 +112,8 @@ class IpcExecutor:
         paired = pair_pieces(plan, rank, shards, sources, self.digest, pairs)
         self.copies, to_quantize, self.bytes_received = paired.copies, paired.to_quantize, paired.nbytes
         # what a later build over these views may re-point at its sources' new memory (plain copies only)
-        rebasable = not plan.quantized and self.digest is None
-        self.pairs = list(self.copies) if rebasable else None
-        self.sources = dict(sources) if rebasable else None
+        self.pairs = list(self.copies) if not plan.quantized and self.digest is None else None
+        self.sources = dict(sources)  # what the pairs were made over
         # read the source, write tiles and scales: one launch per tile block
         self._quantize: list[Callable[[], None]] = quantizers(to_quantize, quantize) if to_quantize else []
         self.copies = merge_copies(self.copies) if self.digest is None else self.copies

@@ -86,7 +86,7 @@ def rebased(
         return None
     moves: dict[int, torch.UntypedStorage] = {}
     for peer, before in old.items():
-        if _merged(moves, storage_moves(before, new[peer])) is None:
+        if storage_moves(before, new[peer], into=moves) is None:
             return None
     mine: dict[int, torch.UntypedStorage] | None = None
     if views is not None and views[0] is not views[1]:
@@ -104,16 +104,6 @@ def rebased(
     return out
 
 
-def _merged(into: dict, found: dict | None) -> dict | None:
-    """``found``'s moves added to ``into``'s; ``None`` where there are none, or one storage moves two ways."""
-    if found is None:
-        return None
-    for address, storage in found.items():
-        if into.setdefault(address, storage).data_ptr() != storage.data_ptr():
-            return None
-    return into
-
-
 def _moved(t: torch.Tensor, moves: dict, bases: dict) -> torch.Tensor | None:
     """View ``t`` at the same place of the storage its own moved to (``None``: its storage is not in ``moves``)."""
     address = t.untyped_storage().data_ptr()
@@ -127,13 +117,16 @@ def _moved(t: torch.Tensor, moves: dict, bases: dict) -> torch.Tensor | None:
     return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
-def storage_moves(old: LocalShards, new: LocalShards) -> dict[int, torch.UntypedStorage] | None:
+def storage_moves(
+    old: LocalShards, new: LocalShards, into: dict[int, torch.UntypedStorage] | None = None
+) -> dict[int, torch.UntypedStorage] | None:
     """Where each storage of ``old``'s views lies now (its address -> ``new``'s storage), where ``new`` holds the
     same views: the same names, each with the same boxes, shapes, strides, dtypes, devices and offsets within
-    storages of the same sizes, two views sharing a storage in ``old`` sharing one in ``new``; else ``None``."""
+    storages of the same sizes, two views sharing a storage in ``old`` sharing one in ``new``; else ``None``.
+    ``into``: moves found before (other sources'), added to and returned; a storage they move elsewhere: ``None``."""
     if set(old.names()) != set(new.names()):
         return None
-    out: dict[int, torch.UntypedStorage] = {}
+    out: dict[int, torch.UntypedStorage] = {} if into is None else into
     for name in old.names():
         before, now = old.pairs(name), new.pairs(name)
         if len(before) != len(now):
