@@ -122,16 +122,22 @@ def _exact(model, got) -> list[str]:
         ("shm", False, "parameter"),
     ],
 )
-def test_every_version_arrives_exact_when_trainer_memory_moves(server, transport, delta, how):
+def test_every_version_arrives_exact_when_trainer_memory_moves(server, transport, delta, how, caplog):
     model, writer, reader, got = _pair(server, f"moved-{transport}-{delta}-{how.replace(' ', '-')}", transport, delta)
+    caplog.set_level("INFO", logger="awex.transport")
     try:
         for step in range(1, 5):
             move(model, how, step)
             held = writer.shards
+            caplog.clear()
             _sync(writer, reader, f"v{step}")
             assert _exact(model, got) == [], f"v{step}: stale tensors arrived"
             if step > 1:  # moved memory is re-bound; memory that stayed keeps its views (and transports theirs)
                 assert (writer.shards is held) is (how == "in place")
+                # the views the last version derived, re-pointed at the tensors' new memory (none asked again)
+                repointed = [r for r in caplog.records if r.getMessage().startswith("trainer:0") and "re-pointed" in
+                             r.getMessage()]  # fmt: skip
+                assert len(repointed) == (how != "in place")
     finally:
         writer.close()
         reader.close()
@@ -331,7 +337,7 @@ def test_views_are_asked_again_only_when_their_tensors_fingerprint_changed():
     """rebound() skips deriving a fingerprinted view_of's views while none of its tensors moved, and re-binds
     what moved once one did (param.data replaced, a new nn.Parameter, an in-place resize)."""
     from awex.transport import LocalShards
-    from awex.transport.shards import rebound
+    from awex.transport.rebind import rebound
 
     model = module_of({t.name: torch.zeros(t.spec.shape) for t in TENSORS})
     layout = hf_layout(TENSORS, "trainer", "hf-out")

@@ -12,7 +12,8 @@ import torch
 from awex.meta import Box, PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.layouts import VllmParallel, hf_layout, vllm_layout
 from awex.transport.digest import add, region_digest
-from awex.transport.shards import LocalShards, ShardMismatchError, rebound
+from awex.transport.rebind import rebound
+from awex.transport.shards import LocalShards, ShardMismatchError
 
 CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="copies into pinned host memory from a GPU: no GPU here"

@@ -54,6 +54,10 @@ class LiveTensors(Mapping[str, torch.Tensor]):
         except (AttributeError, TypeError):  # a tensor no longer where it was held (replaced by another attribute)
             return _addresses(self)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """These tensors as they are now (as ``self[name]`` gives each), in the order of :meth:`forms`."""
+        return [self[name] for name in self._owners]
+
     def forms(self) -> tuple:
         """:func:`forms` of these tensors, read in one pass."""
         try:
@@ -98,7 +102,7 @@ def addresses(*tensors: Mapping[str, torch.Tensor]) -> tuple:
     tells whether the memory the views address is still theirs (a tensor moved, freed in place, replaced, or
     re-allocated smaller changes it). The address also tells the device (host and GPU memory never share an address
     under CUDA's unified addressing; a meta tensor's is 0; a storage freed in place has none). About a fifth of the
-    whole fingerprint's cost: what a steady sync checks before any byte moves (``awex.transport.shards.rebound``)."""
+    whole fingerprint's cost: what a steady sync checks before any byte moves (``awex.transport.rebind.rebound``)."""
     return tuple(chain.from_iterable(m.addresses() if isinstance(m, LiveTensors) else _addresses(m) for m in tensors))
 
 
@@ -121,17 +125,26 @@ def _forms(tensors: Mapping[str, torch.Tensor]) -> tuple:
     return tuple([(t.shape, t.stride(), t.dtype) for t in tensors.values()])
 
 
+def sources(*tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor of ``tensors`` as it is now, in the order of :func:`forms`."""
+    return list(chain.from_iterable(m.tensors() if isinstance(m, LiveTensors) else m.values() for m in tensors))
+
+
 def fingerprinted(view_of: Callable, *tensors: Mapping[str, torch.Tensor]) -> Callable:
     """``view_of`` with a ``fingerprint()`` over the mappings its views are taken from (read by
-    ``awex.transport.shards.rebound``, which then asks for the views again only when it changed)."""
+    ``awex.transport.rebind.rebound``, which then asks for the views again only when it changed), and ``sources()``,
+    those tensors (views are re-pointed at them where only their addresses changed:
+    ``awex.transport.moved_views``). Its views must be derived from those tensors by a fixed rule."""
     if len(tensors) == 1 and isinstance(tensors[0], LiveTensors):  # the usual case: its methods, no call between
-        view_of.fingerprint, view_of.addresses, view_of.forms = (
+        view_of.fingerprint, view_of.addresses, view_of.forms, view_of.sources = (
             tensors[0].fingerprint,
             tensors[0].addresses,
             tensors[0].forms,
+            tensors[0].tensors,
         )
     else:
         view_of.fingerprint = lambda: fingerprint(*tensors)
         view_of.addresses = lambda: addresses(*tensors)
         view_of.forms = lambda: forms(*tensors)
+        view_of.sources = lambda: sources(*tensors)
     return view_of

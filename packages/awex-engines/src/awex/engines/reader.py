@@ -24,7 +24,7 @@ from awex.meta.client import MetaClient, seconds
 from awex.meta.errors import AwexValueError
 from awex.transport import LocalShards
 from awex.transport.base import TransferStats
-from awex.transport.shards import confirm_bound, rebound
+from awex.transport.rebind import confirm_bound, rebound
 
 log = logging.getLogger("awex.engines")
 APPLIED_NAMES_KEPT = 65536  # version names a reader remembers having applied (a few MB at most)

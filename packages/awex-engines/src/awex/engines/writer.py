@@ -35,8 +35,9 @@ from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferStats
+from awex.transport.rebind import confirm_bound, rebound
 from awex.transport.registry import transport_class
-from awex.transport.shards import LocalShards, confirm_bound, rebound
+from awex.transport.shards import LocalShards
 
 log = logging.getLogger("awex.engines")
 

@@ -84,6 +84,8 @@ class LocalShards:
         if given is not None and not (given.type == self.device.type and given.index in (None, self.device.index)):
             self._put_on(given)  # ("cuda" for views on cuda:0 is their own device)
         self.fingerprint: tuple | None = None  # where the tensors the views come from were (see rebound)
+        self.sources_at: tuple[int, ...] | None = None  # their addresses then, where view_of names them (sources())
+        self.recipe = None  # where the views lie in those tensors (awex.transport.moved_views), once asked
         self.unconfirmed = False  # kept by rebound(quick=True) on their addresses alone: see confirm_bound
 
     def _put_on(self, device: torch.device) -> None:
@@ -203,72 +205,3 @@ class LocalShards:
 
         names = set(self._shards) | set(before._shards)
         return sorted(n for n in names if where(self.pairs(n)) != where(before.pairs(n)))
-
-
-def rebound(
-    layout: Layout,
-    local_rank: int,
-    view_of: Callable[[str, Box], torch.Tensor | Sequence[tuple[Box, torch.Tensor]]],
-    held: LocalShards,
-    quick: bool = False,
-) -> tuple[LocalShards, list[str]]:
-    """The views ``view_of`` gives now, checked as :meth:`LocalShards.from_layout` checks them: ``(held, [])`` when
-    each aliases the memory it did, else ``(new views, the tensors that moved)``. Memory that moved to another kind
-    of device (a trainer that offloaded and did not load back) is refused, naming a tensor, before any byte moves.
-    A re-bind is logged.
-
-    A ``view_of`` with a ``fingerprint()`` (``awex.convert`` views: where every tensor they are taken from is now)
-    is asked for its views only when the fingerprint changed since ``held`` was taken: checking a Qwen3-8B-shaped
-    rank's 399 views every version took 10-12 ms, its fingerprint well under one. With ``quick`` and a ``view_of``
-    that also has ``addresses()`` and ``forms()`` (its fingerprint is ``(addresses(), forms())``), ``held`` is kept
-    when the addresses alone are unchanged (every tensor at the address and of the size it had: no byte can go
-    to memory the views do not own) and marked unconfirmed: :func:`confirm_bound`, while the bytes move, checks
-    the rest (a tensor changed in place at the same address)."""
-    fingerprint = getattr(view_of, "fingerprint", None)
-    if quick and held.fingerprint is not None and callable(getattr(view_of, "forms", None)):
-        addresses = getattr(view_of, "addresses", None)
-        if callable(addresses) and addresses() == held.fingerprint[0]:
-            held.unconfirmed = True
-            return held, []
-    now_print = fingerprint() if callable(fingerprint) else None
-    held.unconfirmed = False
-    if now_print is not None and now_print == held.fingerprint:
-        return held, []
-    now = LocalShards.from_layout(layout, local_rank, view_of, held.device if held.on_host else None)
-    now.fingerprint = now_print
-    moved = now.moved(held)
-    if not moved:
-        held.fingerprint = now_print
-        return held, []
-    if now.device.type != held.device.type:
-        off = next(n for n in moved if any(v.device.type != held.device.type for _, v in now.pairs(n)))
-        raise ShardMismatchError(
-            f"{layout.instance} rank {local_rank}: {off} is on {now.device} now, it was on {held.device}: weights "
-            f"offloaded to another kind of device must be loaded back before they are sent"
-        )
-    log.info("%s:%d: %d tensor(s) moved (%s...): re-bound", layout.instance, local_rank, len(moved), moved[0])
-    return now, moved
-
-
-def confirm_bound(layout: Layout, local_rank: int, view_of: Callable, held: LocalShards) -> None:
-    """The rest of the check :func:`rebound` kept ``held`` on by its addresses (``quick``): raise
-    :class:`ShardMismatchError` naming the tensors when one changed form in place at the same address (its bytes
-    were sent or written as the old views lay them out: the version must fail), and forget ``held``'s fingerprint
-    so that the next :func:`rebound` takes new views before any byte moves. Nothing to do after a full check."""
-    if not held.unconfirmed:
-        return
-    held.unconfirmed = False
-    if view_of.forms() == held.fingerprint[1]:
-        return
-    held.fingerprint = None  # the next rebound derives the views again
-    try:
-        changed = LocalShards.from_layout(layout, local_rank, view_of, held.device if held.on_host else None).moved(
-            held
-        ) or ["a tensor"]
-    except ShardMismatchError as e:  # views that no longer fit the layout at all
-        changed = [str(e)]
-    raise ShardMismatchError(
-        f"{layout.instance} rank {local_rank}: {', '.join(changed[:5])} changed shape, strides or dtype in place (at "
-        "the same address) after the version began: its bytes moved as the old views lay them out, so the version "
-        "fails; the next one takes new views before any byte moves"
-    )

@@ -91,7 +91,7 @@ class Fp8Views:
         """What the writer asks for views: the FP8 buffers (which never move) and the wrapped ``view_of``'s views,
         with its ``fingerprint()`` where it has one (the writer then re-derives views only when it changed), and its
         ``addresses()`` and ``forms()`` where it has those (a steady version then checks the addresses before any
-        byte moves and the forms beside the transfer, as for bf16 views: ``awex.transport.shards.rebound``)."""
+        byte moves and the forms beside the transfer, as for bf16 views: ``awex.transport.rebind.rebound``)."""
 
         def view_of(name: str, box: Box):
             return self._view(name, box)

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from awex.meta import Box, Fp8BlockQuant, Layout, quantize_layout
-from awex.transport.shards import LocalShards, confirm_bound, rebound
+from awex.transport.rebind import confirm_bound, rebound
+from awex.transport.shards import LocalShards
 
 Refresh = Callable[[], None]
 ByWave = Callable[[Sequence[Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]]]], Callable[[int], None]]
