@@ -187,6 +187,28 @@ def test_an_engine_tensor_changed_in_place_at_its_address_fails_the_version_and_
         reader.close()
 
 
+def test_a_parameter_that_is_gone_is_refused_naming_it_then_the_next_version_goes(server):
+    """A parameter set to ``None`` (released, not loaded back) after the views were re-pointed once: refused before
+    any byte moves, naming it (not a ``KeyError`` from looking for its memory); back, the next version is exact."""
+    model, writer, reader, got = _pair(server, "moved-gone", "p2p")
+    try:
+        _sync(writer, reader, "v1")
+        move(model, "data", 1)
+        _sync(writer, reader, "v2")  # re-pointed
+        name, p = next(iter(model.named_parameters()))
+        path, _, leaf = name.rpartition(".")
+        kept = p.data
+        setattr(model.get_submodule(path), leaf, None)
+        with pytest.raises(ShardMismatchError, match=rf"{re.escape(name)} .*no native tensor"):
+            writer.write("v3", ["hf-in"])
+        setattr(model.get_submodule(path), leaf, torch.nn.Parameter(kept + 1, requires_grad=False))
+        _sync(writer, reader, "v4")
+        assert _exact(model, got) == []
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_memory_on_another_kind_of_device_is_refused_then_the_next_version_goes(server):
     model, writer, reader, got = _pair(server, "moved-device", "p2p")
     try:

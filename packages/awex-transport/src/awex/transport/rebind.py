@@ -40,18 +40,15 @@ def rebound(
     when the addresses alone are unchanged (every tensor at the address and of the size it had: no byte can go
     to memory the views do not own) and marked unconfirmed: :func:`confirm_bound`, while the bytes move, checks
     the rest (a tensor changed in place at the same address)."""
-    fingerprint = getattr(view_of, "fingerprint", None)
     if quick and held.fingerprint is not None and callable(getattr(view_of, "forms", None)):
-        addresses = getattr(view_of, "addresses", None)
-        if callable(addresses) and addresses() == held.fingerprint[0]:
+        if _asked(view_of, "addresses") == held.fingerprint[0]:
             held.unconfirmed = True
             return held, []
-    now_print = fingerprint() if callable(fingerprint) else None
+    now_print = _asked(view_of, "fingerprint")  # None: the views are asked again (and a tensor gone is named)
     held.unconfirmed = False
     if now_print is not None and now_print == held.fingerprint:
         return held, []
-    sources = getattr(view_of, "sources", None)
-    tensors = sources() if now_print is not None and callable(sources) else None
+    tensors = _sources(view_of) if now_print is not None else None
     found = None
     if tensors is not None and held.sources_at is not None and held.fingerprint is not None:
         if held.recipe is None:  # where its views lie in the tensors, found once (kept while their forms are)
@@ -78,6 +75,24 @@ def rebound(
     how = "re-pointed" if found is not None else "re-bound"
     log.info("%s:%d: %d tensor(s) moved (%s...): %s", layout.instance, local_rank, len(moved), moved[0], how)
     return now, moved
+
+
+def _asked(view_of: Callable, what: str):
+    """``view_of.<what>()`` where it has one; ``None`` where it has none or a tensor it reads is no longer one (a
+    parameter set to ``None``, say): the views are then asked again, and the full check names that tensor."""
+    method = getattr(view_of, what, None)
+    try:
+        return method() if callable(method) else None
+    except (KeyError, AttributeError, TypeError):
+        return None
+
+
+def _sources(view_of: Callable) -> list[torch.Tensor] | None:
+    """The tensors ``view_of`` derives its views from (its ``sources()``), if it names them and each is a tensor."""
+    tensors = _asked(view_of, "sources")
+    if tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    return tensors
 
 
 def confirm_bound(layout: Layout, local_rank: int, view_of: Callable, held: LocalShards) -> None:
