@@ -129,6 +129,21 @@ def test_spread_keeps_each_order_and_mixes_evenly(n, m):
     assert bool(((seen - k * m / (n + m)).abs() <= 1.0 + 1e-9).all())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the table made there)")
+def test_a_table_made_on_the_gpu_is_the_one_made_on_the_cpu():
+    """copy_blocks(device=) makes on the GPU, row for row, the table the CPU makes (and spread_evenly mixes it
+    there alike): the launch reads the same blocks either way."""
+    g = torch.Generator().manual_seed(3)
+    for block_bytes in (16, 4096, 1 << 15):
+        sizes = (16 * torch.randint(1, 5000, (300,), generator=g)).tolist()
+        copies = [(16 * i * 10**6, 16 * (i * 10**6 + 7), n) for i, n in enumerate(sizes)]
+        here, there = copy_blocks(copies, 160, block_bytes), copy_blocks(copies, 160, block_bytes, torch.device("cuda"))
+        assert there.device.type == "cuda" and torch.equal(here, there.cpu())
+        other = copy_blocks(copies[:7], 0, block_bytes)
+        assert torch.equal(spread_evenly(here, other), spread_evenly(there, other).cpu())
+    assert copy_blocks([], 0, device=torch.device("cuda")).device.type == "cuda"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernel)")
 def test_batched_copy_on_gpu_matches_plain_copies():
     from awex.transport.batched_copy import BatchedCopy

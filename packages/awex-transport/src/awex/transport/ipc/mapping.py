@@ -122,11 +122,13 @@ def open_export(export: IpcExport) -> MappedShards:
         mapped[handle] = (lo, max(hi, base + offset + size))
         homes[handle] = st.device.index
     shards: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    whole: dict[tuple[int, str], torch.Tensor] = {}  # each storage as one tensor of each dtype its views have
     for v in export.views:
-        st = storages[v.storage]
-        t = torch.empty(0, dtype=torch_dtype(v.dtype), device=st.device)
-        t.set_(st, v.offset, v.box.sizes, v.strides)
-        shards.setdefault(v.name, []).append((v.box, t))
+        base = whole.get((v.storage, v.dtype))
+        if base is None:
+            st = storages[v.storage]
+            base = whole[(v.storage, v.dtype)] = torch.empty(0, dtype=torch_dtype(v.dtype), device=st.device).set_(st)
+        shards.setdefault(v.name, []).append((v.box, base.as_strided(v.box.sizes, v.strides, v.offset)))
     return MappedShards(
         shards, list(mapped.values()), {region: (cuda_malloc_handle(h), homes[h]) for h, region in mapped.items()}
     )
