@@ -136,3 +136,42 @@ def test_http_updater_pauses_in_sglangs_mode_and_stays_paused_after_a_failure(sg
     updater.update("step-3")
     assert calls[-1] == (resumed[0] if mode else ("/update_weights_from_tensor", "step-3"))
     assert updater.left_paused is False
+
+
+def test_a_steady_receive_asks_no_view_and_moved_weights_are_re_pointed():
+    """SGLang views carry a fingerprint of the rank's parameters: a steady version checks where each is, asking no
+    view (it derived all of them every version), and after the engine re-allocates its weights each view lies where
+    deriving it again puts it, re-pointed without asking."""
+    from awex.convert.sglang import sglang_param_dtypes, sglang_param_shapes, sglang_views
+    from awex.meta.layouts import SglangParallel, sglang_engine_layout
+    from awex.meta.models import model_dims
+    from awex.transport import LocalShards
+    from awex.transport.rebind import rebound
+
+    config = dict(architectures=["Qwen3ForCausalLM"], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, vocab_size=1000, intermediate_size=96, num_hidden_layers=2)  # fmt: skip
+    parallel, rank = SglangParallel(tp=2), 1
+    dims = model_dims(config, "float32")
+    shapes = sglang_param_shapes(dims, parallel, rank)
+    dtypes = sglang_param_dtypes(shapes, "float32")
+    model = torch.nn.Module()
+    for name, shape in shapes.items():
+        model.register_parameter(name.replace(".", "__"), torch.nn.Parameter(torch.randn(shape).to(dtypes[name])))
+    params = {name: getattr(model, name.replace(".", "__")) for name in shapes}
+    layout = sglang_engine_layout(config, "float32", parallel, instance="sglang-0")
+    derive = sglang_views(params, dims, parallel, rank)
+    calls = []
+
+    def view_of(name, box):
+        calls.append(name)
+        return derive(name, box)
+
+    for part in ("fingerprint", "addresses", "forms", "sources"):
+        setattr(view_of, part, getattr(derive, part))
+    held, _ = rebound(layout, rank, view_of, LocalShards.from_layout(layout, rank, view_of), quick=True)
+    calls.clear()
+    assert rebound(layout, rank, view_of, held, quick=True) == (held, []) and calls == []
+    for p in params.values():  # the engine's weights re-allocated (released and reloaded)
+        p.data = p.data.clone()
+    now, moved = rebound(layout, rank, view_of, held, quick=True)
+    assert calls == [] and moved and now.moved(LocalShards.from_layout(layout, rank, derive)) == []

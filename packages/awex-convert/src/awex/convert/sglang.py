@@ -33,6 +33,7 @@ from typing import Callable, Mapping
 import torch
 
 from awex.convert.fused import EXPERT, GATE_UP, LAYER, QKV, fused_mlp_view, kv_heads_per_rank, param_finder, qkv_part
+from awex.convert.live import fingerprinted
 from awex.meta import Box
 from awex.meta.layouts.sglang import SglangParallel, check_mapped, pp_layer_ranges
 from awex.meta.models import ModelDims
@@ -122,7 +123,9 @@ def sglang_param_dtypes(shapes: Mapping[str, tuple[int, ...]], dtype: str) -> di
 def sglang_views(
     params: Mapping[str, torch.Tensor], dims: ModelDims, parallel: SglangParallel, rank: int = 0
 ) -> Callable[[str, Box], torch.Tensor]:
-    """``view_of(name, box)`` over one SGLang rank's parameters (``dict(model.named_parameters())``)."""
+    """``view_of(name, box)`` over one SGLang rank's parameters (``dict(model.named_parameters())``), with a
+    fingerprint of them (``awex.convert.live.fingerprinted``): a steady version checks where each parameter is
+    instead of deriving every view again, and views of parameters whose memory moved are re-pointed."""
     check_mapped(dims.architecture, parallel)
     p = parallel
     r = p.ranks(rank)
@@ -147,4 +150,4 @@ def sglang_views(
         mlp = fused_mlp_view(native, rest, first_expert)
         return native if mlp is None else mlp
 
-    return view_of
+    return fingerprinted(view_of, params)

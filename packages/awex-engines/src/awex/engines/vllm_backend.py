@@ -191,7 +191,9 @@ class AwexWeightTransferEngine(WeightTransferEngine[AwexInitInfo, AwexUpdateInfo
         def view_of(name: str, box: Box) -> torch.Tensor:
             return staging(name, box) if name in through_loader else live(name, box)
 
-        for attr in ("fingerprint", "addresses", "forms"):  # staging never moves: the views move where live's do
+        # staging never moves: the views move where live's do (re-pointed where none is staged: its buffers lie in
+        # none of live's tensors, so views are derived again where some are)
+        for attr in ("fingerprint", "addresses", "forms", "sources"):
             if callable(getattr(live, attr, None)):
                 setattr(view_of, attr, getattr(live, attr))
         self.timeout, self._mode, self._live = init_info.timeout, init_info.receive, live
