@@ -15,9 +15,18 @@ class LiveTensors(Mapping[str, torch.Tensor]):
     """``{name: tensor}`` over ``module``'s parameters (as ``named_parameters`` names them; their ``.data``, or
     the ``nn.Parameter`` itself with ``data=False``) and, with ``buffers=True``, its buffers (parameters win a
     name both have). The names are fixed when made; the tensors are looked up at each access. An object that is
-    not an ``nn.Module`` but names its tensors alike (``named_parameters``, ``named_buffers``) is read once."""
+    not an ``nn.Module`` but names its tensors alike (``named_parameters``, ``named_buffers``) is read once. With
+    ``local=True`` a DTensor stands for its local shard (FSDP2: what a rank's views are taken from)."""
 
-    def __init__(self, module: torch.nn.Module, *, parameters: bool = True, buffers: bool = True, data: bool = True):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        parameters: bool = True,
+        buffers: bool = True,
+        data: bool = True,
+        local: bool = False,
+    ):
         named = (list(module.named_buffers()) if buffers else []) + (
             list(module.named_parameters()) if parameters else []
         )
@@ -28,7 +37,7 @@ class LiveTensors(Mapping[str, torch.Tensor]):
                 self._owners[name] = (module.get_submodule(path), leaf)
             else:  # no owners to look through: the tensor as it is now
                 self._owners[name] = (_Held(t), "tensor")
-        self._data = data
+        self._data, self._local = data, local
         # where each tensor is held now (its owner's _parameters or _buffers, or __dict__): fingerprint() reads them
         # in one pass without a Python call per tensor; a tensor found elsewhere since takes the full lookups
         self._slots = [_slot(owner, leaf) for owner, leaf in self._owners.values()]
@@ -39,7 +48,14 @@ class LiveTensors(Mapping[str, torch.Tensor]):
         t = getattr(owner, leaf, None)
         if not isinstance(t, torch.Tensor):
             raise KeyError(f"{name} is no longer a tensor of its module")
+        if self._local:
+            t = _shard(t)
         return t.data if self._data and isinstance(t, torch.nn.Parameter) else t
+
+    def _now(self) -> list:
+        """The tensors where they are held now, in one pass (a DTensor's local shard with ``local``)."""
+        now = list(map(dict.get, self._slots, self._leaves))
+        return [getattr(t, "_local_tensor", t) for t in now] if self._local else now
 
     def fingerprint(self) -> tuple:
         """:func:`fingerprint` of these tensors, read in one pass (a steady sync asks it every version: no Python
@@ -49,20 +65,22 @@ class LiveTensors(Mapping[str, torch.Tensor]):
     def addresses(self) -> tuple:
         """:func:`addresses` of these tensors, read in one pass."""
         try:
-            now = list(map(dict.get, self._slots, self._leaves))
+            now = self._now()
             return (*map(_data_ptr, now), *map(_nbytes, now))
-        except (AttributeError, TypeError):  # a tensor no longer where it was held (replaced by another attribute)
-            return _addresses(self)
+        except (AttributeError, TypeError, RuntimeError):  # a tensor no longer where it was held (replaced by
+            return _addresses(self)  # another attribute), or a tensor without storage (a DTensor not seen as one)
 
     def tensors(self) -> list[torch.Tensor]:
-        """These tensors as they are now (as ``self[name]`` gives each), in the order of :meth:`forms`."""
-        return [self[name] for name in self._owners]
+        """These tensors as they are now (as ``self[name]`` gives each; detached with ``local``, as views of a
+        DTensor's shard are), in the order of :meth:`forms`."""
+        now = [self[name] for name in self._owners]
+        return [t.detach() for t in now] if self._local else now
 
     def forms(self) -> tuple:
         """:func:`forms` of these tensors, read in one pass."""
         try:
-            return tuple([(t.shape, t.stride(), t.dtype) for t in map(dict.get, self._slots, self._leaves)])
-        except (AttributeError, TypeError):
+            return tuple([(t.shape, t.stride(), t.dtype) for t in self._now()])
+        except (AttributeError, TypeError, RuntimeError):
             return _forms(self)
 
     def __contains__(self, name: object) -> bool:
@@ -73,6 +91,14 @@ class LiveTensors(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._owners)
+
+
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its ``_local_tensor``, where ``to_local()`` would be an autograd call), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    if local is None and callable(getattr(t, "to_local", None)):
+        local = t.to_local()
+    return local if isinstance(local, torch.Tensor) else t
 
 
 def _slot(owner: object, leaf: str) -> dict:

@@ -165,25 +165,6 @@ def dtensor_layout(
     return Layout(instance, Role.TRAINER, world, (Mesh("dtensor", tuple(zip(dims, shape))),), tuple(layouts))
 
 
-class _Local(Mapping[str, torch.Tensor]):
-    """Each parameter's local shard where it is now (a DTensor's local tensor, another parameter itself), detached:
-    what :func:`dtensor_views` derives its views from, so what its fingerprint covers."""
-
-    def __init__(self, params: Mapping[str, torch.Tensor]):
-        self._params = params
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        p = self._params[name]
-        local = getattr(p, "_local_tensor", None) if isinstance(p, DTensor) else p  # to_local() is an autograd call
-        return (local if local is not None else p.to_local()).detach()
-
-    def __iter__(self):
-        return iter(self._params)
-
-    def __len__(self) -> int:
-        return len(self._params)
-
-
 def dtensor_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
     """``view_of(name, box)``: the rank's local shard of the parameter (it is exactly that box), not a copy; with a
     fingerprint of the local shards (``awex.convert.live.fingerprinted``): a steady version checks where each is
@@ -213,9 +194,9 @@ def dtensor_views(model: torch.nn.Module) -> Callable[[str, Box], torch.Tensor]:
             return p.to_local().detach()  # shares the shard's storage; writes through it land in the model
         return p.detach()[box.slices()]
 
-    from awex.convert.live import fingerprinted
+    from awex.convert.live import LiveTensors, fingerprinted
 
-    return fingerprinted(view_of, _Local(params))
+    return fingerprinted(view_of, LiveTensors(model, buffers=False, data=False, local=True))
 
 
 __all__ = [
