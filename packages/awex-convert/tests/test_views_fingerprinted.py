@@ -21,19 +21,18 @@ CONFIG = dict(
 DIMS = model_dims(CONFIG, "float32")
 
 
-class _Named(torch.nn.Module):
-    """A module holding ``params`` under their dotted names (as a trainer's module tree does)."""
+class _Named:
+    """Named parameters as a trainer's module names them, without the module tree (``LiveTensors`` reads such an
+    object's tensors once; a parameter whose ``.data`` is replaced is seen moved)."""
 
     def __init__(self, params: dict[str, torch.Tensor]):
-        super().__init__()
-        for name, t in params.items():
-            *path, leaf = name.split(".")
-            m = self
-            for part in path:
-                if not hasattr(m, part):
-                    m.add_module(part, torch.nn.Module())
-                m = getattr(m, part)
-            m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+        self.params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in params.items()}
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def named_buffers(self):
+        return iter(())
 
 
 def _megatron():
@@ -64,7 +63,7 @@ def _sglang():
 
 
 def _parameters(held) -> list[torch.nn.Parameter]:
-    return list(held.parameters()) if isinstance(held, torch.nn.Module) else list(held.values())
+    return list(held.params.values()) if isinstance(held, _Named) else list(held.values())
 
 
 @pytest.mark.parametrize("make", [_megatron, _hf, _vllm, _sglang], ids=["megatron", "hf", "vllm", "sglang"])

@@ -90,6 +90,20 @@ def views_of(module: torch.nn.Module):
     return fingerprinted(lambda name, box: params[name][box.slices()], params)
 
 
+def counted(view_of) -> tuple:
+    """``view_of`` recording the name of every view asked of it (a list, returned with it), with its fingerprint and
+    sources: a test tells a version that derived views from one that checked the fingerprint alone."""
+    calls: list[str] = []
+
+    def counting(name, box):
+        calls.append(name)
+        return view_of(name, box)
+
+    for part in ("fingerprint", "addresses", "forms", "sources"):
+        setattr(counting, part, getattr(view_of, part))
+    return counting, calls
+
+
 class _Profiler:
     """``sys.setprofile`` for one thread: counts calls outside :data:`OPERATIONS`, and those operations."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from steady_counts import counted
 
 transformers = pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
@@ -36,18 +37,6 @@ def fsdp_model():
         dist.destroy_process_group()
 
 
-def _counting(view_of):
-    calls = []
-
-    def counted(name, box):
-        calls.append(name)
-        return view_of(name, box)
-
-    for part in ("fingerprint", "addresses", "forms", "sources"):
-        setattr(counted, part, getattr(view_of, part))
-    return counted, calls
-
-
 def test_fsdp2_views_are_checked_by_fingerprint_and_re_pointed_where_shards_moved(fsdp_model):
     from awex.engines.source import TrainerSource
     from awex.transport import LocalShards
@@ -55,7 +44,7 @@ def test_fsdp2_views_are_checked_by_fingerprint_and_re_pointed_where_shards_move
 
     source = TrainerSource.fsdp(fsdp_model)
     layout, rank = source.layout, source.local_rank
-    view_of, calls = _counting(source.view_of)
+    view_of, calls = counted(source.view_of)
     held, _ = rebound(layout, rank, view_of, LocalShards.from_layout(layout, rank, view_of), quick=True)
     calls.clear()
     for _ in range(3):  # steady: no view asked for

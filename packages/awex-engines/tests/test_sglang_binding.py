@@ -142,6 +142,8 @@ def test_a_steady_receive_asks_no_view_and_moved_weights_are_re_pointed():
     """SGLang views carry a fingerprint of the rank's parameters: a steady version checks where each is, asking no
     view (it derived all of them every version), and after the engine re-allocates its weights each view lies where
     deriving it again puts it, re-pointed without asking."""
+    from steady_counts import counted
+
     from awex.convert.sglang import sglang_param_dtypes, sglang_param_shapes, sglang_views
     from awex.meta.layouts import SglangParallel, sglang_engine_layout
     from awex.meta.models import model_dims
@@ -160,14 +162,7 @@ def test_a_steady_receive_asks_no_view_and_moved_weights_are_re_pointed():
     params = {name: getattr(model, name.replace(".", "__")) for name in shapes}
     layout = sglang_engine_layout(config, "float32", parallel, instance="sglang-0")
     derive = sglang_views(params, dims, parallel, rank)
-    calls = []
-
-    def view_of(name, box):
-        calls.append(name)
-        return derive(name, box)
-
-    for part in ("fingerprint", "addresses", "forms", "sources"):
-        setattr(view_of, part, getattr(derive, part))
+    view_of, calls = counted(derive)
     held, _ = rebound(layout, rank, view_of, LocalShards.from_layout(layout, rank, view_of), quick=True)
     calls.clear()
     assert rebound(layout, rank, view_of, held, quick=True) == (held, []) and calls == []
