@@ -148,6 +148,36 @@ def test_the_guard_fails_on_an_extra_round_trip_or_per_tensor_work():
     assert any(f.startswith("reader: 4.00 Python calls per tensor") for f in found), found
 
 
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A default process group of one rank (gloo, in this process), for FSDP2's device mesh."""
+    dist = pytest.importorskip("torch.distributed")
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def fsdp2_views(module):
+    """The module sharded with FSDP2 over a mesh of one rank, and its views as an FSDP2 trainer's are made."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from awex.engines.fsdp import dtensor_views
+
+    fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+    return dtensor_views(module)
+
+
+def test_an_fsdp2_models_steady_version_stays_within_its_budget(world_of_one):
+    """Both sides' weights DTensors (FSDP2): the same budget, per tensor too (the views' fingerprint reads each
+    DTensor's local shard in one pass; until 2026-12-01 every view was derived again every version)."""
+    small, large = measure(SMALL, views=fsdp2_views), measure(LARGE, views=fsdp2_views)
+    assert small.writer.ops["copies"] == small.reader.ops["copies"] == 1
+    assert violations(small, large) == []
+
+
 def generator_views(module):
     params = LiveTensors(module)
     view_of = lambda name, box: params[name][box.slices()]  # noqa: E731
