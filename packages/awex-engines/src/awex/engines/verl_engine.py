@@ -176,4 +176,8 @@ def _tensors(held: dict[str, torch.Tensor]) -> list[CanonicalTensor]:
 
 
 def _views(held: dict[str, torch.Tensor]):
-    return lambda name, box: held[name][box.slices()]
+    """Views of the engine's own buffers, with their fingerprint: they never move, so a steady version checks their
+    addresses and derives no view again (``awex.convert.live.fingerprinted``)."""
+    from awex.convert.live import fingerprinted
+
+    return fingerprinted(lambda name, box: held[name][box.slices()], held)
