@@ -49,8 +49,7 @@ def _laid(pointers: Sequence[int], forms: Sequence[Form]) -> list[tuple[int, int
             continue
         if any(s < 0 for s in strides):
             return None
-        last = sum((n - 1) * s for n, s in zip(shape, strides))
-        out.append((ptr, ptr + (last + 1) * dtype.itemsize, i))
+        out.append((ptr, ptr + _span((shape, strides, dtype)), i))
     out.sort()
     return out
 
@@ -94,6 +93,7 @@ def recipe(held: LocalShards, before: Sequence[int], forms: Sequence[Form]) -> R
 
 
 def _span(form: Form) -> int:
+    """The bytes a tensor of ``form`` spans from its first element to one past its last (strides not negative)."""
     shape, strides, dtype = form
     return (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * dtype.itemsize
 
