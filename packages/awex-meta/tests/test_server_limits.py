@@ -14,6 +14,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from awex.meta import client as client_module
 from awex.meta.client import SLACK, MetaClient
@@ -25,6 +27,7 @@ from awex.meta.errors import (
 )
 from awex.meta.protocol import EPOCH_HEADER, REQUEST_ID_HEADER
 from awex.meta.server import EmbeddedMetaServer, ServerConfig, start_embedded
+from awex.meta.server.errors import json_depth
 from awex.meta.server.state import Topics
 
 
@@ -379,3 +382,24 @@ def test_the_status_of_every_job_stays_small_and_one_job_is_told_in_full():
         assert list(one) == ["big"] and len(one["big"]["participants"]) == 5
         assert one["big"]["participants"][4]["info"] == {"devices": ["x" * 1000]}
         assert c.status(job="none")["jobs"] == {}
+
+
+def _depth_oracle(doc) -> int:
+    """The nesting depth by its definition (recursive; a scalar is 0)."""
+    children = doc.values() if isinstance(doc, dict) else doc if isinstance(doc, list) else None
+    return 0 if children is None else 1 + max((_depth_oracle(c) for c in children), default=0)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=2), inner, max_size=4),
+    max_leaves=40,
+)
+
+
+@given(doc=_json, limit=st.integers(0, 8))
+def test_json_depth_is_the_nesting_depth_and_stops_past_its_limit(doc, limit):
+    deep = _depth_oracle(doc)
+    assert json_depth(doc) == deep
+    capped = json_depth(doc, limit)
+    assert capped == deep if deep <= limit else capped == limit + 1  # past the limit: limit + 1, never walked on

@@ -65,39 +65,70 @@ def _hostile(edit):
     return wire
 
 
-@pytest.mark.parametrize(
-    "edit, why",
-    [
-        (lambda w: w["views"][0].__setitem__(3, -1), "storage index"),  # used to pick another storage silently
-        (lambda w: w["views"][0].__setitem__(3, 1), "names storage 1 of 1"),
-        (lambda w: w["views"][0].__setitem__(4, -16), "element offset"),
-        (lambda w: w["views"][0].__setitem__(5, ["8", 1]), "stride"),
-        (lambda w: w["views"][0].__setitem__(6, "complex1024"), "unknown dtype"),
-        (lambda w: w["views"][0].__setitem__(4, 4096), "beyond its storage"),  # offsets past the handle's memory
-        (lambda w: w["views"][0].__setitem__(2, [4, 8, 2]), "different lengths"),
-        (lambda w: w["storages"][0].__setitem__(2, -1), "storage field"),
-        (lambda w: w["storages"][0].__setitem__(1, {"b64": "!!!"}), "malformed"),
-        (lambda w: w["storages"][0].__setitem__(1, {"b64": "A" * 8000}), "handle of"),
-        (lambda w: w.__setitem__("pointers", []), "0 pointers for 1 storages"),
-        (lambda w: w.__setitem__("views", {"a": 1}), "views"),
-        (lambda w: w["storages"][0].__setitem__(0, "gpu0"), "storage field"),
-        # what PyTorch returns, exactly: eight fields of their kinds, within bounds
-        (lambda w: w["storages"][0].pop(), "list of 8 fields"),
-        (lambda w: w["storages"][0].extend([1, 2, 3, 4]), "list of 8 fields"),
-        (lambda w: w["storages"][0].__setitem__(0, True), "storage field device: bool"),
-        (lambda w: w["storages"][0].__setitem__(7, 1), "storage field event_sync: int"),
-        (lambda w: w["storages"][0].__setitem__(4, 8), "storage field ref_handle: int"),
-        (lambda w: w["storages"][0].__setitem__(3, 1 << 61), "out of range"),
-        (lambda w: w["storages"][0].__setitem__(0, 1 << 20), "out of range"),
-        # an empty view's offset lies inside its storage too
-        (lambda w: w["views"][0].__setitem__(2, [0, 8]) or w["views"][0].__setitem__(4, 1 << 61), "beyond its storage"),
-    ],
-)
+HOSTILE = [
+    (lambda w: w["views"][0].__setitem__(3, -1), "storage index"),  # used to pick another storage silently
+    (lambda w: w["views"][0].__setitem__(3, 1), "names storage 1 of 1"),
+    (lambda w: w["views"][0].__setitem__(4, -16), "element offset"),
+    (lambda w: w["views"][0].__setitem__(5, ["8", 1]), "stride"),
+    (lambda w: w["views"][0].__setitem__(6, "complex1024"), "unknown dtype"),
+    (lambda w: w["views"][0].__setitem__(4, 4096), "beyond its storage"),  # offsets past the handle's memory
+    (lambda w: w["views"][0].__setitem__(2, [4, 8, 2]), "different lengths"),
+    (lambda w: w["storages"][0].__setitem__(2, -1), "storage field"),
+    (lambda w: w["storages"][0].__setitem__(1, {"b64": "!!!"}), "malformed"),
+    (lambda w: w["storages"][0].__setitem__(1, {"b64": "A" * 8000}), "handle of"),
+    (lambda w: w.__setitem__("pointers", []), "0 pointers for 1 storages"),
+    (lambda w: w.__setitem__("views", {"a": 1}), "views"),
+    (lambda w: w["storages"][0].__setitem__(0, "gpu0"), "storage field"),
+    # what PyTorch returns, exactly: eight fields of their kinds, within bounds
+    (lambda w: w["storages"][0].pop(), "list of 8 fields"),
+    (lambda w: w["storages"][0].extend([1, 2, 3, 4]), "list of 8 fields"),
+    (lambda w: w["storages"][0].__setitem__(0, True), "storage field device: bool"),
+    (lambda w: w["storages"][0].__setitem__(7, 1), "storage field event_sync: int"),
+    (lambda w: w["storages"][0].__setitem__(4, 8), "storage field ref_handle: int"),
+    (lambda w: w["storages"][0].__setitem__(3, 1 << 61), "out of range"),
+    (lambda w: w["storages"][0].__setitem__(0, 1 << 20), "out of range"),
+    # an empty view's offset lies inside its storage too
+    (lambda w: w["views"][0].__setitem__(2, [0, 8]) or w["views"][0].__setitem__(4, 1 << 61), "beyond its storage"),
+]
+
+
+@pytest.mark.parametrize("edit, why", HOSTILE)
 def test_hostile_ipc_exports_are_refused_before_anything_is_opened(edit, why):
     IpcExport.from_wire(_hostile(lambda w: None))  # the untouched one parses
     with pytest.raises(ValueError, match="malformed IPC export") as err:
         IpcExport.from_wire(_hostile(edit))
     assert why in str(err.value)
+
+
+@pytest.mark.parametrize("edit, why", HOSTILE)
+def test_hostile_exports_after_a_good_one_are_refused_alike(edit, why):
+    """Read with the export before it as ``last`` (whose views a moved trainer's new export keeps), every hostile
+    export is refused as it is alone: only values equal to what was checked are taken from ``last``."""
+    good = IpcExport.from_wire(_hostile(lambda w: None))
+    with pytest.raises(ValueError, match="malformed IPC export") as err:
+        IpcExport.from_wire(_hostile(edit), last=good)
+    assert why in str(err.value)
+
+
+def test_an_export_of_the_same_views_over_new_storages_keeps_them_and_checks_their_bounds():
+    """A trainer's memory moved whole: its new export holds the same views over other storages. The reader keeps
+    the views it checked (the same objects: the IPC executor re-points its copies storage by storage) and checks
+    only that each new storage holds what its views reach; views that differ are read anew."""
+    first = IpcExport.from_wire(_hostile(lambda w: None))
+    moved = _hostile(lambda w: w["storages"][0].__setitem__(1, {"b64": "QUJD" * 16}) or w["pointers"].__setitem__(0, 8))
+    again = IpcExport.from_wire(moved, last=first)
+    assert again.views is first.views and again == IpcExport.from_wire(moved) and again.pointers == (8,)
+    # the view reaches (16 + 3 * 8 + 7 + 1) * 2 = 96 bytes of its storage
+    exact = IpcExport.from_wire(_hostile(lambda w: w["storages"][0].__setitem__(2, 96)), last=first)
+    assert exact.views is first.views
+    for alone in (None, first):
+        with pytest.raises(ValueError, match="beyond"):
+            IpcExport.from_wire(_hostile(lambda w: w["storages"][0].__setitem__(2, 95)), last=alone)
+        with pytest.raises(ValueError, match="1 of 1|storage 1"):
+            IpcExport.from_wire(_hostile(lambda w: w["views"][0].__setitem__(3, 1)), last=alone)
+    other = IpcExport.from_wire(_hostile(lambda w: w["views"][0].__setitem__(4, 32)), last=first)
+    assert other.views is not first.views and other.views[0].offset == 32
+    assert json.loads(json.dumps(again.to_wire())) == moved
 
 
 def test_ipc_export_needs_cuda_views():

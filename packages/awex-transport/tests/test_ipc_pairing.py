@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from awex.meta import PlanOptions, canonical_tensors, plan_transfers
+from awex.meta import Box, PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.errors import AwexValueError
 from awex.meta.layouts import VllmParallel, hf_layout, vllm_layout
+from awex.transport.ipc.mapping import MappedShards
 from awex.transport.ipc.pairing import pair_pieces, rebased, storage_moves
+from awex.transport.ipc.wire import ExportedView, IpcExport
 from awex.transport.shards import LocalShards
 
 CONFIG = json.loads((Path(__file__).resolve().parents[3] / "integration" / "models" / "qwen2-tiny.json").read_text())
@@ -127,3 +129,37 @@ def test_the_receivers_own_views_re_pointed_where_they_moved_too():
     other = {n: list(again.pairs(n)) for n in again.names()}
     other[name][0] = (box, torch.zeros(view.shape[1], view.shape[0]).t())  # same shape, other strides
     assert rebased(pairs, {origin: before}, {origin: after}, (mine, LocalShards(other))) is None
+
+
+def _opened(views, sizes) -> tuple[MappedShards, LocalShards]:
+    """An export of ``views`` over new storages of ``sizes`` bytes, opened as ``open_export`` opens one (on the CPU
+    here); and the same views without the export."""
+    storages = [torch.UntypedStorage(n) for n in sizes]
+    fields = tuple((0, b"h", n, 0, b"r", 0, b"e", True) for n in sizes)
+    export = IpcExport(fields, tuple(st.data_ptr() for st in storages), views)
+    shards: dict = {}
+    for v in views:
+        base = torch.empty(0, dtype=torch.float32).set_(storages[v.storage])
+        shards.setdefault(v.name, []).append((v.box, base.as_strided(v.box.sizes, v.strides, v.offset)))
+    return MappedShards(shards, [], {}, export, storages), LocalShards(shards)
+
+
+def test_opened_exports_of_the_same_views_move_storage_by_storage(monkeypatch):
+    """A trainer's new export that kept its last one's views (``awex.transport.ipc.wire``) moves each storage by its
+    index, looking at no view: the moves the view-by-view check finds; none where a storage's size or the number
+    of storages differs."""
+    views = (
+        ExportedView("a", Box((0,), (8,)), 0, 0, (1,), "float32"),
+        ExportedView("b", Box((0, 0), (2, 4)), 1, 4, (4, 1), "float32"),
+        ExportedView("c", Box((0,), (4,)), 1, 0, (1,), "float32"),
+    )
+    (old, old_plain), (new, new_plain) = _opened(views, (32, 48)), _opened(views, (32, 48))
+    slow = {k: v.data_ptr() for k, v in storage_moves(old_plain, new_plain).items()}
+    with monkeypatch.context() as m:
+        m.setattr(MappedShards, "pairs", lambda *_: pytest.fail("a view looked at"))
+        fast = storage_moves(old, new)
+        assert fast is not None and {k: v.data_ptr() for k, v in fast.items()} == slow
+        assert storage_moves(old, _opened(views, (32, 64))[0]) is None  # a storage of another size
+        assert storage_moves(old, _opened(views, (32, 48, 16))[0]) is None  # a storage more
+    other = tuple([*views])  # equal views, another object: the view-by-view check
+    assert storage_moves(old, _opened(other, (32, 48))[0]) is not None

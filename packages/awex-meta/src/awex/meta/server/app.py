@@ -154,7 +154,10 @@ class MetaServerApp:
         except RecursionError:
             raise BadRequest(f"body nests deeper than {self.config.max_depth} levels") from None
         # a body can nest no deeper than it has brackets (those in strings counted too): most are walked never
-        if raw.count(b"{") + raw.count(b"[") > self.config.max_depth and json_depth(doc) > self.config.max_depth:
+        if (
+            raw.count(b"{") + raw.count(b"[") > self.config.max_depth
+            and json_depth(doc, self.config.max_depth) > self.config.max_depth
+        ):
             raise BadRequest(f"body nests deeper than {self.config.max_depth} levels")
         return raw, doc
 

@@ -41,21 +41,20 @@ class TooLarge(BadRequest):
     code = "too_large"
 
 
-def json_depth(doc: Any) -> int:
-    """How deeply ``doc`` nests (a scalar is 0), without recursion."""
-    deepest = 0
-    stack = [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+def json_depth(doc: Any, limit: int | None = None) -> int:
+    """How deeply ``doc`` nests (a scalar is 0), without recursion: one level of containers at a time (scalars are
+    never looked at again). Stops at ``limit + 1`` where given (deeper than ``limit``: the answer is enough)."""
+    level = [doc] if type(doc) is dict or type(doc) is list else []
+    depth = 0
+    while level and (limit is None or depth <= limit):
+        depth += 1
+        level = [
+            child
+            for node in level
+            for child in (node.values() if type(node) is dict else node)
+            if type(child) is list or type(child) is dict
+        ]
+    return depth
 
 
 def fields(doc: Any, spec: dict[str, type | tuple[type, ...]], optional: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -34,8 +34,11 @@ class MappedShards(LocalShards):
         shards,
         regions: Sequence[tuple[int, int]],
         handles: dict[tuple[int, int], tuple[bytes | None, int]] | None = None,
+        export: IpcExport | None = None,
+        storages: Sequence[torch.UntypedStorage] = (),
     ):
         super().__init__(shards)
+        self.export, self.storages = export, tuple(storages)  # what was opened: the export, a storage per handle
         self.regions = tuple(sorted(regions))
         self._starts = [lo for lo, _ in self.regions]
         self._handles = dict(handles or {})  # region -> (its cudaIpcMemHandle_t or None, the GPU it lives on)
@@ -130,5 +133,9 @@ def open_export(export: IpcExport) -> MappedShards:
             base = whole[(v.storage, v.dtype)] = torch.empty(0, dtype=torch_dtype(v.dtype), device=st.device).set_(st)
         shards.setdefault(v.name, []).append((v.box, base.as_strided(v.box.sizes, v.strides, v.offset)))
     return MappedShards(
-        shards, list(mapped.values()), {region: (cuda_malloc_handle(h), homes[h]) for h, region in mapped.items()}
+        shards,
+        list(mapped.values()),
+        {region: (cuda_malloc_handle(h), homes[h]) for h, region in mapped.items()},
+        export,
+        storages,
     )

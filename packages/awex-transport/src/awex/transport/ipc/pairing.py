@@ -124,9 +124,21 @@ def storage_moves(
     same views: the same names, each with the same boxes, shapes, strides, dtypes, devices and offsets within
     storages of the same sizes, two views sharing a storage in ``old`` sharing one in ``new``; else ``None``.
     ``into``: moves found before (other sources'), added to and returned; a storage they move elsewhere: ``None``."""
+    out: dict[int, torch.UntypedStorage] = {} if into is None else into
+    exports = getattr(old, "export", None), getattr(new, "export", None)
+    if exports[0] is not None and exports[1] is not None and exports[0].views is exports[1].views:
+        # two opened exports of the same views (awex.transport.ipc.wire: the second kept the first's), each over
+        # its own storages in order: the same views by construction, each storage's move read off its index
+        if len(old.storages) != len(new.storages):
+            return None
+        for sa, sb in zip(old.storages, new.storages):
+            if sa.nbytes() != sb.nbytes() or sa.device != sb.device:
+                return None
+            if out.setdefault(sa.data_ptr(), sb).data_ptr() != sb.data_ptr():
+                return None
+        return out
     if set(old.names()) != set(new.names()):
         return None
-    out: dict[int, torch.UntypedStorage] = {} if into is None else into
     for name in old.names():
         before, now = old.pairs(name), new.pairs(name)
         if len(before) != len(now):

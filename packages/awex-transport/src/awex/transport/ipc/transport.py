@@ -98,7 +98,9 @@ class IpcTransport(Transport):
                     stale = self.opened.pop(key, None)
                     if stale is not None:
                         stale[1].close()
-                    held = self.opened[key] = (generation, open_export(IpcExport.from_wire(doc)), doc)
+                    # an export of views equal to the last one's (memory that moved whole) is checked by its bounds
+                    export = IpcExport.from_wire(doc, stale[1].export if stale is not None else None)
+                    held = self.opened[key] = (generation, open_export(export), doc)
                     changed = True
                 sources[peer] = held[1]
             self._recheck = False
@@ -170,7 +172,7 @@ class IpcTransport(Transport):
         # the same views as last time alias the same storages: only other views need checking
         if self.export is None or (self.exported_from is not shards and not self.export.matches(shards)):
             with timed(phases, "export"):
-                self.export = export_shards(shards)
+                self.export = export_shards(shards, self.export)
                 self.generation += 1
                 link.publish(self.generation, self.export.to_wire())
         self.exported_from = shards
