@@ -16,6 +16,7 @@ from awex.transport.base import Setup, TransferStats
 class _Mapped:
     def __init__(self, doc):
         self.doc, self.closed = doc, False
+        self.export = doc  # what open_export was given (_Export.from_wire gives the document back)
 
     def close(self):
         self.closed = True
@@ -32,8 +33,11 @@ class _Executor:
 
 
 class _Export:
+    lasts: list = []  # the export before, as each from_wire was given it
+
     @staticmethod
-    def from_wire(doc):
+    def from_wire(doc, last=None):
+        _Export.lasts.append(last)
         return doc
 
 
@@ -84,6 +88,8 @@ def test_a_receiver_reopens_an_export_only_when_it_changed(monkeypatch):
     assert fetched == peers and same == opened and not any(m.closed for m in opened.values())
     transport.prepare(plan, rank, setup, {})
     restarted = {**first, peers[0]: {"export": f"trainer-{peers[0]}-restarted"}}
+    _Export.lasts.clear()
     fetched, now = sync(restarted)
+    assert _Export.lasts == [first[peers[0]]]  # read against the export it replaces (kept views: its bounds alone)
     assert now[peers[0]] is not opened[peers[0]] and now[peers[0]].doc == restarted[peers[0]]
     assert opened[peers[0]].closed and all(now[p] is opened[p] for p in peers[1:])
