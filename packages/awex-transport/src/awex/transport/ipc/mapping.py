@@ -105,8 +105,7 @@ def cuda_malloc_handle(shared: bytes) -> bytes | None:
 
 
 def open_export(export: IpcExport) -> MappedShards:
-    """The trainer rank's views, rebuilt over its memory in this process (opens each handle once). Open an export
-    only once its rank said its memory holds what is to be read (its ready signal): no event of its is waited on.
+    """The trainer rank's views, rebuilt over its memory in this process (opens each handle once).
 
     Views of memory on another GPU stay on that GPU; the IPC executor reads them with DMAs issued on this
     GPU (:mod:`awex.transport.peer_dma`).
@@ -116,12 +115,9 @@ def open_export(export: IpcExport) -> MappedShards:
     mapped: dict[bytes, tuple[int, int]] = {}  # handle -> (allocation start, end of what is known to be mapped)
     homes: dict[bytes, int] = {}
     for fields in export.storages:
-        home, handle, size, offset, ref_handle, ref_offset, event_handle, _ = fields
-        # no wait on the exporter's event: a trainer says ready only once the work queued before it ended (its
-        # weights are in memory: IpcTransport._ready), so opening, waiting on and destroying an IPC event per
-        # storage, as PyTorch would, adds nothing
+        home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
         st = torch.UntypedStorage._new_shared_cuda(
-            home, handle, size, offset, ref_handle, ref_offset, event_handle, False
+            home, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync
         )
         storages.append(st)
         base = st.data_ptr() - offset
