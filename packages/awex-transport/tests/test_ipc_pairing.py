@@ -13,7 +13,7 @@ import torch
 from awex.meta import Box, PlanOptions, canonical_tensors, plan_transfers
 from awex.meta.errors import AwexValueError
 from awex.meta.layouts import VllmParallel, hf_layout, vllm_layout
-from awex.transport.ipc.mapping import MappedShards
+from awex.transport.ipc.mapping import MappedShards, views_over
 from awex.transport.ipc.pairing import pair_pieces, rebased, storage_moves
 from awex.transport.ipc.wire import ExportedView, IpcExport
 from awex.transport.shards import LocalShards
@@ -132,15 +132,12 @@ def test_the_receivers_own_views_re_pointed_where_they_moved_too():
 
 
 def _opened(views, sizes) -> tuple[MappedShards, LocalShards]:
-    """An export of ``views`` over new storages of ``sizes`` bytes, opened as ``open_export`` opens one (on the CPU
-    here); and the same views without the export."""
+    """An export of ``views`` over new storages of ``sizes`` bytes, opened as ``open_export`` opens one (its views
+    made by ``views_over``; on the CPU here); and the same views without the export."""
     storages = [torch.UntypedStorage(n) for n in sizes]
     fields = tuple((0, b"h", n, 0, b"r", 0, b"e", True) for n in sizes)
     export = IpcExport(fields, tuple(st.data_ptr() for st in storages), views)
-    shards: dict = {}
-    for v in views:
-        base = torch.empty(0, dtype=torch.float32).set_(storages[v.storage])
-        shards.setdefault(v.name, []).append((v.box, base.as_strided(v.box.sizes, v.strides, v.offset)))
+    shards = views_over(export, storages)
     return MappedShards(shards, [], {}, export, storages), LocalShards(shards)
 
 

@@ -124,6 +124,20 @@ def open_export(export: IpcExport) -> MappedShards:
         lo, hi = mapped.get(handle, (base, base))
         mapped[handle] = (lo, max(hi, base + offset + size))
         homes[handle] = st.device.index
+    return MappedShards(
+        views_over(export, storages),
+        list(mapped.values()),
+        {region: (cuda_malloc_handle(h), homes[h]) for h, region in mapped.items()},
+        export,
+        storages,
+    )
+
+
+def views_over(
+    export: IpcExport, storages: Sequence[torch.UntypedStorage]
+) -> dict[str, list[tuple[Box, torch.Tensor]]]:
+    """``export``'s views over ``storages`` (its storages as opened here, in its order): strided views of one tensor
+    per storage and dtype."""
     shards: dict[str, list[tuple[Box, torch.Tensor]]] = {}
     whole: dict[tuple[int, str], torch.Tensor] = {}  # each storage as one tensor of each dtype its views have
     for v in export.views:
@@ -132,10 +146,4 @@ def open_export(export: IpcExport) -> MappedShards:
             st = storages[v.storage]
             base = whole[(v.storage, v.dtype)] = torch.empty(0, dtype=torch_dtype(v.dtype), device=st.device).set_(st)
         shards.setdefault(v.name, []).append((v.box, base.as_strided(v.box.sizes, v.strides, v.offset)))
-    return MappedShards(
-        shards,
-        list(mapped.values()),
-        {region: (cuda_malloc_handle(h), homes[h]) for h, region in mapped.items()},
-        export,
-        storages,
-    )
+    return shards
