@@ -5,6 +5,9 @@ Every rank must finish every version (the run fails otherwise); the steady versi
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from awex_integration.benchmarks.control_plane import run
@@ -120,3 +123,17 @@ def test_profiling_a_rank_is_refused_where_cprofile_records_every_thread(monkeyp
     assert e.value.code == 2 and "--profile needs Python 3.11: on 3.12 cProfile records every thread" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind (Debian's) is not installed here")
+def test_the_servers_instructions_for_a_claim_are_counted_under_callgrind(tmp_path):
+    # the MetaServer's part of a steady version, counted (integration/results/server-requests-callgrind-*.json): a
+    # claim costs the server more than aiohttp's own part of a request (over 100,000 instructions on every machine
+    # seen) and the count is written as the results file's row
+    from awex_integration.benchmarks import server_requests
+
+    out = tmp_path / "server-requests.json"
+    assert server_requests.main(["--kinds", "claim", "--requests", "3", "--warm", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["engines"] == 16 and row["requests"] == 3
+    assert 100_000 < row["instructions_per_request"]["claim"] < 50_000_000

@@ -296,6 +296,27 @@ def test_a_body_that_never_arrives_is_refused_within_the_body_time():
         sock.close()
 
 
+@pytest.mark.parametrize("split", [None, 5], ids=["with-the-headers", "after-them"])
+def test_a_body_is_read_whole_whether_it_came_with_the_headers_or_after_them(split):
+    """A small body usually arrives with its headers (read at once); one that comes later is waited for, up to the
+    body time: both are read whole."""
+    body = b'{"value": "' + b"x" * 3000 + b'"}'
+    head = b"PUT /v1/jobs/j/kv/k HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    with EmbeddedMetaServer(config=ServerConfig(body_seconds=5.0)) as s:
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        if split is None:
+            sock.sendall(head + body)
+        else:
+            sock.sendall(head + body[:split])
+            time.sleep(0.3)
+            sock.sendall(body[split:])
+        sock.settimeout(5)
+        assert b" 200 " in sock.recv(4096).split(b"\r\n", 1)[0]
+        sock.close()
+        assert MetaClient(s.address, job="j").get("k") == {"value": "x" * 3000}
+
+
 def test_every_answer_names_the_server_epoch():
     with EmbeddedMetaServer() as s:
         status, doc, headers = _raw(s.address, "GET", "/v1/health")

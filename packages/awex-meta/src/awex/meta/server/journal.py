@@ -31,6 +31,7 @@ from awex.meta.errors import AwexError, AwexValueError
 log = logging.getLogger("awex.meta.server")
 
 COMPACT_AFTER = 10_000  # records appended before the journal is rewritten (at least; and 4x the state's)
+_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode  # made once (json.dumps makes one a call)
 
 
 class JournalError(AwexError, RuntimeError):
@@ -116,7 +117,7 @@ def _count(r: dict, name: str) -> int:
 
 
 def encode(record: dict[str, Any]) -> bytes:
-    body = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
+    body = _JSON(record).encode()
     return b"%08x %s\n" % (zlib.crc32(body), body)
 
 
