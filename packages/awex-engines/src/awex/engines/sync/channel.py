@@ -126,6 +126,7 @@ class VersionChannel:
         self.address = address
         self._host, self._ports = _parse(address)
         self.secret = secret
+        self._key = secret.encode()  # the MAC's key, made once (every value read or put is checked with it)
         self.hosting = hosting
         self.lanes = len(stores)
         self._home = zlib.crc32(home.encode()) % self.lanes  # the lane whose copy of an everywhere key it reads
@@ -191,7 +192,7 @@ class VersionChannel:
         return [self._store_of(key)]
 
     def _mac(self, key: str, payload: bytes) -> bytes:
-        return hmac.digest(self.secret.encode(), key.encode() + b"\0" + payload, "sha256").hex().encode()  # one C call
+        return hmac.digest(self._key, b"%s\0%s" % (key.encode(), payload), "sha256").hex().encode()  # one C call
 
     def _seal(self, key: str, value: Any) -> bytes:
         payload = json.dumps(value).encode()
@@ -271,16 +272,16 @@ class VersionChannel:
         for k in keys:
             by_lane.setdefault(self._lane_of(k), []).append(k)
         found = {}
-        for lane_keys in by_lane.values():
-            found.update(zip(lane_keys, self._wait_lane(lane_keys, deadline, timeout)))
+        for lane, lane_keys in by_lane.items():
+            found.update(zip(lane_keys, self._wait_lane(lane_keys, deadline, timeout, lane)))
         return [found[k] for k in keys]
 
-    def _wait_lane(self, keys: Sequence[str], deadline: float, timeout: float) -> list[Any]:
-        """:meth:`wait` for keys of one lane."""
+    def _wait_lane(self, keys: Sequence[str], deadline: float, timeout: float, lane: int = 0) -> list[Any]:
+        """:meth:`wait` for keys of one lane (``lane``: theirs)."""
         found: dict[str, Any] = {}
+        store = self._lane(lane)
         while True:
             waiting = [k for k in keys if k not in found]
-            store = self._store_of(waiting[0])
             before = store.timeout  # the connection's own, for its other operations
             try:
                 store.set_timeout(timedelta(seconds=max(0.001, deadline - time.monotonic())))
