@@ -15,7 +15,8 @@ Memory rules on one GPU (what this script does when CUDA is there; on CPU there 
 - After the sync, wake the KV cache (llm.wake_up(tags=["kv_cache"])) and generate.
 - The trainer's weights stay where they are between its step and the sync: Awex reads the trainer's parameters
   in place. A trainer that offloads its parameters (FSDP CPU offload, sleep modes) must have them back before it
-  sends.
+  sends, and passes hold_trainer_memory=False to AwexTrainerInitInfo, so that the engine and the writer let go of
+  that memory after each version and offloading gives it back.
 
 Runs on CPU as shipped (vLLM's CPU build, a tiny model made locally, float32). On one GPU: pass --model; the script
 then uses the GPU, bfloat16 and the sleep calls above. The GPU path was not run with vLLM's GPU build here.

@@ -90,6 +90,26 @@ def test_writer_and_readers_on_gpus(case):
                 assert (resent[2] >= 1) == (key[1] == 0), (key, value)  # rank 0 changed a tensor before v3
 
 
+@pytest.mark.parametrize("let_go", [True, False], ids=["let-go", "held"])
+def test_a_trainer_that_offloads_after_each_version_gets_its_gpu_memory_back_where_the_writer_holds_none(let_go):
+    """Colocated over CUDA IPC (Qwen3-8B shape, 2 layers, 3.2 GB), the trainer offloads its weights to the host after
+    each version and loads them back before the next. With ``hold_trainer_memory=False`` the engine closes its mapping
+    of the trainer's export before it reports and the writer drops its views and export, so each offload gives the
+    GPU its memory back (at least 95% of the weights' bytes); held (the default) the mapping and views keep it
+    (under 5%). Every version arrives exact either way."""
+    out = run_sync_case(("ipc", 1, [0], [(1, [0])], False, "qwen3-8b", False, False, "trainer", 2, 4, let_go))
+    failures = {k: v for k, (s, v) in out.items() if s != "ok"}
+    assert not failures, failures
+    engine, trainer = out[("vllm-0", 0)][1], out[("trainer", 0)][1]
+    assert engine["checked"] > 0 and engine["bad"] == [], engine
+    freed, nbytes = trainer["freed"], trainer["model_bytes"]
+    assert len(freed) == 3, freed
+    if let_go:
+        assert all(f >= 0.95 * nbytes for f in freed), (freed, nbytes)
+    else:
+        assert all(f < 0.05 * nbytes for f in freed), (freed, nbytes)
+
+
 @pytest.mark.parametrize("name", ["receiver_rank_dies_after_transfer", "receiver_raises_in_apply", "two_hundred_syncs"])
 def test_fault_cases_over_cuda_ipc(name):
     """Fault-suite cases with every rank's weights on GPU 0 (colocated, CUDA IPC): a receiver process that dies

@@ -54,6 +54,9 @@ class NullTransport(Transport):
                 link.moving()
         return TransferStats()
 
+    def let_go(self) -> None:
+        pass
+
     def abort(self) -> None:
         pass
 

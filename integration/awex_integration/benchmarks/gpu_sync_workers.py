@@ -43,6 +43,7 @@ class GpuRank:
     device_type: str = "cuda"
     move: bool = False
     layers: int = 2
+    let_go: bool = False  # the writer holds no trainer memory between versions (hold_trainer_memory=False)
 
 
 def sync_rank(job: GpuRank) -> dict:
@@ -54,8 +55,10 @@ def sync_rank(job: GpuRank) -> dict:
     before version 3 the engine's rank 0 changes one of its tensors behind the writer's back (its buckets must come
     whole and exact). ``device_type``: ``"cuda"`` or ``"npu"`` (Ascend, HCCL). ``move``: the trainer's parameters (an
     ``nn.Module``) are offloaded to the host and loaded back into new device memory before every version after the
-    first (as colocated RL stacks do), and so are the engine's: writer and reader re-bind. Both sides return their
-    transfer stats (and phases) per version."""
+    first (as colocated RL stacks do), and so are the engine's: writer and reader re-bind; the trainer measures the
+    device memory each offload gave back (``freed``: free memory after it less before, the caching allocator
+    emptied). ``let_go``: the writer holds no trainer memory between versions. Both sides return their transfer
+    stats (and phases) per version."""
     import torch
 
     address, transport, instance, local_rank, tp, gpu = (
@@ -118,6 +121,8 @@ def sync_rank(job: GpuRank) -> dict:
         module = module_of(params) if move else None
         view_of = megatron_views(module if move else NamedParams(params), dims, where)
         weights = LocalShards.from_layout(layout, local_rank, view_of)
+        model_bytes = sum(t.nbytes for t in params.values())
+        params = params if not move else None  # the module holds them (nothing else may, for the offload to free)
         if quant and on_receive:
             writer = WeightsWriter(
                 client,
@@ -146,13 +151,18 @@ def sync_rank(job: GpuRank) -> dict:
             writer = WeightsWriter(
                 client, layout, local_rank, view_of, transport=transport, timeout=120, host="127.0.0.1", delta=delta
             )
-        stats = []
+        writer.hold_trainer_memory = not job.let_go
+        stats, freed = [], []
         value = sparse_value if delta else canonical_value
         for v in range(1, versions + 1):
             if move and v > 1:  # offloaded while the engine generates, loaded back into new memory
+                weights = None  # this worker's own views of them (the values it writes) go too
+                torch.cuda.empty_cache()  # what was freed before is not this offload's
+                before = torch.cuda.mem_get_info(device)[0]
                 for p in module.parameters():
                     p.data = p.data.to("cpu")
                 torch.cuda.empty_cache()
+                freed.append(torch.cuda.mem_get_info(device)[0] - before)
                 for p in module.parameters():
                     p.data = p.data.to(device)
                 weights = LocalShards.from_layout(layout, local_rank, view_of)  # where the values go now
@@ -172,7 +182,8 @@ def sync_rank(job: GpuRank) -> dict:
             for r in range(readers_per_instance):
                 client.get(f"closed/{d}/{r}", timeout=120)
         writer.close()
-        return {"versions": versions, "transport": transport_in_use, "stats": stats, "quantizing": writer.quantizing}
+        out = {"versions": versions, "transport": transport_in_use, "stats": stats, "quantizing": writer.quantizing}
+        return {**out, "freed": freed, "model_bytes": model_bytes}
     parallel = VllmParallel(tp=tp)
     shapes = vllm_param_shapes(dims, parallel, local_rank, quant=quant)
     dtypes = vllm_param_dtypes(shapes, "bfloat16", quant)
@@ -220,16 +231,17 @@ def sync_rank(job: GpuRank) -> dict:
 
 def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) -> dict:
     """Run one case of ``test_gpu_sync`` / ``test_npu_sync``: ``(transport, trainer tp, trainer devices, [(engine
-    tp, engine devices), ...], fp8?, model?, on_receive?, delta?, move?, layers?, versions?)`` (``move``: True for
-    trainer and engines, ``"trainer"`` for the trainer alone; ``versions``: 4 with delta or move, else 3, by
-    default); ``{(instance, rank): (status, value)}``."""
+    tp, engine devices), ...], fp8?, model?, on_receive?, delta?, move?, layers?, versions?, let_go?)`` (``move``:
+    True for trainer and engines, ``"trainer"`` for the trainer alone; ``versions``: 4 with delta or move, else 3, by
+    default; ``let_go``: the writer holds no trainer memory between versions); ``{(instance, rank): (status,
+    value)}``."""
     from awex.meta.server import start_embedded
     from awex_integration.scenarios.spawn import run_processes
 
     transport, train_tp, train_devices, engines, *extra = case
-    fp8, model, on_receive, delta, move, layers, versions = (
+    fp8, model, on_receive, delta, move, layers, versions, let_go = (
         *extra,
-        *(False, "qwen3-8b", False, False, False, 2, None)[len(extra) :],
+        *(False, "qwen3-8b", False, False, False, 2, None, False)[len(extra) :],
     )
     versions = versions or (4 if delta or move else 3)
     server = start_embedded()
@@ -253,6 +265,7 @@ def run_sync_case(case: tuple, device_type: str = "cuda", timeout: float = 240) 
                         readers_per_instance=engines[0][0],
                         on_receive=on_receive,
                         move=bool(move),
+                        let_go=let_go,
                         **common,
                     ),
                 ),

@@ -96,6 +96,8 @@ def test_ipc_needs_cuda_views_as_its_class_says():
         ({"delta_budget_bytes": -1, "delta": True, "transport": "p2p"}, "delta_budget_bytes"),
         ({"refresh_by_wave": object()}, "refresh_by_wave needs refresh too"),
         ({"refresh": print, "refresh_by_wave": object(), "delta": True, "transport": "p2p"}, "not built yet"),
+        ({"hold_trainer_memory": "no"}, "hold_trainer_memory='no': True or False"),
+        ({"hold_trainer_memory": False, "delta": True, "transport": "p2p"}, "every version would go whole"),
     ],
 )
 def test_every_rule_is_checked_in_one_place(bad, match):
@@ -209,3 +211,12 @@ def test_the_writers_defaults_are_the_options_record_s():
     shared = [f.name for f in fields(SyncOptions)]
     assert set(shared) <= set(params)
     assert {n: params[n].default for n in shared} == {n: getattr(SyncOptions, n) for n in shared}
+
+
+def test_letting_go_of_the_trainers_memory_crosses_the_wire_and_is_refused_as_anything_but_a_bool():
+    """Receivers learn from the manifest that the writer holds no trainer memory between versions (they let go of
+    theirs before they report); a manifest saying it other than as a bool is refused."""
+    options = SyncOptions(hold_trainer_memory=False, transport="ipc").check()
+    assert SyncOptions.from_wire(options.to_wire()) == options and not options.to_wire()["hold_trainer_memory"]
+    with pytest.raises(ValueError, match="hold_trainer_memory=0: true or false"):
+        SyncOptions.from_wire({**options.to_wire(), "hold_trainer_memory": 0})

@@ -174,6 +174,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
     delta: bool = SyncOptions.delta  # only the words that changed (transport "p2p" or "ipc"; see WeightsWriter)
     quantize_on_receive: bool | str = SyncOptions.quantize_on_receive  # FP8 engines on its GPUs quantise; or "auto"
     verify: bool = SyncOptions.verify  # engines compare digests of what they got with the trainer's
+    hold_trainer_memory: bool = SyncOptions.hold_trainer_memory  # False: the trainer offloads after each version
     lora: dict[str, int] | None = None  # the engines receive LoRA adapters: {served name: lora_int_id} (source: .lora)
 
     def __post_init__(self) -> None:
@@ -205,6 +206,7 @@ class AwexTrainerInitInfo(TrainerInitInfo):
             delta=self.delta,
             quantize_on_receive=self.quantize_on_receive,
             verify=self.verify,
+            hold_trainer_memory=self.hold_trainer_memory,
         )
 
 

@@ -35,7 +35,7 @@ from awex.meta import Box, Layout
 from awex.meta.client import MetaClient
 from awex.meta.errors import AwexValueError
 from awex.transport.base import TransferStats
-from awex.transport.rebind import confirm_bound, rebound
+from awex.transport.rebind import confirm_bound, rebound, taken_again
 from awex.transport.registry import transport_class
 from awex.transport.shards import LocalShards
 
@@ -110,6 +110,12 @@ class WeightsWriter:
     other bytes than this rank; with ``"auto"`` this rank quantises). Costs a pass over the weights on both sides
     (``docs/performance.md``).
 
+    ``hold_trainer_memory=False``: for a trainer that offloads its weights after each version (colocated RL).
+    Once every receiving rank has the version it lets go of this rank's memory (over CUDA IPC it closes its mapping of
+    it) and reports, and :meth:`write` then drops this rank's views and what its transport built over them (a CUDA
+    IPC export, a staging area), so the GPU memory goes when the trainer frees it. The next version takes the views,
+    exports and opens anew, as after memory that moved (``docs/usage.md`` has the cost). Not with ``delta``.
+
     ``claim_lease`` (seconds, default 10): rank 0 holds its job's claim lease on the MetaServer while it can, so a
     fresh version name's claim is sent without waiting for its answer (``awex.engines.sync.lease``); a writer of this
     instance that replaces this one without :meth:`close` waits up to that long. ``None``: every claim waits for its
@@ -134,6 +140,7 @@ class WeightsWriter:
     delta_budget_bytes = _Option()
     quantize_on_receive = _Option()
     verify = _Option()
+    hold_trainer_memory = _Option()
 
     @classmethod
     def from_source(cls, client: MetaClient, source: TrainerSource, **options: Any) -> WeightsWriter:
@@ -162,6 +169,7 @@ class WeightsWriter:
         delta_budget_bytes: int | None = SyncOptions.delta_budget_bytes,
         quantize_on_receive: bool | str = SyncOptions.quantize_on_receive,
         verify: bool = SyncOptions.verify,
+        hold_trainer_memory: bool = SyncOptions.hold_trainer_memory,
         claim_lease: float | None = DEFAULT_LEASE,
     ):
         self.options = SyncOptions(
@@ -177,6 +185,7 @@ class WeightsWriter:
             delta_budget_bytes=delta_budget_bytes,
             quantize_on_receive=quantize_on_receive,
             verify=verify,
+            hold_trainer_memory=hold_trainer_memory,
         ).check()
         if claim_lease is not None:
             claim_lease = checked_lease(claim_lease)
@@ -186,6 +195,7 @@ class WeightsWriter:
         self.last_stats: TransferStats | None = None  # this rank's stats of the last write
         self._view_of = view_of  # asked again before each write: memory that moved is re-bound, never read stale
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
+        self._device = self._shards.device  # where the weights must be when a version goes
         if transport != "auto" and transport_class(transport).needs_cuda and self._shards.device.type != "cuda":
             raise AwexValueError(
                 f"transport={transport!r} needs CUDA views; {layout.instance} holds its weights on "
@@ -237,7 +247,7 @@ class WeightsWriter:
 
     @property
     def shards(self) -> LocalShards:
-        """This rank's views (what it sends)."""
+        """This rank's views (what it sends); ``None`` between versions with ``hold_trainer_memory=False``."""
         return self._shards
 
     @property
@@ -281,7 +291,10 @@ class WeightsWriter:
             # transports rebuild what they built from the old ones (CUDA IPC: a new export); bad views raise here,
             # before any byte moves (the first rank checks while its claim travels, and takes the claim back)
             checking = time.monotonic()
-            self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards, quick=True)
+            if self._shards is None:  # let go after the last version (hold_trainer_memory=False): taken anew
+                self._shards = taken_again(self.layout, self.local_rank, self._view_of, self._device)
+            else:
+                self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards, quick=True)
             control["fingerprint"] = time.monotonic() - checking
 
         try:
@@ -311,8 +324,10 @@ class WeightsWriter:
         except BaseException as e:
             attempt = manifest if manifest is not None else self._session.attempt  # the manifest another rank read
             self._failed(version, attempt, e, outcomes, deadline)
+            self._let_go()
             raise
         self._applied.add(version)
+        self._let_go()
         stats = self.last_stats = sent.stats
         if self._announcer is not None:
             verdicts, total, plan = instance_verdicts(outcomes), stats.phases["total"], sent.plan
@@ -338,6 +353,14 @@ class WeightsWriter:
             self._background.submit(f"after {version}", self._background.run_each, later)
         self._session.phases["report"] = time.monotonic() - started - stats.phases["total"]
         return stats
+
+    def _let_go(self) -> None:
+        """After a version, where the writer holds no trainer memory between versions (``hold_trainer_memory=False``):
+        its views, what its transport built over them and its FP8 sender's (the receivers let go before they
+        reported), so the memory goes once the trainer frees it; the next version takes them anew."""
+        if not self.options.hold_trainer_memory:
+            self._shards, self._fp8 = None, Fp8Sender(self.layout, self.local_rank, self._view_of)
+            self._session.let_go()
 
     def _beside(self, shards: LocalShards) -> None:
         """While the version's bytes move: the claim sent under the lease, and the rest of the moved-memory check

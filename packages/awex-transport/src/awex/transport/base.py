@@ -172,6 +172,13 @@ class Transport(ABC):
         return 0
 
     @abstractmethod
+    def let_go(self) -> None:
+        """Between versions, where the writer asked (``hold_trainer_memory=False``: its trainer frees the memory after
+        a version, offloading its weights): drop what holds the rank's views or another process's memory beyond the
+        version (exports, opened mappings, executors, staging areas built over them). The plan stays; the next
+        version builds them anew, as after memory that moved."""
+
+    @abstractmethod
     def abort(self) -> None:
         """After a failed version: drop what may be broken (a group with a dead peer); keep what stays valid
         (descriptors and their generations, so peers never mistake an old one for a new one)."""

@@ -66,15 +66,29 @@ def rebound(
     if not moved:
         held.fingerprint, held.sources_at = now_print, at
         return held, []
-    if now.device.type != held.device.type:
-        off = next(n for n in moved if any(v.device.type != held.device.type for _, v in now.pairs(n)))
-        raise ShardMismatchError(
-            f"{layout.instance} rank {local_rank}: {off} is on {now.device} now, it was on {held.device}: weights "
-            f"offloaded to another kind of device must be loaded back before they are sent"
-        )
+    _same_kind(layout, local_rank, now, held.device, moved)
     how = "re-pointed" if found is not None else "re-bound"
     log.info("%s:%d: %d tensor(s) moved (%s...): %s", layout.instance, local_rank, len(moved), moved[0], how)
     return now, moved
+
+
+def taken_again(layout: Layout, local_rank: int, view_of: Callable, device: torch.device) -> LocalShards:
+    """The views ``view_of`` gives now, taken whole, for a rank that let go of its last ones (a writer that holds no
+    trainer memory between versions); memory now on another kind of device than ``device`` (weights offloaded and not
+    loaded back) is refused, naming a tensor, before any byte moves."""
+    now = LocalShards.from_layout(layout, local_rank, view_of)
+    _same_kind(layout, local_rank, now, device, now.names())
+    now.fingerprint = _asked(view_of, "fingerprint")  # the next version's quick check starts from these
+    return now
+
+
+def _same_kind(layout: Layout, local_rank: int, now: LocalShards, was: torch.device, names: Sequence[str]) -> None:
+    if now.device.type != was.type:
+        off = next(n for n in names if any(v.device.type != was.type for _, v in now.pairs(n)))
+        raise ShardMismatchError(
+            f"{layout.instance} rank {local_rank}: {off} is on {now.device} now, it was on {was}: weights "
+            f"offloaded to another kind of device must be loaded back before they are sent"
+        )
 
 
 def _asked(view_of: Callable, what: str):

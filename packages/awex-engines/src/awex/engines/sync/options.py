@@ -30,6 +30,9 @@ class SyncOptions:
     delta_budget_bytes: int | None = None  # a delta sender: what it may keep of the last version (None: all)
     quantize_on_receive: bool | str = False  # FP8 engines on the trainer's GPUs quantise the copy; "auto": see below
     verify: bool = False  # receivers compare digests of what they got with the senders' (awex.engines.sync.verify)
+    # False: after each version the writer and its receivers let go of the trainer's memory (views, CUDA IPC export
+    # and mappings), so a trainer that offloads its weights frees that GPU memory; each version then opens anew
+    hold_trainer_memory: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.allow_cast, (list, set, frozenset)):  # the one coercion: a list of globs is a tuple
@@ -58,7 +61,7 @@ class SyncOptions:
         for name, kind in typed.items():
             if not isinstance(doc[name], kind) or isinstance(doc[name], bool):
                 raise AwexValueError(f"options: {name}={doc[name]!r} is not a {name} value")
-        for name in ("delta", "quantize_on_receive", "verify"):
+        for name in ("delta", "quantize_on_receive", "verify", "hold_trainer_memory"):
             if not isinstance(doc[name], bool) and not (name == "quantize_on_receive" and doc[name] == AUTO):
                 raise AwexValueError(f"options: {name}={doc[name]!r}: true or false")
         if len(doc["allow_cast"]) > 1024 or any(not isinstance(p, str) or len(p) > 1024 for p in doc["allow_cast"]):
@@ -76,7 +79,7 @@ class SyncOptions:
             raise AwexValueError(f"allow_cast={list(self.allow_cast)!r}: glob patterns (non-empty strings)")
         if not _whole(self.keep_versions) or self.keep_versions < 1:
             raise AwexValueError("keep_versions must be at least 1")
-        for flag in ("delta", "verify"):
+        for flag in ("delta", "verify", "hold_trainer_memory"):
             if not isinstance(getattr(self, flag), bool):
                 raise AwexValueError(f"{flag}={getattr(self, flag)!r}: True or False")
         if not isinstance(self.quantize_on_receive, bool) and self.quantize_on_receive != AUTO:
@@ -94,6 +97,11 @@ class SyncOptions:
                 f"quantize_on_receive={AUTO!r} quantises with views of its own where the receivers cannot: give the "
                 "writer the bf16 layout and views, without refresh_by_wave (awex.convert.Fp8Views)"
             )
+        if self.delta and not self.hold_trainer_memory:
+            raise AwexValueError(
+                "delta=True sends what changed since the last version, read from the trainer's memory it holds: "
+                "with hold_trainer_memory=False every version would go whole; pick one of the two"
+            )
         if self.delta and self.refresh_by_wave is not None:
             raise AwexValueError("delta=True with FP8 on the fly (refresh_by_wave) is not built yet")
         budget = self.delta_budget_bytes
@@ -108,7 +116,16 @@ on its own GPU over CUDA IPC (colocated engines: one pass over memory), and the 
 weights wave by wave everywhere else (``awex.engines.sync.fp8_sender``): the ranks decide alike when they plan
 (``awex.engines.sync.version_plan``). Needs the trainer's bf16 layout and views (no FP8 views of the user's own)."""
 
-WIRE = ("wave_bytes", "timeout", "transport", "allow_cast", "delta", "quantize_on_receive", "verify")
+WIRE = (
+    "wave_bytes",
+    "timeout",
+    "transport",
+    "allow_cast",
+    "delta",
+    "quantize_on_receive",
+    "verify",
+    "hold_trainer_memory",
+)
 """What a manifest carries of a writer's options: the rest are the writer's own (its address is the manifest's
 ``host``; ``refresh``, ``keep_versions`` and the delta budget stay with the senders)."""
 

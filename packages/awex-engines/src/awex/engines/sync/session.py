@@ -24,6 +24,7 @@ from awex.engines.outcome import all_applied
 from awex.engines.sync import keys, outcomes, places
 from awex.engines.sync.board import HostBoard
 from awex.engines.sync.channel import VersionChannel
+from awex.engines.sync.device_places import DevicePlaces
 from awex.engines.sync.fp8_sender import Fp8Sender
 from awex.engines.sync.manifest import Attempt, SyncManifest, group_secret
 from awex.engines.sync.manifest_reading import ManifestReading
@@ -69,7 +70,7 @@ class Received:
 
 
 @dataclass
-class SyncSession(ManifestReading):
+class SyncSession(ManifestReading, DevicePlaces):
     """One rank's side of the sync: caches what does not change between versions.
 
     Layouts are fetched once per session: an engine whose layout changes (resharding, a new instance) makes a
@@ -140,35 +141,6 @@ class SyncSession(ManifestReading):
         if manifest is not None:
             self.reset()
             self._last_attempt = manifest.attempt
-
-    def physical_device(self) -> str | None:
-        """This rank's physical device as ``host/GPU-uuid`` (CUDA), or ``device_key`` when set."""
-        if self.device_key is None:
-            self.device_key = places.physical_device(self.device)
-        return self.device_key
-
-    def reachable_devices(self) -> tuple[str, ...]:
-        """The devices whose memory this rank can read over CUDA IPC (``device_reach`` when set)."""
-        if self.device_reach is not None:
-            return tuple(self.device_reach)
-        return places.reachable_devices(self.device, self.physical_device())
-
-    def _devices(
-        self, attempt: str, names: Sequence[str], layouts: dict[str, Layout], deadline: float, in_place: bool = True
-    ) -> places.Places:
-        """Where every rank runs (:func:`awex.engines.sync.places.exchange`); also where every rank can take
-        per-version signals."""
-        mine = (self.physical_device() or "") if in_place else ""
-        doc = places.describe(
-            self.device,
-            mine,
-            self.reachable_devices() if mine else (),
-            in_place,
-            [kind for kind, have in (("board", self.board), ("channel", self.channel)) if have],
-        )
-        found = places.exchange(self.client, attempt, (self.instance, self.local_rank), doc, names, layouts, deadline)
-        self._signals = found.signals
-        return found
 
     def prepare(self, manifest: SyncManifest, timeout: float) -> tuple[Plan, int, bool]:
         """Plan (or reuse the plan), agree on it with every rank, join (or reuse) the group.
@@ -323,6 +295,8 @@ class SyncSession(ManifestReading):
         self.phases.update(fingerprint=bound - started, manifest=fetched - bound, transferred=transferred)
         if land is not None:
             land()
+        if not manifest.options.hold_trainer_memory:  # before the outcome: the trainer frees it once all reported
+            self.let_go()
         self.finish(manifest, ok=True, deadline=started + timeout)
         self.attempt = None
         self.phases["total"] = time.monotonic() - started
@@ -438,13 +412,24 @@ class SyncSession(ManifestReading):
     def abort_transport(self) -> None:
         """Drop what this rank's transport holds that peers may wait on (``Transport.abort``: a group is dropped, gloo
         peers' receives fail at once; an NCCL one is aborted, its kernels end); the plan stays until :meth:`reset`."""
-        transport = self._transports.get(self.transport) if self.transport else None
-        if transport is not None:
-            transport.abort()
+        self._in_use("abort")
 
     def applied(self) -> None:
         """A sender, once every receiver applied a version (over shared memory: each has mapped this plan's
         segment, so its name can go)."""
+        self._in_use("applied")
+
+    def let_go(self) -> None:
+        """After a version whose writer holds no trainer memory between versions (``hold_trainer_memory=False``):
+        what the transport and the last transfer hold of this rank's views and of other processes' memory goes
+        (``Transport.let_go``, every transport's: after a failure none is in use). Not collected: none of it sits in
+        a reference cycle (a full collection cost 0.1 s a version in the GPU benchmark's processes; the GPU test
+        measures the memory given back)."""
+        for transport in self._transports.values():
+            transport.let_go()
+        self.sent_shards = self._link = None
+
+    def _in_use(self, what: str) -> None:
         transport = self._transports.get(self.transport) if self.transport else None
         if transport is not None:
-            transport.applied()
+            getattr(transport, what)()

@@ -198,6 +198,15 @@ class IpcTransport(Transport):
         the next plan builds a new executor."""
         self.plan = self.executor = None
 
+    def let_go(self) -> None:
+        """A receiver closes the trainers' memory it opened and drops its executor (its copies address that memory);
+        a trainer drops its export (the next version exports anew, under a new generation) and a delta sender."""
+        opened = [source for _, source, _ in self.opened.values()]
+        self.opened, self.executor, self._built_from = {}, None, None
+        self.export, self.exported_from, self.sender, self._board_shards = None, None, None, None
+        for source in opened:
+            source.close()
+
     def close(self) -> None:
         """Drop the executor and close the other processes' memory opened here. A receiver must close (or exit)
         before the trainers whose memory it opened exit: PyTorch counts those references in the trainer's

@@ -124,6 +124,10 @@ class P2pTransport(Transport):
     def held_bytes(self) -> int:
         return self._executor.staging_bytes if self._executor is not None else 0
 
+    def let_go(self) -> None:
+        """The executor and what it built over the views (staging, digests); the group stays."""
+        self._executor = self._built_from = self._before_pack = self._digests = None
+
     def abort(self) -> None:
         """Abort an NCCL group (local: its kernels waiting on a dead peer end, its watchdog stops); the next
         plan joins a new one."""

@@ -125,6 +125,12 @@ class PullTransport(Transport):
             self._release()
         self._next = None
 
+    def let_go(self) -> None:
+        """Both sides: the staging area or the opened ones, and the views they were built from (the next version
+        stages under a new generation, and receivers open it)."""
+        self._release()
+        self._built_from = None
+
     def close(self) -> None:
         self._release()
         self._next = None
