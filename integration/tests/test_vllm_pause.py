@@ -98,6 +98,31 @@ def test_a_float64_trainer_through_module_source_needs_allow_cast_and_then_syncs
         engine.shutdown()
 
 
+def test_a_trainer_that_offloads_after_each_version_has_its_memory_held_by_nothing_and_each_version_arrives(setup):
+    """``hold_trainer_memory=False`` through ``AwexTrainerInitInfo``: the engine lets go of the trainer's memory before
+    it reports and the writer before ``send_weights`` returns, so the storages the trainer's weights were in are freed
+    the moment it moves them (offloaded and loaded back); every version still arrives (greedy output equal to HF's
+    with the trainer's weights)."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    trainer = _trainer(setup)
+    engine = _engine(setup, "let-go", trainer, timeout=60, pause="abort", hold_trainer_memory=False)
+    try:
+        for step in (1, 2, 3):
+            perturb_(trainer, step)
+            assert engine.send_weights() == f"step-{step}"
+            assert setup.generate() == hf_greedy(trainer, setup.tok)
+            gone = [StorageWeakRef(p.data.untyped_storage()) for p in trainer.parameters()]
+            for p in trainer.parameters():
+                p.data = p.data.clone()  # offloaded and loaded back: new memory
+            gc.collect()
+            assert sum(not ref.expired() for ref in gone) == 0, f"step-{step}: old storages still held"
+    finally:
+        engine.shutdown()
+
+
 def test_a_failed_in_place_version_leaves_the_engine_paused_until_a_later_version_applies(setup, tmp_path):
     trainer = _trainer(setup)
     engine = _engine(setup, "paused", trainer, timeout=60)
