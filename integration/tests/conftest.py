@@ -11,9 +11,10 @@ FULL = os.environ.get("AWEX_FULL_MATRIX") == "1"  # ./noxw -s integration: every
 
 
 def full_only(covered_by: str):
-    """Marks for a case run only with ``AWEX_FULL_MATRIX=1``: CI covers it by ``covered_by``."""
+    """The mark of a case run only with ``AWEX_FULL_MATRIX=1`` (a parameter's ``marks`` or a test's decorator): CI
+    covers it by ``covered_by``."""
     reason = f"the full matrix: AWEX_FULL_MATRIX=1 (./noxw -s integration); CI covers it by {covered_by}"
-    return () if FULL else pytest.mark.skip(reason=reason)
+    return pytest.mark.skipif(not FULL, reason=reason)
 
 
 @pytest.fixture(scope="session")

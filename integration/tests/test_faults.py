@@ -67,6 +67,7 @@ def test_an_in_place_receiver_hit_mid_transfer_says_it_serves_no_consistent_vers
     assert result["reported_versions"][f"{inference}-0"] is None
 
 
+@full_only("test_vllm_pause's trainer of another model (refused through vLLM's trainer API, the engine untouched)")
 def test_receiver_with_a_different_model_is_refused_before_any_byte_moves():
     result = run_scenario(
         [

@@ -229,6 +229,23 @@ def test_bad_input_is_refused_before_any_byte_moves_and_the_engine_keeps_serving
         engine.shutdown()
 
 
+def test_a_trainer_of_another_model_is_refused_naming_both_before_the_engine_is_touched(setup, tmp_path):
+    """A trainer holding another model (Qwen3, 4 layers, tied head) than the engine serves (Qwen2, 2 layers): refused at
+    set-up, before any engine is paused, with the tensors that do not fit and both models' tensor counts; the engine
+    keeps serving what it served. (The planner's wording for each kind of mismatch: awex-meta's test_planner.)"""
+    from transformers import AutoModelForCausalLM
+
+    other = make_tiny_model(tmp_path / "qwen3", load_json(MODELS / "qwen3-tiny-tied.json"))
+    before = setup.generate()
+    with pytest.raises(ValueError, match="cannot plan weight transfer") as refused:
+        _engine(setup, "other-model", AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32), timeout=60)
+    error = str(refused.value)
+    assert "model.embed_tokens.weight: shape mismatch: source (997, 128) vs destination (1000, 128)" in error, error
+    assert "lm_head.weight: needed by the destination but held by no source" in error  # the trainer ties its head
+    assert "same model? (the trainer has 46 tensors, the engine 27, 20 of them alike by name)" in error
+    assert not _paused(setup) and setup.generate() == before
+
+
 def test_an_offline_llm_receiving_staged_is_paused_for_the_commit_alone(setup):
     """``receive="staged"`` through the offline ``LLM`` client: the version goes into staging unpaused (the worker
     receives on a thread of its own), the engine is paused for the commit, and serves exactly the trainer's weights
