@@ -3,9 +3,9 @@
 
 CI runs the cases outside :data:`FULL_ONLY`; ``AWEX_FULL_MATRIX=1`` (``./noxw -s integration``) runs them all. The
 cases left to the full run repeat what CI's cases cover together: the Megatron TP x PP -> vLLM TP grid keeps the
-cell with everything at once (TP=2, PP=2 -> TP=2), TP 2 -> 1 and TP 1 -> 2; shm, vLLM's HTTP API, tied and odd
-vocabularies run Megatron TP=2 -> vLLM in CI as their own cases; an HF trainer, rdma, the loader and staged paths run
-in CI's other tests (named at :data:`FULL_ONLY`)."""
+cell with everything at once (TP=2, PP=2 -> TP=2, driven through vLLM's HTTP API), TP 2 -> 1 and TP 1 -> 2; shm
+runs with a tied head and an odd vocabulary in one cell; an HF trainer, rdma, the loader and staged paths run in CI's
+other tests (named at :data:`FULL_ONLY`)."""
 
 from __future__ import annotations
 
@@ -108,6 +108,22 @@ CASES = [
         "rdma:megatron-tp2->vllm-tp2",
         ["--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2", "--transport", "rdma"],
     ),
+    # CI's cells that combine what the cases above run one by one (every case runs in the full matrix): host shared
+    # memory with a tied head and an odd vocabulary; vLLM's HTTP API with a pipeline-parallel trainer
+    (
+        "shm:qwen3-tied-odd-vocab:megatron-tp2->vllm-tp2",
+        [
+            *("--trainer", "megatron", "--train-tp", "2", "--inference", "vllm", "--infer-tp", "2"),
+            *("--transport", "shm", "--model-config", QWEN3_TIED),
+        ],
+    ),
+    (
+        "vllm-http:megatron-tp2-pp2->vllm-tp2",
+        [
+            *("--trainer", "megatron", "--train-tp", "2", "--train-pp", "2", "--inference", "vllm", "--infer-tp", "2"),
+            *("--control", "vllm-http"),
+        ],
+    ),
     # atomic updates: everything arrives before anything is loaded
     (
         "staged:megatron-tp1-pp2->vllm-tp1",
@@ -116,6 +132,10 @@ CASES = [
 ]
 
 FULL_ONLY = {  # run with AWEX_FULL_MATRIX=1 (./noxw -s integration); each repeats what CI's cases cover together
+    "shm:megatron-tp2->vllm-tp2",  # CI: shm:qwen3-tied-odd-vocab:megatron-tp2->vllm-tp2 (shm and the vocabulary)
+    "qwen3-tied-odd-vocab:megatron-tp2->vllm-tp2",
+    "vllm-http:megatron-tp2->vllm-tp2",  # CI: vllm-http:megatron-tp2-pp2->vllm-tp2 (vLLM's HTTP API, PP=2)
+    "megatron-tp2-pp2->vllm-tp2",  # its in-place probe: every other Megatron -> vLLM cell in CI
     "megatron-tp1-pp1->vllm-tp1",
     "megatron-tp1-pp2->vllm-tp1",  # PP=2 runs in CI as megatron-tp2-pp2->vllm-tp2
     "megatron-tp1-pp2->vllm-tp2",
