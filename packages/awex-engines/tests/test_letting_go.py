@@ -78,3 +78,21 @@ def test_a_failed_version_lets_go_too_and_the_next_version_arrives_exact(server)
     finally:
         writer.close()
         reader.close()
+
+
+def test_holding_or_letting_go_changed_between_versions_takes_effect_on_the_next(server):
+    model, writer, reader, got = _pair(server, "let-go-switched", "shm")
+    try:
+        held = []
+        for step, hold in enumerate([True, False, False, True, True], start=1):
+            writer.hold_trainer_memory = hold
+            _sync(writer, reader, f"v{step}")
+            assert _exact(model, got) == [], f"v{step}: stale tensors arrived"
+            old = _offload(model, step)
+            gc.collect()
+            held.append(sum(not ref.expired() for ref in old))
+        n = len(old)
+        assert held == [n, 0, 0, n, n], held
+    finally:
+        writer.close()
+        reader.close()
