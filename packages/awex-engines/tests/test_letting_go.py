@@ -96,3 +96,26 @@ def test_holding_or_letting_go_changed_between_versions_takes_effect_on_the_next
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_transport_that_cannot_let_go_fails_no_version(server, monkeypatch, caplog):
+    """Letting go comes after the version landed: where a transport raises there, the version stands on both sides
+    (a warning says so) and the next one arrives exact."""
+    from awex.transport.pull.shm import ShmTransport
+
+    def broken(self):
+        raise RuntimeError("a segment would not close")
+
+    model, writer, reader, got = _pair(server, "let-go-broken", "shm")
+    writer.hold_trainer_memory = False
+    monkeypatch.setattr(ShmTransport, "let_go", broken)
+    try:
+        for step in (1, 2):
+            _sync(writer, reader, f"v{step}")
+            assert _exact(model, got) == [], f"v{step}: stale tensors arrived"
+            _offload(model, step)
+        said = [r.getMessage() for r in caplog.records if "could not let go" in r.getMessage()]
+        assert any(m.startswith("trainer:0") for m in said) and any(m.startswith("hf-in:0") for m in said), said
+    finally:
+        writer.close()
+        reader.close()

@@ -426,7 +426,10 @@ class SyncSession(ManifestReading, DevicePlaces):
         a reference cycle (a full collection cost 0.1 s a version in the GPU benchmark's processes; the GPU test
         measures the memory given back)."""
         for transport in self._transports.values():
-            transport.let_go()
+            try:
+                transport.let_go()
+            except Exception as e:  # the version stands: memory let go late (at the next version) fails nothing
+                log.warning("%s:%d could not let go over %s: %s", self.instance, self.local_rank, transport.name, e)
         self.sent_shards = self._link = None
 
     def _in_use(self, what: str) -> None:
