@@ -12,7 +12,7 @@ import gc
 
 import pytest
 import torch
-from test_moved_memory import _exact, _failed_version, _pair, _sync
+from test_moved_memory import _exact, _failed_version, _pair, _sync, move
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from awex.engines.errors import SyncFailedError
@@ -30,10 +30,8 @@ def server():
 def _offload(model: torch.nn.Module, step: int) -> list[StorageWeakRef]:
     """Each weight moved to new memory with a step's change (offloaded, trained, loaded back); weak references to
     the storages it was in."""
-    gone = []
-    for p in model.parameters():
-        gone.append(StorageWeakRef(p.data.untyped_storage()))
-        p.data = p.data.clone() + step
+    gone = [StorageWeakRef(p.data.untyped_storage()) for p in model.parameters()]
+    move(model, "data", step)
     return gone
 
 

@@ -195,7 +195,6 @@ class WeightsWriter:
         self.last_stats: TransferStats | None = None  # this rank's stats of the last write
         self._view_of = view_of  # asked again before each write: memory that moved is re-bound, never read stale
         self._shards = LocalShards.from_layout(layout, local_rank, view_of)  # checked before any byte moves
-        self._device = self._shards.device  # where the weights must be when a version goes
         if transport != "auto" and transport_class(transport).needs_cuda and self._shards.device.type != "cuda":
             raise AwexValueError(
                 f"transport={transport!r} needs CUDA views; {layout.instance} holds its weights on "
@@ -292,7 +291,7 @@ class WeightsWriter:
             # before any byte moves (the first rank checks while its claim travels, and takes the claim back)
             checking = time.monotonic()
             if self._shards is None:  # let go after the last version (hold_trainer_memory=False): taken anew
-                self._shards = taken_again(self.layout, self.local_rank, self._view_of, self._device)
+                self._shards = taken_again(self.layout, self.local_rank, self._view_of, self._session.device)
             else:
                 self._shards, _ = rebound(self.layout, self.local_rank, self._view_of, self._shards, quick=True)
             control["fingerprint"] = time.monotonic() - checking
